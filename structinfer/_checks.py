@@ -1,0 +1,53 @@
+"""Small input checks shared by priors, scores and the engine.
+
+Checks only run on concrete arrays: under ``jax.jit`` the values are tracers and
+the checks that need values are skipped (shape checks still run, since shapes
+are static).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+    """True when ``x`` holds actual values (not a tracer inside jit/grad/vmap)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def as_float_array(x, what: str) -> jax.Array:
+    """Convert to a floating JAX array, keeping float64 when x64 is on."""
+    try:
+        arr = jnp.asarray(x)
+    except TypeError as e:  # pragma: no cover - message improvement only
+        raise TypeError(f"{what}: expected an array, got {type(x).__name__}") from e
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        arr = arr.astype(jnp.result_type(float))
+    return arr
+
+
+def check_finite(x, what: str, allow_neg_inf: bool = False) -> None:
+    """Raise ``ValueError`` naming ``what`` if ``x`` has NaN (or inf) entries."""
+    if not is_concrete(x):
+        return
+    arr = np.asarray(x)
+    bad = np.isnan(arr) | (np.isposinf(arr))
+    if not allow_neg_inf:
+        bad |= np.isneginf(arr)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        kind = "NaN" if np.isnan(arr[idx]) else "inf"
+        raise ValueError(
+            f"{what} contains {kind} at index {idx} (shape {arr.shape}); "
+            "scores and log-priors must be finite (use a Restricted prior to forbid edges)"
+        )
+
+
+def check_ndim(x, min_ndim: int, what: str, layout: str) -> None:
+    if jnp.ndim(x) < min_ndim:
+        raise ValueError(
+            f"{what} must have at least {min_ndim} dimension(s) laid out as {layout}, "
+            f"got shape {tuple(jnp.shape(x))}"
+        )

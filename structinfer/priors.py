@@ -1,0 +1,497 @@
+r"""Structural priors: distributions over which parent each child node takes.
+
+An edge site :math:`\phi_i` takes values in the parents :math:`\{0,\dots,m-1\}`
+of child :math:`i`. A structural prior is a table
+:math:`\log p(\phi_i = j)` of shape ``(..., children, parents)``, normalised over
+parents. It enters attention as an additive bias inside the softmax
+(Singh & Buckley, "Attention as implicit structural inference", sec. 3 and
+appendix 8.2):
+
+.. math::
+
+    p(\phi_i = j \mid x) = \mathrm{softmax}_j\big(\psi(x_i, x_j) + \log p(\phi_i = j)\big).
+
+The priors are *structured objects*: besides the dense table (``log_table``)
+they keep the parameters that describe them (a window size, a relative-position
+bias, the geometric ``q``) so that the lowered engine can recognise them and
+never materialise the table.
+
+Every prior exposes:
+
+* ``num_parents`` — the size of the edge support;
+* ``log_table(num_children)`` — the normalised log-prior, ``(..., children, parents)``;
+* ``distribution(num_children)`` — the NumPyro ``Categorical`` carrying it.
+
+Positions: child ``i`` sits at parent position ``i + offset`` (``offset=0`` by
+default, i.e. self attention; for a cross setting where the queries are the
+last ``n`` of ``m`` keys, use ``offset=m - n``). The *distance* from child ``i``
+to parent ``j`` is ``d = i + offset - j`` (positive for earlier parents).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+
+from ._checks import as_float_array, is_concrete
+
+__all__ = [
+    "StructuralPrior",
+    "Uniform",
+    "Restricted",
+    "Categorical",
+    "RelativePosition",
+    "Geometric",
+]
+
+
+def _distance_grid(num_children: int, num_parents: int, offset: int) -> jax.Array:
+    """``d[i, j] = i + offset - j`` as an int32 ``(children, parents)`` grid."""
+    i = jnp.arange(num_children)[:, None]
+    j = jnp.arange(num_parents)[None, :]
+    return i + offset - j
+
+
+def _normalise(logits: jax.Array) -> jax.Array:
+    """Normalise log-weights over the last (parent) axis; rows of all -inf stay -inf."""
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return logits - safe
+
+
+def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
+    if not is_concrete(log_table):
+        return
+    allowed = np.isfinite(np.asarray(log_table))
+    empty = ~allowed.any(axis=-1)
+    if empty.any():
+        idx = tuple(int(i) for i in np.argwhere(empty)[0])
+        child = idx[-1]
+        batch = idx[:-1]
+        where = f"child {child}" + (f" (batch index {batch})" if batch else "")
+        raise ValueError(
+            f"{prior_name} prior allows no parent for {where}: every child needs at "
+            "least one parent with non-zero prior probability "
+            "(for causal priors without a self-edge the first child has no earlier parent; "
+            "use include_self=True or drop that child)"
+        )
+
+
+class StructuralPrior:
+    """Base class of structural priors.
+
+    Subclasses implement :meth:`_log_weights` (unnormalised log-weights,
+    ``-inf`` for forbidden edges); the base class normalises and validates.
+    """
+
+    #: size of the edge support (number of candidate parents)
+    num_parents: int
+    #: short name used by ``structinfer.explain`` and error messages
+    kind: str = "prior"
+
+    def _log_weights(self, num_children: int) -> jax.Array:  # pragma: no cover
+        raise NotImplementedError
+
+    def log_table(self, num_children: int) -> jax.Array:
+        r"""Normalised log-prior :math:`\log p(\phi_i=j)`, shape ``(..., children, parents)``.
+
+        Args:
+            num_children: number of children ``n`` (the size of the children plate).
+
+        Raises:
+            ValueError: if some child has no allowed parent (checked on concrete values).
+        """
+        num_children = int(num_children)
+        w = self._log_weights(num_children)
+        if w.shape[-1] != self.num_parents:
+            raise ValueError(
+                f"{type(self).__name__} prior: table has {w.shape[-1]} parents, "
+                f"expected num_parents={self.num_parents}"
+            )
+        if w.ndim >= 2 and w.shape[-2] not in (1, num_children):
+            raise ValueError(
+                f"{type(self).__name__} prior has {w.shape[-2]} children (shape "
+                f"{tuple(w.shape)}), but the children plate has size {num_children}"
+            )
+        w = jnp.broadcast_to(w, w.shape[:-2] + (num_children, self.num_parents))
+        table = _normalise(w)
+        _check_rows_nonempty(table, type(self).__name__)
+        return table
+
+    def distribution(self, num_children: int) -> dist.Categorical:
+        """The NumPyro distribution over parents, batch shape ``(..., children)``."""
+        return dist.Categorical(logits=self.log_table(num_children), validate_args=False)
+
+    def describe(self) -> dict[str, Any]:
+        """Structured description (used by lowering and ``explain``)."""
+        return {"kind": self.kind, "num_parents": self.num_parents}
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "kind")
+        return f"{type(self).__name__}({items})"
+
+
+def _check_num_parents(num_parents) -> int:
+    if isinstance(num_parents, bool) or not isinstance(num_parents, (int, np.integer)):
+        raise TypeError(f"num_parents must be a positive int, got {num_parents!r}")
+    if num_parents < 1:
+        raise ValueError(f"num_parents must be >= 1, got {num_parents}")
+    return int(num_parents)
+
+
+class Uniform(StructuralPrior):
+    r"""Uniform prior over all parents: :math:`p(\phi_i = j) = 1/m`.
+
+    The prior of cross and self attention (Singh & Buckley Table 1, rows 1-2).
+
+    Args:
+        num_parents: number of candidate parents ``m``.
+    """
+
+    kind = "uniform"
+
+    def __init__(self, num_parents: int):
+        self.num_parents = _check_num_parents(num_parents)
+
+    def _log_weights(self, num_children: int) -> jax.Array:
+        return jnp.zeros((1, self.num_parents), dtype=jnp.result_type(float))
+
+
+class Restricted(StructuralPrior):
+    r"""Uniform prior restricted to a set of allowed edges (graph / sparse attention).
+
+    .. math:: p(\phi_i = j) = \frac{M_{ij}}{\sum_{j'} M_{ij'}}
+
+    (Singh & Buckley Table 1, row 3: "Uniform (restricted)".)
+
+    Args:
+        mask: boolean array ``(..., children, parents)``; ``mask[i, j]`` is True
+            when ``j`` is an allowed parent of ``i``.
+        pattern: optional structured description (set by the constructors below)
+            that the lowered engine uses to skip excluded blocks.
+
+    Use the constructors :meth:`causal`, :meth:`window`, :meth:`from_graph` and
+    :meth:`block_sparse` for the common patterns.
+    """
+
+    kind = "restricted"
+
+    def __init__(self, mask, pattern: dict[str, Any] | None = None):
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(
+                f"Restricted prior: mask must be a boolean array, got dtype {mask.dtype}"
+            )
+        if mask.ndim < 2:
+            raise ValueError(
+                "Restricted prior: mask must have shape (..., children, parents), "
+                f"got shape {tuple(mask.shape)}"
+            )
+        self.mask = mask
+        self.num_parents = int(mask.shape[-1])
+        self.pattern = dict(pattern) if pattern else {"type": "mask"}
+        _check_rows_nonempty(jnp.where(mask, 0.0, -jnp.inf), "Restricted")
+
+    def _log_weights(self, num_children: int) -> jax.Array:
+        return jnp.where(self.mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_parents": self.num_parents, **self.pattern}
+
+    @classmethod
+    def causal(
+        cls,
+        num_children: int,
+        num_parents: int | None = None,
+        include_self: bool = True,
+        offset: int = 0,
+    ) -> "Restricted":
+        """Causal mask: child ``i`` may take parents at distance ``d = i + offset - j >= 0``
+        (``>= 1`` without the self-edge)."""
+        m = num_children if num_parents is None else num_parents
+        d = np.arange(num_children)[:, None] + offset - np.arange(m)[None, :]
+        lo = 0 if include_self else 1
+        return cls(
+            d >= lo,
+            pattern={"type": "causal", "include_self": include_self, "offset": offset},
+        )
+
+    @classmethod
+    def window(
+        cls,
+        num_children: int,
+        size: int,
+        num_parents: int | None = None,
+        causal: bool = True,
+        include_self: bool = True,
+        offset: int = 0,
+    ) -> "Restricted":
+        """Sliding window of ``size`` parents: ``lo <= d < lo + size`` with ``lo = 0``
+        (or 1 without self-edge) when causal; ``|d| < size`` when not causal."""
+        if size < 1:
+            raise ValueError(f"Restricted.window: size must be >= 1, got {size}")
+        m = num_children if num_parents is None else num_parents
+        d = np.arange(num_children)[:, None] + offset - np.arange(m)[None, :]
+        if causal:
+            lo = 0 if include_self else 1
+            mask = (d >= lo) & (d < lo + size)
+        else:
+            mask = np.abs(d) < size
+            if not include_self:
+                mask &= d != 0
+        return cls(
+            mask,
+            pattern={
+                "type": "window",
+                "size": size,
+                "causal": causal,
+                "include_self": include_self,
+                "offset": offset,
+            },
+        )
+
+    @classmethod
+    def from_graph(cls, adjacency, self_loops: bool = False) -> "Restricted":
+        """Graph attention: ``adjacency[i, j]`` nonzero when ``j`` is a parent of ``i``.
+
+        Args:
+            adjacency: ``(children, parents)`` array (bool or 0/1 weights).
+            self_loops: also allow ``j = i`` (square graphs only).
+        """
+        adj = np.asarray(adjacency) != 0
+        if self_loops:
+            if adj.shape[-1] != adj.shape[-2]:
+                raise ValueError("Restricted.from_graph: self_loops needs a square adjacency")
+            adj = adj | np.eye(adj.shape[-1], dtype=bool)
+        return cls(adj, pattern={"type": "graph"})
+
+    @classmethod
+    def block_sparse(cls, block_mask, block_size: int | tuple[int, int]) -> "Restricted":
+        """Block-sparse attention: ``block_mask[a, b]`` allows the whole block of children
+        ``a*bs:(a+1)*bs`` and parents ``b*bs:(b+1)*bs``."""
+        bm = np.asarray(block_mask, dtype=bool)
+        bc, bp = (block_size, block_size) if isinstance(block_size, int) else block_size
+        mask = np.repeat(np.repeat(bm, bc, axis=-2), bp, axis=-1)
+        return cls(mask, pattern={"type": "block_sparse", "block_size": (bc, bp)})
+
+
+class Categorical(StructuralPrior):
+    r"""Free categorical prior, one row of log-probabilities per child.
+
+    .. math:: p(\phi_i = j) = \mathrm{softmax}_j(\ell_{ij})
+
+    (Singh & Buckley appendix 8.2: "if the prior over edges is categorical ... it
+    can be fully specified by the matrix P".)
+
+    Args:
+        logits: ``(..., children, parents)`` (or ``(parents,)`` shared by every child);
+            ``-inf`` forbids an edge. Normalised over parents.
+    """
+
+    kind = "categorical"
+
+    def __init__(self, logits):
+        logits = as_float_array(logits, "Categorical prior logits")
+        if logits.ndim < 1:
+            raise ValueError("Categorical prior: logits must have a parent axis")
+        if is_concrete(logits) and bool(jnp.any(jnp.isnan(logits) | (logits == jnp.inf))):
+            raise ValueError("Categorical prior: logits contain NaN or +inf")
+        self.logits = logits
+        self.num_parents = int(logits.shape[-1])
+
+    def _log_weights(self, num_children: int) -> jax.Array:
+        lg = self.logits
+        return lg if lg.ndim >= 2 else lg[None, :]
+
+
+class RelativePosition(StructuralPrior):
+    r"""Relative-position prior: the log-prior depends on the distance ``d = i + offset - j`` only.
+
+    .. math:: p(\phi_i = j) \propto \exp\big(b(d_{ij})\big)\, M_{ij}
+
+    This is the probabilistic reading of relative positional encodings
+    (Singh & Buckley appendix 8.2, Table 1 row 4). Three parameterisations:
+
+    * ``RelativePosition(bias, num_parents)`` — one learnable bias per distance,
+      ``bias[..., d + num_parents - 1]`` for ``d`` from ``-(m-1)`` to ``n-1+offset``
+      (length ``num_children + num_parents - 1`` when ``offset=0``); distances
+      beyond ``max_distance`` share the edge bucket (clipped).
+    * :meth:`circulant` — ``P = circ(p)``: ``p(\phi_i=j) \propto p_{(i-j) \bmod n}``.
+    * :meth:`hartley` — the circulant log-prior written in the Hartley basis,
+      :math:`\ln p_{ij} = \sum_k \beta_k\,\mathrm{cas}(2\pi k (i-j)/n)` with
+      :math:`\mathrm{cas} = \cos + \sin`. (The paper prints the angle as
+      :math:`(i-j)/(2\pi n)`; we use the standard Hartley angle :math:`2\pi (i-j)/n`,
+      which is what makes the table circulant.)
+
+    Args:
+        bias: relative-position log-weights over distances (see above).
+        num_parents: number of parents ``m``.
+        offset: child ``i`` sits at parent position ``i + offset``.
+        max_distance: clip ``|d|`` to this value before looking up the bias.
+        causal: also forbid parents after the child (``d < 0``).
+    """
+
+    kind = "relative_position"
+
+    def __init__(
+        self,
+        bias,
+        num_parents: int,
+        offset: int = 0,
+        max_distance: int | None = None,
+        causal: bool = False,
+        _mode: str = "linear",
+        _period: int | None = None,
+    ):
+        self.bias = as_float_array(bias, "RelativePosition bias")
+        if self.bias.ndim < 1:
+            raise ValueError("RelativePosition: bias must have a distance axis")
+        self.num_parents = _check_num_parents(num_parents)
+        self.offset = int(offset)
+        self.max_distance = max_distance
+        self.causal = bool(causal)
+        self.mode = _mode
+        self.period = _period
+
+    @classmethod
+    def circulant(cls, logits, causal: bool = False) -> "RelativePosition":
+        """Circulant prior ``P = circ(p)`` on ``n = len(logits)`` nodes, given as log-weights."""
+        logits = as_float_array(logits, "RelativePosition.circulant logits")
+        n = int(logits.shape[-1])
+        return cls(logits, n, causal=causal, _mode="circulant", _period=n)
+
+    @classmethod
+    def hartley(cls, beta, num_nodes: int, causal: bool = False) -> "RelativePosition":
+        r"""Hartley-parameterised circulant prior: :math:`\ln p_{ij} = \beta\cdot b^{(i,j)}`,
+        :math:`b_k^{(i,j)} = \cos(2\pi k (i-j)/n) + \sin(2\pi k (i-j)/n)`, ``k = 0..K-1``."""
+        beta = as_float_array(beta, "RelativePosition.hartley beta")
+        n = int(num_nodes)
+        r = jnp.arange(n)
+        k = jnp.arange(beta.shape[-1])
+        ang = 2.0 * math.pi * k[:, None] * r[None, :] / n
+        basis = (jnp.cos(ang) + jnp.sin(ang)).astype(beta.dtype)  # (K, n)
+        logits = jnp.einsum("...k,kr->...r", beta, basis)
+        return cls(logits, n, causal=causal, _mode="circulant", _period=n)
+
+    def distance_log_weights(self, d: jax.Array) -> jax.Array:
+        """Log-weight ``b(d)`` for an integer distance grid ``d`` (any shape)."""
+        if self.mode == "circulant":
+            idx = jnp.mod(d, self.period)
+        else:
+            dd = d
+            if self.max_distance is not None:
+                dd = jnp.clip(d, -self.max_distance, self.max_distance)
+            idx = jnp.clip(dd + self.num_parents - 1, 0, self.bias.shape[-1] - 1)
+        w = jnp.take(self.bias, idx, axis=-1)
+        if self.causal:
+            w = jnp.where(d >= 0, w, -jnp.inf)
+        return w
+
+    def _log_weights(self, num_children: int) -> jax.Array:
+        d = _distance_grid(num_children, self.num_parents, self.offset)
+        if self.mode == "linear" and self.max_distance is None:
+            need = num_children + self.offset + self.num_parents - 1
+            if self.bias.shape[-1] < need and is_concrete(self.bias):
+                raise ValueError(
+                    f"RelativePosition: bias has {self.bias.shape[-1]} distances but "
+                    f"{num_children} children and {self.num_parents} parents need {need} "
+                    "(or pass max_distance to clip)"
+                )
+        return self.distance_log_weights(d)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "num_parents": self.num_parents,
+            "mode": self.mode,
+            "offset": self.offset,
+            "causal": self.causal,
+            "max_distance": self.max_distance,
+        }
+
+
+class Geometric(StructuralPrior):
+    r"""Geometric (recency) prior over the distance to an earlier parent.
+
+    .. math::
+
+        p(\phi_i = j \mid q) \propto q\,(1-q)^{d_{ij} - d_0}, \qquad
+        d_{ij} = i + \text{offset} - j \in \{d_0, \dots, d_{\max}\},
+
+    truncated to the available parents and renormalised; ``d_0 = 0`` with the
+    self-edge, 1 without. This is the prior of expanding attention (Singh &
+    Buckley sec. 5.2, Table 1 row 12); with ``q ~ Beta(α, β)`` sampled in the
+    model it is conjugate: the posterior of ``q`` given a distance ``d`` is
+    ``Beta(α + 1, β + d - d_0)``.
+
+    Args:
+        q: success probability in (0, 1); any batch shape broadcasting against
+            ``(..., children)`` — may be a NumPyro sample site value.
+        num_parents: number of parents ``m``.
+        include_self: allow the self-edge (distance 0).
+        offset: child ``i`` sits at parent position ``i + offset``.
+        max_distance: optional hard truncation (the window of the windowed kernel).
+    """
+
+    kind = "geometric"
+
+    def __init__(
+        self,
+        q,
+        num_parents: int,
+        include_self: bool = True,
+        offset: int = 0,
+        max_distance: int | None = None,
+    ):
+        q = as_float_array(q, "Geometric prior q")
+        if is_concrete(q):
+            qa = np.asarray(q)
+            if np.any(~np.isfinite(qa)) or np.any(qa <= 0) or np.any(qa >= 1):
+                raise ValueError(f"Geometric prior: q must lie in (0, 1), got {qa}")
+        self.q = q
+        self.num_parents = _check_num_parents(num_parents)
+        self.include_self = bool(include_self)
+        self.offset = int(offset)
+        self.max_distance = max_distance
+
+    @property
+    def min_distance(self) -> int:
+        return 0 if self.include_self else 1
+
+    def _log_weights(self, num_children: int) -> jax.Array:
+        d = _distance_grid(num_children, self.num_parents, self.offset)
+        # a scalar q, or one per child: (..., children) -> (..., children, 1)
+        q = self.q[..., None] if self.q.ndim else self.q
+        steps = (d - self.min_distance).astype(q.dtype)
+        logw = jnp.log(q) + steps * jnp.log1p(-q)
+        allowed = d >= self.min_distance
+        if self.max_distance is not None:
+            allowed = allowed & (d <= self.max_distance)
+        return jnp.where(allowed, logw, -jnp.inf)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "num_parents": self.num_parents,
+            "include_self": self.include_self,
+            "offset": self.offset,
+            "max_distance": self.max_distance,
+        }
+
+
+def as_prior(prior: Any, site: str) -> StructuralPrior:
+    """Coerce ``prior`` to a :class:`StructuralPrior` or raise a clear error."""
+    if isinstance(prior, StructuralPrior):
+        return prior
+    if isinstance(prior, dist.Categorical):
+        return Categorical(prior.logits)
+    raise TypeError(
+        f"edge site '{site}': prior must be a structinfer.priors prior (Uniform, "
+        f"Restricted, Categorical, RelativePosition, Geometric) or a numpyro "
+        f"Categorical, got {type(prior).__name__}"
+    )

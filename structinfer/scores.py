@@ -1,0 +1,449 @@
+r"""Structured scores (edge potentials) :math:`\psi(x_i, x_j)`.
+
+A score is the log-potential added for the edge :math:`\phi_i = j`:
+
+.. math:: \log p(x, \phi) = \sum_i \big[\log p(\phi_i) + \psi(x_i, x_{\phi_i})\big] + \dots
+
+Scores are *lazy*: they keep their factors (queries, keys, weights) so the
+lowered engine can compute them blockwise, and :meth:`Score.dense` materialises
+the ``(..., children, parents)`` table the exact engine gathers from. The
+similarity inside the softmax is a modelling choice (McCarter, "Inverse distance
+weighting attention"); every choice here is the log-potential of some model.
+
+Layout convention: child features are ``(..., children, d)``, parent features
+``(..., parents, d)``; leading batch dims broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ._checks import as_float_array, check_ndim
+
+__all__ = [
+    "Score",
+    "Dot",
+    "Bilinear",
+    "NegSqDist",
+    "NegLogDist",
+    "InvDist",
+    "GaussianKernel",
+    "Cosine",
+    "LinearGaussian",
+    "Sum",
+    "Custom",
+    "as_score",
+]
+
+
+def _pairwise_diff(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x[..., i, None, :] - y[..., None, j, :]`` — exact differences (no cancellation)."""
+    return x[..., :, None, :] - y[..., None, :, :]
+
+
+def _sq_dist(x: jax.Array, y: jax.Array) -> jax.Array:
+    diff = _pairwise_diff(x, y)
+    return jnp.sum(diff * diff, axis=-1)
+
+
+def _safe_pow_dist(sq: jax.Array, p: float) -> jax.Array:
+    r"""``||.||^p = (||.||^2)^{p/2}`` with a finite gradient at zero distance."""
+    if p == 2:
+        return sq
+    pos = sq > 0
+    safe = jnp.where(pos, sq, 1.0)
+    return jnp.where(pos, safe ** (p / 2.0), 0.0)
+
+
+def _check_features(x, name: str, score: str) -> jax.Array:
+    x = as_float_array(x, f"{score}: {name}")
+    check_ndim(x, 2, f"{score}: {name}", "(..., nodes, features)")
+    return x
+
+
+def _check_same_dim(a: jax.Array, b: jax.Array, na: str, nb: str, score: str) -> None:
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"{score}: {na} has feature size {a.shape[-1]} but {nb} has {b.shape[-1]} "
+            f"(shapes {tuple(a.shape)} and {tuple(b.shape)})"
+        )
+
+
+class Score:
+    """Base class: a lazy ``(..., children, parents)`` table of log-potentials."""
+
+    kind: str = "score"
+
+    def dense(self) -> jax.Array:  # pragma: no cover - abstract
+        """Materialise the ``(..., children, parents)`` score table."""
+        raise NotImplementedError
+
+    @property
+    def num_children(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def num_parents(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __add__(self, other: "Score") -> "Sum":
+        return Sum(self, other)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+
+class _PairScore(Score):
+    """Score built from child features ``q`` and parent features ``k``."""
+
+    def __init__(self, q, k):
+        name = type(self).__name__
+        self.q = _check_features(q, "child features", name)
+        self.k = _check_features(k, "parent features", name)
+        _check_same_dim(self.q, self.k, "child features", "parent features", name)
+
+    @property
+    def num_children(self) -> int:
+        return int(self.q.shape[-2])
+
+    @property
+    def num_parents(self) -> int:
+        return int(self.k.shape[-2])
+
+
+class Dot(_PairScore):
+    r"""Scaled dot product :math:`\psi_{ij} = s\, q_i^\top k_j`.
+
+    The potential of cross and self attention (Singh & Buckley sec. 3.2). ``scale=None``
+    means ``s = 1``; pass ``1/sqrt(d)`` for transformer attention.
+
+    Args:
+        q: child features ``(..., children, d)`` (e.g. ``x W_Q^T``).
+        k: parent features ``(..., parents, d)`` (e.g. ``x W_K^T``).
+        scale: optional scalar multiplier.
+    """
+
+    kind = "dot"
+
+    def __init__(self, q, k, scale=None):
+        super().__init__(q, k)
+        self.scale = scale
+
+    def dense(self) -> jax.Array:
+        s = jnp.einsum("...id,...jd->...ij", self.q, self.k)
+        return s if self.scale is None else s * self.scale
+
+
+class Bilinear(Dot):
+    r"""Bilinear potential :math:`\psi_{ij} = s\, x_i^\top W_Q^\top W_K x_j` (Table 1).
+
+    Args:
+        xc: child node features ``(..., children, d_in)``.
+        xp: parent node features ``(..., parents, d_in)``.
+        wq: query weights ``(d_k, d_in)``; ``wk``: key weights ``(d_k, d_in)``.
+        scale: optional scalar multiplier.
+    """
+
+    kind = "bilinear"
+
+    def __init__(self, xc, xp, wq, wk, scale=None):
+        xc = _check_features(xc, "child features", "Bilinear")
+        xp = _check_features(xp, "parent features", "Bilinear")
+        wq = as_float_array(wq, "Bilinear: wq")
+        wk = as_float_array(wk, "Bilinear: wk")
+        if wq.shape[-1] != xc.shape[-1] or wk.shape[-1] != xp.shape[-1]:
+            raise ValueError(
+                f"Bilinear: wq {tuple(wq.shape)} / wk {tuple(wk.shape)} must be "
+                f"(d_k, d_in) matching child features {tuple(xc.shape)} and parent "
+                f"features {tuple(xp.shape)}"
+            )
+        self.xc, self.xp, self.wq, self.wk = xc, xp, wq, wk
+        super().__init__(
+            jnp.einsum("...id,kd->...ik", xc, wq), jnp.einsum("...jd,kd->...jk", xp, wk), scale
+        )
+
+
+class NegSqDist(_PairScore):
+    r"""Gaussian / Mahalanobis log-potential (a Gaussian mixture component):
+
+    .. math::
+
+        \psi_{ij} = \log w_j - \tfrac12 (x_i - \mu_j)^\top \Lambda_j (x_i - \mu_j)
+        \;\big[ + \tfrac12 \log|\Lambda_j| - \tfrac d2 \log 2\pi \big]_{\text{normalize}}
+
+    With ``normalize=True`` this is :math:`\log w_j + \log\mathcal N(x_i; \mu_j,
+    \Lambda_j^{-1})`, so the collapsed energy is the GMM negative log-likelihood
+    (Tschantz, log-sum-exp energies: "sim = ln π_k − ½ Mahalanobis").
+    McCarter's ``-||q - k||^2`` is ``precision=2``.
+
+    Args:
+        x: child features ``(..., children, d)``.
+        mu: parent means ``(..., parents, d)``.
+        precision: ``None`` (identity), a scalar, a diagonal ``(d,)``/``(parents, d)``,
+            or full ``(d, d)``/``(parents, d, d)`` precision matrices.
+        log_weights: optional log mixing weights ``(..., parents)``.
+        normalize: add the Gaussian normalising constant.
+    """
+
+    kind = "neg_sq_dist"
+
+    def __init__(self, x, mu, precision=None, log_weights=None, normalize: bool = False):
+        super().__init__(x, mu)
+        self.precision = None if precision is None else as_float_array(precision, "NegSqDist: precision")
+        self.log_weights = None if log_weights is None else as_float_array(log_weights, "NegSqDist: log_weights")
+        self.normalize = normalize
+        d = self.q.shape[-1]
+        P = self.precision
+        if P is None:
+            self._prec_kind = "identity"
+        elif P.ndim == 0:
+            self._prec_kind = "scalar"
+        elif P.ndim == 1 and P.shape[0] == d:
+            self._prec_kind = "diag"
+        elif P.ndim == 2 and P.shape == (d, d):
+            self._prec_kind = "full"
+        elif P.ndim == 2 and P.shape == (self.num_parents, d):
+            self._prec_kind = "diag"
+        elif P.ndim == 3 and P.shape == (self.num_parents, d, d):
+            self._prec_kind = "full"
+        else:
+            raise ValueError(
+                f"NegSqDist: precision shape {tuple(P.shape)} does not fit {self.num_parents} "
+                f"parents with feature size {d}; expected (), (d,), (parents, d), (d, d) "
+                "or (parents, d, d)"
+            )
+
+    def dense(self) -> jax.Array:
+        diff = _pairwise_diff(self.q, self.k)  # (..., n, m, d)
+        d = self.q.shape[-1]
+        P = self.precision
+        kind = self._prec_kind
+        if kind == "identity":
+            maha, logdet = jnp.sum(diff * diff, -1), 0.0
+        elif kind == "scalar":
+            maha, logdet = P * jnp.sum(diff * diff, -1), d * jnp.log(P)
+        elif kind == "diag":  # (d,) or (parents, d): broadcasts against (..., n, m, d)
+            maha, logdet = jnp.sum(diff * diff * P, -1), jnp.sum(jnp.log(P), -1)
+        elif P.ndim == 2:
+            maha = jnp.einsum("...ijd,de,...ije->...ij", diff, P, diff)
+            logdet = jnp.linalg.slogdet(P)[1]
+        else:
+            maha = jnp.einsum("...ijd,jde,...ije->...ij", diff, P, diff)
+            logdet = jnp.linalg.slogdet(P)[1]
+        s = -0.5 * maha
+        if self.normalize:
+            s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
+        if self.log_weights is not None:
+            s = s + self.log_weights[..., None, :]
+        return s
+
+
+class NegLogDist(_PairScore):
+    r"""IDW score, negative log distance (McCarter eq. 4):
+
+    .. math:: \psi_{ij} = -\log\big(\epsilon + \|q_i - k_j\|_2^p\big)
+
+    so that :math:`\mathrm{softmax}_j \psi_{ij} \propto (\epsilon + d_{ij}^p)^{-1}`
+    — Shepard's inverse distance weighting.
+
+    Args:
+        q: child features ``(..., children, d)``; k: parent features ``(..., parents, d)``.
+        p: distance exponent (> 0). eps: offset (> 0).
+    """
+
+    kind = "neg_log_dist"
+
+    def __init__(self, q, k, p: float = 2.0, eps: float = 1e-3):
+        super().__init__(q, k)
+        if p <= 0 or eps <= 0:
+            raise ValueError(f"NegLogDist: need p > 0 and eps > 0, got p={p}, eps={eps}")
+        self.p, self.eps = p, eps
+
+    def dense(self) -> jax.Array:
+        return -jnp.log(self.eps + _safe_pow_dist(_sq_dist(self.q, self.k), self.p))
+
+
+class InvDist(_PairScore):
+    r"""Inverse-distance score (McCarter eq. 3): :math:`\psi_{ij} = 1/(\epsilon + \|q_i-k_j\|^p)`."""
+
+    kind = "inv_dist"
+
+    def __init__(self, q, k, p: float = 2.0, eps: float = 1e-3):
+        super().__init__(q, k)
+        if p <= 0 or eps <= 0:
+            raise ValueError(f"InvDist: need p > 0 and eps > 0, got p={p}, eps={eps}")
+        self.p, self.eps = p, eps
+
+    def dense(self) -> jax.Array:
+        return 1.0 / (self.eps + _safe_pow_dist(_sq_dist(self.q, self.k), self.p))
+
+
+class GaussianKernel(_PairScore):
+    r"""Gaussian-kernel score (McCarter eq. 2): :math:`\psi_{ij} = \exp(-\|q_i-k_j\|^2/\sigma^2)`."""
+
+    kind = "gaussian_kernel"
+
+    def __init__(self, q, k, sigma: float = 1.0):
+        super().__init__(q, k)
+        self.sigma = sigma
+
+    def dense(self) -> jax.Array:
+        return jnp.exp(-_sq_dist(self.q, self.k) / (self.sigma**2))
+
+
+class Cosine(_PairScore):
+    r"""Cosine similarity :math:`\psi_{ij} = s\,\frac{q_i^\top k_j}{\|q_i\|\|k_j\|}`."""
+
+    kind = "cosine"
+
+    def __init__(self, q, k, scale: float = 1.0, eps: float = 1e-8):
+        super().__init__(q, k)
+        self.scale, self.eps = scale, eps
+
+    def dense(self) -> jax.Array:
+        qn = self.q / jnp.sqrt(jnp.sum(self.q**2, -1, keepdims=True) + self.eps)
+        kn = self.k / jnp.sqrt(jnp.sum(self.k**2, -1, keepdims=True) + self.eps)
+        return self.scale * jnp.einsum("...id,...jd->...ij", qn, kn)
+
+
+class LinearGaussian(Score):
+    r"""Linear-Gaussian potential between a child and a parent's prediction:
+
+    .. math::
+
+        \psi_{ik} = -\tfrac12 \big(x_i - A_k z_k - b_k\big)^\top \Lambda \big(x_i - A_k z_k - b_k\big)
+        \;\big[+\tfrac12\log|\Lambda| - \tfrac d2 \log 2\pi\big]_{\text{normalize}}
+
+    the edge potential of a linear mixture / switching linear dynamical system and
+    of a linear predictive-coding layer (Tschantz; Singh & Buckley sec. 4.4).
+
+    Args:
+        x: child features ``(..., children, d_x)``.
+        z: parent states ``(..., parents, d_z)``.
+        A: ``(d_x, d_z)`` shared or ``(parents, d_x, d_z)`` per parent.
+        b: optional offset ``(d_x,)`` or ``(parents, d_x)``.
+        precision: ``None`` (identity), scalar or diagonal ``(d_x,)``.
+        normalize: add the Gaussian normalising constant.
+    """
+
+    kind = "linear_gaussian"
+
+    def __init__(self, x, z, A, b=None, precision=None, normalize: bool = False):
+        self.x = _check_features(x, "child features", "LinearGaussian")
+        self.z = _check_features(z, "parent states", "LinearGaussian")
+        self.A = as_float_array(A, "LinearGaussian: A")
+        if self.A.ndim < 2 or self.A.shape[-2] != self.x.shape[-1] or self.A.shape[-1] != self.z.shape[-1]:
+            raise ValueError(
+                f"LinearGaussian: A has shape {tuple(self.A.shape)}, expected (..., d_x, d_z) "
+                f"= (..., {self.x.shape[-1]}, {self.z.shape[-1]})"
+            )
+        self.b = None if b is None else as_float_array(b, "LinearGaussian: b")
+        self.precision = None if precision is None else as_float_array(precision, "LinearGaussian: precision")
+        self.normalize = normalize
+
+    @property
+    def num_children(self) -> int:
+        return int(self.x.shape[-2])
+
+    @property
+    def num_parents(self) -> int:
+        return int(self.z.shape[-2])
+
+    def predictions(self) -> jax.Array:
+        """Parent predictions ``A_k z_k + b_k``, shape ``(..., parents, d_x)``."""
+        pred = jnp.einsum("...xz,...kz->...kx", self.A, self.z) if self.A.ndim == 2 else jnp.einsum(
+            "...kxz,...kz->...kx", self.A, self.z
+        )
+        if self.b is not None:
+            pred = pred + self.b
+        return pred
+
+    def dense(self) -> jax.Array:
+        diff = _pairwise_diff(self.x, self.predictions())
+        prec = 1.0 if self.precision is None else self.precision
+        s = -0.5 * jnp.sum(diff * diff * prec, -1)
+        if self.normalize:
+            d = self.x.shape[-1]
+            logdet = 0.0 if self.precision is None else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,))))
+            s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
+        return s
+
+
+class Sum(Score):
+    r"""Several similarities added before the softmax: :math:`\psi = \sum_r \psi^{(r)}`."""
+
+    kind = "sum"
+
+    def __init__(self, *scores):
+        if not scores:
+            raise ValueError("Sum needs at least one score")
+        self.scores = tuple(as_score(s, "Sum") for s in scores)
+        shapes = {(s.num_children, s.num_parents) for s in self.scores}
+        if len(shapes) > 1:
+            raise ValueError(f"Sum: scores disagree on (children, parents): {sorted(shapes)}")
+
+    @property
+    def num_children(self) -> int:
+        return self.scores[0].num_children
+
+    @property
+    def num_parents(self) -> int:
+        return self.scores[0].num_parents
+
+    def dense(self) -> jax.Array:
+        out = self.scores[0].dense()
+        for s in self.scores[1:]:
+            out = out + s.dense()
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "terms": [s.describe() for s in self.scores]}
+
+
+class Custom(Score):
+    r"""Any score table: ``Custom(table)`` or ``Custom(fn, *args)`` with ``fn(*args)`` returning
+    the ``(..., children, parents)`` log-potentials. Never lowered (the exact engine runs it)."""
+
+    kind = "custom"
+
+    def __init__(self, fn_or_table: Callable[..., jax.Array] | jax.Array, *args):
+        if callable(fn_or_table):
+            self.fn, self.args = fn_or_table, args
+            self._table = None
+        else:
+            if args:
+                raise TypeError("Custom(table) takes no extra arguments")
+            self._table = as_float_array(fn_or_table, "Custom score table")
+            check_ndim(self._table, 2, "Custom score table", "(..., children, parents)")
+            self.fn, self.args = None, ()
+
+    def dense(self) -> jax.Array:
+        if self._table is not None:
+            return self._table
+        out = as_float_array(self.fn(*self.args), "Custom score function output")
+        check_ndim(out, 2, "Custom score function output", "(..., children, parents)")
+        return out
+
+    @property
+    def num_children(self) -> int:
+        return int(self.dense().shape[-2])
+
+    @property
+    def num_parents(self) -> int:
+        return int(self.dense().shape[-1])
+
+
+def as_score(score: Any, site: str) -> Score:
+    """Coerce ``score`` (a :class:`Score` or an array) to a :class:`Score`."""
+    if isinstance(score, Score):
+        return score
+    if hasattr(score, "shape") or isinstance(score, (list, tuple)):
+        return Custom(score)
+    raise TypeError(
+        f"edge site '{site}': score must be a structinfer.scores score or a "
+        f"(..., children, parents) array, got {type(score).__name__}"
+    )

@@ -1,0 +1,305 @@
+"""The exact engine against hand-written softmax formulas (Singh & Buckley sec. 3, app. 8).
+
+Every reference below is written directly with numpy/jax.nn, independent of the
+engine. Sizes are distinct primes (children 5, parents 7, features 3, values 2).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+from jax.test_util import check_grads
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+
+N, M, D, DV = 5, 7, 3, 2
+
+
+def _data(seed=0, n=N, m=M, dtype=np.float32):
+    r = np.random.default_rng(seed)
+    xq = r.normal(size=(n, D)).astype(dtype)
+    xk = r.normal(size=(m, D)).astype(dtype)
+    v = r.normal(size=(m, DV)).astype(dtype)
+    return xq, xk, v
+
+
+def attention_model(prior_fn, score_cls=si.scores.Dot, **score_kw):
+    def model(xq, xk, v):
+        with numpyro.plate("queries", xq.shape[0]):
+            j = si.edge("phi", prior_fn(xq.shape[0], xk.shape[0]), score_cls(xq, xk, **score_kw))
+            numpyro.deterministic("out", v[j])
+
+    return model
+
+
+def softmax_ref(logits):
+    logits = np.asarray(logits, np.float64)
+    m = np.max(logits, -1, keepdims=True)
+    e = np.exp(logits - m)
+    return e / e.sum(-1, keepdims=True)
+
+
+def lse_ref(logits):
+    logits = np.asarray(logits, np.float64)
+    m = np.max(logits, -1, keepdims=True)
+    return (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+
+
+def check_all(model, args, log_prior, scores, v, tol):
+    logits = scores + log_prior
+    A = softmax_ref(logits)
+    out = si.expectation(model, "out", *args)
+    marg = si.marginals(model, *args)["phi"]
+    logz = si.log_marginal(model, *args)
+    np.testing.assert_allclose(marg, A, atol=tol, rtol=tol)
+    np.testing.assert_allclose(out, A @ np.asarray(v, np.float64), atol=tol, rtol=tol)
+    np.testing.assert_allclose(logz, lse_ref(logits).sum(), atol=tol * 10, rtol=tol)
+    np.testing.assert_allclose(si.energy(model, *args), -logz, rtol=1e-6)
+    np.testing.assert_array_equal(si.map_edges(model, *args)["phi"], A.argmax(-1))
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_cross_attention_issue_example(precision, request):
+    if precision == "float64":
+        request.getfixturevalue("x64")
+    dtype = np.float32 if precision == "float32" else np.float64
+    r = np.random.default_rng(1)
+    xq, xk = r.normal(size=(N, 11)).astype(dtype), r.normal(size=(M, 11)).astype(dtype)
+    wq, wk, wv = (r.normal(size=(D, 11)).astype(dtype) for _ in range(3))
+
+    def cross_attention(xq, xk, wq, wk, wv):
+        with numpyro.plate("queries", xq.shape[0]):
+            j = si.edge(
+                "phi", si.priors.Uniform(xk.shape[0]), si.scores.Dot(xq @ wq.T, xk @ wk.T)
+            )
+            numpyro.deterministic("out", (xk @ wv.T)[j])
+
+    Q, K, V = (np.float64(xq) @ wq.T, np.float64(xk) @ wk.T, np.float64(xk) @ wv.T)
+    S = Q @ K.T
+    A = softmax_ref(S)
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    out = si.expectation(cross_attention, "out", xq, xk, wq, wk, wv)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out, A @ V, rtol=tol, atol=tol * 10)
+    np.testing.assert_allclose(
+        si.marginals(cross_attention, xq, xk, wq, wk, wv)["phi"], A, atol=tol
+    )
+    np.testing.assert_allclose(
+        si.log_marginal(cross_attention, xq, xk, wq, wk, wv),
+        lse_ref(S - math.log(M)).sum(),
+        rtol=tol,
+    )
+
+
+def test_self_attention_with_and_without_self_edge(x64):
+    x, _, v = _data(2, n=N, m=N, dtype=np.float64)
+    S = x @ x.T
+    for include_self in (True, False):
+        mask = ~np.eye(N, dtype=bool) if not include_self else np.ones((N, N), bool)
+        prior = (lambda n, m: si.priors.Uniform(m)) if include_self else (
+            lambda n, m: si.priors.Restricted(~np.eye(n, dtype=bool))
+        )
+        model = attention_model(prior)
+        log_prior = np.where(mask, -np.log(mask.sum(-1, keepdims=True)), -np.inf)
+        check_all(model, (x, x, v[:N]), log_prior, S, v[:N], 1e-12)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_causal_attention(x64, include_self):
+    x, _, v = _data(3, n=N, m=N, dtype=np.float64)
+    v = v[:N]
+    S = x @ x.T
+    lo = 0 if include_self else 1
+    mask = (np.arange(N)[:, None] - np.arange(N)[None, :]) >= lo
+    if not include_self:  # first child has no earlier parent: drop it
+        with pytest.raises(ValueError, match="allows no parent for child 0"):
+            si.priors.Restricted.causal(N, include_self=False)
+        return
+    model = attention_model(lambda n, m: si.priors.Restricted.causal(n, include_self=include_self))
+    log_prior = np.where(mask, -np.log(np.maximum(mask.sum(-1, keepdims=True), 1)), -np.inf)
+    check_all(model, (x, x, v), log_prior, S, v, 1e-12)
+
+
+def test_graph_masked_attention(x64):
+    xq, xk, v = _data(4, dtype=np.float64)
+    r = np.random.default_rng(4)
+    adj = r.random((N, M)) < 0.4
+    adj[np.arange(N), r.integers(0, M, N)] = True  # every child has a parent
+    model = attention_model(lambda n, m: si.priors.Restricted.from_graph(adj))
+    log_prior = np.where(adj, -np.log(adj.sum(-1, keepdims=True)), -np.inf)
+    check_all(model, (xq, xk, v), log_prior, xq @ xk.T, v, 1e-12)
+
+
+def test_sliding_window(x64):
+    n = 11
+    x = np.random.default_rng(5).normal(size=(n, D))
+    v = np.random.default_rng(6).normal(size=(n, DV))
+    d = np.arange(n)[:, None] - np.arange(n)[None, :]
+    mask = (d >= 0) & (d < 3)
+    model = attention_model(lambda n_, m: si.priors.Restricted.window(n_, 3))
+    log_prior = np.where(mask, -np.log(mask.sum(-1, keepdims=True)), -np.inf)
+    check_all(model, (x, x, v), log_prior, x @ x.T, v, 1e-12)
+
+
+def test_relative_position_linear_bias(x64):
+    xq, xk, v = _data(7, dtype=np.float64)
+    bias = np.random.default_rng(7).normal(size=N + M - 1)
+    model = attention_model(lambda n, m: si.priors.RelativePosition(bias, m))
+    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
+    logits = bias[i - j + M - 1]
+    log_prior = logits - lse_ref(logits)[:, None]
+    check_all(model, (xq, xk, v), log_prior, xq @ xk.T, v, 1e-12)
+
+
+def test_relative_position_circulant_and_hartley(x64):
+    n = 7
+    x = np.random.default_rng(8).normal(size=(n, D))
+    v = np.random.default_rng(9).normal(size=(n, DV))
+    c = np.random.default_rng(10).normal(size=n)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    circ = c[(i - j) % n]  # ln P = circ(c)
+    model = attention_model(lambda n_, m: si.priors.RelativePosition.circulant(c))
+    check_all(model, (x, x, v), circ - lse_ref(circ)[:, None], x @ x.T, v, 1e-12)
+
+    beta = np.random.default_rng(11).normal(size=4)
+    theta = 2 * np.pi * (i - j) / n
+    ln_p = sum(beta[k] * (np.cos(k * theta) + np.sin(k * theta)) for k in range(4))
+    model = attention_model(lambda n_, m: si.priors.RelativePosition.hartley(beta, n))
+    check_all(model, (x, x, v), ln_p - lse_ref(ln_p)[:, None], x @ x.T, v, 1e-12)
+    # the Hartley table is circulant: each row is the previous one rolled by one
+    table = si.priors.RelativePosition.hartley(beta, n)._log_weights(n)
+    np.testing.assert_allclose(np.roll(table[0], 1), table[1], atol=1e-12)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_geometric_prior(x64, include_self):
+    n, q = 7, 0.3
+    x = np.random.default_rng(12).normal(size=(n, D))
+    v = np.random.default_rng(13).normal(size=(n, DV))
+    d = np.arange(n)[:, None] - np.arange(n)[None, :]
+    d0 = 0 if include_self else 1
+    w = np.where(d >= d0, np.log(q) + (d - d0) * np.log1p(-q), -np.inf)
+    if not include_self:
+        with pytest.raises(ValueError, match="child 0"):
+            si.priors.Geometric(q, n, include_self=False).log_table(n)
+        # children 1.. with an offset of one position
+        w = w[1:]
+        x_c = x[1:]
+        model = attention_model(
+            lambda n_, m: si.priors.Geometric(q, m, include_self=False, offset=1)
+        )
+        check_all(model, (x_c, x, v), w - lse_ref(w)[:, None], x_c @ x.T, v, 1e-12)
+        return
+    model = attention_model(lambda n_, m: si.priors.Geometric(q, m))
+    check_all(model, (x, x, v), w - lse_ref(w)[:, None], x @ x.T, v, 1e-12)
+    # closed-form normaliser of the truncated geometric: 1 - (1-q)^(i+1)
+    table = np.asarray(si.priors.Geometric(q, n).log_table(n))
+    expect = np.log(q) + d * np.log1p(-q) - np.log1p(-((1 - q) ** (np.arange(n) + 1)))[:, None]
+    np.testing.assert_allclose(table[d >= 0], expect[d >= 0], atol=1e-12)
+
+
+def test_categorical_prior_and_temperature(x64):
+    xq, xk, v = _data(14, dtype=np.float64)
+    logits = np.random.default_rng(14).normal(size=(N, M))
+    model = attention_model(lambda n, m: si.priors.Categorical(logits), scale=0.5)
+    check_all(
+        model, (xq, xk, v), logits - lse_ref(logits)[:, None], 0.5 * xq @ xk.T, v, 1e-12
+    )
+
+
+def test_multihead_batched_plates(x64):
+    H, B = 3, 2
+    r = np.random.default_rng(15)
+    q = r.normal(size=(B, H, N, D))
+    k = r.normal(size=(B, H, M, D))
+    v = r.normal(size=(B, H, M, DV))
+
+    def mha(q, k, v):
+        with numpyro.plate("batch", B, dim=-3), numpyro.plate("heads", H, dim=-2):
+            with numpyro.plate("queries", N, dim=-1):
+                j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(q, k, scale=D**-0.5))
+                numpyro.deterministic("out", Vindex(v[:, :, None])[..., j, :])
+
+    A = softmax_ref(np.einsum("bhid,bhjd->bhij", q, k) * D**-0.5)
+    np.testing.assert_allclose(si.marginals(mha, q, k, v)["phi"], A, atol=1e-12)
+    np.testing.assert_allclose(si.expectation(mha, "out", q, k, v), A @ v, atol=1e-12)
+
+
+def test_multihop_chain_of_edges(x64):
+    """N hops written as a chain of edge sites equal sum_{k=1..N} P^k V (app. 7.3)."""
+    n = 5
+    r = np.random.default_rng(16)
+    x, v = r.normal(size=(n, D)), r.normal(size=(n, DV))
+
+    def multihop(x, v, hops):
+        with numpyro.plate("nodes", n):
+            prior, score = si.priors.Uniform(n), si.scores.Dot(x, x)
+            j = si.edge("hop0", prior, score)
+            out = v[j]
+            for h in range(1, hops):
+                j = si.edge(f"hop{h}", prior, score, child=j)
+                out = out + v[j]
+            numpyro.deterministic("out", out)
+
+    P = softmax_ref(x @ x.T)
+    for hops in (1, 2, 3):
+        ref = sum(np.linalg.matrix_power(P, h) for h in range(1, hops + 1)) @ v
+        np.testing.assert_allclose(si.expectation(multihop, "out", x, v, hops), ref, atol=1e-12)
+    # each hop is normalised, so log Z is the first hop's
+    np.testing.assert_allclose(
+        si.log_marginal(multihop, x, v, 3), lse_ref(x @ x.T - np.log(n)).sum(), rtol=1e-12
+    )
+
+
+def test_gradients_match_closed_form(x64):
+    xq, xk, v = _data(17, dtype=np.float64)
+    model = attention_model(lambda n, m: si.priors.Restricted.causal(n, m, offset=m - n))
+
+    def f(xq, xk, v):
+        return si.expectation(model, "out", xq, xk, v)
+
+    check_grads(f, (xq, xk, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+    mask = (np.arange(N)[:, None] + M - N - np.arange(M)[None, :]) >= 0
+
+    def ref(xq, xk, v):
+        return jax.nn.softmax(jnp.where(mask, xq @ xk.T, -jnp.inf), -1) @ v
+
+    g1 = jax.grad(lambda a: jnp.sum(jnp.sin(f(a, xk, v))))(xq)
+    g2 = jax.grad(lambda a: jnp.sum(jnp.sin(ref(a, xk, v))))(xq)
+    np.testing.assert_allclose(g1, g2, atol=1e-12)
+    gl = jax.grad(lambda a: si.log_marginal(model, a, xk, v))(xq)
+    np.testing.assert_allclose(gl, jax.grad(
+        lambda a: jnp.sum(jax.nn.logsumexp(jnp.where(mask, a @ xk.T, -jnp.inf), -1))
+    )(xq), atol=1e-12)
+    check_grads(lambda a: si.log_marginal(model, a, xk, v), (xq,), order=2, atol=1e-5, rtol=1e-5)
+
+
+def test_jit_and_vmap():
+    xq, xk, v = _data(18)
+    model = attention_model(lambda n, m: si.priors.Uniform(m), scale=0.3)
+    f = jax.jit(lambda a, b, c: si.expectation(model, "out", a, b, c))
+    ref = softmax_ref(0.3 * np.float64(xq) @ xk.T) @ v
+    np.testing.assert_allclose(f(xq, xk, v), ref, atol=2e-5)
+    batch = jnp.stack([xq, 2 * xq, -xq])
+    out = jax.vmap(lambda a: si.expectation(model, "out", a, xk, v))(batch)
+    for b in range(3):
+        np.testing.assert_allclose(
+            out[b], softmax_ref(0.3 * np.float64(batch[b]) @ xk.T) @ v, atol=2e-5
+        )
+    lz = jax.jit(lambda a: si.log_marginal(model, a, xk, v))(xq)
+    assert lz.dtype == jnp.float32
+
+
+def test_sample_edges_frequencies():
+    xq, xk, v = _data(19, n=2, m=3)
+    model = attention_model(lambda n, m: si.priors.Uniform(m))
+    keys = jax.random.split(jax.random.PRNGKey(0), 4000)
+    draws = jax.vmap(lambda k: si.sample_edges(k, model, xq, xk, v)["phi"])(keys)
+    A = softmax_ref(np.float64(xq) @ xk.T)
+    freq = np.stack([(np.asarray(draws) == j).mean(0) for j in range(3)], -1)
+    # 4000 draws: standard error <= 0.008; 5 sigma
+    np.testing.assert_allclose(freq, A, atol=0.04)
