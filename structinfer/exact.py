@@ -22,8 +22,8 @@ model) and differentiable, and work in float32 and float64.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ from numpyro.contrib.funsor import enum, infer_discrete
 from numpyro.contrib.funsor import log_density as _funsor_log_density
 from numpyro.handlers import block, trace
 
-from .handlers import fill_discrete, require_values, tilt
+from .handlers import fill_discrete, pin, require_values, tilt
 
 __all__ = [
     "log_marginal",
@@ -102,8 +102,10 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
             dims = [-f.dim for f in frames if f.dim is not None]
             site_nesting = max(dims) if dims else 0
             nesting = max(nesting, site_nesting)
-            if site["type"] == "sample" and site["infer"].get("enumerate") == "parallel" and (
-                not site["is_observed"]
+            if (
+                site["type"] == "sample"
+                and site["infer"].get("enumerate") == "parallel"
+                and (not site["is_observed"])
             ):
                 fn = site["fn"]
                 support = int(fn.enumerate_support(expand=False).shape[0])
@@ -189,9 +191,7 @@ def marginals(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
             f"model '{_model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
     dtype = _float_dtype()
-    zeros = {
-        name: jnp.zeros(batch + (k,), dtype) for name, (batch, k) in info.enumerated.items()
-    }
+    zeros = {name: jnp.zeros(batch + (k,), dtype) for name, (batch, k) in info.enumerated.items()}
 
     def f(t):
         return _log_z(model, args, kwargs, info, {n: (v, 0) for n, v in t.items()})
@@ -253,8 +253,15 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     if not info.enumerated:
         raise ValueError(f"model '{_model_name(model)}' has no edge sites")
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    # single-parent sites are deterministic; funsor cannot extract a point from a
+    # size-1 enumeration dim, so fix them to 0 as observations (log-prob unchanged)
+    trivial = {
+        name: jnp.zeros(batch, jnp.int32) for name, (batch, k) in info.enumerated.items() if k == 1
+    }
+    if len(trivial) == len(info.enumerated):  # nothing left to infer
+        return trivial
     m = infer_discrete(
-        require_values(model),
+        pin(require_values(model), data=trivial),
         first_available_dim=info.first_available_dim,
         temperature=temperature,
         rng_key=key,
@@ -285,4 +292,3 @@ def sample_edges(rng_key: jax.Array, model: Callable, *args, **kwargs) -> dict[s
         ``{site: int array of the site's batch shape (..., children)}``.
     """
     return _discrete_posterior(model, args, kwargs, 1, rng_key)
-

@@ -19,7 +19,14 @@ from numpyro.primitives import Messenger
 
 from .primitives import gather
 
-__all__ = ["tilt", "require_values", "fill_discrete", "TiltedDistribution", "TILT_PREFIX"]
+__all__ = [
+    "tilt",
+    "require_values",
+    "fill_discrete",
+    "pin",
+    "TiltedDistribution",
+    "TILT_PREFIX",
+]
 
 #: prefix of the factor sites :class:`tilt` adds for deterministic sites
 TILT_PREFIX = "_structinfer_tilt:"
@@ -98,7 +105,7 @@ class tilt(Messenger):
                     "structinfer.gather / numpyro.ops.indexing.Vindex"
                 )
         lead = v.ndim - event_dim - self.max_plate_nesting
-        if lead <= 0 or all(s == 1 for s in v.shape[:lead]):
+        if lead <= 0:
             raise ValueError(
                 f"deterministic site '{name}' does not depend on any edge site: its value "
                 "is the same under every structure, so it has no posterior expectation to "
@@ -135,3 +142,19 @@ class fill_discrete(Messenger):
         if msg["type"] == "sample" and msg.get("value") is None and not msg["is_observed"]:
             if _is_enumerated(msg):
                 msg["value"] = jnp.zeros(msg["fn"].batch_shape, dtype=jnp.int32)
+
+
+class pin(Messenger):
+    """Fix discrete sites to given values as observations (their log-prob is kept) and
+    take them out of enumeration. Used for single-parent edge sites, which funsor's
+    MAP/sampling cannot read a point from."""
+
+    def __init__(self, fn=None, data: dict | None = None):
+        self.data = dict(data or {})
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] in self.data:
+            msg["value"] = self.data[msg["name"]]
+            msg["is_observed"] = True
+            msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}

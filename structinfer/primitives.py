@@ -114,9 +114,7 @@ def _check_table(table: jax.Array, what: str, site: str, batch, num_parents: int
         )
 
 
-def edge(
-    name: str, prior, score=None, *, child=None, infer: dict | None = None
-) -> jax.Array:
+def edge(name: str, prior, score=None, *, child=None, infer: dict | None = None) -> jax.Array:
     r"""Declare an edge site: child ``i`` takes one parent ``\phi_i`` under ``prior``.
 
     .. math::

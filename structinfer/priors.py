@@ -210,7 +210,7 @@ class Restricted(StructuralPrior):
         num_parents: int | None = None,
         include_self: bool = True,
         offset: int = 0,
-    ) -> "Restricted":
+    ) -> Restricted:
         """Causal mask: child ``i`` may take parents at distance ``d = i + offset - j >= 0``
         (``>= 1`` without the self-edge)."""
         m = num_children if num_parents is None else num_parents
@@ -230,7 +230,7 @@ class Restricted(StructuralPrior):
         causal: bool = True,
         include_self: bool = True,
         offset: int = 0,
-    ) -> "Restricted":
+    ) -> Restricted:
         """Sliding window of ``size`` parents: ``lo <= d < lo + size`` with ``lo = 0``
         (or 1 without self-edge) when causal; ``|d| < size`` when not causal."""
         if size < 1:
@@ -256,7 +256,7 @@ class Restricted(StructuralPrior):
         )
 
     @classmethod
-    def from_graph(cls, adjacency, self_loops: bool = False) -> "Restricted":
+    def from_graph(cls, adjacency, self_loops: bool = False) -> Restricted:
         """Graph attention: ``adjacency[i, j]`` nonzero when ``j`` is a parent of ``i``.
 
         Args:
@@ -271,7 +271,7 @@ class Restricted(StructuralPrior):
         return cls(adj, pattern={"type": "graph"})
 
     @classmethod
-    def block_sparse(cls, block_mask, block_size: int | tuple[int, int]) -> "Restricted":
+    def block_sparse(cls, block_mask, block_size: int | tuple[int, int]) -> Restricted:
         """Block-sparse attention: ``block_mask[a, b]`` allows the whole block of children
         ``a*bs:(a+1)*bs`` and parents ``b*bs:(b+1)*bs``."""
         bm = np.asarray(block_mask, dtype=bool)
@@ -359,14 +359,14 @@ class RelativePosition(StructuralPrior):
         self.period = _period
 
     @classmethod
-    def circulant(cls, logits, causal: bool = False) -> "RelativePosition":
+    def circulant(cls, logits, causal: bool = False) -> RelativePosition:
         """Circulant prior ``P = circ(p)`` on ``n = len(logits)`` nodes, given as log-weights."""
         logits = as_float_array(logits, "RelativePosition.circulant logits")
         n = int(logits.shape[-1])
         return cls(logits, n, causal=causal, _mode="circulant", _period=n)
 
     @classmethod
-    def hartley(cls, beta, num_nodes: int, causal: bool = False) -> "RelativePosition":
+    def hartley(cls, beta, num_nodes: int, causal: bool = False) -> RelativePosition:
         r"""Hartley-parameterised circulant prior: :math:`\ln p_{ij} = \beta\cdot b^{(i,j)}`,
         :math:`b_k^{(i,j)} = \cos(2\pi k (i-j)/n) + \sin(2\pi k (i-j)/n)`, ``k = 0..K-1``."""
         beta = as_float_array(beta, "RelativePosition.hartley beta")
@@ -488,7 +488,7 @@ def as_prior(prior: Any, site: str) -> StructuralPrior:
     """Coerce ``prior`` to a :class:`StructuralPrior` or raise a clear error."""
     if isinstance(prior, StructuralPrior):
         return prior
-    if isinstance(prior, dist.Categorical):
+    if isinstance(prior, (dist.CategoricalLogits, dist.CategoricalProbs)):
         return Categorical(prior.logits)
     raise TypeError(
         f"edge site '{site}': prior must be a structinfer.priors prior (Uniform, "

@@ -17,7 +17,8 @@ Layout convention: child features are ``(..., children, d)``, parent features
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +91,7 @@ class Score:
     def num_parents(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def __add__(self, other: "Score") -> "Sum":
+    def __add__(self, other: Score) -> Sum:
         return Sum(self, other)
 
     def describe(self) -> dict[str, Any]:
@@ -193,8 +194,12 @@ class NegSqDist(_PairScore):
 
     def __init__(self, x, mu, precision=None, log_weights=None, normalize: bool = False):
         super().__init__(x, mu)
-        self.precision = None if precision is None else as_float_array(precision, "NegSqDist: precision")
-        self.log_weights = None if log_weights is None else as_float_array(log_weights, "NegSqDist: log_weights")
+        self.precision = (
+            None if precision is None else as_float_array(precision, "NegSqDist: precision")
+        )
+        self.log_weights = (
+            None if log_weights is None else as_float_array(log_weights, "NegSqDist: log_weights")
+        )
         self.normalize = normalize
         d = self.q.shape[-1]
         P = self.precision
@@ -336,13 +341,19 @@ class LinearGaussian(Score):
         self.x = _check_features(x, "child features", "LinearGaussian")
         self.z = _check_features(z, "parent states", "LinearGaussian")
         self.A = as_float_array(A, "LinearGaussian: A")
-        if self.A.ndim < 2 or self.A.shape[-2] != self.x.shape[-1] or self.A.shape[-1] != self.z.shape[-1]:
+        if (
+            self.A.ndim < 2
+            or self.A.shape[-2] != self.x.shape[-1]
+            or self.A.shape[-1] != self.z.shape[-1]
+        ):
             raise ValueError(
                 f"LinearGaussian: A has shape {tuple(self.A.shape)}, expected (..., d_x, d_z) "
                 f"= (..., {self.x.shape[-1]}, {self.z.shape[-1]})"
             )
         self.b = None if b is None else as_float_array(b, "LinearGaussian: b")
-        self.precision = None if precision is None else as_float_array(precision, "LinearGaussian: precision")
+        self.precision = (
+            None if precision is None else as_float_array(precision, "LinearGaussian: precision")
+        )
         self.normalize = normalize
 
     @property
@@ -355,8 +366,10 @@ class LinearGaussian(Score):
 
     def predictions(self) -> jax.Array:
         """Parent predictions ``A_k z_k + b_k``, shape ``(..., parents, d_x)``."""
-        pred = jnp.einsum("...xz,...kz->...kx", self.A, self.z) if self.A.ndim == 2 else jnp.einsum(
-            "...kxz,...kz->...kx", self.A, self.z
+        pred = (
+            jnp.einsum("...xz,...kz->...kx", self.A, self.z)
+            if self.A.ndim == 2
+            else jnp.einsum("...kxz,...kz->...kx", self.A, self.z)
         )
         if self.b is not None:
             pred = pred + self.b
@@ -368,7 +381,9 @@ class LinearGaussian(Score):
         s = -0.5 * jnp.sum(diff * diff * prec, -1)
         if self.normalize:
             d = self.x.shape[-1]
-            logdet = 0.0 if self.precision is None else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,))))
+            logdet = (
+                0.0 if self.precision is None else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,))))
+            )
             s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
         return s
 

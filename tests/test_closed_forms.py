@@ -73,9 +73,7 @@ def test_cross_attention_issue_example(precision, request):
 
     def cross_attention(xq, xk, wq, wk, wv):
         with numpyro.plate("queries", xq.shape[0]):
-            j = si.edge(
-                "phi", si.priors.Uniform(xk.shape[0]), si.scores.Dot(xq @ wq.T, xk @ wk.T)
-            )
+            j = si.edge("phi", si.priors.Uniform(xk.shape[0]), si.scores.Dot(xq @ wq.T, xk @ wk.T))
             numpyro.deterministic("out", (xk @ wv.T)[j])
 
     Q, K, V = (np.float64(xq) @ wq.T, np.float64(xk) @ wk.T, np.float64(xk) @ wv.T)
@@ -100,8 +98,10 @@ def test_self_attention_with_and_without_self_edge(x64):
     S = x @ x.T
     for include_self in (True, False):
         mask = ~np.eye(N, dtype=bool) if not include_self else np.ones((N, N), bool)
-        prior = (lambda n, m: si.priors.Uniform(m)) if include_self else (
-            lambda n, m: si.priors.Restricted(~np.eye(n, dtype=bool))
+        prior = (
+            (lambda n, m: si.priors.Uniform(m))
+            if include_self
+            else (lambda n, m: si.priors.Restricted(~np.eye(n, dtype=bool)))
         )
         model = attention_model(prior)
         log_prior = np.where(mask, -np.log(mask.sum(-1, keepdims=True)), -np.inf)
@@ -206,9 +206,7 @@ def test_categorical_prior_and_temperature(x64):
     xq, xk, v = _data(14, dtype=np.float64)
     logits = np.random.default_rng(14).normal(size=(N, M))
     model = attention_model(lambda n, m: si.priors.Categorical(logits), scale=0.5)
-    check_all(
-        model, (xq, xk, v), logits - lse_ref(logits)[:, None], 0.5 * xq @ xk.T, v, 1e-12
-    )
+    check_all(model, (xq, xk, v), logits - lse_ref(logits)[:, None], 0.5 * xq @ xk.T, v, 1e-12)
 
 
 def test_multihead_batched_plates(x64):
@@ -272,9 +270,11 @@ def test_gradients_match_closed_form(x64):
     g2 = jax.grad(lambda a: jnp.sum(jnp.sin(ref(a, xk, v))))(xq)
     np.testing.assert_allclose(g1, g2, atol=1e-12)
     gl = jax.grad(lambda a: si.log_marginal(model, a, xk, v))(xq)
-    np.testing.assert_allclose(gl, jax.grad(
-        lambda a: jnp.sum(jax.nn.logsumexp(jnp.where(mask, a @ xk.T, -jnp.inf), -1))
-    )(xq), atol=1e-12)
+    np.testing.assert_allclose(
+        gl,
+        jax.grad(lambda a: jnp.sum(jax.nn.logsumexp(jnp.where(mask, a @ xk.T, -jnp.inf), -1)))(xq),
+        atol=1e-12,
+    )
     check_grads(lambda a: si.log_marginal(model, a, xk, v), (xq,), order=2, atol=1e-5, rtol=1e-5)
 
 

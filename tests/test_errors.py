@@ -1,0 +1,186 @@
+"""Bad input gets a clear error that names the site and what was expected."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.handlers import substitute
+
+import structinfer as si
+
+N, M, D = 5, 7, 3
+r = np.random.default_rng(0)
+XQ, XK, V = r.normal(size=(N, D)), r.normal(size=(M, D)), r.normal(size=(M, 2))
+
+
+def test_edge_outside_plate():
+    def model():
+        si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(ValueError, match=r"edge\('phi'\) must be called inside a numpyro.plate"):
+        si.log_marginal(model)
+
+
+def test_children_plate_not_rightmost():
+    def model():
+        with numpyro.plate("queries", N, dim=-2):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(ValueError, match="edge site 'phi': no plate at dim=-1"):
+        si.log_marginal(model)
+
+
+def test_prior_support_does_not_match_score():
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M + 1), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(ValueError, match=r"edge site 'phi': score has 7 parents .* prior has 8"):
+        si.log_marginal(model)
+
+
+def test_score_children_do_not_match_plate():
+    def model():
+        with numpyro.plate("queries", N + 1):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(ValueError, match=r"edge site 'phi': score of shape \(5, 7\) does not fit"):
+        si.log_marginal(model)
+
+
+def test_extra_batch_dims_without_plate():
+    q = np.stack([XQ, XQ])
+
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Dot(q, XK))
+
+    with pytest.raises(ValueError, match="more batch dims than the plates"):
+        si.log_marginal(model)
+
+
+def test_child_with_no_parent():
+    mask = np.ones((N, M), bool)
+    mask[3] = False
+    with pytest.raises(ValueError, match="allows no parent for child 3"):
+        si.priors.Restricted(mask)
+
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Geometric(0.5, M, include_self=False), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(
+        ValueError, match="edge site 'phi': Geometric prior allows no parent for child 0"
+    ):
+        si.log_marginal(model)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_score(bad):
+    s = XQ @ XK.T
+    s[2, 4] = bad
+
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), s)
+
+    with pytest.raises(
+        ValueError, match=r"edge site 'phi': score contains (NaN|inf) at index \(2, 4\)"
+    ):
+        si.log_marginal(model)
+
+
+def test_mismatched_feature_sizes():
+    with pytest.raises(
+        ValueError, match="Dot: child features has feature size 3 but parent features has 4"
+    ):
+        si.scores.Dot(XQ, np.ones((M, 4)))
+    with pytest.raises(ValueError, match="NegSqDist: precision shape"):
+        si.scores.NegSqDist(XQ, XK, precision=np.ones((2, 2)))
+
+
+def test_value_site_without_edge_dependence():
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+            numpyro.deterministic("out", jnp.asarray(XQ))
+
+    with pytest.raises(ValueError, match="deterministic site 'out' does not depend on any edge"):
+        si.expectation(model, "out")
+
+
+def test_unknown_and_wrong_kind_of_site():
+    def model():
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+            numpyro.deterministic("out", V[j])
+
+    with pytest.raises(KeyError, match="no site 'outt'; deterministic sites: \\['out'\\]"):
+        si.expectation(model, "outt")
+    with pytest.raises(ValueError, match="site 'phi' is a sample site.*use structinfer.marginals"):
+        si.expectation(model, "phi")
+
+
+def test_latent_continuous_site_needs_value():
+    def model():
+        q = numpyro.sample("q", dist.Beta(2.0, 2.0))
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Geometric(q, M, offset=M - N), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(ValueError, match="sample site 'q' is latent and not enumerable"):
+        si.log_marginal(model)
+    assert np.isfinite(si.log_marginal(substitute(model, {"q": 0.3})))
+
+
+def test_bad_prior_arguments():
+    with pytest.raises(TypeError, match="mask must be a boolean array"):
+        si.priors.Restricted(np.ones((N, M)))
+    with pytest.raises(ValueError, match=r"q must lie in \(0, 1\)"):
+        si.priors.Geometric(1.5, M)
+    with pytest.raises(TypeError, match="num_parents must be a positive int"):
+        si.priors.Uniform(2.5)
+    with pytest.raises(ValueError, match="Categorical prior: logits contain NaN"):
+        si.priors.Categorical(np.array([0.0, np.nan]))
+    with pytest.raises(TypeError, match="edge site 'phi': prior must be a structinfer.priors"):
+
+        def model():
+            with numpyro.plate("queries", N):
+                si.edge("phi", "uniform", XQ @ XK.T)
+
+        si.log_marginal(model)
+
+
+def test_relative_position_bias_too_short():
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.RelativePosition(np.zeros(3), M), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(ValueError, match="RelativePosition: bias has 3 distances"):
+        si.log_marginal(model)
+
+
+def test_enumeration_dim_budget():
+    def model():
+        with numpyro.plate("queries", 2):
+            for k in range(si.exact.MAX_ENUM_DIMS):
+                si.edge(f"phi{k}", si.priors.Uniform(2))
+
+    with pytest.raises(ValueError, match="needs 33 tensor dims .* budget of 32"):
+        si.log_marginal(model)
+
+
+def test_numpy_constant_in_closure_under_jit_is_explained():
+    Vnp = np.asarray(V)
+
+    def model(xq):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(xq, XK))
+            numpyro.deterministic("out", Vnp[j])
+
+    with pytest.raises(TypeError, match="indexes a NumPy array with an edge variable"):
+        jax.jit(lambda a: si.expectation(model, "out", a))(XQ)
+    # eagerly, and with the array passed as an argument, NumPy constants are fine
+    ref = jax.nn.softmax(XQ @ XK.T, -1) @ V
+    np.testing.assert_allclose(si.expectation(model, "out", XQ), ref, atol=1e-5)

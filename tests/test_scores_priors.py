@@ -1,0 +1,200 @@
+"""Each score's dense table and each prior's log table against plain formulas."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax.test_util import check_grads
+
+import structinfer as si
+
+N, M, D = 5, 7, 3
+
+
+@pytest.fixture
+def data(x64):
+    r = np.random.default_rng(3)
+    return r.normal(size=(N, D)), r.normal(size=(M, D))
+
+
+def pair(f, q, k):
+    return np.array([[f(q[i], k[j]) for j in range(len(k))] for i in range(len(q))])
+
+
+def test_dot_and_bilinear(data):
+    q, k = data
+    np.testing.assert_allclose(si.scores.Dot(q, k).dense(), pair(np.dot, q, k), atol=1e-12)
+    np.testing.assert_allclose(si.scores.Dot(q, k, 0.5).dense(), 0.5 * pair(np.dot, q, k))
+    r = np.random.default_rng(4)
+    wq, wk = r.normal(size=(2, D)), r.normal(size=(2, D))
+    ref = pair(lambda a, b: a @ wq.T @ wk @ b, q, k)
+    np.testing.assert_allclose(si.scores.Bilinear(q, k, wq, wk).dense(), ref, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "prec_kind", ["none", "scalar", "diag", "diag_per_parent", "full", "full_per_parent"]
+)
+def test_neg_sq_dist_is_gaussian_log_density(data, prec_kind):
+    x, mu = data
+    r = np.random.default_rng(5)
+    L = r.normal(size=(M, D, D))
+    full = np.einsum("kij,klj->kil", L, L) + D * np.eye(D)
+    prec = {
+        "none": None,
+        "scalar": 2.5,
+        "diag": r.uniform(0.5, 2, size=D),
+        "diag_per_parent": r.uniform(0.5, 2, size=(M, D)),
+        "full": full[0],
+        "full_per_parent": full,
+    }[prec_kind]
+
+    def P(j):
+        if prec is None:
+            return np.eye(D)
+        p = np.asarray(prec)
+        if p.ndim == 0:
+            return p * np.eye(D)
+        if prec_kind == "diag":
+            return np.diag(p)
+        if prec_kind == "diag_per_parent":
+            return np.diag(p[j])
+        return p if p.ndim == 2 else p[j]
+
+    logw = np.log(r.dirichlet(np.ones(M)))
+    ref = np.array(
+        [
+            [
+                logw[j]
+                - 0.5 * (x[i] - mu[j]) @ P(j) @ (x[i] - mu[j])
+                + 0.5 * np.linalg.slogdet(P(j))[1]
+                - 0.5 * D * math.log(2 * math.pi)
+                for j in range(M)
+            ]
+            for i in range(N)
+        ]
+    )
+    s = si.scores.NegSqDist(x, mu, precision=prec, log_weights=logw, normalize=True)
+    np.testing.assert_allclose(s.dense(), ref, atol=1e-10)
+    # normalised: log Z of a GMM model equals the mixture log-likelihood from numpyro
+    if prec_kind in ("full", "full_per_parent", "none"):
+        covs = np.stack([np.linalg.inv(P(j)) for j in range(M)])
+        mix = dist.MixtureSameFamily(
+            dist.Categorical(probs=np.exp(logw)), dist.MultivariateNormal(mu, covs)
+        )
+
+        def gmm():  # prior = mixing weights, score = component log-density
+            with numpyro.plate("points", N):
+                si.edge(
+                    "z",
+                    si.priors.Categorical(logw),
+                    si.scores.NegSqDist(x, mu, precision=prec, normalize=True),
+                )
+
+        np.testing.assert_allclose(si.log_marginal(gmm), mix.log_prob(x).sum(), rtol=1e-10)
+
+
+def test_idw_inverse_gaussian_cosine(data):
+    q, k = data
+    k = k.copy()
+    k[2] = q[1]  # an exact match: zero distance
+    dist_ = lambda a, b: np.linalg.norm(a - b)  # noqa: E731
+    for p in (1.0, 2.0, 3.0):
+        ref = pair(lambda a, b: -np.log(1e-3 + dist_(a, b) ** p), q, k)
+        np.testing.assert_allclose(si.scores.NegLogDist(q, k, p=p).dense(), ref, atol=1e-10)
+        ref = pair(lambda a, b: 1 / (0.1 + dist_(a, b) ** p), q, k)
+        np.testing.assert_allclose(si.scores.InvDist(q, k, p=p, eps=0.1).dense(), ref, atol=1e-10)
+    ref = pair(lambda a, b: np.exp(-(dist_(a, b) ** 2) / 1.5**2), q, k)
+    np.testing.assert_allclose(si.scores.GaussianKernel(q, k, sigma=1.5).dense(), ref, atol=1e-12)
+    ref = pair(lambda a, b: 2 * a @ b / np.linalg.norm(a) / np.linalg.norm(b), q, k)
+    np.testing.assert_allclose(si.scores.Cosine(q, k, scale=2.0).dense(), ref, atol=1e-7)
+    # the IDW softmax is Shepard's weighting (eps + d^p)^-1 / sum (McCarter eq. 6)
+    w = 1 / (1e-3 + pair(dist_, q, k) ** 2)
+    np.testing.assert_allclose(
+        jax.nn.softmax(si.scores.NegLogDist(q, k).dense(), -1),
+        w / w.sum(-1, keepdims=True),
+        atol=1e-10,
+    )
+    # finite gradients at zero distance for p < 2
+    g = jax.grad(lambda a: si.scores.NegLogDist(a, k, p=1.0).dense().sum())(jnp.asarray(q))
+    assert np.all(np.isfinite(g))
+
+
+def test_linear_gaussian_and_sum(data):
+    x, _ = data
+    r = np.random.default_rng(6)
+    z = r.normal(size=(M, 2))
+    A = r.normal(size=(M, D, 2))
+    b = r.normal(size=(M, D))
+    prec = r.uniform(0.5, 2, size=D)
+    ref = np.array(
+        [
+            [-0.5 * np.sum(prec * (x[i] - A[j] @ z[j] - b[j]) ** 2) for j in range(M)]
+            for i in range(N)
+        ]
+    )
+    s = si.scores.LinearGaussian(x, z, A, b, precision=prec)
+    np.testing.assert_allclose(s.dense(), ref, atol=1e-12)
+    s2 = si.scores.Sum(s, si.scores.Custom(np.ones((N, M))))
+    np.testing.assert_allclose(s2.dense(), ref + 1, atol=1e-12)
+    np.testing.assert_allclose((s + si.scores.Custom(lambda: jnp.ones((N, M)))).dense(), ref + 1)
+
+
+def test_score_gradients(data):
+    q, k = data
+    for cls in (si.scores.Dot, si.scores.NegLogDist, si.scores.NegSqDist, si.scores.Cosine):
+        check_grads(lambda a, b: cls(a, b).dense(), (q, k), order=1, modes=["rev"], atol=1e-5)
+
+
+def test_prior_tables_normalised_and_structured(x64):
+    n, m = N, M
+    tables = {
+        "uniform": si.priors.Uniform(m),
+        "causal": si.priors.Restricted.causal(n, m, offset=m - n),
+        "window": si.priors.Restricted.window(n, 3, m, offset=m - n),
+        "window_sym": si.priors.Restricted.window(n, 2, m, causal=False),
+        "graph": si.priors.Restricted.from_graph(np.eye(n, m) + np.eye(n, m, 1)),
+        "block": si.priors.Restricted.block_sparse(np.array([[1, 0], [1, 1]]), (3, 4)),
+        "rel": si.priors.RelativePosition(np.arange(n + m - 1.0), m),
+        "rel_clip": si.priors.RelativePosition(np.arange(5.0), m, max_distance=2),
+        "geo": si.priors.Geometric(0.25, m, offset=m - n),
+        "geo_max": si.priors.Geometric(0.25, m, offset=m - n, max_distance=2),
+        "cat": si.priors.Categorical(np.random.default_rng(0).normal(size=(n, m))),
+    }
+    for name, prior in tables.items():
+        nn = 6 if name == "block" else n
+        t = np.asarray(prior.log_table(nn))
+        assert t.shape == (nn, prior.num_parents), name
+        np.testing.assert_allclose(np.exp(t).sum(-1), 1.0, atol=1e-12, err_msg=name)
+        assert prior.describe()["kind"] == prior.kind
+    d = np.arange(n)[:, None] + m - n - np.arange(m)[None, :]
+    win = np.isfinite(np.asarray(tables["window"].log_table(n)))
+    np.testing.assert_array_equal(win, (d >= 0) & (d < 3))
+    np.testing.assert_array_equal(
+        np.isfinite(np.asarray(tables["geo_max"].log_table(n))), (d >= 0) & (d <= 2)
+    )
+    blk = np.isfinite(np.asarray(tables["block"].log_table(6)))
+    np.testing.assert_array_equal(blk[:3, 4:], False)
+    np.testing.assert_array_equal(blk[3:, :], True)
+    # relative position: the table depends on i - j only (Toeplitz)
+    rel = np.asarray(tables["rel"].log_table(n))
+    assert rel.shape == (n, m)
+    lw = np.asarray(tables["rel"]._log_weights(n))
+    for i in range(1, n):
+        np.testing.assert_allclose(lw[i, 1:], lw[i - 1, :-1])
+    # a numpyro Categorical is accepted as a prior
+    cat = dist.Categorical(logits=jnp.zeros((n, m)))
+    assert isinstance(si.priors.as_prior(cat, "phi"), si.priors.Categorical)
+
+
+def test_geometric_q_per_child_and_traced(x64):
+    qs = np.linspace(0.1, 0.9, N)
+    t = np.asarray(si.priors.Geometric(qs, N).log_table(N))
+    for i, q in enumerate(qs):
+        w = q * (1 - q) ** np.arange(i, -1, -1.0)
+        np.testing.assert_allclose(np.exp(t[i, : i + 1]), w / w.sum(), atol=1e-12)
+    g = jax.grad(lambda q: si.priors.Geometric(q, N).log_table(N)[4, 2])(0.3)
+    assert np.isfinite(g)
