@@ -139,9 +139,21 @@ def _log_z(model, args, kwargs, info: ModelInfo, tilts: dict | None = None) -> j
     m = require_values(model)
     if tilts:
         m = tilt(m, tilts=tilts, max_plate_nesting=info.max_plate_nesting)
-    lp, _ = _funsor_log_density(
-        enum(m, first_available_dim=info.first_available_dim), args, kwargs, {}
-    )
+    try:
+        lp, _ = _funsor_log_density(
+            enum(m, first_available_dim=info.first_available_dim), args, kwargs, {}
+        )
+    except ValueError as e:
+        if "joint log density is a scalar" not in str(e):
+            raise
+        raise ValueError(
+            f"model '{_model_name(model)}': after collapsing the edges a tensor dim was left "
+            "over, so some factor or value mixes enumeration dims with plate dims. Typical "
+            "causes: indexing one edge variable with another (follow a chain with "
+            "si.edge(..., child=j) instead), summing over a plate dim inside the model, or "
+            "indexing batched tables without Vindex/si.gather. (funsor: "
+            f"{str(e).splitlines()[0]})"
+        ) from None
     return lp
 
 
