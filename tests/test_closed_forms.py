@@ -292,6 +292,10 @@ def test_jit_and_vmap():
         )
     lz = jax.jit(lambda a: si.log_marginal(model, a, xk, v))(xq)
     assert lz.dtype == jnp.float32
+    mp = jax.jit(lambda a: si.map_edges(model, a, xk, v))(xq)["phi"]
+    np.testing.assert_array_equal(mp, np.argmax(np.float64(xq) @ xk.T, -1))
+    draw = jax.jit(lambda k, a: si.sample_edges(k, model, a, xk, v))(jax.random.PRNGKey(1), xq)
+    assert draw["phi"].shape == (N,) and draw["phi"].dtype == jnp.int32
 
 
 def test_sample_edges_frequencies():
