@@ -7,12 +7,11 @@ For each child we list every joint assignment of its edge sites with
 expectations of a non-linear value and the joint MAP with the exact engine.
 """
 
-import contextlib
 import itertools
 
-import jax
 import numpy as np
 import numpyro
+from conftest import float64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numpyro.ops.indexing import Vindex
@@ -93,16 +92,6 @@ def make_model(spec):
         numpyro.deterministic("value", total + prod)
 
     return model
-
-
-@contextlib.contextmanager
-def float64():
-    prev = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", prev)
 
 
 def brute_force(spec):
