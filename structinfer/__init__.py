@@ -8,7 +8,7 @@ and returns the energy, the attention (posterior edge marginals) and the output
 inference", and Tschantz, "log-sum-exp energies".
 """
 
-from . import handlers, priors, scores
+from . import handlers, infer, priors, scores
 from .exact import (
     energy,
     expectation,
@@ -28,6 +28,7 @@ __all__ = [
     "priors",
     "scores",
     "handlers",
+    "infer",
     "log_marginal",
     "energy",
     "marginals",

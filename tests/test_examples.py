@@ -8,7 +8,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # examples owned by other test files (they run them themselves) are skipped here
-OWNED_ELSEWHERE = {"derive_mechanisms.py"}
+OWNED_ELSEWHERE = {
+    "derive_mechanisms.py",  # tests/test_examples_mechanisms.py
+    "infer_svi_attention.py",  # tests/test_infer_numpyro.py
+    "infer_nuts_expanding.py",  # tests/test_infer_numpyro.py
+}
 EXAMPLES = sorted(
     p for p in (ROOT / "examples").glob("*.py") if p.name not in OWNED_ELSEWHERE
 )

@@ -1,0 +1,75 @@
+"""Find which site of a model makes its collapsed energy non-finite (eager, on failure only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from numpyro.contrib.funsor import enum
+from numpyro.handlers import block, trace
+
+from ..exact import _as_jax, inspect_model
+from ..handlers import require_values
+
+
+def _bad_leaf(tree: Any) -> str | None:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in leaves:
+        try:
+            arr = np.asarray(leaf)
+        except Exception:  # noqa: BLE001 - non-array leaves are skipped
+            continue
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+            kind = "NaN" if np.isnan(arr).any() else "inf"
+            return f"{jax.tree_util.keystr(path) or 'value'} contains {kind}"
+    return None
+
+
+def nonfinite_site(model: Callable, *args, **kwargs) -> str | None:
+    """Name the first argument or site whose value / log-density is NaN or +inf, or
+    whose log-density is -inf under every structure (so that ``log Z = -inf``).
+
+    Runs the model eagerly under funsor enumeration; meant for error messages only.
+    """
+    for i, a in enumerate(args):
+        bad = _bad_leaf(a)
+        if bad:
+            return f"model argument {i} ({bad})"
+    for k, a in kwargs.items():
+        bad = _bad_leaf(a)
+        if bad:
+            return f"model argument '{k}' ({bad})"
+    args, kwargs = _as_jax(args, kwargs)
+    try:
+        info = inspect_model(model, *args, **kwargs)
+        with block():
+            tr = trace(
+                enum(require_values(model), first_available_dim=info.first_available_dim)
+            ).get_trace(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - report, don't mask the original failure
+        return f"(the model raised {type(e).__name__}: {e})"
+    nest = info.max_plate_nesting
+    for name, site in tr.items():
+        if site["type"] != "sample":
+            continue
+        value = site["value"]
+        if not site["is_observed"] and name not in info.enumerated:
+            bad = _bad_leaf(value)
+            if bad:
+                return f"'{name}' (its value {bad})"
+        lp = np.asarray(site["fn"].log_prob(value))
+        if np.isnan(lp).any():
+            return f"'{name}' (log-density is NaN)"
+        if np.isposinf(lp).any():
+            return f"'{name}' (log-density is +inf)"
+        n_enum = lp.ndim - nest
+        if n_enum > 0:
+            all_neg = np.all(np.isneginf(lp), axis=tuple(range(n_enum)))
+        else:
+            all_neg = np.isneginf(lp)
+        if np.any(all_neg):
+            idx = tuple(int(i) for i in np.argwhere(np.atleast_1d(all_neg))[0])
+            return f"'{name}' (log-density is -inf for every structure at index {idx})"
+    return None

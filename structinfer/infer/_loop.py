@@ -1,0 +1,182 @@
+r"""The loop every iterative algorithm in :mod:`structinfer.infer` runs on.
+
+Each algorithm supplies a pure ``step(state) -> (state, energy, converged)``; the
+driver runs it with :func:`jax.lax.while_loop`, records the free energy after
+every step in a fixed-size buffer, and stops
+
+* when every batch element has converged (status :data:`CONVERGED`),
+* at ``max_iters`` (status :data:`MAX_ITERS`: reported, never hidden), or
+* when an element's energy is not finite (status :data:`NONFINITE`): that element
+  keeps its last finite state, and :func:`check` raises
+  :class:`NonFiniteEnergyError` naming the step (and, when the algorithm can
+  tell, the site) once the result is concrete.
+
+Batched problems (leading ``batch_shape`` on the state and the energy) converge
+per element: an element that has converged is frozen while the others go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._checks import is_concrete
+
+__all__ = [
+    "LoopInfo",
+    "NonFiniteEnergyError",
+    "RUNNING",
+    "CONVERGED",
+    "MAX_ITERS",
+    "NONFINITE",
+    "check",
+    "run_loop",
+]
+
+#: status codes (``LoopInfo.status``)
+RUNNING, CONVERGED, MAX_ITERS, NONFINITE = 0, 1, 2, 3
+_STATUS_NAMES = {RUNNING: "running", CONVERGED: "converged", MAX_ITERS: "max_iters",
+                 NONFINITE: "non-finite energy"}
+
+
+class LoopInfo(NamedTuple):
+    """What an iterative algorithm reports besides its result.
+
+    Attributes:
+        energy: ``(*batch, max_iters + 1)`` free energy before the first step
+            (index 0) and after each step; entries after an element stopped are NaN.
+        num_steps: ``(*batch,)`` int32, steps taken by each element.
+        converged: ``(*batch,)`` bool, True where the tolerance was met.
+        status: ``(*batch,)`` int32: 1 converged, 2 stopped at ``max_iters``,
+            3 stopped on a non-finite energy (see :func:`check`).
+    """
+
+    energy: jax.Array
+    num_steps: jax.Array
+    converged: jax.Array
+    status: jax.Array
+
+    def final_energy(self) -> jax.Array:
+        """The energy after the last step taken, ``(*batch,)``."""
+        idx = jnp.asarray(self.num_steps)[..., None]
+        return jnp.take_along_axis(self.energy, idx, axis=-1)[..., 0]
+
+
+class NonFiniteEnergyError(FloatingPointError):
+    """An iterative algorithm met a NaN or infinite free energy.
+
+    Attributes:
+        step: the step (1-based) whose energy was not finite.
+        site: the model site or term responsible, when it could be found.
+        index: the batch index of the first failing element (``()`` if unbatched).
+    """
+
+    def __init__(self, message: str, step: int, site: str | None, index: tuple):
+        super().__init__(message)
+        self.step, self.site, self.index = step, site, index
+
+
+def _where_tree(mask: jax.Array, new: Any, old: Any, batch_ndim: int) -> Any:
+    def sel(a, b):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        m = jnp.reshape(mask, mask.shape + (1,) * (a.ndim - batch_ndim)) if batch_ndim else mask
+        return jnp.where(m, a, b)
+
+    return jax.tree.map(sel, new, old)
+
+
+def run_loop(
+    step: Callable[[Any], tuple[Any, jax.Array, jax.Array]],
+    state: Any,
+    energy0: jax.Array,
+    max_iters: int,
+) -> tuple[Any, LoopInfo]:
+    """Iterate ``step`` under :func:`jax.lax.while_loop` with per-element stopping.
+
+    Args:
+        step: ``state -> (new_state, energy, converged)``; ``energy`` and
+            ``converged`` have the batch shape; every state leaf starts with it.
+        state: initial state.
+        energy0: energy of the initial state, ``(*batch,)``.
+        max_iters: the most steps (a Python int; fixes the trace length).
+
+    Returns:
+        ``(state, info)``: the final state (each element's last finite one) and a
+        :class:`LoopInfo`.
+    """
+    if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)) or max_iters < 1:
+        raise ValueError(f"max_iters must be a positive int, got {max_iters!r}")
+    max_iters = int(max_iters)
+    energy0 = jnp.asarray(energy0)
+    batch = energy0.shape
+    nb = len(batch)
+    trace = jnp.full(batch + (max_iters + 1,), jnp.nan, energy0.dtype).at[..., 0].set(energy0)
+    status0 = jnp.where(jnp.isfinite(energy0), RUNNING, NONFINITE).astype(jnp.int32)
+    carry = (jnp.int32(0), state, trace, status0, jnp.zeros(batch, jnp.int32))
+
+    def cond(c):
+        k, _, _, status, _ = c
+        return (k < max_iters) & jnp.any(status == RUNNING)
+
+    def body(c):
+        k, st, tr, status, nsteps = c
+        new, e, conv = step(st)
+        e = jnp.broadcast_to(jnp.asarray(e, tr.dtype), batch)
+        conv = jnp.broadcast_to(conv, batch)
+        active = status == RUNNING
+        finite = jnp.isfinite(e)
+        keep = active & finite
+        st = _where_tree(keep, new, st, nb)
+        new_status = jnp.where(~finite, NONFINITE, jnp.where(conv, CONVERGED, RUNNING))
+        status = jnp.where(active, new_status, status).astype(jnp.int32)
+        tr = tr.at[..., k + 1].set(jnp.where(active, e, jnp.nan))
+        nsteps = jnp.where(active, k + 1, nsteps)
+        return k + 1, st, tr, status, nsteps
+
+    _, state, trace, status, nsteps = jax.lax.while_loop(cond, body, carry)
+    status = jnp.where(status == RUNNING, MAX_ITERS, status).astype(jnp.int32)
+    return state, LoopInfo(trace, nsteps, status == CONVERGED, status)
+
+
+def check(
+    info: LoopInfo,
+    algorithm: str = "iterative inference",
+    site: str | Callable[[tuple], str | None] | None = None,
+) -> None:
+    """Raise :class:`NonFiniteEnergyError` if some element stopped on a non-finite energy.
+
+    Call it on a concrete result (after ``jax.jit`` returns); under tracing it does
+    nothing. Every ``run`` in :mod:`structinfer.infer` calls it itself when its
+    result is concrete (``raise_on_nonfinite=True``).
+
+    Args:
+        info: the loop's :class:`LoopInfo`.
+        algorithm: name used in the message.
+        site: the responsible site, or a function of the failing batch index that
+            finds it (evaluated only on failure).
+    """
+    status = info.status
+    if not is_concrete(status):
+        return
+    bad = np.asarray(status) == NONFINITE
+    if not bad.any():
+        return
+    idx = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.ndim else ()
+    step = int(np.asarray(info.num_steps)[idx]) if bad.ndim else int(info.num_steps)
+    # num_steps counts the failing step; 0 means the initial state was already bad
+    where = "at the initial state" if step == 0 else f"at step {step}"
+    name = site(idx) if callable(site) else site
+    at = f" in batch element {idx}" if idx else ""
+    msg = f"{algorithm}: the free energy became non-finite {where}{at}"
+    if name:
+        msg += f"; responsible site: {name}"
+    msg += (
+        ". The state returned is the last one with a finite energy; lower the step size, "
+        "check the data for NaN/inf, or give forbidden edges a Restricted prior instead of "
+        "-inf scores."
+    )
+    raise NonFiniteEnergyError(msg, step, name, idx)
