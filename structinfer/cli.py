@@ -1,0 +1,572 @@
+"""The ``structinfer`` command: ``demo``, ``compare``, ``reproduce``, ``bench``.
+
+Exit status: 0 on success, 2 on a usage error (bad arguments, a path that does not
+exist, an unknown reproduction), 1 on a runtime error (a model file that defines no
+model, data with wrong keys, shapes or NaN, a failing fit or script). Errors are one
+line on stderr; ``--debug`` shows the traceback instead.
+
+Heavy imports (JAX, NumPyro, ArviZ, matplotlib) happen inside the commands, so
+``--help`` and usage errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "CLIError", "Reproduction", "REPRODUCTIONS", "reproductions", "load_models",
+           "load_data"]
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+#: the source checkout (examples/ and benchmarks/ live next to the package)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class CLIError(Exception):
+    """An error reported as one line; ``code`` is the exit status (1 runtime, 2 usage)."""
+
+    def __init__(self, message: str, code: int = EXIT_RUNTIME):
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------------------
+# reproductions registry
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """A paper experiment: a script in ``examples/``.
+
+    Attributes:
+        script: file name in the examples folder.
+        description: one line for ``structinfer reproduce --list``.
+        accepts_out: the script takes ``--out DIR`` (otherwise it runs with the output
+            folder as its working directory).
+    """
+
+    script: str
+    description: str
+    accepts_out: bool = False
+
+
+#: explicit entries; every other ``examples/reproduce_<name>.py`` is found automatically
+#: as ``<name>`` (so the reproductions issue only has to add scripts)
+REPRODUCTIONS: dict[str, Reproduction] = {
+    "multihop": Reproduction(
+        "reproduce_multihop.py",
+        "Singh & Buckley 5.1: one-layer vs two-layer self attention vs multi-hop",
+        accepts_out=True,
+    ),
+    "expanding-nuts": Reproduction(
+        "infer_nuts_expanding.py",
+        "NUTS over the geometric q and temperature of expanding attention (edges summed out)",
+    ),
+    "svi-attention": Reproduction(
+        "infer_svi_attention.py",
+        "SVI learns W_Q, W_K, W_V of cross attention with the edges enumerated",
+    ),
+    "quickstart": Reproduction(
+        "quickstart.py", "attention mechanisms as NumPyro models vs their softmax formulas"
+    ),
+}
+
+
+def _folder(env: str, name: str) -> Path:
+    """``$env`` if set, else ``name`` next to the package (a source checkout), else
+    ``./name`` (a wheel install run from a checkout)."""
+    if os.environ.get(env):
+        return Path(os.environ[env])
+    for cand in (ROOT / name, Path.cwd() / name):
+        if cand.is_dir():
+            return cand
+    return ROOT / name
+
+
+def examples_dir() -> Path:
+    """The examples folder (``$STRUCTINFER_EXAMPLES`` overrides)."""
+    return _folder("STRUCTINFER_EXAMPLES", "examples")
+
+
+def _docstring_line(path: Path) -> str:
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    return doc.strip().splitlines()[0] if doc else ""
+
+
+def reproductions() -> dict[str, tuple[Reproduction, Path]]:
+    """Available reproductions: registered entries whose script exists, plus every
+    ``reproduce_<name>.py`` in the examples folder. ``{name: (entry, script path)}``."""
+    folder = examples_dir()
+    out: dict[str, tuple[Reproduction, Path]] = {}
+    for name, rep in REPRODUCTIONS.items():
+        path = folder / rep.script
+        if path.is_file():
+            out[name] = (rep, path)
+    if folder.is_dir():
+        known = {rep.script for rep, _ in out.values()}
+        for path in sorted(folder.glob("reproduce_*.py")):
+            name = path.stem[len("reproduce_"):].replace("_", "-")
+            if path.name in known or name in out:
+                continue
+            src = path.read_text(errors="replace")
+            rep = Reproduction(path.name, _docstring_line(path), accepts_out='"--out"' in src)
+            out[name] = (rep, path)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# user models and data (`structinfer compare`)
+# --------------------------------------------------------------------------------------
+
+
+def load_models(path: Path) -> dict[str, Callable]:
+    """Model functions from a Python file: its ``MODELS`` dict ``{name: function}`` if it
+    defines one, else every function named ``model_<name>`` (in file order)."""
+    spec = importlib.util.spec_from_file_location(f"_structinfer_user_models_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise CLIError(f"{path}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise CLIError(f"{path}:{e.lineno}: syntax error: {e.msg}") from e
+    except Exception as e:  # the user's code failed at import time
+        raise CLIError(f"{path}: importing it failed: {type(e).__name__}: {e}") from e
+    if hasattr(module, "MODELS"):
+        models = module.MODELS
+        if not isinstance(models, dict) or not all(
+            isinstance(k, str) and callable(v) for k, v in models.items()
+        ):
+            raise CLIError(f"{path}: MODELS must be a dict {{name: model function}}")
+    else:
+        models = {
+            name[len("model_"):]: obj
+            for name, obj in vars(module).items()
+            if name.startswith("model_") and inspect.isfunction(obj)
+            and obj.__module__ == module.__name__
+        }
+    if not models:
+        raise CLIError(
+            f"{path}: defines no model: write MODELS = {{'name': fn, ...}} or functions "
+            "named model_<name>(...) taking the data arrays as keyword arguments"
+        )
+    return dict(models)
+
+
+def load_data(path: Path) -> dict[str, Any]:
+    """Arrays of an ``.npz`` file, refusing NaN/inf with the key and index."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            data = {k: f[k] for k in f.files}
+    except Exception as e:
+        raise CLIError(f"{path}: cannot be read as a .npz archive ({type(e).__name__}: {e})") from e
+    if not data:
+        raise CLIError(f"{path}: holds no arrays")
+    for k, v in data.items():
+        if v.dtype.kind in "fc":
+            bad = ~np.isfinite(v)
+            if bad.any():
+                idx = tuple(int(i) for i in np.argwhere(bad)[0])
+                kind = "NaN" if np.isnan(v[idx]) else "inf"
+                raise CLIError(f"{path}: array '{k}' contains {kind} at index {idx} (shape {v.shape})")
+        elif v.dtype.kind not in "biu":
+            raise CLIError(f"{path}: array '{k}' has dtype {v.dtype}; expected numbers")
+    return data
+
+
+def _bind(name: str, fn: Callable, data: dict, data_path: Path, exclude: set) -> dict:
+    sig = inspect.signature(fn)
+    avail = {k: v for k, v in data.items() if k not in exclude}
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return avail
+    kwargs = {}
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY):
+            raise CLIError(
+                f"model '{name}': parameter '{p.name}' must be passable by keyword "
+                "(the data arrays are passed as keyword arguments named like the .npz keys)"
+            )
+        if p.name in avail:
+            kwargs[p.name] = avail[p.name]
+        elif p.default is p.empty:
+            raise CLIError(
+                f"model '{name}' needs argument '{p.name}' but {data_path} has keys "
+                f"{sorted(avail)}"
+            )
+    return kwargs
+
+
+def _shapes(kwargs: dict) -> str:
+    return ", ".join(f"{k}: {tuple(v.shape)}" for k, v in kwargs.items())
+
+
+# --------------------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------------------
+
+
+def _setup_jax(args) -> None:
+    cache = os.environ.get("STRUCTINFER_JAX_CACHE", os.path.expanduser("~/.cache/structinfer/jax"))
+    import jax
+
+    if cache and cache != "0":
+        try:
+            os.makedirs(cache, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        except (OSError, AttributeError):  # pragma: no cover - cache is an optimisation
+            pass
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+
+def _log(args) -> Callable[[str], None]:
+    return (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+
+
+def cmd_demo(args) -> int:
+    _setup_jax(args)
+    from .demo import run_demo
+
+    log = _log(args)
+    res = run_demo(args.out, seed=args.seed, quick=args.quick, progress=args.progress, log=log)
+    cols = [c for c in ("rank", "elpd", "p", "elpd_diff", "weight", "se", "dse", "warning")
+            if c in res.comparison.columns]
+    log("\nPSIS-LOO comparison of the structural priors (ArviZ):\n")
+    log(res.comparison[cols].to_string(float_format=lambda v: f"{v:.2f}"))
+    log("\nRecovery of the true edges:\n")
+    log(res.edges.to_string(float_format=lambda v: f"{v:.3f}"))
+    log(
+        f"\nbest predictive prior: {res.comparison.index[0]}; best edge recovery: "
+        f"{res.edges.index[0]}"
+    )
+    log(f"report: {os.path.join(args.out, 'report.md')} ({res.seconds:.0f} s)")
+    return EXIT_OK
+
+
+def cmd_compare(args) -> int:
+    models_path, data_path = Path(args.models), Path(args.data)
+    for p, what in ((models_path, "models file"), (data_path, "data file")):
+        if not p.exists():
+            raise CLIError(f"{what} '{p}' does not exist", EXIT_USAGE)
+        if not p.is_file():
+            raise CLIError(f"{what} '{p}' is not a file", EXIT_USAGE)
+    data = load_data(data_path)
+    models = load_models(models_path)
+    if len(models) < 2:
+        raise CLIError(
+            f"{models_path}: defines one model ({next(iter(models))}); comparing needs at least two"
+        )
+    exclude = set()
+    true_edges = None
+    if args.true_edges:
+        if args.true_edges not in data:
+            raise CLIError(
+                f"{data_path}: no array '{args.true_edges}' (--true-edges); keys: {sorted(data)}"
+            )
+        true_edges = data[args.true_edges]
+        if true_edges.dtype.kind not in "iu":
+            raise CLIError(
+                f"{data_path}: '{args.true_edges}' must hold integer parent indices, got "
+                f"{true_edges.dtype}"
+            )
+        exclude.add(args.true_edges)
+    bound = {n: _bind(n, fn, data, data_path, exclude) for n, fn in models.items()}
+
+    _setup_jax(args)
+    import warnings
+
+    import matplotlib.pyplot as plt
+    from tqdm.auto import tqdm
+
+    from . import diagnostics as dg
+    from .demo import markdown_table
+
+    log = _log(args)
+    for name, fn in models.items():
+        try:
+            dg._check_comparable(fn, (), bound[name], args.score_factors)
+        except dg.EnergyOnlyModelError as e:
+            raise CLIError(f"model '{name}': {e}") from e
+        except Exception as e:
+            raise CLIError(
+                f"model '{name}' ({models_path}) fails on {data_path} ({_shapes(bound[name])}): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
+    quick = args.quick
+    nw = args.num_warmup or (60 if quick else 500)
+    ns = args.num_samples or (60 if quick else 500)
+    nc = args.num_chains or (1 if quick else 2)
+    os.makedirs(args.out, exist_ok=True)
+    idatas = {}
+    bar = tqdm(list(models), desc="fitting models", disable=not args.progress)
+    for name in bar:
+        bar.set_postfix_str(name)
+        fit = dg.fit_nuts(models[name], num_warmup=nw, num_samples=ns, num_chains=nc,
+                          seed=args.seed, progress_bar=False, **bound[name])
+        idatas[name] = dg.to_inference_data(fit, score_factors=args.score_factors)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always", dg.ParetoKWarning)
+        cmp = dg.compare_priors(idatas)
+    kwarn = [str(w.message) for w in rec if issubclass(w.category, dg.ParetoKWarning)]
+    for w in kwarn:
+        log(f"warning: {w}")
+    cmp.to_csv(os.path.join(args.out, "comparison.csv"))
+    files = ["comparison.csv"]
+    has_edges = all("edge_posterior" in dt.children and dt["edge_posterior"].data_vars
+                    for dt in idatas.values())
+    edges = None
+    if has_edges:
+        try:
+            edges = dg.compare_edges(idatas, true_edges=true_edges)
+        except ValueError as e:  # several edge sites, or a true structure of another shape
+            log(f"note: no edge table ({e})")
+    if edges is not None:
+        edges.to_csv(os.path.join(args.out, "edges.csv"))
+        files.append("edges.csv")
+        for name, dt in idatas.items():
+            ep = dt["edge_posterior"]
+            site = [v for v in ep.data_vars if not v.endswith(("_prior", "_true"))][0]
+            a = ep[site].values
+            if a.ndim == 2:
+                fig, ax = plt.subplots(figsize=(5, 4))
+                t = true_edges if true_edges is not None and true_edges.shape == a.shape[:-1] else None
+                dg.plot_attention(a, true_edges=t, ax=ax, title=name)
+                fig.savefig(os.path.join(args.out, f"attention_{name}.png"), dpi=110,
+                            bbox_inches="tight")
+                plt.close(fig)
+                files.append(f"attention_{name}.png")
+    dg.plot_compare(cmp).savefig(os.path.join(args.out, "compare.png"))
+    plt.close("all")
+    files.append("compare.png")
+    cols = [c for c in ("rank", "elpd", "p", "elpd_diff", "weight", "se", "dse", "warning")
+            if c in cmp.columns]
+    lines = [
+        f"# structinfer compare: {models_path.name} on {data_path.name}",
+        "",
+        f"NUTS: {nc} chain(s), {nw} warm-up + {ns} draws, seed {args.seed}; edges summed out "
+        "exactly; PSIS-LOO over the observed elements.",
+        "",
+        markdown_table(cmp[cols]),
+        "",
+    ]
+    if edges is not None:
+        lines += ["## Edge posteriors", "", markdown_table(edges), ""]
+    if kwarn:
+        lines += ["## Pareto k warnings", ""] + [f"- {w}" for w in kwarn] + [""]
+    lines += ["## Files", ""] + [f"- `{f}`" for f in files] + [""]
+    with open(os.path.join(args.out, "report.md"), "w") as fh:
+        fh.write("\n".join(lines))
+    log("\nPSIS-LOO comparison (ArviZ):\n")
+    log(cmp[cols].to_string(float_format=lambda v: f"{v:.2f}"))
+    if edges is not None:
+        log("\nEdge posteriors:\n")
+        log(edges.to_string(float_format=lambda v: f"{v:.3f}"))
+    log(f"\nreport: {os.path.join(args.out, 'report.md')}")
+    return EXIT_OK
+
+
+def _run_script(cmd: Sequence[str], cwd: str, what: str) -> int:
+    try:
+        rc = subprocess.call(list(cmd), cwd=cwd)
+    except OSError as e:
+        raise CLIError(f"{what}: could not start: {e}") from e
+    if rc != 0:
+        raise CLIError(f"{what} failed with exit status {rc}")
+    return EXIT_OK
+
+
+def cmd_reproduce(args) -> int:
+    avail = reproductions()
+    if args.list or not args.name:
+        if not avail:
+            print(f"no reproductions found in {examples_dir()}")
+        for name, (rep, path) in avail.items():
+            print(f"{name:20s} {rep.description}  [{path.name}]")
+        if not args.name and not args.list:
+            raise CLIError("give the NAME of a reproduction (listed above)", EXIT_USAGE)
+        return EXIT_OK
+    if args.name not in avail:
+        known = ", ".join(avail) or "none"
+        raise CLIError(
+            f"unknown reproduction '{args.name}' (available: {known}; more are added with "
+            "the paper reproductions)",
+            EXIT_USAGE,
+        )
+    rep, path = avail[args.name]
+    out = os.path.abspath(args.out or os.path.join("structinfer-reproduce", args.name))
+    os.makedirs(out, exist_ok=True)
+    cmd = [sys.executable, str(path), "--seed", str(args.seed)]
+    if args.quick:
+        cmd.append("--quick")
+    if rep.accepts_out:
+        cmd += ["--out", out]
+    cmd += args.extra
+    if not args.quiet:
+        print(f"running {path.name} in {out}", flush=True)
+    return _run_script(cmd, out, f"reproduction '{args.name}' ({path.name})")
+
+
+def cmd_bench(args) -> int:
+    script = _folder("STRUCTINFER_BENCHMARKS", "benchmarks") / "attention.py"
+    if not script.is_file():
+        raise CLIError(
+            f"benchmark script {script} not found: `structinfer bench` needs a source "
+            "checkout with benchmarks/attention.py"
+        )
+    out = os.path.abspath(args.out or "structinfer-bench")
+    os.makedirs(out, exist_ok=True)
+    src = script.read_text(errors="replace")
+    cmd = [sys.executable, str(script)]
+    if '"--seed"' in src:
+        cmd += ["--seed", str(args.seed)]
+    if args.quick:
+        cmd.append("--quick")
+    if '"--out"' in src:
+        cmd += ["--out", out]
+    cmd += args.extra
+    return _run_script(cmd, out, f"benchmark {script.name}")
+
+
+# --------------------------------------------------------------------------------------
+# parser
+# --------------------------------------------------------------------------------------
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    common.add_argument("--out", default=None, help="output folder for the report and plots")
+    common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    common.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    common.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="hide progress bars")
+
+    p = argparse.ArgumentParser(
+        prog="structinfer",
+        description="Attention as structural inference: compare structural priors, "
+        "reproduce the papers' experiments, run benchmarks.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser(
+        "demo", parents=[common],
+        help="fit one model under four structural priors on a task with known structure",
+        description="Generate a sequence whose nodes copy a recent parent, fit the same "
+        "model under a uniform, a sliding-window, a relative-position and a geometric x "
+        "Beta prior (NUTS, edges summed out), compare them by PSIS-LOO and write a "
+        "report folder (default ./structinfer-demo).",
+    )
+    d.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
+    d.set_defaults(func=cmd_demo, default_out="structinfer-demo")
+
+    c = sub.add_parser(
+        "compare", parents=[common], help="compare your own models on your data",
+        description="Fit every model in MODELS.py on the arrays of DATA.npz with NUTS (edges "
+        "summed out) and compare them by PSIS-LOO. MODELS.py defines MODELS = {name: fn} or "
+        "functions named model_<name>; each takes the data arrays as keyword arguments "
+        "named like the .npz keys and observes its data with numpyro.sample(..., obs=...).",
+    )
+    c.add_argument("models", metavar="MODELS.py", help="Python file defining the models")
+    c.add_argument("data", metavar="DATA.npz", help="arrays passed to the models by name")
+    c.add_argument("--true-edges", metavar="KEY", help="array in DATA.npz with the true parent "
+                   "of each child (not passed to the models)")
+    c.add_argument("--quick", action="store_true", help="short chains (smoke run)")
+    c.add_argument("--num-warmup", type=_positive, default=None)
+    c.add_argument("--num-samples", type=_positive, default=None)
+    c.add_argument("--num-chains", type=_positive, default=None)
+    c.add_argument("--score-factors", choices=("error", "normalize"), default="error",
+                   help="factor potentials in the likelihood: refuse (default) or normalise "
+                   "them as a conditional prior over the edges")
+    c.set_defaults(func=cmd_compare, default_out="structinfer-compare")
+
+    r = sub.add_parser(
+        "reproduce", parents=[common], help="run a paper reproduction from examples/",
+        description="Run a reproduction script from the examples folder (list them with "
+        "--list). Arguments after -- go to the script.",
+    )
+    r.add_argument("name", nargs="?", metavar="NAME")
+    r.add_argument("--list", action="store_true", help="list the available reproductions")
+    r.add_argument("--quick", action="store_true", help="the script's smoke mode")
+    r.set_defaults(func=cmd_reproduce, default_out=None)
+
+    b = sub.add_parser(
+        "bench", parents=[common], help="run benchmarks/attention.py",
+        description="Run the attention benchmark script (printing ratio tables). "
+        "Arguments after -- go to the script.",
+    )
+    b.add_argument("--quick", action="store_true", help="small sizes")
+    b.set_defaults(func=cmd_bench, default_out=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 runtime error, 2 usage error)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # arguments for the script run by `reproduce` / `bench`
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.out is None and args.default_out:
+        args.out = args.default_out
+    if extra and args.command not in ("reproduce", "bench"):
+        print(f"structinfer {args.command}: error: unexpected arguments after --: "
+              f"{' '.join(extra)}", file=sys.stderr)
+        return EXIT_USAGE
+    args.extra = extra
+    try:
+        return args.func(args)
+    except CLIError as e:
+        if args.debug:
+            raise
+        print(f"structinfer {args.command}: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print(f"structinfer {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"structinfer {args.command}: error: {type(e).__name__}: {msg} "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The `structinfer` command, run in subprocesses: exit codes, one-line errors, reports.
+
+Exit status contract: 0 success, 2 usage error (bad arguments, missing path, unknown
+reproduction), 1 runtime error (no model in the file, wrong keys/shapes, NaN, a
+failing script). Errors are one line on stderr unless --debug.
+"""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from structinfer import cli
+from structinfer.demo import make_task
+
+REPO = Path(__file__).resolve().parent.parent
+
+MODELS = '''
+import numpyro
+import numpyro.distributions as dist
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+
+
+def _observe(x, w, sigma, prior):
+    n = x.shape[0] - 1
+    with numpyro.plate("children", n):
+        phi = si.edge("phi", prior)
+        mu = x[:-1] @ w.T
+        numpyro.sample("x", dist.Normal(Vindex(mu)[..., phi, :], sigma).to_event(1), obs=x[1:])
+
+
+def model_geometric(x, w):
+    q = numpyro.sample("q", dist.Beta(2.0, 2.0))
+    n = x.shape[0] - 1
+    _observe(x, w, 0.3, si.priors.Geometric(q, n, include_self=False, offset=1))
+
+
+def model_window(x, w):
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    n = x.shape[0] - 1
+    _observe(x, w, sigma, si.priors.Restricted.window(n, 3, n, include_self=False, offset=1))
+'''
+
+ENERGY_MODELS = '''
+import numpyro
+import numpyro.distributions as dist
+import structinfer as si
+
+
+def model_a(x, w):
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("children", x.shape[0]):
+        si.edge("phi", si.priors.Uniform(x.shape[0]), si.scores.Dot(s * x, x))
+
+
+def model_b(x, w):
+    model_a(x, w)
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    task = make_task(12, dim=3, seed=5)
+    (d / "models.py").write_text(MODELS)
+    (d / "energy.py").write_text(ENERGY_MODELS)
+    (d / "nomodel.py").write_text("import math\n\ndef helper(x):\n    return x\n")
+    (d / "syntax.py").write_text("def model_a(x:\n    pass\n")
+    np.savez(d / "data.npz", x=task.x, w=task.weight, parents=task.parents)
+    np.savez(d / "wrongkeys.npz", y=task.x, w=task.weight)
+    np.savez(d / "badshape.npz", x=task.x[:, 0], w=task.weight)
+    bad = task.x.copy()
+    bad[2, 1] = np.nan
+    np.savez(d / "nan.npz", x=bad, w=task.weight)
+    ex = d / "examples"
+    ex.mkdir()
+    (ex / "reproduce_tiny_thing.py").write_text(textwrap.dedent('''
+        """A tiny reproduction used by the tests."""
+        import argparse, json, os
+        p = argparse.ArgumentParser()
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--quick", action="store_true")
+        p.add_argument("--out", default=".")
+        p.add_argument("--extra", default="")
+        a = p.parse_args()
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump({"seed": a.seed, "quick": a.quick, "extra": a.extra, "cwd": os.getcwd()}, f)
+    '''))
+    (ex / "reproduce_broken.py").write_text('"""Always fails."""\nraise SystemExit(3)\n')
+    bench = d / "bench"
+    bench.mkdir()
+    (bench / "attention.py").write_text(
+        'import sys\nprint("ratio table", " ".join(sys.argv[1:]))\n'
+    )
+    (d / "empty").mkdir()
+    return d
+
+
+def _env(files, **extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["STRUCTINFER_JAX_CACHE"] = str(files / "jax-cache")
+    env.update(extra)
+    return env
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "structinfer.cli", *map(str, args)]
+
+
+def run(files, *args, env=None, timeout=600):
+    return subprocess.run(_cmd(*args), capture_output=True, text=True, cwd=files,
+                          env=_env(files, **(env or {})), timeout=timeout)
+
+
+def run_many(files, cases):
+    """Start every case at once (they are import-bound) and wait for all."""
+    procs = [
+        subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=files, env=_env(files, **env))
+        for args, env in cases
+    ]
+    out = []
+    for p in procs:
+        so, se = p.communicate(timeout=600)
+        out.append((p.returncode, so, se))
+    return out
+
+
+ERROR_CASES = [
+    # (args, env, exit status, text expected in the single stderr line)
+    (["compare", "missing.py", "data.npz"], {}, 2, "models file 'missing.py' does not exist"),
+    (["compare", "models.py", "nothere.npz"], {}, 2, "data file 'nothere.npz' does not exist"),
+    (["compare", "nomodel.py", "data.npz"], {}, 1, "nomodel.py: defines no model"),
+    (["compare", "syntax.py", "data.npz"], {}, 1, "syntax.py:1: syntax error"),
+    (["compare", "models.py", "wrongkeys.npz"], {}, 1,
+     "model 'geometric' needs argument 'x' but wrongkeys.npz has keys ['w', 'y']"),
+    (["compare", "models.py", "badshape.npz"], {}, 1,
+     "model 'geometric' (models.py) fails on badshape.npz (x: (12,), w: (3, 3))"),
+    (["compare", "models.py", "nan.npz"], {}, 1,
+     "nan.npz: array 'x' contains NaN at index (2, 1) (shape (12, 3))"),
+    (["compare", "energy.py", "data.npz"], {}, 1, "cannot be compared by predictive density"),
+    (["compare", "models.py", "data.npz", "--true-edges", "nokey"], {}, 1,
+     "no array 'nokey' (--true-edges)"),
+    (["compare", "models.py", "data.npz", "--num-samples", "0"], {}, 2,
+     "expected a positive integer, got 0"),
+    (["demo", "--bogus"], {}, 2, "unrecognized arguments: --bogus"),
+    (["frobnicate"], {}, 2, "invalid choice: 'frobnicate'"),
+    (["reproduce", "nosuch"], {}, 2, "unknown reproduction 'nosuch'"),
+    (["reproduce", "broken"], {"examples": True}, 1,
+     "reproduction 'broken' (reproduce_broken.py) failed with exit status 3"),
+    (["bench"], {"bench": "empty"}, 1, "attention.py not found"),
+]
+
+
+def _case_env(files, spec):
+    env = {}
+    if spec.get("examples"):
+        env["STRUCTINFER_EXAMPLES"] = str(files / "examples")
+    if spec.get("bench"):
+        env["STRUCTINFER_BENCHMARKS"] = str(files / spec["bench"])
+    return env
+
+
+def test_errors_are_one_line_with_the_right_exit_status(files):
+    cases = [(args, _case_env(files, spec)) for args, spec, _, _ in ERROR_CASES]
+    cases.append((["compare", "models.py", "nan.npz", "--debug"], {}))
+    results = run_many(files, cases)
+    for (args, _, code, text), (rc, _so, se) in zip(ERROR_CASES, results[:-1]):
+        lines = [ln for ln in se.strip().splitlines() if ln.strip()]
+        assert rc == code, (args, rc, se)
+        assert text in se, (args, se)
+        if code == 1:  # runtime errors: exactly one line, no traceback
+            assert len(lines) == 1 and "Traceback" not in se, (args, se)
+        else:  # usage errors: argparse's usage lines may precede the one-line message
+            assert "Traceback" not in se and text in lines[-1], (args, se)
+    rc, so, se = results[-1]  # --debug: the traceback is shown
+    assert rc == 1 and "Traceback" in se and "contains NaN" in se
+
+
+def test_help_for_every_command(capsys):
+    for argv in (["--help"], ["demo", "--help"], ["compare", "--help"], ["reproduce", "--help"],
+                 ["bench", "--help"]):
+        assert cli.main(argv) == 0
+        text = capsys.readouterr().out
+        if argv != ["--help"]:
+            for flag in ("--seed", "--out", "--debug"):
+                assert flag in text, (argv, flag)
+    assert cli.main([]) == 2  # no command: help on stderr, usage error
+
+
+def test_console_script_is_declared():
+    eps = importlib.metadata.entry_points(group="console_scripts", name="structinfer")
+    assert [ep.value for ep in eps] == ["structinfer.cli:main"]
+
+
+def test_reproduce_registry_and_run(files):
+    env = {"STRUCTINFER_EXAMPLES": str(files / "examples")}
+    r = run(files, "reproduce", "--list", env=env)
+    assert r.returncode == 0
+    assert "tiny-thing" in r.stdout and "A tiny reproduction used by the tests." in r.stdout
+    out = files / "rep-out"
+    r = run(files, "reproduce", "tiny-thing", "--quick", "--seed", "3", "--out", out, "--",
+            "--extra", "hello", env=env)
+    assert r.returncode == 0, r.stderr
+    got = pd.read_json(out / "results.json", typ="series")
+    assert got["seed"] == 3 and bool(got["quick"]) and got["extra"] == "hello"
+    # the registered entries point at scripts of the source checkout
+    avail = cli.reproductions()
+    for name, (_rep, path) in avail.items():
+        assert path.is_file(), name
+        if name in cli.REPRODUCTIONS:
+            assert path.name == cli.REPRODUCTIONS[name].script
+
+
+def test_bench_runs_the_benchmark_script(files):
+    r = run(files, "bench", "--quick", "--", "--n", "7", env={"STRUCTINFER_BENCHMARKS":
+                                                             str(files / "bench")})
+    assert r.returncode == 0, r.stderr
+    assert "ratio table --quick --n 7" in r.stdout
+
+
+def test_compare_user_models(files):
+    out = files / "cmp-out"
+    r = run(files, "compare", "models.py", "data.npz", "--quick", "--true-edges", "parents",
+            "--out", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    table = pd.read_csv(out / "comparison.csv", index_col=0)
+    assert set(table.index) == {"geometric", "window"}
+    edges = pd.read_csv(out / "edges.csv", index_col=0)
+    assert {"map_accuracy", "effective_parents"} <= set(edges.columns)
+    report = (out / "report.md").read_text()
+    assert "| geometric |" in report and "elpd" in report
+    assert (out / "compare.png").stat().st_size > 0
+    assert (out / "attention_window.png").stat().st_size > 0
+
+
+def test_demo_quick(files):
+    out = files / "demo-out"
+    r = run(files, "demo", "--quick", "--out", out, "--seed", "1", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "PSIS-LOO comparison" in r.stdout and "best edge recovery" in r.stdout
+    table = pd.read_csv(out / "comparison.csv", index_col=0)
+    assert set(table.index) == {"uniform", "window", "relative", "geometric"}
+    assert sorted(table["rank"]) == [0, 1, 2, 3]
+    edges = pd.read_csv(out / "edges.csv", index_col=0)
+    assert ((edges["map_accuracy"] >= 0) & (edges["map_accuracy"] <= 1)).all()
+    report = (out / "report.md").read_text()
+    for name in ("uniform", "window", "relative", "geometric"):
+        assert f"| {name} |" in report
+    for png in ("attention.png", "distance.png", "compare.png", "trace_geometric.png",
+                "q_prior_posterior.png"):
+        assert (out / png).stat().st_size > 0, png

@@ -1,0 +1,461 @@
+"""structinfer.diagnostics against brute force written here with numpy/scipy.
+
+* the pointwise log-likelihood against a per-child logsumexp over parents;
+* NUTS (edges collapsed) against the posterior of the geometric q on a grid;
+* the InferenceData groups against the same formulas at the draws;
+* the edge-posterior summaries against plain loops;
+* PSIS-LOO warnings and comparison tables on constructed log-likelihoods.
+
+Sizes are distinct primes: 7 or 11 children, 3 dims, 2 batch elements, 5 slots.
+"""
+
+import warnings
+
+import arviz_base as azb
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.ops.indexing import Vindex
+from scipy.special import logsumexp, softmax
+from scipy.stats import beta as beta_dist
+from scipy.stats import norm
+
+import structinfer as si
+from structinfer import diagnostics as dg
+from structinfer.demo import make_task, recency_model
+
+matplotlib.use("Agg")
+
+D = 3
+
+
+# ---------------------------------------------------------------------------------------
+# brute force
+# ---------------------------------------------------------------------------------------
+
+
+def geometric_log_prior(n, q):
+    """Child c (node c + 1) takes parent j <= c with prob. prop. to q (1-q)^(c - j)."""
+    out = np.full((n, n), -np.inf)
+    for c in range(n):
+        d = c + 1 - np.arange(c + 1)
+        lw = np.log(q) + (d - 1) * np.log1p(-q)
+        out[c, : c + 1] = lw - logsumexp(lw)
+    return out
+
+
+def gaussian_loglik(x, w, sigma):
+    """ll[c, j] = log N(x_{c+1}; W x_j, sigma^2 I)."""
+    x = np.asarray(x, np.float64)
+    mu = x[:-1] @ np.asarray(w, np.float64).T
+    return norm.logpdf(x[1:, None, :], mu[None, :, :], sigma).sum(-1)
+
+
+def brute_pointwise(x, w, sigma, q):
+    n = x.shape[0] - 1
+    return logsumexp(geometric_log_prior(n, q) + gaussian_loglik(x, w, sigma), axis=-1)
+
+
+def q_model(x, w, sigma):
+    """Geometric x Beta(2, 2) prior; W and sigma given, only q is sampled."""
+    n = x.shape[0] - 1
+    q = numpyro.sample("q", dist.Beta(2.0, 2.0))
+    with numpyro.plate("children", n):
+        phi = si.edge("phi", si.priors.Geometric(q, n, include_self=False, offset=1))
+        mu = x[:-1] @ w.T
+        numpyro.sample("x", dist.Normal(Vindex(mu)[..., phi, :], sigma).to_event(1), obs=x[1:])
+
+
+# ---------------------------------------------------------------------------------------
+# pointwise log-likelihood
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_pointwise_matches_per_child_logsumexp(precision, request):
+    if precision == "float64":
+        request.getfixturevalue("x64")
+    task = make_task(12, dim=D, seed=3)  # 11 children
+    dtype = jnp.float32 if precision == "float32" else jnp.float64
+    x, w = jnp.asarray(task.x, dtype), jnp.asarray(task.weight, dtype)
+    params = {"sigma": jnp.asarray(0.4, dtype), "q": jnp.asarray(0.3, dtype)}
+    model = recency_model("geometric")
+    ll = jax.jit(lambda p, x, w: dg.pointwise_log_likelihood(model, p, x, w))(params, x, w)
+    ref = brute_pointwise(task.x, task.weight, 0.4, 0.3)
+    assert ll.shape == (11,) and ll.dtype == dtype
+    tol = 2e-4 if precision == "float32" else 1e-10
+    np.testing.assert_allclose(ll, ref, rtol=tol, atol=tol)
+    # the terms add up to the engine's log Z minus the log prior of the parameters
+    @jax.jit
+    def log_lik(p, x, w):
+        lz = si.log_marginal(numpyro.handlers.substitute(model, data=p), x, w)
+        log_prior = dist.HalfNormal(1.0).log_prob(p["sigma"]) + dist.Beta(1.0, 1.0).log_prob(
+            p["q"]
+        )
+        return lz - log_prior
+
+    np.testing.assert_allclose(jnp.sum(ll), log_lik(params, x, w), rtol=tol, atol=tol * 10)
+    s = dg.likelihood_structure(model, params, x, w)
+    assert s.name == "x" and s.plates == ("children",) and s.shape == (11,)
+
+
+def test_pointwise_batch_plate_and_two_local_sites():
+    """(batch, children) entries; each child has an edge and a local mixture site."""
+    B, n, m, K = 2, 5, 7, 3
+    r = np.random.default_rng(0)
+    parents = r.normal(size=(B, m, D)).astype(np.float32)
+    y = r.normal(size=(B, n, D)).astype(np.float32)
+    logits = r.normal(size=(B, n, m)).astype(np.float32)
+    scales = np.array([0.5, 1.0, 2.0], np.float32)
+
+    def model(parents, y):
+        with numpyro.plate("batch", B, dim=-2), numpyro.plate("children", n, dim=-1):
+            phi = si.edge("phi", si.priors.Categorical(logits))
+            z = numpyro.sample("z", dist.Categorical(jnp.ones(K) / K),
+                               infer={"enumerate": "parallel"})
+            mu = Vindex(jnp.asarray(parents)[:, None])[..., phi, :]
+            numpyro.sample("y", dist.Normal(mu, Vindex(jnp.asarray(scales))[z][..., None])
+                           .to_event(1), obs=y)
+
+    ll = jax.jit(lambda: dg.pointwise_log_likelihood(model, None, parents, y))()
+    lp = logits - logsumexp(logits, -1, keepdims=True)
+    ref = np.zeros((B, n))
+    for b in range(B):
+        for i in range(n):
+            terms = [
+                lp[b, i, j] - np.log(K) + norm.logpdf(y[b, i], parents[b, j], scales[k]).sum()
+                for j in range(m)
+                for k in range(K)
+            ]
+            ref[b, i] = logsumexp(terms)
+    np.testing.assert_allclose(ll, ref, rtol=1e-4, atol=1e-4)
+    s = dg.likelihood_structure(model, None, parents, y)
+    assert s.plates == ("batch", "children") and s.shape == (B, n)
+
+
+def attention_obs_model(xq, xk, v, y):
+    """Attention over given keys with a score, and an observed value per query."""
+    with numpyro.plate("queries", xq.shape[0]):
+        phi = si.edge("phi", si.priors.Uniform(xk.shape[0]), si.scores.Dot(xq, xk))
+        numpyro.sample("y", dist.Normal(Vindex(v)[..., phi, :], 0.5).to_event(1), obs=y)
+
+
+def test_score_factors_refused_or_normalised():
+    r = np.random.default_rng(1)
+    n, m = 5, 7
+    xq, xk = r.normal(size=(n, D)), r.normal(size=(m, D))
+    v, y = r.normal(size=(m, 2)), r.normal(size=(n, 2))
+    with pytest.raises(dg.EnergyOnlyModelError, match=r"'phi\.score'.*score_factors='normalize'"):
+        dg.pointwise_log_likelihood(attention_obs_model, None, xq, xk, v, y)
+    ll = jax.jit(
+        lambda *a: dg.pointwise_log_likelihood(attention_obs_model, None, *a,
+                                               score_factors="normalize")
+    )(xq, xk, v, y)
+    att = softmax(xq @ xk.T, -1)  # the conditional prior p(phi_i = j | inputs)
+    lik = norm.logpdf(y[:, None, :], v[None], 0.5).sum(-1)
+    np.testing.assert_allclose(ll, logsumexp(np.log(att) + lik, -1), rtol=1e-4, atol=1e-4)
+
+
+def energy_only_model(xq, xk):
+    with numpyro.plate("queries", xq.shape[0]):
+        si.edge("phi", si.priors.Uniform(xk.shape[0]), si.scores.Dot(xq, xk))
+
+
+def energy_with_param_model(xq, xk):
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("queries", xq.shape[0]):
+        si.edge("phi", si.priors.Uniform(xk.shape[0]), si.scores.Dot(s * xq, xk))
+
+
+def test_energy_only_models_are_refused():
+    r = np.random.default_rng(2)
+    xq, xk = r.normal(size=(5, D)), r.normal(size=(7, D))
+    with pytest.raises(dg.EnergyOnlyModelError, match="no observed sample site"):
+        dg.pointwise_log_likelihood(energy_only_model, None, xq, xk)
+    with pytest.raises(dg.EnergyOnlyModelError, match="energy_with_param_model"):
+        # refused before any fitting happens
+        dg.compare_priors({"a": energy_with_param_model, "b": energy_with_param_model}, xq, xk)
+
+
+def test_enumerated_site_coupling_children_is_refused():
+    r = np.random.default_rng(3)
+    y = r.normal(size=(5,))
+
+    def model(y):
+        z = numpyro.sample("z", dist.Categorical(jnp.ones(3) / 3), infer={"enumerate": "parallel"})
+        with numpyro.plate("children", 5):
+            numpyro.sample("y", dist.Normal(z.astype(y.dtype), 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="enumerated site 'z' lies outside"):
+        dg.pointwise_log_likelihood(model, None, y)
+
+
+# ---------------------------------------------------------------------------------------
+# fitting: NUTS and SVI against the grid posterior of q
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q_task():
+    task = make_task(12, dim=D, q=0.35, noise=0.3, seed=5)
+    grid = np.linspace(1e-4, 1 - 1e-4, 4001)
+    logp = np.array([brute_pointwise(task.x, task.weight, 0.3, q).sum() for q in grid])
+    logp += beta_dist.logpdf(grid, 2.0, 2.0)
+    p = np.exp(logp - logp.max())
+    p /= p.sum()
+    mean = float((grid * p).sum())
+    sd = float(np.sqrt(((grid - mean) ** 2 * p).sum()))
+    return task, mean, sd
+
+
+@pytest.fixture(scope="module")
+def q_fit(q_task):
+    task = q_task[0]
+    return dg.fit_nuts(q_model, task.x, task.weight, 0.3, num_warmup=300, num_samples=400,
+                       num_chains=2, seed=1, progress_bar=False)
+
+
+def test_fit_nuts_matches_grid_posterior_of_q(q_task, q_fit):
+    _, mean, sd = q_task
+    q = np.asarray(q_fit.samples["q"])
+    assert q.shape == (2, 400) and q_fit.method == "nuts"
+    # 800 draws (ESS of a few hundred): the error of the mean is ~0.06 sd; allow 0.3 sd.
+    # A missing log-Jacobian of the logit transform would shift the mean by ~0.5 sd.
+    assert abs(q.mean() - mean) < 0.3 * sd, (q.mean(), mean, sd)
+    assert abs(q.std() - sd) < 0.2 * sd, (q.std(), sd)
+
+
+def test_fit_svi_draws_from_guide(q_task):
+    task, mean, sd = q_task
+    fit = dg.fit_svi(q_model, task.x, task.weight, 0.3, num_steps=400, learning_rate=0.05,
+                     num_draws=300, seed=0, progress_bar=False)
+    q = np.asarray(fit.samples["q"])
+    assert q.shape == (1, 300) and fit.method == "svi"
+    assert fit.info["losses"].shape == (400,)
+    assert convergence_is_downhill(fit.info["losses"])
+    # a Gaussian guide on logit(q): the mean is close to the exact posterior mean
+    assert abs(q.mean() - mean) < 0.5 * sd, (q.mean(), mean, sd)
+
+
+def convergence_is_downhill(losses):
+    first, last = np.mean(losses[:50]), np.mean(losses[-50:])
+    return last < first
+
+
+def test_fit_from_mcmc_and_bad_fits(q_task):
+    task = q_task[0]
+
+    class FakeMCMC:
+        def get_samples(self, group_by_chain=False):
+            return {"q": jnp.full((3, 4), 0.5)}
+
+    fit = dg.Fit.from_mcmc(FakeMCMC(), q_model, task.x, task.weight, 0.3)
+    assert fit.samples["q"].shape == (3, 4)
+    with pytest.raises(TypeError, match="Fit"):
+        dg.to_inference_data({"q": 1})
+    with pytest.raises(ValueError, match=r"expected \(chains, draws, ...\)"):
+        dg.log_likelihood_draws(fit._replace(samples={"q": jnp.ones(4)}))
+    with pytest.raises(ValueError, match="num_samples must be a positive int"):
+        dg.fit_nuts(q_model, task.x, task.weight, 0.3, num_samples=0)
+
+
+# ---------------------------------------------------------------------------------------
+# InferenceData
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q_idata(q_task, q_fit):
+    return dg.to_inference_data(q_fit, true_edges={"phi": q_task[0].parents})
+
+
+def test_inference_data_groups_match_brute_force(q_task, q_fit, q_idata):
+    task = q_task[0]
+    dt = q_idata
+    assert {"posterior", "log_likelihood", "observed_data", "edge_posterior"} <= set(dt.children)
+    ll = dt["log_likelihood"]["x"]
+    assert ll.dims == ("chain", "draw", "children") and ll.shape == (2, 400, 11)
+    q = np.asarray(q_fit.samples["q"], np.float64)
+    for c, s in [(0, 0), (1, 399), (1, 17)]:
+        np.testing.assert_allclose(
+            ll.values[c, s], brute_pointwise(task.x, task.weight, 0.3, q[c, s]), rtol=2e-4,
+            atol=2e-4,
+        )
+    np.testing.assert_allclose(dt["observed_data"]["x"].values, task.x[1:])
+    # posterior edge marginals: the average over draws of the exact conditional posterior
+    lik = gaussian_loglik(task.x, task.weight, 0.3)
+    draws = q.ravel()[::40]
+    ref = np.mean([softmax(geometric_log_prior(11, qq) + lik, -1) for qq in draws], 0)
+    sub = dg.edge_marginal_draws(q_fit._replace(samples={"q": q_fit.samples["q"][:, ::40]}))
+    np.testing.assert_allclose(sub["phi"].mean((0, 1)), ref, atol=2e-4)
+    ep = dt["edge_posterior"]
+    np.testing.assert_allclose(ep["phi"].values.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(ep["phi_true"].values, task.parents)
+    assert ep.attrs["phi.offset"] == 1
+    prior_ref = np.mean([np.exp(geometric_log_prior(11, qq)) for qq in q.ravel()], 0)
+    np.testing.assert_allclose(ep["phi_prior"].values, prior_ref, atol=2e-4)
+
+
+def test_edge_summary_and_hyperparameters(q_task, q_idata):
+    task = q_task[0]
+    summ = dg.edge_summary(q_idata)
+    a = q_idata["edge_posterior"]["phi"].values
+    assert summ["map_accuracy"] == pytest.approx(np.mean(a.argmax(-1) == task.parents))
+    assert summ["true_parent_prob"] == pytest.approx(a[np.arange(11), task.parents].mean(), rel=1e-5)
+    table = dg.hyperparameter_summary(q_idata, ["q"])
+    assert table.loc["q", "mean"] == pytest.approx(float(q_idata["posterior"]["q"].mean()), abs=1e-3)
+    with pytest.raises(KeyError, match="'nope'"):
+        dg.hyperparameter_summary(q_idata, ["nope"])
+
+
+# ---------------------------------------------------------------------------------------
+# LOO and comparison
+# ---------------------------------------------------------------------------------------
+
+
+def synthetic_idata(shift, outlier=None, seed=0, n=11):
+    r = np.random.default_rng(seed)
+    ll = -1.0 - shift + 0.1 * r.normal(size=(2, 200, n))
+    if outlier is not None:  # one child whose likelihood has a heavy right tail
+        ll[..., outlier] = -5.0 + 4.0 * r.standard_cauchy(size=(2, 200)).clip(-30, 30)
+    return azb.from_dict(
+        {"posterior": {"mu": r.normal(size=(2, 200))}, "log_likelihood": {"x": ll}},
+        dims={"x": ["children"]},
+    )
+
+
+def test_loo_warns_with_the_badly_approximated_children():
+    with pytest.warns(dg.ParetoKWarning, match=r"model 'bad'.*children 3 \(k="):
+        res = dg.loo(synthetic_idata(0.0, outlier=3), name="bad")
+    k = np.asarray(res.pareto_k)
+    assert k[3] > res.good_k and (np.delete(k, 3) < res.good_k).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dg.ParetoKWarning)
+        dg.loo(synthetic_idata(0.0), name="good")  # no warning for a well-behaved one
+
+
+def test_compare_priors_table_ranks_by_elpd():
+    models = {"worse": synthetic_idata(0.5, seed=1), "better": synthetic_idata(0.0, seed=2)}
+    table = dg.compare_priors(models)
+    assert list(table.index) == ["better", "worse"]
+    assert table.loc["worse", "elpd_diff"] == pytest.approx(0.5 * 11, abs=0.3)
+    with pytest.raises(ValueError, match="at least two"):
+        dg.compare_priors({"a": synthetic_idata(0.0)})
+    with pytest.raises(ValueError, match="different numbers of observations"):
+        dg.compare_priors({"a": synthetic_idata(0.0), "b": synthetic_idata(0.0, n=7)})
+
+
+def window_model(x, w):
+    n = x.shape[0] - 1
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("children", n):
+        phi = si.edge("phi", si.priors.Restricted.window(n, 2, n, include_self=False, offset=1))
+        mu = x[:-1] @ w.T
+        numpyro.sample("x", dist.Normal(Vindex(mu)[..., phi, :], sigma).to_event(1), obs=x[1:])
+
+
+def test_compare_priors_fits_callables(q_task, q_fit):
+    task = q_task[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.ParetoKWarning)
+        table = dg.compare_priors(
+            {"geometric": q_fit, "window": window_model}, task.x, task.weight,
+            fit_kwargs={"num_warmup": 100, "num_samples": 100, "progress_bar": False},
+        )
+    assert set(table.index) == {"geometric", "window"}
+    assert {"elpd", "elpd_diff", "weight", "se"} <= set(table.columns)
+
+
+# ---------------------------------------------------------------------------------------
+# edge-posterior summaries against plain loops
+# ---------------------------------------------------------------------------------------
+
+
+def test_edge_statistics_against_loops():
+    r = np.random.default_rng(7)
+    n, m, offset = 5, 7, 2
+    a = r.dirichlet(np.ones(m) * 0.5, size=(3, n))  # (batch 3, children, parents)
+    a[0, 1] = np.eye(m)[4]  # a certain edge
+    ent = dg.edge_entropy(a)
+    d = np.arange(n)[:, None] + offset - np.arange(m)[None, :]
+    for b in range(3):
+        for i in range(n):
+            p = a[b, i]
+            h = -sum(pj * np.log(pj) for pj in p if pj > 0)
+            assert ent[b, i] == pytest.approx(h, abs=1e-5)
+            assert dg.effective_parents(a)[b, i] == pytest.approx(np.exp(h), rel=1e-5)
+            assert dg.expected_distance(a, offset)[b, i] == pytest.approx((p * d[i]).sum(), abs=1e-5)
+            for mass in (0.5, 0.9):
+                w = 0
+                while p[np.abs(d[i]) <= w].sum() < mass - 1e-9:
+                    w += 1
+                assert int(dg.effective_window(a, offset, mass)[b, i]) == w
+    assert ent[0, 1] == pytest.approx(0.0, abs=1e-6)
+    ds, probs = dg.distance_posterior(a, offset)
+    for k, dd in enumerate(ds):
+        assert probs[2, k] == pytest.approx((a[2] * (d == dd)).sum() / n, abs=1e-6)
+    np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, atol=1e-6)
+    true = r.integers(0, m, size=(3, n))
+    agr = dg.edge_agreement(a, true)
+    assert float(agr.accuracy) == pytest.approx(np.mean(a.argmax(-1) == true))
+    assert float(agr.true_parent_prob) == pytest.approx(
+        np.mean(np.take_along_axis(a, true[..., None], -1)), rel=1e-5)
+    jitted = jax.jit(dg.edge_agreement)(jnp.asarray(a), jnp.asarray(true))
+    assert float(jitted.accuracy) == pytest.approx(float(agr.accuracy))
+    with pytest.raises(ValueError, match=r"shape \(3,\); expected one parent index per child"):
+        dg.edge_agreement(a, np.zeros(3, int))
+    with pytest.raises(ValueError, match="outside"):
+        dg.edge_agreement(a, np.full((3, n), m))
+    with pytest.raises(ValueError, match="mass must lie in"):
+        dg.effective_window(a, mass=0.0)
+
+
+def test_convergence_report():
+    rep = dg.convergence_report(np.array([5.0, 3.0, 2.0, 2.0, 1.5]))
+    assert rep.monotone and rep.num_iterations == 5 and rep.final == 1.5 and rep.first_increase == -1
+
+    class Info(tuple):  # an info NamedTuple of an iterative algorithm (NaN after it stopped)
+        _fields = ("energy", "num_steps")
+
+        @property
+        def energy(self):
+            return self[0]
+
+    rep = dg.convergence_report(Info((np.array([3.0, 2.0, 2.5, 1.0, np.nan, np.nan]), 3)))
+    assert not rep.monotone and rep.first_increase == 1 and rep.max_increase == pytest.approx(0.5)
+    assert rep.num_iterations == 4
+    with pytest.raises(ValueError, match="1-d"):
+        dg.convergence_report(np.zeros((2, 3)))
+
+
+# ---------------------------------------------------------------------------------------
+# plots
+# ---------------------------------------------------------------------------------------
+
+
+def test_plots(tmp_path, q_task, q_fit, q_idata):
+    import matplotlib.pyplot as plt
+
+    task = q_task[0]
+    a = q_idata["edge_posterior"]["phi"].values
+    ax = dg.plot_attention(a, true_edges=task.parents, title="geometric")
+    np.testing.assert_allclose(ax.images[0].get_array(), a)
+    ax = dg.plot_distance(a, q_idata["edge_posterior"]["phi_prior"].values, offset=1,
+                          true_edges=task.parents)
+    ds, post = dg.distance_posterior(a, 1)
+    line = ax.lines[0]
+    np.testing.assert_allclose(line.get_ydata(), np.asarray(post)[ds >= 0])
+    ax = dg.plot_convergence({"em": [3.0, 2.0, 1.0], "bad": [3.0, 4.0, 1.0]})
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["em", "bad (non-monotone)"]
+    dg.plot_hyperparameter(q_fit, "q", true_value=task.q)
+    table = dg.compare_priors({"a": synthetic_idata(0.0), "b": synthetic_idata(0.3, seed=4)})
+    dg.plot_compare(table, path=tmp_path / "cmp.png")
+    dg.plot_trace(q_idata, ["q"], path=tmp_path / "trace.png")
+    assert (tmp_path / "cmp.png").stat().st_size > 0 and (tmp_path / "trace.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="no prior group"):
+        dg.plot_prior_posterior(q_idata, ["q"])
+    plt.close("all")
