@@ -32,7 +32,7 @@ from numpyro.contrib.funsor import enum, infer_discrete
 from numpyro.contrib.funsor import log_density as _funsor_log_density
 from numpyro.handlers import block, trace
 
-from .handlers import fill_discrete, pin, require_values, tilt
+from .handlers import fill_discrete, fold_scores, pin, require_values, tilt
 
 __all__ = [
     "log_marginal",
@@ -136,7 +136,7 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
 
 
 def _log_z(model, args, kwargs, info: ModelInfo, tilts: dict | None = None) -> jax.Array:
-    m = require_values(model)
+    m = fold_scores(require_values(model))
     if tilts:
         m = tilt(m, tilts=tilts, max_plate_nesting=info.max_plate_nesting)
     try:
@@ -273,7 +273,7 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     if len(trivial) == len(info.enumerated):  # nothing left to infer
         return trivial
     m = infer_discrete(
-        pin(require_values(model), data=trivial),
+        fold_scores(pin(require_values(model), data=trivial)),
         first_available_dim=info.first_available_dim,
         temperature=temperature,
         rng_key=key,

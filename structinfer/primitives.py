@@ -14,7 +14,7 @@ from the prior.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -29,10 +29,12 @@ from ._checks import check_finite
 from .priors import StructuralPrior, as_prior
 from .scores import Score, as_score
 
-__all__ = ["edge", "EdgeInfo", "gather", "SCORE_SUFFIX"]
+__all__ = ["edge", "EdgeInfo", "gather", "SCORE_SUFFIX", "SCORE_TABLE_KEY"]
 
 #: suffix of the factor site that carries an edge's score
 SCORE_SUFFIX = ".score"
+#: key of the edge site's ``infer`` dict holding its dense score table
+SCORE_TABLE_KEY = "structinfer_score_table"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class EdgeInfo:
     num_children: int
     num_parents: int
     children_plate: str
+    #: the ``child=`` index this site follows (multi-hop), ``None`` for a plain edge
+    child: Any = field(default=None, compare=False, repr=False)
 
 
 def active_plates() -> list[Any]:
@@ -164,8 +168,13 @@ def edge(name: str, prior, score=None, *, child=None, infer: dict | None = None)
         _check_table(score_table, "score", name, batch, num_parents)
         check_finite(score_table, f"edge site '{name}': score")
 
-    info = EdgeInfo(name, prior, score_obj, num_children, num_parents, child_plate.name)
+    info = EdgeInfo(
+        name, prior, score_obj, num_children, num_parents, child_plate.name, child
+    )
     site_infer = {"enumerate": "parallel", "structinfer": info}
+    if score_table is not None and child is None:
+        # read by the exact engine, which folds the score into the edge's own factor
+        site_infer[SCORE_TABLE_KEY] = score_table
     if infer:
         site_infer.update(infer)
     if child is not None:

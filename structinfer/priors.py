@@ -182,6 +182,9 @@ class Restricted(StructuralPrior):
     kind = "restricted"
 
     def __init__(self, mask, pattern: dict[str, Any] | None = None):
+        #: the mask as a NumPy array when known at trace time (lets the lowered
+        #: engine verify ``pattern`` and skip empty blocks under ``jit``), else None
+        self.concrete_mask = np.asarray(mask) if is_concrete(mask) else None
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             raise TypeError(
@@ -299,8 +302,10 @@ class Categorical(StructuralPrior):
         logits = as_float_array(logits, "Categorical prior logits")
         if logits.ndim < 1:
             raise ValueError("Categorical prior: logits must have a parent axis")
-        if is_concrete(logits) and bool(jnp.any(jnp.isnan(logits) | (logits == jnp.inf))):
-            raise ValueError("Categorical prior: logits contain NaN or +inf")
+        if is_concrete(logits):  # numpy: jnp ops on constants are staged out under jit
+            la = np.asarray(logits)
+            if np.any(np.isnan(la) | (la == np.inf)):
+                raise ValueError("Categorical prior: logits contain NaN or +inf")
         self.logits = logits
         self.num_parents = int(logits.shape[-1])
 

@@ -92,3 +92,31 @@ def test_plate_dim_budget_counts_plates_and_sites():
 
     info = si.inspect_model(model)
     assert info.max_plate_nesting == 2 and len(info.enumerated) == 30
+
+
+def test_float32_large_score_on_forbidden_or_unlikely_parent():
+    """funsor rescales each factor by its own max before exponentiating; a prior and a
+    score whose maxima sit at different parents underflowed to log Z = -inf in float32
+    before the engine folded the score into the edge's own factor."""
+    s = np.array([[0.0, 1.0, 200.0], [3.0, 0.0, -50.0]], np.float32)
+    mask = np.array([[True, True, False], [True, True, True]])
+    logits = np.array([[0.0, 0.0, -150.0], [0.0, -1.0, 0.0]], np.float32)
+
+    def lse(a):
+        a = np.asarray(a, np.float64)
+        return np.log(np.exp(a - a.max(-1, keepdims=True)).sum(-1)) + a.max(-1)
+
+    for prior, log_prior in [
+        (si.priors.Restricted(mask), np.where(mask, -np.log(mask.sum(-1, keepdims=True)), -np.inf)),
+        (si.priors.Categorical(logits), logits - lse(logits)[:, None]),
+    ]:
+
+        def model(prior=prior):
+            with numpyro.plate("queries", 2):
+                si.edge("phi", prior, s)
+
+        total = s + log_prior
+        np.testing.assert_allclose(si.log_marginal(model), lse(total).sum(), rtol=1e-6)
+        post = np.exp(total - lse(total)[:, None])
+        np.testing.assert_allclose(si.marginals(model)["phi"], post, atol=1e-6)
+        np.testing.assert_array_equal(si.map_edges(model)["phi"], total.argmax(-1))
