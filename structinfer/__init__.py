@@ -8,7 +8,7 @@ and returns the energy, the attention (posterior edge marginals) and the output
 inference", and Tschantz, "log-sum-exp energies".
 """
 
-from . import diagnostics, handlers, infer, priors, scores
+from . import diagnostics, handlers, infer, mechanisms, priors, scores
 from .exact import (
     energy,
     expectation,
@@ -29,6 +29,7 @@ __all__ = [
     "scores",
     "handlers",
     "infer",
+    "mechanisms",
     "diagnostics",
     "log_marginal",
     "energy",

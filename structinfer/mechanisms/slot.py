@@ -1,0 +1,58 @@
+r"""Slot attention: the softmax is over latent slots (Singh & Buckley sec. 4.3,
+Table 1 row 8; Tschantz v2 sec. 4)."""
+
+from __future__ import annotations
+
+import jax
+import numpyro
+
+from .. import priors, scores
+from ..primitives import edge
+from ._common import check_matrix, features, latent_nodes
+
+__all__ = ["slot_attention"]
+
+
+def slot_attention(
+    x: jax.Array,
+    wq: jax.Array,
+    wk: jax.Array,
+    num_slots: int,
+    node_potential: bool = True,
+) -> None:
+    r"""Slot attention: each observed token takes one latent slot as its parent.
+
+    Graph:
+        observed tokens :math:`x_1..x_N`, latent slots :math:`z_1..z_S` (site ``slots``);
+        one edge site per token.
+    Prior:
+        uniform over the latent nodes, :math:`\phi_j \sim \mathrm{Uniform}\{z_1..z_S\}` —
+        the prior of the Hopfield network with its roles swapped, so the softmax runs
+        over slots.
+    Potentials:
+        edge :math:`\psi(x_j, z_i) = z_i^\top W_Q^\top W_K x_j = (W_K x_j)^\top (W_Q z_i)`;
+        node :math:`-\tfrac12\|z_i\|^2` (``node_potential=True``) or none.
+    Value:
+        :math:`\partial F/\partial z`; the CCCP fixed point (Singh & Buckley eq. 8) is
+        :math:`\mu_i^* = \sum_j \mathrm{softmax}_i(\mu_i^\top W_Q^\top W_K x_j) W_Q^\top W_K x_j`.
+
+    Args:
+        x: tokens ``(N, d)``.
+        wq: slot projection ``(d_k, d)``; wk: token projection ``(d_k, d)``.
+        num_slots: ``S``.
+        node_potential: add the unit quadratic node potential on slots.
+
+    Sites:
+        ``slots`` (latent ``(S, d)``: give it a value), ``phi`` (edge, children = tokens).
+
+    Reference:
+        Singh & Buckley sec. 4.3; Locatello et al. "Object-centric learning with slot
+        attention"; Tschantz v2 sec. 4 (eqs. 9-11).
+    """
+    x = features(x, "x", "slot_attention")
+    d = x.shape[-1]
+    check_matrix(wq, "wq", "slot_attention", d)
+    check_matrix(wk, "wk", "slot_attention", d)
+    slots = latent_nodes("slots", (num_slots, d), 1.0 if node_potential else None, x.dtype)
+    with numpyro.plate("tokens", x.shape[-2]):
+        edge("phi", priors.Uniform(num_slots), scores.Dot(x @ wk.T, slots @ wq.T))
