@@ -4,7 +4,8 @@ Write an attention mechanism as a NumPyro model with discrete edge sites
 (:func:`edge`), a structural prior (:mod:`structinfer.priors`) and a score
 (:mod:`structinfer.scores`); the exact engine collapses the edges with funsor
 and returns the energy, the attention (posterior edge marginals) and the output
-(posterior expectations). See Singh & Buckley, "Attention as implicit structural
+(posterior expectations); :func:`attention` runs recognised dense patterns
+through fused kernels. See Singh & Buckley, "Attention as implicit structural
 inference", and Tschantz, "log-sum-exp energies".
 """
 
@@ -18,6 +19,7 @@ from .exact import (
     marginals,
     sample_edges,
 )
+from .lowering import attention, explain
 from .primitives import edge, gather
 
 __version__ = "0.1.0"
@@ -38,5 +40,7 @@ __all__ = [
     "map_edges",
     "sample_edges",
     "inspect_model",
+    "attention",
+    "explain",
     "__version__",
 ]

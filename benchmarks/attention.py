@@ -1,0 +1,442 @@
+"""Attention benchmarks: the lowered engine against XLA, hand-written jnp, the exact
+engine and torch SDPA, side by side in one process.
+
+Prints, per case, the median time after warm-up of each implementation, the time
+ratio of every peer to ``structinfer`` (>1: structinfer is faster), the attained
+rate as a fraction of a same-FLOP square matmul on this machine, and XLA's
+temporary-buffer size (peak extra memory of the compiled program). No numbers are
+asserted anywhere: timings on a shared machine are noisy; read the ratios.
+
+    python benchmarks/attention.py --quick            # seconds (a test runs this)
+    python benchmarks/attention.py                    # the full table (long)
+    python benchmarks/attention.py --sizes 1024 4096 --cases dense window
+    python benchmarks/attention.py --expanding        # sec 5.2 / Figure 3 right
+
+Cases (float32, batch 1, 8 heads, head dim 64): ``dense``, ``causal``, ``window``
+(sliding window of 128, causal), ``relpos`` (per-head relative-position bias),
+``geometric`` (recency prior q = 0.02, causal); ``fwd`` and ``fwd+bwd``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+from numpyro.ops.indexing import Vindex
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import structinfer as si  # noqa: E402
+from structinfer.lowering import band_blocks, blocked_attention, lower_edge  # noqa: E402
+
+CASES = ("dense", "causal", "window", "relpos", "geometric")
+WINDOW = 128
+GEO_Q = 0.02
+
+
+# --------------------------------------------------------------------------- models
+
+
+def make_model(case: str, H: int, n: int):
+    """The mechanism as a NumPyro model: the user-facing way to get the kernel."""
+
+    def prior(n):
+        if case == "dense":
+            return si.priors.Uniform(n)
+        if case == "causal":
+            return si.priors.Restricted.causal(n)
+        if case == "window":
+            return si.priors.Restricted.window(n, WINDOW)
+        if case == "relpos":
+            return None  # built from the bias argument below
+        return si.priors.Geometric(GEO_Q, n)
+
+    def model(q, k, v, bias):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            p = si.priors.RelativePosition(bias, n) if case == "relpos" else prior(n)
+            j = si.edge("phi", p, si.scores.Dot(q, k, scale=q.shape[-1] ** -0.5))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    return model
+
+
+def kernel_fn(case: str, H: int, n: int, block_q: int, block_k: int):
+    """The same computation calling the kernel directly (no model)."""
+    def f(q, k, v, bias):
+        if case == "relpos":
+            prior = si.priors.RelativePosition(bias, n)
+        elif case == "dense":
+            prior = si.priors.Uniform(n)
+        elif case == "causal":
+            prior = si.priors.Restricted.causal(n)
+        elif case == "window":
+            prior = si.priors.Restricted.window(n, WINDOW)
+        else:
+            prior = si.priors.Geometric(GEO_Q, n)
+        low = lower_edge(prior, si.scores.Dot(q, k, scale=q.shape[-1] ** -0.5), v, n, (H,))
+        bq, bk = band_blocks(low.terms, block_q, block_k)  # as attention() does
+        return blocked_attention(low.terms, low.problem, (H,), block_q=bq, block_k=bk,
+                                 mask=low.mask)[0]
+
+    return f
+
+
+def _bias_table(case, bias, n, dtype):
+    """(H or 1, n, n) additive bias / mask for the peers (they need the full table)."""
+    i = jnp.arange(n)[:, None]
+    j = jnp.arange(n)[None, :]
+    d = i - j
+    if case == "dense":
+        return None
+    if case == "causal":
+        return jnp.where(d >= 0, 0.0, -jnp.inf).astype(dtype)[None]
+    if case == "window":
+        return jnp.where((d >= 0) & (d < WINDOW), 0.0, -jnp.inf).astype(dtype)[None]
+    if case == "relpos":
+        return jnp.take(bias, d + n - 1, axis=-1)
+    w = math.log(GEO_Q) + d * math.log1p(-GEO_Q)
+    return jnp.where(d >= 0, w, -jnp.inf).astype(dtype)[None]
+
+
+def xla_fn(case: str, H: int, n: int):
+    def f(q, k, v, bias):
+        t = lambda x: jnp.swapaxes(x, 0, 1)[None]  # (H, n, d) -> (1, n, H, d)  # noqa: E731
+        kw = {}
+        if case == "causal":
+            kw["is_causal"] = True
+        elif case == "window":
+            kw["is_causal"] = True
+            kw["local_window_size"] = (WINDOW - 1, 0)
+        elif case == "relpos":
+            kw["bias"] = _bias_table(case, bias, n, q.dtype)[None]
+        elif case == "geometric":
+            kw["bias"] = _bias_table(case, bias, n, q.dtype)[None]
+        out = jax.nn.dot_product_attention(t(q), t(k), t(v), implementation="xla", **kw)
+        return jnp.swapaxes(out[0], 0, 1)
+
+    return f
+
+
+def jnp_fn(case: str, H: int, n: int):
+    def f(q, k, v, bias):
+        s = jnp.einsum("hid,hjd->hij", q, k) * q.shape[-1] ** -0.5
+        b = _bias_table(case, bias, n, q.dtype)
+        if b is not None:
+            s = s + b
+        return jax.nn.softmax(s, -1) @ v
+
+    return f
+
+
+def exact_fn(case: str, H: int, n: int):
+    model = make_model(case, H, n)
+    return lambda q, k, v, bias: si.expectation(model, "out", q, k, v, bias)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _median_time(f, args, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _with_grad(f):
+    def g(q, k, v, bias):
+        def loss(q, k, v):
+            return jnp.sum(f(q, k, v, bias) * v[..., : q.shape[-2], :1])
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    return g
+
+
+def _temp_mib(jitted, args) -> float | None:
+    try:
+        ma = jitted.lower(*args).compile().memory_analysis()
+        return ma.temp_size_in_bytes / 2**20 if ma is not None else None
+    except Exception:  # pragma: no cover - backend without memory analysis
+        return None
+
+
+def _flops(case: str, H: int, n: int, d: int, mode: str) -> float:
+    pairs = {"dense": n * n, "relpos": n * n, "causal": n * (n + 1) / 2,
+             "geometric": n * (n + 1) / 2,
+             "window": sum(min(i + 1, WINDOW) for i in range(n))}[case]
+    fwd = 4.0 * H * pairs * d
+    return fwd if mode == "fwd" else 3.5 * fwd  # backward = 5 matmuls, forward 2
+
+
+_MATMUL_RATE: dict[int, float] = {}
+
+
+def matmul_rate(flops: float, reps: int) -> float:
+    """GFLOP/s of a square float32 matmul with the same FLOP count (cached per size)."""
+    N = max(64, int(round((flops / 2) ** (1 / 3))))
+    N = (N // 16) * 16
+    if N not in _MATMUL_RATE:
+        a = jnp.asarray(np.random.default_rng(0).normal(size=(N, N)), jnp.float32)
+        f = jax.jit(lambda a: a @ a)
+        t = _median_time(f, (a,), reps)
+        _MATMUL_RATE[N] = 2 * N**3 / t / 1e9
+    return _MATMUL_RATE[N]
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def torch_fn(case: str, H: int, n: int):
+    try:
+        import torch
+        import torch.nn.functional as F
+    except Exception:  # ImportError, or a broken install (missing shared libraries)
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    def prep(q, k, v, bias):
+        tq, tk, tv = (torch.from_numpy(np.array(x)).unsqueeze(0) for x in (q, k, v))
+        mask = None
+        if case == "window":
+            i = torch.arange(n)[:, None]
+            j = torch.arange(n)[None, :]
+            mask = (i - j >= 0) & (i - j < WINDOW)
+        elif case in ("relpos", "geometric"):
+            mask = torch.from_numpy(np.array(_bias_table(case, jnp.asarray(bias), n, q.dtype)))
+        return tq, tk, tv, mask
+
+    def fwd(tq, tk, tv, mask):
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask,
+                                                  is_causal=case in ("causal",))
+
+    def fwdbwd(tq, tk, tv, mask):
+        tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
+        out = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask,
+                                             is_causal=case in ("causal",))
+        (out * tv[..., :1]).sum().backward()
+        return tq.grad
+
+    return prep, fwd, fwdbwd
+
+
+def _torch_time(fn, args, reps):
+    fn(*args)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+# --------------------------------------------------------------------------- main table
+
+
+def run_table(args) -> list[dict]:
+    H, d = args.heads, args.head_dim
+    rows = []
+    torch_note = None
+    for n in args.sizes:
+        r = np.random.default_rng(n)
+        q, k, v = (jnp.asarray(r.normal(size=(H, n, d)), jnp.float32) for _ in range(3))
+        bias = jnp.asarray(0.1 * r.normal(size=(H, 2 * n - 1)), jnp.float32)
+        a = (q, k, v, bias)
+        for case in args.cases:
+            impls = {
+                "structinfer": si.attention(make_model(case, H, n), "out",
+                                            block_q=args.block_q, block_k=args.block_k),
+                "kernel": kernel_fn(case, H, n, args.block_q, args.block_k),
+                "jax.nn(xla)": xla_fn(case, H, n),
+                "jnp": jnp_fn(case, H, n),
+            }
+            if n <= args.max_exact_n:
+                impls["exact"] = exact_fn(case, H, n)
+            tfn = None if args.no_torch else torch_fn(case, H, n)
+            if tfn is None and torch_note is None:
+                torch_note = "torch not importable: torch SDPA column skipped"
+            for mode in args.modes:
+                row = {"n": n, "case": case, "mode": mode, "t": {}, "mem": {}}
+                for name, f in impls.items():
+                    if n > args.max_peer_n and name in ("jax.nn(xla)", "jnp"):
+                        continue
+                    g = f if mode == "fwd" else _with_grad(f)
+                    jitted = jax.jit(g)
+                    reps = args.reps if name != "exact" else 1
+                    row["t"][name] = _median_time(jitted, a, reps)
+                    row["mem"][name] = _temp_mib(jitted, a)
+                if tfn is not None:
+                    prep, fwd, fwdbwd = tfn
+                    targs = prep(*a)
+                    row["t"]["torch"] = _torch_time(fwd if mode == "fwd" else fwdbwd, targs,
+                                                    args.reps)
+                flops = _flops(case, H, n, d, mode)
+                row["gflops"] = flops / row["t"]["structinfer"] / 1e9
+                row["matmul"] = matmul_rate(flops, args.reps)
+                rows.append(row)
+                print_row(row)
+    if torch_note:
+        print(f"note: {torch_note}")
+    return rows
+
+
+_HEADER_DONE = False
+
+
+def print_row(row: dict) -> None:
+    global _HEADER_DONE
+    if not _HEADER_DONE:
+        print(
+            f"{'n':>5} {'case':>9} {'mode':>7} | {'structinfer':>11} | "
+            "time ratio peer/structinfer (>1: we are faster)"
+            " | GFLOP/s (x matmul) | temp MiB (structinfer / jax.nn / jnp)"
+        )
+        _HEADER_DONE = True
+    t = row["t"]
+    ours = t["structinfer"]
+    ratios = " ".join(f"{k}={v / ours:.2f}" for k, v in t.items() if k != "structinfer")
+    mem = row["mem"]
+    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+    print(
+        f"{row['n']:>5} {row['case']:>9} {row['mode']:>7} | {ours * 1e3:9.1f}ms | {ratios} | "
+        f"{row['gflops']:.1f} ({row['gflops'] / row['matmul']:.2f}) | "
+        f"{fmt(mem.get('structinfer'))} / {fmt(mem.get('jax.nn(xla)'))} / {fmt(mem.get('jnp'))}",
+        flush=True,
+    )
+
+
+# --------------------------------------------------------------------------- expanding
+
+
+def run_expanding(args) -> None:
+    """Sec. 5.2 / Figure 3 right: operations and time of expanding attention relative to
+    dense attention as the recency bias (1/p) and the feature dimension d vary.
+
+    Task: B sequences of n tokens; the query is the last token; the token it needs
+    sits a Geometric(p) number of steps back (the "geometric shuffle"). Expanding
+    attention runs the paper's plug-in mean-field loop (Algorithm 3) on cached band
+    scores; its window at convergence m and iteration count k give the paper's
+    operation count n(md + k) against dense n^2 d (per query: m d + k m vs n d).
+    Time: the windowed kernel with the converged window as its static width (JAX
+    needs static shapes; finding that width is the untimed first run) plus the k
+    iterations on the cached band, against dense softmax(qK^T)V over all n tokens.
+    """
+    from structinfer.lowering import (
+        geometric_band_log_prior,
+        windowed_posterior,
+        windowed_scores,
+        windowed_values,
+    )
+
+    n, B = args.expanding_n, args.expanding_batch
+    ps = (0.5, 0.1) if args.quick else (0.5, 0.2, 0.1, 0.04)
+    dims = (10,) if args.quick else (10, 50, 256)
+    print(f"\nexpanding attention: n={n} tokens, batch {B}, alpha0=0.1, beta0=0.9, "
+          "95% horizon (times: median of reps)")
+    print(f"{'1/p':>5} {'d':>4} | {'window m':>8} {'iters k':>7} | {'ops ratio':>9} | "
+          f"{'time ratio':>10} (expanding / dense)")
+    for p in ps:
+        for d in dims:
+            r = np.random.default_rng(int(100 * p) + d)
+            K = r.normal(size=(B, n, d)) / math.sqrt(d)
+            qv = r.normal(size=(B, 1, d))
+            back = np.minimum(r.geometric(p, size=B) - 1, n - 1)  # steps back from the query
+            K[np.arange(B), n - 1 - back] = 3.0 * qv[:, 0] / np.linalg.norm(qv[:, 0], axis=-1,
+                                                                          keepdims=True)
+            V = r.normal(size=(B, n, 4))
+            K, qv, V = (jnp.asarray(x, jnp.float32) for x in (K, qv, V))
+            off = n - 1
+
+            def loop(qv, K, W, iters=50):
+                s = windowed_scores(qv, K, W, offset=off)  # (B, 1, W) cached
+
+                def body(carry, _):
+                    a, b, _, _ = carry
+                    qt = a / (a + b)
+                    H = jnp.maximum(jnp.ceil(jnp.log(0.05) / jnp.log1p(-qt)), 1.0)
+                    pr = windowed_posterior(s, geometric_band_log_prior(qt, W, H))
+                    ek = jnp.sum(pr * jnp.arange(W), -1)
+                    return (a + 1.0, b + ek, H, pr), H
+
+                init = (jnp.full((B, 1), 0.1), jnp.full((B, 1), 0.9), jnp.zeros((B, 1)),
+                        jnp.zeros((B, 1, W)))
+                (a, b, H, pr), hs = jax.lax.scan(body, init, None, length=iters)
+                return pr, hs
+
+            # first (untimed) run on the full context: converged window and iterations
+            _, hs = jax.jit(lambda a, b: loop(a, b, n))(qv, K)
+            hs = np.asarray(hs)[..., 0]  # (iters, B)
+            final = hs[-1]
+            changed = np.abs(np.diff(hs, axis=0)) > 0
+            k_iter = np.array([np.max(np.nonzero(c)[0]) + 2 if c.any() else 1
+                               for c in changed.T])
+            m_win = np.minimum(final, n)
+            ops = np.mean((m_win * d + k_iter * m_win) / (n * d))
+            W = int(min(n, max(8, int(np.ceil(m_win.max() / 8) * 8))))
+            iters = int(k_iter.max())
+
+            def expanding(qv, K, V, W=W, iters=iters):
+                pr, _ = loop(qv, K, W, iters)
+                return windowed_values(pr, V, offset=off)
+
+            def dense(qv, K, V):
+                s = jnp.einsum("bid,bjd->bij", qv, K)
+                return jax.nn.softmax(s, -1) @ V
+
+            te = _median_time(jax.jit(lambda a, b, c: expanding(a, b, c)), (qv, K, V), args.reps)
+            td = _median_time(jax.jit(dense), (qv, K, V), args.reps)
+            print(f"{1 / p:5.0f} {d:4d} | {np.mean(m_win):8.1f} {np.mean(k_iter):7.1f} | "
+                  f"{ops:9.3f} | {te / td:10.2f}", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, seconds (smoke test)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096, 8192])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--block-q", type=int, default=256)
+    ap.add_argument("--block-k", type=int, default=512)
+    ap.add_argument("--max-exact-n", type=int, default=256,
+                    help="largest n timed with the exact (funsor) engine")
+    ap.add_argument("--max-peer-n", type=int, default=8192,
+                    help="largest n for the n x n peers (jax.nn, jnp)")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--expanding", action="store_true", help="run the sec 5.2 experiment")
+    ap.add_argument("--expanding-only", action="store_true")
+    ap.add_argument("--expanding-n", type=int, default=1024)
+    ap.add_argument("--expanding-batch", type=int, default=256)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.heads, args.head_dim, args.reps = [64], 2, 16, 1
+        args.cases = ["window"]
+        args.block_q, args.block_k, args.max_exact_n = 32, 32, 64
+        args.expanding_n, args.expanding_batch = 64, 8
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; "
+          f"heads={args.heads} head_dim={args.head_dim} float32 batch 1; "
+          f"blocks {args.block_q}x{args.block_k}")
+    if not args.expanding_only:
+        run_table(args)
+    if args.expanding or args.expanding_only or args.quick:
+        run_expanding(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+r"""Read a lowerable structure off a NumPyro model by *probing* it.
+
+The model is run (traced, never enumerated) with every edge site replaced by a
+probe: edge ``k`` gets ``arange(m_k)`` placed on its own dimension left of the
+plates, exactly where funsor's enumeration would put it. From that one run:
+
+* each edge's structured ``prior`` and ``score`` are read from the
+  ``EdgeInfo`` recorded at the site;
+* a chained edge (``child=``) is recognised when its ``child`` *is* another
+  edge's probe (the value that edge returned);
+* every other sample / factor site must have a log-density that does not vary
+  along any probe dimension (otherwise it is a likelihood term on the edge,
+  which the kernels do not model);
+* the value site, evaluated on the probe, is the table
+  :math:`F[j] = f(\phi_i = j)`. The rule for "linear in the parent": the probe
+  output must not vary along the children dimension — then :math:`f` depends on
+  the child only through the parent it picks, and
+  :math:`\mathbb E[f(\phi_i)] = \sum_j p(\phi_i = j\mid x)\,F[j]` exactly, for *any*
+  :math:`f` (a gather ``V[\phi_i]``, ``sin(V[\phi_i])``, the index itself).
+
+With several edge sites (multi-hop chains, independent heads) the value must be
+a sum of per-edge terms :math:`f = c + \sum_k g_k(\phi_k)`; this is checked on the
+value's jaxpr (every path from two different edges meets only at
+``add``/``sub`` or through linear maps with edge-independent operands). Then
+:math:`G_0 = F(j, 0, \dots)`, :math:`G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)` and
+a chain :math:`\phi_1 \leftarrow \phi_0` gives
+:math:`\mathbb E[f] = P_0 (G_0 + P_1 G_1)`: one kernel per edge.
+
+Anything else is reported as a :class:`Fallback` naming the site and the part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from numpyro.handlers import block, substitute, trace
+
+from ..exact import inspect_model
+from ..handlers import require_values
+from ..primitives import SCORE_SUFFIX
+from ._lower import Lowered, NotLowered, lower_edge
+
+__all__ = ["Plan", "Fallback", "recognise"]
+
+
+@dataclass
+class Fallback:
+    """Why a model is not lowered: the site and the part that was not recognised."""
+
+    site: str
+    part: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"site '{self.site}': {self.part}: {self.reason}"
+
+
+@dataclass
+class EdgePlan:
+    name: str
+    lowered: Lowered
+    parent: str | None
+    table: jax.Array  # G_k, (..., m_k, dv)
+
+
+@dataclass
+class Plan:
+    """A recognised model: one lowered edge per site, in trace order."""
+
+    value: str
+    edges: list[EdgePlan] = field(default_factory=list)
+    out_shape: tuple[int, ...] = ()
+    event_shape: tuple[int, ...] = ()
+    fallback: Fallback | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.fallback is None
+
+
+class _Fail(Exception):
+    def __init__(self, site, part, reason):
+        self.fb = Fallback(site, part, reason)
+        super().__init__(str(self.fb))
+
+
+def _run(model, args, kwargs, values: dict):
+    with block():
+        return trace(require_values(substitute(model, data=values))).get_trace(*args, **kwargs)
+
+
+# --- separability of the value in the edges (jaxpr analysis) -------------------------
+
+_UNARY_LINEAR = {
+    "neg", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+    "convert_element_type", "copy", "copy_p", "reduce_sum", "reduce_precision",
+    "real", "slice", "rev",
+}
+
+
+def _inner_jaxpr(eqn):
+    for key in ("jaxpr", "call_jaxpr"):
+        j = eqn.params.get(key)
+        if j is not None:
+            return j.jaxpr if hasattr(j, "jaxpr") else j
+    return None
+
+
+def _analyse(jaxpr, in_deps, in_sep):
+    deps, sep = {}, {}
+    for v, d, s in zip(jaxpr.invars, in_deps, in_sep):
+        deps[v], sep[v] = d, s
+
+    def get(x):
+        if isinstance(x, jex_core.Literal):
+            return frozenset(), True
+        return deps.get(x, frozenset()), sep.get(x, True)
+
+    for eqn in jaxpr.eqns:
+        ins = [get(x) for x in eqn.invars]
+        ideps = [a for a, _ in ins]
+        isep = [b for _, b in ins]
+        inner = _inner_jaxpr(eqn)
+        if inner is not None and len(inner.invars) == len(eqn.invars):
+            odeps, osep = _analyse(inner, ideps, isep)
+        else:
+            d = frozenset().union(*ideps) if ideps else frozenset()
+            name = eqn.primitive.name
+            if len(d) <= 1:
+                s = True
+            elif name in ("add", "sub", "add_any", "concatenate"):
+                s = all(isep)
+            elif name in _UNARY_LINEAR:
+                s = isep[0]
+            elif name in ("mul", "dot_general"):
+                s = (not ideps[0] and isep[1]) or (not ideps[1] and isep[0])
+            elif name == "div":
+                s = not ideps[1] and isep[0]
+            else:
+                s = False
+            odeps, osep = [d] * len(eqn.outvars), [s] * len(eqn.outvars)
+        for v, d, s in zip(eqn.outvars, odeps, osep):
+            deps[v], sep[v] = d, s
+    outs = [get(x) for x in jaxpr.outvars]
+    return [a for a, _ in outs], [b for _, b in outs]
+
+
+def _is_separable(model, args, kwargs, value, names, probes) -> bool:
+    def f(*phis):
+        return _run(model, args, kwargs, dict(zip(names, phis)))[value]["value"]
+
+    closed = jax.make_jaxpr(f)(*[probes[e] for e in names])
+    jaxpr = closed.jaxpr
+    in_deps = [frozenset([k]) for k in range(len(names))]
+    _, sep = _analyse(jaxpr, in_deps, [True] * len(names))
+    return all(sep)
+
+
+# --- value tables --------------------------------------------------------------------
+
+
+def _extract(F, k: int, nesting: int, K: int, ev: int, m_k: int, value: str):
+    """Probe output -> (plate batch without children, m_k, dv) table."""
+    F = jnp.asarray(F)
+    shape = F.shape
+    nb = len(shape) - ev
+    R = nesting + K
+    if nb > R:
+        raise _Fail(value, "value", f"probe output has shape {shape}, more batch dims than "
+                    f"plates + edges ({R})")
+    F = F.reshape((1,) * (R - nb) + shape)
+    probe_ax = K - 1 - k
+    for a in range(K):
+        if a != probe_ax and F.shape[a] != 1:
+            raise _Fail(value, "value", "couples several edges in a way the probe cannot "
+                        "separate")
+    child_ax = R - 1
+    if F.shape[child_ax] != 1:
+        raise _Fail(
+            value, "value",
+            "depends on the child index itself, not only on the parent an edge picks "
+            "(probe output varies along the children plate); lowered values are "
+            "f(parent), e.g. V[phi] gathered with structinfer.gather",
+        )
+    keep = [a for a in range(R) if a == probe_ax or K <= a < child_ax]
+    F = F.reshape(tuple(F.shape[a] for a in keep) + F.shape[R:])
+    F = jnp.moveaxis(F, 0, nesting - 1)  # (*B', m|1, *E)
+    lead = F.shape[: nesting - 1]
+    ev_shape = F.shape[nesting:]
+    dv = int(np.prod(ev_shape)) if ev_shape else 1
+    F = F.reshape(lead + (F.shape[nesting - 1], dv))
+    F = jnp.broadcast_to(F, lead + (m_k, dv))
+    if not jnp.issubdtype(F.dtype, jnp.floating):
+        F = F.astype(jnp.result_type(float))
+    return F, ev_shape
+
+
+def _diagonal_table(tables, model, args, kwargs, value, e, inf, nesting, ev) -> None:
+    """Re-read a single edge's value table with the *diagonal* probe ``phi_i = i``.
+
+    Once the enumeration-style probe has shown that the value does not vary with the
+    child index, ``f(phi_i = i)`` at child ``i`` is ``F[i]`` — the same table, but
+    produced in its natural ``(..., m, dv)`` layout (no transpose of the probe axis),
+    so the compiled program equals a direct kernel call. Only when ``m == n``.
+    """
+    n, m = inf.num_children, inf.num_parents
+    if n != m:
+        return
+    diag = jnp.arange(n, dtype=jnp.int32).reshape((1,) * (nesting - 1) + (n,))
+    F = jnp.asarray(_run(model, args, kwargs, {e: diag})[value]["value"])
+    nb = F.ndim - ev
+    old = tables[e]
+    if nb < 1 or nb > nesting or F.shape[nb - 1] != n:
+        return
+    dv = old.shape[-1]
+    F = F.reshape(F.shape[:nb] + (dv,))
+    if not jnp.issubdtype(F.dtype, jnp.floating):
+        F = F.astype(jnp.result_type(float))
+    lead = F.shape[: nb - 1]
+    try:
+        jnp.broadcast_shapes(lead, old.shape[:-2])
+    except ValueError:
+        return
+    tables[e] = F.astype(old.dtype)
+
+
+def recognise(model, value: str, args: tuple, kwargs: dict) -> Plan:
+    """Probe ``model`` and build a :class:`Plan` (or one with a ``fallback``).
+
+    Raises the exact engine's errors for a missing / non-deterministic ``value``
+    site and for latent continuous sites without a value.
+    """
+    info = inspect_model(model, *args, **kwargs)
+    if value not in info.deterministic:
+        kind = info.sites.get(value)
+        if kind is None:
+            raise KeyError(
+                f"model has no site '{value}'; deterministic sites: {sorted(info.deterministic)}"
+            )
+        raise ValueError(f"site '{value}' is a {kind} site, not a deterministic one")
+    plan = Plan(value)
+    try:
+        _build(plan, model, value, args, kwargs, info)
+    except _Fail as e:
+        plan.fallback = e.fb
+        plan.edges = []
+    return plan
+
+
+def _build(plan: Plan, model, value, args, kwargs, info) -> None:
+    names = list(info.edges)
+    if not names:
+        raise _Fail(value, "model", "has no structinfer.edge sites")
+    for s in info.enumerated:
+        if s not in names:
+            raise _Fail(s, "site", "is an enumerated discrete site that is not a "
+                        "structinfer.edge (no structured prior / score to lower)")
+    N = info.max_plate_nesting
+    K = len(names)
+    sizes = {e: info.enumerated[e][1] for e in names}
+    probes = {
+        e: jnp.arange(sizes[e], dtype=jnp.int32).reshape((sizes[e],) + (1,) * (N + k))
+        for k, e in enumerate(names)
+    }
+    zeros = {e: jnp.zeros((1,) * (N + 1 + k), jnp.int32) for k, e in enumerate(names)}
+    tr = _run(model, args, kwargs, probes)
+    infos = {}
+    for e in names:
+        inf = tr[e]["infer"].get("structinfer")
+        if inf is None:  # pragma: no cover - inspect_model already filtered
+            raise _Fail(e, "site", "is not a structinfer.edge")
+        infos[e] = inf
+    parent: dict[str, str | None] = {}
+    for e in names:
+        c = infos[e].child
+        if c is None:
+            parent[e] = None
+            continue
+        match = [p for p in names if probes[p] is c]
+        if not match:
+            raise _Fail(e, "child", "follows a child index that is not the value of another "
+                        "edge site (only chains child=<edge value> are lowered)")
+        p = match[0]
+        if infos[e].num_children != infos[p].num_parents:
+            raise _Fail(e, "child", f"its table has {infos[e].num_children} children but "
+                        f"edge '{p}' has {infos[p].num_parents} parents")
+        parent[e] = p
+    # other sites must not depend on the edges
+    for name, site in tr.items():
+        if site["type"] != "sample" or name in infos:
+            continue
+        if name.endswith(SCORE_SUFFIX) and name[: -len(SCORE_SUFFIX)] in infos:
+            continue
+        shape = jax.eval_shape(lambda s=site: s["fn"].log_prob(s["value"])).shape
+        for k, e in enumerate(names):
+            ax = N + 1 + k
+            if len(shape) >= ax and shape[-ax] != 1:
+                raise _Fail(
+                    name, "likelihood",
+                    f"its log-density depends on edge '{e}' (a likelihood term on the edge); "
+                    "the kernels only model the prior and the score",
+                )
+    # the value must sit inside the children plate of the root edges
+    vsite = tr[value]
+    frames = {f.name for f in vsite.get("cond_indep_stack", []) or []}
+    for e in names:
+        if parent[e] is None and infos[e].children_plate not in frames:
+            raise _Fail(value, "value", f"is recorded outside the children plate "
+                        f"'{infos[e].children_plate}' of edge '{e}'")
+    plain_shape, ev = info.deterministic[value]
+    if K == 1:
+        F = {names[0]: vsite["value"]}
+    else:
+        if not _is_separable(model, args, kwargs, value, names, probes):
+            raise _Fail(value, "value", "is not a sum of per-edge terms "
+                        "f = c + sum_k g_k(phi_k) (checked on its jaxpr)")
+        F = {e: _run(model, args, kwargs, {**zeros, e: probes[e]})[value]["value"]
+             for e in names}
+    tables = {}
+    ev_shape = None
+    depends = False
+    for k, e in enumerate(names):
+        Fe = jnp.asarray(F[e])
+        nb = Fe.ndim - ev
+        ax = N + 1 + k
+        if nb >= ax and Fe.shape[nb - ax] != 1:
+            depends = True
+        tables[e], ev_shape = _extract(Fe, k, N, K, ev, sizes[e], value)
+    if not depends:
+        raise _Fail(value, "value", "does not depend on any edge site")
+    if K == 1:
+        _diagonal_table(tables, model, args, kwargs, value, names[0], infos[names[0]], N, ev)
+    if K > 1:
+        base = tables[names[0]][..., 0:1, :]
+        for e in names[1:]:
+            tables[e] = tables[e] - base
+    for e in names:
+        inf = infos[e]
+        plate_batch = tuple(info.enumerated[e][0][:-1])
+        try:
+            low = lower_edge(inf.prior, inf.score, tables[e], inf.num_children, plate_batch)
+        except NotLowered as err:
+            raise _Fail(e, err.part, err.reason) from None
+        plan.edges.append(EdgePlan(e, low, parent[e], tables[e]))
+    plan.out_shape = tuple(plain_shape)
+    plan.event_shape = tuple(ev_shape)

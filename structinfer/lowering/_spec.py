@@ -1,0 +1,208 @@
+r"""The lowered form of one edge site: block-computable logits plus a value table.
+
+A recognised edge site becomes a :class:`Problem`: a *static* description of the
+terms of its logits (:class:`Terms`, hashable, no arrays) and the arrays those
+terms read, split by how a block of children :math:`I` and parents :math:`J`
+slices them:
+
+* ``row``   — per-child arrays ``(..., n, f)`` (query features, geometric ``log q``),
+* ``col``   — per-parent arrays ``(..., m, f)`` (key features, per-parent biases),
+* ``pair``  — per-edge arrays ``(..., n, m)`` (categorical prior logits, custom scores),
+* ``glob``  — arrays read whole (relative-position bias over distances),
+* ``const`` — non-differentiable boolean masks (``(..., n, m)`` or ``(..., m)``),
+* ``v``     — the value table ``(..., m, dv)``: the output is
+  :math:`y_i = \sum_j p(\phi_i = j \mid x)\, V_j`.
+
+:func:`block_logits` evaluates the unnormalised log-posterior
+:math:`\ell_{ij} = \psi_{ij} + \log \tilde p(\phi_i = j)` on one block from the
+index grids of that block (distances :math:`d_{ij} = i + \text{offset} - j`), so
+no kernel ever needs the ``(n, m)`` table. Row-constant terms (the prior's
+normaliser, a Gaussian's :math:`-\tfrac12 x_i^\top\Lambda x_i`) cancel in the
+softmax and are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np"]
+
+
+@dataclass(frozen=True)
+class RelPos:
+    """Static part of a relative-position prior (see ``priors.RelativePosition``)."""
+
+    mode: str
+    num_parents: int
+    max_distance: int | None
+    period: int | None
+    length: int
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Static description of the logits of one edge site (hashable; no arrays)."""
+
+    num_children: int
+    num_parents: int
+    #: dot-product term: row["q"] . col["k"] (all dot-like scores concatenated)
+    dot: bool = False
+    #: IDW terms -log(eps + ||x_i - y_j||^p): row[f"idw{r}"], col[f"idw{r}"]
+    idw: tuple[tuple[float, float], ...] = ()
+    #: per-parent additive term col["bias"] (..., m, 1)
+    col_bias: bool = False
+    #: per-edge additive term pair["logits"] (finite part)
+    pair_logits: bool = False
+    #: relative-position log-weights from glob["relpos"] (..., L)
+    relpos: RelPos | None = None
+    #: geometric log-prior from row["geo"] (..., n, 2) = (log q, log(1-q))
+    geometric: bool = False
+    geo_d0: int = 0
+    #: distance d = i + offset - j of child i to parent j
+    offset: int = 0
+    #: allowed distances dmin <= d <= dmax (None: unbounded), optionally d != 0
+    dmin: int | None = None
+    dmax: int | None = None
+    exclude_zero: bool = False
+    #: boolean masks in const: "pair_ok" (..., n, m), "col_ok" (..., m)
+    pair_ok: bool = False
+    col_ok: bool = False
+    #: human-readable description of the recognised parts (for explain)
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def has_band(self) -> bool:
+        return self.dmin is not None or self.dmax is not None or self.exclude_zero
+
+
+class Problem(NamedTuple):
+    """Arrays of a lowered edge site (a pytree); ``terms`` says how to combine them."""
+
+    row: dict
+    col: dict
+    pair: dict
+    glob: dict
+    const: dict
+    v: jax.Array
+
+
+def _safe_pow(sq: jax.Array, p: float) -> jax.Array:
+    r"""``(sq)^{p/2}`` with a finite gradient at zero (as ``scores._safe_pow_dist``)."""
+    if p == 2:
+        return sq
+    pos = sq > 0
+    safe = jnp.where(pos, sq, 1.0)
+    return jnp.where(pos, safe ** (p / 2.0), 0.0)
+
+
+def relpos_weights(rp: RelPos, bias: jax.Array, d: jax.Array) -> jax.Array:
+    """Relative-position log-weights ``b(d)`` for an int distance grid (no causal mask)."""
+    if rp.mode == "circulant":
+        idx = jnp.mod(d, rp.period)
+    else:
+        dd = d
+        if rp.max_distance is not None:
+            dd = jnp.clip(d, -rp.max_distance, rp.max_distance)
+        idx = jnp.clip(dd + rp.num_parents - 1, 0, rp.length - 1)
+    return jnp.take(bias, idx, axis=-1)
+
+
+def band_ok(t: Terms, d: jax.Array) -> jax.Array | None:
+    """The distance constraints of ``t`` on a distance grid (None when unconstrained)."""
+    ok = None
+
+    def conj(a, b):
+        return b if a is None else a & b
+
+    if t.dmin is not None:
+        ok = conj(ok, d >= t.dmin)
+    if t.dmax is not None:
+        ok = conj(ok, d <= t.dmax)
+    if t.exclude_zero:
+        ok = conj(ok, d != 0)
+    return ok
+
+
+def band_mask_np(t: Terms, n: int, m: int) -> np.ndarray | None:
+    """The distance constraints as a NumPy ``(n, m)`` mask (for schedules and checks)."""
+    d = np.arange(n)[:, None] + t.offset - np.arange(m)[None, :]
+    ok = None
+    if t.dmin is not None:
+        ok = d >= t.dmin
+    if t.dmax is not None:
+        ok = (d <= t.dmax) if ok is None else ok & (d <= t.dmax)
+    if t.exclude_zero:
+        ok = (d != 0) if ok is None else ok & (d != 0)
+    return ok
+
+
+def block_logits(
+    t: Terms,
+    row: dict,
+    col: dict,
+    pair: dict,
+    glob: dict,
+    const: dict,
+    i_idx: jax.Array,
+    j_idx: jax.Array,
+    dtype,
+    col_valid: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    r"""Logits :math:`\ell_{ij}` (finite part) and the allowed-edge mask on one block.
+
+    Args:
+        t: the static terms.
+        row, col, pair, glob, const: the arrays, already sliced to the block
+            (row ``(..., bq, f)``, col ``(..., bk, f)``, pair/const ``(..., bq, bk)``).
+        i_idx: ``(bq,)`` global child indices; ``j_idx``: ``(bk,)`` parent indices.
+        dtype: floating dtype of the result.
+        col_valid: optional ``(bk,)`` boolean, False for padded parents.
+
+    Returns:
+        ``(s, ok)``: ``s`` of shape ``(..., bq, bk)`` is finite everywhere (so its
+        vjp never meets ``0 * inf``); ``ok`` is a boolean mask or ``None`` when
+        every edge of the block is allowed. Forbidden edges have logit ``-inf``.
+    """
+    s = None
+
+    def add(a):
+        nonlocal s
+        s = a if s is None else s + a
+
+    if t.dot:
+        add(jnp.einsum("...if,...jf->...ij", row["q"], col["k"]))
+    for r, (p, eps) in enumerate(t.idw):
+        x, y = row[f"idw{r}"], col[f"idw{r}"]
+        diff = x[..., :, None, :] - y[..., None, :, :]
+        add(-jnp.log(eps + _safe_pow(jnp.sum(diff * diff, -1), p)))
+    if t.col_bias:
+        add(col["bias"][..., 0][..., None, :])
+    if t.pair_logits:
+        add(pair["logits"])
+    d = None
+    if t.relpos is not None or t.geometric or t.has_band:
+        d = (i_idx[:, None] + t.offset) - j_idx[None, :]
+    if t.relpos is not None:
+        add(relpos_weights(t.relpos, glob["relpos"], d).astype(dtype))
+    if t.geometric:
+        g = row["geo"]
+        add(g[..., 0:1] + (d - t.geo_d0).astype(dtype) * g[..., 1:2])
+    if s is None:
+        s = jnp.zeros((i_idx.shape[0], j_idx.shape[0]), dtype)
+    ok = band_ok(t, d) if d is not None else None
+
+    def conj(a, b):
+        return b if a is None else a & b
+
+    if col_valid is not None:
+        ok = conj(ok, col_valid[None, :])
+    if t.col_ok:
+        ok = conj(ok, const["col_ok"][..., None, :])
+    if t.pair_ok:
+        ok = conj(ok, const["pair_ok"])
+    return s.astype(dtype), ok

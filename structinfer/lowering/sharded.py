@@ -1,0 +1,266 @@
+r"""Multi-device attention with ``jax.shard_map``: head/batch sharding and ring attention.
+
+**Head / batch sharding.** The leading batch axis (heads or batch) is split over
+a mesh axis; each device runs the blocked kernel on its slice. Arrays that are
+broadcast along that axis (a key shared by all heads) are replicated.
+
+**Sequence parallelism (ring attention).** Children and parents are split into
+:math:`D` contiguous chunks, one per device. Device :math:`r` keeps its
+children and, over :math:`D` steps, sees every parent chunk as the parent
+arrays travel round the ring (``lax.ppermute``). Each step runs the blocked
+kernel on the chunk pair with *global* indices (so relative-position,
+geometric and band priors are computed exactly) and the partial results are
+merged with the log-sum-exp rule
+
+.. math::
+
+    L = \log(e^{L_a} + e^{L_b}), \qquad
+    y = e^{L_a - L} y_a + e^{L_b - L} y_b.
+
+Chunk pairs that a distance band forbids entirely are skipped (``lax.cond``).
+Memory per device is :math:`O((n + m) d / D)` plus the kernel's block. Both are
+differentiable (the ring by autodiff through ``ppermute``; each chunk by the
+kernel's custom VJP). Liu et al., "Ring attention with blockwise transformers"
+(2023).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._spec import Problem, Terms
+from .blocked import blocked_attention, make_schedule
+
+__all__ = ["head_sharded_attention", "ring_attention", "head_sharded", "sequence_sharded"]
+
+
+def _axis(mesh: Mesh, axis_name: str | None) -> str:
+    if axis_name is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(
+                f"mesh has axes {mesh.axis_names}: pass axis_name to choose the one to shard over"
+            )
+        return mesh.axis_names[0]
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    return axis_name
+
+
+def _placed(mesh: Mesh, specs, tree):
+    """On a mesh with explicit axes, reshard the arguments to the ``in_specs`` first."""
+    if not any(t == AxisType.Explicit for t in mesh.axis_types):
+        return tree
+    return jax.tree.map(
+        lambda s, x: jax.reshard(x, NamedSharding(mesh, s)), specs, tree,
+        is_leaf=lambda s: isinstance(s, P),
+    )
+
+
+_CORE = {"row": 2, "col": 2, "pair": 2, "glob": 1, "v": 2}
+
+
+def _core(group: str, key: str) -> int:
+    if group == "const":
+        return 1 if key == "col_ok" else 2
+    return _CORE[group]
+
+
+def head_sharded_attention(
+    terms: Terms,
+    prob: Problem,
+    batch_shape: tuple[int, ...],
+    mesh: Mesh,
+    axis_name: str | None = None,
+    *,
+    block_q: int = 256,
+    block_k: int = 512,
+    mask=None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Blocked attention with the leading batch axis (heads / batch) split over devices.
+
+    Args:
+        terms, prob, batch_shape: a lowered edge site (see :func:`blocked_attention`).
+        mesh: a ``jax.sharding.Mesh``; ``axis_name`` the axis to shard over (default: the
+            only one). ``batch_shape[0]`` must be divisible by its size.
+
+    Returns:
+        ``(y, L)`` as :func:`blocked_attention`, sharded along the leading axis.
+    """
+    ax = _axis(mesh, axis_name)
+    ndev = mesh.shape[ax]
+    batch = tuple(batch_shape)
+    if not batch or batch[0] % ndev:
+        raise ValueError(
+            f"head/batch sharding: the leading batch dim {batch[0] if batch else None} "
+            f"(of batch shape {batch}) must be divisible by the {ndev} devices of mesh axis "
+            f"'{ax}'"
+        )
+    local = (batch[0] // ndev,) + batch[1:]
+
+    def spec(x, core):
+        nb = x.ndim - core
+        return P(ax) if nb == len(batch) and x.shape[0] == batch[0] else P()
+
+    groups = {g: getattr(prob, g) for g in ("row", "col", "pair", "glob", "const")}
+    in_specs = tuple(
+        {k: spec(x, _core(g, k)) for k, x in groups[g].items()} for g in groups
+    ) + (spec(prob.v, 2),)
+
+    def body(row, col, pair, glob, const, v):
+        return blocked_attention(terms, Problem(row, col, pair, glob, const, v), local,
+                                 block_q=block_q, block_k=block_k, mask=mask)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)),
+                      check_vma=False)
+    return f(*_placed(mesh, in_specs, (*groups.values(), prob.v)))
+
+
+def _merge(ya, la, yb, lb):
+    mx = jnp.maximum(la, lb)
+    ms = jnp.where(jnp.isneginf(mx), 0.0, mx)
+    ea, eb = jnp.exp(la - ms), jnp.exp(lb - ms)
+    s = ea + eb
+    pos = s > 0
+    s1 = jnp.where(pos, s, 1.0)
+    y = (ea[..., None] * ya + eb[..., None] * yb) / s1[..., None]
+    return y, jnp.where(pos, ms + jnp.log(s1), -jnp.inf)
+
+
+def ring_attention(
+    terms: Terms,
+    prob: Problem,
+    batch_shape: tuple[int, ...],
+    mesh: Mesh,
+    axis_name: str | None = None,
+    *,
+    block_q: int = 256,
+    block_k: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Sequence-parallel (ring) attention: children and parents split over devices.
+
+    Args:
+        terms, prob, batch_shape: a lowered edge site (see :func:`blocked_attention`).
+        mesh, axis_name: the mesh and the axis of ``D`` devices; ``n`` and ``m`` must be
+            divisible by ``D``.
+
+    Returns:
+        ``(y, L)`` as :func:`blocked_attention`, sharded along the children axis.
+    """
+    ax = _axis(mesh, axis_name)
+    ndev = mesh.shape[ax]
+    n, m = terms.num_children, terms.num_parents
+    if n % ndev or m % ndev:
+        raise ValueError(
+            f"ring attention: {n} children and {m} parents must both be divisible by the "
+            f"{ndev} devices of mesh axis '{ax}'"
+        )
+    nl, ml = n // ndev, m // ndev
+    batch = tuple(batch_shape)
+    local = dataclasses.replace(terms, num_children=nl, num_parents=ml)
+    sched = make_schedule(
+        dataclasses.replace(local, dmin=None, dmax=None), min(block_q, nl), min(block_k, ml)
+    )
+
+    def seq_spec(x, core, axis_from_end):
+        parts = [None] * x.ndim
+        parts[x.ndim - axis_from_end] = ax
+        del core
+        return P(*parts)
+
+    row_specs = {k: seq_spec(x, 2, 2) for k, x in prob.row.items()}
+    col_specs = {k: seq_spec(x, 2, 2) for k, x in prob.col.items()}
+    pair_specs = {k: seq_spec(x, 2, 2) for k, x in prob.pair.items()}
+    const_specs = {k: (P() if k == "col_ok" else seq_spec(x, 2, 2)) for k, x in prob.const.items()}
+    glob_specs = {k: P() for k in prob.glob}
+    v_spec = seq_spec(prob.v, 2, 2)
+    perm = [(i, (i + 1) % ndev) for i in range(ndev)]
+
+    def body(row, col, pair, glob, const, v):
+        me = lax.axis_index(ax)
+        i_start = me * nl
+        dtype, dv = v.dtype, v.shape[-1]
+        y = jnp.zeros(batch + (nl, dv), dtype)
+        lse = jnp.full(batch + (nl,), -jnp.inf, dtype)
+        for step in range(ndev):
+            src = (me - step) % ndev
+            j_start = src * ml
+            pair_c = {k: lax.dynamic_slice_in_dim(x, j_start, ml, axis=x.ndim - 1)
+                      for k, x in pair.items()}
+            const_c = {k: lax.dynamic_slice_in_dim(x, j_start, ml, axis=x.ndim - 1)
+                       for k, x in const.items()}
+            chunk = Problem(row, col, pair_c, glob, const_c, v)
+
+            def compute(chunk, j_start=j_start):
+                return blocked_attention(local, chunk, batch, schedule=sched,
+                                         starts=(i_start, j_start))
+
+            def empty(chunk):
+                return (jnp.zeros(batch + (nl, dv), dtype),
+                        jnp.full(batch + (nl,), -jnp.inf, dtype))
+
+            d_lo = i_start + terms.offset - (j_start + ml - 1)
+            d_hi = i_start + nl - 1 + terms.offset - j_start
+            live = jnp.asarray(True)
+            if terms.dmin is not None:
+                live = live & (d_hi >= terms.dmin)
+            if terms.dmax is not None:
+                live = live & (d_lo <= terms.dmax)
+            yc, lc = lax.cond(live, compute, empty, chunk)
+            y, lse = _merge(y, lse, yc, lc)
+            if step < ndev - 1:
+                col, v = lax.ppermute((col, v), ax, perm)
+        return y, lse
+
+    nb = len(batch)
+    out_specs = (P(*([None] * nb), ax, None), P(*([None] * nb), ax))
+    in_specs = (row_specs, col_specs, pair_specs, glob_specs, const_specs, v_spec)
+    f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    args = (prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v)
+    return f(*_placed(mesh, in_specs, args))
+
+
+def _full_batch(prob: Problem, batch) -> Problem:
+    """Broadcast every array to the full batch so the children / parents axis is at a fixed
+    position (ring attention shards it)."""
+    b = tuple(batch)
+
+    def bc(x, core):
+        return jnp.broadcast_to(x, b + x.shape[x.ndim - core:])
+
+    return Problem(
+        {k: bc(x, 2) for k, x in prob.row.items()},
+        {k: bc(x, 2) for k, x in prob.col.items()},
+        {k: bc(x, 2) for k, x in prob.pair.items()},
+        dict(prob.glob),
+        {k: (x if k == "col_ok" else bc(x, 2)) for k, x in prob.const.items()},
+        bc(prob.v, 2),
+    )
+
+
+def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
+                 block_k: int = 512) -> Callable:
+    """A ``runner`` for :func:`structinfer.attention` that shards heads / batch over ``mesh``."""
+
+    def run(kind, lowered, prob, batch):
+        return head_sharded_attention(lowered.terms, prob, batch, mesh, axis_name,
+                                      block_q=block_q, block_k=block_k, mask=lowered.mask)[0]
+
+    return run
+
+
+def sequence_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
+                     block_k: int = 512) -> Callable:
+    """A ``runner`` for :func:`structinfer.attention` running ring attention over ``mesh``."""
+
+    def run(kind, lowered, prob, batch):
+        return ring_attention(lowered.terms, _full_batch(prob, batch), batch, mesh, axis_name,
+                              block_q=block_q, block_k=block_k)[0]
+
+    return run

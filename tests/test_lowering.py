@@ -1,0 +1,489 @@
+"""The lowered engine against the exact engine and a plain NumPy softmax.
+
+Oracles:
+* ``np_reference``: softmax(score.dense() + prior.log_table(n)) @ V in float64 NumPy
+  (the tables are the core's definitions, closed-form tested in test_closed_forms);
+* ``si.expectation`` (the funsor engine) for whole models;
+* dense autodiff for the blocked kernel's custom VJP.
+
+Tolerances: float32 — 2e-5 absolute on O(1) outputs (logits are O(3), so the
+softmax error is a few ulps of the largest logit); float64 — 1e-11.
+Sizes are distinct primes and not multiples of the (small) block sizes used, so
+every test has padded last blocks, and causal / window / block-sparse priors
+have fully masked blocks that are skipped.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+from structinfer.lowering import (
+    NotLowerableError,
+    attention,
+    blocked_attention,
+    dense_attention,
+    explain,
+    lower_edge,
+    make_schedule,
+    windowed_kernel,
+)
+
+N, M, D, DV = 23, 29, 5, 3
+BQ, BK = 4, 8  # small blocks: many blocks, padded tails
+
+
+def softmax_np(logits):
+    logits = np.asarray(logits, np.float64)
+    mx = np.max(logits, -1, keepdims=True)
+    e = np.exp(logits - mx)
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_reference(prior, score, v, n):
+    table = np.asarray(prior.log_table(n), np.float64)
+    if score is not None:
+        table = table + np.asarray(score.dense(), np.float64)
+    return softmax_np(table) @ np.asarray(v, np.float64)
+
+
+def _feats(seed, dtype, n=N, m=M, d=D):
+    r = np.random.default_rng(seed)
+    xq = (0.6 * r.normal(size=(n, d))).astype(dtype)
+    xk = (0.6 * r.normal(size=(m, d))).astype(dtype)
+    v = r.normal(size=(m, DV)).astype(dtype)
+    return xq, xk, v
+
+
+# --- priors x Dot, and scores x one prior -----------------------------------------
+
+
+def _priors(n, m, dtype):
+    r = np.random.default_rng(1)
+    bm = r.random((-(-n // 6), -(-m // 6))) < 0.4
+    bm[np.arange(bm.shape[0]), r.integers(0, bm.shape[1], bm.shape[0])] = True
+    cat = r.normal(size=(n, m)).astype(dtype)
+    cat[r.random((n, m)) < 0.3] = -np.inf
+    cat[np.arange(n), r.integers(0, m, n)] = 0.5
+    return {
+        "uniform": si.priors.Uniform(m),
+        "causal": si.priors.Restricted.causal(n, m, offset=m - n),
+        "window": si.priors.Restricted.window(n, 3, m, offset=m - n),
+        "window_1": si.priors.Restricted.window(n, 1, m, offset=m - n),  # one parent per row
+        "window_sym": si.priors.Restricted.window(n, 4, m, causal=False, include_self=False),
+        "block_sparse": si.priors.Restricted(
+            np.repeat(np.repeat(bm, 6, 0), 6, 1)[:n, :m], pattern={"type": "block_sparse"}
+        ),
+        "categorical": si.priors.Categorical(cat),
+        "categorical_row": si.priors.Categorical(r.normal(size=m).astype(dtype)),
+        "relpos": si.priors.RelativePosition(r.normal(size=n + m - 1).astype(dtype), m),
+        "relpos_clip": si.priors.RelativePosition(
+            r.normal(size=9).astype(dtype), m, max_distance=4, causal=True, offset=m - n
+        ),
+        "geometric": si.priors.Geometric(np.asarray(0.3, dtype), m, offset=m - n),
+        "geometric_trunc": si.priors.Geometric(
+            r.uniform(0.1, 0.6, size=n).astype(dtype), m, include_self=False,
+            offset=m - n + 1, max_distance=7,
+        ),
+    }
+
+
+PRIORS = list(_priors(N, M, np.float32))
+
+
+@pytest.mark.parametrize("name", PRIORS)
+def test_priors_with_dot_score_all_kernels(name):
+    xq, xk, v = _feats(0, np.float32)
+    prior = _priors(N, M, np.float32)[name]
+    score = si.scores.Dot(xq, xk, scale=0.7)
+    ref = np_reference(prior, score, v, N)
+    low = lower_edge(prior, score, v, N)
+    t, p = low.terms, low.problem
+    run = jax.jit(lambda p: (dense_attention(t, p, ())[0],
+                             blocked_attention(t, p, (), block_q=BQ, block_k=BK, mask=low.mask)[0]))
+    for y in run(p):
+        np.testing.assert_allclose(y, ref, atol=2e-5)
+    if t.dmin is not None and t.dmax is not None:
+        y = jax.jit(lambda p: windowed_kernel(t, p, (), block_q=BQ)[0])(p)
+        np.testing.assert_allclose(y, ref, atol=2e-5)
+
+
+def test_masked_blocks_are_skipped():
+    prior = _priors(N, M, np.float32)["window"]
+    low = lower_edge(prior, None, np.zeros((M, 1), np.float32), N)
+    sched = make_schedule(low.terms, BQ, BK, low.mask)
+    # a window of 3 at block size 4 x 8 touches at most 2 parent blocks per child block
+    assert max(len(r) for r in sched.fwd) <= 2 < sched.nkb
+    # brute force: a block is live iff some allowed edge lies in it
+    mask = np.asarray(prior.mask)
+    for a, row in enumerate(sched.fwd):
+        for b in range(sched.nkb):
+            any_ok = mask[a * BQ:(a + 1) * BQ, b * BK:(b + 1) * BK].any()
+            assert (b in row) == any_ok
+    bs = _priors(N, M, np.float32)["block_sparse"]
+    low = lower_edge(bs, None, np.zeros((M, 1), np.float32), N)
+    assert low.mask is not None
+    sched = make_schedule(low.terms, 6, 6, low.mask)
+    assert sched.live_fraction < 1.0
+
+
+def _scores(xq, xk, dtype):
+    r = np.random.default_rng(2)
+    mu = xk
+    diag = r.uniform(0.5, 2.0, size=D).astype(dtype)
+    perp = r.uniform(0.5, 2.0, size=(M, D)).astype(dtype)
+    A = r.normal(size=(D, D)).astype(dtype)
+    full = (A @ A.T / D + np.eye(D)).astype(dtype)
+    wq = r.normal(size=(4, D)).astype(dtype)
+    wk = r.normal(size=(4, D)).astype(dtype)
+    lw = r.normal(size=M).astype(dtype)
+    return {
+        "dot": si.scores.Dot(xq, xk),
+        "bilinear": si.scores.Bilinear(xq, xk, wq, wk, scale=0.3),
+        "cosine": si.scores.Cosine(xq, xk, scale=2.0),
+        "negsq_identity": si.scores.NegSqDist(xq, mu),
+        "negsq_diag_weights": si.scores.NegSqDist(xq, mu, diag, log_weights=lw),
+        "negsq_perparent_norm": si.scores.NegSqDist(xq, mu, perp, normalize=True),
+        "negsq_full": si.scores.NegSqDist(xq, mu, full),
+        "idw": si.scores.NegLogDist(xq, xk, p=1.5, eps=1e-2),
+        "linear_gaussian": si.scores.LinearGaussian(xq, xk[:, :3], r.normal(size=(D, 3)).astype(dtype), precision=np.float32(2.0).astype(dtype)),
+        "custom": si.scores.Custom(r.normal(size=(N, M)).astype(dtype)),
+        "sum": si.scores.Sum(si.scores.Dot(xq, xk, scale=0.5), si.scores.NegLogDist(xq, xk),
+                             si.scores.NegSqDist(xq, mu, diag)),
+    }
+
+
+SCORE_GROUPS = {  # one compile per group: the lowered terms of a Sum are the union
+    "matmul": ["dot", "bilinear", "cosine", "custom"],
+    "gaussian": ["negsq_identity", "negsq_diag_weights", "negsq_perparent_norm", "negsq_full",
+                 "linear_gaussian"],
+    "idw": ["idw"],
+    "sum": ["sum"],
+}
+
+
+@pytest.mark.parametrize("group", list(SCORE_GROUPS))
+def test_scores_blocked_equals_reference(group):
+    xq, xk, v = _feats(3, np.float32)
+    table = _scores(xq, xk, np.float32)
+    score = si.scores.Sum(*[table[k] for k in SCORE_GROUPS[group]])
+    prior = si.priors.Restricted.causal(N, M, offset=M - N)
+    ref = np_reference(prior, score, v, N)
+    low = lower_edge(prior, score, v, N)
+    y = jax.jit(lambda p: blocked_attention(low.terms, p, (), block_q=BQ, block_k=BK)[0])(
+        low.problem
+    )
+    np.testing.assert_allclose(y, ref, atol=3e-5)
+
+
+@pytest.mark.parametrize("kind", ["relpos", "geometric_trunc"])
+def test_float64_near_machine_precision(x64, kind):
+    xq, xk, v = _feats(4, np.float64)
+    prior = _priors(N, M, np.float64)[kind]
+    score = si.scores.Sum(si.scores.Dot(xq, xk), si.scores.NegLogDist(xq, xk))
+    ref = np_reference(prior, score, v, N)
+    low = lower_edge(prior, score, v, N)
+    y = jax.jit(lambda p: blocked_attention(low.terms, p, (), block_q=BQ, block_k=BK,
+                                            mask=low.mask)[0])(low.problem)
+    assert y.dtype == jnp.float64
+    np.testing.assert_allclose(y, ref, atol=1e-11, rtol=0)
+
+
+# --- gradients: custom VJP (recompute per block) == dense autodiff ------------------
+
+
+def test_blocked_gradients_match_dense(x64):
+    """Row (q, geometric q), column (k, v), pair (custom table) and global (relative
+    bias) cotangents of the custom VJP against dense autodiff."""
+    r = np.random.default_rng(5)
+    H, n, m = 3, 13, 17
+    q = r.normal(size=(H, n, D))
+    k = r.normal(size=(H, m, D))
+    v = r.normal(size=(H, m, DV))
+    bias = r.normal(size=(H, n + m - 1))
+    gq = r.uniform(0.2, 0.7, size=(H, n))
+    table = r.normal(size=(n, m))
+
+    def make(case, q, k, bias, gq, table):
+        if case == 0:
+            return (si.priors.RelativePosition(bias, m, causal=True, offset=m - n),
+                    si.scores.Sum(si.scores.Dot(q, k), si.scores.Custom(table)))
+        return (si.priors.Geometric(gq, m, offset=m - n, max_distance=6),
+                si.scores.NegLogDist(q, k, p=1.0))
+
+    for case in range(2):
+        def f(kernel, q, k, v, bias, gq, table, case=case):
+            prior, score = make(case, q, k, bias, gq, table)
+            low = lower_edge(prior, score, v, n, (H,))
+            if kernel == "dense":
+                y, lse = dense_attention(low.terms, low.problem, (H,))
+            else:
+                y, lse = blocked_attention(low.terms, low.problem, (H,), block_q=4, block_k=8)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(lse) * 0.1)
+
+        args = (q, k, v, bias, gq, table)
+        wrt = (0, 1, 2, 3, 5) if case == 0 else (0, 1, 2, 4)
+        gd = jax.jit(jax.grad(lambda *a: f("dense", *a), argnums=wrt))(*args)
+        gb = jax.jit(jax.grad(lambda *a: f("blocked", *a), argnums=wrt))(*args)
+        for a, b in zip(gd, gb):
+            assert np.abs(a).max() > 1e-3  # the gradient is not trivially zero
+            np.testing.assert_allclose(b, a, atol=1e-11, rtol=1e-9)
+
+
+# --- whole models: attention(model) == si.expectation(model) ------------------------
+
+
+def _mha_model(prior_fn, B=2, H=3):
+    def mha(q, k, v):
+        n, m = q.shape[-2], k.shape[-2]
+        with numpyro.plate("batch", B, dim=-3), numpyro.plate("heads", H, dim=-2):
+            with numpyro.plate("queries", n, dim=-1):
+                j = si.edge("phi", prior_fn(n, m), si.scores.Dot(q, k, scale=D**-0.5))
+                numpyro.deterministic("out", Vindex(v[:, :, None])[..., j, :])
+
+    return mha
+
+
+_EXACT: dict = {}  # exact-engine references shared by parametrised tests
+
+
+@pytest.mark.parametrize("backend", ["auto", "dense", "blocked"])
+def test_multihead_batched_model_equals_exact(backend):
+    r = np.random.default_rng(6)
+    B, H, n, m = 2, 3, 11, 13
+    q = r.normal(size=(B, H, n, D)).astype(np.float32)
+    k = r.normal(size=(B, H, m, D)).astype(np.float32)
+    v = r.normal(size=(B, H, m, DV)).astype(np.float32)
+    bias = r.normal(size=(H, n + m - 1)).astype(np.float32)  # one bias per head
+    model = _mha_model(lambda n, m: si.priors.RelativePosition(bias, m), B, H)
+    if "mha" not in _EXACT:
+        _EXACT["mha"] = jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v)
+    ref = _EXACT["mha"]
+    f = attention(model, "out", backend, block_q=4, block_k=8)
+    out = f(q, k, v)
+    assert out.shape == (B, H, n, DV)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_value_is_any_function_of_the_parent_and_event_shapes():
+    xq, xk, v = _feats(7, np.float32)
+    w = np.random.default_rng(7).normal(size=(M, 2, 2)).astype(np.float32)
+
+    def model(xq, xk, v, w):
+        with numpyro.plate("q", xq.shape[0]):
+            j = si.edge("phi", si.priors.Geometric(0.2, xk.shape[0], offset=M - N),
+                        si.scores.Dot(xq, xk))
+            numpyro.deterministic("out", jnp.sin(jnp.asarray(w)[j]) + j[..., None, None])
+
+    table = (np.sin(np.float64(w)) + np.arange(M)[:, None, None]).reshape(M, 4)
+    prior = si.priors.Geometric(0.2, M, offset=M - N)
+    ref = np_reference(prior, si.scores.Dot(xq, xk), table, N).reshape(N, 2, 2)
+    out = attention(model, "out", "blocked", block_q=4, block_k=8)(xq, xk, v, w)
+    assert out.shape == (N, 2, 2)
+    np.testing.assert_allclose(out, ref, atol=5e-5)
+
+
+def _multihop(hops, score_fn):
+    def model(x, v):
+        n = x.shape[0]
+        with numpyro.plate("nodes", n):
+            prior = si.priors.Restricted.causal(n)
+            j = si.edge("hop0", prior, score_fn(x))
+            out = v[j]
+            for h in range(1, hops):
+                j = si.edge(f"hop{h}", prior, score_fn(x), child=j)
+                out = out + v[j]
+            numpyro.deterministic("out", out)
+
+    return model
+
+
+@pytest.mark.parametrize("hops", [2, 3])
+def test_multihop_lowers_to_one_kernel_per_hop(hops, x64):
+    r = np.random.default_rng(8)
+    n = 17
+    x, v = r.normal(size=(n, D)), r.normal(size=(n, DV))
+    model = _multihop(hops, lambda x: si.scores.Dot(x, x, scale=0.5))
+    ex = explain(model, "out", x, v, backend="blocked")
+    assert ex.path == "lowered" and len(ex.kernels) == hops
+    assert ex.follows["hop1"] == "hop0"
+    out = attention(model, "out", "blocked", block_q=4, block_k=8)(x, v)
+    mask = np.tril(np.ones((n, n), bool))
+    P = softmax_np(np.where(mask, 0.5 * x @ x.T, -np.inf))
+    ref = sum(np.linalg.matrix_power(P, h) for h in range(1, hops + 1)) @ v
+    np.testing.assert_allclose(out, ref, atol=1e-11)
+    if hops == 2:
+        np.testing.assert_allclose(
+            out, jax.jit(lambda *a: si.expectation(model, "out", *a))(x, v), atol=1e-11
+        )
+
+
+def test_jit_vmap_grad_of_attention_function():
+    xq, xk, v = _feats(9, np.float32)
+
+    def model(xq, xk, v):
+        with numpyro.plate("q", xq.shape[0]):
+            j = si.edge("phi", si.priors.Restricted.causal(N, M, offset=M - N),
+                        si.scores.Dot(xq, xk))
+            numpyro.deterministic("out", v[j])
+
+    f = attention(model, "out", "blocked", block_q=4, block_k=8)
+    mask = (np.arange(N)[:, None] + M - N - np.arange(M)[None, :]) >= 0
+
+    def ex(a, b, c):  # plain softmax attention written here
+        return jax.nn.softmax(jnp.where(mask, a @ b.T, -jnp.inf), -1) @ c
+
+    batch = jnp.stack([xq, 0.5 * xq])
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(lambda a: f(a, xk, v)))(batch),
+        jax.jit(jax.vmap(lambda a: ex(a, xk, v)))(batch), atol=2e-5,
+    )
+    g = jax.jit(jax.grad(lambda a, b, c: jnp.sum(f(a, b, c) ** 2), argnums=(0, 1, 2)))
+    ge = jax.jit(jax.grad(lambda a, b, c: jnp.sum(ex(a, b, c) ** 2), argnums=(0, 1, 2)))
+    for a, b in zip(g(xq, xk, v), ge(xq, xk, v)):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+
+
+# --- auto: kernel choice, fallbacks and their explanations --------------------------
+
+
+def _simple(prior_fn, score_fn, value_fn=None, extra=None):
+    def model(xq, xk, v):
+        n, m = xq.shape[0], xk.shape[0]
+        with numpyro.plate("q", n):
+            j = si.edge("phi", prior_fn(n, m), score_fn(xq, xk))
+            if extra is not None:
+                extra(j, xq, xk, v)
+            numpyro.deterministic("out", v[j] if value_fn is None else value_fn(j, xq, v))
+
+    return model
+
+
+def test_auto_picks_kernels():
+    xq, xk, v = _feats(10, np.float32, n=200, m=211)
+    dot = lambda a, b: si.scores.Dot(a, b)  # noqa: E731
+    ex = explain(_simple(lambda n, m: si.priors.Uniform(m), dot), "out", xq, xk, v)
+    assert ex.kernels == {"phi": "blocked"} and "matmul" in str(ex)
+    geo = _simple(lambda n, m: si.priors.Geometric(0.3, m, offset=m - n, max_distance=20), dot)
+    assert explain(geo, "out", xq, xk, v).kernels == {"phi": "windowed"}
+    small = _simple(lambda n, m: si.priors.Uniform(m), dot)
+    assert explain(small, "out", *_feats(0, np.float32)).kernels == {"phi": "dense"}
+    assert explain(small, "out", xq, xk, v, backend="exact").path == "exact"
+
+
+def _dot_ref(xq, xk, v, extra=0.0):
+    return softmax_np(np.float64(xq) @ np.float64(xk).T + extra) @ np.float64(v)
+
+
+FALLBACKS = {  # model, (site, words in the explanation), NumPy reference
+    "inv_dist score": (
+        _simple(lambda n, m: si.priors.Uniform(m), lambda a, b: si.scores.InvDist(a, b)),
+        ("phi", "score InvDist"),
+        lambda xq, xk, v: np_reference(si.priors.Uniform(M), si.scores.InvDist(xq, xk), v, N),
+    ),
+    "per-parent full precision": (
+        _simple(lambda n, m: si.priors.Uniform(m), lambda a, b: si.scores.NegSqDist(
+            a, b, np.broadcast_to(np.eye(D, dtype=np.float32), (b.shape[0], D, D)))),
+        ("phi", "per-parent full precision"),
+        lambda xq, xk, v: np_reference(si.priors.Uniform(M), si.scores.NegSqDist(xq, xk), v, N),
+    ),
+    "value depends on the child": (
+        _simple(lambda n, m: si.priors.Uniform(m), lambda a, b: si.scores.Dot(a, b),
+                value_fn=lambda j, xq, v: v[j] + xq[:, :DV]),
+        ("out", "child index"),
+        lambda xq, xk, v: _dot_ref(xq, xk, v) + xq[:, :DV],
+    ),
+    "likelihood on the edge": (
+        _simple(lambda n, m: si.priors.Uniform(m), lambda a, b: si.scores.Dot(a, b),
+                extra=lambda j, xq, xk, v: numpyro.sample(
+                    "y", numpyro.distributions.Normal(v[j][..., 0], 1.0), obs=xq[:, 0])),
+        ("y", "depends on edge 'phi'"),
+        lambda xq, xk, v: _dot_ref(
+            xq, xk, v, -0.5 * (np.float64(xq[:, :1]) - np.float64(v[:, 0])[None]) ** 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_fallback_is_exact_and_explained(case):
+    model, (site, words), ref_fn = FALLBACKS[case]
+    xq, xk, v = _feats(11, np.float32)
+    ex = explain(model, "out", xq, xk, v)
+    assert ex.path == "exact"
+    assert ex.fallback.site == site and words in str(ex), str(ex)
+    out = attention(model, "out")(xq, xk, v)
+    np.testing.assert_allclose(out, ref_fn(xq, xk, v), atol=2e-5)
+    with pytest.raises(NotLowerableError, match=f"site '{site}'"):
+        attention(model, "out", "blocked")(xq, xk, v)
+
+
+def test_non_separable_two_edge_value_falls_back():
+    r = np.random.default_rng(12)
+    x, v = r.normal(size=(7, D)).astype(np.float32), r.normal(size=(7, DV)).astype(np.float32)
+
+    def model(x, v):
+        with numpyro.plate("nodes", 7):
+            j = si.edge("a", si.priors.Uniform(7), si.scores.Dot(x, x))
+            k = si.edge("b", si.priors.Uniform(7), si.scores.Dot(x, x), child=j)
+            numpyro.deterministic("out", v[j] * v[k])
+
+    ex = explain(model, "out", x, v)
+    assert ex.path == "exact" and "sum of per-edge terms" in str(ex)
+    P = softmax_np(np.float64(x) @ np.float64(x).T)  # both hops share the same table
+    ref = np.einsum("ij,jk,jd,kd->id", P, P, np.float64(v), np.float64(v))
+    np.testing.assert_allclose(attention(model, "out")(x, v), ref, atol=2e-5)
+
+
+def test_pattern_that_lies_about_its_mask_uses_the_mask():
+    xq, xk, v = _feats(13, np.float32)
+    mask = np.random.default_rng(13).random((N, M)) < 0.5
+    mask[:, 0] = True
+    liar = lambda n, m: si.priors.Restricted(mask, pattern={"type": "causal"})  # noqa: E731
+    model = _simple(liar, lambda a, b: si.scores.Dot(a, b))
+    assert "does not match" in str(explain(model, "out", xq, xk, v, backend="blocked"))
+    out = attention(model, "out", "blocked", block_q=4, block_k=8)(xq, xk, v)
+    np.testing.assert_allclose(out, np_reference(liar(N, M), si.scores.Dot(xq, xk), v, N),
+                               atol=2e-5)
+
+
+def test_bad_arguments_are_named():
+    model = _simple(lambda n, m: si.priors.Uniform(m), lambda a, b: si.scores.Dot(a, b))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        attention(model, "out", "flash")
+    with pytest.raises(KeyError, match="no site 'nope'"):
+        attention(model, "nope")(*_feats(0, np.float32))
+    with pytest.raises(NotLowerableError, match="no finite distance band"):
+        attention(model, "out", "windowed")(*_feats(0, np.float32))
+
+
+# --- random shapes (hypothesis): blocked / windowed == NumPy softmax ----------------
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(
+    n=st.integers(1, 23), extra=st.integers(0, 9), bq=st.integers(1, 9), bk=st.integers(1, 9),
+    width=st.integers(1, 6), seed=st.integers(0, 2**16),
+)
+def test_random_shapes_blocked_and_windowed(n, extra, bq, bk, width, seed):
+    m = n + extra
+    r = np.random.default_rng(seed)
+    xq, xk = r.normal(size=(n, 3)).astype(np.float32), r.normal(size=(m, 3)).astype(np.float32)
+    v = r.normal(size=(m, 2)).astype(np.float32)
+    bias = r.normal(size=(n + 2 * m,)).astype(np.float32)
+    prior = si.priors.RelativePosition(bias, m, offset=extra, max_distance=width, causal=True)
+    window = si.priors.Restricted.window(n, width, m, offset=extra)
+    for pr in (prior, window):
+        score = si.scores.Dot(xq, xk)
+        ref = np_reference(pr, score, v, n)
+        low = lower_edge(pr, score, v, n)
+        y = jax.jit(lambda p: blocked_attention(low.terms, p, (), block_q=bq, block_k=bk)[0])(
+            low.problem)
+        np.testing.assert_allclose(y, ref, atol=2e-5)
+    low = lower_edge(window, si.scores.Dot(xq, xk), v, n)
+    y = jax.jit(lambda p: windowed_kernel(low.terms, p, (), block_q=bq)[0])(low.problem)
+    np.testing.assert_allclose(y, np_reference(window, si.scores.Dot(xq, xk), v, n), atol=2e-5)

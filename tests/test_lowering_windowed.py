@@ -1,0 +1,151 @@
+"""The windowed kernel (expanding attention's geometric prior) and its truncation bound.
+
+Oracles: the exact engine on the truncated model, and a NumPy softmax over the
+untruncated geometric prior for the truncation bound
+
+    |y_i - y_i^W| <= tau_i * max_{j,j'} |V_j - V_j'|,
+    tau_i <= rho_i e^{Delta_i} / (rho_i e^{Delta_i} + 1 - rho_i),
+
+with rho_i the prior mass the window leaves out and Delta_i the spread of child
+i's scores (tau_i = rho_i exactly when all scores are equal).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+
+import structinfer as si
+from structinfer.lowering import (
+    attention,
+    explain,
+    geometric_band_log_prior,
+    windowed_attention,
+    windowed_posterior,
+    windowed_scores,
+    windowed_values,
+)
+
+N, M, D, DV = 19, 23, 5, 3
+OFF = M - N  # children are the last N of M positions
+
+
+def softmax_np(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _data(seed=0, dtype=np.float64):
+    r = np.random.default_rng(seed)
+    return (r.normal(size=(N, D)).astype(dtype), r.normal(size=(M, D)).astype(dtype),
+            r.normal(size=(M, DV)).astype(dtype))
+
+
+def geo_model(q_geo, window, include_self=True):
+    d0 = 0 if include_self else 1
+
+    def model(xq, xk, v):
+        with numpyro.plate("q", xq.shape[0]):
+            j = si.edge("phi", si.priors.Geometric(q_geo, xk.shape[0], include_self=include_self,
+                                                  offset=OFF + 1 - d0,
+                                                  max_distance=d0 + window - 1),
+                        si.scores.Dot(xq, xk, scale=0.5))
+            numpyro.deterministic("out", v[j])
+
+    return model
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_windowed_equals_exact_engine_on_truncated_prior(x64, include_self):
+    xq, xk, v = _data(0)
+    qg = np.random.default_rng(1).uniform(0.1, 0.5, size=N)  # one q per child
+    model = geo_model(qg, 6, include_self)
+    assert explain(model, "out", xq, xk, v).kernels == {"phi": "windowed"}
+    ref = jax.jit(lambda *a: si.expectation(model, "out", *a))(xq, xk, v)
+    out = attention(model, "out", block_q=4)(xq, xk, v)
+    np.testing.assert_allclose(out, ref, atol=1e-12)
+    d0 = 0 if include_self else 1
+    direct = jax.jit(lambda a, b, c: windowed_attention(
+        a, b, c, qg, 6, offset=OFF + 1 - d0, min_distance=d0, scale=0.5, block_size=4))
+    np.testing.assert_allclose(direct(xq, xk, v), ref, atol=1e-12)
+
+
+def test_truncation_error_is_bounded_by_prior_mass_left_out(x64):
+    xq, xk, v = _data(2)
+    xq, xk = 0.4 * xq, 0.4 * xk
+    qg, W = 0.15, 8
+    dist = np.arange(N)[:, None] + OFF - np.arange(M)[None, :]
+    logp = np.where(dist >= 0, np.log(qg) + dist * np.log1p(-qg), -np.inf)
+    spread = np.ptp(v, axis=0).max()
+    f = jax.jit(lambda a, b, c: windowed_attention(a, b, c, qg, W, offset=OFF, block_size=4))
+    for scores in (np.zeros((N, M)), xq @ xk.T):
+        full = softmax_np(logp + scores) @ v
+        trunc = np.asarray(f(xq, xk, v) if scores.any() else f(0 * xq, xk, v))
+        err = np.abs(full - trunc).max(-1)
+        prior = softmax_np(logp)
+        rho = np.where(dist >= W, prior, 0.0).sum(-1)  # prior mass beyond the window
+        allowed = dist >= 0
+        delta = np.where(allowed, scores, -np.inf).max(-1) - np.where(allowed, scores, np.inf).min(-1)
+        tau = rho * np.exp(delta) / (rho * np.exp(delta) + 1 - rho)
+        assert np.all(err <= tau * spread + 1e-12)
+        post = softmax_np(logp + scores)
+        tail = np.where(dist >= W, post, 0.0).sum(-1)
+        assert np.all(tail <= tau + 1e-12)
+        if not scores.any():  # equal scores: the posterior tail is exactly the prior tail
+            np.testing.assert_allclose(tail, rho, atol=1e-12)
+        assert err.max() > 0  # some rows do have parents beyond the window
+
+
+def test_pieces_against_numpy_with_horizon_and_per_head_q(x64):
+    r = np.random.default_rng(3)
+    H, W = 2, 7
+    q = r.normal(size=(H, N, D))
+    k = r.normal(size=(H, M, D))
+    v = r.normal(size=(H, M, DV))
+    qg = np.array([[0.2], [0.45]])  # one q per head
+    horizon = np.array([[5], [3]])  # the mean-field loop's H(q_t), per head
+    s = jax.jit(lambda a, b: windowed_scores(a, b, W, offset=OFF, block_size=4))(q, k)
+    lp = geometric_band_log_prior(qg, W, horizon)
+    probs = windowed_posterior(s, lp)
+    y = windowed_values(probs, v, offset=OFF, block_size=4)
+    t = np.arange(W)
+    j = np.arange(N)[:, None] + OFF - t[None, :]  # parent of band slot t
+    valid = (j >= 0) & (j < M)
+    jj = np.clip(j, 0, M - 1)
+    s_ref = np.where(valid, np.einsum("hid,hitd->hit", q, k[:, jj]), -np.inf)
+    np.testing.assert_allclose(np.where(valid, s, 0), np.where(valid, s_ref, 0), atol=1e-12)
+    assert np.all(np.isneginf(np.asarray(s)[:, ~valid]))
+    lp_ref = np.where(t[None, None] < horizon[..., None], np.log(qg)[..., None]
+                      + t * np.log1p(-qg)[..., None], -np.inf)
+    p_ref = softmax_np(s_ref + lp_ref)
+    np.testing.assert_allclose(probs, p_ref, atol=1e-12)
+    y_ref = np.einsum("hit,hitd->hid", p_ref, np.where(valid[..., None], v[:, jj], 0))
+    np.testing.assert_allclose(y, y_ref, atol=1e-12)
+
+
+def test_windowed_gradients_match_dense_autodiff(x64):
+    xq, xk, v = _data(4)
+    qg = 0.3
+
+    def dense(a, b, c):
+        d = np.arange(N)[:, None] + OFF - np.arange(M)[None, :]
+        lp = jnp.where((d >= 0) & (d < 6), np.log(qg) + d * np.log1p(-qg), -jnp.inf)
+        return jax.nn.softmax(a @ b.T + lp, -1) @ c
+
+    def win(a, b, c):
+        return windowed_attention(a, b, c, qg, 6, offset=OFF, block_size=4)
+
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))  # noqa: E731
+    g1 = jax.jit(jax.grad(loss(win), argnums=(0, 1, 2)))(xq, xk, v)
+    g2 = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2)))(xq, xk, v)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, atol=1e-12)
+
+
+def test_windowed_input_errors():
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        windowed_scores(np.zeros((3, 2)), np.zeros((5, 2)), 0)
+    with pytest.raises(ValueError, match="same d"):
+        windowed_scores(np.zeros((3, 2)), np.zeros((5, 4)), 2)
