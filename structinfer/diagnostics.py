@@ -58,7 +58,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import block, seed, substitute, trace
 
 from . import exact
-from .handlers import require_values
+from .handlers import fold_scores, require_values
 from .primitives import EdgeInfo
 
 __all__ = [
@@ -262,7 +262,8 @@ def _collapse(model, params, args, kwargs, score_factors: ScoreFactors):
     m = substitute(model, data=params) if params else model
     info = exact.inspect_model(m, *args, **kwargs)
     em = enum(
-        require_values(m, what="the pointwise log-likelihood"),
+        # one factor per edge (prior + score): see handlers.fold_scores (float32 underflow)
+        fold_scores(require_values(m, what="the pointwise log-likelihood")),
         first_available_dim=info.first_available_dim,
     )
     with plate_to_enum_plate():

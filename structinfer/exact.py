@@ -32,6 +32,7 @@ from numpyro.contrib.funsor import enum, infer_discrete
 from numpyro.contrib.funsor import log_density as _funsor_log_density
 from numpyro.handlers import block, trace
 
+from ._checks import is_concrete
 from .handlers import fill_discrete, fold_scores, pin, require_values, tilt
 
 __all__ = [
@@ -80,6 +81,22 @@ def _model_name(model) -> str:
     return getattr(model, "__name__", type(model).__name__)
 
 
+def _check_unscaled(site) -> None:
+    """Refuse a scaled enumerated site: funsor would scale inside the log-sum-exp."""
+    scale = site.get("scale")
+    if scale is None:
+        return
+    if is_concrete(scale) and np.all(np.asarray(scale) == 1):
+        return
+    raise ValueError(
+        f"edge site '{site['name']}' carries a scale (from numpyro.handlers.scale or a "
+        "subsampled plate): the exact engine would multiply the log-potentials inside "
+        "the log-sum-exp, i.e. temper the edge posterior instead of scaling each "
+        "child's log-likelihood. Collapse the edges without the scale, then scale the "
+        "per-child result (e.g. structinfer.diagnostics.pointwise_log_likelihood)"
+    )
+
+
 def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
     """Run ``model`` once without enumeration and collect its sites and shapes.
 
@@ -107,6 +124,7 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
                 and site["infer"].get("enumerate") == "parallel"
                 and (not site["is_observed"])
             ):
+                _check_unscaled(site)
                 fn = site["fn"]
                 support = int(fn.enumerate_support(expand=False).shape[0])
                 info.enumerated[name] = (tuple(fn.batch_shape), support)

@@ -186,4 +186,4 @@ class fold_scores(Messenger):
             return
         name = msg["name"]
         if name.endswith(SCORE_SUFFIX) and name[: -len(SCORE_SUFFIX)] in self._folded:
-            msg["fn"] = dist.Unit(jnp.zeros(jnp.shape(msg["fn"].log_factor)))
+            msg["fn"] = dist.Unit(jnp.zeros(msg["fn"].batch_shape))

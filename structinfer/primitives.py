@@ -102,19 +102,23 @@ def _check_table(table: jax.Array, what: str, site: str, batch, num_parents: int
             f"edge site '{site}': {what} has {shape[-1]} parents (shape {shape}) but the "
             f"prior has {num_parents}"
         )
-    try:
-        jnp.broadcast_shapes(shape[:-1], tuple(batch))
-    except ValueError:
-        raise ValueError(
-            f"edge site '{site}': {what} of shape {shape} does not fit the plates' batch "
-            f"shape {tuple(batch)} + ({num_parents},): the layout is (..., children, parents) "
-            "with children on the plate at dim=-1"
-        ) from None
-    if len(shape) - 1 > len(batch) and any(s != 1 for s in shape[: len(shape) - 1 - len(batch)]):
+    lead = len(shape) - 1 - len(batch)
+    if lead > 0 and any(s != 1 for s in shape[:lead]):
         raise ValueError(
             f"edge site '{site}': {what} of shape {shape} has more batch dims than the "
             f"plates around the edge (batch shape {tuple(batch)}); add a plate for each "
             "leading dim (e.g. heads)"
+        )
+    table_batch = shape[max(lead, 0) : -1]
+    try:
+        fits = jnp.broadcast_shapes(table_batch, tuple(batch)) == tuple(batch)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"edge site '{site}': {what} of shape {shape} does not fit the plates' batch "
+            f"shape {tuple(batch)} + ({num_parents},): the layout is (..., children, parents) "
+            "with children on the plate at dim=-1"
         )
 
 
@@ -168,9 +172,7 @@ def edge(name: str, prior, score=None, *, child=None, infer: dict | None = None)
         _check_table(score_table, "score", name, batch, num_parents)
         check_finite(score_table, f"edge site '{name}': score")
 
-    info = EdgeInfo(
-        name, prior, score_obj, num_children, num_parents, child_plate.name, child
-    )
+    info = EdgeInfo(name, prior, score_obj, num_children, num_parents, child_plate.name, child)
     site_infer = {"enumerate": "parallel", "structinfer": info}
     if score_table is not None and child is None:
         # read by the exact engine, which folds the score into the edge's own factor

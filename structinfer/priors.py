@@ -324,8 +324,9 @@ class RelativePosition(StructuralPrior):
 
     * ``RelativePosition(bias, num_parents)`` — one learnable bias per distance,
       ``bias[..., d + num_parents - 1]`` for ``d`` from ``-(m-1)`` to ``n-1+offset``
-      (length ``num_children + num_parents - 1`` when ``offset=0``); distances
-      beyond ``max_distance`` share the edge bucket (clipped).
+      (length ``num_children + offset + num_parents - 1``); with ``max_distance=D``
+      the bias has ``2D + 1`` entries, ``bias[..., clip(d, -D, D) + D]``, and
+      distances beyond ``D`` share the edge buckets.
     * :meth:`circulant` — ``P = circ(p)``: ``p(\phi_i=j) \propto p_{(i-j) \bmod n}``.
     * :meth:`hartley` — the circulant log-prior written in the Hartley basis,
       :math:`\ln p_{ij} = \sum_k \beta_k\,\mathrm{cas}(2\pi k (i-j)/n)` with
@@ -383,30 +384,55 @@ class RelativePosition(StructuralPrior):
         logits = jnp.einsum("...k,kr->...r", beta, basis)
         return cls(logits, n, causal=causal, _mode="circulant", _period=n)
 
+    def bias_index(self, d: jax.Array) -> jax.Array:
+        """Index into ``bias`` for an integer distance grid ``d``.
+
+        * circulant: ``d mod n``;
+        * linear, no clipping: ``d + num_parents - 1`` (distances ``-(m-1) .. n-1+offset``);
+        * linear with ``max_distance = D``: ``clip(d, -D, D) + D`` (a bias of ``2D + 1``).
+        """
+        if self.mode == "circulant":
+            return jnp.mod(d, self.period)
+        if self.max_distance is not None:
+            D = self.max_distance
+            return jnp.clip(d, -D, D) + D
+        return d + self.num_parents - 1
+
+    def check_bias_length(self, num_children: int) -> None:
+        """Raise if the bias does not cover every distance of an ``n x m`` grid (static shapes)."""
+        if self.mode == "circulant":
+            return
+        L = self.bias.shape[-1]
+        if self.max_distance is not None:
+            need, lo = 2 * self.max_distance + 1, 0
+            how = f"max_distance={self.max_distance} needs 2*max_distance+1 = {need}"
+        else:
+            lo = self.offset  # smallest index: d = offset - (m - 1)
+            need = num_children + self.offset + self.num_parents - 1
+            how = (
+                f"{num_children} children and {self.num_parents} parents at offset "
+                f"{self.offset} need {need}"
+            )
+        if lo < 0:
+            raise ValueError(
+                f"RelativePosition: offset {self.offset} puts distances below -(m-1) = "
+                f"{-(self.num_parents - 1)}; pass max_distance to clip them"
+            )
+        if L != need and (self.max_distance is not None or L < need):
+            raise ValueError(
+                f"RelativePosition: bias has {L} distances but {how} (or pass max_distance to clip)"
+            )
+
     def distance_log_weights(self, d: jax.Array) -> jax.Array:
         """Log-weight ``b(d)`` for an integer distance grid ``d`` (any shape)."""
-        if self.mode == "circulant":
-            idx = jnp.mod(d, self.period)
-        else:
-            dd = d
-            if self.max_distance is not None:
-                dd = jnp.clip(d, -self.max_distance, self.max_distance)
-            idx = jnp.clip(dd + self.num_parents - 1, 0, self.bias.shape[-1] - 1)
-        w = jnp.take(self.bias, idx, axis=-1)
+        w = jnp.take(self.bias, self.bias_index(d), axis=-1)
         if self.causal:
             w = jnp.where(d >= 0, w, -jnp.inf)
         return w
 
     def _log_weights(self, num_children: int) -> jax.Array:
+        self.check_bias_length(num_children)
         d = _distance_grid(num_children, self.num_parents, self.offset)
-        if self.mode == "linear" and self.max_distance is None:
-            need = num_children + self.offset + self.num_parents - 1
-            if self.bias.shape[-1] < need and is_concrete(self.bias):
-                raise ValueError(
-                    f"RelativePosition: bias has {self.bias.shape[-1]} distances but "
-                    f"{num_children} children and {self.num_parents} parents need {need} "
-                    "(or pass max_distance to clip)"
-                )
         return self.distance_log_weights(d)
 
     def describe(self) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ._checks import as_float_array, check_ndim
+from ._checks import as_float_array, check_ndim, is_concrete
 
 __all__ = [
     "Score",
@@ -188,11 +189,22 @@ class NegSqDist(_PairScore):
             or full ``(d, d)``/``(parents, d, d)`` precision matrices.
         log_weights: optional log mixing weights ``(..., parents)``.
         normalize: add the Gaussian normalising constant.
+        precision_kind: ``"scalar"``, ``"diag"``, ``"parent_diag"``, ``"full"`` or
+            ``"parent_full"``; needed only when the shape alone is ambiguous (e.g. a
+            ``(parents, d)`` diagonal with ``parents == d``).
     """
 
     kind = "neg_sq_dist"
 
-    def __init__(self, x, mu, precision=None, log_weights=None, normalize: bool = False):
+    def __init__(
+        self,
+        x,
+        mu,
+        precision=None,
+        log_weights=None,
+        normalize: bool = False,
+        precision_kind: str | None = None,
+    ):
         super().__init__(x, mu)
         self.precision = (
             None if precision is None else as_float_array(precision, "NegSqDist: precision")
@@ -201,26 +213,61 @@ class NegSqDist(_PairScore):
             None if log_weights is None else as_float_array(log_weights, "NegSqDist: log_weights")
         )
         self.normalize = normalize
-        d = self.q.shape[-1]
+        d, m = self.q.shape[-1], self.num_parents
         P = self.precision
+        if self.log_weights is not None and self.log_weights.shape[-1] != m:
+            raise ValueError(
+                f"NegSqDist: log_weights has {self.log_weights.shape[-1]} entries, expected "
+                f"one per parent ({m})"
+            )
+        # what each precision kind looks like: (kind, expected shape)
+        shapes = {
+            "scalar": (),
+            "diag": (d,),
+            "parent_diag": (m, d),
+            "full": (d, d),
+            "parent_full": (m, d, d),
+        }
         if P is None:
             self._prec_kind = "identity"
-        elif P.ndim == 0:
-            self._prec_kind = "scalar"
-        elif P.ndim == 1 and P.shape[0] == d:
-            self._prec_kind = "diag"
-        elif P.ndim == 2 and P.shape == (d, d):
-            self._prec_kind = "full"
-        elif P.ndim == 2 and P.shape == (self.num_parents, d):
-            self._prec_kind = "diag"
-        elif P.ndim == 3 and P.shape == (self.num_parents, d, d):
-            self._prec_kind = "full"
         else:
-            raise ValueError(
-                f"NegSqDist: precision shape {tuple(P.shape)} does not fit {self.num_parents} "
-                f"parents with feature size {d}; expected (), (d,), (parents, d), (d, d) "
-                "or (parents, d, d)"
-            )
+            fits = [k for k, shp in shapes.items() if tuple(P.shape) == shp]
+            if precision_kind is not None:
+                if precision_kind not in shapes:
+                    raise ValueError(
+                        f"NegSqDist: precision_kind must be one of {sorted(shapes)}, got "
+                        f"{precision_kind!r}"
+                    )
+                if precision_kind not in fits:
+                    raise ValueError(
+                        f"NegSqDist: precision_kind={precision_kind!r} needs shape "
+                        f"{shapes[precision_kind]}, got {tuple(P.shape)}"
+                    )
+                fits = [precision_kind]
+            if not fits:
+                raise ValueError(
+                    f"NegSqDist: precision shape {tuple(P.shape)} does not fit {m} parents "
+                    f"with feature size {d}; expected (), (d,), (parents, d), (d, d) or "
+                    "(parents, d, d)"
+                )
+            if len(fits) > 1:
+                raise ValueError(
+                    f"NegSqDist: precision of shape {tuple(P.shape)} is ambiguous with {m} "
+                    f"parents and feature size {d} (it fits {fits}); pass precision_kind"
+                )
+            kind = fits[0]
+            self._prec_kind = {"parent_diag": "diag", "parent_full": "full"}.get(kind, kind)
+            if is_concrete(P):
+                Pa = np.asarray(P)
+                if kind in ("full", "parent_full"):
+                    ok = np.all(np.linalg.eigvalsh((Pa + np.swapaxes(Pa, -1, -2)) / 2) > 0)
+                else:
+                    ok = np.all(Pa > 0)
+                if not ok:
+                    raise ValueError(
+                        "NegSqDist: precision must be positive (definite); got a "
+                        f"non-positive {kind} precision"
+                    )
 
     def dense(self) -> jax.Array:
         diff = _pairwise_diff(self.q, self.k)  # (..., n, m, d)

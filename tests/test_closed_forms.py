@@ -307,3 +307,35 @@ def test_sample_edges_frequencies():
     freq = np.stack([(np.asarray(draws) == j).mean(0) for j in range(3)], -1)
     # 4000 draws: standard error <= 0.008; 5 sigma
     np.testing.assert_allclose(freq, A, atol=0.04)
+
+
+def test_relative_position_offset_and_clipping(x64):
+    xq, xk, v = _data(20, dtype=np.float64)
+    r = np.random.default_rng(20)
+    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
+    # offset: child i sits at parent position i + 2
+    bias = r.normal(size=N + 2 + M - 1)
+    model = attention_model(lambda n, m: si.priors.RelativePosition(bias, m, offset=2))
+    logits = bias[i + 2 - j + M - 1]
+    check_all(model, (xq, xk, v), logits - lse_ref(logits)[:, None], xq @ xk.T, v, 1e-12)
+    # max_distance D: a bias of 2D + 1 entries, distances clipped to [-D, D]
+    D = 2
+    bias = r.normal(size=2 * D + 1)
+    model = attention_model(lambda n, m: si.priors.RelativePosition(bias, m, max_distance=D))
+    logits = bias[np.clip(i - j, -D, D) + D]
+    check_all(model, (xq, xk, v), logits - lse_ref(logits)[:, None], xq @ xk.T, v, 1e-12)
+
+
+def test_score_shared_by_every_child(x64):
+    """A (1, parents) score broadcasts over the children plate."""
+    xq, xk, v = _data(21, dtype=np.float64)
+    s = np.random.default_rng(21).normal(size=(1, M))
+
+    def shared(xq, xk, v):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), s)
+            numpyro.deterministic("out", v[j])
+
+    check_all(
+        shared, (xq, xk, v), np.full((N, M), -np.log(M)), np.broadcast_to(s, (N, M)), v, 1e-12
+    )

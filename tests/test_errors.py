@@ -184,3 +184,51 @@ def test_numpy_constant_in_closure_under_jit_is_explained():
     # eagerly, and with the array passed as an argument, NumPy constants are fine
     ref = jax.nn.softmax(XQ @ XK.T, -1) @ V
     np.testing.assert_allclose(si.expectation(model, "out", XQ), ref, atol=1e-5)
+
+
+def test_scaled_or_subsampled_edges_are_refused():
+    """funsor would scale inside the log-sum-exp (tempering the posterior)."""
+
+    def scaled():
+        with numpyro.plate("queries", N), numpyro.handlers.scale(scale=3.0):
+            si.edge("phi", si.priors.Uniform(M), XQ @ XK.T)
+
+    def subsampled():
+        with numpyro.plate("queries", N, subsample_size=2):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Custom(np.zeros((2, M))))
+
+    for model in (scaled, numpyro.handlers.seed(subsampled, 0)):
+        with pytest.raises(ValueError, match="edge site 'phi' carries a scale"):
+            si.log_marginal(model)
+
+
+def test_score_with_more_children_than_the_plate():
+    def model():
+        with numpyro.plate("queries", 1):
+            si.edge("phi", si.priors.Uniform(M), np.zeros((3, M)))
+
+    with pytest.raises(ValueError, match=r"score of shape \(3, 7\) does not fit .* \(1,\)"):
+        si.log_marginal(model)
+
+
+def test_ambiguous_or_invalid_precision():
+    x, mu = np.zeros((N, 3)), np.zeros((3, 3))  # 3 parents, 3 features
+    with pytest.raises(ValueError, match="ambiguous .* pass precision_kind"):
+        si.scores.NegSqDist(x, mu, precision=np.ones((3, 3)))
+    s = si.scores.NegSqDist(x, mu, precision=np.ones((3, 3)), precision_kind="parent_diag")
+    assert s.dense().shape == (N, 3)
+    with pytest.raises(ValueError, match="must be positive"):
+        si.scores.NegSqDist(x, mu, precision=-np.eye(3), precision_kind="full")
+    with pytest.raises(ValueError, match="log_weights has 4 entries"):
+        si.scores.NegSqDist(x, mu, log_weights=np.zeros(4))
+
+
+def test_relative_position_bias_checks_are_static():
+    """The length check needs only shapes, so it also runs under jit."""
+    f = jax.jit(lambda b: si.priors.RelativePosition(b, M).log_table(N))
+    with pytest.raises(ValueError, match="bias has 4 distances"):
+        f(jnp.zeros(4))
+    with pytest.raises(ValueError, match="max_distance=2 needs 2\\*max_distance\\+1 = 5"):
+        si.priors.RelativePosition(np.zeros(9), M, max_distance=2).log_table(N)
+    with pytest.raises(ValueError, match="offset -3 puts distances below"):
+        si.priors.RelativePosition(np.zeros(20), M, offset=-3).log_table(N)
