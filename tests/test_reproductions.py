@@ -71,3 +71,19 @@ def test_expanding_sequences_place_x1_at_a_geometric_distance(expanding):
     assert dist.min() >= 1 and dist.max() <= n - 1
     # E[D] = 1/p for the (barely clipped) geometric on {1, 2, ...}; sd(mean) ~ 0.14
     assert abs(dist.mean() - 1 / p) < 0.6
+
+
+def test_gaussian_slot_e_step_is_the_weighted_mean_and_a_stationary_point(x64):
+    """The slot-attention edit in reproduce_mixtures: with Gaussian potentials (W_Q = I,
+    no node potential) the CCCP / majorise-minimise step is the attention-weighted mean of
+    the keys, and its fixed point is a stationary point of F = ½λ‖μ‖² − log Z."""
+    mix = _load("reproduce_mixtures")
+    jnp = jax.numpy
+    x, _, slots0, _, _ = (np.asarray(a) for a in mix.make_scene(1))
+    jx, js, eye = jnp.asarray(x), jnp.asarray(slots0), jnp.eye(5)
+    mu1, _ = mix.gaussian_slot_e_step(jx, js, eye, eye, 1.0, lam=0.0, iters=1)
+    a0 = np.asarray(mix.marginals(mix.gaussian_slot_model, jx, js, eye, eye, 1.0)["slot"])
+    np.testing.assert_allclose(mu1, (a0.T @ x) / a0.sum(0)[:, None], rtol=1e-8, atol=1e-10)
+    mu, _ = mix.gaussian_slot_e_step(jx, js, eye, eye, 1.0, iters=200)
+    g = jax.grad(mix.gaussian_slot_free_energy, argnums=1)(jx, mu, eye, eye, 1.0)
+    assert np.abs(np.asarray(g)).max() < 1e-6
