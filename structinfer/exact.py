@@ -197,7 +197,13 @@ def log_marginal(model: Callable, *args, **kwargs) -> jax.Array:
 
 
 def energy(model: Callable, *args, **kwargs) -> jax.Array:
-    r"""The collapsed energy :math:`E(x) = -\log \sum_\phi p(x, \phi)` (see :func:`log_marginal`)."""
+    r"""The collapsed energy :math:`E(x) = -\log \sum_\phi p(x, \phi)` (see :func:`log_marginal`).
+
+    For independent children this is the log-sum-exp energy
+    :math:`-\sum_i \log \sum_j \exp(\psi_{ij} + \log p_{ij})` of Tschantz
+    ("log-sum-exp energies", v2 eq. 1) and the collapsed free energy of Singh &
+    Buckley sec. 4.1 (eq. 3).
+    """
     return -log_marginal(model, *args, **kwargs)
 
 
@@ -213,6 +219,9 @@ def marginals(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
     Returns:
         ``{site: array (..., children, parents)}`` for each edge site (and each other
         enumerated discrete site, shape ``batch + (support,)``). Rows sum to one.
+
+    Reference: the attention matrix as the edge posterior, Singh & Buckley sec. 3.1
+    (eq. 1); marginals as gradients of the log-partition (Lemma 7.1 (i), app. 7.1).
     """
     args, kwargs = _as_jax(args, kwargs)
     info = inspect_model(model, *args, **kwargs)
@@ -249,6 +258,9 @@ def expectation(model: Callable, site: str | Sequence[str], *args, **kwargs):
     Returns:
         The expectation, shaped like the site's value in a plain run (a dict of
         them when ``site`` is a sequence).
+
+    Reference: attention output as :math:`\mathbb E_{\phi|x}[v(x,\phi)]`, Singh &
+    Buckley eq. 1; multi-hop values, app. 7.3.
     """
     args, kwargs = _as_jax(args, kwargs)
     names = [site] if isinstance(site, str) else list(site)
@@ -309,6 +321,9 @@ def map_edges(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
 
     Returns:
         ``{site: int array of the site's batch shape (..., children)}``.
+
+    Reference: hard attention as the MAP structure (Singh & Buckley sec. 3.1);
+    computed with funsor's max-product adjoint (``numpyro.contrib.funsor.infer_discrete``).
     """
     return _discrete_posterior(model, args, kwargs, 0, None)
 
@@ -320,5 +335,8 @@ def sample_edges(rng_key: jax.Array, model: Callable, *args, **kwargs) -> dict[s
 
     Returns:
         ``{site: int array of the site's batch shape (..., children)}``.
+
+    Reference: stochastic (sampled) attention as a draw from the edge posterior
+    (Singh & Buckley sec. 2, "latent alignment"); funsor forward-filter backward-sample.
     """
     return _discrete_posterior(model, args, kwargs, 1, rng_key)

@@ -66,6 +66,11 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     against ``batch`` when right-aligned (as an enumerated edge value does).
     This is :class:`numpyro.ops.indexing.Vindex` — plain chained indexing silently
     misaligns enumerated dims (numpyro issue 2252).
+
+    .. math:: \text{out}[\ldots] = \text{table}[\ldots, \text{index}[\ldots]]
+
+    It is how a value :math:`v_i(x, \phi_i = j) = V x_j` is read (Singh & Buckley
+    sec. 3.2, the value function).
     """
     return Vindex(table)[..., index]
 

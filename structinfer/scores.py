@@ -348,7 +348,11 @@ class GaussianKernel(_PairScore):
 
 
 class Cosine(_PairScore):
-    r"""Cosine similarity :math:`\psi_{ij} = s\,\frac{q_i^\top k_j}{\|q_i\|\|k_j\|}`."""
+    r"""Cosine similarity :math:`\psi_{ij} = s\,\frac{q_i^\top k_j}{\|q_i\|\|k_j\|}`.
+
+    One more choice of the similarity inside the softmax (McCarter sec. 2: the
+    score is a modelling choice); a dot product of normalised features.
+    """
 
     kind = "cosine"
 
@@ -436,7 +440,12 @@ class LinearGaussian(Score):
 
 
 class Sum(Score):
-    r"""Several similarities added before the softmax: :math:`\psi = \sum_r \psi^{(r)}`."""
+    r"""Several similarities added before the softmax: :math:`\psi = \sum_r \psi^{(r)}`.
+
+    Adding potentials multiplies the corresponding factors of :math:`p(x, \phi)`, as in
+    Tschantz's general log-sum-exp model with several energy terms over one node set
+    (v2 sec. "general form"), or a content score plus a positional score (Table 1 row 5).
+    """
 
     kind = "sum"
 
@@ -468,7 +477,11 @@ class Sum(Score):
 
 class Custom(Score):
     r"""Any score table: ``Custom(table)`` or ``Custom(fn, *args)`` with ``fn(*args)`` returning
-    the ``(..., children, parents)`` log-potentials. Never lowered (the exact engine runs it)."""
+    the ``(..., children, parents)`` log-potentials :math:`\psi_{ij}`.
+
+    The general edge potential of a pairwise MRF (Singh & Buckley sec. 3.1); use it for
+    potentials not in this module.
+    """
 
     kind = "custom"
 
@@ -500,7 +513,11 @@ class Custom(Score):
 
 
 def as_score(score: Any, site: str) -> Score:
-    """Coerce ``score`` (a :class:`Score` or an array) to a :class:`Score`."""
+    """Coerce ``score`` (a :class:`Score` or an array) to a :class:`Score`.
+
+    Arrays become :class:`Custom` tables; anything else raises a ``TypeError`` naming
+    the edge site.
+    """
     if isinstance(score, Score):
         return score
     if hasattr(score, "shape") or isinstance(score, (list, tuple)):
