@@ -121,8 +121,9 @@ def recency_model(prior: str, window: int = 4, buckets: int = 6) -> Callable:
             structure = P.Restricted.window(n, window, n, include_self=False, offset=1)
         elif prior == "relative":
             bias = numpyro.sample("bias", dist.Normal(0.0, 2.0).expand([buckets]).to_event(1))
-            # bias index = clip(d, -buckets, buckets) + n - 1: d <= 0 is forbidden
-            full = jnp.concatenate([jnp.full((n,), -jnp.inf, bias.dtype), bias])
+            # bias index = clip(d, -buckets, buckets) + buckets (2 * buckets + 1 entries);
+            # distances d <= 0 are forbidden, d = 1 .. buckets (and beyond) get `bias`
+            full = jnp.concatenate([jnp.full((buckets + 1,), -jnp.inf, bias.dtype), bias])
             structure = P.RelativePosition(full, n, offset=1, max_distance=buckets, causal=True)
         else:
             q = numpyro.sample("q", dist.Beta(1.0, 1.0))

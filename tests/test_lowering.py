@@ -205,7 +205,7 @@ def test_blocked_gradients_match_dense(x64):
     q = r.normal(size=(H, n, D))
     k = r.normal(size=(H, m, D))
     v = r.normal(size=(H, m, DV))
-    bias = r.normal(size=(H, n + m - 1))
+    bias = r.normal(size=(H, 2 * m - 1))  # offset m - n: n + offset + m - 1 distances
     gq = r.uniform(0.2, 0.7, size=(H, n))
     table = r.normal(size=(n, m))
 
@@ -474,7 +474,7 @@ def test_random_shapes_blocked_and_windowed(n, extra, bq, bk, width, seed):
     r = np.random.default_rng(seed)
     xq, xk = r.normal(size=(n, 3)).astype(np.float32), r.normal(size=(m, 3)).astype(np.float32)
     v = r.normal(size=(m, 2)).astype(np.float32)
-    bias = r.normal(size=(n + 2 * m,)).astype(np.float32)
+    bias = r.normal(size=(2 * width + 1,)).astype(np.float32)
     prior = si.priors.RelativePosition(bias, m, offset=extra, max_distance=width, causal=True)
     window = si.priors.Restricted.window(n, width, m, offset=extra)
     for pr in (prior, window):
@@ -487,3 +487,153 @@ def test_random_shapes_blocked_and_windowed(n, extra, bq, bk, width, seed):
     low = lower_edge(window, si.scores.Dot(xq, xk), v, n)
     y = jax.jit(lambda p: windowed_kernel(low.terms, p, (), block_q=bq)[0])(low.problem)
     np.testing.assert_allclose(y, np_reference(window, si.scores.Dot(xq, xk), v, n), atol=2e-5)
+
+
+# --- soundness: cases that used to lower to a wrong answer must fall back ---------
+
+
+def _small(seed=0, n=3, m=4, d=2, dv=2, vscale=1.0):
+    r = np.random.default_rng(seed)
+    return (jnp.asarray(r.normal(size=(n, d))), jnp.asarray(r.normal(size=(m, d))),
+            jnp.asarray(vscale * r.normal(size=(m, dv))))
+
+
+def _same_as_exact(model, args, site=None, part=None):
+    """attention(model) agrees with the exact engine (value or error); with ``site`` the
+    model must fall back and explain must name the site (and the part)."""
+    try:
+        ex = explain(model, "out", *args)
+    except ValueError as err:  # the exact engine refuses the model itself: so must attention
+        msg = str(err)[:40].replace("(", r"\(")
+        with pytest.raises(ValueError, match=msg):
+            si.expectation(model, "out", *args)
+        with pytest.raises(ValueError, match=msg):
+            attention(model, "out")(*args)
+        return None
+    if site is not None:
+        assert ex.path == "exact" and ex.fallback.site == site, str(ex)
+        if part is not None:
+            assert ex.fallback.part == part, str(ex)
+    try:
+        ref = si.expectation(model, "out", *args)
+    except ValueError as err:
+        with pytest.raises(ValueError, match=str(err)[:40].replace("(", r"\(")):
+            attention(model, "out")(*args)
+        return ex
+    np.testing.assert_allclose(attention(model, "out")(*args), ref, atol=1e-12)
+    return ex
+
+
+def test_scaled_or_masked_edge_falls_back(x64):
+    q, k, V = _small()
+    n, m = q.shape[0], k.shape[0]
+
+    def scaled(q, k, V):
+        with numpyro.plate("c", n):
+            with numpyro.handlers.scale(scale=3.0):
+                j = si.edge("phi", si.priors.Uniform(m), si.scores.Dot(q, k))
+            numpyro.deterministic("out", V[j])
+
+    def masked(q, k, V):
+        with numpyro.plate("c", n):
+            with numpyro.handlers.mask(mask=jnp.array([True, False, True])):
+                j = si.edge("phi", si.priors.Uniform(m), si.scores.Dot(q, k))
+            numpyro.deterministic("out", V[j])
+
+    def unit_scale(q, k, V):
+        with numpyro.plate("c", n):
+            with numpyro.handlers.scale(scale=1.0):
+                j = si.edge("phi", si.priors.Uniform(m), si.scores.Dot(q, k))
+            numpyro.deterministic("out", V[j])
+
+    ex = _same_as_exact(scaled, (q, k, V), "phi", "scale")
+    assert ex is None or "scale" in str(ex)
+    assert "mask" in str(_same_as_exact(masked, (q, k, V), "phi", "mask"))
+    assert _same_as_exact(unit_scale, (q, k, V)).path == "lowered"
+    # the lowering's own check (whatever the exact engine does with a scaled site)
+    from structinfer.lowering._recognise import _check_unscaled, _Fail
+
+    for sc in (3.0, jnp.array([1.0, 2.0, 1.0])):
+        with pytest.raises(_Fail, match="scale"):
+            _check_unscaled("phi", {"scale": sc, "mask": None, "fn": None})
+    with pytest.raises(_Fail, match="mask"):
+        _check_unscaled("phi.score", {"scale": None, "mask": jnp.ones(3, bool), "fn": None})
+    _check_unscaled("phi", {"scale": 1.0, "mask": None, "fn": None})
+
+
+def test_cast_to_int_is_not_separable(x64):
+    q, k, V = _small(vscale=3.0)
+    n, m = q.shape[0], k.shape[0]
+
+    def model(q, k, V):
+        with numpyro.plate("c", n):
+            a = si.edge("a", si.priors.Uniform(m), si.scores.Dot(q, k))
+            b = si.edge("b", si.priors.Uniform(m), si.scores.Dot(-q, k))
+            numpyro.deterministic("out", (V[a] + V[b]).astype(jnp.int32).astype(V.dtype))
+
+    assert "per-edge" in str(_same_as_exact(model, (q, k, V), "out", "value"))
+
+
+def _loop_model(n, m, body, trips=2):
+    def model(q, k, V):
+        with numpyro.plate("c", n):
+            a = si.edge("a", si.priors.Uniform(m), si.scores.Dot(q, k))
+            b = si.edge("b", si.priors.Uniform(m), si.scores.Dot(-q, k))
+            A, B = V[a], V[b]
+            shp = jnp.broadcast_shapes(A.shape, B.shape)
+            A, B, z = A + jnp.zeros(shp), B + jnp.zeros(shp), jnp.zeros(shp)
+            out = jax.lax.fori_loop(0, trips, body, (A, B, z, z))[3]
+            numpyro.deterministic("out", out)
+    return model
+
+
+def test_loop_bodies_are_analysed_to_a_fixed_point(x64):
+    q, k, V = _small()
+    n, m = q.shape[0], k.shape[0]
+
+    def product(i, c):  # iteration 2 multiplies a copy of A (made in iteration 1) by B
+        a_, b_, c_, d_ = c
+        return (a_, b_, a_, d_ + c_ * b_)
+
+    def summed(i, c):  # A + B accumulated: separable however many iterations
+        a_, b_, c_, d_ = c
+        return (a_, b_, a_, d_ + 0.5 * c_ + b_)
+
+    _same_as_exact(_loop_model(n, m, product), (q, k, V), "out", "value")
+    assert _same_as_exact(_loop_model(n, m, summed, trips=3), (q, k, V)).path == "lowered"
+
+
+def test_value_mixing_children_is_not_reread_diagonally(x64):
+    q, k, V = _small(n=5, m=5)
+
+    def model(q, k, V):
+        with numpyro.plate("c", 5):
+            j = si.edge("phi", si.priors.Uniform(5), si.scores.Dot(q, k))
+            Vj = V[j]
+            numpyro.deterministic("out", Vj - Vj.mean(axis=-2, keepdims=True))
+
+    _same_as_exact(model, (q, k, V))
+
+    def closed(q_unused):  # concrete values: the diagonal table is checked, then rejected
+        return model(q, k, V)
+
+    ref = si.expectation(closed, "out", q)
+    np.testing.assert_allclose(attention(closed, "out")(q), ref, atol=1e-12)
+
+
+def test_relpos_lowering_uses_the_prior_lookup(x64):
+    from structinfer.lowering._spec import relpos_weights
+
+    r = np.random.default_rng(3)
+    n, m = 6, 9
+    d = jnp.arange(n)[:, None] + (m - n) - jnp.arange(m)[None, :]
+    for prior in (si.priors.RelativePosition(r.normal(size=2 * m - 1), m, offset=m - n),
+                  si.priors.RelativePosition(r.normal(size=7), m, max_distance=3),
+                  si.priors.RelativePosition.circulant(r.normal(size=m))):
+        low = lower_edge(prior, None, r.normal(size=(m, 2)), n)
+        rp = low.terms.relpos
+        np.testing.assert_array_equal(relpos_weights(rp, prior.bias, d),
+                                      prior.distance_log_weights(d))
+    short = si.priors.RelativePosition(r.normal(size=n + m - 1), m, offset=m - n)
+    with pytest.raises(Exception, match="bias"):
+        lower_edge(short, None, r.normal(size=(m, 2)), n)

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     q = r.normal(size=(H, n, D)).astype(np.float32)
     k = r.normal(size=(H, m, D)).astype(np.float32)
     v = r.normal(size=(H, m, 3)).astype(np.float32)
-    bias = r.normal(size=(H, n + m - 1)).astype(np.float32)
+    bias = r.normal(size=(H, 2 * m - 1)).astype(np.float32)  # offset m - n
     cases = {
         "relpos_causal": si.priors.RelativePosition(bias, m, causal=True, offset=m - n),
         "window": si.priors.Restricted.window(n, 3, m, offset=m - n),   # empty chunk pairs

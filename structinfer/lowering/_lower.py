@@ -271,6 +271,12 @@ def _walk_prior(acc: _Acc, prior: P.StructuralPrior) -> None:
             acc.notes.append("prior Categorical (logits sliced per block)")
         return
     if isinstance(prior, P.RelativePosition):
+        check = getattr(prior, "check_bias_length", None)
+        if check is not None:  # the exact engine's check: a bias too short is an error there
+            try:
+                check(n)
+            except ValueError as err:
+                raise NotLowered("prior", str(err)) from None
         acc.glob["relpos"] = prior.bias
         acc.kw["relpos"] = RelPos(
             prior.mode, prior.num_parents, prior.max_distance, prior.period,

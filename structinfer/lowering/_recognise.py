@@ -37,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
+from numpyro import distributions as dist
 from numpyro.handlers import block, substitute, trace
 
+from .._checks import is_concrete
 from ..exact import inspect_model
 from ..handlers import require_values
 from ..primitives import SCORE_SUFFIX
@@ -97,9 +99,51 @@ def _run(model, args, kwargs, values: dict):
 
 _UNARY_LINEAR = {
     "neg", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-    "convert_element_type", "copy", "copy_p", "reduce_sum", "reduce_precision",
-    "real", "slice", "rev",
+    "copy", "copy_p", "reduce_sum", "reduce_precision", "real", "slice", "rev",
 }
+
+#: loops: their bodies run many times, so a one-pass analysis of the body is unsound
+_LOOPS = {"scan", "while", "fori_loop"}
+
+
+def _is_float(x) -> bool:
+    aval = getattr(x, "aval", None)
+    dt = getattr(aval, "dtype", None)
+    return dt is not None and jnp.issubdtype(dt, jnp.inexact)
+
+
+def _cast_is_linear(eqn) -> bool:
+    """``convert_element_type`` is linear only float -> float (a cast to int / bool
+    rounds or thresholds: ``(a + b).astype(int)`` is not ``a.astype(int) + b.astype(int)``)."""
+    new = eqn.params.get("new_dtype")
+    return (new is not None and jnp.issubdtype(new, jnp.inexact)
+            and _is_float(eqn.invars[0]))
+
+
+def _scan_fixed_point(eqn, ideps, isep):
+    """Deps / separability of a ``scan``'s outputs by iterating its body to a fixed point.
+
+    The body's carry outputs are fed back into its carry inputs (deps union, separability
+    conjunction) until nothing changes, so effects that need several iterations to appear
+    (``c <- a`` then ``d <- d + c * b``) are seen. Monotone in a finite lattice: terminates.
+    """
+    body = eqn.params["jaxpr"]
+    body = body.jaxpr if hasattr(body, "jaxpr") else body
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    deps, sep = list(ideps), list(isep)
+    for _ in range(4 * (len(ideps) + 1) * (ncar + 1)):
+        odeps, osep = _analyse(body, deps, sep)
+        changed = False
+        for i in range(ncar):
+            d = deps[nc + i] | odeps[i]
+            s = sep[nc + i] and osep[i]
+            if d != deps[nc + i] or s != sep[nc + i]:
+                deps[nc + i], sep[nc + i], changed = d, s, True
+        if not changed:
+            return odeps, osep
+    n = len(eqn.outvars)  # pragma: no cover - no fixed point: be conservative
+    d = frozenset().union(*ideps) if ideps else frozenset()
+    return [d] * n, [len(d) <= 1] * n
 
 
 def _inner_jaxpr(eqn):
@@ -124,22 +168,29 @@ def _analyse(jaxpr, in_deps, in_sep):
         ins = [get(x) for x in eqn.invars]
         ideps = [a for a, _ in ins]
         isep = [b for _, b in ins]
+        name = eqn.primitive.name
         inner = _inner_jaxpr(eqn)
-        if inner is not None and len(inner.invars) == len(eqn.invars):
+        if name == "scan" and len(inner.invars) == len(eqn.invars):
+            odeps, osep = _scan_fixed_point(eqn, ideps, isep)
+        elif name in _LOOPS:  # while: trip count may depend on the edges
+            d = frozenset().union(*ideps) if ideps else frozenset()
+            odeps, osep = [d] * len(eqn.outvars), [len(d) <= 1] * len(eqn.outvars)
+        elif inner is not None and len(inner.invars) == len(eqn.invars):
             odeps, osep = _analyse(inner, ideps, isep)
         else:
             d = frozenset().union(*ideps) if ideps else frozenset()
-            name = eqn.primitive.name
             if len(d) <= 1:
                 s = True
             elif name in ("add", "sub", "add_any", "concatenate"):
                 s = all(isep)
             elif name in _UNARY_LINEAR:
                 s = isep[0]
+            elif name == "convert_element_type":
+                s = isep[0] and _cast_is_linear(eqn)
             elif name in ("mul", "dot_general"):
                 s = (not ideps[0] and isep[1]) or (not ideps[1] and isep[0])
-            elif name == "div":
-                s = not ideps[1] and isep[0]
+            elif name == "div":  # integer division truncates: not linear
+                s = not ideps[1] and isep[0] and _is_float(eqn.outvars[0])
             else:
                 s = False
             odeps, osep = [d] * len(eqn.outvars), [s] * len(eqn.outvars)
@@ -225,7 +276,50 @@ def _diagonal_table(tables, model, args, kwargs, value, e, inf, nesting, ev) -> 
         jnp.broadcast_shapes(lead, old.shape[:-2])
     except ValueError:
         return
-    tables[e] = F.astype(old.dtype)
+    F = F.astype(old.dtype)
+    # A value that mixes children (``Vj - Vj.mean(axis=-2)``) gives a different table
+    # under the diagonal probe: use it only when it is checked equal to the enumeration
+    # probe's table (so never on traced values, where it cannot be checked).
+    if not (is_concrete(F) and is_concrete(old)):
+        return
+    Fn, On = np.asarray(F), np.asarray(old)
+    if Fn.shape != np.broadcast_shapes(Fn.shape, On.shape) or not np.array_equal(
+        np.broadcast_to(Fn, np.broadcast_shapes(Fn.shape, On.shape)), On, equal_nan=True
+    ):
+        return
+    tables[e] = F
+
+
+def _is_masked(fn) -> bool:
+    """True when ``fn`` is (or wraps) a ``MaskedDistribution`` (``handlers.mask`` does that)."""
+    for _ in range(32):
+        if fn is None:
+            return False
+        if isinstance(fn, dist.MaskedDistribution):
+            return True
+        fn = getattr(fn, "base_dist", None)
+    return True  # pragma: no cover - absurdly deep wrapping: be conservative
+
+
+def _check_unscaled(name: str, site: dict) -> None:
+    """Edge and score sites must carry their log-density unscaled and unmasked.
+
+    ``numpyro.handlers.scale`` tempers the exact posterior (``scale * (prior + score)``)
+    and ``numpyro.handlers.mask`` drops the term for masked children; the kernels model
+    neither, so any scale that is not identically 1 and any mask fall back.
+    """
+    if site.get("mask") is not None or _is_masked(site.get("fn")):
+        raise _Fail(name, "mask", "is under numpyro.handlers.mask (a masked edge / score "
+                    "term); the kernels do not model masked terms")
+    sc = site.get("scale")
+    if sc is None:
+        return
+    if not is_concrete(sc):
+        raise _Fail(name, "scale", "is under numpyro.handlers.scale with a traced scale "
+                    "(a tempered posterior); the kernels do not model scaled terms")
+    if not np.all(np.asarray(sc) == 1):
+        raise _Fail(name, "scale", f"is under numpyro.handlers.scale (scale={sc!r}: a "
+                    "tempered posterior); the kernels do not model scaled terms")
 
 
 def recognise(model, value: str, args: tuple, kwargs: dict) -> Plan:
@@ -274,6 +368,10 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         if inf is None:  # pragma: no cover - inspect_model already filtered
             raise _Fail(e, "site", "is not a structinfer.edge")
         infos[e] = inf
+    for e in names:
+        for name in (e, e + SCORE_SUFFIX):
+            if name in tr:
+                _check_unscaled(name, tr[name])
     parent: dict[str, str | None] = {}
     for e in names:
         c = infos[e].child

@@ -30,6 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..priors import RelativePosition
+from ..scores import _safe_pow_dist
+
 __all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np"]
 
 
@@ -91,25 +94,21 @@ class Problem(NamedTuple):
     v: jax.Array
 
 
-def _safe_pow(sq: jax.Array, p: float) -> jax.Array:
-    r"""``(sq)^{p/2}`` with a finite gradient at zero (as ``scores._safe_pow_dist``)."""
-    if p == 2:
-        return sq
-    pos = sq > 0
-    safe = jnp.where(pos, sq, 1.0)
-    return jnp.where(pos, safe ** (p / 2.0), 0.0)
-
-
 def relpos_weights(rp: RelPos, bias: jax.Array, d: jax.Array) -> jax.Array:
-    """Relative-position log-weights ``b(d)`` for an int distance grid (no causal mask)."""
-    if rp.mode == "circulant":
-        idx = jnp.mod(d, rp.period)
-    else:
-        dd = d
-        if rp.max_distance is not None:
-            dd = jnp.clip(d, -rp.max_distance, rp.max_distance)
-        idx = jnp.clip(dd + rp.num_parents - 1, 0, rp.length - 1)
-    return jnp.take(bias, idx, axis=-1)
+    """Relative-position log-weights ``b(d)`` for an int distance grid (no causal mask).
+
+    Delegates to :meth:`structinfer.priors.RelativePosition.distance_log_weights` (one
+    implementation of the bucket lookup); the causal mask is the kernels' distance band.
+    """
+    if rp.mode != "circulant" and rp.max_distance is None:
+        # padded rows / columns of a block have distances outside the bias; the real
+        # ones all lie in [-(m-1), L-m] (checked by RelativePosition.check_bias_length)
+        d = jnp.clip(d, -(rp.num_parents - 1), rp.length - rp.num_parents)
+    prior = RelativePosition(
+        bias, rp.num_parents, max_distance=rp.max_distance, causal=False,
+        _mode=rp.mode, _period=rp.period,
+    )
+    return prior.distance_log_weights(d)
 
 
 def band_ok(t: Terms, d: jax.Array) -> jax.Array | None:
@@ -179,7 +178,7 @@ def block_logits(
     for r, (p, eps) in enumerate(t.idw):
         x, y = row[f"idw{r}"], col[f"idw{r}"]
         diff = x[..., :, None, :] - y[..., None, :, :]
-        add(-jnp.log(eps + _safe_pow(jnp.sum(diff * diff, -1), p)))
+        add(-jnp.log(eps + _safe_pow_dist(jnp.sum(diff * diff, -1), p)))
     if t.col_bias:
         add(col["bias"][..., 0][..., None, :])
     if t.pair_logits:
