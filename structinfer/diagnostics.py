@@ -58,6 +58,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import block, seed, substitute, trace
 
 from . import exact
+from .exact import _model_name
 from .handlers import fold_scores, require_values
 from .primitives import EdgeInfo
 
@@ -117,10 +118,6 @@ class ParetoKWarning(UserWarning):
 # --------------------------------------------------------------------------------------
 # the model's sites
 # --------------------------------------------------------------------------------------
-
-
-def _model_name(model) -> str:
-    return getattr(model, "__name__", type(model).__name__)
 
 
 def _unwrap(fn):
