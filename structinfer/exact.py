@@ -104,6 +104,8 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
     sampled; under ``jit`` this pass is traced only for its shapes and compiled away.
     Raises a clear error for latent continuous sites without a value, and when
     the model would need more than :data:`MAX_ENUM_DIMS` tensor dims.
+
+    Reference: the plates and enumeration dims of NumPyro's funsor enumeration (``numpyro.contrib.funsor``); used by every exact-engine call.
     """
     if not callable(model):
         raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")

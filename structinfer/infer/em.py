@@ -382,6 +382,8 @@ def slot_em(
 
     Returns:
         ``(SlotState, LoopInfo)``.
+
+    Reference: Singh & Buckley sec. 4 and Table 1 (slot attention, eq. 8 E-step); Tschantz, coordinate ascent for ``W_K, W_Q``.
     """
     x = as_float_array(x, "slot_em: x")
     slots = jnp.asarray(slots, x.dtype)

@@ -53,6 +53,8 @@ def run_nuts(
 
     Raises:
         FloatingPointError: if any draw is not finite (naming the site).
+
+    Reference: NUTS over continuous hyper-parameters with edges enumerated, e.g. the geometric ``q`` of expanding attention (Singh & Buckley sec. 5.2).
     """
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     mcmc = MCMC(NUTS(model, target_accept_prob=target_accept_prob), num_warmup=num_warmup,

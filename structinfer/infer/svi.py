@@ -62,6 +62,8 @@ def conditional_edge(name: str, prior, score, **kwargs) -> jax.Array:
     Args:
         name, prior, score: as in :func:`structinfer.edge` (``score`` required).
         **kwargs: passed to :func:`structinfer.edge`.
+
+    Reference: the edge posterior as attention, Singh & Buckley sec. 3.1 eq. 1: ``p(phi_i = j | x) = softmax_j(psi_ij + log p_ij)``.
     """
     if score is None:
         raise ValueError(f"conditional_edge('{name}'): a score is required")
@@ -139,6 +141,8 @@ def fit_svi(
         ``(SVIFit, LoopInfo)``; ``info.energy[t]`` is the loss (negative ELBO, the
         free energy) at the parameters after ``t`` updates (one extra forward pass
         per step buys this exact record).
+
+    Reference: NumPyro ``SVI`` with ``TraceEnum_ELBO`` (edges summed out exactly); learning ``W_Q, W_K, W_V`` of Singh & Buckley Table 1 by maximising the collapsed evidence.
     """
     if not callable(model):
         raise TypeError(f"fit_svi: model must be callable, got {type(model).__name__}")

@@ -267,6 +267,8 @@ def explain(model: Callable, value: str, *args, backend: str = "auto", **kwargs)
     :class:`Explanation` names the site and the part (prior, score, value,
     likelihood, child, ...) that was not recognised; ``str()`` of it reads as a
     sentence.
+
+    Reference: lowering is exact for the patterns of Singh & Buckley Table 1 whose value is linear in the parent (``E[f] = P F``, sec. 3.1 eq. 2); anything else takes the exact engine.
     """
     _check_backend(backend)
     if backend == "exact":
