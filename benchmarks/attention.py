@@ -12,6 +12,11 @@ asserted anywhere: timings on a shared machine are noisy; read the ratios.
     python benchmarks/attention.py --sizes 1024 4096 --cases dense window
     python benchmarks/attention.py --expanding        # sec 5.2 / Figure 3 right
 
+Implementations take turns in a shuffled order each round (medians reported), so
+machine noise hits them alike. JAX starts with one CPU device per core
+(``--cpu-devices``); with more than one, each row gets a second line: the same model
+with its heads split over the devices (``si.attention(..., mesh=...)``).
+
 Cases (float32, batch 1, 8 heads, head dim 64): ``dense``, ``causal``, ``window``
 (sliding window of 128, causal), ``relpos`` (per-head relative-position bias),
 ``geometric`` (recency prior q = 0.02, causal); ``fwd`` and ``fwd+bwd``.
@@ -38,6 +43,7 @@ import structinfer as si  # noqa: E402
 from structinfer.lowering import band_blocks, blocked_attention, lower_edge  # noqa: E402
 
 CASES = ("dense", "causal", "window", "relpos", "geometric")
+SHARDED = "structinfer/devices"  # the same model, heads split over the CPU devices
 WINDOW = 128
 GEO_Q = 0.02
 
@@ -155,6 +161,30 @@ def _median_time(f, args, reps: int, warmup: int = 1) -> float:
     return statistics.median(ts)
 
 
+def _interleaved_times(calls: dict, reps: int) -> dict:
+    """Median time of each ``name: (fn, args)``, the implementations taking turns.
+
+    One warm-up call each, then ``reps`` rounds in which every implementation runs
+    once, in a shuffled order, so a slow spell of this shared machine hits all of them alike and the
+    ratios stay meaningful. The exact engine (slow by orders of magnitude) runs once.
+    """
+    ts: dict = {name: [] for name in calls}
+    for fn, args in calls.values():
+        jax.block_until_ready(fn(*args))
+    order = list(calls)
+    rng = np.random.default_rng(0)
+    for r in range(reps):
+        rng.shuffle(order)  # no implementation always runs after the cache-thrashing one
+        for name in order:
+            fn, args = calls[name]
+            if name == "exact" and r > 0:
+                continue
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(x) for name, x in ts.items()}
+
+
 def _with_grad(f):
     def g(q, k, v, bias):
         def loss(q, k, v):
@@ -233,16 +263,6 @@ def torch_fn(case: str, H: int, n: int):
     return prep, fwd, fwdbwd
 
 
-def _torch_time(fn, args, reps):
-    fn(*args)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 # --------------------------------------------------------------------------- main table
 
 
@@ -263,26 +283,29 @@ def run_table(args) -> list[dict]:
                 "jax.nn(xla)": xla_fn(case, H, n),
                 "jnp": jnp_fn(case, H, n),
             }
+            ndev = jax.device_count()
+            if ndev > 1 and H % ndev == 0:  # one head group per CPU device (core)
+                impls[SHARDED] = si.attention(make_model(case, H, n), "out",
+                                              block_q=args.block_q, block_k=args.block_k,
+                                              mesh=jax.make_mesh((ndev,), ("heads",)))
             if n <= args.max_exact_n:
                 impls["exact"] = exact_fn(case, H, n)
             tfn = None if args.no_torch else torch_fn(case, H, n)
-            if tfn is None and torch_note is None:
+            if tfn is None and torch_note is None and not args.no_torch:
                 torch_note = "torch not importable: torch SDPA column skipped"
             for mode in args.modes:
                 row = {"n": n, "case": case, "mode": mode, "t": {}, "mem": {}}
+                calls = {}
                 for name, f in impls.items():
                     if n > args.max_peer_n and name in ("jax.nn(xla)", "jnp"):
                         continue
-                    g = f if mode == "fwd" else _with_grad(f)
-                    jitted = jax.jit(g)
-                    reps = args.reps if name != "exact" else 1
-                    row["t"][name] = _median_time(jitted, a, reps)
+                    jitted = jax.jit(f if mode == "fwd" else _with_grad(f))
                     row["mem"][name] = _temp_mib(jitted, a)
+                    calls[name] = (jitted, a)
                 if tfn is not None:
                     prep, fwd, fwdbwd = tfn
-                    targs = prep(*a)
-                    row["t"]["torch"] = _torch_time(fwd if mode == "fwd" else fwdbwd, targs,
-                                                    args.reps)
+                    calls["torch"] = (fwd if mode == "fwd" else fwdbwd, prep(*a))
+                row["t"] = _interleaved_times(calls, args.reps)
                 flops = _flops(case, H, n, d, mode)
                 row["gflops"] = flops / row["t"]["structinfer"] / 1e9
                 row["matmul"] = matmul_rate(flops, args.reps)
@@ -305,9 +328,10 @@ def print_row(row: dict) -> None:
             " | GFLOP/s (x matmul) | temp MiB (structinfer / jax.nn / jnp)"
         )
         _HEADER_DONE = True
-    t = row["t"]
-    ours = t["structinfer"]
-    ratios = " ".join(f"{k}={v / ours:.2f}" for k, v in t.items() if k != "structinfer")
+    t = dict(row["t"])
+    ours = t.pop("structinfer")
+    multi = t.pop(SHARDED, None)
+    ratios = " ".join(f"{k}={v / ours:.2f}" for k, v in t.items())
     mem = row["mem"]
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
     print(
@@ -316,6 +340,12 @@ def print_row(row: dict) -> None:
         f"{fmt(mem.get('structinfer'))} / {fmt(mem.get('jax.nn(xla)'))} / {fmt(mem.get('jnp'))}",
         flush=True,
     )
+    if multi is not None:
+        peers = {k: v for k, v in t.items() if k in ("jax.nn(xla)", "torch")}
+        ratios = " ".join(f"{k}={v / multi:.2f}" for k, v in peers.items())
+        print(f"{'':>5} {'':>9} {'':>7} | {multi * 1e3:9.1f}ms | heads over "
+              f"{jax.device_count()} CPU devices: {ratios} single-device={ours / multi:.2f}",
+              flush=True)
 
 
 # --------------------------------------------------------------------------- expanding
@@ -412,6 +442,9 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cpu-devices", type=int, default=os.cpu_count() or 1,
+                    help="JAX CPU devices (one per core by default); with more than one, "
+                    "a second structinfer row splits the heads over them (mesh=)")
     ap.add_argument("--block-q", type=int, default=256)
     ap.add_argument("--block-k", type=int, default=512)
     ap.add_argument("--max-exact-n", type=int, default=256,
@@ -429,6 +462,12 @@ def main(argv=None) -> None:
         args.cases = ["window"]
         args.block_q, args.block_k, args.max_exact_n = 32, 32, 64
         args.expanding_n, args.expanding_batch = 64, 8
+    if args.quick:
+        args.cpu_devices = 1
+    try:  # must precede the first use of the backend
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    except RuntimeError as err:  # pragma: no cover - backend already initialised
+        print(f"note: --cpu-devices ignored ({err})")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; "
           f"heads={args.heads} head_dim={args.head_dim} float32 batch 1; "
           f"blocks {args.block_q}x{args.block_k}")

@@ -199,7 +199,8 @@ def test_float64_near_machine_precision(x64, kind):
 
 def test_blocked_gradients_match_dense(x64):
     """Row (q, geometric q), column (k, v), pair (custom table) and global (relative
-    bias) cotangents of the custom VJP against dense autodiff."""
+    bias) cotangents of the custom VJP against dense autodiff, including keys shared
+    by all heads (the hand-written dot-product cotangent sums over the heads)."""
     r = np.random.default_rng(5)
     H, n, m = 3, 13, 17
     q = r.normal(size=(H, n, D))
@@ -213,10 +214,12 @@ def test_blocked_gradients_match_dense(x64):
         if case == 0:
             return (si.priors.RelativePosition(bias, m, causal=True, offset=m - n),
                     si.scores.Sum(si.scores.Dot(q, k), si.scores.Custom(table)))
+        if case == 2:  # keys shared by the heads: their cotangent sums over heads
+            return si.priors.Uniform(m), si.scores.Dot(q, k[0], scale=0.3)
         return (si.priors.Geometric(gq, m, offset=m - n, max_distance=6),
                 si.scores.NegLogDist(q, k, p=1.0))
 
-    for case in range(2):
+    for case in range(3):
         def f(kernel, q, k, v, bias, gq, table, case=case):
             prior, score = make(case, q, k, bias, gq, table)
             low = lower_edge(prior, score, v, n, (H,))
@@ -227,7 +230,7 @@ def test_blocked_gradients_match_dense(x64):
             return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(lse) * 0.1)
 
         args = (q, k, v, bias, gq, table)
-        wrt = (0, 1, 2, 3, 5) if case == 0 else (0, 1, 2, 4)
+        wrt = {0: (0, 1, 2, 3, 5), 1: (0, 1, 2, 4), 2: (0, 1, 2)}[case]
         gd = jax.jit(jax.grad(lambda *a: f("dense", *a), argnums=wrt))(*args)
         gb = jax.jit(jax.grad(lambda *a: f("blocked", *a), argnums=wrt))(*args)
         for a, b in zip(gd, gb):
