@@ -25,8 +25,11 @@ recomputes every block's logits in the backward pass:
     \bar V_j = \sum_i P_{ij} \bar y_i,\quad
     \bar\ell_{ij} = P_{ij}\big(\bar y_i^\top V_j - \bar y_i^\top y_i + \bar L_i\big),
 
-and :math:`\bar\ell` is pulled back to the factors (queries, keys, prior
-parameters) by the VJP of the block-logit function itself.
+and :math:`\bar\ell` is pulled back to the factors: to queries and keys of the
+dot-product term by hand (:math:`\bar Q = \bar\ell K`, :math:`\bar K = \bar\ell^\top Q`,
+with :math:`P^\top` and :math:`\bar\ell^\top` materialised so every dot is in a form
+XLA:CPU runs fast), to everything else (prior parameters, biases, IDW features,
+tables) by the VJP of the block-logit function itself.
 """
 
 from __future__ import annotations
