@@ -462,7 +462,6 @@ def main(argv=None) -> None:
         args.cases = ["window"]
         args.block_q, args.block_k, args.max_exact_n = 32, 32, 64
         args.expanding_n, args.expanding_batch = 64, 8
-    if args.quick:
         args.cpu_devices = 1
     try:  # must precede the first use of the backend
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
