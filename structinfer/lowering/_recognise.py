@@ -45,6 +45,7 @@ from ..exact import inspect_model
 from ..handlers import require_values
 from ..primitives import SCORE_SUFFIX
 from ._lower import Lowered, NotLowered, lower_edge
+from ._views import eval_with_views
 
 __all__ = ["Plan", "Fallback", "recognise"]
 
@@ -93,6 +94,27 @@ class _Fail(Exception):
 def _run(model, args, kwargs, values: dict):
     with block():
         return trace(require_values(substitute(model, data=values))).get_trace(*args, **kwargs)
+
+
+def _value_table(model, args, kwargs, values: dict, value: str, plain):
+    """The value site on the probe ``values``; ``plain`` is that value from a plain run.
+
+    ``values`` must be NumPy arrays: a ``jnp.arange`` made under jit is a tracer, and
+    the gather indices it produces would not fold at trace time.
+
+    Under a trace (jit / grad) the value is re-read through
+    :func:`~structinfer.lowering._views.eval_with_views`, which turns the probe's
+    constant-index gathers (``Vindex(v)[..., phi, :]``) into views of the value matrix
+    instead of element-wise gathers. Concrete values are returned as they are.
+    """
+    if is_concrete(plain):
+        return plain
+    try:
+        return eval_with_views(
+            lambda a, kw: _run(model, a, kw, values)[value]["value"], args, kwargs)
+    except Exception:  # pragma: no cover - the plain value is always correct
+        return plain
+
 
 
 # --- separability of the value in the edges (jaxpr analysis) -------------------------
@@ -356,11 +378,13 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
     N = info.max_plate_nesting
     K = len(names)
     sizes = {e: info.enumerated[e][1] for e in names}
-    probes = {
-        e: jnp.arange(sizes[e], dtype=jnp.int32).reshape((sizes[e],) + (1,) * (N + k))
+    np_probes = {
+        e: np.arange(sizes[e], dtype=np.int32).reshape((sizes[e],) + (1,) * (N + k))
         for k, e in enumerate(names)
     }
-    zeros = {e: jnp.zeros((1,) * (N + 1 + k), jnp.int32) for k, e in enumerate(names)}
+    np_zeros = {e: np.zeros((1,) * (N + 1 + k), np.int32) for k, e in enumerate(names)}
+    probes = {e: jnp.asarray(p) for e, p in np_probes.items()}
+    zeros = {e: jnp.asarray(z) for e, z in np_zeros.items()}
     tr = _run(model, args, kwargs, probes)
     infos = {}
     for e in names:
@@ -411,13 +435,15 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
                         f"'{infos[e].children_plate}' of edge '{e}'")
     plain_shape, ev = info.deterministic[value]
     if K == 1:
-        F = {names[0]: vsite["value"]}
+        F = {names[0]: _value_table(model, args, kwargs, np_probes, value, vsite["value"])}
     else:
         if not _is_separable(model, args, kwargs, value, names, probes):
             raise _Fail(value, "value", "is not a sum of per-edge terms "
                         "f = c + sum_k g_k(phi_k) (checked on its jaxpr)")
-        F = {e: _run(model, args, kwargs, {**zeros, e: probes[e]})[value]["value"]
-             for e in names}
+        F = {}
+        for e in names:
+            plain = _run(model, args, kwargs, {**zeros, e: probes[e]})[value]["value"]
+            F[e] = _value_table(model, args, kwargs, {**np_zeros, e: np_probes[e]}, value, plain)
     tables = {}
     ev_shape = None
     depends = False
