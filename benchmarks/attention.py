@@ -171,6 +171,12 @@ def _interleaved_times(calls: dict, reps: int, cheap_seconds: float = 1.5) -> di
     cases, small n) then keep taking turns among themselves until each has run for
     ``cheap_seconds`` (at most 20 x ``reps`` rounds): a 100 ms call is too noisy on a
     shared machine to compare the model path with the bare kernel at 5% from 5 samples.
+
+    Each timed call comes right after an untimed call of the same implementation. A call
+    that follows one of the n x n peers (GiBs of temporaries, handed back to the OS when
+    they are freed) was measured up to 100 ms slower at n=4096 while the allocator
+    re-acquires memory -- a penalty that fell on whichever implementation ran next
+    (JAX programs more than torch), not on the implementation being measured.
     """
     ts: dict = {name: [] for name in calls}
     for fn, args in calls.values():
@@ -182,6 +188,8 @@ def _interleaved_times(calls: dict, reps: int, cheap_seconds: float = 1.5) -> di
         rng.shuffle(order)  # no implementation always runs after the cache-thrashing one
         for name in order:
             fn, args = calls[name]
+            if name != "exact":
+                jax.block_until_ready(fn(*args))  # settle: see the docstring
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             ts[name].append(time.perf_counter() - t0)

@@ -266,7 +266,9 @@ def explain(model: Callable, value: str, *args, backend: str = "auto", **kwargs)
     Runs only a shape-level trace (nothing is computed). On fallback the
     :class:`Explanation` names the site and the part (prior, score, value,
     likelihood, child, ...) that was not recognised; ``str()`` of it reads as a
-    sentence.
+    sentence. A model that *no* path can run (one the exact engine itself refuses,
+    e.g. an edge site under ``numpyro.handlers.scale`` or a subsampled plate) raises
+    the same error here as :func:`attention` would, naming the site.
 
     Reference: lowering is exact for the patterns of Singh & Buckley Table 1 whose value is linear in the parent (``E[f] = P F``, sec. 3.1 eq. 2); anything else takes the exact engine.
     """
