@@ -74,6 +74,49 @@ def test_non_views_keep_the_gather(name):
     assert "gather" in text
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_random_indexing_expressions(seed):
+    """Random mixes of slices, integers, shifted ``arange`` index arrays (views) and
+    shuffled index arrays (not views) on a 4-d operand: always the identical array;
+    no gather left when every index array is an ``arange``."""
+    r = np.random.default_rng(seed)
+    shape = tuple(int(s) for s in r.integers(2, 6, size=4))
+    v = jnp.asarray(r.normal(size=shape).astype(np.float32))
+    index, views = [], True
+    for ax, s in enumerate(shape):
+        kind = r.choice(["full", "slice", "int", "arange", "shuffled"])
+        lo = int(r.integers(0, s - 1))
+        hi = int(r.integers(lo + 1, s + 1))
+        if kind == "full":
+            index.append(slice(None))
+        elif kind == "slice":
+            index.append(slice(lo, hi))
+        elif kind == "int":
+            index.append(lo)
+        elif kind == "arange":
+            index.append(np.arange(lo, hi, dtype=np.int32))
+        else:
+            index.append(r.permutation(s)[: max(hi - lo, 2)].astype(np.int32))
+            views = False
+    arrays = [i for i in index if isinstance(i, np.ndarray)]
+    if len(arrays) > 1:  # advanced indices must broadcast: put each on its own axis
+        k = 0
+        for pos, i in enumerate(index):
+            if isinstance(i, np.ndarray):
+                index[pos] = i.reshape((-1,) + (1,) * (len(arrays) - 1 - k))
+                k += 1
+    index = tuple(index)
+
+    def f(w):
+        return w[index]
+
+    want = f(v)
+    got = jax.jit(lambda w: eval_with_views(f, w))(v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if views:
+        assert "gather" not in _lowered(f, v), index
+
+
 def test_gather_as_view_rejects_non_affine_maps():
     """Direct check of the affine test: an index map that is affine on a prefix and
     then jumps must not be rewritten."""

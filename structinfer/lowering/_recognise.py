@@ -116,7 +116,6 @@ def _value_table(model, args, kwargs, values: dict, value: str, plain):
         return plain
 
 
-
 # --- separability of the value in the edges (jaxpr analysis) -------------------------
 
 _UNARY_LINEAR = {

@@ -66,22 +66,22 @@ def gather_as_view(x, indices, params):
     if M.size == 0 or M.size > _MAX_ELEMENTS or M.min() < 1:
         return None
     M = M.astype(np.int64) - 1
-    O = M.shape
+    out_shape = M.shape
     base = int(M.reshape(-1)[0])
     steps = []
-    for a, extent in enumerate(O):
+    for a, extent in enumerate(out_shape):
         if extent == 1:
             steps.append(0)
             continue
-        unit = [0] * len(O)
+        unit = [0] * len(out_shape)
         unit[a] = 1
         steps.append(int(M[tuple(unit)]) - base)
-    recon = np.full(O, base, dtype=np.int64)
+    recon = np.full(out_shape, base, dtype=np.int64)
     for a, t in enumerate(steps):
         if t:
-            shape = [1] * len(O)
-            shape[a] = O[a]
-            recon = recon + t * np.arange(O[a], dtype=np.int64).reshape(shape)
+            shape = [1] * len(out_shape)
+            shape[a] = out_shape[a]
+            recon = recon + t * np.arange(out_shape[a], dtype=np.int64).reshape(shape)
     if not np.array_equal(recon, M):
         return None
     strides = [int(np.prod(S[b + 1:])) for b in range(len(S))]
@@ -91,12 +91,12 @@ def gather_as_view(x, indices, params):
         if t == 0:
             continue
         cands = [b for b in range(len(S)) if S[b] > 1 and strides[b] == t]
-        if len(cands) != 1 or cands[0] in axis_of or start[cands[0]] + O[a] > S[cands[0]]:
+        if len(cands) != 1 or cands[0] in axis_of or start[cands[0]] + out_shape[a] > S[cands[0]]:
             return None
         axis_of[cands[0]] = a
     limit = [s + 1 for s in start]
     for b, a in axis_of.items():
-        limit[b] = start[b] + O[a]
+        limit[b] = start[b] + out_shape[a]
     y = lax.slice(x, start, limit) if S else x
     kept = sorted(axis_of)
     y = y.reshape(tuple(limit[b] - start[b] for b in kept))
@@ -104,7 +104,7 @@ def gather_as_view(x, indices, params):
     order = sorted(range(len(kept)), key=lambda i: out_axes[i])
     if order != list(range(len(kept))):
         y = jnp.transpose(y, order)
-    return lax.broadcast_in_dim(y, O, tuple(sorted(out_axes)))
+    return lax.broadcast_in_dim(y, out_shape, tuple(sorted(out_axes)))
 
 
 def eval_with_views(fn, *args):
