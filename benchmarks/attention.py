@@ -173,10 +173,11 @@ def _interleaved_times(calls: dict, reps: int, cheap_seconds: float = 1.5) -> di
     shared machine to compare the model path with the bare kernel at 5% from 5 samples.
 
     Each timed call comes right after an untimed call of the same implementation. A call
-    that follows one of the n x n peers (GiBs of temporaries, handed back to the OS when
-    they are freed) was measured up to 100 ms slower at n=4096 while the allocator
-    re-acquires memory -- a penalty that fell on whichever implementation ran next
-    (JAX programs more than torch), not on the implementation being measured.
+    that follows one of the n x n peers (GiBs of temporaries) was measured up to 100 ms
+    slower at n=4096 -- most likely the allocator re-acquiring memory the peer handed
+    back to the OS (raising glibc's malloc trim / mmap thresholds removed it in one
+    test) -- a penalty that fell on whichever implementation ran next (JAX programs
+    more than torch), not on the implementation being measured.
     """
     ts: dict = {name: [] for name in calls}
     for fn, args in calls.values():
