@@ -44,7 +44,7 @@ def _bind(eqn, ins):
 
 
 def _is_array_leaf(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))  # tracers are jax.Arrays
 
 
 def gather_as_view(x, indices, params):
@@ -129,7 +129,7 @@ def eval_with_views(fn, *args):
     return jax.tree.unflatten(jax.tree.structure(out_shape), res)
 
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_CALLS = ("jit", "pjit")  # call primitives whose body is params["jaxpr"]
 
 
 def _fold(eqn, thunks):
