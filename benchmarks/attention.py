@@ -11,6 +11,7 @@ asserted anywhere: timings on a shared machine are noisy; read the ratios.
     python benchmarks/attention.py                    # the full table (long)
     python benchmarks/attention.py --sizes 1024 4096 --cases dense window
     python benchmarks/attention.py --expanding        # sec 5.2 / Figure 3 right
+    python benchmarks/attention.py --exact-engine-only --cpu-devices 1   # exact engine row
 
 Implementations take turns in a shuffled order each round (medians reported), so
 machine noise hits them alike. JAX starts with one CPU device per core
@@ -453,6 +454,40 @@ def run_expanding(args) -> None:
                   f"{ops:9.3f} | {te / td:10.2f}", flush=True)
 
 
+def run_exact_engine(args) -> None:
+    """The exact (funsor) engine on one causal head, against a plain masked softmax.
+
+    ``si.expectation`` of the causal model under ``jit`` (O(n m) memory since the
+    edge log-prob is a column gather) next to ``softmax(where(mask, Q K^T)) V`` in
+    jnp, timed in turns; XLA's temporary buffers for both. The exact engine is the
+    reference every other path is checked against; this row says what it costs.
+    """
+    print(f"\nexact engine, one causal head (head dim {args.head_dim}), load average "
+          f"{os.getloadavg()[0]:.2f}:")
+    print(f"{'n':>6} | {'exact (s)':>9} {'plain (s)':>9} {'exact/plain':>11} | "
+          f"{'temp MiB exact / plain':>22} | max |diff|")
+    for n in args.exact_sizes:
+        r = np.random.default_rng(n)
+        q, k, v = (jnp.asarray(r.normal(size=(n, args.head_dim)) / args.head_dim**0.25,
+                               jnp.float32) for _ in range(3))
+
+        def model(q, k, v):
+            with numpyro.plate("queries", q.shape[0]):
+                j = si.edge("phi", si.priors.Restricted.causal(q.shape[0]), si.scores.Dot(q, k))
+                numpyro.deterministic("out", Vindex(v)[j])
+
+        mask = np.tril(np.ones((n, n), bool))
+        exact = jax.jit(lambda q, k, v: si.expectation(model, "out", q, k, v))
+        plain = jax.jit(lambda q, k, v: jax.nn.softmax(jnp.where(mask, q @ k.T, -jnp.inf), -1) @ v)
+        t = _interleaved_times({"exact": (exact, (q, k, v)), "plain": (plain, (q, k, v))},
+                               args.reps)
+        diff = float(jnp.max(jnp.abs(exact(q, k, v) - plain(q, k, v))))
+        me, mp = _temp_mib(exact, (q, k, v)), _temp_mib(plain, (q, k, v))
+        fmt = lambda x: "?" if x is None else f"{x:.0f}"  # noqa: E731
+        print(f"{n:>6} | {t['exact']:>9.3f} {t['plain']:>9.3f} {t['exact'] / t['plain']:>11.2f} | "
+              f"{fmt(me) + ' / ' + fmt(mp):>22} | {diff:.1e}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -473,6 +508,10 @@ def main(argv=None) -> None:
     ap.add_argument("--max-peer-n", type=int, default=8192,
                     help="largest n for the n x n peers (jax.nn, jnp)")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--exact-engine", action="store_true",
+                    help="also time the exact engine on one causal head (--exact-sizes)")
+    ap.add_argument("--exact-engine-only", action="store_true")
+    ap.add_argument("--exact-sizes", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--expanding", action="store_true", help="run the sec 5.2 experiment")
     ap.add_argument("--expanding-only", action="store_true")
     ap.add_argument("--expanding-n", type=int, default=1024)
@@ -484,6 +523,7 @@ def main(argv=None) -> None:
         args.block_q, args.block_k, args.max_exact_n = 32, 32, 64
         args.expanding_n, args.expanding_batch = 64, 8
         args.cpu_devices = 1
+        args.exact_sizes = [64]
     try:  # must precede the first use of the backend
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     except RuntimeError as err:  # pragma: no cover - backend already initialised
@@ -491,8 +531,10 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; "
           f"heads={args.heads} head_dim={args.head_dim} float32 batch 1; "
           f"blocks {args.block_q}x{args.block_k}")
-    if not args.expanding_only:
+    if not (args.expanding_only or args.exact_engine_only):
         run_table(args)
+    if args.exact_engine or args.exact_engine_only or args.quick:
+        run_exact_engine(args)
     if args.expanding or args.expanding_only or args.quick:
         run_expanding(args)
 

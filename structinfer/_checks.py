@@ -51,3 +51,28 @@ def check_ndim(x, min_ndim: int, what: str, layout: str) -> None:
             f"{what} must have at least {min_ndim} dimension(s) laid out as {layout}, "
             f"got shape {tuple(jnp.shape(x))}"
         )
+
+
+def all_positive(x) -> bool:
+    """False when ``x`` is concrete and has an entry that is not ``> 0`` (NaN included).
+
+    A traced ``x`` (a hyperparameter under ``jax.jit`` / ``jax.grad`` / ``jax.vmap``) passes:
+    value checks run eagerly and are skipped under tracing.
+    """
+    if not is_concrete(x):
+        return True
+    return bool(np.all(np.asarray(x) > 0))
+
+
+def check_static_int(x, name: str, what: str):
+    """Refuse a traced structural int (a size, window or offset that sets a shape).
+
+    Returns ``x`` unchanged; raises ``TypeError`` naming ``name`` when ``x`` is a tracer.
+    """
+    if not is_concrete(x):
+        raise TypeError(
+            f"{what}: `{name}` must be a static Python int (it sets a shape or a sparsity "
+            "pattern), got a traced value; pass it as a Python int (under jax.jit: close "
+            "over it or mark it with static_argnums / static_argnames)"
+        )
+    return x

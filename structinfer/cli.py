@@ -1,9 +1,11 @@
 """The ``structinfer`` command: ``demo``, ``compare``, ``reproduce``, ``bench``.
 
-Exit status: 0 on success, 2 on a usage error (bad arguments, a path that does not
-exist, an unknown reproduction), 1 on a runtime error (a model file that defines no
-model, data with wrong keys, shapes or NaN, a failing fit or script). Errors are one
-line on stderr; ``--debug`` shows the traceback instead.
+Exit status: 0 on success, 2 on a usage error (bad arguments or option values, a
+path that does not exist or is not what it should be, a ``--true-edges`` array that
+does not fit the models, an unknown reproduction), 1 on a runtime error (a model file
+that defines no model, data with wrong keys, shapes or NaN, a failing fit or script).
+Every input of ``compare`` is checked before the first fit. Errors are one line on
+stderr; ``--debug`` shows the traceback instead.
 
 Heavy imports (JAX, NumPyro, ArviZ, matplotlib) happen inside the commands, so
 ``--help`` and usage errors answer at once.
@@ -18,6 +20,7 @@ import inspect
 import os
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,14 @@ __all__ = ["main", "CLIError", "Reproduction", "REPRODUCTIONS", "reproductions",
            "load_data"]
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+#: seeds are 32-bit: JAX keeps the low 32 bits (2**32 would repeat seed 0), NumPy
+#: refuses negative ones
+MAX_SEED = 2**32 - 1
+
+#: PSIS-LOO (ArviZ) fits a Pareto tail to the largest floor(S / 5) of the S posterior
+#: draws (S = chains x draws, for S up to 225) and needs at least 5 tail draws
+MIN_LOO_DRAWS = 25
 
 #: the source checkout (examples/ and benchmarks/ live next to the package)
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,15 +178,68 @@ def load_models(path: Path) -> dict[str, Callable]:
     return dict(models)
 
 
-def load_data(path: Path) -> dict[str, Any]:
-    """Arrays of an ``.npz`` file, refusing NaN/inf with the key and index."""
+def _not_npz(path: Path, why: str) -> CLIError:
+    return CLIError(
+        f"data file '{path}' is not a valid .npz archive ({why}); write the arrays with "
+        "numpy.savez(path, name=array, ...)",
+        EXIT_USAGE,
+    )
+
+
+def _read_npz(path: Path) -> dict[str, Any]:
+    """The arrays of a ``.npz`` archive; never unpickles. Raises a usage error saying what
+    the file is when it is not an archive of ``.npy`` arrays."""
     import numpy as np
 
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as fh:
+            head = fh.read(6)
+        if not head:
+            why = "an empty file"
+        elif head == b"\x93NUMPY":
+            why = "a single .npy array (numpy.save), not an archive of named arrays"
+        else:
+            why = "not a zip file"
+        raise _not_npz(path, why)
     try:
-        with np.load(path, allow_pickle=False) as f:
-            data = {k: f[k] for k in f.files}
-    except Exception as e:
-        raise CLIError(f"{path}: cannot be read as a .npz archive ({type(e).__name__}: {e})") from e
+        with zipfile.ZipFile(path) as z:
+            members = z.namelist()
+            broken = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise _not_npz(path, f"unreadable zip: {e}") from e
+    if broken is not None:
+        raise _not_npz(path, f"member '{broken}' is corrupt")
+    for name in members:
+        if not name.endswith(".npy"):
+            raise _not_npz(path, f"member '{name}' is not a .npy array")
+    data = {}
+    with np.load(path, allow_pickle=False) as f:
+        for key, member in zip(f.files, members):
+            try:
+                data[key] = f[key]
+            except ValueError as e:
+                if "Object arrays" in str(e):  # numpy's refusal to unpickle
+                    raise CLIError(
+                        f"{path}: array '{key}' holds Python objects (dtype object); expected "
+                        "numbers"
+                    ) from e
+                raise _not_npz(path, f"member '{member}': {e}") from e
+            except Exception as e:
+                raise _not_npz(path, f"member '{member}': {type(e).__name__}: {e}") from e
+    return data
+
+
+def load_data(path: Path) -> dict[str, Any]:
+    """Arrays of an ``.npz`` file, refusing NaN/inf with the key and index.
+
+    Raises:
+        CLIError: exit status 2 when the file is not a ``.npz`` archive of ``.npy``
+            arrays (saying what it is instead), 1 for an archive with no arrays, an
+            object or text array, or NaN/inf values.
+    """
+    import numpy as np
+
+    data = _read_npz(path)
     if not data:
         raise CLIError(f"{path}: holds no arrays")
     for k, v in data.items():
@@ -216,6 +280,66 @@ def _shapes(kwargs: dict) -> str:
     return ", ".join(f"{k}: {tuple(v.shape)}" for k, v in kwargs.items())
 
 
+def _edge_sites(fn: Callable, kwargs: dict) -> dict[str, tuple[tuple[int, ...], int]]:
+    """The edge sites of a model on the data, ``{site: (children shape, number of parents)}``.
+
+    One shape-only run of the model (``jax.eval_shape``: traced, never compiled): the
+    edge posterior of a site has shape ``children shape + (parents,)``, so a true
+    structure for it needs the children shape.
+    """
+    import jax
+    import jax.numpy as jnp
+    from numpyro.handlers import block, seed, trace
+
+    from .primitives import EdgeInfo
+
+    sites: dict[str, tuple[tuple[int, ...], int]] = {}
+
+    def run():
+        with block():
+            tr = trace(seed(fn, 0)).get_trace(**{k: jnp.asarray(v) for k, v in kwargs.items()})
+        for name, site in tr.items():
+            infos = [v for v in (site.get("infer") or {}).values() if isinstance(v, EdgeInfo)]
+            if site["type"] == "sample" and infos:
+                sites[name] = (tuple(site["fn"].batch_shape), int(infos[0].num_parents))
+        return 0
+
+    jax.eval_shape(run)
+    return sites
+
+
+def _check_true_edges(key: str, true_edges, models: dict, sites: dict) -> None:
+    """``--true-edges``: one integer parent index per child of each model's one edge site."""
+    import numpy as np
+
+    where = f"argument --true-edges: '{key}'"
+    for name in models:
+        found = sites[name]
+        if len(found) != 1:
+            which = ", ".join(f"'{s}'" for s in found)
+            raise CLIError(
+                f"argument --true-edges: model '{name}' has "
+                + (f"{len(found)} edge sites ({which})" if found else
+                   "no edge site (structinfer.edge)")
+                + "; a true structure is compared with exactly one edge site per model",
+                EXIT_USAGE,
+            )
+        site, (shape, m) = next(iter(found.items()))
+        if true_edges.shape != shape:
+            raise CLIError(
+                f"{where} has shape {true_edges.shape}; model '{name}' (edge site '{site}') "
+                f"needs one parent index per child, shape {shape}",
+                EXIT_USAGE,
+            )
+        if true_edges.size and (true_edges.min() < 0 or true_edges.max() >= m):
+            raise CLIError(
+                f"{where} must hold parent indices in [0, {m}) (edge site '{site}' of model "
+                f"'{name}' has {m} parents), got min {int(np.min(true_edges))}, "
+                f"max {int(np.max(true_edges))}",
+                EXIT_USAGE,
+            )
+
+
 # --------------------------------------------------------------------------------------
 # commands
 # --------------------------------------------------------------------------------------
@@ -241,7 +365,33 @@ def _log(args) -> Callable[[str], None]:
     return (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
 
 
+def _check_out(out: str) -> None:
+    """``--out`` must be a folder or a path where one can be made (checked, not made)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"argument --out: '{out}' exists and is not a folder", EXIT_USAGE)
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if not path.exists() and parent is not None and not parent.is_dir():
+        raise CLIError(f"argument --out: '{out}' lies under '{parent}', which is not a folder",
+                       EXIT_USAGE)
+
+
+def _draws(args) -> tuple[int, int, int]:
+    """Warm-up, draws and chains of ``compare`` (``--quick`` defaults), enough for PSIS-LOO."""
+    nw = args.num_warmup or (60 if args.quick else 500)
+    ns = args.num_samples or (60 if args.quick else 500)
+    nc = args.num_chains or (1 if args.quick else 2)
+    if nc * ns < MIN_LOO_DRAWS:
+        raise CLIError(
+            f"argument --num-samples/--num-chains: PSIS-LOO needs at least {MIN_LOO_DRAWS} "
+            f"posterior draws in all, got {nc} chain(s) x {ns} draws = {nc * ns}",
+            EXIT_USAGE,
+        )
+    return nw, ns, nc
+
+
 def cmd_demo(args) -> int:
+    _check_out(args.out)
     _setup_jax(args)
     from .demo import run_demo
 
@@ -262,12 +412,17 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    # every input is checked here, before the first fit: arguments, paths, data, models
+    nw, ns, nc = _draws(args)
     models_path, data_path = Path(args.models), Path(args.data)
     for p, what in ((models_path, "models file"), (data_path, "data file")):
         if not p.exists():
             raise CLIError(f"{what} '{p}' does not exist", EXIT_USAGE)
         if not p.is_file():
             raise CLIError(f"{what} '{p}' is not a file", EXIT_USAGE)
+    if models_path.suffix != ".py":
+        raise CLIError(f"models file '{models_path}' is not a Python file (.py)", EXIT_USAGE)
+    _check_out(args.out)
     data = load_data(data_path)
     models = load_models(models_path)
     if len(models) < 2:
@@ -279,13 +434,16 @@ def cmd_compare(args) -> int:
     if args.true_edges:
         if args.true_edges not in data:
             raise CLIError(
-                f"{data_path}: no array '{args.true_edges}' (--true-edges); keys: {sorted(data)}"
+                f"argument --true-edges: no array '{args.true_edges}' in {data_path}; keys: "
+                f"{sorted(data)}",
+                EXIT_USAGE,
             )
         true_edges = data[args.true_edges]
         if true_edges.dtype.kind not in "iu":
             raise CLIError(
-                f"{data_path}: '{args.true_edges}' must hold integer parent indices, got "
-                f"{true_edges.dtype}"
+                f"argument --true-edges: '{args.true_edges}' must hold integer parent indices, "
+                f"got {true_edges.dtype}",
+                EXIT_USAGE,
             )
         exclude.add(args.true_edges)
     bound = {n: _bind(n, fn, data, data_path, exclude) for n, fn in models.items()}
@@ -300,9 +458,11 @@ def cmd_compare(args) -> int:
     from .demo import markdown_table
 
     log = _log(args)
+    sites = {}
     for name, fn in models.items():
         try:
             dg._check_comparable(fn, (), bound[name], args.score_factors)
+            sites[name] = _edge_sites(fn, bound[name])
         except dg.EnergyOnlyModelError as e:
             raise CLIError(f"model '{name}': {e}") from e
         except Exception as e:
@@ -310,11 +470,12 @@ def cmd_compare(args) -> int:
                 f"model '{name}' ({models_path}) fails on {data_path} ({_shapes(bound[name])}): "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
-    quick = args.quick
-    nw = args.num_warmup or (60 if quick else 500)
-    ns = args.num_samples or (60 if quick else 500)
-    nc = args.num_chains or (1 if quick else 2)
-    os.makedirs(args.out, exist_ok=True)
+    if true_edges is not None:
+        _check_true_edges(args.true_edges, true_edges, models, sites)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"argument --out: cannot make folder '{args.out}': {e}", EXIT_USAGE) from e
     idatas = {}
     bar = tqdm(list(models), desc="fitting models", disable=not args.progress)
     for name in bar:
@@ -336,7 +497,9 @@ def cmd_compare(args) -> int:
     if has_edges:
         try:
             edges = dg.compare_edges(idatas, true_edges=true_edges)
-        except ValueError as e:  # several edge sites, or a true structure of another shape
+        except ValueError as e:  # several edge sites (a true structure was checked before)
+            if true_edges is not None:
+                raise
             log(f"note: no edge table ({e})")
     if edges is not None:
         edges.to_csv(os.path.join(args.out, "edges.csv"))
@@ -412,6 +575,7 @@ def cmd_reproduce(args) -> int:
         )
     rep, path = avail[args.name]
     out = os.path.abspath(args.out or os.path.join("structinfer-reproduce", args.name))
+    _check_out(out)
     os.makedirs(out, exist_ok=True)
     cmd = [sys.executable, str(path), "--seed", str(args.seed)]
     if args.quick:
@@ -432,6 +596,7 @@ def cmd_bench(args) -> int:
             "checkout with benchmarks/attention.py"
         )
     out = os.path.abspath(args.out or "structinfer-bench")
+    _check_out(out)
     os.makedirs(out, exist_ok=True)
     src = script.read_text(errors="replace")
     cmd = [sys.executable, str(script)]
@@ -450,6 +615,13 @@ def cmd_bench(args) -> int:
 # --------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` with usage errors on one line (exit status 2), pointing at ``--help``."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _positive(s: str) -> int:
     try:
         v = int(s)
@@ -460,16 +632,27 @@ def _positive(s: str) -> int:
     return v
 
 
+def _seed(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = None
+    if v is None or not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_SEED}], got {s!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    common = _Parser(add_help=False)
+    common.add_argument("--seed", type=_seed, default=0,
+                        help=f"random seed in [0, {MAX_SEED}] (default 0)")
     common.add_argument("--out", default=None, help="output folder for the report and plots")
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     common.add_argument("--quiet", action="store_true", help="print nothing but errors")
     common.add_argument("--no-progress", dest="progress", action="store_false",
                         help="hide progress bars")
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="structinfer",
         description="Attention as structural inference: compare structural priors, "
         "reproduce the papers' experiments, run benchmarks.",

@@ -59,8 +59,8 @@ from numpyro.handlers import block, seed, substitute, trace
 
 from . import exact
 from .exact import _model_name
-from .handlers import fold_scores, require_values
-from .primitives import EdgeInfo
+from .handlers import require_values
+from .primitives import EDGE_INFO_KEY, EdgeInfo
 
 __all__ = [
     "Fit",
@@ -185,8 +185,8 @@ def _static_pass(model, args, kwargs, params: dict | None = None):
                 )
             if site["type"] != "sample":
                 continue
-            if "structinfer" in site["infer"]:
-                info: EdgeInfo = site["infer"]["structinfer"]
+            if EDGE_INFO_KEY in site["infer"]:
+                info: EdgeInfo = site["infer"][EDGE_INFO_KEY]
                 edges[name] = _EdgeFacts(
                     info.children_plate, info.num_children, info.num_parents,
                     int(info.prior.describe().get("offset", 0) or 0),
@@ -259,8 +259,7 @@ def _collapse(model, params, args, kwargs, score_factors: ScoreFactors):
     m = substitute(model, data=params) if params else model
     info = exact.inspect_model(m, *args, **kwargs)
     em = enum(
-        # one factor per edge (prior + score): see handlers.fold_scores (float32 underflow)
-        fold_scores(require_values(m, what="the pointwise log-likelihood")),
+        require_values(m, what="the pointwise log-likelihood"),
         first_available_dim=info.first_available_dim,
     )
     with plate_to_enum_plate():
@@ -753,9 +752,9 @@ def edge_marginal_draws(fit: Fit, *, batch_size: int | None = 64) -> dict[str, n
 def _edge_infos(model, args, kwargs, params) -> dict[str, EdgeInfo]:
     tr = _plain_trace(model, args, kwargs, params=params)
     return {
-        n: s["infer"]["structinfer"]
+        n: s["infer"][EDGE_INFO_KEY]
         for n, s in tr.items()
-        if s["type"] == "sample" and "structinfer" in s.get("infer", {})
+        if s["type"] == "sample" and EDGE_INFO_KEY in s.get("infer", {})
     }
 
 
@@ -1056,9 +1055,37 @@ def compare_priors(
 # --------------------------------------------------------------------------------------
 
 
+def _offset_of(offset) -> int:
+    """The positional offset: an int, or the ``offset`` of a structural prior.
+
+    Every prior of :mod:`structinfer.priors` carries its ``offset`` (0 unless it was
+    built with one), so passing the prior itself is the way to get the convention
+    it was built with.
+
+    Raises:
+        TypeError: for anything else (a float, a bool, None).
+    """
+    import operator
+
+    from .priors import StructuralPrior
+
+    if isinstance(offset, StructuralPrior):
+        offset = offset.offset
+    if not isinstance(offset, (bool, np.bool_)):
+        try:
+            return operator.index(offset)
+        except TypeError:
+            pass
+    raise TypeError(
+        "offset must be an int (child i sits at parent position i + offset) or a "
+        f"structural prior carrying one, got {offset!r}"
+    )
+
+
 def _distances(marginals, offset: int) -> jax.Array:
+    """``d[i, j] = i + offset - j`` for the ``(children, parents)`` grid of ``marginals``."""
     n, m = marginals.shape[-2:]
-    return jnp.arange(n)[:, None] + offset - jnp.arange(m)[None, :]
+    return jnp.arange(n)[:, None] + _offset_of(offset) - jnp.arange(m)[None, :]
 
 
 def _check_marginals(marginals, what: str = "marginals") -> jax.Array:
@@ -1088,25 +1115,39 @@ def effective_parents(marginals: jax.Array) -> jax.Array:
     return jnp.exp(edge_entropy(marginals))
 
 
-def expected_distance(marginals: jax.Array, offset: int = 0) -> jax.Array:
+def expected_distance(marginals: jax.Array, offset=0) -> jax.Array:
     r"""Posterior expected distance to the parent, :math:`\sum_j A_{ij}(i + \text{offset} - j)`.
 
     Child :math:`i` sits at parent position :math:`i + \text{offset}` (the convention of
-    :mod:`structinfer.priors`). Returns ``(..., children)``.
+    :mod:`structinfer.priors`).
+
+    Args:
+        marginals: ``(..., children, parents)``, rows summing to one.
+        offset: an int, or the structural prior of the edge site (its ``offset`` is used).
+
+    Returns:
+        ``(..., children)``.
     """
     a = _check_marginals(marginals)
     return jnp.sum(a * _distances(a, offset).astype(a.dtype), axis=-1)
 
 
-def effective_window(marginals: jax.Array, offset: int = 0, mass: float = 0.9) -> jax.Array:
+def effective_window(marginals: jax.Array, offset=0, mass: float = 0.9) -> jax.Array:
     r"""Smallest window :math:`w` holding ``mass`` of each child's edge posterior.
 
     .. math:: w_i = \min\{w \ge 0 : \textstyle\sum_{j : |d_{ij}| \le w} A_{ij} \ge \text{mass}\}
 
-    Returns an int array ``(..., children)``.
+    Args:
+        marginals: ``(..., children, parents)``, rows summing to one.
+        offset: an int, or the structural prior of the edge site (its ``offset`` is used).
+        mass: the posterior mass the window must hold, in ``(0, 1]``.
+
+    Returns:
+        An int array ``(..., children)``.
     """
     if not 0.0 < mass <= 1.0:
         raise ValueError(f"effective_window: mass must lie in (0, 1], got {mass}")
+    offset = _offset_of(offset)
     a = _check_marginals(marginals)
     d = jnp.abs(_distances(a, offset))
     wmax = int(a.shape[-2] + a.shape[-1] + abs(offset))
@@ -1117,13 +1158,14 @@ def effective_window(marginals: jax.Array, offset: int = 0, mass: float = 0.9) -
     return jnp.argmax(cum >= mass - tol, axis=-1)
 
 
-def distance_posterior(marginals: jax.Array, offset: int = 0) -> tuple[np.ndarray, jax.Array]:
+def distance_posterior(marginals: jax.Array, offset=0) -> tuple[np.ndarray, jax.Array]:
     r"""Edge mass by distance, averaged over children: :math:`p(d) = \frac1n\sum_i\sum_j A_{ij}[d_{ij}=d]`.
 
     Works for prior tables too (pass probabilities). Returns ``(distances, probs)`` with
     ``distances`` all values of :math:`d_{ij}` in the grid (ascending) and ``probs``
-    of shape ``(..., len(distances))``.
+    of shape ``(..., len(distances))``. ``offset`` is an int or the edge site's prior.
     """
+    offset = _offset_of(offset)
     a = _check_marginals(marginals)
     n, m = a.shape[-2:]
     dmin, dmax = -(m - 1) + offset, n - 1 + offset
@@ -1346,7 +1388,7 @@ def plot_distance(
     marginals,
     prior=None,
     *,
-    offset: int = 0,
+    offset=0,
     true_edges=None,
     ax=None,
     label: str = "posterior",
@@ -1354,7 +1396,9 @@ def plot_distance(
     title: str | None = None,
 ):
     r"""Prior vs posterior edge mass by distance :math:`d = i + \text{offset} - j`
-    (:func:`distance_posterior`), with the histogram of true distances when known."""
+    (:func:`distance_posterior`), with the histogram of true distances when known.
+    ``offset`` is an int or the edge site's structural prior."""
+    offset = _offset_of(offset)
     a = _check_marginals(marginals)
     ax = _axes(ax)
     ds, post = distance_posterior(a, offset)

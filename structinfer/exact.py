@@ -28,12 +28,15 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpyro import validation_enabled
 from numpyro.contrib.funsor import enum, infer_discrete
 from numpyro.contrib.funsor import log_density as _funsor_log_density
-from numpyro.handlers import block, trace
+from numpyro.handlers import block, substitute, trace
 
+from ._bounds import IndexOutOfBounds, check_gather_bounds
 from ._checks import is_concrete
-from .handlers import fill_discrete, fold_scores, pin, require_values, tilt
+from .handlers import fill_discrete, pin, require_values, tilt
+from .primitives import EDGE_INFO_KEY
 
 __all__ = [
     "log_marginal",
@@ -130,7 +133,7 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
                 fn = site["fn"]
                 support = int(fn.enumerate_support(expand=False).shape[0])
                 info.enumerated[name] = (tuple(fn.batch_shape), support)
-                if "structinfer" in site["infer"]:
+                if EDGE_INFO_KEY in site["infer"]:
                     info.edges.append(name)
             elif site["type"] == "deterministic":
                 shape = tuple(jnp.shape(site["value"]))
@@ -145,6 +148,8 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
             "inside jit/grad/vmap; convert the array with jnp.asarray first"
         ) from e
     n_dims = info.max_plate_nesting + len(info.enumerated)
+    if info.enumerated and n_dims <= MAX_ENUM_DIMS:
+        _check_edge_reads(model, args, kwargs, info)
     if n_dims > MAX_ENUM_DIMS:
         raise ValueError(
             f"model '{_model_name(model)}' needs {n_dims} tensor dims ({info.max_plate_nesting} "
@@ -155,8 +160,37 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
     return info
 
 
+def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
+    """Every table the model reads at an edge value has a row per parent (static check).
+
+    The model is traced once with each enumerated site given its whole support in its
+    own enumeration dim, as the engine will; :func:`structinfer._bounds.check_gather_bounds`
+    then proves every gather on those values in bounds, or names the site and the array.
+    """
+    probes = {
+        name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (info.max_plate_nesting + i))
+        for i, (name, (_, k)) in enumerate(info.enumerated.items())
+    }
+
+    def run(values):
+        with block():
+            tr = trace(require_values(substitute(model, data=values))).get_trace(*args, **kwargs)
+        return [
+            s["value"] if s["type"] == "deterministic" else s["fn"].log_prob(s["value"])
+            for name, s in tr.items()
+            if s["type"] == "deterministic" or (s["type"] == "sample" and name not in values)
+        ]
+
+    try:
+        check_gather_bounds(run, probes, f"model '{_model_name(model)}'")
+    except IndexOutOfBounds:
+        raise
+    except Exception:  # best effort: the engine's own pass reports the model's errors
+        pass
+
+
 def _log_z(model, args, kwargs, info: ModelInfo, tilts: dict | None = None) -> jax.Array:
-    m = fold_scores(require_values(model))
+    m = require_values(model)
     if tilts:
         m = tilt(m, tilts=tilts, max_plate_nesting=info.max_plate_nesting)
     try:
@@ -305,12 +339,14 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     if len(trivial) == len(info.enumerated):  # nothing left to infer
         return trivial
     m = infer_discrete(
-        fold_scores(pin(require_values(model), data=trivial)),
+        pin(require_values(model), data=trivial),
         first_available_dim=info.first_available_dim,
         temperature=temperature,
         rng_key=key,
     )
-    with block():
+    # funsor draws through a NumPyro Categorical built from the posterior logits, whose
+    # argument validation (on by default) rejects the -inf of forbidden parents
+    with block(), validation_enabled(False):
         tr = trace(m).get_trace(*args, **kwargs)
     return {
         name: jnp.broadcast_to(tr[name]["value"], info.enumerated[name][0])

@@ -17,14 +17,13 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.primitives import Messenger
 
-from .primitives import SCORE_SUFFIX, SCORE_TABLE_KEY, gather
+from .primitives import gather
 
 __all__ = [
     "tilt",
     "require_values",
     "fill_discrete",
     "pin",
-    "fold_scores",
     "TiltedDistribution",
     "TILT_PREFIX",
 ]
@@ -112,7 +111,13 @@ class tilt(Messenger):
                 "is the same under every structure, so it has no posterior expectation to "
                 "compute (use the value directly, or build it from the edge variables)"
             )
-        term = jnp.sum(t * v, axis=tuple(range(-event_dim, 0))) if event_dim else t * v
+        if event_dim:
+            # <t, v> over the event dims as one contraction: never the broadcast product,
+            # which is (enumerated values x children x event) for a value read at an edge
+            flat = lambda x: jnp.reshape(x, x.shape[: x.ndim - event_dim] + (-1,))  # noqa: E731
+            term = jnp.einsum("...e,...e->...", flat(t), flat(v))
+        else:
+            term = t * v
         numpyro.factor(TILT_PREFIX + name, term)
 
 
@@ -159,31 +164,3 @@ class pin(Messenger):
             msg["value"] = self.data[msg["name"]]
             msg["is_observed"] = True
             msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}
-
-
-class fold_scores(Messenger):
-    r"""Fold each edge's score into the edge site's own log-prob, and zero its score factor.
-
-    :math:`\log p(\phi_i = j) + \psi_{ij}` becomes one factor instead of two. The
-    joint is unchanged, but funsor's contraction rescales each factor by its own
-    maximum before exponentiating, so two factors over the same edge whose maxima
-    sit at different parents (a forbidden parent with a large score, a tiny prior
-    under a large score) underflow to ``log Z = -inf`` in float32. One factor per
-    edge keeps the contraction exact to rounding.
-    """
-
-    def __init__(self, fn=None):
-        self._folded: set[str] = set()
-        super().__init__(fn)
-
-    def process_message(self, msg):
-        if msg["type"] != "sample":
-            return
-        table = msg["infer"].get(SCORE_TABLE_KEY)
-        if table is not None and not msg["is_observed"]:
-            msg["fn"] = TiltedDistribution(msg["fn"], table)
-            self._folded.add(msg["name"])
-            return
-        name = msg["name"]
-        if name.endswith(SCORE_SUFFIX) and name[: -len(SCORE_SUFFIX)] in self._folded:
-            msg["fn"] = dist.Unit(jnp.zeros(msg["fn"].batch_shape))

@@ -4,12 +4,18 @@ r"""The statement models are written with: :func:`edge`.
 
     \phi_i \sim p(\phi_i), \qquad \log p(x, \phi) \mathrel{+}= \psi(x_i, x_{\phi_i})
 
-An edge site is an ordinary NumPyro ``sample`` site whose distribution is the
-structural prior (a ``Categorical`` over parents) and which is marked for
-parallel enumeration; the score is added as a ``factor`` site named
-``"<name>.score"``. Run the model under :mod:`structinfer.exact` to collapse
-the edges; run it plainly (``numpyro.handlers.seed``) to sample a structure
-from the prior.
+An edge site is an ordinary NumPyro ``sample`` site marked for parallel
+enumeration. Prior and score are folded into the site's own distribution,
+:math:`\phi_i \sim \mathrm{softmax}_j(\log p(\phi_i = j) + \psi_{ij})`, and the row
+normaliser :math:`\log \sum_j p(\phi_i = j)\, e^{\psi_{ij}}` (which does not depend
+on the edge) is a ``factor`` site ``"<name>.score"``: the joint is unchanged, and every
+funsor contraction of the model (the exact engine, NumPyro's ``log_density`` under
+``enum``, ``TraceEnum_ELBO``, ``MCMC(NUTS(model))``, ``infer_discrete``) sees one
+normalised factor per edge, so it is float32-safe when a forbidden parent scores far
+above the allowed ones. Run the model under :mod:`structinfer.exact` to collapse the
+edges; run it plainly (``numpyro.handlers.seed``) to draw a structure from
+:math:`p(\phi) \propto p(\phi)\, e^{\psi}` (the model's own edge distribution when
+nothing else observes the edges).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpyro
+import numpyro.distributions as dist
 from numpyro.contrib.funsor.enum_messenger import plate as _enum_plate
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import _PYRO_STACK
@@ -29,17 +36,17 @@ from ._checks import check_finite
 from .priors import StructuralPrior, as_prior
 from .scores import Score, as_score
 
-__all__ = ["edge", "EdgeInfo", "gather", "SCORE_SUFFIX", "SCORE_TABLE_KEY"]
+__all__ = ["edge", "EdgeInfo", "EdgeDistribution", "gather", "EDGE_INFO_KEY", "SCORE_SUFFIX"]
 
-#: suffix of the factor site that carries an edge's score
+#: key of an edge site's ``infer`` dict holding its :class:`EdgeInfo`
+EDGE_INFO_KEY = "structinfer"
+#: suffix of the factor site carrying an edge's row normaliser (see :func:`edge`)
 SCORE_SUFFIX = ".score"
-#: key of the edge site's ``infer`` dict holding its dense score table
-SCORE_TABLE_KEY = "structinfer_score_table"
 
 
 @dataclass(frozen=True)
 class EdgeInfo:
-    """What :func:`edge` records in the site's ``infer`` dict (key ``"structinfer"``).
+    """What :func:`edge` records in the site's ``infer`` dict (key :data:`EDGE_INFO_KEY`).
 
     The lowered engine reads it to recognise dense patterns; users rarely need it.
     """
@@ -60,19 +67,83 @@ def active_plates() -> list[Any]:
 
 
 def gather(table: jax.Array, index: jax.Array) -> jax.Array:
-    r"""``table[..., index]`` along the last (parent) axis, enumeration-safe.
+    r"""``table[..., index]`` along the last (parent) axis, enumeration-safe, O(output) memory.
 
     ``table`` has shape ``batch + (parents,)``; ``index`` any shape that broadcasts
     against ``batch`` when right-aligned (as an enumerated edge value does).
-    This is :class:`numpyro.ops.indexing.Vindex` — plain chained indexing silently
-    misaligns enumerated dims (numpyro issue 2252).
+    Plain chained indexing silently misaligns enumerated dims (numpyro issue 2252);
+    this is :class:`numpyro.ops.indexing.Vindex` semantics:
 
     .. math:: \text{out}[\ldots] = \text{table}[\ldots, \text{index}[\ldots]]
 
+    When the index varies only along dims where ``batch`` has size one (an enumerated
+    edge value, shape ``(m, 1, ..., 1)``), the result is a column ``take`` followed by a
+    transpose: no ``index``-shaped broadcast of the table is ever built, so reading an
+    ``(n, m)`` table at the enumerated value costs ``O(n m)``, not ``O(n m^2)``.
+
     It is how a value :math:`v_i(x, \phi_i = j) = V x_j` is read (Singh & Buckley
-    sec. 3.2, the value function).
+    sec. 3.2, the value function), and how an edge site's log-prob is evaluated.
     """
-    return Vindex(table)[..., index]
+    tshape, ishape = tuple(jnp.shape(table)[:-1]), tuple(jnp.shape(index))
+    r = max(len(tshape), len(ishape))
+    tpad = (1,) * (r - len(tshape)) + tshape
+    ipad = (1,) * (r - len(ishape)) + ishape
+    if not all(a == 1 or b == 1 for a, b in zip(tpad, ipad)):
+        return Vindex(table)[..., index]
+    out_shape = tuple(max(a, b) for a, b in zip(tpad, ipad))
+    perm = [k for pair in zip(range(r), range(r, 2 * r)) for k in pair]
+
+    def take(table, flat):
+        # out[b, v] = table[b, index[v]] with b and v on disjoint dims: take the columns,
+        # then interleave the table's dims with the index's (one of each pair has size 1)
+        cols = jnp.take(table, flat, axis=-1, mode="fill", fill_value=jnp.nan)
+        return jnp.reshape(jnp.transpose(jnp.reshape(cols, tpad + ipad), perm), out_shape)
+
+    flat = jnp.reshape(index, (-1,))
+    m = table.shape[-1]
+    if flat.shape[0] != m or sum(s != 1 for s in ipad) != 1:
+        return take(table, flat)
+
+    p = next(k for k, s in enumerate(ipad) if s != 1)
+
+    def moved(table, flat):
+        # the index is 0..m-1 along its one dim (an enumerated edge value): the result
+        # is the table with its last axis moved there — a transpose, not a gather
+        x = jnp.squeeze(jnp.reshape(table, tpad + (m,)), axis=p)
+        return jnp.moveaxis(x, -1, p)
+
+    return jax.lax.cond(jnp.all(flat == jnp.arange(m, dtype=flat.dtype)), moved, take, table, flat)
+
+
+class EdgeDistribution(dist.CategoricalLogits):
+    r"""NumPyro's ``Categorical`` over parents, with a log-prob that is ``O(output)`` in memory.
+
+    .. math:: \log p(\phi_i = j) = \ell_{ij} - \log \textstyle\sum_{j'} e^{\ell_{ij'}}
+
+    NumPyro's ``CategoricalLogits.log_prob`` broadcasts the ``(..., children,
+    parents)`` table against the value before gathering: at the enumerated value
+    ``(parents, 1, ..., 1)`` that is a ``parents x children x parents`` array (4.7 GB
+    at 1024 children). Here the log-prob is :func:`gather` of the normalised table:
+    ``O(children x parents)``. Everything else (sampling, support, enumeration,
+    pytree) is NumPyro's.
+
+    Args:
+        logits: log-weights ``(..., children, parents)``, normalised on construction;
+            ``-inf`` marks a forbidden parent.
+        log_normalizer: ``logsumexp(logits, -1)`` when the caller has it already.
+
+    Reference: the edge site of Singh & Buckley sec. 3.1 (eq. 1), enumerated by
+    NumPyro's funsor backend.
+    """
+
+    def __init__(self, logits: jax.Array, *, log_normalizer: jax.Array | None = None,
+                 validate_args=None):
+        lse = jax.nn.logsumexp(logits, axis=-1) if log_normalizer is None else log_normalizer
+        logits = logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+        super().__init__(logits, validate_args=validate_args)
+
+    def log_prob(self, value):
+        return gather(self.logits, value)
 
 
 def _children_plate(name: str):
@@ -178,27 +249,24 @@ def edge(name: str, prior, score=None, *, child=None, infer: dict | None = None)
         check_finite(score_table, f"edge site '{name}': score")
 
     info = EdgeInfo(name, prior, score_obj, num_children, num_parents, child_plate.name, child)
-    site_infer = {"enumerate": "parallel", "structinfer": info}
-    if score_table is not None and child is None:
-        # read by the exact engine, which folds the score into the edge's own factor
-        site_infer[SCORE_TABLE_KEY] = score_table
+    site_infer = {"enumerate": "parallel", EDGE_INFO_KEY: info}
     if infer:
         site_infer.update(infer)
+    logits = log_prior if score_table is None else log_prior + score_table
     if child is not None:
-        # node `child`'s edge, with its exact posterior conditional as distribution
-        logits = log_prior if score_table is None else log_prior + score_table
+        # node `child`'s edge, with its exact posterior conditional as distribution:
+        # row `child` of the (..., children, parents) table, where the children dim
+        # is replaced by the index (a singleton dim keeps the plates' batch dims —
+        # heads, batch — aligned with the index's own right-aligned dims)
         logits = jnp.broadcast_to(logits, logits.shape[:-2] + (num_children, num_parents))
-        rows = Vindex(logits)[..., child, :]
-        return numpyro.sample(
-            name,
-            numpyro.distributions.Categorical(logits=rows, validate_args=False),
-            infer=site_infer,
-        )
-    phi = numpyro.sample(
-        name,
-        numpyro.distributions.Categorical(logits=log_prior, validate_args=False),
-        infer=site_infer,
-    )
+        rows = Vindex(jnp.expand_dims(EdgeDistribution(logits).logits, -3))[..., child, :]
+        return numpyro.sample(name, EdgeDistribution(rows, validate_args=False), infer=site_infer)
+    lse = jax.nn.logsumexp(logits, axis=-1) if score_table is not None else None
+    fn = EdgeDistribution(logits, log_normalizer=lse, validate_args=False)
+    phi = numpyro.sample(name, fn, infer=site_infer)
     if score_table is not None:
-        numpyro.factor(name + SCORE_SUFFIX, gather(score_table, phi))
+        # log p(phi_i = j) + psi_ij = log softmax_j(log p + psi) + log sum_j' p e^psi:
+        # the edge's own factor is normalised and the row normaliser does not depend
+        # on the edge, so no contraction mixes two factors over one edge
+        numpyro.factor(name + SCORE_SUFFIX, lse)
     return phi

@@ -19,6 +19,7 @@ never materialise the table.
 Every prior exposes:
 
 * ``num_parents`` — the size of the edge support;
+* ``offset`` — the positional convention below (0 unless given);
 * ``log_table(num_children)`` — the normalised log-prior, ``(..., children, parents)``;
 * ``distribution(num_children)`` — the NumPyro ``Categorical`` carrying it.
 
@@ -31,6 +32,7 @@ to parent ``j`` is ``d = i + offset - j`` (positive for earlier parents).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import jax
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 
-from ._checks import as_float_array, is_concrete
+from ._checks import as_float_array, check_static_int, is_concrete
 
 __all__ = [
     "StructuralPrior",
@@ -55,6 +57,16 @@ def _distance_grid(num_children: int, num_parents: int, offset: int) -> jax.Arra
     i = jnp.arange(num_children)[:, None]
     j = jnp.arange(num_parents)[None, :]
     return i + offset - j
+
+
+def _check_offset(offset, who: str) -> int:
+    """``offset`` as a Python int; floats and bools are refused (they are never meant)."""
+    if not isinstance(offset, bool):
+        try:
+            return operator.index(offset)
+        except TypeError:
+            pass
+    raise TypeError(f"{who}: offset must be an int, got {offset!r}")
 
 
 def _normalise(logits: jax.Array) -> jax.Array:
@@ -91,6 +103,10 @@ class StructuralPrior:
 
     #: size of the edge support (number of candidate parents)
     num_parents: int
+    #: child ``i`` sits at parent position ``i + offset``: the distance to parent ``j`` is
+    #: ``d = i + offset - j``. The one source of the positional convention (the lowered
+    #: engine's distance bands, ``structinfer.diagnostics`` distances); 0 = self attention
+    offset: int = 0
     #: short name used by ``structinfer.explain`` and error messages
     kind: str = "prior"
 
@@ -129,7 +145,7 @@ class StructuralPrior:
 
     def describe(self) -> dict[str, Any]:
         """Structured description (used by lowering and ``explain``)."""
-        return {"kind": self.kind, "num_parents": self.num_parents}
+        return {"kind": self.kind, "num_parents": self.num_parents, "offset": self.offset}
 
     def __repr__(self) -> str:
         items = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "kind")
@@ -137,6 +153,7 @@ class StructuralPrior:
 
 
 def _check_num_parents(num_parents) -> int:
+    check_static_int(num_parents, "num_parents", "prior")
     if isinstance(num_parents, bool) or not isinstance(num_parents, (int, np.integer)):
         raise TypeError(f"num_parents must be a positive int, got {num_parents!r}")
     if num_parents < 1:
@@ -151,12 +168,15 @@ class Uniform(StructuralPrior):
 
     Args:
         num_parents: number of candidate parents ``m``.
+        offset: child ``i`` sits at parent position ``i + offset`` (only distances
+            depend on it, e.g. ``offset=m - n`` when the queries are the last ``n`` keys).
     """
 
     kind = "uniform"
 
-    def __init__(self, num_parents: int):
+    def __init__(self, num_parents: int, offset: int = 0):
         self.num_parents = _check_num_parents(num_parents)
+        self.offset = _check_offset(offset, "Uniform prior")
 
     def _log_weights(self, num_children: int) -> jax.Array:
         return jnp.zeros((1, self.num_parents), dtype=jnp.result_type(float))
@@ -174,6 +194,8 @@ class Restricted(StructuralPrior):
             when ``j`` is an allowed parent of ``i``.
         pattern: optional structured description (set by the constructors below)
             that the lowered engine uses to skip excluded blocks.
+        offset: child ``i`` sits at parent position ``i + offset``; default the
+            pattern's offset (``causal`` / ``window``), else 0.
 
     Use the constructors :meth:`causal`, :meth:`window`, :meth:`from_graph` and
     :meth:`block_sparse` for the common patterns.
@@ -181,7 +203,7 @@ class Restricted(StructuralPrior):
 
     kind = "restricted"
 
-    def __init__(self, mask, pattern: dict[str, Any] | None = None):
+    def __init__(self, mask, pattern: dict[str, Any] | None = None, offset: int | None = None):
         #: the mask as a NumPy array when known at trace time (lets the lowered
         #: engine verify ``pattern`` and skip empty blocks under ``jit``), else None
         self.concrete_mask = np.asarray(mask) if is_concrete(mask) else None
@@ -198,13 +220,20 @@ class Restricted(StructuralPrior):
         self.mask = mask
         self.num_parents = int(mask.shape[-1])
         self.pattern = dict(pattern) if pattern else {"type": "mask"}
+        own = self.pattern.get("offset")
+        self.offset = _check_offset((own or 0) if offset is None else offset, "Restricted prior")
+        if own is not None and own != self.offset:
+            raise ValueError(
+                f"Restricted prior: offset={offset} contradicts the pattern's offset {own}"
+            )
         _check_rows_nonempty(jnp.where(mask, 0.0, -jnp.inf), "Restricted")
 
     def _log_weights(self, num_children: int) -> jax.Array:
         return jnp.where(self.mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_parents": self.num_parents, **self.pattern}
+        return {"kind": self.kind, "num_parents": self.num_parents, **self.pattern,
+                "offset": self.offset}
 
     @classmethod
     def causal(
@@ -216,6 +245,9 @@ class Restricted(StructuralPrior):
     ) -> Restricted:
         """Causal mask: child ``i`` may take parents at distance ``d = i + offset - j >= 0``
         (``>= 1`` without the self-edge)."""
+        check_static_int(num_children, "num_children", "Restricted.causal")
+        check_static_int(num_parents, "num_parents", "Restricted.causal")
+        check_static_int(offset, "offset", "Restricted.causal")
         m = num_children if num_parents is None else num_parents
         d = np.arange(num_children)[:, None] + offset - np.arange(m)[None, :]
         lo = 0 if include_self else 1
@@ -236,6 +268,10 @@ class Restricted(StructuralPrior):
     ) -> Restricted:
         """Sliding window of ``size`` parents: ``lo <= d < lo + size`` with ``lo = 0``
         (or 1 without self-edge) when causal; ``|d| < size`` when not causal."""
+        check_static_int(num_children, "num_children", "Restricted.window")
+        check_static_int(size, "size", "Restricted.window")
+        check_static_int(num_parents, "num_parents", "Restricted.window")
+        check_static_int(offset, "offset", "Restricted.window")
         if size < 1:
             raise ValueError(f"Restricted.window: size must be >= 1, got {size}")
         m = num_children if num_parents is None else num_parents
@@ -294,11 +330,14 @@ class Categorical(StructuralPrior):
     Args:
         logits: ``(..., children, parents)`` (or ``(parents,)`` shared by every child);
             ``-inf`` forbids an edge. Normalised over parents.
+        offset: child ``i`` sits at parent position ``i + offset`` (only distances
+            depend on it): 0 for self attention over the same ``n = m`` nodes; e.g. 1
+            when child ``c`` is node ``c + 1`` and its parents are nodes ``0 .. c``.
     """
 
     kind = "categorical"
 
-    def __init__(self, logits):
+    def __init__(self, logits, offset: int = 0):
         logits = as_float_array(logits, "Categorical prior logits")
         if logits.ndim < 1:
             raise ValueError("Categorical prior: logits must have a parent axis")
@@ -308,6 +347,7 @@ class Categorical(StructuralPrior):
                 raise ValueError("Categorical prior: logits contain NaN or +inf")
         self.logits = logits
         self.num_parents = int(logits.shape[-1])
+        self.offset = _check_offset(offset, "Categorical prior")
 
     def _log_weights(self, num_children: int) -> jax.Array:
         lg = self.logits
@@ -358,7 +398,9 @@ class RelativePosition(StructuralPrior):
         if self.bias.ndim < 1:
             raise ValueError("RelativePosition: bias must have a distance axis")
         self.num_parents = _check_num_parents(num_parents)
-        self.offset = int(offset)
+        check_static_int(offset, "offset", "RelativePosition prior")
+        check_static_int(max_distance, "max_distance", "RelativePosition prior")
+        self.offset = _check_offset(offset, "RelativePosition prior")
         self.max_distance = max_distance
         self.causal = bool(causal)
         self.mode = _mode
@@ -376,7 +418,7 @@ class RelativePosition(StructuralPrior):
         r"""Hartley-parameterised circulant prior: :math:`\ln p_{ij} = \beta\cdot b^{(i,j)}`,
         :math:`b_k^{(i,j)} = \cos(2\pi k (i-j)/n) + \sin(2\pi k (i-j)/n)`, ``k = 0..K-1``."""
         beta = as_float_array(beta, "RelativePosition.hartley beta")
-        n = int(num_nodes)
+        n = int(check_static_int(num_nodes, "num_nodes", "RelativePosition.hartley"))
         r = jnp.arange(n)
         k = jnp.arange(beta.shape[-1])
         ang = 2.0 * math.pi * k[:, None] * r[None, :] / n
@@ -487,7 +529,9 @@ class Geometric(StructuralPrior):
         self.q = q
         self.num_parents = _check_num_parents(num_parents)
         self.include_self = bool(include_self)
-        self.offset = int(offset)
+        check_static_int(offset, "offset", "Geometric prior")
+        check_static_int(max_distance, "max_distance", "Geometric prior")
+        self.offset = _check_offset(offset, "Geometric prior")
         self.max_distance = max_distance
 
     @property

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import as_float_array, check_ndim, is_concrete
+from ._checks import all_positive, as_float_array, check_ndim, is_concrete
 
 __all__ = [
     "Score",
@@ -52,13 +52,26 @@ def _sq_dist(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.sum(diff * diff, axis=-1)
 
 
-def _safe_pow_dist(sq: jax.Array, p: float) -> jax.Array:
-    r"""``||.||^p = (||.||^2)^{p/2}`` with a finite gradient at zero distance."""
-    if p == 2:
+def _safe_pow_dist(sq: jax.Array, p) -> jax.Array:
+    r"""``||.||^p = (||.||^2)^{p/2}`` with finite gradients (in the distance and in ``p``)
+    at zero distance.
+
+    ``p`` may be traced. It is computed as :math:`s \cdot s^{p/2 - 1}`, which is exactly
+    ``sq`` at ``p = 2`` (``x ** 0 == 1``), so the concrete ``p == 2`` shortcut and the traced
+    path give the same number. The zero-distance entries are selected out twice (the
+    double-``where``), so neither :math:`s^{p/2-1}` nor :math:`\log s` is evaluated at zero.
+    """
+    if is_concrete(p) and np.ndim(p) == 0 and float(p) == 2.0:
         return sq
     pos = sq > 0
     safe = jnp.where(pos, sq, 1.0)
-    return jnp.where(pos, safe ** (p / 2.0), 0.0)
+    return jnp.where(pos, safe * safe ** (p / 2.0 - 1.0), 0.0)
+
+
+def _check_p_eps(p, eps, score: str) -> None:
+    """``p > 0`` and ``eps > 0``, checked on concrete values only (skipped under tracing)."""
+    if not (all_positive(p) and all_positive(eps)):
+        raise ValueError(f"{score}: need p > 0 and eps > 0, got p={p}, eps={eps}")
 
 
 def _check_features(x, name: str, score: str) -> jax.Array:
@@ -304,15 +317,15 @@ class NegLogDist(_PairScore):
 
     Args:
         q: child features ``(..., children, d)``; k: parent features ``(..., parents, d)``.
-        p: distance exponent (> 0). eps: offset (> 0).
+        p: distance exponent (> 0). eps: offset (> 0). Both may be traced (``jax.jit``,
+            ``jax.grad``); the check runs on concrete values only.
     """
 
     kind = "neg_log_dist"
 
     def __init__(self, q, k, p: float = 2.0, eps: float = 1e-3):
         super().__init__(q, k)
-        if p <= 0 or eps <= 0:
-            raise ValueError(f"NegLogDist: need p > 0 and eps > 0, got p={p}, eps={eps}")
+        _check_p_eps(p, eps, "NegLogDist")
         self.p, self.eps = p, eps
 
     def dense(self) -> jax.Array:
@@ -326,8 +339,7 @@ class InvDist(_PairScore):
 
     def __init__(self, q, k, p: float = 2.0, eps: float = 1e-3):
         super().__init__(q, k)
-        if p <= 0 or eps <= 0:
-            raise ValueError(f"InvDist: need p > 0 and eps > 0, got p={p}, eps={eps}")
+        _check_p_eps(p, eps, "InvDist")
         self.p, self.eps = p, eps
 
     def dense(self) -> jax.Array:

@@ -69,7 +69,7 @@ class _Acc:
         self.n, self.m = n, m
         self.dot_q: list[jax.Array] = []
         self.dot_k: list[jax.Array] = []
-        self.idw: list[tuple[jax.Array, jax.Array, float, float]] = []
+        self.idw: list[tuple[jax.Array, jax.Array, jax.Array, jax.Array]] = []
         self.col_bias: list[jax.Array] = []
         self.pair: list[jax.Array] = []
         self.kw: dict[str, Any] = {}
@@ -174,7 +174,7 @@ def _walk_score(acc: _Acc, score: S.Score | None) -> None:
         acc.notes.append("score LinearGaussian (matmul against predictions A z + b)")
         return
     if isinstance(score, S.NegLogDist):
-        acc.idw.append((score.q, score.k, float(score.p), float(score.eps)))
+        acc.idw.append((score.q, score.k, jnp.asarray(score.p), jnp.asarray(score.eps)))
         acc.notes.append("score NegLogDist (IDW, per block)")
         return
     if isinstance(score, S.Custom):
@@ -348,11 +348,10 @@ def lower_edge(
         row["q"] = _bcast_cat(acc.dot_q)
         col["k"] = _bcast_cat(acc.dot_k)
         kw["dot"] = True
-    idw = []
     for r, (x, y, p, eps) in enumerate(acc.idw):
         row[f"idw{r}"], col[f"idw{r}"] = x, y
-        idw.append((p, eps))
-    kw["idw"] = tuple(idw)
+        acc.glob[f"idw{r}_p"], acc.glob[f"idw{r}_eps"] = p, eps
+    kw["idw"] = len(acc.idw)
     if acc.col_bias:
         b = acc.col_bias[0]
         for x in acc.col_bias[1:]:

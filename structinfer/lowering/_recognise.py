@@ -43,7 +43,7 @@ from numpyro.handlers import block, substitute, trace
 from .._checks import is_concrete
 from ..exact import inspect_model
 from ..handlers import require_values
-from ..primitives import SCORE_SUFFIX
+from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
 from ._lower import Lowered, NotLowered, lower_edge
 from ._views import eval_with_views
 
@@ -387,7 +387,7 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
     tr = _run(model, args, kwargs, probes)
     infos = {}
     for e in names:
-        inf = tr[e]["infer"].get("structinfer")
+        inf = tr[e]["infer"].get(EDGE_INFO_KEY)
         if inf is None:  # pragma: no cover - inspect_model already filtered
             raise _Fail(e, "site", "is not a structinfer.edge")
         infos[e] = inf

@@ -55,8 +55,9 @@ class Terms:
     num_parents: int
     #: dot-product term: row["q"] . col["k"] (all dot-like scores concatenated)
     dot: bool = False
-    #: IDW terms -log(eps + ||x_i - y_j||^p): row[f"idw{r}"], col[f"idw{r}"]
-    idw: tuple[tuple[float, float], ...] = ()
+    #: number of IDW terms -log(eps + ||x_i - y_j||^p): row[f"idw{r}"], col[f"idw{r}"],
+    #: glob[f"idw{r}_p"], glob[f"idw{r}_eps"] (p and eps are arrays: traceable)
+    idw: int = 0
     #: per-parent additive term col["bias"] (..., m, 1)
     col_bias: bool = False
     #: per-edge additive term pair["logits"] (finite part)
@@ -175,8 +176,9 @@ def block_logits(
 
     if t.dot:
         add(jnp.einsum("...if,...jf->...ij", row["q"], col["k"]))
-    for r, (p, eps) in enumerate(t.idw):
+    for r in range(t.idw):
         x, y = row[f"idw{r}"], col[f"idw{r}"]
+        p, eps = glob[f"idw{r}_p"], glob[f"idw{r}_eps"]
         diff = x[..., :, None, :] - y[..., None, :, :]
         add(-jnp.log(eps + _safe_pow_dist(jnp.sum(diff * diff, -1), p)))
     if t.col_bias:

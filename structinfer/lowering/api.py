@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..exact import expectation
+from .._checks import is_concrete
+from ..exact import expectation, inspect_model
 from ._recognise import Fallback, Plan, recognise
 from .blocked import band_blocks, blocked_attention
 from .dense import dense_attention
@@ -106,12 +107,18 @@ def _kernels(plan: Plan, backend: str) -> dict[str, str]:
 
 
 def _execute(plan: Plan, kernels: dict[str, str], block_q: int, block_k: int,
-             runner: Callable | None = None) -> jax.Array:
+             runner: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Run the plan's kernels; returns the output and each edge's row log-normaliser.
+
+    A row whose log-normaliser is not finite (no allowed parent, a NaN/inf score) is
+    NaN in the output, as in the exact engine under ``jit``: never a finite number.
+    """
     children: dict[str, list[str]] = {ep.name: [] for ep in plan.edges}
     for ep in plan.edges:
         if ep.parent is not None:
             children[ep.parent].append(ep.name)
     Y: dict[str, jax.Array] = {}
+    lses: dict[str, jax.Array] = {}
     for ep in reversed(plan.edges):
         v = ep.table
         for c in children[ep.name]:
@@ -122,15 +129,17 @@ def _execute(plan: Plan, kernels: dict[str, str], block_q: int, block_k: int,
         batch = tuple(jnp.broadcast_shapes(low.batch_shape, v.shape[:-2]))
         kind = kernels[ep.name]
         if runner is not None:
-            Y[ep.name] = runner(kind, low, prob, batch)
+            y, lse = runner(kind, low, prob, batch)
         elif kind == "dense":
-            Y[ep.name] = dense_attention(low.terms, prob, batch)[0]
+            y, lse = dense_attention(low.terms, prob, batch)
         elif kind == "blocked":
             bq, bk = band_blocks(low.terms, block_q, block_k)
-            Y[ep.name] = blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk,
-                                           mask=low.mask)[0]
+            y, lse = blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk,
+                                       mask=low.mask)
         else:
-            Y[ep.name] = windowed_kernel(low.terms, prob, batch, block_q=block_q)[0]
+            y, lse = windowed_kernel(low.terms, prob, batch, block_q=block_q)
+        Y[ep.name] = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+        lses[ep.name] = lse
     out = None
     for ep in plan.edges:
         if ep.parent is None:
@@ -139,7 +148,25 @@ def _execute(plan: Plan, kernels: dict[str, str], block_q: int, block_k: int,
     ev = len(plan.event_shape)
     lead = shape[: len(shape) - ev]
     out = jnp.broadcast_to(out, lead + out.shape[-1:]).reshape(shape)
-    return out.astype(jnp.result_type(float))
+    return out.astype(jnp.result_type(float)), lses
+
+
+def _raise_bad_rows(model: Callable, value: str, args, kwargs, lses: dict, out) -> None:
+    """Called eagerly when a row's log-normaliser is not finite (or the exact path gave
+    NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
+    error naming the site and the row; if they pass, name the site and row here."""
+    inspect_model(model, *args, **kwargs)
+    for site, lse in lses.items():
+        bad = np.argwhere(~np.isfinite(np.asarray(lse)))
+        if bad.size:
+            idx = tuple(int(i) for i in bad[0])
+            raise ValueError(
+                f"edge site '{site}': child {idx[-1]}"
+                + (f" (batch index {idx[:-1]})" if len(idx) > 1 else "")
+                + " has no parent with a finite log-potential (log-normaliser "
+                f"{float(np.asarray(lse)[idx])}): every child needs an allowed parent and "
+                "finite scores"
+            )
 
 
 def _is_dynamic(x) -> bool:
@@ -198,13 +225,16 @@ def attention(
             the blocked kernel: ``shard="heads"`` splits the leading plate (heads /
             batch), ``shard="sequence"`` runs ring attention over children and parents
             (:mod:`structinfer.lowering.sharded`). ``axis_name``: the mesh axis.
-        runner: advanced — ``runner(kind, lowered, problem, batch_shape) -> y`` replaces
-            the kernel call (used by :mod:`structinfer.lowering.sharded`).
+        runner: advanced — ``runner(kind, lowered, problem, batch_shape) -> (y, lse)``
+            (output and row log-normaliser) replaces the kernel call (used by
+            :mod:`structinfer.lowering.sharded`).
 
     Returns:
         ``f(*args, **kwargs)`` returning the expectation, shaped like the site's value.
         Array (and float) arguments are traced; other arguments (ints, strings) are
-        static. ``f`` is jitted internally and can be jitted, vmapped and
+        static. Called on concrete arrays, a child with no allowed parent or a NaN/inf
+        score raises the exact engine's error (found from the kernel's per-row
+        log-normaliser, no second pass); under an outer ``jit`` that row is NaN. ``f`` is jitted internally and can be jitted, vmapped and
         differentiated again. ``f.explain(*args)`` describes the path.
 
     Reference: Singh & Buckley, "Attention as implicit structural inference"
@@ -226,15 +256,26 @@ def attention(
 
     def impl(*args, **kwargs):
         if backend == "exact":
-            return expectation(model, value, *args, **kwargs)
+            return expectation(model, value, *args, **kwargs), {}
         plan = recognise(model, value, args, kwargs)
         if not plan.ok:
             if backend == "auto":
-                return expectation(model, value, *args, **kwargs)
+                return expectation(model, value, *args, **kwargs), {}
             raise NotLowerableError(f"backend '{backend}' cannot lower the model: {plan.fallback}")
         return _execute(plan, _kernels(plan, backend), block_q, block_k, runner)
 
     cache: dict = {}
+
+    def checked(args, kwargs, dyn, result):
+        out, lses = result
+        # concrete inputs: a non-finite row is an error, as in the exact engine (its value
+        # checks are skipped inside our jit); under an outer jit the row stays NaN
+        if all(is_concrete(x) for x in dyn) and (
+            any(not bool(jnp.all(jnp.isfinite(lse))) for lse in lses.values())
+            or (not lses and bool(jnp.any(jnp.isnan(out))))
+        ):
+            _raise_bad_rows(model, value, args, kwargs, lses, out)
+        return out
 
     @functools.wraps(model)
     def fn(*args, **kwargs):
@@ -242,7 +283,7 @@ def attention(
         try:
             hash(key)
         except TypeError:
-            return impl(*args, **kwargs)
+            return checked(args, kwargs, dyn, impl(*args, **kwargs))
         jitted = cache.get(key)
         if jitted is None:
             def run(dyn, key=key):
@@ -250,7 +291,7 @@ def attention(
                 return impl(*a, **kw)
 
             jitted = cache[key] = jax.jit(run)
-        return jitted(dyn)
+        return checked(args, kwargs, dyn, jitted(dyn))
 
     fn.explain = lambda *a, **k: explain(model, value, *a, backend=backend, **k)  # type: ignore[attr-defined]
     fn.__doc__ = (

@@ -250,7 +250,7 @@ def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256
 
     def run(kind, lowered, prob, batch):
         return head_sharded_attention(lowered.terms, prob, batch, mesh, axis_name,
-                                      block_q=block_q, block_k=block_k, mask=lowered.mask)[0]
+                                      block_q=block_q, block_k=block_k, mask=lowered.mask)
 
     return run
 
@@ -261,6 +261,6 @@ def sequence_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int =
 
     def run(kind, lowered, prob, batch):
         return ring_attention(lowered.terms, _full_batch(prob, batch), batch, mesh, axis_name,
-                              block_q=block_q, block_k=block_k)[0]
+                              block_q=block_q, block_k=block_k)
 
     return run

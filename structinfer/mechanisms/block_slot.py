@@ -7,6 +7,7 @@ import jax
 import numpyro
 
 from .. import priors, scores
+from .._checks import check_static_int
 from ..primitives import edge
 from ._common import check_matrix, features, latent_nodes
 
@@ -67,6 +68,7 @@ def block_slot_attention(
             f"block_slot_attention: memories {tuple(memories.shape)} = (blocks, memories, "
             f"block size) must tile the slot size {d} (blocks * block size == {d})"
         )
+    check_static_int(num_slots, "num_slots", "block_slot_attention")
     check_matrix(wq, "wq", "block_slot_attention", d)
     check_matrix(wk, "wk", "block_slot_attention", d)
     slots = latent_nodes("slots", (num_slots, d), 1.0 if node_potential else None, x.dtype)
@@ -116,6 +118,7 @@ def block_slot_energy(
         raise ValueError(
             f"block_slot_energy: memories {tuple(memories.shape)} must have feature size {d}"
         )
+    check_static_int(num_slots, "num_slots", "block_slot_energy")
     check_matrix(wq, "wq", "block_slot_energy", d)
     check_matrix(wk, "wk", "block_slot_energy", d)
     slots = latent_nodes("slots", (num_slots, d), None, x.dtype)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpyro
 
 from .. import priors, scores
+from .._checks import check_static_int
 from ..primitives import edge
 from ._common import check_matrix, features, project
 
@@ -108,10 +109,12 @@ def sparse_attention(
     if (window is None) == (block_mask is None):
         raise ValueError("sparse_attention: give exactly one of `window` or `block_mask`")
     if window is not None:
+        check_static_int(window, "window", "sparse_attention")
         prior = priors.Restricted.window(n, window, causal=causal)
     else:
         if block_size is None:
             raise ValueError("sparse_attention: `block_mask` needs `block_size`")
+        check_static_int(block_size, "block_size", "sparse_attention")
         blocks = jnp.asarray(block_mask).astype(bool)  # a constant JAX array under jit
         mask = jnp.repeat(jnp.repeat(blocks, block_size, axis=-2), block_size, axis=-1)
         if mask.shape != (n, n):

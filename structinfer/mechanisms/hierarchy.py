@@ -12,6 +12,7 @@ import numpy as np
 import numpyro
 
 from .. import priors, scores
+from .._checks import check_static_int
 from ..primitives import edge
 from ._common import features, latent_nodes
 
@@ -98,6 +99,9 @@ def spatiotemporal_hierarchy(
         )
     if T < 2:
         raise ValueError("spatiotemporal_hierarchy: the temporal term needs T >= 2 time steps")
+    for i, size in enumerate(layer_sizes):  # (K_l, D_l) set the latent layers' shapes
+        for v in size:
+            check_static_int(v, f"layer_sizes[{i}]", "spatiotemporal_hierarchy")
     layers = [x]
     for lv, (k, d) in enumerate(layer_sizes, start=2):
         if k < 2:

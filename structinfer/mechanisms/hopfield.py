@@ -7,6 +7,7 @@ import jax
 import numpyro
 
 from .. import priors, scores
+from .._checks import all_positive, check_static_int
 from ..primitives import edge
 from ._common import features, latent_nodes
 
@@ -42,7 +43,7 @@ def hopfield(
     Args:
         memories: stored patterns ``(N, d)``.
         num_states: number of latent states (queries) ``S``.
-        beta: inverse temperature :math:`\beta > 0`.
+        beta: inverse temperature :math:`\beta > 0` (may be traced: ``jax.jit`` / ``jax.grad``).
         node_potential: add the quadratic node potential (Singh & Buckley sec. 4.1).
 
     Sites:
@@ -53,7 +54,8 @@ def hopfield(
         Tschantz v2 sec. 3.
     """
     memories = features(memories, "memories", "hopfield")
-    if beta <= 0:
+    check_static_int(num_states, "num_states", "hopfield")
+    if not all_positive(beta):  # concrete values only: beta may be traced (jit / grad)
         raise ValueError(f"hopfield: beta must be > 0, got {beta}")
     d = memories.shape[-1]
     state = latent_nodes("state", (num_states, d), beta if node_potential else None, memories.dtype)

@@ -7,6 +7,7 @@ import jax
 import numpyro
 
 from .. import priors, scores
+from .._checks import check_static_int
 from ..primitives import edge
 from ._common import check_matrix, features, project
 
@@ -50,6 +51,7 @@ def multihop_attention(
         Singh & Buckley sec. 5.1 and appendix 7.3.
     """
     x = features(x, "x", "multihop_attention")
+    check_static_int(hops, "hops", "multihop_attention")
     if hops < 1:
         raise ValueError(f"multihop_attention: hops must be >= 1, got {hops}")
     check_matrix(wq, "wq", "multihop_attention", x.shape[-1])

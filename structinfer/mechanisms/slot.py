@@ -7,6 +7,7 @@ import jax
 import numpyro
 
 from .. import priors, scores
+from .._checks import check_static_int
 from ..primitives import edge
 from ._common import check_matrix, features, latent_nodes
 
@@ -51,6 +52,7 @@ def slot_attention(
     """
     x = features(x, "x", "slot_attention")
     d = x.shape[-1]
+    check_static_int(num_slots, "num_slots", "slot_attention")
     check_matrix(wq, "wq", "slot_attention", d)
     check_matrix(wk, "wk", "slot_attention", d)
     slots = latent_nodes("slots", (num_slots, d), 1.0 if node_potential else None, x.dtype)

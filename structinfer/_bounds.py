@@ -1,0 +1,257 @@
+r"""Static index-bounds check: no table is read past its end at an edge value.
+
+An edge site takes values :math:`\phi_i \in \{0, \dots, m-1\}`. A model that reads a
+table with fewer than :math:`m` rows at :math:`\phi_i` (``V[phi]`` with ``V`` of
+``k < m`` rows) gets a *clamped* row from JAX's indexing — a finite wrong number in
+every engine. This module proves, at trace time, that every gather whose indices are
+computed from edge values stays in bounds, by interval arithmetic over the model's
+jaxpr: each integer array derived from the edge values carries a range
+:math:`[lo, hi]` (one per component of the last axis where an index vector is
+concatenated), propagated through the few primitives JAX's indexing emits
+(negative-index normalisation, broadcasts, reshapes, concatenation, integer
+arithmetic). Anything it cannot follow is left unchecked: it never reports an
+error that is not there. Shapes are static, so eager and ``jit`` agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = ["IndexOutOfBounds", "check_gather_bounds"]
+
+
+class IndexOutOfBounds(ValueError):
+    """An edge value indexes an array past its end."""
+
+
+@dataclass(frozen=True)
+class _Range:
+    """Integer range per component of the last axis (``comps``), or one for all."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    sites: frozenset[str]
+
+    @staticmethod
+    def of(lo, hi, sites=frozenset()):
+        return _Range((int(lo),), (int(hi),), frozenset(sites))
+
+    def union(self) -> _Range:
+        return _Range((min(self.lo),), (max(self.hi),), self.sites)
+
+    def comp(self, k: int) -> tuple[int, int]:
+        return (self.lo[k], self.hi[k]) if len(self.lo) > 1 else (self.lo[0], self.hi[0])
+
+
+def _is_int(aval) -> bool:
+    dt = getattr(aval, "dtype", None)
+    return dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_))
+
+
+def _const_range(x) -> _Range | None:
+    if isinstance(x, jax.core.Tracer):
+        return None
+    dt = getattr(x, "dtype", None)
+    if dt is not None and not (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_)):
+        return None
+    try:
+        a = np.asarray(x)
+    except Exception:  # pragma: no cover - exotic constants
+        return None
+    if a.size == 0 or not (np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_):
+        return None
+    return _Range.of(a.min(), a.max())
+
+
+def _binop(name, a: _Range, b: _Range) -> _Range | None:
+    a, b = a.union(), b.union()
+    (alo,), (ahi,), (blo,), (bhi,) = a.lo, a.hi, b.lo, b.hi
+    sites = a.sites | b.sites
+    if name == "add":
+        return _Range.of(alo + blo, ahi + bhi, sites)
+    if name == "sub":
+        return _Range.of(alo - bhi, ahi - blo, sites)
+    if name == "mul":
+        c = [alo * blo, alo * bhi, ahi * blo, ahi * bhi]
+        return _Range.of(min(c), max(c), sites)
+    if name == "max":
+        return _Range.of(max(alo, blo), max(ahi, bhi), sites)
+    if name == "min":
+        return _Range.of(min(alo, blo), min(ahi, bhi), sites)
+    cmp = {
+        "lt": (ahi < blo, alo >= bhi),
+        "le": (ahi <= blo, alo > bhi),
+        "gt": (alo > bhi, ahi <= blo),
+        "ge": (alo >= bhi, ahi < blo),
+    }.get(name)
+    if cmp is not None:
+        always, never = cmp
+        return _Range.of(1 if always else 0, 0 if never else 1, sites)
+    return None
+
+
+_SHAPE_OPS = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+              "convert_element_type", "copy", "copy_p", "slice", "rev"}
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+          "remat", "checkpoint"}
+
+
+def _sub_jaxpr(eqn):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if j is not None:
+            return j
+    return None
+
+
+def _keeps_last_axis(eqn, r: _Range) -> bool:
+    if len(r.lo) == 1:
+        return True
+    ins, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if not ins or not out or ins[-1] != out[-1]:
+        return False
+    if eqn.primitive.name == "broadcast_in_dim":
+        return eqn.params["broadcast_dimensions"][-1] == len(out) - 1
+    if eqn.primitive.name == "transpose":
+        return eqn.params["permutation"][-1] == len(ins) - 1
+    return eqn.primitive.name in ("convert_element_type", "copy", "copy_p")
+
+
+def _walk(jaxpr, env: dict, where: str) -> None:
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return _const_range(v.val)
+        return env.get(v)
+
+    defs = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            defs[v] = eqn
+        name = eqn.primitive.name
+        ins = [read(v) for v in eqn.invars]
+        if name == "gather" and len(ins) > 1 and ins[1] is not None and ins[1].sites:
+            _check_gather(eqn, ins[1], where)
+            continue
+        sub = _sub_jaxpr(eqn) if name in _CALLS else None
+        if sub is not None:
+            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            consts = getattr(sub, "consts", ())
+            sub_env = {v: _const_range(c) for v, c in zip(inner.constvars, consts)}
+            sub_env.update({v: r for v, r in zip(inner.invars, ins) if r is not None})
+            _walk(inner, sub_env, where)
+            for o, io in zip(eqn.outvars, inner.outvars):
+                r = sub_env.get(io) if not isinstance(io, jcore.Literal) else _const_range(io.val)
+                if r is not None:
+                    env[o] = r
+            continue
+        if not eqn.outvars or not _is_int(eqn.outvars[0].aval):
+            continue
+        out = None
+        if name == "iota":
+            size = eqn.params["shape"][eqn.params["dimension"]]
+            out = _Range.of(0, size - 1)
+        elif name in _SHAPE_OPS and ins and ins[0] is not None:
+            out = ins[0] if _keeps_last_axis(eqn, ins[0]) else ins[0].union()
+        elif name == "neg" and ins[0] is not None:
+            u = ins[0].union()
+            out = _Range.of(-u.hi[0], -u.lo[0], u.sites)
+        elif name in ("add", "sub", "mul", "max", "min", "lt", "le", "gt", "ge") and None not in ins:
+            out = _binop(name, ins[0], ins[1])
+        elif name == "clamp" and None not in ins:
+            lo, x, hi = (r.union() for r in ins)
+            out = _Range.of(max(lo.lo[0], min(x.lo[0], hi.hi[0])),
+                            min(hi.hi[0], max(x.hi[0], lo.lo[0])), x.sites)
+        elif name == "select_n" and None not in ins:
+            pred, cases = ins[0].union(), ins[1:]
+            wrapped = _negative_index_wrap(eqn, defs)
+            if pred.lo[0] == pred.hi[0] and pred.lo[0] < len(cases):
+                out = cases[pred.lo[0]]
+            elif wrapped is not None:
+                # select_n(x < 0, x, x + k): x where x >= 0, x + k where x < 0
+                u = cases[0].union()
+                lo, hi = u.lo[0], u.hi[0]
+                parts = [(max(lo, 0), hi)] if hi >= 0 else []
+                parts += [(lo + wrapped, min(hi, -1) + wrapped)] if lo < 0 else []
+                out = _Range.of(min(a for a, _ in parts), max(b for _, b in parts), u.sites)
+            else:
+                us = [c.union() for c in cases]
+                out = _Range.of(min(u.lo[0] for u in us), max(u.hi[0] for u in us),
+                                frozenset().union(*(u.sites for u in us)))
+        elif name == "concatenate" and None not in ins:
+            dim = eqn.params["dimension"]
+            if dim == eqn.outvars[0].aval.ndim - 1:
+                lo, hi = [], []
+                for v, r in zip(eqn.invars, ins):
+                    k = v.aval.shape[-1]
+                    for c in range(k):
+                        a, b = r.comp(c) if len(r.lo) == k else r.union().comp(0)
+                        lo.append(a)
+                        hi.append(b)
+                out = _Range(tuple(lo), tuple(hi), frozenset().union(*(r.sites for r in ins)))
+            else:
+                us = [r.union() for r in ins]
+                out = _Range.of(min(u.lo[0] for u in us), max(u.hi[0] for u in us),
+                                frozenset().union(*(u.sites for u in us)))
+        if out is not None:
+            env[eqn.outvars[0]] = out
+
+
+def _literal(v):
+    return v.val if isinstance(v, jcore.Literal) else None
+
+
+def _negative_index_wrap(eqn, defs) -> int | None:
+    """``k`` when ``eqn`` is JAX's negative-index normalisation ``select_n(x < 0, x, x + k)``."""
+    if len(eqn.invars) != 3:
+        return None
+    p, x, y = eqn.invars
+    pe, ye = defs.get(p), defs.get(y)
+    if pe is None or ye is None or pe.primitive.name != "lt" or ye.primitive.name != "add":
+        return None
+    if pe.invars[0] is not x or _literal(pe.invars[1]) is None or int(_literal(pe.invars[1])) != 0:
+        return None
+    if ye.invars[0] is not x or _literal(ye.invars[1]) is None:
+        return None
+    return int(_literal(ye.invars[1]))
+
+
+def _check_gather(eqn, idx: _Range, where: str) -> None:
+    dn = eqn.params["dimension_numbers"]
+    operand = eqn.invars[0].aval.shape
+    sizes = eqn.params["slice_sizes"]
+    for k, d in enumerate(dn.start_index_map):
+        lo, hi = idx.comp(k)
+        limit = operand[d] - sizes[d]
+        if lo < 0 or hi > limit:
+            sites = ", ".join(f"'{s}'" for s in sorted(idx.sites))
+            raise IndexOutOfBounds(
+                f"{where}: an index computed from edge site(s) {sites} takes values "
+                f"{lo}..{hi} but reads axis {d} of an array of shape {tuple(operand)} "
+                f"(valid: 0..{limit}); JAX would clamp it to a wrong finite row. Each "
+                "table read at an edge needs one entry per parent (check the number of "
+                "rows of the value / likelihood table)"
+            )
+
+
+def check_gather_bounds(fn, probes: dict[str, np.ndarray], where: str) -> None:
+    """Raise :class:`IndexOutOfBounds` if ``fn(probes)`` reads past an array's end at an
+    index computed from a probe.
+
+    Args:
+        fn: ``fn(values: dict) -> pytree`` (e.g. a model run with the edge values given).
+        probes: edge site -> NumPy int array of its values (any layout); its range
+            ``0..m-1`` is what is checked.
+        where: prefix of the error message (the model's name).
+    """
+    names = list(probes)
+    closed = jax.make_jaxpr(lambda *vals: fn(dict(zip(names, vals))))(
+        *[probes[n] for n in names])
+    env = {v: _const_range(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
+    for v, n in zip(closed.jaxpr.invars, names):
+        p = probes[n]
+        env[v] = _Range.of(p.min(), p.max(), {n})
+    _walk(closed.jaxpr, {k: r for k, r in env.items() if r is not None}, where)

@@ -1,0 +1,213 @@
+"""Edge-posterior distances for every structural prior, against hand counts.
+
+Child ``i`` sits at parent position ``i + offset`` and its distance to parent ``j``
+is ``d = i + offset - j`` (``structinfer.priors``). For every prior class (and every
+constructor) the offset the diagnostics use must be the one the prior was built
+with: here ``expected_distance`` and ``effective_window`` are compared with plain
+loops over ``i, j`` that use the offset known to the test, both on tables built
+from the prior and through ``to_inference_data`` / ``edge_summary`` (where the
+offset is read off the model's edge site).
+
+Sizes: 4 children x 6 parents (cross, offset 2) or 5 x 5 (self attention).
+"""
+
+import inspect
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.ops.indexing import Vindex
+from scipy.special import softmax
+
+import structinfer as si
+from structinfer import diagnostics as dg
+from structinfer import priors as P
+
+
+def _causal_logits(n, m, offset, lo):
+    """Logits allowing parents at distance ``d >= lo`` only, from the test's own grid."""
+    d = np.arange(n)[:, None] + offset - np.arange(m)[None, :]
+    r = np.random.default_rng(3)
+    return np.where(d >= lo, r.normal(size=(n, m)), -np.inf)
+
+
+def _graph():
+    r = np.random.default_rng(4)
+    return r.random((5, 5)) < 0.4
+
+
+def _window_mask(n, m, offset):
+    d = np.arange(n)[:, None] + offset - np.arange(m)[None, :]
+    return (d >= 1) & (d <= 2)
+
+
+# (id, builder() -> prior, children n, true offset, allowed(d) or None).
+# ``allowed`` states the constructor's meaning in terms of the distance; the test
+# checks the prior's support against it, so the "true offset" is the one the prior's
+# table was really built with, not just a stored number.
+CASES = [
+    ("uniform-self", lambda: P.Uniform(5), 5, 0, None),
+    ("uniform-cross", lambda: P.Uniform(6, offset=2), 4, 2, None),
+    ("restricted-mask", lambda: P.Restricted(_window_mask(4, 6, 2), offset=2), 4, 2,
+     lambda d: (d >= 1) & (d <= 2)),
+    ("restricted-causal", lambda: P.Restricted.causal(4, 6, include_self=False, offset=2), 4, 2,
+     lambda d: d >= 1),
+    ("restricted-causal-self", lambda: P.Restricted.causal(5), 5, 0, lambda d: d >= 0),
+    ("restricted-window", lambda: P.Restricted.window(4, 3, 6, include_self=False, offset=2),
+     4, 2, lambda d: (d >= 1) & (d <= 3)),
+    ("restricted-window-two-sided",
+     lambda: P.Restricted.window(5, 2, 5, causal=False, include_self=False, offset=1), 5, 1,
+     lambda d: (np.abs(d) < 2) & (d != 0)),
+    ("restricted-graph", lambda: P.Restricted.from_graph(_graph(), self_loops=True), 5, 0, None),
+    ("restricted-block-sparse",
+     lambda: P.Restricted.block_sparse(np.array([[1, 0], [1, 1]]), (2, 3)), 4, 0, None),
+    ("categorical-self", lambda: P.Categorical(np.random.default_rng(5).normal(size=(5, 5))),
+     5, 0, None),
+    ("categorical-shared-row", lambda: P.Categorical(np.arange(5.0)), 5, 0, None),
+    # the demo's convention: child c is node c + 1, its parents are nodes 0 .. c
+    ("categorical-recency", lambda: P.Categorical(_causal_logits(5, 5, 1, 1), offset=1), 5, 1,
+     lambda d: d >= 1),
+    ("relative-linear", lambda: P.RelativePosition(np.linspace(-1, 1, 4 + 2 + 6 - 1), 6,
+                                                   offset=2), 4, 2, None),
+    ("relative-clipped-causal",
+     lambda: P.RelativePosition(np.arange(5.0), 5, offset=1, max_distance=2, causal=True), 5, 1,
+     lambda d: d >= 0),
+    ("relative-circulant", lambda: P.RelativePosition.circulant(np.arange(5.0) / 3), 5, 0, None),
+    ("relative-hartley", lambda: P.RelativePosition.hartley(np.array([0.3, -0.5, 0.2]), 5), 5, 0,
+     None),
+    ("geometric", lambda: P.Geometric(0.3, 6, include_self=False, offset=2), 4, 2,
+     lambda d: d >= 1),
+    ("geometric-truncated", lambda: P.Geometric(0.4, 5, max_distance=3), 5, 0,
+     lambda d: (d >= 0) & (d <= 3)),
+]
+IDS = [c[0] for c in CASES]
+#: one model per class and per way of stating the offset (each compiles a model)
+PIPELINE = ["uniform-cross", "restricted-mask", "restricted-window", "restricted-graph",
+            "categorical-self", "categorical-recency", "relative-linear", "relative-circulant",
+            "geometric"]
+
+
+def hand_counts(a, offset, mass):
+    """Expected distance and effective window of each child, by plain loops."""
+    n, m = a.shape
+    expected = np.zeros(n)
+    window = np.zeros(n, dtype=int)
+    for i in range(n):
+        total = 0.0
+        for j in range(m):
+            total += a[i, j] * (i + offset - j)
+        expected[i] = total
+        w = 0
+        while sum(a[i, j] for j in range(m) if abs(i + offset - j) <= w) < mass - 1e-6:
+            w += 1
+        window[i] = w
+    return expected, window
+
+
+def _posterior(prior, n, seed=0):
+    """A posterior table on the prior's support: prior x exp(random score), renormalised."""
+    table = np.asarray(prior.log_table(n), np.float64)
+    score = np.random.default_rng(seed).normal(size=table.shape) * 2.0
+    return softmax(table + score, axis=-1)
+
+
+def test_every_prior_class_is_covered():
+    classes = {
+        obj for _, obj in inspect.getmembers(P, inspect.isclass)
+        if issubclass(obj, P.StructuralPrior) and obj is not P.StructuralPrior
+    }
+    covered = {type(build()) for _, build, *_ in CASES}
+    assert classes <= covered, f"no distance test for {classes - covered}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_prior_states_its_offset(case):
+    _, build, n, offset, allowed = case
+    prior = build()
+    assert prior.offset == offset
+    assert isinstance(prior.offset, int)
+    assert prior.describe()["offset"] == offset
+    if allowed is not None:  # the table really was built with this offset
+        d = np.arange(n)[:, None] + offset - np.arange(prior.num_parents)[None, :]
+        support = np.isfinite(np.asarray(prior.log_table(n)))
+        np.testing.assert_array_equal(support, np.broadcast_to(allowed(d), support.shape))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_distances_against_hand_count(case):
+    _, build, n, offset, _ = case
+    prior = build()
+    a = _posterior(prior, n)
+    for mass in (0.5, 0.9, 1.0):
+        expected, window = hand_counts(a, offset, mass)
+        # the prior itself is the source of the convention ...
+        np.testing.assert_allclose(dg.expected_distance(a, prior), expected, atol=1e-6)
+        np.testing.assert_array_equal(dg.effective_window(a, prior, mass), window)
+        # ... and its offset, given as a number, means the same
+        np.testing.assert_allclose(dg.expected_distance(a, prior.offset), expected, atol=1e-6)
+        np.testing.assert_array_equal(dg.effective_window(a, prior.offset, mass), window)
+    ds, probs = dg.distance_posterior(a, prior)
+    for k, dd in enumerate(ds):
+        count = sum(a[i, j] for i in range(n) for j in range(prior.num_parents)
+                    if i + offset - j == dd)
+        assert float(probs[k]) == pytest.approx(count / n, abs=1e-6)
+
+
+def _observed_model(prior, n):
+    """y_i ~ N(mu[phi_i], s) under ``prior``; s is the one continuous site."""
+    mu = jnp.linspace(-2.0, 2.0, prior.num_parents)
+
+    def model(y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("children", n):
+            phi = si.edge("phi", prior)
+            numpyro.sample("y", dist.Normal(Vindex(mu)[..., phi], s), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in PIPELINE],
+                         ids=[i for i in IDS if i in PIPELINE])
+def test_edge_summary_reads_the_offset_of_every_prior(case):
+    """Through the model: ``to_inference_data`` records the site's offset and
+    ``edge_summary`` uses it (no fit: two fixed draws of ``s``)."""
+    _, build, n, offset, _ = case
+    prior = build()
+    y = jnp.asarray(np.random.default_rng(1).normal(size=n), jnp.float32)
+    fit = dg.Fit(_observed_model(prior, n), {"s": jnp.asarray([[0.6, 1.1]])}, (y,), {}, "nuts",
+                 {})
+    dt = dg.to_inference_data(fit)
+    ep = dt["edge_posterior"]
+    assert ep.attrs["phi.offset"] == offset
+    a = np.asarray(ep["phi"].values, np.float64)
+    expected, window = hand_counts(a, offset, 0.9)
+    summary = dg.edge_summary(dt)
+    assert summary["expected_distance"] == pytest.approx(expected.mean(), abs=1e-4)
+    assert summary["effective_window"] == pytest.approx(window.mean())
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "1", None])
+def test_offset_must_be_an_int_or_a_prior(bad):
+    a = np.full((3, 3), 1.0 / 3)
+    with pytest.raises(TypeError, match="offset"):
+        dg.expected_distance(a, bad)
+    with pytest.raises(TypeError, match="offset"):
+        dg.effective_window(a, bad)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: P.Uniform(3, offset=1.5),
+    lambda: P.Categorical(np.zeros(3), offset=True),
+    lambda: P.Restricted(np.ones((3, 3), bool), offset="1"),
+])
+def test_prior_offset_must_be_an_int(make):
+    with pytest.raises(TypeError, match="offset must be an int"):
+        make()
+
+
+def test_restricted_offset_cannot_contradict_its_pattern():
+    with pytest.raises(ValueError, match="offset"):
+        P.Restricted(np.ones((3, 3), bool), pattern={"type": "causal", "include_self": True,
+                                                       "offset": 1}, offset=0)
