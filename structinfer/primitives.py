@@ -259,7 +259,8 @@ def edge(name: str, prior, score=None, *, child=None, infer: dict | None = None)
         # is replaced by the index (a singleton dim keeps the plates' batch dims —
         # heads, batch — aligned with the index's own right-aligned dims)
         logits = jnp.broadcast_to(logits, logits.shape[:-2] + (num_children, num_parents))
-        rows = Vindex(jnp.expand_dims(EdgeDistribution(logits).logits, -3))[..., child, :]
+        table = EdgeDistribution(logits, validate_args=False).logits
+        rows = Vindex(jnp.expand_dims(table, -3))[..., child, :]
         return numpyro.sample(name, EdgeDistribution(rows, validate_args=False), infer=site_infer)
     lse = jax.nn.logsumexp(logits, axis=-1) if score_table is not None else None
     fn = EdgeDistribution(logits, log_normalizer=lse, validate_args=False)
