@@ -83,7 +83,7 @@ def test_random_indexing_expressions(seed):
     shape = tuple(int(s) for s in r.integers(2, 6, size=4))
     v = jnp.asarray(r.normal(size=shape).astype(np.float32))
     index, views = [], True
-    for ax, s in enumerate(shape):
+    for _ax, s in enumerate(shape):
         kind = r.choice(["full", "slice", "int", "arange", "shuffled"])
         lo = int(r.integers(0, s - 1))
         hi = int(r.integers(lo + 1, s + 1))
