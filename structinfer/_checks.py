@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 
 
 def is_concrete(x) -> bool:
@@ -76,3 +77,15 @@ def check_static_int(x, name: str, what: str):
             "over it or mark it with static_argnums / static_argnames)"
         )
     return x
+
+
+def is_masked(fn) -> bool:
+    """True when the distribution ``fn`` is (or wraps) a ``MaskedDistribution``
+    (``numpyro.handlers.mask`` does that)."""
+    for _ in range(32):
+        if fn is None:
+            return False
+        if isinstance(fn, dist.MaskedDistribution):
+            return True
+        fn = getattr(fn, "base_dist", None)
+    return True  # pragma: no cover - absurdly deep wrapping: be conservative

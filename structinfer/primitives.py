@@ -79,7 +79,10 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     When the index varies only along dims where ``batch`` has size one (an enumerated
     edge value, shape ``(m, 1, ..., 1)``), the result is a column ``take`` followed by a
     transpose: no ``index``-shaped broadcast of the table is ever built, so reading an
-    ``(n, m)`` table at the enumerated value costs ``O(n m)``, not ``O(n m^2)``.
+    ``(n, m)`` table at the enumerated value costs ``O(n m)``, not ``O(n m^2)``. When the
+    index is exactly ``0..m-1`` along one dim (what enumeration produces; checked at run
+    time with one comparison, ``lax.cond``), it is a transpose of the table, no gather.
+    Out-of-range indices read NaN, never a clamped row.
 
     It is how a value :math:`v_i(x, \phi_i = j) = V x_j` is read (Singh & Buckley
     sec. 3.2, the value function), and how an edge site's log-prob is evaluated.

@@ -508,7 +508,8 @@ class Geometric(StructuralPrior):
         num_parents: number of parents ``m``.
         include_self: allow the self-edge (distance 0).
         offset: child ``i`` sits at parent position ``i + offset``.
-        max_distance: optional hard truncation (the window of the windowed kernel).
+        max_distance: optional hard truncation (the window of the windowed kernel); may be
+            traced (a window inferred under jit), then `si.attention` uses the exact engine.
     """
 
     kind = "geometric"
@@ -530,8 +531,11 @@ class Geometric(StructuralPrior):
         self.num_parents = _check_num_parents(num_parents)
         self.include_self = bool(include_self)
         check_static_int(offset, "offset", "Geometric prior")
-        check_static_int(max_distance, "max_distance", "Geometric prior")
         self.offset = _check_offset(offset, "Geometric prior")
+        # a truncation only masks the table, so it may be traced (e.g. a window inferred
+        # under jit); the lowered engine then falls back to the exact one
+        if max_distance is not None and is_concrete(max_distance):
+            max_distance = int(max_distance)
         self.max_distance = max_distance
 
     @property

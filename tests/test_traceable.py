@@ -403,11 +403,6 @@ def _traced(fn, value):
         (lambda m: P.Uniform(m), 5, "`num_parents` must be a static Python int"),
         (lambda o: P.Geometric(0.3, M, offset=o), 2, "`offset` must be a static Python int"),
         (
-            lambda d: P.Geometric(0.3, M, max_distance=d),
-            2,
-            "`max_distance` must be a static Python int",
-        ),
-        (
             lambda o: P.RelativePosition(jnp.zeros(N + M - 1), M, offset=o),
             0,
             "`offset` must be a static Python int",
@@ -471,3 +466,22 @@ def test_issue_example_jit_over_hopfield_beta():
 
     _close(jax.jit(energy)(1.3), energy(1.3), 1e-5, "jit over beta")
     assert np.isfinite(jax.grad(energy)(1.3))
+
+
+def test_traced_geometric_truncation_is_a_mask_and_attention_falls_back():
+    """A Geometric window inferred under jit (examples/reproduce_expanding.py) truncates
+    the table; si.attention cannot band a traced window and takes the exact engine."""
+    r = np.random.default_rng(0)
+    q, k, v = r.normal(size=(N, D)), r.normal(size=(M, D)), r.normal(size=(M, 2))
+
+    def model(q, k, v, window):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", P.Geometric(0.3, M, offset=M - N, max_distance=window),
+                        si.scores.Dot(q, k))
+            numpyro.deterministic("out", jnp.asarray(v)[j])
+
+    want = si.expectation(model, "out", q, k, v, 3)
+    np.testing.assert_allclose(jax.jit(lambda w: si.expectation(model, "out", q, k, v, w))(3),
+                               want, rtol=1e-5)
+    np.testing.assert_allclose(si.attention(model, "out")(q, k, v, jnp.asarray(3)), want,
+                               rtol=1e-5)

@@ -199,6 +199,13 @@ def test_gather_matches_vindex_on_every_layout():
         t = jnp.asarray(r.normal(size=ts + (13,)))
         i = jnp.asarray(r.integers(0, 13, size=ix))
         np.testing.assert_array_equal(si.gather(t, i), Vindex(t)[..., i])
+    # the enumerated value 0..m-1 (a transpose) and a permutation of it (the gather)
+    for index in (np.arange(13), r.permutation(13)):
+        for ts, lead in (((5, 7), (13, 1, 1)), ((2, 1, 7), (13, 1, 1, 1)), ((3, 5, 7), (1, 13, 1, 1, 1))):
+            t = jnp.asarray(r.normal(size=ts + (13,)))
+            i = jnp.asarray(index.reshape(lead))
+            np.testing.assert_array_equal(si.gather(t, i), Vindex(t)[..., i])
+            np.testing.assert_array_equal(jax.jit(si.gather)(t, i), Vindex(t)[..., i])
     # out of range reads are NaN, never a clamped finite number
     assert np.isnan(si.gather(jnp.zeros((2, 3)), jnp.full((4, 1), 3))).all()
 
@@ -243,11 +250,11 @@ def test_child_chain_inside_batch_plate(b):
 # ----------------------------------------------------- NumPyro's own tools, float32-safe
 
 def far_forbidden(scale_loc, y):
-    """Causal attention whose forbidden (future) parents score ~90 above the allowed ones."""
+    """Causal attention whose forbidden (future) parents score ~120 above the allowed ones."""
     n = y.shape[0]
     w = numpyro.sample("w", dist.Normal(scale_loc, 1.0))
     d = np.arange(n)[:, None] - np.arange(n)[None, :]
-    score = jnp.where(d < 0, 90.0, 0.0) + w * jnp.asarray(-np.abs(d), jnp.float32)
+    score = jnp.where(d < 0, 120.0, 0.0) + w * jnp.asarray(-np.abs(d), jnp.float32)
     with numpyro.plate("nodes", n):
         j = si.edge("phi", si.priors.Restricted.causal(n), score)
         numpyro.sample("y", dist.Normal(jnp.asarray(y)[j], 1.0), obs=y)
@@ -427,3 +434,12 @@ def test_exact_causal_head_under_jit_equals_jax_nn():
     want = jax.nn.dot_product_attention(q[None, :, None], k[None, :, None], v[None, :, None],
                                         is_causal=True, scale=1.0)[0, :, 0]
     np.testing.assert_allclose(out, want, atol=2e-6)
+
+
+def test_structinfer_fit_svi_and_run_nuts_are_float32_safe():
+    """Regression: the wrappers saw the unfolded model and raised NonFiniteEnergyError."""
+    fit, info = si.infer.fit_svi(far_forbidden, 0.0, Y, num_steps=20, rng_key=jax.random.PRNGKey(0))
+    assert int(info.status) != 3 and np.isfinite(np.asarray(info.energy)[0])
+    mcmc, _ = si.infer.run_nuts(far_forbidden, 0.0, Y, num_warmup=10, num_samples=10,
+                                rng_key=jax.random.PRNGKey(0))
+    assert np.isfinite(np.asarray(mcmc.get_samples()["w"])).all()

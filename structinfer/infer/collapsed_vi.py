@@ -47,10 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 from jax.flatten_util import ravel_pytree
-from numpyro import distributions as dist
 from numpyro.handlers import block, substitute, trace
 
-from .._checks import is_concrete
+from .._checks import is_concrete, is_masked
 from ..exact import _as_jax, inspect_model, log_marginal
 from ..handlers import fill_discrete, require_values
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
@@ -390,17 +389,6 @@ def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
     return [get(x) for x in jaxpr.outvars]
 
 
-def _is_masked(fn) -> bool:
-    """True when ``fn`` is (or wraps) a ``MaskedDistribution`` (``handlers.mask`` does that)."""
-    for _ in range(32):
-        if fn is None:
-            return False
-        if isinstance(fn, dist.MaskedDistribution):
-            return True
-        fn = getattr(fn, "base_dist", None)
-    return True  # pragma: no cover - absurdly deep wrapping: be conservative
-
-
 def _check_separable(model, args, kwargs, info) -> None:
     r"""Raise unless :math:`\log p(x, \mu, \phi) = A(\mu) + \sum_i f_{i,\phi_i}(\mu)` structurally.
 
@@ -464,7 +452,7 @@ def _check_separable(model, args, kwargs, info) -> None:
             )
         base = name[: -len(SCORE_SUFFIX)] if name.endswith(SCORE_SUFFIX) else None
         if name in edges or base in edges:
-            if _is_masked(site["fn"]):
+            if is_masked(site["fn"]):
                 raise ValueError(
                     f"laplace: site '{name}' is under numpyro.handlers.mask; a masked edge "
                     f"term is not the edge's log-sum-exp; {hint}"

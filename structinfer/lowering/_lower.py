@@ -292,6 +292,9 @@ def _walk_prior(acc: _Acc, prior: P.StructuralPrior) -> None:
         acc.row["geo"] = jnp.broadcast_to(geo, geo.shape[:-2] + (n, 2))
         acc.kw["geometric"] = True
         acc.kw["geo_d0"] = prior.min_distance
+        if prior.max_distance is not None and not isinstance(prior.max_distance, int):
+            raise NotLowered("prior", "Geometric max_distance is traced (the kernels need "
+                             "a static band); pass a Python int to lower it")
         _band(acc, dmin=prior.min_distance, dmax=prior.max_distance, offset=prior.offset)
         acc.notes.append(
             "prior Geometric (log-prior from the distance grid"

@@ -37,10 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
-from numpyro import distributions as dist
 from numpyro.handlers import block, substitute, trace
 
-from .._checks import is_concrete
+from .._checks import is_concrete, is_masked
 from ..exact import inspect_model
 from ..handlers import require_values
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
@@ -311,17 +310,6 @@ def _diagonal_table(tables, model, args, kwargs, value, e, inf, nesting, ev) -> 
     tables[e] = F
 
 
-def _is_masked(fn) -> bool:
-    """True when ``fn`` is (or wraps) a ``MaskedDistribution`` (``handlers.mask`` does that)."""
-    for _ in range(32):
-        if fn is None:
-            return False
-        if isinstance(fn, dist.MaskedDistribution):
-            return True
-        fn = getattr(fn, "base_dist", None)
-    return True  # pragma: no cover - absurdly deep wrapping: be conservative
-
-
 def _check_unscaled(name: str, site: dict) -> None:
     """Edge and score sites must carry their log-density unscaled and unmasked.
 
@@ -329,7 +317,7 @@ def _check_unscaled(name: str, site: dict) -> None:
     and ``numpyro.handlers.mask`` drops the term for masked children; the kernels model
     neither, so any scale that is not identically 1 and any mask fall back.
     """
-    if site.get("mask") is not None or _is_masked(site.get("fn")):
+    if site.get("mask") is not None or is_masked(site.get("fn")):
         raise _Fail(name, "mask", "is under numpyro.handlers.mask (a masked edge / score "
                     "term); the kernels do not model masked terms")
     sc = site.get("scale")
