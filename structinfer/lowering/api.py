@@ -151,7 +151,7 @@ def _execute(plan: Plan, kernels: dict[str, str], block_q: int, block_k: int,
     return out.astype(jnp.result_type(float)), lses
 
 
-def _raise_bad_rows(model: Callable, value: str, args, kwargs, lses: dict, out) -> None:
+def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
     """Called eagerly when a row's log-normaliser is not finite (or the exact path gave
     NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
     error naming the site and the row; if they pass, name the site and row here."""
@@ -274,7 +274,7 @@ def attention(
             any(not bool(jnp.all(jnp.isfinite(lse))) for lse in lses.values())
             or (not lses and bool(jnp.any(jnp.isnan(out))))
         ):
-            _raise_bad_rows(model, value, args, kwargs, lses, out)
+            _raise_bad_rows(model, args, kwargs, lses)
         return out
 
     @functools.wraps(model)
