@@ -3,14 +3,16 @@ r"""Static index-bounds check: no table is read past its end at an edge value.
 An edge site takes values :math:`\phi_i \in \{0, \dots, m-1\}`. A model that reads a
 table with fewer than :math:`m` rows at :math:`\phi_i` (``V[phi]`` with ``V`` of
 ``k < m`` rows) gets a *clamped* row from JAX's indexing — a finite wrong number in
-every engine. This module proves, at trace time, that every gather whose indices are
-computed from edge values stays in bounds, by interval arithmetic over the model's
-jaxpr: each integer array derived from the edge values carries a range
-:math:`[lo, hi]` (one per component of the last axis where an index vector is
-concatenated), propagated through the few primitives JAX's indexing emits
-(negative-index normalisation, broadcasts, reshapes, concatenation, integer
-arithmetic). Anything it cannot follow is left unchecked: it never reports an
-error that is not there. Shapes are static, so eager and ``jit`` agree.
+every engine. This module checks, at trace time, every gather of the model's jaxpr
+whose index *is* an edge value (up to broadcasting, reshaping, concatenation into an
+index vector and JAX's negative-index wrap): each integer array derived from the edge
+values carries a range :math:`[lo, hi]` (one per component of the last axis), and a
+clamping read whose edge component can leave the operand's bounds is an error.
+
+Reads the model shaped on purpose are left alone: an index computed with arithmetic
+(``where(phi < k, phi, 0)``, ``clip``, an offset) and ``jnp.take(..., mode="clip" |
+"fill")`` (explicit clipping, or NaN past the end). Primitives it does not follow
+(loops, conditionals) are not checked. Shapes are static, so eager and ``jit`` agree.
 """
 
 from __future__ import annotations
@@ -30,21 +32,33 @@ class IndexOutOfBounds(ValueError):
 
 @dataclass(frozen=True)
 class _Range:
-    """Integer range per component of the last axis (``comps``), or one for all."""
+    """Integer range per component of the last axis, or one for all.
+
+    ``direct[k]``: component ``k`` *is* an edge value (up to broadcasting, reshaping,
+    JAX's negative-index wrap): only such reads are checked. Any arithmetic on the
+    index (``where``, ``clip``, an offset) is the model's own business.
+    """
 
     lo: tuple[int, ...]
     hi: tuple[int, ...]
     sites: frozenset[str]
+    direct: tuple[bool, ...] = (False,)
 
     @staticmethod
-    def of(lo, hi, sites=frozenset()):
-        return _Range((int(lo),), (int(hi),), frozenset(sites))
+    def of(lo, hi, sites=frozenset(), direct=False):
+        return _Range((int(lo),), (int(hi),), frozenset(sites), (bool(direct),))
 
     def union(self) -> _Range:
-        return _Range((min(self.lo),), (max(self.hi),), self.sites)
+        return _Range((min(self.lo),), (max(self.hi),), self.sites, (all(self.direct),))
 
-    def comp(self, k: int) -> tuple[int, int]:
-        return (self.lo[k], self.hi[k]) if len(self.lo) > 1 else (self.lo[0], self.hi[0])
+    def derived(self) -> _Range:
+        """The same range, no longer an edge value itself."""
+        return _Range(self.lo, self.hi, self.sites, (False,) * len(self.direct))
+
+    def comp(self, k: int) -> tuple[int, int, bool]:
+        if len(self.lo) > 1:
+            return self.lo[k], self.hi[k], self.direct[k]
+        return self.lo[0], self.hi[0], self.direct[0]
 
 
 def _is_int(aval) -> bool:
@@ -176,7 +190,8 @@ def _walk(jaxpr, env: dict, where: str) -> None:
                 lo, hi = u.lo[0], u.hi[0]
                 parts = [(max(lo, 0), hi)] if hi >= 0 else []
                 parts += [(lo + wrapped, min(hi, -1) + wrapped)] if lo < 0 else []
-                out = _Range.of(min(a for a, _ in parts), max(b for _, b in parts), u.sites)
+                out = _Range.of(min(a for a, _ in parts), max(b for _, b in parts), u.sites,
+                                u.direct[0])
             else:
                 us = [c.union() for c in cases]
                 out = _Range.of(min(u.lo[0] for u in us), max(u.hi[0] for u in us),
@@ -184,14 +199,16 @@ def _walk(jaxpr, env: dict, where: str) -> None:
         elif name == "concatenate" and None not in ins:
             dim = eqn.params["dimension"]
             if dim == eqn.outvars[0].aval.ndim - 1:
-                lo, hi = [], []
+                lo, hi, direct = [], [], []
                 for v, r in zip(eqn.invars, ins):
                     k = v.aval.shape[-1]
                     for c in range(k):
-                        a, b = r.comp(c) if len(r.lo) == k else r.union().comp(0)
+                        a, b, dr = r.comp(c) if len(r.lo) == k else r.union().comp(0)
                         lo.append(a)
                         hi.append(b)
-                out = _Range(tuple(lo), tuple(hi), frozenset().union(*(r.sites for r in ins)))
+                        direct.append(dr)
+                out = _Range(tuple(lo), tuple(hi), frozenset().union(*(r.sites for r in ins)),
+                             tuple(direct))
             else:
                 us = [r.union() for r in ins]
                 out = _Range.of(min(u.lo[0] for u in us), max(u.hi[0] for u in us),
@@ -220,20 +237,24 @@ def _negative_index_wrap(eqn, defs) -> int | None:
 
 
 def _check_gather(eqn, idx: _Range, where: str) -> None:
+    mode = str(eqn.params.get("mode", "")).upper()
+    if "CLIP" in mode or "FILL" in mode:  # asked for clipping, or NaN past the end
+        return
     dn = eqn.params["dimension_numbers"]
     operand = eqn.invars[0].aval.shape
     sizes = eqn.params["slice_sizes"]
     for k, d in enumerate(dn.start_index_map):
-        lo, hi = idx.comp(k)
+        lo, hi, direct = idx.comp(k)
         limit = operand[d] - sizes[d]
-        if lo < 0 or hi > limit:
+        if direct and (lo < 0 or hi > limit):
             sites = ", ".join(f"'{s}'" for s in sorted(idx.sites))
             raise IndexOutOfBounds(
                 f"{where}: an index computed from edge site(s) {sites} takes values "
                 f"{lo}..{hi} but reads axis {d} of an array of shape {tuple(operand)} "
                 f"(valid: 0..{limit}); JAX would clamp it to a wrong finite row. Each "
                 "table read at an edge needs one entry per parent (check the number of "
-                "rows of the value / likelihood table)"
+                "rows of the value / likelihood table; to read a shorter table on purpose, "
+                "clip or mask the index, or use jnp.take(..., mode='fill'))"
             )
 
 
@@ -253,5 +274,5 @@ def check_gather_bounds(fn, probes: dict[str, np.ndarray], where: str) -> None:
     env = {v: _const_range(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
     for v, n in zip(closed.jaxpr.invars, names):
         p = probes[n]
-        env[v] = _Range.of(p.min(), p.max(), {n})
+        env[v] = _Range.of(p.min(), p.max(), {n}, direct=True)
     _walk(closed.jaxpr, {k: r for k, r in env.items() if r is not None}, where)

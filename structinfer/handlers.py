@@ -115,7 +115,8 @@ class tilt(Messenger):
             # <t, v> over the event dims as one contraction: never the broadcast product,
             # which is (enumerated values x children x event) for a value read at an edge
             flat = lambda x: jnp.reshape(x, x.shape[: x.ndim - event_dim] + (-1,))  # noqa: E731
-            term = jnp.einsum("...e,...e->...", flat(t), flat(v))
+            term = jnp.einsum("...e,...e->...", flat(t), flat(v),
+                              precision=jax.lax.Precision.HIGHEST)
         else:
             term = t * v
         numpyro.factor(TILT_PREFIX + name, term)

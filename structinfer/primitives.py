@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 from numpyro.contrib.funsor.enum_messenger import plate as _enum_plate
+from numpyro.distributions.util import validate_sample
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import _PYRO_STACK
 from numpyro.primitives import plate as _plate
@@ -91,19 +92,22 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     r = max(len(tshape), len(ishape))
     tpad = (1,) * (r - len(tshape)) + tshape
     ipad = (1,) * (r - len(ishape)) + ishape
+    m = table.shape[-1]
     if not all(a == 1 or b == 1 for a, b in zip(tpad, ipad)):
-        return Vindex(table)[..., index]
+        out = Vindex(table)[..., index]  # JAX clamps out-of-range reads: mark them
+        if jnp.issubdtype(out.dtype, jnp.inexact):
+            out = jnp.where((index >= -m) & (index < m), out, jnp.nan)
+        return out
     out_shape = tuple(max(a, b) for a, b in zip(tpad, ipad))
     perm = [k for pair in zip(range(r), range(r, 2 * r)) for k in pair]
 
     def take(table, flat):
         # out[b, v] = table[b, index[v]] with b and v on disjoint dims: take the columns,
         # then interleave the table's dims with the index's (one of each pair has size 1)
-        cols = jnp.take(table, flat, axis=-1, mode="fill", fill_value=jnp.nan)
+        cols = jnp.take(table, flat, axis=-1, mode="fill")  # NaN past the end (floats)
         return jnp.reshape(jnp.transpose(jnp.reshape(cols, tpad + ipad), perm), out_shape)
 
     flat = jnp.reshape(index, (-1,))
-    m = table.shape[-1]
     if flat.shape[0] != m or sum(s != 1 for s in ipad) != 1:
         return take(table, flat)
 
@@ -134,17 +138,20 @@ class EdgeDistribution(dist.CategoricalLogits):
         logits: log-weights ``(..., children, parents)``, normalised on construction;
             ``-inf`` marks a forbidden parent.
         log_normalizer: ``logsumexp(logits, -1)`` when the caller has it already.
+        validate_args: NumPyro's argument validation, off by default (it rejects the
+            ``-inf`` of forbidden parents); values outside the support read NaN.
 
     Reference: the edge site of Singh & Buckley sec. 3.1 (eq. 1), enumerated by
     NumPyro's funsor backend.
     """
 
     def __init__(self, logits: jax.Array, *, log_normalizer: jax.Array | None = None,
-                 validate_args=None):
+                 validate_args=False):
         lse = jax.nn.logsumexp(logits, axis=-1) if log_normalizer is None else log_normalizer
         logits = logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
         super().__init__(logits, validate_args=validate_args)
 
+    @validate_sample
     def log_prob(self, value):
         return gather(self.logits, value)
 

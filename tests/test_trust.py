@@ -405,16 +405,21 @@ def test_value_table_with_fewer_rows_than_parents_is_an_error(engine, jitted):
 
 
 def test_bounds_check_reads_negative_index_wrap_and_clipping():
-    """No false alarm for wrapped or clipped reads; an overrun past the end is caught."""
+    """A direct read of a short table is caught; reads shaped on purpose are not."""
     from structinfer._bounds import check_gather_bounds
 
     v = jnp.ones((7, 2))
     probes = {"phi": np.arange(7, dtype=np.int32).reshape(7, 1)}
     for ok in (lambda d: jnp.where(d["phi"] > 0, Vindex(v)[d["phi"] - 1], 0.0),
-               lambda d: v[jnp.minimum(d["phi"] + 1, 6)], lambda d: jnp.take(v, d["phi"], axis=0)):
+               lambda d: v[jnp.minimum(d["phi"] + 1, 6)], lambda d: jnp.take(v, d["phi"], axis=0),
+               lambda d: v[:6][jnp.where(d["phi"] < 6, d["phi"], 0)],  # a sink parent
+               lambda d: jnp.take(v[:6], d["phi"], axis=0, mode="clip"),
+               lambda d: jnp.take(v[:6], d["phi"], axis=0),  # NaN past the end
+               lambda d: jnp.take_along_axis(v[:6], d["phi"], axis=0)):
         check_gather_bounds(ok, probes, "ok")
-    for bad in (lambda d: v[d["phi"] + 1], lambda d: jnp.take(v, d["phi"] + 1, axis=0)):
-        with pytest.raises(ValueError, match="takes values 1..7"):
+    for bad in (lambda d: v[:6][d["phi"]], lambda d: Vindex(v[:6])[d["phi"]],
+                lambda d: Vindex(jnp.ones((3, 6, 2)))[jnp.arange(3)[:, None], d["phi"][:, None]]):
+        with pytest.raises(ValueError, match="takes values 0..6"):
             check_gather_bounds(bad, probes, "bad")
 
 
@@ -443,3 +448,30 @@ def test_structinfer_fit_svi_and_run_nuts_are_float32_safe():
     mcmc, _ = si.infer.run_nuts(far_forbidden, 0.0, Y, num_warmup=10, num_samples=10,
                                 rng_key=jax.random.PRNGKey(0))
     assert np.isfinite(np.asarray(mcmc.get_samples()["w"])).all()
+
+
+def test_sink_parent_model_is_not_a_false_alarm():
+    """A null/sink parent (index n of n + 1) masked before the read is a valid model."""
+    n = 3
+    V = jnp.arange(6.0).reshape(n, 2)
+
+    def model(V, S):
+        with numpyro.plate("q", n):
+            phi = si.edge("e", si.priors.Uniform(n + 1), S)
+            ok = phi < n
+            numpyro.deterministic("v", jnp.where(ok[..., None], V[jnp.where(ok, phi, 0)], 0.0))
+
+    S = jnp.zeros((n, n + 1))
+    np.testing.assert_allclose(si.expectation(model, "v", V, S),
+                               np.broadcast_to(np.asarray(V).sum(0) / (n + 1), (n, 2)), rtol=1e-6)
+
+
+def test_edge_log_prob_outside_the_support_is_nan():
+    """Regression (review): a pinned edge value >= m read a clamped finite log-prob."""
+    from structinfer.primitives import EdgeDistribution
+
+    logits = jnp.array([[0.0, -jnp.inf, 1.0], [2.0, 3.0, -jnp.inf]])
+    assert np.isnan(EdgeDistribution(logits).log_prob(jnp.array([3, 5]))).all()
+    lp = EdgeDistribution(logits).log_prob(jnp.array([2, 1]))
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(logits, -1)[jnp.arange(2), jnp.array([2, 1])],
+                               rtol=1e-6)
