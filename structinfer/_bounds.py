@@ -259,8 +259,8 @@ def _check_gather(eqn, idx: _Range, where: str) -> None:
 
 
 def check_gather_bounds(fn, probes: dict[str, np.ndarray], where: str) -> None:
-    """Raise :class:`IndexOutOfBounds` if ``fn(probes)`` reads past an array's end at an
-    index computed from a probe.
+    """Raise :class:`IndexOutOfBounds` if ``fn(probes)`` reads past an array's end, with
+    clamping, at an index that is a probe value (see the module docstring).
 
     Args:
         fn: ``fn(values: dict) -> pytree`` (e.g. a model run with the edge values given).

@@ -105,8 +105,10 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
 
     Enumerable sites get placeholder values (zeros), so nothing is enumerated or
     sampled; under ``jit`` this pass is traced only for its shapes and compiled away.
-    Raises a clear error for latent continuous sites without a value, and when
-    the model would need more than :data:`MAX_ENUM_DIMS` tensor dims.
+    Raises a clear error for latent continuous sites without a value, when the model
+    would need more than :data:`MAX_ENUM_DIMS` tensor dims, and when it reads a table
+    with fewer rows than an edge has parents at that edge's value (a static check of
+    the model's jaxpr, so under ``jit`` too).
 
     Reference: the plates and enumeration dims of NumPyro's funsor enumeration (``numpyro.contrib.funsor``); used by every exact-engine call.
     """
@@ -165,7 +167,8 @@ def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
 
     The model is traced once with each enumerated site given its whole support in its
     own enumeration dim, as the engine will; :func:`structinfer._bounds.check_gather_bounds`
-    then proves every gather on those values in bounds, or names the site and the array.
+    then checks every clamping read indexed directly by an edge value, and raises
+    :class:`~structinfer._bounds.IndexOutOfBounds` naming the site and the array.
     """
     probes = {
         name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (info.max_plate_nesting + i))
