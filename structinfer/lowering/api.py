@@ -234,8 +234,9 @@ def attention(
         Array (and float) arguments are traced; other arguments (ints, strings) are
         static. Called on concrete arrays, a child with no allowed parent or a NaN/inf
         score raises the exact engine's error (found from the kernel's per-row
-        log-normaliser, no second pass); under an outer ``jit`` that row is NaN. ``f`` is jitted internally and can be jitted, vmapped and
-        differentiated again. ``f.explain(*args)`` describes the path.
+        log-normaliser, no second pass); under an outer ``jit`` that row is NaN.
+        ``f`` is jitted internally and can be jitted, vmapped and differentiated
+        again. ``f.explain(*args)`` describes the path.
 
     Reference: Singh & Buckley, "Attention as implicit structural inference"
     (sec. 3 and Table 1); the kernels follow the online softmax of Milakov &
