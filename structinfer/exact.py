@@ -72,6 +72,16 @@ class ModelInfo:
     def first_available_dim(self) -> int:
         return -self.max_plate_nesting - 1
 
+    def probes(self) -> dict[str, np.ndarray]:
+        """Each enumerated site's whole support ``0..k-1`` on its own enumeration dim,
+        laid out as funsor's enumeration lays it out (site ``i`` at dim
+        ``first_available_dim - i``): NumPy arrays, so they stay concrete under ``jit``.
+        Substituting them runs the model on every structure at once."""
+        return {
+            name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (self.max_plate_nesting + i))
+            for i, (name, (_, k)) in enumerate(self.enumerated.items())
+        }
+
 
 def _as_jax(args, kwargs):
     """NumPy arrays among the arguments become JAX arrays, so a model may index them
@@ -170,10 +180,7 @@ def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
     then checks every clamping read indexed directly by an edge value, and raises
     :class:`~structinfer._bounds.IndexOutOfBounds` naming the site and the array.
     """
-    probes = {
-        name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (info.max_plate_nesting + i))
-        for i, (name, (_, k)) in enumerate(info.enumerated.items())
-    }
+    probes = info.probes()
 
     def run(values):
         with block():

@@ -411,11 +411,8 @@ def _check_separable(model, args, kwargs, info) -> None:
     names = list(info.edges)
     if not names:
         return
-    nest = info.max_plate_nesting
-    probes = [
-        np.arange(info.enumerated[e][1], dtype=np.int32).reshape((-1,) + (1,) * (nest + k))
-        for k, e in enumerate(names)
-    ]
+    layout = info.probes()
+    probes = [layout[e] for e in names]
     sites: list = []
 
     def log_densities(*phis):

@@ -365,10 +365,7 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
     N = info.max_plate_nesting
     K = len(names)
     sizes = {e: info.enumerated[e][1] for e in names}
-    np_probes = {
-        e: np.arange(sizes[e], dtype=np.int32).reshape((sizes[e],) + (1,) * (N + k))
-        for k, e in enumerate(names)
-    }
+    np_probes = info.probes()  # every enumerated site is an edge (checked above)
     np_zeros = {e: np.zeros((1,) * (N + 1 + k), np.int32) for k, e in enumerate(names)}
     probes = {e: jnp.asarray(p) for e, p in np_probes.items()}
     zeros = {e: jnp.asarray(z) for e, z in np_zeros.items()}
