@@ -146,7 +146,7 @@ class EdgeDistribution(dist.CategoricalLogits):
     """
 
     def __init__(self, logits: jax.Array, *, log_normalizer: jax.Array | None = None,
-                 validate_args=False):
+                 validate_args: bool = False):
         lse = jax.nn.logsumexp(logits, axis=-1) if log_normalizer is None else log_normalizer
         logits = logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
         super().__init__(logits, validate_args=validate_args)
