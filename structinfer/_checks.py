@@ -13,6 +13,18 @@ import numpy as np
 import numpyro.distributions as dist
 
 
+def as_arrays(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """NumPy arrays among a model's arguments become JAX arrays, so the model may index
+    them with (traced or enumerated) edge variables; other leaves pass through."""
+    conv = lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a  # noqa: E731
+    return jax.tree.map(conv, tuple(args)), jax.tree.map(conv, dict(kwargs))
+
+
+def model_name(model) -> str:
+    """The name error messages use for a model (its ``__name__``, else its type's)."""
+    return getattr(model, "__name__", type(model).__name__)
+
+
 def is_concrete(x) -> bool:
     """True when ``x`` holds actual values (not a tracer inside jit/grad/vmap)."""
     return not isinstance(x, jax.core.Tracer)

@@ -58,9 +58,9 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import block, seed, substitute, trace
 
 from . import exact
-from .exact import _model_name
+from ._checks import as_arrays, model_name
 from .handlers import require_values
-from .primitives import EDGE_INFO_KEY, EdgeInfo
+from .primitives import EDGE_INFO_KEY, EdgeInfo, is_enumerated
 
 __all__ = [
     "Fit",
@@ -130,14 +130,6 @@ def _is_factor(site) -> bool:
     return isinstance(_unwrap(site["fn"]), dist.distribution.Unit)
 
 
-def _is_enumerated(site) -> bool:
-    return (
-        site["type"] == "sample"
-        and not site["is_observed"]
-        and site["infer"].get("enumerate") == "parallel"
-    )
-
-
 def _plates(site) -> dict[str, tuple[int, int]]:
     """``{plate name: (dim, size)}`` of the plates around a site."""
     return {
@@ -179,7 +171,7 @@ def _static_pass(model, args, kwargs, params: dict | None = None):
                 nesting = max(nesting, -d)
             if site["type"] == "param":
                 raise ValueError(
-                    f"model '{_model_name(model)}' has a numpyro.param site '{name}'; the "
+                    f"model '{model_name(model)}' has a numpyro.param site '{name}'; the "
                     "fitting helpers infer sample sites only: give it a prior with "
                     "numpyro.sample"
                 )
@@ -195,11 +187,11 @@ def _static_pass(model, args, kwargs, params: dict | None = None):
                 if not _is_factor(site):
                     observed.append(name)
                 continue
-            if _is_enumerated(site):
+            if is_enumerated(site):
                 continue
             if site["fn"].has_enumerate_support or site["fn"].support.is_discrete:
                 raise ValueError(
-                    f"model '{_model_name(model)}': discrete latent site '{name}' is not "
+                    f"model '{model_name(model)}': discrete latent site '{name}' is not "
                     "enumerated; declare edges with structinfer.edge or mark the site with "
                     "infer={'enumerate': 'parallel'}"
                 )
@@ -244,7 +236,7 @@ class LikelihoodStructure(NamedTuple):
 
 def _energy_only(model, reason: str) -> EnergyOnlyModelError:
     return EnergyOnlyModelError(
-        f"model '{_model_name(model)}' {reason}, so it defines an energy, not a normalised "
+        f"model '{model_name(model)}' {reason}, so it defines an energy, not a normalised "
         "density p(x_i | theta) of observed data, and cannot be compared by predictive "
         "density (LOO)"
     )
@@ -268,7 +260,7 @@ def _collapse(model, params, args, kwargs, score_factors: ScoreFactors):
     sites = [s for s in tr.values() if s["type"] == "sample"]
     observed = [s for s in sites if s["is_observed"] and not _is_factor(s)]
     factors = [s for s in sites if s["is_observed"] and _is_factor(s)]
-    enumerated = [s for s in sites if _is_enumerated(s)]
+    enumerated = [s for s in sites if is_enumerated(s)]
     factor_names = [s["name"] for s in factors]
     if not observed:
         raise _energy_only(
@@ -282,7 +274,7 @@ def _collapse(model, params, args, kwargs, score_factors: ScoreFactors):
         keep &= set(_plates(s))
     if not keep:
         raise ValueError(
-            f"model '{_model_name(model)}': the observed site(s) "
+            f"model '{model_name(model)}': the observed site(s) "
             f"{[s['name'] for s in observed]} share no plate, so there is no pointwise "
             "log-likelihood; put each child's observation inside the children plate"
         )
@@ -290,14 +282,14 @@ def _collapse(model, params, args, kwargs, score_factors: ScoreFactors):
         missing = keep - set(_plates(s))
         if missing:
             raise ValueError(
-                f"model '{_model_name(model)}': enumerated site '{s['name']}' lies outside "
+                f"model '{model_name(model)}': enumerated site '{s['name']}' lies outside "
                 f"the plate(s) {sorted(missing)} of the observations, so it couples them "
                 "and the log-likelihood does not split into one term per element"
             )
     for s in sites:
         if any(n.startswith("_time") for n in s["infer"].get("dim_to_name", {}).values()):
             raise ValueError(
-                f"model '{_model_name(model)}': markov (time) dims at site '{s['name']}' are "
+                f"model '{model_name(model)}': markov (time) dims at site '{s['name']}' are "
                 "not supported by the pointwise log-likelihood"
             )
     enum_names = {s["name"] for s in enumerated}
@@ -309,7 +301,7 @@ def _collapse(model, params, args, kwargs, score_factors: ScoreFactors):
             local_factors.append(s)
         elif touches_edges:
             raise ValueError(
-                f"model '{_model_name(model)}': factor site '{s['name']}' depends on "
+                f"model '{model_name(model)}': factor site '{s['name']}' depends on "
                 "enumerated sites but lies outside the observations' plates"
             )
     if local_factors and score_factors == "error":
@@ -407,7 +399,7 @@ def pointwise_log_likelihood(
     Raises:
         EnergyOnlyModelError: no normalised observed site, or unnormalised factors.
     """
-    args, kwargs = exact._as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     return _collapse(model, dict(params or {}), args, kwargs, score_factors)[0]
 
 
@@ -419,7 +411,7 @@ def likelihood_structure(
     **kwargs,
 ) -> LikelihoodStructure:
     """The static facts of :func:`pointwise_log_likelihood` (names, plates, shape), shape-only."""
-    args, kwargs = exact._as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     box = []
 
     def f(p):
@@ -458,7 +450,7 @@ class Fit(NamedTuple):
     def from_mcmc(cls, mcmc, model: Callable, *args, **kwargs) -> Fit:
         """Wrap a finished :class:`numpyro.infer.MCMC` run (e.g. from
         ``structinfer.infer.run_nuts``) of ``model`` on ``*args, **kwargs``."""
-        args, kwargs = exact._as_jax(args, kwargs)
+        args, kwargs = as_arrays(args, kwargs)
         latent = _latent_sites(model, args, kwargs)
         draws = mcmc.get_samples(group_by_chain=True)
         missing = set(latent) - set(draws)
@@ -475,7 +467,7 @@ class Fit(NamedTuple):
         ``structinfer.infer.fit_svi``) as a one-chain posterior of ``model``."""
         from numpyro.infer import Predictive
 
-        args, kwargs = exact._as_jax(args, kwargs)
+        args, kwargs = as_arrays(args, kwargs)
         latent = _latent_sites(model, args, kwargs)
         num_draws = _check_positive(num_draws, "Fit.from_guide: num_draws")
         draws = Predictive(guide, params=dict(params), num_samples=num_draws)(
@@ -530,11 +522,11 @@ def fit_nuts(
     num_warmup = _check_positive(num_warmup, "fit_nuts: num_warmup")
     num_samples = _check_positive(num_samples, "fit_nuts: num_samples")
     num_chains = _check_positive(num_chains, "fit_nuts: num_chains")
-    args, kwargs = exact._as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     latent = _latent_sites(model, args, kwargs)
     if not latent:
         raise ValueError(
-            f"model '{_model_name(model)}' has no continuous latent site to sample; "
+            f"model '{model_name(model)}' has no continuous latent site to sample; "
             "use structinfer.marginals / log_marginal directly"
         )
     transforms = {n: biject_to(s.support) for n, s in latent.items()}
@@ -589,7 +581,7 @@ def fit_nuts(
                 break
         else:
             raise RuntimeError(
-                f"model '{_model_name(model)}': no finite log density and gradient at "
+                f"model '{model_name(model)}': no finite log density and gradient at "
                 f"{num_tries} random initial points (chain {chain}); check the data and "
                 "the priors' supports"
             )
@@ -651,10 +643,10 @@ def fit_svi(
 
     num_steps = _check_positive(num_steps, "fit_svi: num_steps")
     num_draws = _check_positive(num_draws, "fit_svi: num_draws")
-    args, kwargs = exact._as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     nesting = _static_pass(model, args, kwargs)["nesting"]
     if guide is None:
-        guide = AutoNormal(block(model, hide_fn=_is_enumerated))
+        guide = AutoNormal(block(model, hide_fn=is_enumerated))
     svi = SVI(
         model,
         guide,
@@ -841,7 +833,7 @@ def to_inference_data(
     if num_prior_draws:
         prior = _prior_draws(fit.model, fit.args, fit.kwargs, latent, int(num_prior_draws), seed)
         data["prior"] = {n: v[None] for n, v in prior.items()}
-    dt = azb.from_dict(data, dims=dims, attrs={"/": {"model": _model_name(fit.model)}})
+    dt = azb.from_dict(data, dims=dims, attrs={"/": {"model": model_name(fit.model)}})
     dt.attrs["inference_method"] = fit.method
 
     edge_vars, attrs = {}, {}
@@ -973,7 +965,7 @@ def _constant_terms(idata, var_name: str | None) -> dict:
 
 def _check_comparable(model, args, kwargs, score_factors: ScoreFactors) -> None:
     """Refuse energy-only models before spending time fitting them."""
-    args, kwargs = exact._as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     latent = _latent_sites(model, args, kwargs)
     likelihood_structure(
         model,

@@ -34,7 +34,7 @@ from numpyro.contrib.funsor import log_density as _funsor_log_density
 from numpyro.handlers import block, substitute, trace
 
 from ._bounds import IndexOutOfBounds, check_gather_bounds
-from ._checks import is_concrete
+from ._checks import as_arrays, is_concrete, model_name
 from .handlers import fill_discrete, pin, require_values, tilt
 from .primitives import EDGE_INFO_KEY
 
@@ -81,17 +81,6 @@ class ModelInfo:
             name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (self.max_plate_nesting + i))
             for i, (name, (_, k)) in enumerate(self.enumerated.items())
         }
-
-
-def _as_jax(args, kwargs):
-    """NumPy arrays among the arguments become JAX arrays, so a model may index them
-    with (traced or enumerated) edge variables; other leaves pass through."""
-    conv = lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a  # noqa: E731
-    return jax.tree.map(conv, tuple(args)), jax.tree.map(conv, dict(kwargs))
-
-
-def _model_name(model) -> str:
-    return getattr(model, "__name__", type(model).__name__)
 
 
 def _check_unscaled(site) -> None:
@@ -156,7 +145,7 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
         run()
     except jax.errors.TracerArrayConversionError as e:
         raise TypeError(
-            f"model '{_model_name(model)}' indexes a NumPy array with an edge variable "
+            f"model '{model_name(model)}' indexes a NumPy array with an edge variable "
             "inside jit/grad/vmap; convert the array with jnp.asarray first"
         ) from e
     n_dims = info.max_plate_nesting + len(info.enumerated)
@@ -164,7 +153,7 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
         _check_edge_reads(model, args, kwargs, info)
     if n_dims > MAX_ENUM_DIMS:
         raise ValueError(
-            f"model '{_model_name(model)}' needs {n_dims} tensor dims ({info.max_plate_nesting} "
+            f"model '{model_name(model)}' needs {n_dims} tensor dims ({info.max_plate_nesting} "
             f"plate dims + {len(info.enumerated)} enumerated sites), more than the budget of "
             f"{MAX_ENUM_DIMS}: put repeated edge sites under a plate (one site per child "
             "set, not one per child)"
@@ -192,7 +181,7 @@ def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
         ]
 
     try:
-        check_gather_bounds(run, probes, f"model '{_model_name(model)}'")
+        check_gather_bounds(run, probes, f"model '{model_name(model)}'")
     except IndexOutOfBounds:
         raise
     except Exception:  # best effort: the engine's own pass reports the model's errors
@@ -211,7 +200,7 @@ def _log_z(model, args, kwargs, info: ModelInfo, tilts: dict | None = None) -> j
         if "joint log density is a scalar" not in str(e):
             raise
         raise ValueError(
-            f"model '{_model_name(model)}': after collapsing the edges a tensor dim was left "
+            f"model '{model_name(model)}': after collapsing the edges a tensor dim was left "
             "over, so some factor or value mixes enumeration dims with plate dims. Typical "
             "causes: indexing one edge variable with another (follow a chain with "
             "si.edge(..., child=j) instead), summing over a plate dim inside the model, or "
@@ -237,7 +226,7 @@ def log_marginal(model: Callable, *args, **kwargs) -> jax.Array:
     Returns:
         A scalar.
     """
-    args, kwargs = _as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     info = inspect_model(model, *args, **kwargs)
     return _log_z(model, args, kwargs, info)
 
@@ -269,11 +258,11 @@ def marginals(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
     Reference: the attention matrix as the edge posterior, Singh & Buckley sec. 3.1
     (eq. 1); marginals as gradients of the log-partition (Lemma 7.1 (i), app. 7.1).
     """
-    args, kwargs = _as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     info = inspect_model(model, *args, **kwargs)
     if not info.enumerated:
         raise ValueError(
-            f"model '{_model_name(model)}' has no edge sites: nothing to compute marginals of"
+            f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
     dtype = _float_dtype()
     zeros = {name: jnp.zeros(batch + (k,), dtype) for name, (batch, k) in info.enumerated.items()}
@@ -308,7 +297,7 @@ def expectation(model: Callable, site: str | Sequence[str], *args, **kwargs):
     Reference: attention output as :math:`\mathbb E_{\phi|x}[v(x,\phi)]`, Singh &
     Buckley eq. 1; multi-hop values, app. 7.3.
     """
-    args, kwargs = _as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     names = [site] if isinstance(site, str) else list(site)
     info = inspect_model(model, *args, **kwargs)
     for n in names:
@@ -316,7 +305,7 @@ def expectation(model: Callable, site: str | Sequence[str], *args, **kwargs):
             kind = info.sites.get(n)
             if kind is None:
                 raise KeyError(
-                    f"model '{_model_name(model)}' has no site '{n}'; deterministic sites: "
+                    f"model '{model_name(model)}' has no site '{n}'; deterministic sites: "
                     f"{sorted(info.deterministic)}"
                 )
             raise ValueError(
@@ -336,10 +325,10 @@ def expectation(model: Callable, site: str | Sequence[str], *args, **kwargs):
 
 
 def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[str, jax.Array]:
-    args, kwargs = _as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     info = inspect_model(model, *args, **kwargs)
     if not info.enumerated:
-        raise ValueError(f"model '{_model_name(model)}' has no edge sites")
+        raise ValueError(f"model '{model_name(model)}' has no edge sites")
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     # single-parent sites are deterministic; funsor cannot extract a point from a
     # size-1 enumeration dim, so fix them to 0 as observations (log-prob unchanged)

@@ -17,7 +17,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.primitives import Messenger
 
-from .primitives import gather
+from .primitives import gather, is_enumerated
 
 __all__ = [
     "tilt",
@@ -61,10 +61,6 @@ class TiltedDistribution(dist.Distribution):
 
     def log_prob(self, value):
         return self.base.log_prob(value) + gather(self.t, value)
-
-
-def _is_enumerated(msg) -> bool:
-    return msg["infer"].get("enumerate") == "parallel" and msg["fn"].has_enumerate_support
 
 
 class tilt(Messenger):
@@ -132,7 +128,7 @@ class require_values(Messenger):
     def process_message(self, msg):
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
-        if _is_enumerated(msg):
+        if is_enumerated(msg) and msg["fn"].has_enumerate_support:
             return
         raise ValueError(
             f"sample site '{msg['name']}' is latent and not enumerable, so {self.what} "
@@ -147,7 +143,7 @@ class fill_discrete(Messenger):
 
     def process_message(self, msg):
         if msg["type"] == "sample" and msg.get("value") is None and not msg["is_observed"]:
-            if _is_enumerated(msg):
+            if is_enumerated(msg) and msg["fn"].has_enumerate_support:
                 msg["value"] = jnp.zeros(msg["fn"].batch_shape, dtype=jnp.int32)
 
 

@@ -37,7 +37,15 @@ from ._checks import check_finite
 from .priors import StructuralPrior, as_prior
 from .scores import Score, as_score
 
-__all__ = ["edge", "EdgeInfo", "EdgeDistribution", "gather", "EDGE_INFO_KEY", "SCORE_SUFFIX"]
+__all__ = [
+    "edge",
+    "EdgeInfo",
+    "EdgeDistribution",
+    "gather",
+    "is_enumerated",
+    "EDGE_INFO_KEY",
+    "SCORE_SUFFIX",
+]
 
 #: key of an edge site's ``infer`` dict holding its :class:`EdgeInfo`
 EDGE_INFO_KEY = "structinfer"
@@ -60,6 +68,17 @@ class EdgeInfo:
     children_plate: str
     #: the ``child=`` index this site follows (multi-hop), ``None`` for a plain edge
     child: Any = field(default=None, compare=False, repr=False)
+
+
+def is_enumerated(site: dict) -> bool:
+    """Whether a trace site (or a message in a handler) is summed out by enumeration:
+    a latent (unobserved) ``sample`` site marked ``infer={"enumerate": "parallel"}``, as
+    every :func:`edge` site is. The one definition every module uses."""
+    return (
+        site.get("type") == "sample"
+        and not site.get("is_observed", False)
+        and (site.get("infer") or {}).get("enumerate") == "parallel"
+    )
 
 
 def active_plates() -> list[Any]:

@@ -10,7 +10,8 @@ import numpy as np
 from numpyro.contrib.funsor import enum
 from numpyro.handlers import block, trace
 
-from ..exact import _as_jax, inspect_model
+from .._checks import as_arrays
+from ..exact import inspect_model
 from ..handlers import require_values
 
 
@@ -41,7 +42,7 @@ def nonfinite_site(model: Callable, *args, **kwargs) -> str | None:
         bad = _bad_leaf(a)
         if bad:
             return f"model argument '{k}' ({bad})"
-    args, kwargs = _as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     try:
         info = inspect_model(model, *args, **kwargs)
         with block():

@@ -49,8 +49,8 @@ from jax.extend import core as jex_core
 from jax.flatten_util import ravel_pytree
 from numpyro.handlers import block, substitute, trace
 
-from .._checks import is_concrete, is_masked
-from ..exact import _as_jax, inspect_model, log_marginal
+from .._checks import as_arrays, is_concrete, is_masked
+from ..exact import inspect_model, log_marginal
 from ..handlers import fill_discrete, require_values
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
 from ._loop import LoopInfo, check, run_loop
@@ -508,7 +508,7 @@ def laplace(model: Callable, argname: str, mu: Any, *args, rtol: float = 1e-4, *
     Cost: a Jacobian of the ``(children, parents)`` score tables (``D`` forward
     passes, ``D`` = latent size) and a ``D × D`` Hessian.
     """
-    args, kwargs = _as_jax(args, kwargs)
+    args, kwargs = as_arrays(args, kwargs)
     mu = _as_tree_float(mu)
     flat, unravel = ravel_pytree(mu)
     call_kw = lambda u: {**kwargs, argname: unravel(u)}  # noqa: E731

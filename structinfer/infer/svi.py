@@ -33,7 +33,7 @@ from numpyro.handlers import block, substitute
 from numpyro.infer import SVI, TraceEnum_ELBO
 from numpyro.infer.autoguide import AutoDelta, AutoNormal
 
-from ..primitives import edge
+from ..primitives import edge, is_enumerated
 from ..priors import as_prior
 from ..scores import as_score
 from ._diagnose import _bad_leaf, nonfinite_site
@@ -75,14 +75,10 @@ def conditional_edge(name: str, prior, score, **kwargs) -> jax.Array:
     return phi
 
 
-def _is_enumerated(site) -> bool:
-    return site["type"] == "sample" and site["infer"].get("enumerate") == "parallel"
-
-
 def hide_edges(model: Callable) -> Callable:
     """``model`` with its enumerated (edge) sites hidden, for building an autoguide of the
     continuous sites only (``AutoNormal(hide_edges(model))``)."""
-    return block(model, hide_fn=_is_enumerated)
+    return block(model, hide_fn=is_enumerated)
 
 
 class SVIFit(NamedTuple):
@@ -99,7 +95,7 @@ def _has_latent_continuous(model, args, kwargs) -> bool:
     with block():
         tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(*args, **kwargs)
     return any(
-        s["type"] == "sample" and not s["is_observed"] and not _is_enumerated(s)
+        s["type"] == "sample" and not s["is_observed"] and not is_enumerated(s)
         for s in tr.values()
     )
 

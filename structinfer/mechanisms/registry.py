@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.handlers import substitute
 
-from ..exact import _as_jax, _log_z, inspect_model
+from .._checks import as_arrays
+from ..exact import _log_z, inspect_model
 from ..exact import expectation as _expectation
 from . import references as ref
 from .block_slot import block_slot_attention, block_slot_energy
@@ -246,7 +247,7 @@ def evaluate(mech: Mechanism, inputs: dict[str, Any], static: dict[str, Any] | N
         if mech.latents:
             model = substitute(model, data={k: inp[k] for k in mech.latents})
         kwargs = {k: v for k, v in {**inp, **static}.items() if k not in mech.latents}
-        return model, _as_jax((), _accepted(mech.model, kwargs))[1]
+        return model, as_arrays((), _accepted(mech.model, kwargs))[1]
 
     qs = mech.quantities
     out: dict[str, jax.Array] = {}
