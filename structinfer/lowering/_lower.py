@@ -17,6 +17,7 @@ numbers, see :class:`RuleTable`). A type with no rule raises :class:`NotLowered`
 it, and :func:`structinfer.attention` takes the exact engine.
 
 ```python
+import jax.numpy as jnp
 import structinfer as si
 from structinfer.lowering import register_prior_rule
 
