@@ -255,7 +255,7 @@ def test_reproduce_registry_and_run(registered, capsys):
     assert rc == 0, err
     got = pd.read_json(out_dir / "results.json", typ="series")
     assert got["seed"] == 3 and bool(got["quick"]) and got["extra"] == "hello"
-    rc, _, err = _main(capsys, "reproduce", "broken", "--quiet")
+    rc, _, err = _main(capsys, "reproduce", "broken", "--quiet", "--out", registered / "b")
     assert rc == 1 and err == ["structinfer reproduce: error: reproduction 'broken' "
                                "(si_test_broken) failed with exit status 3"], err
 
@@ -263,7 +263,8 @@ def test_reproduce_registry_and_run(registered, capsys):
 def test_reproduce_names_the_extra_of_a_missing_optional_dependency(registered, capsys,
                                                                     monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn raises
-    rc, _, err = _main(capsys, "reproduce", "needs-sklearn", "--quiet")
+    rc, _, err = _main(capsys, "reproduce", "needs-sklearn", "--quiet", "--out",
+                       registered / "never")
     assert rc == 1 and len(err) == 1, err
     assert 'needs scikit-learn, an optional dependency that is not installed: pip install ' \
         '"structinfer[examples]"' in err[0]

@@ -36,8 +36,9 @@ OPTIONAL_DEPENDENCIES: dict[str, str] = {"optax": "optax", "sklearn": "scikit-le
 
 
 def describe(module: str) -> str:
-    """The first line of a module's docstring, read from its source without importing it
-    (``reproduce --list`` stays fast); ``""`` if it has none or cannot be found."""
+    """The first sentence or paragraph of a module's docstring on one line, read from its
+    source without importing it (``reproduce --list`` stays fast); ``""`` if it has none
+    or cannot be found."""
     spec = importlib.util.find_spec(module)
     if spec is None or spec.loader is None or not hasattr(spec.loader, "get_source"):
         return ""
@@ -45,7 +46,7 @@ def describe(module: str) -> str:
         doc = ast.get_docstring(ast.parse(spec.loader.get_source(module) or ""))
     except (OSError, SyntaxError, ValueError, ImportError):
         return ""
-    return doc.strip().splitlines()[0] if doc else ""
+    return " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
 
 
 def missing_dependency(error: ModuleNotFoundError) -> str | None:
