@@ -469,7 +469,7 @@ def test_issue_example_jit_over_hopfield_beta():
 
 
 def test_traced_geometric_truncation_is_a_mask_and_attention_falls_back():
-    """A Geometric window inferred under jit (examples/reproduce_expanding.py) truncates
+    """A Geometric window inferred under jit (structinfer.reproductions.expanding) truncates
     the table; si.attention cannot band a traced window and takes the exact engine."""
     r = np.random.default_rng(0)
     q, k, v = r.normal(size=(N, D)), r.normal(size=(M, D)), r.normal(size=(M, 2))
