@@ -142,6 +142,29 @@ def test_mkdocs_build_strict(tmp_path):
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     else:
         assert proc.returncode != 0  # strict mode aborts on the listed warnings
+    check_site(tmp_path / "site")
+
+
+def check_site(site: Path) -> None:
+    """The built site loads nothing from another host, ships MathJax and links out."""
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 10
+    remote = re.compile(r"<(?:script|link)\b[^>]*(?:src|href)=\"(?:https?:)?//[^\"]*\"")
+    for page in pages:
+        html = page.read_text()
+        loads = [m.group(0) for m in remote.finditer(html) if 'rel="canonical"' not in m.group(0)]
+        assert not loads, f"{page.relative_to(site)} loads from another host: {loads[:3]}"
+    assert (site / "assets" / "mathjax" / "tex-chtml.js").is_file()
+    index = (site / "index.html").read_text()
+    assert "assets/mathjax/tex-chtml.js" in index and "_js/mathjax-config.js" in index
+    assert 'class="arithmatex"' in (site / "catalogue" / "index.html").read_text()
+    api = (site / "api" / "structinfer" / "index.html").read_text()
+    for target in (
+        "https://docs.jax.dev/en/latest/_autosummary/jax.Array.html#jax.Array",
+        "https://docs.python.org/3/library/stdtypes.html#str",
+        "https://num.pyro.ai/en/stable/distributions.html#numpyro.distributions.discrete.CategoricalLogits",
+    ):
+        assert f'href="{target}"' in api, f"the API page does not link to {target}"
 
 
 def test_a_new_warning_fails(tmp_path):
