@@ -33,7 +33,6 @@ PAGES = {
     "concepts": "concepts/",
     "tutorial": "tutorial/",
     "catalogue": "catalogue/",
-    "catalogue-entry": "catalogue/#hopfield",
     "api": "api/structinfer/",
     "api-priors": "api/priors/",
     "benchmarks": "benchmarks/",
