@@ -323,7 +323,8 @@ def edge(
                 si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
 
         q, k = jnp.ones((3, 2)), jnp.ones((5, 2))
-        print(si.marginals(model, q, k)["phi"].shape)  # (3, 5)
+        attention = si.marginals(model, q, k)["phi"]  # p(phi_i = j | q, k)
+        assert attention.shape == (3, 5)  # one row over the 5 keys per query
         ```
     """
     if not isinstance(name, str) or not name:

@@ -462,6 +462,7 @@ class Restricted(StructuralPrior):
         return jnp.where(self.mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
 
     def describe(self) -> dict[str, Any]:
+        """The prior's description with its pattern's entries (``type`` and fields)."""
         return {"kind": self.kind, "num_parents": self.num_parents, **self.pattern.describe(),
                 "offset": self.offset}
 

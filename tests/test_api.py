@@ -170,3 +170,17 @@ def test_module_docstrings_are_markdown():
         for m in paths:
             rest = _REST.findall(m.__doc__ or "")
             assert not rest, f"{m.__name__}: reStructuredText in the module docstring ({rest})"
+
+
+EXAMPLES = list({id(o): (n, o) for n, o in DOCUMENTED if "```python" in (o.__doc__ or "")}.values())
+
+
+@pytest.mark.parametrize("name,obj", EXAMPLES, ids=[n for n, _ in EXAMPLES])
+def test_docstring_examples_run(name, obj):
+    """The ```python blocks of a docstring's Examples section run as written."""
+    mktestdocs = pytest.importorskip("mktestdocs")
+    mktestdocs.check_docstring(obj, lang="python")
+
+
+def test_some_docstrings_have_examples():
+    assert any(o is si.edge for _, o in EXAMPLES)
