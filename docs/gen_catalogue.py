@@ -4,9 +4,13 @@ python docs/gen_catalogue.py          # rewrite the page
 python docs/gen_catalogue.py --check  # exit 1 if the page is stale
 
 The rows (model, quantities, citation, paper check) come from
-`structinfer.testing.registry`; the four columns (Graph, Prior, Potentials, Value) and
-the code excerpt come from each model's docstring and source. Everything that turns
-them into Markdown lives here.
+`structinfer.testing.registry`; the four columns of Singh & Buckley Table 1 (Graph,
+Prior, Potentials, Value), the one-line description and the code excerpt come from each
+model's docstring (Markdown with `$...$` math) and source. The page is laid out for a
+laptop screen: a compact index table (name, description, paper section) and then one
+section per mechanism, grouped by paper, with its equations as paragraphs rather than
+table cells, so that nothing is cut off. Everything that turns the registry into
+Markdown lives here.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ PAPERS = {
     "T": "Tschantz, *Attention via log-sum-exp energy* (v1, v2, slides)",
     "M": "McCarter, *Inverse distance weighting attention*",
 }
+#: the short form of each paper in the index table
+AUTHORS = {"SB": "Singh & Buckley", "T": "Tschantz", "M": "McCarter"}
 
 _SECTIONS = ("Graph", "Prior", "Potentials", "Value")
 
@@ -55,26 +61,24 @@ def describe(q: Quantity) -> str:
     }[q.kind]
 
 
-def _math(tex: str) -> str:
-    # bars would end a Markdown table cell: spell them as LaTeX commands
-    tex = tex.strip().replace("\\|", "\\Vert ").replace("|", "\\vert ")
-    return "$" + tex + "$"
-
-
-def _rst_to_md(text: str) -> str:
-    parts = re.split(r"(:math:`[^`]*`)", text)
+def _cell(text: str) -> str:
+    """Markdown for a table cell: a bar would end the cell, so math spells it in LaTeX."""
+    parts = re.split(r"(\$[^$]*\$)", text)
     out = []
     for part in parts:
-        if part.startswith(":math:`"):
-            out.append(_math(part[len(":math:`") : -1]))
+        if part.startswith("$") and part.endswith("$") and len(part) > 1:
+            out.append(part.replace("\\|", "\\Vert ").replace("|", "\\vert "))
         else:
-            part = re.sub(r":(?:func|data|class|mod):`~?([^`]*)`", r"`\1`", part)
-            out.append(part.replace("``", "`").replace("|", "\\|"))
+            out.append(part.replace("|", "\\|"))
     return "".join(out)
 
 
 def model_columns(model: Callable[..., None]) -> dict[str, str]:
-    """The Graph / Prior / Potentials / Value sections of a model's docstring, as Markdown."""
+    """The Graph / Prior / Potentials / Value sections of a model's docstring, as Markdown.
+
+    A section is a line ``Graph:`` (no indentation after `inspect.cleandoc`) followed by
+    its indented text; a blank line or an unindented line ends it.
+    """
     doc = inspect.cleandoc(model.__doc__ or "")
     cols: dict[str, list[str]] = {}
     current = None
@@ -87,12 +91,30 @@ def model_columns(model: Callable[..., None]) -> dict[str, str]:
             continue
         if current and line.startswith(" "):
             cols[current].append(line.strip())
-        elif current and line.strip() == "":
+        else:
             current = None
     missing = [s for s in _SECTIONS if s not in cols]
     if missing:
         raise ValueError(f"{model.__name__}: docstring lacks the section(s) {missing}")
-    return {k: _rst_to_md(" ".join(v)) for k, v in cols.items()}
+    return {k: " ".join(v) for k, v in cols.items()}
+
+
+def model_summary(model: Callable[..., None]) -> str:
+    """The first line of a model's docstring, without a leading ``Name:`` that repeats the title."""
+    line = inspect.cleandoc(model.__doc__ or "").splitlines()[0].strip()
+    head, sep, rest = line.partition(": ")
+    if sep and "$" not in head and "`" not in head and len(head) < 60:
+        line = rest[:1].upper() + rest[1:]
+    return line
+
+
+def model_anchor(model: Callable[..., None]) -> str:
+    """The API-reference identifier of a model: its public name in `structinfer.mechanisms`,
+    or its defining module's path when a submodule of the same name hides that name from
+    the API renderer (``structinfer.mechanisms.hopfield`` is the module and the model)."""
+    if model.__module__.rsplit(".", 1)[-1] == model.__name__:
+        return f"{model.__module__}.{model.__name__}"
+    return f"structinfer.mechanisms.{model.__name__}"
 
 
 _MODEL_STATEMENT = re.compile(r"\b(latent_nodes|numpyro\.|edge\(|with numpyro)")
@@ -120,53 +142,68 @@ def model_excerpt(model: Callable[..., None], max_lines: int = 10) -> str:
     return "\n".join(s[indent:] for s in lines)
 
 
+def _index(rows: Sequence[Mechanism]) -> list[str]:
+    out = ["| mechanism | what it is | paper |", "| --- | --- | --- |"]
+    for m in rows:
+        out.append(
+            f"| [{_cell(m.title)}](#{m.name}) | {_cell(model_summary(m.model))} | "
+            f"{AUTHORS[m.paper]}, {_cell(m.section)} |"
+        )
+    return out
+
+
+def _section(m: Mechanism) -> list[str]:
+    c = model_columns(m.model)
+    latents = (
+        f" — latent sites given values: {', '.join(f'`{s}`' for s in m.latents)}"
+        if m.latents
+        else ""
+    )
+    return [
+        f"### {m.title} {{#{m.name}}}",
+        "",
+        f"**Paper:** {AUTHORS[m.paper]}, {m.section}. "
+        f"**Model:** [`{m.model.__name__}`][{model_anchor(m.model)}]{latents}.",
+        "",
+        *[f"**{s}.** {c[s]}\n" for s in _SECTIONS],
+        "Engine quantities: " + ", ".join(describe(q) for q in m.quantities) + ".",
+        "",
+        f"Paper check: {m.check}.",
+        "",
+        "```{.python notest}",
+        model_excerpt(m.model),
+        "```",
+        "",
+    ]
+
+
 def render_catalogue(rows: Sequence[Mechanism] = REGISTRY) -> str:
     """The Markdown catalogue page (`docs/catalogue.md`), generated from the registry rows."""
+    for m in rows:
+        citation(m)  # every paper key is known
     out = [
         "# Mechanism catalogue",
         "",
         "<!-- generated by docs/gen_catalogue.py from structinfer.testing.registry; do not edit -->",
         "",
         "Every attention and energy model of the papers, written as a NumPyro model with",
-        "`structinfer.edge` sites. The four columns are those of Singh & Buckley Table 1.",
-        "Each row is checked by `tests/test_mechanisms.py` against an independent",
-        "implementation of the paper's closed form (its reference in `structinfer.testing.registry`):",
-        "jit, vmap over a batch, float32 and float64, gradients and the paper check.",
+        "`structinfer.edge` sites. Each section below gives the four columns of Singh &",
+        "Buckley's Table 1 (graph, prior, potentials, value), what the exact engine computes",
+        "from the model, and an excerpt of it. Each row is checked by",
+        "`tests/test_mechanisms.py` against an independent implementation of the paper's",
+        "closed form (its reference in `structinfer.testing.registry`): jit, vmap over a",
+        "batch, float32 and float64, gradients and the paper check.",
         "",
-        "| mechanism | graph | prior | potentials | value | reference |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *_index(rows),
+        "",
     ]
-    for m in rows:
-        c = model_columns(m.model)
-        out.append(
-            f"| [{m.title}](#{m.name}) | {c['Graph']} | {c['Prior']} | "
-            f"{c['Potentials']} | {c['Value']} | {citation(m)} |"
-        )
-    out.append("")
-    for m in rows:
-        out += [
-            f"## {m.name}",
-            "",
-            f"**{m.title}** — {citation(m)}.",
-            "",
-            f"Model: `structinfer.mechanisms.{m.model.__name__}`"
-            + (
-                f" (latent sites given values: {', '.join(f'`{s}`' for s in m.latents)})"
-                if m.latents
-                else ""
-            )
-            + ".",
-            "",
-            "Engine quantities: " + ", ".join(describe(q) for q in m.quantities) + ".",
-            "",
-            f"Paper check: {m.check}.",
-            "",
-            "```python",
-            model_excerpt(m.model),
-            "```",
-            "",
-        ]
-    return "\n".join(out)
+    papers = list(dict.fromkeys(m.paper for m in rows))
+    for paper in papers:
+        out += [f"## {PAPERS[paper]}", ""]
+        for m in rows:
+            if m.paper == paper:
+                out += _section(m)
+    return "\n".join(out).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:

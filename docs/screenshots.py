@@ -35,6 +35,8 @@ PAGES = {
     "catalogue": "catalogue/",
     "api": "api/structinfer/",
     "api-priors": "api/priors/",
+    "api-scores": "api/scores/",
+    "api-mechanisms": "api/mechanisms/",
     "benchmarks": "benchmarks/",
     "numpyro-tools": "numpyro_tools/",
 }

@@ -1,10 +1,10 @@
 """structinfer — attention as explicit structural inference in NumPyro.
 
 Write an attention mechanism as a NumPyro model with discrete edge sites
-(:func:`edge`), a structural prior (:mod:`structinfer.priors`) and a score
-(:mod:`structinfer.scores`); the exact engine collapses the edges with funsor
+([`edge`][structinfer.edge]), a structural prior ([`structinfer.priors`][structinfer.priors]) and a score
+([`structinfer.scores`][structinfer.scores]); the exact engine collapses the edges with funsor
 and returns the energy, the attention (posterior edge marginals) and the output
-(posterior expectations); :func:`attention` runs recognised dense patterns
+(posterior expectations); [`attention`][structinfer.attention] runs recognised dense patterns
 through fused kernels. See Singh & Buckley, "Attention as implicit structural
 inference", and Tschantz, "log-sum-exp energies".
 

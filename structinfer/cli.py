@@ -11,7 +11,7 @@ Heavy imports (JAX, NumPyro, ArviZ, matplotlib) happen inside the commands, so
 ``--help`` and usage errors answer at once.
 
 ``reproduce`` and ``bench`` never run a file from the current directory: the paper
-reproductions are modules of the installed package (:mod:`structinfer.reproductions`);
+reproductions are modules of the installed package (`structinfer.reproductions`);
 the benchmark script is run only from the source checkout holding the imported package.
 """
 
@@ -56,7 +56,12 @@ WORKED_EXAMPLES = {
 
 
 class CLIError(Exception):
-    """An error reported as one line; ``code`` is the exit status (1 runtime, 2 usage)."""
+    """An error reported as one line; ``code`` is the exit status (1 runtime, 2 usage).
+
+    Args:
+        message: the one-line message.
+        code: the exit status.
+    """
 
     def __init__(self, message: str, code: int = EXIT_RUNTIME):
         super().__init__(message)
@@ -69,12 +74,14 @@ class CLIError(Exception):
 
 
 def source_checkout() -> Path | None:
-    """The source checkout holding the imported package (an editable install or
-    ``PYTHONPATH``), or ``None`` when it is installed from a wheel.
+    """The source checkout holding the imported package, if it was imported from one.
 
-    A checkout is the package's parent folder when it has the project's
-    ``pyproject.toml``; a wheel's ``site-packages`` has none. The current directory is
-    never consulted.
+    An editable install or ``PYTHONPATH`` imports from a checkout: the package's parent
+    folder with the project's ``pyproject.toml``; a wheel's ``site-packages`` has none.
+    The current directory is never consulted.
+
+    Returns:
+        The checkout's root folder, or ``None`` when installed from a wheel.
     """
     try:
         text = (ROOT / "pyproject.toml").read_text(errors="replace")
@@ -84,8 +91,16 @@ def source_checkout() -> Path | None:
 
 
 def bench_script() -> Path:
-    """``benchmarks/attention.py`` of the source checkout (``$STRUCTINFER_BENCHMARKS``
-    names another folder). Raises ``CLIError`` saying where to get it otherwise."""
+    """The benchmark script, ``benchmarks/attention.py`` of the source checkout.
+
+    The environment variable ``STRUCTINFER_BENCHMARKS`` names another folder.
+
+    Returns:
+        The script's path.
+
+    Raises:
+        CLIError: saying where to get the script when there is none.
+    """
     if os.environ.get("STRUCTINFER_BENCHMARKS"):
         script = Path(os.environ["STRUCTINFER_BENCHMARKS"]) / "attention.py"
         if not script.is_file():
@@ -108,8 +123,20 @@ def bench_script() -> Path:
 
 
 def load_models(path: Path) -> dict[str, Callable]:
-    """Model functions from a Python file: its ``MODELS`` dict ``{name: function}`` if it
-    defines one, else every function named ``model_<name>`` (in file order)."""
+    """Model functions from a Python file (``structinfer compare``).
+
+    Its ``MODELS`` dict ``{name: function}`` if it defines one, else every function named
+    ``model_<name>`` (in file order).
+
+    Args:
+        path: the Python file.
+
+    Returns:
+        ``{name: model function}``.
+
+    Raises:
+        CLIError: if the file cannot be imported or defines no model.
+    """
     spec = importlib.util.spec_from_file_location(f"_structinfer_user_models_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise CLIError(f"{path}: cannot be imported as a Python module")
@@ -194,6 +221,12 @@ def _read_npz(path: Path) -> dict[str, Any]:
 
 def load_data(path: Path) -> dict[str, Any]:
     """Arrays of an ``.npz`` file, refusing NaN/inf with the key and index.
+
+    Args:
+        path: the ``.npz`` file (never unpickled).
+
+    Returns:
+        ``{key: array}``.
 
     Raises:
         CLIError: exit status 2 when the file is not a ``.npz`` archive of ``.npy``
@@ -610,6 +643,11 @@ def _seed(s: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``structinfer`` command and its subcommands.
+
+    Returns:
+        The parser; usage errors exit with status 2 on one line.
+    """
     common = _Parser(add_help=False)
     common.add_argument("--seed", type=_seed, default=0,
                         help=f"random seed in [0, {MAX_SEED}] (default 0)")
@@ -680,7 +718,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 runtime error, 2 usage error)."""
+    """Run the command line.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 ok, 1 runtime error, 2 usage error.
+    """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []

@@ -1,15 +1,19 @@
 r"""Effect handlers the exact engine is built from (NumPyro ``Messenger`` subclasses).
 
-* :class:`tilt` — adds a zero "tilt" :math:`t` to a site so that the gradient of
-  :math:`\log Z` with respect to it is that site's posterior marginal or
-  expectation (:math:`\partial_t \log \sum_\phi e^{\log p + t\cdot f} = E[f]`).
-* :class:`require_values` — refuses continuous latent sites with no value, so the
-  engine never silently samples them.
-* :class:`fill_discrete` — gives every enumerable site a placeholder value of its
-  batch shape (used to read shapes without enumerating).
+* [`tilt`][structinfer.handlers.tilt] — adds a zero "tilt" $t$ to a site so that the
+  gradient of $\log Z$ with respect to it is that site's posterior marginal or
+  expectation ($\partial_t \log \sum_\phi e^{\log p + t\cdot f} = E[f]$ at $t = 0$).
+* [`require_values`][structinfer.handlers.require_values] — refuses continuous latent
+  sites with no value, so the engine never silently samples them.
+* [`fill_discrete`][structinfer.handlers.fill_discrete] — gives every enumerable site a
+  placeholder value of its batch shape (used to read shapes without enumerating).
+* [`pin`][structinfer.handlers.pin] — fixes discrete sites to given values and takes
+  them out of enumeration.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,16 +32,20 @@ __all__ = [
     "TILT_PREFIX",
 ]
 
-#: prefix of the factor sites :class:`tilt` adds for deterministic sites
 TILT_PREFIX = "_structinfer_tilt:"
+"""Prefix of the factor sites [`tilt`][structinfer.handlers.tilt] adds for deterministic sites."""
 
 
 class TiltedDistribution(dist.Distribution):
-    r"""``base`` with an extra additive term: :math:`\log p(v) + t[..., v]` (unnormalised).
+    r"""``base`` with an extra additive term: $\log p(v) + t[..., v]$ (unnormalised).
 
     Only used inside the exact engine: the tilt is zero, so the value of
-    :math:`\log Z` is unchanged, but its gradient with respect to ``t`` is the
+    $\log Z$ is unchanged, but its gradient with respect to ``t`` is the
     posterior marginal of the site.
+
+    Args:
+        base: the site's distribution.
+        t: the tilt, ``batch + (support,)``.
     """
 
     def __init__(self, base: dist.Distribution, t: jax.Array):
@@ -46,46 +54,78 @@ class TiltedDistribution(dist.Distribution):
         super().__init__(batch_shape=base.batch_shape, event_shape=base.event_shape)
 
     @property
-    def support(self):
+    def support(self) -> dist.constraints.Constraint:
+        """The base distribution's support."""
         return self.base.support
 
     @property
-    def has_enumerate_support(self):
+    def has_enumerate_support(self) -> bool:
+        """Whether the base distribution can be enumerated."""
         return self.base.has_enumerate_support
 
-    def enumerate_support(self, expand=True):
+    def enumerate_support(self, expand: bool = True) -> jax.Array:
+        """The base distribution's support values (see NumPyro's ``enumerate_support``)."""
         return self.base.enumerate_support(expand=expand)
 
-    def sample(self, key, sample_shape=()):
+    def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+        """A draw of the base distribution (the tilt is zero)."""
         return self.base.sample(key, sample_shape)
 
-    def log_prob(self, value):
+    def log_prob(self, value: jax.Array) -> jax.Array:
+        r"""$\log p(v) + t[..., v]$.
+
+        Args:
+            value: values of the site (an enumerated value included).
+
+        Returns:
+            The tilted log-probabilities.
+        """
         return self.base.log_prob(value) + gather(self.t, value)
 
 
 class tilt(Messenger):
-    """Add zero tilts to sites: ``tilts = {name: (t, event_dim)}``.
+    r"""Add zero tilts to sites, so that $\partial_t \log Z$ is their posterior mean.
+
+    With ``tilts = {name: (t, event_dim)}``:
 
     * an enumerated sample site ``name`` with ``t`` of shape ``batch + (support,)``:
-      its log-prob gains ``t[..., value]``;
+      its log-prob gains $t[\ldots, \phi]$, and $\partial \log Z / \partial t$ at $t = 0$
+      is the site's posterior marginal;
     * a deterministic site with ``t`` of the value's (non-enumerated) shape and
-      ``event_dim`` trailing event dims: a factor ``sum_event(t * value)`` is added.
+      ``event_dim`` trailing event dims: a factor $\sum_{\text{event}} t \cdot v$ is added,
+      and the gradient is the posterior expectation $\mathbb E[v]$.
+
+    Args:
+        fn: the model (or ``None`` to use as a context manager).
+        tilts: ``{site name: (t, event_dim)}``, non-empty.
+        max_plate_nesting: the model's plate dims left of the enumeration dims.
+
+    Raises:
+        ValueError: if ``tilts`` is empty; at a deterministic site whose value does not
+            depend on any edge or has the wrong trailing shape.
     """
 
-    def __init__(self, fn=None, tilts: dict | None = None, max_plate_nesting: int = 0):
+    def __init__(
+        self,
+        fn: Callable | None = None,
+        tilts: dict[str, tuple[jax.Array, int]] | None = None,
+        max_plate_nesting: int = 0,
+    ):
         if not isinstance(tilts, dict) or not tilts:
             raise ValueError("tilt: `tilts` must be a non-empty dict {site: (t, event_dim)}")
         self.tilts = tilts
         self.max_plate_nesting = max_plate_nesting
         super().__init__(fn)
 
-    def process_message(self, msg):
+    def process_message(self, msg: dict) -> None:
+        """Wrap a tilted sample site's distribution in a `TiltedDistribution`."""
         name = msg.get("name")
         if msg["type"] == "sample" and name in self.tilts:
             t, _ = self.tilts[name]
             msg["fn"] = TiltedDistribution(msg["fn"], t)
 
-    def postprocess_message(self, msg):
+    def postprocess_message(self, msg: dict) -> None:
+        """Add the factor of a tilted deterministic site."""
         name = msg.get("name")
         if msg["type"] != "deterministic" or name not in self.tilts:
             return
@@ -119,13 +159,22 @@ class tilt(Messenger):
 
 
 class require_values(Messenger):
-    """Raise a clear error at a latent, non-enumerated sample site that has no value."""
+    """Raise a clear error at a latent, non-enumerated sample site that has no value.
 
-    def __init__(self, fn=None, what: str = "the exact engine"):
+    Args:
+        fn: the model (or ``None`` to use as a context manager).
+        what: who needs the values, for the error message.
+
+    Raises:
+        ValueError: at the first latent continuous site without a value, naming it.
+    """
+
+    def __init__(self, fn: Callable | None = None, what: str = "the exact engine"):
         self.what = what
         super().__init__(fn)
 
-    def process_message(self, msg):
+    def process_message(self, msg: dict) -> None:
+        """Check one sample site."""
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:
@@ -139,24 +188,35 @@ class require_values(Messenger):
 
 
 class fill_discrete(Messenger):
-    """Give each enumerable site a placeholder value (zeros of its batch shape)."""
+    """Give each enumerable site a placeholder value (zeros of its batch shape).
 
-    def process_message(self, msg):
+    Wraps a model like any NumPyro handler: ``fill_discrete(model)``.
+    """
+
+    def process_message(self, msg: dict) -> None:
+        """Fill one enumerable sample site that has no value."""
         if msg["type"] == "sample" and msg.get("value") is None and not msg["is_observed"]:
             if is_enumerated(msg) and msg["fn"].has_enumerate_support:
                 msg["value"] = jnp.zeros(msg["fn"].batch_shape, dtype=jnp.int32)
 
 
 class pin(Messenger):
-    """Fix discrete sites to given values as observations (their log-prob is kept) and
-    take them out of enumeration. Used for single-parent edge sites, which funsor's
-    MAP/sampling cannot read a point from."""
+    """Fix discrete sites to given values and take them out of enumeration.
 
-    def __init__(self, fn=None, data: dict | None = None):
+    The values are observations: their log-prob is kept. Used for single-parent edge
+    sites, which funsor's MAP / sampling cannot read a point from.
+
+    Args:
+        fn: the model (or ``None`` to use as a context manager).
+        data: ``{site name: value}``.
+    """
+
+    def __init__(self, fn: Callable | None = None, data: dict | None = None):
         self.data = dict(data or {})
         super().__init__(fn)
 
-    def process_message(self, msg):
+    def process_message(self, msg: dict) -> None:
+        """Observe one listed sample site at its value."""
         if msg["type"] == "sample" and msg["name"] in self.data:
             msg["value"] = self.data[msg["name"]]
             msg["is_observed"] = True

@@ -1,20 +1,20 @@
-r"""The statement models are written with: :func:`edge`.
+r"""The statement models are written with: [`edge`][structinfer.edge].
 
-.. math::
-
-    \phi_i \sim p(\phi_i), \qquad \log p(x, \phi) \mathrel{+}= \psi(x_i, x_{\phi_i})
+$$
+\phi_i \sim p(\phi_i), \qquad \log p(x, \phi) \mathrel{+}= \psi(x_i, x_{\phi_i})
+$$
 
 An edge site is an ordinary NumPyro ``sample`` site marked for parallel
 enumeration. Prior and score are folded into the site's own distribution,
-:math:`\phi_i \sim \mathrm{softmax}_j(\log p(\phi_i = j) + \psi_{ij})`, and the row
-normaliser :math:`\log \sum_j p(\phi_i = j)\, e^{\psi_{ij}}` (which does not depend
+$\phi_i \sim \mathrm{softmax}_j(\log p(\phi_i = j) + \psi_{ij})$, and the row
+normaliser $\log \sum_j p(\phi_i = j)\, e^{\psi_{ij}}$ (which does not depend
 on the edge) is a ``factor`` site ``"<name>.score"``: the joint is unchanged, and every
 funsor contraction of the model (the exact engine, NumPyro's ``log_density`` under
 ``enum``, ``TraceEnum_ELBO``, ``MCMC(NUTS(model))``, ``infer_discrete``) sees one
 normalised factor per edge, so it is float32-safe when a forbidden parent scores far
-above the allowed ones. Run the model under :mod:`structinfer.exact` to collapse the
+above the allowed ones. Run the model under [`structinfer.exact`][structinfer.exact] to collapse the
 edges; run it plainly (``numpyro.handlers.seed``) to draw a structure from
-:math:`p(\phi) \propto p(\phi)\, e^{\psi}` (the model's own edge distribution when
+$p(\phi) \propto p(\phi)\, e^{\psi}$ (the model's own edge distribution when
 nothing else observes the edges).
 """
 
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
+from jax.typing import ArrayLike
 from numpyro.contrib.funsor.enum_messenger import plate as _enum_plate
 from numpyro.distributions.util import validate_sample
 from numpyro.ops.indexing import Vindex
@@ -47,17 +48,27 @@ __all__ = [
     "SCORE_SUFFIX",
 ]
 
-#: key of an edge site's ``infer`` dict holding its :class:`EdgeInfo`
 EDGE_INFO_KEY = "structinfer"
-#: suffix of the factor site carrying an edge's row normaliser (see :func:`edge`)
+"""Key of an edge site's ``infer`` dict holding its [`EdgeInfo`][structinfer.primitives.EdgeInfo]."""
 SCORE_SUFFIX = ".score"
+"""Suffix of the factor site carrying an edge's row normaliser (see [`edge`][structinfer.edge])."""
 
 
 @dataclass(frozen=True)
 class EdgeInfo:
-    """What :func:`edge` records in the site's ``infer`` dict (key :data:`EDGE_INFO_KEY`).
+    """What [`edge`][structinfer.edge] records in the site's ``infer`` dict.
 
-    The lowered engine reads it to recognise dense patterns; users rarely need it.
+    Stored under the key [`EDGE_INFO_KEY`][structinfer.primitives.EDGE_INFO_KEY]. The
+    lowered engine reads it to recognise dense patterns; users rarely need it.
+
+    Attributes:
+        name: the edge site's name.
+        prior: its structural prior.
+        score: its score, or ``None`` for no potential.
+        num_children: size of the children plate ``n``.
+        num_parents: size of the edge support ``m``.
+        children_plate: name of the plate at ``dim=-1``.
+        child: the ``child=`` index this site follows (multi-hop), ``None`` for a plain edge.
     """
 
     name: str
@@ -71,9 +82,18 @@ class EdgeInfo:
 
 
 def is_enumerated(site: dict) -> bool:
-    """Whether a trace site (or a message in a handler) is summed out by enumeration:
-    a latent (unobserved) ``sample`` site marked ``infer={"enumerate": "parallel"}``, as
-    every :func:`edge` site is. The one definition every module uses."""
+    """Whether a trace site (or a message in a handler) is summed out by enumeration.
+
+    That is a latent (unobserved) ``sample`` site marked
+    ``infer={"enumerate": "parallel"}``, as every [`edge`][structinfer.edge] site is. The
+    one definition every module uses.
+
+    Args:
+        site: a trace site or handler message.
+
+    Returns:
+        ``True`` for an enumerated latent sample site.
+    """
     return (
         site.get("type") == "sample"
         and not site.get("is_observed", False)
@@ -82,7 +102,11 @@ def is_enumerated(site: dict) -> bool:
 
 
 def active_plates() -> list[Any]:
-    """The plates (NumPyro's or funsor's enumeration plates) currently entered, outermost first."""
+    """The plates (NumPyro's or funsor's enumeration plates) currently entered, outermost first.
+
+    Returns:
+        The plate messengers on NumPyro's handler stack.
+    """
     return [h for h in _PYRO_STACK if isinstance(h, (_plate, _enum_plate))]
 
 
@@ -92,9 +116,11 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     ``table`` has shape ``batch + (parents,)``; ``index`` any shape that broadcasts
     against ``batch`` when right-aligned (as an enumerated edge value does).
     Plain chained indexing silently misaligns enumerated dims (numpyro issue 2252);
-    this is :class:`numpyro.ops.indexing.Vindex` semantics:
+    this is [`Vindex`][numpyro.ops.indexing.Vindex] semantics:
 
-    .. math:: \text{out}[\ldots] = \text{table}[\ldots, \text{index}[\ldots]]
+    $$
+    \text{out}[\ldots] = \text{table}[\ldots, \text{index}[\ldots]]
+    $$
 
     When the index varies only along dims where ``batch`` has size one (an enumerated
     edge value, shape ``(m, 1, ..., 1)``), the result is a column ``take`` followed by a
@@ -104,8 +130,15 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     time with one comparison, ``lax.cond``), it is a transpose of the table, no gather.
     Out-of-range indices read NaN, never a clamped row.
 
-    It is how a value :math:`v_i(x, \phi_i = j) = V x_j` is read (Singh & Buckley
+    It is how a value $v_i(x, \phi_i = j) = V x_j$ is read (Singh & Buckley
     sec. 3.2, the value function), and how an edge site's log-prob is evaluated.
+
+    Args:
+        table: ``batch + (parents,)`` values, e.g. a value per parent.
+        index: integer parent indices; broadcasts against ``batch`` when right-aligned.
+
+    Returns:
+        ``table[..., index]``, of the broadcast shape of ``batch`` and ``index``.
     """
     tshape, ishape = tuple(jnp.shape(table)[:-1]), tuple(jnp.shape(index))
     r = max(len(tshape), len(ishape))
@@ -144,12 +177,14 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
 class EdgeDistribution(dist.CategoricalLogits):
     r"""NumPyro's ``Categorical`` over parents, with a log-prob that is ``O(output)`` in memory.
 
-    .. math:: \log p(\phi_i = j) = \ell_{ij} - \log \textstyle\sum_{j'} e^{\ell_{ij'}}
+    $$
+    \log p(\phi_i = j) = \ell_{ij} - \log \textstyle\sum_{j'} e^{\ell_{ij'}}
+    $$
 
     NumPyro's ``CategoricalLogits.log_prob`` broadcasts the ``(..., children,
     parents)`` table against the value before gathering: at the enumerated value
     ``(parents, 1, ..., 1)`` that is a ``parents x children x parents`` array (4.7 GB
-    at 1024 children). Here the log-prob is :func:`gather` of the normalised table:
+    at 1024 children). Here the log-prob is [`gather`][structinfer.gather] of the normalised table:
     ``O(children x parents)``. Everything else (sampling, support, enumeration,
     pytree) is NumPyro's.
 
@@ -160,8 +195,8 @@ class EdgeDistribution(dist.CategoricalLogits):
         validate_args: NumPyro's argument validation, off by default (it rejects the
             ``-inf`` of forbidden parents); values outside the support read NaN.
 
-    Reference: the edge site of Singh & Buckley sec. 3.1 (eq. 1), enumerated by
-    NumPyro's funsor backend.
+    The edge site of Singh & Buckley sec. 3.1 (eq. 1), enumerated by NumPyro's funsor
+    backend.
     """
 
     def __init__(self, logits: jax.Array, *, log_normalizer: jax.Array | None = None,
@@ -171,7 +206,15 @@ class EdgeDistribution(dist.CategoricalLogits):
         super().__init__(logits, validate_args=validate_args)
 
     @validate_sample
-    def log_prob(self, value):
+    def log_prob(self, value: jax.Array) -> jax.Array:
+        r"""$\log p(\phi_i = \text{value})$, read with [`gather`][structinfer.gather].
+
+        Args:
+            value: parent indices; an enumerated value ``(parents, 1, ..., 1)`` included.
+
+        Returns:
+            The log-probabilities (NaN outside the support).
+        """
         return gather(self.logits, value)
 
 
@@ -227,26 +270,33 @@ def _check_table(table: jax.Array, what: str, site: str, batch, num_parents: int
         )
 
 
-def edge(name: str, prior, score=None, *, child=None, infer: dict | None = None) -> jax.Array:
-    r"""Declare an edge site: child ``i`` takes one parent ``\phi_i`` under ``prior``.
+def edge(
+    name: str,
+    prior: StructuralPrior | dist.CategoricalLogits | dist.CategoricalProbs,
+    score: Score | ArrayLike | None = None,
+    *,
+    child: ArrayLike | None = None,
+    infer: dict | None = None,
+) -> jax.Array:
+    r"""Declare an edge site: child $i$ takes one parent $\phi_i$ under ``prior``.
 
-    .. math::
-
-        p(x, \phi) \propto \prod_i p(\phi_i)\, \exp \psi(x_i, x_{\phi_i})
+    $$
+    p(x, \phi) \propto \prod_i p(\phi_i)\, \exp \psi(x_i, x_{\phi_i})
+    $$
 
     Must be called inside one or more ``numpyro.plate``; the plate at ``dim=-1``
     indexes the children. Extra plates (heads, batch) broadcast.
 
     Args:
         name: site name (must be unique in the model).
-        prior: a :mod:`structinfer.priors` prior (or a NumPyro ``Categorical``).
-        score: a :mod:`structinfer.scores` score, or a ``(..., children, parents)``
+        prior: a [`structinfer.priors`][structinfer.priors] prior (or a NumPyro ``Categorical``).
+        score: a [`structinfer.scores`][structinfer.scores] score, or a ``(..., children, parents)``
             array of log-potentials; ``None`` for no potential (e.g. when the
             parent enters through an observed sample site instead).
         child: follow a chain (multi-hop attention): the node whose edge this is, e.g.
             the value of a previous edge site. The site is then node ``child``'s edge
             with its posterior conditional
-            :math:`p(\phi_{\text{child}} = k \mid x) = \mathrm{softmax}_k(\log p(\phi_{\text{child}} = k) + \psi_{\text{child},k})`
+            $p(\phi_{\text{child}} = k \mid x) = \mathrm{softmax}_k(\log p(\phi_{\text{child}} = k) + \psi_{\text{child},k})$
             as distribution (Singh & Buckley appendix 7.3: the second hop uses the
             edge of the node the first hop reached). No separate score factor is
             added: each hop is normalised, so ``log Z`` is that of the first hop.
@@ -254,7 +304,28 @@ def edge(name: str, prior, score=None, *, child=None, infer: dict | None = None)
 
     Returns:
         The edge variable (parent index): shape = the plates' batch shape when the
-        model is run plainly, an enumeration tensor under the exact engine.
+            model is run plainly, an enumeration tensor under the exact engine.
+
+    Raises:
+        ValueError: if the edge is not inside a plate at ``dim=-1``, or the prior or score
+            does not fit the plates' ``(..., children)`` batch shape and the prior's
+            parents, or the score is not finite.
+        TypeError: if ``name``, ``prior`` or ``score`` has the wrong type.
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpyro
+        import structinfer as si
+
+        def model(q, k):
+            with numpyro.plate("queries", q.shape[0]):
+                si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
+
+        q, k = jnp.ones((3, 2)), jnp.ones((5, 2))
+        attention = si.marginals(model, q, k)["phi"]  # p(phi_i = j | q, k)
+        assert attention.shape == (3, 5)  # one row over the 5 keys per query
+        ```
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"edge: name must be a non-empty str, got {name!r}")

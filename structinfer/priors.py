@@ -1,15 +1,15 @@
 r"""Structural priors: distributions over which parent each child node takes.
 
-An edge site :math:`\phi_i` takes values in the parents :math:`\{0,\dots,m-1\}`
-of child :math:`i`. A structural prior is a table
-:math:`\log p(\phi_i = j)` of shape ``(..., children, parents)``, normalised over
+An edge site $\phi_i$ takes values in the parents $\{0,\dots,m-1\}$
+of child $i$. A structural prior is a table
+$\log p(\phi_i = j)$ of shape ``(..., children, parents)``, normalised over
 parents. It enters attention as an additive bias inside the softmax
 (Singh & Buckley, "Attention as implicit structural inference", sec. 3 and
 appendix 8.2):
 
-.. math::
-
-    p(\phi_i = j \mid x) = \mathrm{softmax}_j\big(\psi(x_i, x_j) + \log p(\phi_i = j)\big).
+$$
+p(\phi_i = j \mid x) = \mathrm{softmax}_j\big(\psi(x_i, x_j) + \log p(\phi_i = j)\big).
+$$
 
 The priors are *structured objects*: besides the dense table (``log_table``)
 they keep the parameters that describe them (a window size, a relative-position
@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
+from jax.typing import ArrayLike
 
 from ._checks import as_float_array, check_static_int, is_concrete
 
@@ -102,10 +103,10 @@ def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
 
 
 class StructuralPrior:
-    """Base class of structural priors.
+    r"""Base class of structural priors $p(\phi_i = j)$ over each child's parents.
 
-    Subclasses implement :meth:`_log_weights` (unnormalised log-weights,
-    ``-inf`` for forbidden edges); the base class normalises and validates.
+    Subclasses implement ``_log_weights(num_children)`` (unnormalised log-weights,
+    ``-inf`` for forbidden edges); the base class normalises and validates them.
     """
 
     #: size of the edge support (number of candidate parents)
@@ -121,10 +122,14 @@ class StructuralPrior:
         raise NotImplementedError
 
     def log_table(self, num_children: int) -> jax.Array:
-        r"""Normalised log-prior :math:`\log p(\phi_i=j)`, shape ``(..., children, parents)``.
+        r"""Normalised log-prior $\log p(\phi_i=j)$, shape ``(..., children, parents)``.
 
         Args:
             num_children: number of children ``n`` (the size of the children plate).
+
+        Returns:
+            The table $\log p(\phi_i = j)$, normalised over parents (``-inf`` marks a
+                forbidden edge).
 
         Raises:
             ValueError: if some child has no allowed parent (checked on concrete values).
@@ -147,11 +152,23 @@ class StructuralPrior:
         return table
 
     def distribution(self, num_children: int) -> dist.Categorical:
-        """The NumPyro distribution over parents, batch shape ``(..., children)``."""
+        """The NumPyro distribution over parents, batch shape ``(..., children)``.
+
+        Args:
+            num_children: number of children ``n`` (the size of the children plate).
+
+        Returns:
+            A ``Categorical`` with logits [`log_table(num_children)`][structinfer.priors.StructuralPrior.log_table].
+        """
         return dist.Categorical(logits=self.log_table(num_children), validate_args=False)
 
     def describe(self) -> dict[str, Any]:
-        """Structured description (used by lowering and ``explain``)."""
+        """Structured description of the prior (read by the lowering and ``si.explain``).
+
+        Returns:
+            ``{"kind": ..., "num_parents": ..., "offset": ..., ...}``; subclasses add their
+                parameters.
+        """
         return {"kind": self.kind, "num_parents": self.num_parents, "offset": self.offset}
 
     def __repr__(self) -> str:
@@ -169,7 +186,7 @@ def _check_num_parents(num_parents) -> int:
 
 
 class Uniform(StructuralPrior):
-    r"""Uniform prior over all parents: :math:`p(\phi_i = j) = 1/m`.
+    r"""Uniform prior over all parents: $p(\phi_i = j) = 1/m$.
 
     The prior of cross and self attention (Singh & Buckley Table 1, rows 1-2).
 
@@ -212,7 +229,7 @@ def _check_positive_int(value, name: str, who: str) -> int:
 
 @dataclass(frozen=True)
 class RestrictionPattern:
-    r"""What a :class:`Restricted` prior's mask is known to be (base class).
+    r"""What a [`Restricted`][structinfer.priors.Restricted] prior's mask is known to be (a base class).
 
     A pattern never changes the prior: the mask $M$ alone defines
     $p(\phi_i = j) \propto M_{ij}$. It tells the lowered engine the structure behind the
@@ -230,7 +247,11 @@ class RestrictionPattern:
     kind: ClassVar[str] = "pattern"
 
     def describe(self) -> dict[str, Any]:
-        """``{"type": kind, field: value, ...}``, read by :meth:`Restricted.describe`."""
+        """The pattern as a dict, read by [`Restricted.describe`][structinfer.priors.Restricted.describe].
+
+        Returns:
+            ``{"type": kind, field: value, ...}`` over the dataclass fields.
+        """
         return {"type": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
@@ -251,15 +272,17 @@ class Mask(RestrictionPattern):
             raise TypeError(f"Mask pattern: label must be a str or None, got {self.label!r}")
 
     def describe(self) -> dict[str, Any]:
-        """``{"type": "mask"}``, plus ``"label"`` when one is given."""
+        """The pattern as a dict: ``{"type": "mask"}``, plus ``"label"`` when one is given."""
         return {"type": self.kind} if self.label is None else {"type": self.kind,
                                                                 "label": self.label}
 
 
 @dataclass(frozen=True)
 class Causal(RestrictionPattern):
-    r"""Causal mask: $M_{ij} = [d_{ij} \ge d_0]$ with $d_{ij} = i + \text{offset} - j$,
-    $d_0 = 0$ with the self-edge and 1 without (set by :meth:`Restricted.causal`).
+    r"""Causal mask: $M_{ij} = [d_{ij} \ge d_0]$, parents at or before the child.
+
+    Here $d_{ij} = i + \text{offset} - j$, and $d_0 = 0$ with the self-edge and 1 without.
+    Set by [`Restricted.causal`][structinfer.priors.Restricted.causal].
 
     Args:
         include_self: allow the self-edge (distance 0).
@@ -278,11 +301,12 @@ class Causal(RestrictionPattern):
 
 @dataclass(frozen=True)
 class Window(RestrictionPattern):
-    r"""Sliding window of ``size`` parents (set by :meth:`Restricted.window`).
+    r"""Sliding window of ``size`` parents around (or before) the child.
 
     Causal: $d_0 \le d_{ij} < d_0 + \text{size}$ ($d_0 = 0$, or 1 without the self-edge);
     not causal: $|d_{ij}| < \text{size}$ (and $d_{ij} \ne 0$ without the self-edge), with
-    $d_{ij} = i + \text{offset} - j$.
+    $d_{ij} = i + \text{offset} - j$. Set by
+    [`Restricted.window`][structinfer.priors.Restricted.window].
 
     Args:
         size: the window size (a positive int).
@@ -307,16 +331,23 @@ class Window(RestrictionPattern):
 
 @dataclass(frozen=True)
 class Graph(RestrictionPattern):
-    """The adjacency of a graph: parents are a node's in-neighbours (set by
-    :meth:`Restricted.from_graph`); lowered as its mask."""
+    """The adjacency of a graph: parents are a node's in-neighbours.
+
+    Set by [`Restricted.from_graph`][structinfer.priors.Restricted.from_graph]; lowered as
+    its mask.
+    """
 
     kind: ClassVar[str] = "graph"
 
 
 @dataclass(frozen=True)
 class BlockSparse(RestrictionPattern):
-    """Whole blocks of ``block_size = (children, parents)`` allowed or not (set by
-    :meth:`Restricted.block_sparse`); lowered as its mask, empty blocks skipped.
+    r"""Whole blocks of ``block_size = (children, parents)`` allowed or not.
+
+    $M_{ij} = B_{\lfloor i / b_c \rfloor, \lfloor j / b_p \rfloor}$ for a block mask $B$ and
+    blocks of $b_c$ children by $b_p$ parents. Set by
+    [`Restricted.block_sparse`][structinfer.priors.Restricted.block_sparse]; lowered as its
+    mask, with the empty blocks skipped.
 
     Args:
         block_size: ``(children, parents)`` per block, or one int for square blocks.
@@ -367,31 +398,40 @@ def _as_pattern(pattern) -> RestrictionPattern:
 class Restricted(StructuralPrior):
     r"""Uniform prior restricted to a set of allowed edges (graph / sparse attention).
 
-    .. math:: p(\phi_i = j) = \frac{M_{ij}}{\sum_{j'} M_{ij'}}
+    $$
+    p(\phi_i = j) = \frac{M_{ij}}{\sum_{j'} M_{ij'}}
+    $$
 
     (Singh & Buckley Table 1, row 3: "Uniform (restricted)".)
 
     Args:
         mask: boolean array ``(..., children, parents)``; ``mask[i, j]`` is True
             when ``j`` is an allowed parent of ``i``.
-        pattern: what the mask is known to be, a :class:`RestrictionPattern`
-            (:class:`Causal`, :class:`Window`, :class:`Graph`, :class:`BlockSparse`,
-            :class:`Mask`; set by the constructors below); the lowered engine uses it to
-            skip excluded blocks. Default ``Mask()``.
+        pattern: what the mask is known to be, a
+            [`RestrictionPattern`][structinfer.priors.RestrictionPattern]
+            ([`Causal`][structinfer.priors.Causal], [`Window`][structinfer.priors.Window],
+            [`Graph`][structinfer.priors.Graph],
+            [`BlockSparse`][structinfer.priors.BlockSparse],
+            [`Mask`][structinfer.priors.Mask]; set by the constructors below); the lowered
+            engine uses it to skip excluded blocks. Default ``Mask()``.
         offset: child ``i`` sits at parent position ``i + offset``; default the
             pattern's offset (``Causal`` / ``Window``), else 0.
 
     Raises:
-        TypeError: if ``pattern`` is not a :class:`RestrictionPattern` (e.g. a dict).
+        TypeError: if ``pattern`` is not a
+            [`RestrictionPattern`][structinfer.priors.RestrictionPattern] (e.g. a dict).
+        ValueError: if some child has no allowed parent (checked on concrete masks).
 
-    Use the constructors :meth:`causal`, :meth:`window`, :meth:`from_graph` and
-    :meth:`block_sparse` for the common patterns.
+    Use the constructors [`causal`][structinfer.priors.Restricted.causal],
+    [`window`][structinfer.priors.Restricted.window],
+    [`from_graph`][structinfer.priors.Restricted.from_graph] and
+    [`block_sparse`][structinfer.priors.Restricted.block_sparse] for the common patterns.
     """
 
     kind = "restricted"
 
     def __init__(
-        self, mask, pattern: RestrictionPattern | None = None, offset: int | None = None
+        self, mask: ArrayLike, pattern: RestrictionPattern | None = None, offset: int | None = None
     ):
         #: the mask as a NumPy array when known at trace time (lets the lowered
         #: engine verify ``pattern`` and skip empty blocks under ``jit``), else None
@@ -408,7 +448,7 @@ class Restricted(StructuralPrior):
             )
         self.mask = mask
         self.num_parents = int(mask.shape[-1])
-        #: the :class:`RestrictionPattern` the mask is known to follow
+        #: the ``RestrictionPattern`` the mask is known to follow
         self.pattern = _as_pattern(pattern)
         own = getattr(self.pattern, "offset", None)
         self.offset = _check_offset((own or 0) if offset is None else offset, "Restricted prior")
@@ -422,6 +462,7 @@ class Restricted(StructuralPrior):
         return jnp.where(self.mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
 
     def describe(self) -> dict[str, Any]:
+        """The prior's description with its pattern's entries (``type`` and fields)."""
         return {"kind": self.kind, "num_parents": self.num_parents, **self.pattern.describe(),
                 "offset": self.offset}
 
@@ -433,8 +474,20 @@ class Restricted(StructuralPrior):
         include_self: bool = True,
         offset: int = 0,
     ) -> Restricted:
-        """Causal mask: child ``i`` may take parents at distance ``d = i + offset - j >= 0``
-        (``>= 1`` without the self-edge); the pattern is ``Causal(include_self, offset)``."""
+        r"""Causal mask: child $i$ may take the parents at distance $d_{ij} \ge d_0$.
+
+        $d_{ij} = i + \text{offset} - j$; $d_0 = 0$ with the self-edge, 1 without. The
+        pattern is [`Causal(include_self, offset)`][structinfer.priors.Causal].
+
+        Args:
+            num_children: number of children ``n``.
+            num_parents: number of parents ``m`` (default ``n``).
+            include_self: allow the self-edge (distance 0).
+            offset: child ``i`` sits at parent position ``i + offset``.
+
+        Returns:
+            The prior, uniform over the allowed parents.
+        """
         check_static_int(num_children, "num_children", "Restricted.causal")
         check_static_int(num_parents, "num_parents", "Restricted.causal")
         check_static_int(offset, "offset", "Restricted.causal")
@@ -453,9 +506,26 @@ class Restricted(StructuralPrior):
         include_self: bool = True,
         offset: int = 0,
     ) -> Restricted:
-        """Sliding window of ``size`` parents: ``lo <= d < lo + size`` with ``lo = 0``
-        (or 1 without self-edge) when causal; ``|d| < size`` when not causal. The pattern
-        is ``Window(size, causal, include_self, offset)``."""
+        r"""Sliding window of ``size`` parents around (or before) each child.
+
+        Causal: $d_0 \le d_{ij} < d_0 + \text{size}$ with $d_0 = 0$ (1 without the
+        self-edge); not causal: $|d_{ij}| < \text{size}$. The pattern is
+        [`Window(size, causal, include_self, offset)`][structinfer.priors.Window].
+
+        Args:
+            num_children: number of children ``n``.
+            size: the window size (>= 1).
+            num_parents: number of parents ``m`` (default ``n``).
+            causal: only parents at or before the child.
+            include_self: allow the self-edge (distance 0).
+            offset: child ``i`` sits at parent position ``i + offset``.
+
+        Returns:
+            The prior, uniform over the parents in the window.
+
+        Raises:
+            ValueError: if ``size < 1``.
+        """
         check_static_int(num_children, "num_children", "Restricted.window")
         check_static_int(size, "size", "Restricted.window")
         check_static_int(num_parents, "num_parents", "Restricted.window")
@@ -477,14 +547,21 @@ class Restricted(StructuralPrior):
         )
 
     @classmethod
-    def from_graph(cls, adjacency, self_loops: bool = False) -> Restricted:
-        """Graph attention: ``adjacency[i, j]`` nonzero when ``j`` is a parent of ``i``.
+    def from_graph(cls, adjacency: ArrayLike, self_loops: bool = False) -> Restricted:
+        r"""Graph attention: $p(\phi_i = j) \propto [A_{ij} \ne 0]$ for an adjacency $A$.
+
+        The pattern is [`Graph()`][structinfer.priors.Graph].
 
         Args:
-            adjacency: ``(children, parents)`` array (bool or 0/1 weights).
+            adjacency: ``(children, parents)`` array (bool or 0/1 weights);
+                ``adjacency[i, j]`` is nonzero when ``j`` is a parent of ``i``.
             self_loops: also allow ``j = i`` (square graphs only).
 
-        The pattern is ``Graph()``.
+        Returns:
+            The prior, uniform over each node's in-neighbours.
+
+        Raises:
+            ValueError: if ``self_loops`` is asked of a non-square adjacency.
         """
         adj = np.asarray(adjacency) != 0
         if self_loops:
@@ -494,10 +571,20 @@ class Restricted(StructuralPrior):
         return cls(adj, pattern=Graph())
 
     @classmethod
-    def block_sparse(cls, block_mask, block_size: int | tuple[int, int]) -> Restricted:
-        """Block-sparse attention: ``block_mask[a, b]`` allows the whole block of children
-        ``a*bs:(a+1)*bs`` and parents ``b*bs:(b+1)*bs``; the pattern is
-        ``BlockSparse((bs_children, bs_parents))``."""
+    def block_sparse(cls, block_mask: ArrayLike, block_size: int | tuple[int, int]) -> Restricted:
+        r"""Block-sparse attention: $M_{ij} = B_{\lfloor i / b_c \rfloor, \lfloor j / b_p \rfloor}$.
+
+        ``block_mask[a, b]`` allows the whole block of children ``a*bc:(a+1)*bc`` and
+        parents ``b*bp:(b+1)*bp``; the pattern is
+        [`BlockSparse((bc, bp))`][structinfer.priors.BlockSparse].
+
+        Args:
+            block_mask: boolean ``(children / bc, parents / bp)`` block pattern $B$.
+            block_size: ``(bc, bp)``, or one int for square blocks.
+
+        Returns:
+            The prior, uniform over the parents in the allowed blocks.
+        """
         pattern = BlockSparse(block_size=block_size)
         bc, bp = pattern.block_size
         bm = np.asarray(block_mask, dtype=bool)
@@ -508,7 +595,9 @@ class Restricted(StructuralPrior):
 class Categorical(StructuralPrior):
     r"""Free categorical prior, one row of log-probabilities per child.
 
-    .. math:: p(\phi_i = j) = \mathrm{softmax}_j(\ell_{ij})
+    $$
+    p(\phi_i = j) = \mathrm{softmax}_j(\ell_{ij})
+    $$
 
     (Singh & Buckley appendix 8.2: "if the prior over edges is categorical ... it
     can be fully specified by the matrix P".)
@@ -519,11 +608,14 @@ class Categorical(StructuralPrior):
         offset: child ``i`` sits at parent position ``i + offset`` (only distances
             depend on it): 0 for self attention over the same ``n = m`` nodes; e.g. 1
             when child ``c`` is node ``c + 1`` and its parents are nodes ``0 .. c``.
+
+    Raises:
+        ValueError: if the logits have no parent axis, or contain NaN or ``+inf``.
     """
 
     kind = "categorical"
 
-    def __init__(self, logits, offset: int = 0):
+    def __init__(self, logits: ArrayLike, offset: int = 0):
         logits = as_float_array(logits, "Categorical prior logits")
         if logits.ndim < 1:
             raise ValueError("Categorical prior: logits must have a parent axis")
@@ -541,9 +633,11 @@ class Categorical(StructuralPrior):
 
 
 class RelativePosition(StructuralPrior):
-    r"""Relative-position prior: the log-prior depends on the distance ``d = i + offset - j`` only.
+    r"""Relative-position prior: the log-prior depends on the distance $d_{ij}$ only.
 
-    .. math:: p(\phi_i = j) \propto \exp\big(b(d_{ij})\big)\, M_{ij}
+    $$
+    p(\phi_i = j) \propto \exp\big(b(d_{ij})\big)\, M_{ij}, \qquad d_{ij} = i + \text{offset} - j
+    $$
 
     This is the probabilistic reading of relative positional encodings
     (Singh & Buckley appendix 8.2, Table 1 row 4). Three parameterisations:
@@ -553,11 +647,13 @@ class RelativePosition(StructuralPrior):
       (length ``num_children + offset + num_parents - 1``); with ``max_distance=D``
       the bias has ``2D + 1`` entries, ``bias[..., clip(d, -D, D) + D]``, and
       distances beyond ``D`` share the edge buckets.
-    * :meth:`circulant` — ``P = circ(p)``: ``p(\phi_i=j) \propto p_{(i-j) \bmod n}``.
-    * :meth:`hartley` — the circulant log-prior written in the Hartley basis,
-      :math:`\ln p_{ij} = \sum_k \beta_k\,\mathrm{cas}(2\pi k (i-j)/n)` with
-      :math:`\mathrm{cas} = \cos + \sin`. (The paper prints the angle as
-      :math:`(i-j)/(2\pi n)`; we use the standard Hartley angle :math:`2\pi (i-j)/n`,
+    * [`circulant`][structinfer.priors.RelativePosition.circulant] — $P = \mathrm{circ}(p)$:
+      $p(\phi_i=j) \propto p_{(i-j) \bmod n}$.
+    * [`hartley`][structinfer.priors.RelativePosition.hartley] — the circulant log-prior
+      written in the Hartley basis,
+      $\ln p_{ij} = \sum_k \beta_k\,\mathrm{cas}(2\pi k (i-j)/n)$ with
+      $\mathrm{cas} = \cos + \sin$. (The paper prints the angle as
+      $(i-j)/(2\pi n)$; we use the standard Hartley angle $2\pi (i-j)/n$,
       which is what makes the table circulant.)
 
     Args:
@@ -565,14 +661,14 @@ class RelativePosition(StructuralPrior):
         num_parents: number of parents ``m``.
         offset: child ``i`` sits at parent position ``i + offset``.
         max_distance: clip ``|d|`` to this value before looking up the bias.
-        causal: also forbid parents after the child (``d < 0``).
+        causal: also forbid parents after the child ($d_{ij} < 0$).
     """
 
     kind = "relative_position"
 
     def __init__(
         self,
-        bias,
+        bias: ArrayLike,
         num_parents: int,
         offset: int = 0,
         max_distance: int | None = None,
@@ -593,16 +689,34 @@ class RelativePosition(StructuralPrior):
         self.period = _period
 
     @classmethod
-    def circulant(cls, logits, causal: bool = False) -> RelativePosition:
-        """Circulant prior ``P = circ(p)`` on ``n = len(logits)`` nodes, given as log-weights."""
+    def circulant(cls, logits: ArrayLike, causal: bool = False) -> RelativePosition:
+        r"""Circulant prior $P = \mathrm{circ}(p)$: $p(\phi_i = j) \propto p_{(i-j) \bmod n}$.
+
+        Args:
+            logits: the log-weights $\ln p$, ``(n,)``: one per distance modulo ``n``.
+            causal: also forbid parents after the child.
+
+        Returns:
+            The prior on ``n = len(logits)`` nodes.
+        """
         logits = as_float_array(logits, "RelativePosition.circulant logits")
         n = int(logits.shape[-1])
         return cls(logits, n, causal=causal, _mode="circulant", _period=n)
 
     @classmethod
-    def hartley(cls, beta, num_nodes: int, causal: bool = False) -> RelativePosition:
-        r"""Hartley-parameterised circulant prior: :math:`\ln p_{ij} = \beta\cdot b^{(i,j)}`,
-        :math:`b_k^{(i,j)} = \cos(2\pi k (i-j)/n) + \sin(2\pi k (i-j)/n)`, ``k = 0..K-1``."""
+    def hartley(cls, beta: ArrayLike, num_nodes: int, causal: bool = False) -> RelativePosition:
+        r"""Hartley-parameterised circulant prior: $\ln p_{ij} = \beta\cdot b^{(i,j)}$.
+
+        $b_k^{(i,j)} = \cos(2\pi k (i-j)/n) + \sin(2\pi k (i-j)/n)$ for $k = 0..K-1$.
+
+        Args:
+            beta: the Hartley coefficients $\beta$, ``(..., K)``.
+            num_nodes: number of nodes ``n``.
+            causal: also forbid parents after the child.
+
+        Returns:
+            The circulant prior on ``n`` nodes.
+        """
         beta = as_float_array(beta, "RelativePosition.hartley beta")
         n = int(check_static_int(num_nodes, "num_nodes", "RelativePosition.hartley"))
         r = jnp.arange(n)
@@ -618,6 +732,12 @@ class RelativePosition(StructuralPrior):
         * circulant: ``d mod n``;
         * linear, no clipping: ``d + num_parents - 1`` (distances ``-(m-1) .. n-1+offset``);
         * linear with ``max_distance = D``: ``clip(d, -D, D) + D`` (a bias of ``2D + 1``).
+
+        Args:
+            d: integer distances $d_{ij}$, any shape.
+
+        Returns:
+            Indices into the last axis of ``bias``, shaped like ``d``.
         """
         if self.mode == "circulant":
             return jnp.mod(d, self.period)
@@ -627,7 +747,15 @@ class RelativePosition(StructuralPrior):
         return d + self.num_parents - 1
 
     def check_bias_length(self, num_children: int) -> None:
-        """Raise if the bias does not cover every distance of an ``n x m`` grid (static shapes)."""
+        """Raise if the bias does not cover every distance of an ``n x m`` grid (static shapes).
+
+        Args:
+            num_children: number of children ``n``.
+
+        Raises:
+            ValueError: if the bias has the wrong length, or the offset puts distances below
+                ``-(m - 1)`` without a ``max_distance``.
+        """
         if self.mode == "circulant":
             return
         L = self.bias.shape[-1]
@@ -652,7 +780,14 @@ class RelativePosition(StructuralPrior):
             )
 
     def distance_log_weights(self, d: jax.Array) -> jax.Array:
-        """Log-weight ``b(d)`` for an integer distance grid ``d`` (any shape)."""
+        """Log-weight $b(d)$ for an integer distance grid ``d`` (any shape).
+
+        Args:
+            d: integer distances $d_{ij}$, any shape.
+
+        Returns:
+            $b(d)$, with ``-inf`` after the child when ``causal``.
+        """
         w = jnp.take(self.bias, self.bias_index(d), axis=-1)
         if self.causal:
             w = jnp.where(d >= 0, w, -jnp.inf)
@@ -677,16 +812,16 @@ class RelativePosition(StructuralPrior):
 class Geometric(StructuralPrior):
     r"""Geometric (recency) prior over the distance to an earlier parent.
 
-    .. math::
-
-        p(\phi_i = j \mid q) \propto q\,(1-q)^{d_{ij} - d_0}, \qquad
-        d_{ij} = i + \text{offset} - j \in \{d_0, \dots, d_{\max}\},
+    $$
+    p(\phi_i = j \mid q) \propto q\,(1-q)^{d_{ij} - d_0}, \qquad
+    d_{ij} = i + \text{offset} - j \in \{d_0, \dots, d_{\max}\},
+    $$
 
     truncated to the available parents and renormalised; ``d_0 = 0`` with the
     self-edge, 1 without. This is the prior of expanding attention (Singh &
     Buckley sec. 5.2, Table 1 row 12); with ``q ~ Beta(α, β)`` sampled in the
-    model it is conjugate: the posterior of ``q`` given a distance ``d`` is
-    ``Beta(α + 1, β + d - d_0)``.
+    model it is conjugate: the posterior of $q$ given a distance $d$ is
+    $\mathrm{Beta}(\alpha + 1, \beta + d - d_0)$.
 
     Args:
         q: success probability in (0, 1); any batch shape broadcasting against
@@ -696,13 +831,16 @@ class Geometric(StructuralPrior):
         offset: child ``i`` sits at parent position ``i + offset``.
         max_distance: optional hard truncation (the window of the windowed kernel); may be
             traced (a window inferred under jit), then `si.attention` uses the exact engine.
+
+    Raises:
+        ValueError: if a concrete ``q`` lies outside (0, 1).
     """
 
     kind = "geometric"
 
     def __init__(
         self,
-        q,
+        q: ArrayLike,
         num_parents: int,
         include_self: bool = True,
         offset: int = 0,
@@ -726,6 +864,7 @@ class Geometric(StructuralPrior):
 
     @property
     def min_distance(self) -> int:
+        """$d_0$: the smallest allowed distance (0 with the self-edge, 1 without)."""
         return 0 if self.include_self else 1
 
     def _log_weights(self, num_children: int) -> jax.Array:
@@ -750,7 +889,7 @@ class Geometric(StructuralPrior):
 
 
 def as_prior(prior: Any, site: str) -> StructuralPrior:
-    """Coerce ``prior`` to a :class:`StructuralPrior` or raise a clear error."""
+    """Coerce ``prior`` to a [`StructuralPrior`][structinfer.priors.StructuralPrior] or raise a clear error."""
     if isinstance(prior, StructuralPrior):
         return prior
     if isinstance(prior, (dist.CategoricalLogits, dist.CategoricalProbs)):

@@ -1,11 +1,13 @@
-r"""Structured scores (edge potentials) :math:`\psi(x_i, x_j)`.
+r"""Structured scores (edge potentials) $\psi(x_i, x_j)$.
 
-A score is the log-potential added for the edge :math:`\phi_i = j`:
+A score is the log-potential added for the edge $\phi_i = j$:
 
-.. math:: \log p(x, \phi) = \sum_i \big[\log p(\phi_i) + \psi(x_i, x_{\phi_i})\big] + \dots
+$$
+\log p(x, \phi) = \sum_i \big[\log p(\phi_i) + \psi(x_i, x_{\phi_i})\big] + \dots
+$$
 
 Scores are *lazy*: they keep their factors (queries, keys, weights) so the
-lowered engine can compute them blockwise, and :meth:`Score.dense` materialises
+lowered engine can compute them blockwise, and [`Score.dense`][structinfer.scores.Score.dense] materialises
 the ``(..., children, parents)`` table the exact engine gathers from. The
 similarity inside the softmax is a modelling choice (McCarter, "Inverse distance
 weighting attention"); every choice here is the log-potential of some model.
@@ -23,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from ._checks import all_positive, as_float_array, check_ndim, is_concrete
 
@@ -52,15 +55,15 @@ def _sq_dist(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.sum(diff * diff, axis=-1)
 
 
-def safe_pow_dist(sq: jax.Array, p) -> jax.Array:
-    r"""A distance to the power ``p`` from its square, $\|x\|^p = (\|x\|^2)^{p/2}$, with
-    finite gradients (in the distance and in ``p``) at zero distance.
+def safe_pow_dist(sq: jax.Array, p: ArrayLike) -> jax.Array:
+    r"""A distance to the power ``p`` from its square, $\|x\|^p = (\|x\|^2)^{p/2}$.
 
-    Computed as $s \cdot s^{p/2 - 1}$ for $s = \|x\|^2 > 0$ and 0 at $s = 0$, which is
+    The gradients (in the distance and in ``p``) stay finite at zero distance. Computed as $s \cdot s^{p/2 - 1}$ for $s = \|x\|^2 > 0$ and 0 at $s = 0$, which is
     exactly ``sq`` at ``p = 2`` (``x ** 0 == 1``), so the concrete ``p == 2`` shortcut and the
     traced path give the same number. The zero-distance entries are selected out twice (the
     double-``where``), so neither $s^{p/2-1}$ nor $\log s$ is evaluated at zero. Used by
-    :class:`NegLogDist` / :class:`InvDist` and by the lowered kernels' IDW term
+    [`NegLogDist`][structinfer.scores.NegLogDist] / [`InvDist`][structinfer.scores.InvDist]
+    and by the lowered kernels' IDW term
     (McCarter, "Inverse distance weighting attention", eq. 3-4).
 
     Args:
@@ -98,33 +101,44 @@ def _check_same_dim(a: jax.Array, b: jax.Array, na: str, nb: str, score: str) ->
 
 
 class Score:
-    """Base class: a lazy ``(..., children, parents)`` table of log-potentials."""
+    r"""Base class: a lazy ``(..., children, parents)`` table of log-potentials $\psi_{ij}$.
+
+    Subclasses keep their factors and implement [`dense`][structinfer.scores.Score.dense];
+    ``a + b`` is their [`Sum`][structinfer.scores.Sum].
+    """
 
     kind: str = "score"
 
     def dense(self) -> jax.Array:  # pragma: no cover - abstract
-        """Materialise the ``(..., children, parents)`` score table."""
+        r"""Materialise the score table.
+
+        Returns:
+            $\psi_{ij}$, shape ``(..., children, parents)``.
+        """
         raise NotImplementedError
 
     @property
     def num_children(self) -> int:  # pragma: no cover - abstract
+        """The number of children ``n`` (the table's second-last axis)."""
         raise NotImplementedError
 
     @property
     def num_parents(self) -> int:  # pragma: no cover - abstract
+        """The number of parents ``m`` (the table's last axis)."""
         raise NotImplementedError
 
     def __add__(self, other: Score) -> Sum:
         return Sum(self, other)
 
     def describe(self) -> dict[str, Any]:
+        """Structured description of the score (read by the lowering and ``si.explain``)."""
         return {"kind": self.kind}
 
 
 class _PairScore(Score):
     """Score built from child features ``q`` and parent features ``k``."""
 
-    def __init__(self, q, k):
+    def __init__(self, q: ArrayLike, k: ArrayLike):
         name = type(self).__name__
         self.q = _check_features(q, "child features", name)
         self.k = _check_features(k, "parent features", name)
@@ -140,7 +154,7 @@ class _PairScore(Score):
 
 
 class Dot(_PairScore):
-    r"""Scaled dot product :math:`\psi_{ij} = s\, q_i^\top k_j`.
+    r"""Scaled dot product $\psi_{ij} = s\, q_i^\top k_j$.
 
     The potential of cross and self attention (Singh & Buckley sec. 3.2). ``scale=None``
     means ``s = 1``; pass ``1/sqrt(d)`` for transformer attention.
@@ -148,12 +162,12 @@ class Dot(_PairScore):
     Args:
         q: child features ``(..., children, d)`` (e.g. ``x W_Q^T``).
         k: parent features ``(..., parents, d)`` (e.g. ``x W_K^T``).
-        scale: optional scalar multiplier.
+        scale: optional scalar multiplier $s$.
     """
 
     kind = "dot"
 
-    def __init__(self, q, k, scale=None):
+    def __init__(self, q: ArrayLike, k: ArrayLike, scale: ArrayLike | None = None):
         super().__init__(q, k)
         self.scale = scale
 
@@ -163,18 +177,29 @@ class Dot(_PairScore):
 
 
 class Bilinear(Dot):
-    r"""Bilinear potential :math:`\psi_{ij} = s\, x_i^\top W_Q^\top W_K x_j` (Table 1).
+    r"""Bilinear potential $\psi_{ij} = s\, x_i^\top W_Q^\top W_K x_j$ (Table 1).
 
     Args:
         xc: child node features ``(..., children, d_in)``.
         xp: parent node features ``(..., parents, d_in)``.
-        wq: query weights ``(d_k, d_in)``; ``wk``: key weights ``(d_k, d_in)``.
-        scale: optional scalar multiplier.
+        wq: query weights $W_Q$, ``(d_k, d_in)``.
+        wk: key weights $W_K$, ``(d_k, d_in)``.
+        scale: optional scalar multiplier $s$.
+
+    Raises:
+        ValueError: if the weights do not match the features' size ``d_in``.
     """
 
     kind = "bilinear"
 
-    def __init__(self, xc, xp, wq, wk, scale=None):
+    def __init__(
+        self,
+        xc: ArrayLike,
+        xp: ArrayLike,
+        wq: ArrayLike,
+        wk: ArrayLike,
+        scale: ArrayLike | None = None,
+    ):
         xc = _check_features(xc, "child features", "Bilinear")
         xp = _check_features(xp, "parent features", "Bilinear")
         wq = as_float_array(wq, "Bilinear: wq")
@@ -192,38 +217,42 @@ class Bilinear(Dot):
 
 
 class NegSqDist(_PairScore):
-    r"""Gaussian / Mahalanobis log-potential (a Gaussian mixture component):
+    r"""Gaussian / Mahalanobis log-potential (a Gaussian mixture component).
 
-    .. math::
+    $$
+    \psi_{ij} = \log w_j - \tfrac12 (x_i - \mu_j)^\top \Lambda_j (x_i - \mu_j)
+    \;\big[ + \tfrac12 \log|\Lambda_j| - \tfrac d2 \log 2\pi \big]_{\text{normalize}}
+    $$
 
-        \psi_{ij} = \log w_j - \tfrac12 (x_i - \mu_j)^\top \Lambda_j (x_i - \mu_j)
-        \;\big[ + \tfrac12 \log|\Lambda_j| - \tfrac d2 \log 2\pi \big]_{\text{normalize}}
-
-    With ``normalize=True`` this is :math:`\log w_j + \log\mathcal N(x_i; \mu_j,
-    \Lambda_j^{-1})`, so the collapsed energy is the GMM negative log-likelihood
+    With ``normalize=True`` this is $\log w_j + \log\mathcal N(x_i; \mu_j,
+    \Lambda_j^{-1})$, so the collapsed energy is the GMM negative log-likelihood
     (Tschantz, log-sum-exp energies: "sim = ln π_k − ½ Mahalanobis").
-    McCarter's ``-||q - k||^2`` is ``precision=2``.
+    McCarter's $-\|q - k\|^2$ is ``precision=2``.
 
     Args:
         x: child features ``(..., children, d)``.
-        mu: parent means ``(..., parents, d)``.
-        precision: ``None`` (identity), a scalar, a diagonal ``(d,)``/``(parents, d)``,
-            or full ``(d, d)``/``(parents, d, d)`` precision matrices.
-        log_weights: optional log mixing weights ``(..., parents)``.
+        mu: parent means $\mu_j$, ``(..., parents, d)``.
+        precision: $\Lambda_j$: ``None`` (identity), a scalar, a diagonal ``(d,)`` /
+            ``(parents, d)``, or full ``(d, d)`` / ``(parents, d, d)`` precision matrices.
+        log_weights: optional log mixing weights $\log w_j$, ``(..., parents)``.
         normalize: add the Gaussian normalising constant.
         precision_kind: ``"scalar"``, ``"diag"``, ``"parent_diag"``, ``"full"`` or
             ``"parent_full"``; needed only when the shape alone is ambiguous (e.g. a
             ``(parents, d)`` diagonal with ``parents == d``).
+
+    Raises:
+        ValueError: if a shape does not fit, the precision's shape is ambiguous without
+            ``precision_kind``, or a concrete precision is not positive (definite).
     """
 
     kind = "neg_sq_dist"
 
     def __init__(
         self,
-        x,
-        mu,
-        precision=None,
-        log_weights=None,
+        x: ArrayLike,
+        mu: ArrayLike,
+        precision: ArrayLike | None = None,
+        log_weights: ArrayLike | None = None,
         normalize: bool = False,
         precision_kind: str | None = None,
     ):
@@ -321,22 +350,28 @@ class NegSqDist(_PairScore):
 
 
 class NegLogDist(_PairScore):
-    r"""IDW score, negative log distance (McCarter eq. 4):
+    r"""IDW score, the negative log distance (McCarter eq. 4).
 
-    .. math:: \psi_{ij} = -\log\big(\epsilon + \|q_i - k_j\|_2^p\big)
+    $$
+    \psi_{ij} = -\log\big(\epsilon + \|q_i - k_j\|_2^p\big)
+    $$
 
-    so that :math:`\mathrm{softmax}_j \psi_{ij} \propto (\epsilon + d_{ij}^p)^{-1}`
+    so that $\mathrm{softmax}_j \psi_{ij} \propto (\epsilon + d_{ij}^p)^{-1}$
     — Shepard's inverse distance weighting.
 
     Args:
-        q: child features ``(..., children, d)``; k: parent features ``(..., parents, d)``.
-        p: distance exponent (> 0). eps: offset (> 0). Both may be traced (``jax.jit``,
-            ``jax.grad``); the check runs on concrete values only.
+        q: child features ``(..., children, d)``.
+        k: parent features ``(..., parents, d)``.
+        p: distance exponent $p > 0$; may be traced (``jax.jit``, ``jax.grad``).
+        eps: offset $\epsilon > 0$; may be traced. The checks run on concrete values only.
+
+    Raises:
+        ValueError: if a concrete ``p`` or ``eps`` is not positive.
     """
 
     kind = "neg_log_dist"
 
-    def __init__(self, q, k, p: float = 2.0, eps: float = 1e-3):
+    def __init__(self, q: ArrayLike, k: ArrayLike, p: float = 2.0, eps: float = 1e-3):
         super().__init__(q, k)
         _check_p_eps(p, eps, "NegLogDist")
         self.p, self.eps = p, eps
@@ -346,11 +381,21 @@ class NegLogDist(_PairScore):
 
 
 class InvDist(_PairScore):
-    r"""Inverse-distance score (McCarter eq. 3): :math:`\psi_{ij} = 1/(\epsilon + \|q_i-k_j\|^p)`."""
+    r"""Inverse-distance score (McCarter eq. 3): $\psi_{ij} = 1/(\epsilon + \|q_i-k_j\|^p)$.
+
+    Args:
+        q: child features ``(..., children, d)``.
+        k: parent features ``(..., parents, d)``.
+        p: distance exponent $p > 0$; may be traced.
+        eps: offset $\epsilon > 0$; may be traced.
+
+    Raises:
+        ValueError: if a concrete ``p`` or ``eps`` is not positive.
+    """
 
     kind = "inv_dist"
 
-    def __init__(self, q, k, p: float = 2.0, eps: float = 1e-3):
+    def __init__(self, q: ArrayLike, k: ArrayLike, p: float = 2.0, eps: float = 1e-3):
         super().__init__(q, k)
         _check_p_eps(p, eps, "InvDist")
         self.p, self.eps = p, eps
@@ -360,11 +405,17 @@ class InvDist(_PairScore):
 
 
 class GaussianKernel(_PairScore):
-    r"""Gaussian-kernel score (McCarter eq. 2): :math:`\psi_{ij} = \exp(-\|q_i-k_j\|^2/\sigma^2)`."""
+    r"""Gaussian-kernel score (McCarter eq. 2): $\psi_{ij} = \exp(-\|q_i-k_j\|^2/\sigma^2)$.
+
+    Args:
+        q: child features ``(..., children, d)``.
+        k: parent features ``(..., parents, d)``.
+        sigma: the kernel width $\sigma$.
+    """
 
     kind = "gaussian_kernel"
 
-    def __init__(self, q, k, sigma: float = 1.0):
+    def __init__(self, q: ArrayLike, k: ArrayLike, sigma: float = 1.0):
         super().__init__(q, k)
         self.sigma = sigma
 
@@ -373,15 +424,21 @@ class GaussianKernel(_PairScore):
 
 
 class Cosine(_PairScore):
-    r"""Cosine similarity :math:`\psi_{ij} = s\,\frac{q_i^\top k_j}{\|q_i\|\|k_j\|}`.
+    r"""Cosine similarity $\psi_{ij} = s\,\frac{q_i^\top k_j}{\|q_i\|\|k_j\|}$.
 
     One more choice of the similarity inside the softmax (McCarter sec. 2: the
     score is a modelling choice); a dot product of normalised features.
+
+    Args:
+        q: child features ``(..., children, d)``.
+        k: parent features ``(..., parents, d)``.
+        scale: the multiplier $s$.
+        eps: added to the squared norms before the square root.
     """
 
     kind = "cosine"
 
-    def __init__(self, q, k, scale: float = 1.0, eps: float = 1e-8):
+    def __init__(self, q: ArrayLike, k: ArrayLike, scale: float = 1.0, eps: float = 1e-8):
         super().__init__(q, k)
         self.scale, self.eps = scale, eps
 
@@ -392,28 +449,39 @@ class Cosine(_PairScore):
 
 
 class LinearGaussian(Score):
-    r"""Linear-Gaussian potential between a child and a parent's prediction:
+    r"""Linear-Gaussian potential between a child and a parent's prediction.
 
-    .. math::
-
-        \psi_{ik} = -\tfrac12 \big(x_i - A_k z_k - b_k\big)^\top \Lambda \big(x_i - A_k z_k - b_k\big)
-        \;\big[+\tfrac12\log|\Lambda| - \tfrac d2 \log 2\pi\big]_{\text{normalize}}
+    $$
+    \psi_{ik} = -\tfrac12 \big(x_i - A_k z_k - b_k\big)^\top \Lambda \big(x_i - A_k z_k - b_k\big)
+    \;\big[+\tfrac12\log|\Lambda| - \tfrac d2 \log 2\pi\big]_{\text{normalize}}
+    $$
 
     the edge potential of a linear mixture / switching linear dynamical system and
     of a linear predictive-coding layer (Tschantz; Singh & Buckley sec. 4.4).
 
     Args:
         x: child features ``(..., children, d_x)``.
-        z: parent states ``(..., parents, d_z)``.
-        A: ``(d_x, d_z)`` shared or ``(parents, d_x, d_z)`` per parent.
-        b: optional offset ``(d_x,)`` or ``(parents, d_x)``.
-        precision: ``None`` (identity), scalar or diagonal ``(d_x,)``.
+        z: parent states $z_k$, ``(..., parents, d_z)``.
+        A: $A_k$: ``(d_x, d_z)`` shared or ``(parents, d_x, d_z)`` per parent.
+        b: optional offset $b_k$, ``(d_x,)`` or ``(parents, d_x)``.
+        precision: $\Lambda$: ``None`` (identity), scalar or diagonal ``(d_x,)``.
         normalize: add the Gaussian normalising constant.
+
+    Raises:
+        ValueError: if ``A`` does not map ``d_z`` to ``d_x``.
     """
 
     kind = "linear_gaussian"
 
-    def __init__(self, x, z, A, b=None, precision=None, normalize: bool = False):
+    def __init__(
+        self,
+        x: ArrayLike,
+        z: ArrayLike,
+        A: ArrayLike,
+        b: ArrayLike | None = None,
+        precision: ArrayLike | None = None,
+        normalize: bool = False,
+    ):
         self.x = _check_features(x, "child features", "LinearGaussian")
         self.z = _check_features(z, "parent states", "LinearGaussian")
         self.A = as_float_array(A, "LinearGaussian: A")
@@ -441,7 +509,7 @@ class LinearGaussian(Score):
         return int(self.z.shape[-2])
 
     def predictions(self) -> jax.Array:
-        """Parent predictions ``A_k z_k + b_k``, shape ``(..., parents, d_x)``."""
+        """Parent predictions $A_k z_k + b_k$, shape ``(..., parents, d_x)``."""
         pred = (
             jnp.einsum("...xz,...kz->...kx", self.A, self.z)
             if self.A.ndim == 2
@@ -465,16 +533,23 @@ class LinearGaussian(Score):
 
 
 class Sum(Score):
-    r"""Several similarities added before the softmax: :math:`\psi = \sum_r \psi^{(r)}`.
+    r"""Several similarities added before the softmax: $\psi = \sum_r \psi^{(r)}$.
 
-    Adding potentials multiplies the corresponding factors of :math:`p(x, \phi)`, as in
+    Adding potentials multiplies the corresponding factors of $p(x, \phi)$, as in
     Tschantz's general log-sum-exp model with several energy terms over one node set
     (v2 sec. "general form"), or a content score plus a positional score (Table 1 row 5).
+
+    Args:
+        *scores: the terms $\psi^{(r)}$: scores or ``(..., children, parents)`` arrays,
+            all of one ``(children, parents)`` size.
+
+    Raises:
+        ValueError: if no score is given or the scores disagree on their size.
     """
 
     kind = "sum"
 
-    def __init__(self, *scores):
+    def __init__(self, *scores: Score | ArrayLike):
         if not scores:
             raise ValueError("Sum needs at least one score")
         self.scores = tuple(as_score(s, "Sum") for s in scores)
@@ -501,16 +576,25 @@ class Sum(Score):
 
 
 class Custom(Score):
-    r"""Any score table: ``Custom(table)`` or ``Custom(fn, *args)`` with ``fn(*args)`` returning
-    the ``(..., children, parents)`` log-potentials :math:`\psi_{ij}`.
+    r"""Any score table $\psi_{ij}$, given or computed on demand.
 
-    The general edge potential of a pairwise MRF (Singh & Buckley sec. 3.1); use it for
-    potentials not in this module.
+    ``Custom(table)`` holds the ``(..., children, parents)`` log-potentials;
+    ``Custom(fn, *args)`` computes them as ``fn(*args)`` when
+    [`dense`][structinfer.scores.Score.dense] is called. The general edge potential of a
+    pairwise MRF (Singh & Buckley sec. 3.1); use it for potentials not in this module.
+
+    Args:
+        fn_or_table: the table, or a function returning it.
+        *args: the function's arguments (none with a table).
+
+    Raises:
+        TypeError: if a table comes with extra arguments.
+        ValueError: if the table has fewer than two dims.
     """
 
     kind = "custom"
 
-    def __init__(self, fn_or_table: Callable[..., jax.Array] | jax.Array, *args):
+    def __init__(self, fn_or_table: Callable[..., jax.Array] | ArrayLike, *args: Any):
         if callable(fn_or_table):
             self.fn, self.args = fn_or_table, args
             self._table = None
@@ -538,10 +622,19 @@ class Custom(Score):
 
 
 def as_score(score: Any, site: str) -> Score:
-    """Coerce ``score`` (a :class:`Score` or an array) to a :class:`Score`.
+    """Coerce ``score`` (a [`Score`][structinfer.scores.Score] or an array) to a `Score`.
 
-    Arrays become :class:`Custom` tables; anything else raises a ``TypeError`` naming
-    the edge site.
+    Arrays become [`Custom`][structinfer.scores.Custom] tables.
+
+    Args:
+        score: a score, or a ``(..., children, parents)`` array of log-potentials.
+        site: the edge site's name, for the error message.
+
+    Returns:
+        The score.
+
+    Raises:
+        TypeError: if ``score`` is neither, naming the edge site.
     """
     if isinstance(score, Score):
         return score

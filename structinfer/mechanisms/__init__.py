@@ -1,6 +1,6 @@
 r"""The mechanism catalogue: every attention and energy model of the papers as a NumPyro model.
 
-Each mechanism is an ordinary model written with :func:`structinfer.edge`; its docstring
+Each mechanism is an ordinary model written with [`structinfer.edge`][structinfer.edge]; its docstring
 states the graph, prior, potentials and value (the four columns of Singh & Buckley
 Table 1) and the paper section. Nothing is hand-derived in a mechanism: its attention,
 output, energy and gradients come out of the exact engine (``si.marginals``,

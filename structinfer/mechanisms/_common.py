@@ -35,7 +35,9 @@ def check_matrix(w, name: str, mechanism: str, cols: int) -> jax.Array:
 def latent_nodes(name: str, shape: tuple[int, ...], precision=None, dtype=None) -> jax.Array:
     r"""A latent node array with the quadratic node potential of Singh & Buckley sec. 4.1.
 
-    .. math:: \log p(z) = -\tfrac{\lambda}{2}\|z\|^2 + \text{const}
+    $$
+    \log p(z) = -\tfrac{\lambda}{2}\|z\|^2 + \text{const}
+    $$
 
     ``precision=None`` gives a flat (improper) node potential, i.e. the pure
     log-sum-exp energy of Tschantz. Under the exact engine the site must be given

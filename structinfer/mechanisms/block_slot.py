@@ -22,33 +22,38 @@ def block_slot_attention(
     num_slots: int,
     node_potential: bool = True,
 ) -> None:
-    r"""Block-slot attention (Singh & Buckley's derivation): tokens choose slots, slot blocks
-    choose memories.
+    r"""Block-slot attention (Singh & Buckley): tokens choose slots, slot blocks choose memories.
 
     Graph:
-        observed tokens :math:`X = x_{1..N}`, latent slots :math:`Z = z_{1..S}` (site ``slots``),
-        memory nodes :math:`M`; each slot is cut into :math:`B` blocks :math:`z_i^{(b)}` and
-        block :math:`b` reaches only its own memories :math:`m^{(b)}_{1..L}`
+        observed tokens $X = x_{1..N}$, latent slots $Z = z_{1..S}$ (site ``slots``),
+        memory nodes $M$; each slot is cut into $B$ blocks $z_i^{(b)}$ and
+        block $b$ reaches only its own memories $m^{(b)}_{1..L}$
         (``memories`` of shape ``(B, L, d/B)``; ``(L, d)`` means one block).
+
     Prior:
-        uniform over the latent nodes for each token (:math:`E_j`, softmax over slots) and
-        uniform over the block's memories for each slot block (:math:`\tilde E_{i,b}`).
+        uniform over the latent nodes for each token ($E_j$, softmax over slots) and
+        uniform over the block's memories for each slot block ($\tilde E_{i,b}$).
+
     Potentials:
-        :math:`\psi(x_j, z_i) = z_i^\top W_Q^\top W_K x_j`, :math:`\psi(z_i^{(b)}, m^{(b)}_k) =
-        z_i^{(b)} \cdot m^{(b)}_k`; node :math:`-\tfrac12\|z_i\|^2` (``node_potential=True``).
+        $\psi(x_j, z_i) = z_i^\top W_Q^\top W_K x_j$, $\psi(z_i^{(b)}, m^{(b)}_k) =
+        z_i^{(b)} \cdot m^{(b)}_k$; node $-\tfrac12\|z_i\|^2$ (``node_potential=True``).
+
     Value:
-        :math:`\partial F/\partial z`; the fixed point (eq. 8) is
-        :math:`\mu_i^* = \sum_j \mathrm{softmax}_i(\mu_i^\top W_Q^\top W_K x_j) W_Q^\top W_K x_j
-        + \sum_{k,b} \mathrm{softmax}_k(\mu_i^{(b)} \cdot m_k^{(b)})\, m_k^{(b)}`.
+        $\partial F/\partial z$; the fixed point (eq. 8) is
+        $\mu_i^* = \sum_j \mathrm{softmax}_i(\mu_i^\top W_Q^\top W_K x_j) W_Q^\top W_K x_j
+        + \sum_{k,b} \mathrm{softmax}_k(\mu_i^{(b)} \cdot m_k^{(b)})\, m_k^{(b)}$.
 
     The appendix writes the memory prior as one edge per memory node over slots, but
-    the update it derives (a softmax over memories :math:`k` for each slot) is that of
+    the update it derives (a softmax over memories $k$ for each slot) is that of
     one edge per slot (block) over memories; the model follows the update.
 
     Args:
-        x: tokens ``(N, d)``; memories: ``(B, L, d/B)`` or ``(L, d)``.
-        wq: slot projection ``(d_k, d)``; wk: token projection ``(d_k, d)``.
-        num_slots: ``S``; node_potential: unit quadratic node potential on slots.
+        x: tokens ``(N, d)``.
+        memories: memory blocks ``(B, L, d/B)``, or ``(L, d)`` for one block.
+        wq: slot projection $W_Q$, ``(d_k, d)``.
+        wk: token projection $W_K$, ``(d_k, d)``.
+        num_slots: the number of slots $S$.
+        node_potential: add the unit quadratic node potential on slots.
 
     Sites:
         ``slots`` (latent ``(S, d)``), ``token_slot`` (edge, children = tokens),
@@ -89,21 +94,28 @@ def block_slot_energy(
     r"""Block-slot attention as a sum of two log-sum-exp energies (Tschantz's slides).
 
     Graph:
-        child tokens :math:`x_{1..N}`, two parent sets: slots :math:`z_{1..K}` (latent site
-        ``slots``, no node potential) and memories :math:`m_{1..M}`.
+        child tokens $x_{1..N}$, two parent sets: slots $z_{1..K}$ (latent site
+        ``slots``, no node potential) and memories $m_{1..M}$.
+
     Prior:
         two edge sites per token, uniform over slots and uniform over memories.
+
     Potentials:
-        :math:`\mathrm{sim}_z(x_i, z_k) = (W_K x_i)^\top (W_Q z_k)`,
-        :math:`\mathrm{sim}_m(x_i, m_\mu) = x_i^\top m_\mu`.
+        $\mathrm{sim}_z(x_i, z_k) = (W_K x_i)^\top (W_Q z_k)$,
+        $\mathrm{sim}_m(x_i, m_\mu) = x_i^\top m_\mu$.
+
     Value:
-        the energy :math:`E = -\sum_i \mathrm{lse}_k\,\mathrm{sim}_z - \sum_i \mathrm{lse}_\mu\,
-        \mathrm{sim}_m` and its gradients: :math:`-\partial E/\partial x_i = \sum_k \alpha_{ik}
-        W_K^\top W_Q z_k + \sum_\mu \beta_{i\mu} m_\mu`, :math:`-\partial E/\partial z_k = \sum_i
-        \alpha_{ik} W_Q^\top W_K x_i`, :math:`-\partial E/\partial m_\mu = \sum_i \beta_{i\mu} x_i`.
+        the energy $E = -\sum_i \mathrm{lse}_k\,\mathrm{sim}_z - \sum_i \mathrm{lse}_\mu\,
+        \mathrm{sim}_m$ and its gradients: $-\partial E/\partial x_i = \sum_k \alpha_{ik}
+        W_K^\top W_Q z_k + \sum_\mu \beta_{i\mu} m_\mu$, $-\partial E/\partial z_k = \sum_i
+        \alpha_{ik} W_Q^\top W_K x_i$, $-\partial E/\partial m_\mu = \sum_i \beta_{i\mu} x_i$.
 
     Args:
-        x: tokens ``(N, d)``; memories ``(M, d)``; wq, wk: ``(d_k, d)``; num_slots: ``K``.
+        x: tokens ``(N, d)``.
+        memories: memory nodes $m_\mu$, ``(M, d)``.
+        wq: slot projection $W_Q$, ``(d_k, d)``.
+        wk: token projection $W_K$, ``(d_k, d)``.
+        num_slots: the number of slots $K$.
 
     Sites:
         ``slots`` (latent ``(K, d)``), ``slot`` and ``memory`` (edges, children = tokens).

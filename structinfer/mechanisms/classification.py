@@ -16,7 +16,18 @@ __all__ = ["classification_layer", "mlp_features"]
 def mlp_features(
     x: jax.Array, w1: jax.Array, b1: jax.Array, w2: jax.Array, b2: jax.Array
 ) -> jax.Array:
-    r"""The network :math:`f_\theta(x) = W_2 \tanh(W_1 x + b_1) + b_2`, rows of ``x`` at once."""
+    r"""The network $f_\theta(x) = W_2 \tanh(W_1 x + b_1) + b_2$, rows of ``x`` at once.
+
+    Args:
+        x: inputs ``(n, d_in)``.
+        w1: first layer $W_1$, ``(h, d_in)``.
+        b1: first bias $b_1$, ``(h,)``.
+        w2: second layer $W_2$, ``(d_y, h)``.
+        b2: second bias $b_2$, ``(d_y,)``.
+
+    Returns:
+        $f_\theta(x)$, ``(n, d_y)``.
+    """
     return jnp.tanh(x @ w1.T + b1) @ w2.T + b2
 
 
@@ -31,18 +42,25 @@ def classification_layer(
     r"""A softmax classifier: each input takes one class node as its parent.
 
     Graph:
-        network outputs :math:`f_\theta(X)_i` (children) and class nodes :math:`y_1..y_C` (parents).
+        network outputs $f_\theta(X)_i$ (children) and class nodes $y_1..y_C$ (parents).
+
     Prior:
-        uniform over the :math:`C` classes.
+        uniform over the $C$ classes.
+
     Potentials:
-        :math:`\psi_{ij} = f_\theta(X)_i^\top y_j` with :math:`f_\theta` the network :func:`mlp_features`.
+        $\psi_{ij} = f_\theta(X)_i^\top y_j$ with $f_\theta$ the network [`mlp_features`][structinfer.mechanisms.mlp_features].
+
     Value:
-        :math:`v_i = y_{\phi_i}`; with one-hot class nodes :math:`\mathbb E[v_i]` is the vector
-        of class probabilities :math:`\mathrm{softmax}_j(f_\theta(X)_i^\top y_j)`.
+        $v_i = y_{\phi_i}$; with one-hot class nodes $\mathbb E[v_i]$ is the vector
+        of class probabilities $\mathrm{softmax}_j(f_\theta(X)_i^\top y_j)$.
 
     Args:
         x: inputs ``(n, d_in)``.
-        w1, b1, w2, b2: network weights ``(h, d_in)``, ``(h,)``, ``(d_y, h)``, ``(d_y,)``.
+        w1: first layer $W_1$ of [`mlp_features`][structinfer.mechanisms.mlp_features],
+            ``(h, d_in)``.
+        b1: first bias $b_1$, ``(h,)``.
+        w2: second layer $W_2$, ``(d_y, h)``.
+        b2: second bias $b_2$, ``(d_y,)``.
         classes: class nodes ``(C, d_y)`` (the identity for one-hot classes).
 
     Sites:

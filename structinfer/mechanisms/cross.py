@@ -23,25 +23,29 @@ def cross_attention(
     r"""Cross attention: each query node takes one key node as its parent.
 
     Graph:
-        key nodes :math:`K = (x_1, \dots, x_m)`, query nodes :math:`Q = (x'_1, \dots, x'_n)`;
-        one edge site :math:`\phi_i` per query, from a key to the query.
+        key nodes $K = (x_1, \dots, x_m)$, query nodes $Q = (x'_1, \dots, x'_n)$;
+        one edge site $\phi_i$ per query, from a key to the query.
+
     Prior:
-        uniform, :math:`p(\phi_i = j) = 1/m`.
+        uniform, $p(\phi_i = j) = 1/m$.
+
     Potentials:
-        :math:`\psi(x'_i, x_j) = s\, x_i'^\top W_Q^\top W_K x_j`.
+        $\psi(x'_i, x_j) = s\, x_i'^\top W_Q^\top W_K x_j$.
+
     Value:
-        :math:`v_i = W_V x_{\phi_i}`, so that
-        :math:`\mathbb E[v_i] = \sum_j \mathrm{softmax}_j(s\, x_i'^\top W_Q^\top W_K x_j)\, W_V x_j`.
+        $v_i = W_V x_{\phi_i}$, so that
+        $\mathbb E[v_i] = \sum_j \mathrm{softmax}_j(s\, x_i'^\top W_Q^\top W_K x_j)\, W_V x_j$.
 
     The collapsed energy is Tschantz's cross-attention energy (v2 eq. 29) plus the
-    constant :math:`n \log m` of the uniform prior.
+    constant $n \log m$ of the uniform prior.
 
     Args:
         xq: query nodes ``(n, d_in)``.
         xk: key nodes ``(m, d_in)``.
-        wq, wk: projections ``(d_k, d_in)`` (applied as ``x @ w.T``).
-        wv: value projection ``(d_v, d_in)``; ``None`` uses the keys themselves.
-        scale: optional score multiplier :math:`s` (``1/sqrt(d_k)`` for a transformer).
+        wq: query projection $W_Q$, ``(d_k, d_in)`` (applied as ``x @ w.T``).
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $W_V$, ``(d_v, d_in)``; ``None`` uses the keys themselves.
+        scale: optional score multiplier $s$ (``1/sqrt(d_k)`` for a transformer).
 
     Sites:
         ``phi`` (edge, children = queries), ``out`` (deterministic value).

@@ -37,25 +37,31 @@ def switching_linear_dynamics(
     r"""Switching linear dynamical system: each transition takes one dynamical mode.
 
     Graph:
-        a time series :math:`x_{1..T}`; child :math:`x_{t+1}`, parents the :math:`K` modes
-        :math:`(A_k, b_k)` applied to :math:`x_t`; one edge site per transition.
+        a time series $x_{1..T}$; child $x_{t+1}$, parents the $K$ modes
+        $(A_k, b_k)$ applied to $x_t$; one edge site per transition.
+
     Prior:
-        categorical, :math:`p(\phi_t = k) = \pi_k`.
+        categorical, $p(\phi_t = k) = \pi_k$.
+
     Potentials:
-        :math:`-\tfrac12 r_{tk}^\top \Sigma_k^{-1} r_{tk}` with
-        :math:`r_{tk} = x_{t+1} - A_k x_t - b_k` (diagonal :math:`\Sigma_k^{-1}`).
+        $-\tfrac12 r_{tk}^\top \Sigma_k^{-1} r_{tk}$ with
+        $r_{tk} = x_{t+1} - A_k x_t - b_k$ (diagonal $\Sigma_k^{-1}$).
+
     Value:
-        :math:`\alpha_{tk} = \mathrm{softmax}_k(\ln\pi_k - \tfrac12 r^\top\Sigma_k^{-1} r)`;
-        :math:`-\partial E/\partial A_k = \sum_t \alpha_{tk}\Sigma_k^{-1} r_{tk} x_t^\top`,
-        :math:`-\partial E/\partial b_k = \sum_t \alpha_{tk}\Sigma_k^{-1} r_{tk}`, and for the
-        states :math:`-\partial E/\partial x_{t+1} \ni -\sum_k \alpha_{tk}\Sigma_k^{-1} r_{tk}`
-        (as child), :math:`-\partial E/\partial x_t \ni +\sum_k \alpha_{tk} A_k^\top\Sigma_k^{-1}
-        r_{tk}` (as parent). v1/v2 print both state terms with the opposite sign; a middle
+        $\alpha_{tk} = \mathrm{softmax}_k(\ln\pi_k - \tfrac12 r^\top\Sigma_k^{-1} r)$;
+        $-\partial E/\partial A_k = \sum_t \alpha_{tk}\Sigma_k^{-1} r_{tk} x_t^\top$,
+        $-\partial E/\partial b_k = \sum_t \alpha_{tk}\Sigma_k^{-1} r_{tk}$, and for the
+        states $-\partial E/\partial x_{t+1} \ni -\sum_k \alpha_{tk}\Sigma_k^{-1} r_{tk}$
+        (as child), $-\partial E/\partial x_t \ni +\sum_k \alpha_{tk} A_k^\top\Sigma_k^{-1}
+        r_{tk}$ (as parent). v1/v2 print both state terms with the opposite sign; a middle
         state receives both terms.
 
     Args:
-        x: ``(T, d)``; A: ``(K, d, d)``; b: ``(K, d)``; precisions: ``(K, d)`` diagonal;
-        log_weights: ``(K,)``.
+        x: the time series ``(T, d)``.
+        A: mode dynamics $A_k$, ``(K, d, d)``.
+        b: mode offsets $b_k$, ``(K, d)``.
+        precisions: diagonal precisions $\Sigma_k^{-1}$, ``(K, d)``.
+        log_weights: mode log-weights $\ln \pi_k$, ``(K,)``.
 
     Sites:
         ``mode`` (edge, children = transitions ``t = 1..T-1``).
@@ -78,29 +84,37 @@ def dynamic_mixture_attention(
     A: jax.Array,
     b: jax.Array,
 ) -> None:
-    r"""Dynamic mixture attention: each transition picks a mode that both attends to a parent
-    and explains the dynamics.
+    r"""Dynamic mixture attention: each transition picks a mode for attention and dynamics.
+
+    The mode both attends to a parent and explains the transition.
 
     Graph:
-        time series :math:`x_{1..T}`, parents :math:`z_{1..K}`; mode :math:`k` pairs parent
-        :math:`z_k` with dynamics :math:`(A_k, b_k)`; one edge site per transition.
+        time series $x_{1..T}$, parents $z_{1..K}$; mode $k$ pairs parent
+        $z_k$ with dynamics $(A_k, b_k)$; one edge site per transition.
+
     Prior:
         uniform over modes.
+
     Potentials:
-        :math:`\mathrm{sim}_{\mathrm{parents}}(x_t, z_k) + \mathrm{sim}_{\mathrm{dynamics}} =
-        (W^Q x_t)^\top (W^K z_k) - \tfrac12\|x_{t+1} - A_k x_t - b_k\|^2` (a ``Sum`` score).
+        $\mathrm{sim}_{\mathrm{parents}}(x_t, z_k) + \mathrm{sim}_{\mathrm{dynamics}} =
+        (W^Q x_t)^\top (W^K z_k) - \tfrac12\|x_{t+1} - A_k x_t - b_k\|^2$ (a ``Sum`` score).
+
     Value:
-        :math:`\alpha_{tk}` and, with :math:`r_{tk} = x_{t+1} - A_k x_t - b_k`:
-        :math:`-\partial E/\partial A_k = \sum_t \alpha_{tk} r_{tk} x_t^\top`,
-        :math:`-\partial E/\partial b_k = \sum_t \alpha_{tk} r_{tk}`,
-        :math:`-\partial E/\partial z_k = \sum_t \alpha_{tk} W^{K\top} W^Q x_t`; for the states
-        :math:`-\sum_k\alpha_{tk} r_{tk}` (as child) and
-        :math:`\sum_k \alpha_{tk}[W^{Q\top}W^K z_k + A_k^\top r_{tk}]` (as parent); v2 prints the
-        two :math:`r` terms with the opposite sign.
+        $\alpha_{tk}$ and, with $r_{tk} = x_{t+1} - A_k x_t - b_k$:
+        $-\partial E/\partial A_k = \sum_t \alpha_{tk} r_{tk} x_t^\top$,
+        $-\partial E/\partial b_k = \sum_t \alpha_{tk} r_{tk}$,
+        $-\partial E/\partial z_k = \sum_t \alpha_{tk} W^{K\top} W^Q x_t$; for the states
+        $-\sum_k\alpha_{tk} r_{tk}$ (as child) and
+        $\sum_k \alpha_{tk}[W^{Q\top}W^K z_k + A_k^\top r_{tk}]$ (as parent); v2 prints the
+        two $r$ terms with the opposite sign.
 
     Args:
-        x: ``(T, d)``; z: ``(K, d_z)``; wq: ``(d_k, d)``; wk: ``(d_k, d_z)``;
-        A: ``(K, d, d)``; b: ``(K, d)``.
+        x: the time series ``(T, d)``.
+        z: parents $z_k$, ``(K, d_z)``.
+        wq: query projection $W^Q$, ``(d_k, d)``.
+        wk: key projection $W^K$, ``(d_k, d_z)``.
+        A: mode dynamics $A_k$, ``(K, d, d)``.
+        b: mode offsets $b_k$, ``(K, d)``.
 
     Sites:
         ``mode`` (edge, children = transitions).
@@ -134,29 +148,37 @@ def atari_model(
     obs_precisions: jax.Array,
     dyn_precisions: jax.Array,
 ) -> None:
-    r"""The "Atari" model: a Gaussian-mixture observation of latent states that follow a
-    linear mixture (switching) dynamics.
+    r"""The "Atari" model: Gaussian-mixture observations of switching linear latent dynamics.
+
+    The latent states follow a linear mixture (switching) dynamics and are observed
+    through a Gaussian mixture.
 
     Graph:
-        observations :math:`x_{1..T}`, latent states :math:`z_{1..T}` (site ``z``, no node
-        potential); two energy terms: :math:`x_t` explained by :math:`z_t` under one of
-        :math:`K` observation modes, :math:`z_t` explained by :math:`z_{t-1}` under one of
-        :math:`K` dynamics.
+        observations $x_{1..T}$, latent states $z_{1..T}$ (site ``z``, no node
+        potential); two energy terms: $x_t$ explained by $z_t$ under one of
+        $K$ observation modes, $z_t$ explained by $z_{t-1}$ under one of
+        $K$ dynamics.
+
     Prior:
         uniform over the modes of each term.
+
     Potentials:
-        :math:`\mathrm{sim}_{\mathrm{GMM}}^k(x_t, z_t) = -\tfrac12 (x_t-z_t)^\top \Sigma_k^{-1}(x_t-z_t)`,
-        :math:`\mathrm{sim}_{\mathrm{LM}}^k(z_t, z_{t-1}) = -\tfrac12 r_{tk}^\top \Gamma_k^{-1} r_{tk}`,
-        :math:`r_{tk} = z_t - A_k z_{t-1} - b_k` (diagonal precisions).
+        $\mathrm{sim}_{\mathrm{GMM}}^k(x_t, z_t) = -\tfrac12 (x_t-z_t)^\top \Sigma_k^{-1}(x_t-z_t)$,
+        $\mathrm{sim}_{\mathrm{LM}}^k(z_t, z_{t-1}) = -\tfrac12 r_{tk}^\top \Gamma_k^{-1} r_{tk}$,
+        $r_{tk} = z_t - A_k z_{t-1} - b_k$ (diagonal precisions).
+
     Value:
-        :math:`-\partial E/\partial z_t = \sum_k \alpha_{tk}\Sigma_k^{-1}(x_t - z_t)
-        - \sum_k \beta_{tk}\Gamma_k^{-1} r_{tk} + \sum_k \beta_{t+1,k} A_k^\top \Gamma_k^{-1} r_{t+1,k}`.
+        $-\partial E/\partial z_t = \sum_k \alpha_{tk}\Sigma_k^{-1}(x_t - z_t)
+        - \sum_k \beta_{tk}\Gamma_k^{-1} r_{tk} + \sum_k \beta_{t+1,k} A_k^\top \Gamma_k^{-1} r_{t+1,k}$.
         The slides show the first two (child) terms, the second with a + sign; the third is
-        :math:`z_t`'s parent part (v2 eq. 4).
+        $z_t$'s parent part (v2 eq. 4).
 
     Args:
-        x: ``(T, d)``; A: ``(K, d, d)``; b: ``(K, d)``;
-        obs_precisions, dyn_precisions: diagonal precisions ``(K, d)``.
+        x: observations ``(T, d)``.
+        A: mode dynamics $A_k$, ``(K, d, d)``.
+        b: mode offsets $b_k$, ``(K, d)``.
+        obs_precisions: diagonal observation precisions $\Sigma_k^{-1}$, ``(K, d)``.
+        dyn_precisions: diagonal dynamics precisions $\Gamma_k^{-1}$, ``(K, d)``.
 
     Sites:
         ``z`` (latent ``(T, d)``), ``obs_mode`` (edge, children = frames),

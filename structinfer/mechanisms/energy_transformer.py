@@ -17,20 +17,26 @@ def energy_transformer(x: jax.Array, memories: jax.Array, wq: jax.Array, wk: jax
     r"""Energy transformer: every token attends to all tokens and to a memory.
 
     Graph:
-        token nodes :math:`x_{1..N}` (each a child and a parent of the self term) and memory
-        nodes :math:`m_{1..M}`; two edge sites per token.
+        token nodes $x_{1..N}$ (each a child and a parent of the self term) and memory
+        nodes $m_{1..M}$; two edge sites per token.
+
     Prior:
         uniform over tokens (self term) and uniform over memories (memory term).
+
     Potentials:
-        :math:`\mathrm{sim}_{\mathrm{self}}(x_i, x_j) = (W^Q x_i)^\top (W^K x_j)`,
-        :math:`\mathrm{sim}_{\mathrm{memory}}(x_i, m_\mu) = x_i^\top m_\mu`.
+        $\mathrm{sim}_{\mathrm{self}}(x_i, x_j) = (W^Q x_i)^\top (W^K x_j)$,
+        $\mathrm{sim}_{\mathrm{memory}}(x_i, m_\mu) = x_i^\top m_\mu$.
+
     Value:
-        :math:`-\partial E/\partial x_i = \sum_j a_{ij} W^{Q\top}W^K x_j + \sum_c a_{ci}
-        W^{K\top}W^Q x_c + \sum_\mu h_{i\mu} m_\mu` — the self term's child and parent parts
+        $-\partial E/\partial x_i = \sum_j a_{ij} W^{Q\top}W^K x_j + \sum_c a_{ci}
+        W^{K\top}W^Q x_c + \sum_\mu h_{i\mu} m_\mu$ — the self term's child and parent parts
         (v2 eq. 13) plus the Hopfield term.
 
     Args:
-        x: tokens ``(N, d)``; memories: ``(M, d)``; wq, wk: ``(d_k, d)``.
+        x: tokens ``(N, d)``.
+        memories: memory nodes $m_\mu$, ``(M, d)``.
+        wq: query projection $W^Q$, ``(d_k, d)``.
+        wk: key projection $W^K$, ``(d_k, d)``.
 
     Sites:
         ``self`` and ``memory`` (edges, children = tokens).

@@ -26,26 +26,33 @@ def expanding_attention(
     r"""Expanding attention: attend to earlier nodes with a geometric prior on the distance.
 
     Graph:
-        nodes :math:`x_1..x_n`, edges to earlier nodes (and the node itself); one edge
+        nodes $x_1..x_n$, edges to earlier nodes (and the node itself); one edge
         site per node.
-    Prior:
-        geometric × Beta: :math:`q \sim \mathrm{Beta}(\alpha, \beta)` (site ``q``),
-        :math:`p(\phi_i = j \mid q) \propto q (1-q)^{i-j}` for :math:`j \le i` (truncated to the
-        available nodes and renormalised).
-    Potentials:
-        :math:`\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j`.
-    Value:
-        :math:`v_i = W_V x_{\phi_i}`; also the distance :math:`d_i = i - \phi_i`, whose posterior
-        mean drives the conjugate mean-field update
-        :math:`\beta \leftarrow \beta + \mathbb E[d]`, :math:`\alpha \leftarrow \alpha + 1`.
 
-    Given a value for ``q`` the engine returns :math:`p(\phi \mid x, q)` (step 2 of the
-    paper's update), :math:`\mathbb E[d]` (step 3) and the exact collapsed
-    :math:`\log p(x, q)`; the mean-field loop itself lives in ``structinfer.infer``.
+    Prior:
+        geometric × Beta: $q \sim \mathrm{Beta}(\alpha, \beta)$ (site ``q``),
+        $p(\phi_i = j \mid q) \propto q (1-q)^{i-j}$ for $j \le i$ (truncated to the
+        available nodes and renormalised).
+
+    Potentials:
+        $\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j$.
+
+    Value:
+        $v_i = W_V x_{\phi_i}$; also the distance $d_i = i - \phi_i$, whose posterior
+        mean drives the conjugate mean-field update
+        $\beta \leftarrow \beta + \mathbb E[d]$, $\alpha \leftarrow \alpha + 1$.
+
+    Given a value for ``q`` the engine returns $p(\phi \mid x, q)$ (step 2 of the
+    paper's update), $\mathbb E[d]$ (step 3) and the exact collapsed
+    $\log p(x, q)$; the mean-field loop itself lives in ``structinfer.infer``.
 
     Args:
-        x: nodes ``(n, d_in)``; wq, wk: ``(d_k, d_in)``; wv: ``(d_v, d_in)`` or ``None``.
-        alpha, beta: Beta hyperprior parameters (> 0).
+        x: nodes ``(n, d_in)``.
+        wq: query projection $W_Q$, ``(d_k, d_in)``.
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $W_V$, ``(d_v, d_in)``, or ``None`` for the nodes themselves.
+        alpha: Beta hyperprior parameter $\alpha > 0$.
+        beta: Beta hyperprior parameter $\beta > 0$.
 
     Sites:
         ``q`` (latent in (0, 1): give it a value), ``phi`` (edge), ``out`` and

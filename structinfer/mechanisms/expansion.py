@@ -21,20 +21,25 @@ def expandable_mixture(
     r"""A mixture over a fixed-capacity buffer of components, of which some are active.
 
     Graph:
-        child data :math:`x_{1..N}`, parent components :math:`z_{1..K_{\max}}`, of which the
+        child data $x_{1..N}$, parent components $z_{1..K_{\max}}$, of which the
         ``active`` ones can be chosen.
+
     Prior:
         uniform restricted to the active components.
+
     Potentials:
-        :math:`\mathrm{sim}(x_i, z_k) = -\tfrac\lambda2 \|x_i - z_k\|^2`.
+        $\mathrm{sim}(x_i, z_k) = -\tfrac\lambda2 \|x_i - z_k\|^2$.
+
     Value:
-        the per-child energy :math:`E_i = -\ln\sum_{k\ \mathrm{active}} \exp(\mathrm{sim}(x_i,
-        z_k)) + \ln K_{\mathrm{active}}`, which :func:`expand_components` compares with
-        a threshold :math:`\tau`.
+        the per-child energy $E_i = -\ln\sum_{k\ \mathrm{active}} \exp(\mathrm{sim}(x_i,
+        z_k)) + \ln K_{\mathrm{active}}$, which [`expand_components`][structinfer.mechanisms.expand_components] compares with
+        a threshold $\tau$.
 
     Args:
-        x: ``(N, d)``; components: ``(K_max, d)``; active: boolean ``(K_max,)`` (may be traced);
-        precision: :math:`\lambda`.
+        x: data ``(N, d)``.
+        components: the component buffer $z_k$, ``(K_max, d)``.
+        active: boolean ``(K_max,)`` mask of the active components (may be traced).
+        precision: $\lambda$.
 
     Sites:
         ``component`` (edge, children = data).
@@ -65,22 +70,31 @@ def expand_components(
     tau: float,
     precision: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    r"""One model-expansion step: if the new point's energy exceeds :math:`\tau`, activate the
-    first free component at :math:`z_{K+1} = x_{N+1}`.
+    r"""One model-expansion step: add a component at a new point whose energy exceeds $\tau$.
 
-    .. math:: E_{N+1} = -\ln \sum_k p(\phi = k)\, e^{\mathrm{sim}(x_{N+1}, z_k)} > \tau
-        \;\Rightarrow\; z_{K+1} \leftarrow x_{N+1}
+    The first free component of the buffer becomes $z_{K+1} = x_{N+1}$.
 
-    The energy is that of :func:`expandable_mixture` for the single point, computed by the
-    exact engine (it includes the prior's :math:`\ln K_{\mathrm{active}}`). Jittable: the
+    $$
+    E_{N+1} = -\ln \sum_k p(\phi = k)\, e^{\mathrm{sim}(x_{N+1}, z_k)} > \tau
+    \;\Rightarrow\; z_{K+1} \leftarrow x_{N+1}
+    $$
+
+    The energy is that of [`expandable_mixture`][structinfer.mechanisms.expandable_mixture] for the single point, computed by the
+    exact engine (it includes the prior's $\ln K_{\mathrm{active}}$). Jittable: the
     buffer has a fixed capacity; when it is full nothing is added.
 
     Args:
-        x_new: the new point ``(d,)``; components ``(K_max, d)``; active: boolean ``(K_max,)``;
-        tau: threshold; precision: :math:`\lambda`.
+        x_new: the new point $x_{N+1}$, ``(d,)``.
+        components: the component buffer ``(K_max, d)``.
+        active: boolean ``(K_max,)`` mask of the active components.
+        tau: the energy threshold $\tau$.
+        precision: $\lambda$.
 
     Returns:
         ``(components, active, energy_new)`` after the step.
+
+    Raises:
+        ValueError: if ``x_new`` is not one point ``(d,)``.
     """
     x_new = jnp.asarray(x_new)
     if x_new.ndim != 1:

@@ -20,26 +20,31 @@ def graph_attention(
     wq: jax.Array,
     wk: jax.Array,
     wv: jax.Array | None,
-    adjacency,
+    adjacency: jax.Array,
     self_loops: bool = False,
 ) -> None:
     r"""Graph attention: each node takes one parent among its neighbours in a given graph.
 
     Graph:
-        nodes :math:`x_1..x_n` with a given adjacency :math:`A` (``adjacency[i, j] != 0``
-        when :math:`j \to i` is an edge); one edge site per node.
+        nodes $x_1..x_n$ with a given adjacency $A$ (``adjacency[i, j] != 0``
+        when $j \to i$ is an edge); one edge site per node.
+
     Prior:
-        uniform restricted to the graph, :math:`p(\phi_i = j) = A_{ij} / \sum_{j'} A_{ij'}`.
+        uniform restricted to the graph, $p(\phi_i = j) = A_{ij} / \sum_{j'} A_{ij'}$.
+
     Potentials:
-        :math:`\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j`.
+        $\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j$.
+
     Value:
-        :math:`v_i = W_V x_{\phi_i}`; :math:`\mathbb E[v_i] = \sum_{j \in N(i)} \mathrm{softmax}_{j \in N(i)}(\psi_{ij}) W_V x_j`.
+        $v_i = W_V x_{\phi_i}$; $\mathbb E[v_i] = \sum_{j \in N(i)} \mathrm{softmax}_{j \in N(i)}(\psi_{ij}) W_V x_j$.
 
     Args:
         x: nodes ``(n, d_in)``.
-        wq, wk: projections ``(d_k, d_in)``; wv: ``(d_v, d_in)`` or ``None``.
-        adjacency: ``(n, n)`` array (bool or 0/1 weights).
-        self_loops: also allow :math:`\phi_i = i`.
+        wq: query projection $W_Q$, ``(d_k, d_in)``.
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $W_V$, ``(d_v, d_in)``, or ``None`` for the nodes themselves.
+        adjacency: ``(n, n)`` array $A$ (bool or 0/1 weights).
+        self_loops: also allow $\phi_i = i$.
 
     Sites:
         ``phi`` (edge), ``out`` (deterministic value).
@@ -74,28 +79,34 @@ def sparse_attention(
     wk: jax.Array,
     wv: jax.Array | None,
     window: int | None = None,
-    block_mask=None,
+    block_mask: jax.Array | None = None,
     block_size: int | None = None,
     causal: bool = True,
 ) -> None:
     r"""Sparse attention: the uniform prior restricted to a fixed sparsity pattern.
 
     Graph:
-        nodes :math:`x_1..x_n`, directed edges allowed by a pattern: a sliding window
-        (:math:`0 \le i - j < w`, or :math:`|i-j| < w` when not causal) or a block mask.
+        nodes $x_1..x_n$, directed edges allowed by a pattern: a sliding window
+        ($0 \le i - j < w$, or $|i-j| < w$ when not causal) or a block mask.
+
     Prior:
         uniform over the allowed parents (``Restricted.window`` / ``Restricted.block_sparse``,
         which keep the pattern for the lowered engine).
+
     Potentials:
-        :math:`\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j`.
+        $\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j$.
+
     Value:
-        :math:`v_i = W_V x_{\phi_i}`.
+        $v_i = W_V x_{\phi_i}$.
 
     Args:
         x: nodes ``(n, d_in)``.
-        wq, wk, wv: projections as in :func:`graph_attention`.
-        window: window size ``w`` (give either ``window`` or ``block_mask``).
-        block_mask: ``(n / b, n / b)`` boolean block pattern; block_size: ``b``.
+        wq: query projection $W_Q$, ``(d_k, d_in)``.
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $W_V$, ``(d_v, d_in)``, or ``None`` for the nodes themselves.
+        window: window size $w$ (give either ``window`` or ``block_mask``).
+        block_mask: ``(n / b, n / b)`` boolean block pattern.
+        block_size: the block size $b$ (with ``block_mask``).
         causal: window only over earlier nodes (and itself).
 
     Sites:

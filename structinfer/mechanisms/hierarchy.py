@@ -47,35 +47,39 @@ def spatiotemporal_hierarchy(
     r"""A hierarchy of slots coupled across layers, within a layer and across time.
 
     Graph:
-        layers :math:`l = 1..L`; layer 1 is observed (``x``, ``(T, K_1, D_1)``), layers
-        :math:`l \ge 2` are latent (sites ``layer{l}``, ``(T, K_l, D_l)``, no node potential).
+        layers $l = 1..L$; layer 1 is observed (``x``, ``(T, K_1, D_1)``), layers
+        $l \ge 2$ are latent (sites ``layer{l}``, ``(T, K_l, D_l)``, no node potential).
         Three edge families: inter-layer (``inter{l}``), intra-layer (``intra{l}``) and
         temporal (``temporal{l}``).
+
     Prior:
-        inter-layer: each unit :math:`c` of layer :math:`l-1` takes one slot :math:`k` of layer
-        :math:`l` (uniform; slot attention); with ``receptive_fields`` (the renormalised
-        mixture) each unit :math:`k` of layer :math:`l` takes one unit :math:`c \in \mathcal R_k`
-        of layer :math:`l-1` (uniform restricted to its receptive field).
-        Intra-layer: uniform over the other slots :math:`k' \ne k` at the same time.
-        Temporal: uniform over the same slot's past :math:`t' < t` (causal, no self-edge;
-        :math:`t = 1` has no parent and no term).
+        inter-layer: each unit $c$ of layer $l-1$ takes one slot $k$ of layer
+        $l$ (uniform; slot attention); with ``receptive_fields`` (the renormalised
+        mixture) each unit $k$ of layer $l$ takes one unit $c \in \mathcal R_k$
+        of layer $l-1$ (uniform restricted to its receptive field).
+        Intra-layer: uniform over the other slots $k' \ne k$ at the same time.
+        Temporal: uniform over the same slot's past $t' < t$ (causal, no self-edge;
+        $t = 1$ has no parent and no term).
+
     Potentials:
-        :math:`\mathrm{sim}_v^{(l)}(x, x') = (W_v^{K,(l)} x)^\top (W_v^{Q,(l)} x')` (lower, upper),
-        :math:`\mathrm{sim}_c^{(l)}(x, x') = (W_c^{Q,(l)} x)^\top (W_c^{K,(l)} x')`,
-        :math:`\mathrm{sim}_t^{(l)}(x, x') = (W_t^{Q,(l)} x)^\top (W_t^{K,(l)} x')`.
+        $\mathrm{sim}_v^{(l)}(x, x') = (W_v^{K,(l)} x)^\top (W_v^{Q,(l)} x')$ (lower, upper),
+        $\mathrm{sim}_c^{(l)}(x, x') = (W_c^{Q,(l)} x)^\top (W_c^{K,(l)} x')$,
+        $\mathrm{sim}_t^{(l)}(x, x') = (W_t^{Q,(l)} x)^\top (W_t^{K,(l)} x')$.
+
     Value:
-        :math:`-\partial E/\partial x_{k,t}^{(l)}` = bottom-up + top-down + intra-layer +
+        $-\partial E/\partial x_{k,t}^{(l)}$ = bottom-up + top-down + intra-layer +
         temporal parts (v2 eq. 18-26), each a softmax-weighted sum; the temporal part has a
         child term (eq. 26) and a parent term (the slot explaining its own future, which
         v2 eq. 26 leaves out).
 
     Args:
         x: observed layer 1, ``(T, K_1, D_1)``.
-        layer_sizes: ``(K_l, D_l)`` for the latent layers :math:`l = 2..L`.
-        w_inter: for :math:`l = 2..L` the pair :math:`(W_v^{K,(l)}, W_v^{Q,(l)})` of shapes
+        layer_sizes: ``(K_l, D_l)`` for the latent layers $l = 2..L$.
+        w_inter: for $l = 2..L$ the pair $(W_v^{K,(l)}, W_v^{Q,(l)})$ of shapes
             ``(d, D_{l-1})`` and ``(d, D_l)``.
-        w_intra, w_temporal: for :math:`l = 1..L` the pairs :math:`(W^Q, W^K)`, both ``(d, D_l)``.
-        receptive_fields: optional boolean masks ``(K_l, K_{l-1})`` for :math:`l = 2..L`;
+        w_intra: for $l = 1..L$ the pair $(W_c^{Q,(l)}, W_c^{K,(l)})$, both ``(d, D_l)``.
+        w_temporal: for $l = 1..L$ the pair $(W_t^{Q,(l)}, W_t^{K,(l)})$, both ``(d, D_l)``.
+        receptive_fields: optional boolean masks ``(K_l, K_{l-1})`` for $l = 2..L$;
             given, the inter-layer term takes the renormalised form.
 
     Sites:

@@ -23,27 +23,30 @@ def hopfield(
     r"""Hopfield retrieval: each latent state takes one stored pattern as its parent.
 
     Graph:
-        observed memory nodes :math:`x_1..x_N` (``memories``), latent state nodes
-        :math:`z_1..z_S` (site ``state``); one edge site per state.
+        observed memory nodes $x_1..x_N$ (``memories``), latent state nodes
+        $z_1..z_S$ (site ``state``); one edge site per state.
+
     Prior:
-        uniform over the observed nodes, :math:`\phi_i \sim \mathrm{Uniform}\{x_1..x_N\}`.
+        uniform over the observed nodes, $\phi_i \sim \mathrm{Uniform}\{x_1..x_N\}$.
+
     Potentials:
-        edge :math:`\psi(x_j, z_i) = \beta\, z_i^\top x_j`; node
-        :math:`-\tfrac\beta2 \|z_i\|^2` (``node_potential=True``) or none.
+        edge $\psi(x_j, z_i) = \beta\, z_i^\top x_j$; node
+        $-\tfrac\beta2 \|z_i\|^2$ (``node_potential=True``) or none.
+
     Value:
-        :math:`\partial F / \partial z`: with the quadratic node potential the collapsed
-        free energy is :math:`\beta` times Ramsauer's energy,
-        :math:`F(\xi) = \tfrac\beta2\|\xi\|^2 - \mathrm{lse}(\beta X^\top \xi) + c`, and the CCCP
-        fixed point (Singh & Buckley eq. 8) :math:`\xi - \beta^{-1}\partial F/\partial \xi
-        = X\,\mathrm{softmax}(\beta X^\top \xi)` is the Hopfield update. Without it,
-        :math:`-\partial E/\partial z_i = \beta \sum_\mu \mathrm{softmax}_\mu(\beta z_i^\top x_\mu) x_\mu`
-        and :math:`-\partial E/\partial x_\mu = \beta\sum_i \mathrm{softmax}_\mu(\cdot)\, z_i`
+        $\partial F / \partial z$: with the quadratic node potential the collapsed
+        free energy is $\beta$ times Ramsauer's energy,
+        $F(\xi) = \tfrac\beta2\|\xi\|^2 - \mathrm{lse}(\beta X^\top \xi) + c$, and the CCCP
+        fixed point (Singh & Buckley eq. 8) $\xi - \beta^{-1}\partial F/\partial \xi
+        = X\,\mathrm{softmax}(\beta X^\top \xi)$ is the Hopfield update. Without it,
+        $-\partial E/\partial z_i = \beta \sum_\mu \mathrm{softmax}_\mu(\beta z_i^\top x_\mu) x_\mu$
+        and $-\partial E/\partial x_\mu = \beta\sum_i \mathrm{softmax}_\mu(\cdot)\, z_i$
         (Tschantz v2 eqs. 7-8).
 
     Args:
         memories: stored patterns ``(N, d)``.
         num_states: number of latent states (queries) ``S``.
-        beta: inverse temperature :math:`\beta > 0` (may be traced: ``jax.jit`` / ``jax.grad``).
+        beta: inverse temperature $\beta > 0$ (may be traced: ``jax.jit`` / ``jax.grad``).
         node_potential: add the quadratic node potential (Singh & Buckley sec. 4.1).
 
     Sites:

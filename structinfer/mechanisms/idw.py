@@ -13,13 +13,14 @@ from ._common import features
 
 __all__ = ["idw_attention", "special_case_eta", "augment_special_case", "DISTANCE_SCORES"]
 
-#: score names accepted by :func:`idw_attention` and the McCarter equation they implement
 DISTANCE_SCORES = {
     "idw": "eq. 4: -log(eps + ||q - k||^p)",
     "neg_sq": "eq. 1: -||q - k||^2",
     "gaussian": "eq. 2: exp(-||q - k||^2 / sigma^2)",
     "inverse": "eq. 3: 1 / (eps + ||q - k||^p)",
 }
+"""The ``score`` names [`idw_attention`][structinfer.mechanisms.idw_attention] accepts, and
+the McCarter equation each implements."""
 
 
 def _score(q, keys, kind: str, p: float, eps: float, sigma: float) -> scores.Score:
@@ -45,25 +46,35 @@ def idw_attention(
     eps: float = 1e-3,
     sigma: float = 1.0,
 ) -> None:
-    r"""Attention over prototypes with a distance score; ``score="idw"`` is Shepard's inverse
-    distance weighting.
+    r"""Attention over prototypes with a distance score; ``"idw"`` is Shepard's weighting.
+
+    ``score="idw"`` is Shepard's inverse distance weighting; the other scores are
+    McCarter's alternatives.
 
     Graph:
-        query nodes :math:`q_{1..n}` (children), prototype keys :math:`k^{(1..P)}` (parents)
-        carrying values :math:`v^{(i)}` (e.g. class logits).
+        query nodes $q_{1..n}$ (children), prototype keys $k^{(1..P)}$ (parents)
+        carrying values $v^{(i)}$ (e.g. class logits).
+
     Prior:
         uniform over prototypes.
+
     Potentials:
-        ``"idw"``: :math:`-\log(\epsilon + \|q - k\|^p)` (eq. 4), so that the attention is
-        :math:`\frac{(\epsilon + d_i^p)^{-1}}{\sum_j (\epsilon + d_j^p)^{-1}}` (eq. 5);
-        ``"neg_sq"``: :math:`-\|q-k\|^2` (eq. 1); ``"gaussian"``:
-        :math:`\exp(-\|q-k\|^2/\sigma^2)` (eq. 2); ``"inverse"``: :math:`1/(\epsilon + \|q-k\|^p)` (eq. 3).
+        ``"idw"``: $-\log(\epsilon + \|q - k\|^p)$ (eq. 4), so that the attention is
+        $\frac{(\epsilon + d_i^p)^{-1}}{\sum_j (\epsilon + d_j^p)^{-1}}$ (eq. 5);
+        ``"neg_sq"``: $-\|q-k\|^2$ (eq. 1); ``"gaussian"``:
+        $\exp(-\|q-k\|^2/\sigma^2)$ (eq. 2); ``"inverse"``: $1/(\epsilon + \|q-k\|^p)$ (eq. 3).
+
     Value:
-        :math:`v^{(\phi)}`; the output is :math:`\sigma(d) V`, the predicted class its argmax.
+        $v^{(\phi)}$; the output is $\sigma(d) V$, the predicted class its argmax.
 
     Args:
-        q: queries ``(n, d)``; keys: prototypes ``(P, d)``; values: ``(P, C)``.
-        score: one of :data:`DISTANCE_SCORES`; p, eps, sigma: score parameters.
+        q: queries ``(n, d)``.
+        keys: prototypes $k^{(i)}$, ``(P, d)``.
+        values: prototype values $v^{(i)}$, ``(P, C)``.
+        score: one of [`DISTANCE_SCORES`][structinfer.mechanisms.DISTANCE_SCORES].
+        p: distance exponent $p > 0$ (``"idw"``, ``"inverse"``).
+        eps: offset $\epsilon > 0$ (``"idw"``, ``"inverse"``).
+        sigma: kernel width $\sigma$ (``"gaussian"``).
 
     Sites:
         ``phi`` (edge, children = queries), ``out`` (deterministic value).
@@ -86,26 +97,36 @@ def idw_attention(
 def special_case_eta(
     q: jax.Array, keys: jax.Array, values: jax.Array, c: int, p: float = 2.0, eps: float = 1e-3
 ) -> jax.Array:
-    r"""The smallest value weight :math:`\eta` that makes IDW predict class ``c`` at ``q``
-    once the prototype :math:`k' = q`, :math:`v' = \eta e_c` is added (McCarter eq. 7):
+    r"""The smallest value weight $\eta$ that makes IDW predict class ``c`` at ``q`` (eq. 7).
 
-    .. math::
+    That is, once the prototype $k' = q$ with value $v' = \eta e_c$ is added (McCarter
+    eq. 7):
 
-        \eta = \Big(1 + \epsilon \sum_j \frac{1}{\epsilon + d_j^p}\Big)
-        \Big[\max_{k \ne c} \sigma([d; 0])_{1:P} V_{:,k} - \sigma([d; 0])_{1:P} V_{:,c}\Big]
+    $$
+    \eta = \Big(1 + \epsilon \sum_j \frac{1}{\epsilon + d_j^p}\Big)
+    \Big[\max_{k \ne c} \sigma([d; 0])_{1:P} V_{:,k} - \sigma([d; 0])_{1:P} V_{:,c}\Big]
+    $$
 
-    where :math:`\sigma([d; 0])` is the IDW weighting (eq. 6) over the :math:`P` prototypes
-    and the new one at distance 0 (weight :math:`1/\epsilon`; the paper writes the new
-    entry as :math:`\epsilon`, the value of :math:`\epsilon + d^p` at :math:`d = 0`). With
-    this :math:`\eta` class ``c`` ties with the best other class; any larger :math:`\eta`
-    flips the prediction, any smaller does not. A non-positive :math:`\eta` means ``c`` is
+    where $\sigma([d; 0])$ is the IDW weighting (eq. 6) over the $P$ prototypes
+    and the new one at distance 0 (weight $1/\epsilon$; the paper writes the new
+    entry as $\epsilon$, the value of $\epsilon + d^p$ at $d = 0$). With
+    this $\eta$ class ``c`` ties with the best other class; any larger $\eta$
+    flips the prediction, any smaller does not. A non-positive $\eta$ means ``c`` is
     already predicted.
 
     Args:
-        q: the special-case input ``(d,)``; keys ``(P, d)``; values ``(P, C)``; c: class index.
+        q: the special-case input ``(d,)``.
+        keys: prototypes ``(P, d)``.
+        values: prototype values $V$, ``(P, C)``.
+        c: the class index.
+        p: distance exponent $p$.
+        eps: offset $\epsilon$.
 
     Returns:
-        Scalar :math:`\eta`.
+        Scalar $\eta$.
+
+    Raises:
+        ValueError: if ``q`` is not one input ``(d,)``.
     """
     q, keys, values = jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values)
     if q.ndim != 1:
@@ -121,7 +142,15 @@ def special_case_eta(
 def augment_special_case(
     keys: jax.Array, values: jax.Array, q: jax.Array, c: int, eta: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    r"""Append the prototype :math:`k' = q` with value :math:`v' = \eta e_c` (McCarter sec. 2.2).
+    r"""Append the prototype $k' = q$ with value $v' = \eta e_c$ (McCarter sec. 2.2).
+
+    Args:
+        keys: prototypes ``(P, d)``.
+        values: prototype values ``(P, C)``.
+        q: the special-case input ``(d,)``.
+        c: the class index.
+        eta: the value weight $\eta$ (e.g.
+            [`special_case_eta`][structinfer.mechanisms.special_case_eta]).
 
     Returns:
         ``(keys, values)`` with ``P + 1`` rows.

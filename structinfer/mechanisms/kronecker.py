@@ -21,21 +21,28 @@ def kronecker_attention(
     r"""Kronecker log-sum-exp, continuous case: two parent sets explain each child jointly.
 
     Graph:
-        child nodes :math:`x_{1..N}`, parent sets :math:`z_{1..K}` and :math:`u_{1..L}`; each
-        child takes a pair :math:`(k, \ell)` through two edge sites.
+        child nodes $x_{1..N}$, parent sets $z_{1..K}$ and $u_{1..L}$; each
+        child takes a pair $(k, \ell)$ through two edge sites.
+
     Prior:
-        uniform over :math:`z` and over :math:`u`, i.e. uniform over pairs.
+        uniform over $z$ and over $u$, i.e. uniform over pairs.
+
     Potentials:
-        :math:`\mathrm{sim}(x_i; z_k, u_\ell) = \mathrm{sim}_z(x_i, z_k) + \mathrm{sim}_u(x_i, u_\ell)`
-        with :math:`\mathrm{sim}_z = (W_z x_i)^\top z_k`, :math:`\mathrm{sim}_u = (W_u x_i)^\top u_\ell`.
+        $\mathrm{sim}(x_i; z_k, u_\ell) = \mathrm{sim}_z(x_i, z_k) + \mathrm{sim}_u(x_i, u_\ell)$
+        with $\mathrm{sim}_z = (W_z x_i)^\top z_k$, $\mathrm{sim}_u = (W_u x_i)^\top u_\ell$.
+
     Value:
-        the joint attention :math:`\alpha_{ik\ell} = \mathrm{softmax}_{k,\ell}\,\mathrm{sim}`
+        the joint attention $\alpha_{ik\ell} = \mathrm{softmax}_{k,\ell}\,\mathrm{sim}$
         (site ``joint``: the expectation of the one-hot pair) and
-        :math:`-\partial E/\partial z_k = \sum_{i,\ell} \alpha_{ik\ell}\, W_z x_i`,
-        :math:`-\partial E/\partial x_i = \sum_{k,\ell}\alpha_{ik\ell}(W_z^\top z_k + W_u^\top u_\ell)`.
+        $-\partial E/\partial z_k = \sum_{i,\ell} \alpha_{ik\ell}\, W_z x_i$,
+        $-\partial E/\partial x_i = \sum_{k,\ell}\alpha_{ik\ell}(W_z^\top z_k + W_u^\top u_\ell)$.
 
     Args:
-        x: ``(N, d)``; z: ``(K, d_z)``; u: ``(L, d_u)``; wz: ``(d_z, d)``; wu: ``(d_u, d)``.
+        x: child nodes ``(N, d)``.
+        z: first parent set $z_k$, ``(K, d_z)``.
+        u: second parent set $u_\ell$, ``(L, d_u)``.
+        wz: projection $W_z$, ``(d_z, d)``.
+        wu: projection $W_u$, ``(d_u, d)``.
 
     Sites:
         ``phi_z``, ``phi_u`` (edges, children = x), ``joint`` (deterministic one-hot pair).
@@ -60,21 +67,24 @@ def tensor_attention(x: jax.Array, log_theta: jax.Array) -> None:
     r"""Kronecker log-sum-exp, discrete case: tensor attention over two discrete parents.
 
     Graph:
-        discrete children :math:`x_i \in \{1..D\}`, two discrete parents
-        :math:`z \in \{1..K\}`, :math:`u \in \{1..L\}` per child (two edge sites).
+        discrete children $x_i \in \{1..D\}$, two discrete parents
+        $z \in \{1..K\}$, $u \in \{1..L\}$ per child (two edge sites).
+
     Prior:
-        uniform over :math:`z` and over :math:`u`.
+        uniform over $z$ and over $u$.
+
     Potentials:
-        :math:`\mathrm{sim}(x_i, z_k, u_\ell) = \ln\theta_{x_i k \ell}`, a joint table over both
+        $\mathrm{sim}(x_i, z_k, u_\ell) = \ln\theta_{x_i k \ell}$, a joint table over both
         parents (``numpyro.factor`` of the gathered log-table), not a sum of pairwise terms.
+
     Value:
-        :math:`\alpha_{ik\ell} = \theta_{x_i k\ell} / \sum_{k'\ell'} \theta_{x_i k'\ell'}` (site
-        ``joint``) and :math:`-\partial E/\partial \ln\theta_{dk\ell} = \sum_{i: x_i = d}
-        \alpha_{ik\ell}` (the expected counts of an EM step).
+        $\alpha_{ik\ell} = \theta_{x_i k\ell} / \sum_{k'\ell'} \theta_{x_i k'\ell'}$ (site
+        ``joint``) and $-\partial E/\partial \ln\theta_{dk\ell} = \sum_{i: x_i = d}
+        \alpha_{ik\ell}$ (the expected counts of an EM step).
 
     Args:
         x: integer children ``(N,)`` in ``[0, D)``.
-        log_theta: ``(D, K, L)`` log of the joint categorical :math:`\theta`.
+        log_theta: ``(D, K, L)`` log of the joint categorical $\theta$.
 
     Sites:
         ``z``, ``u`` (edges, children = x), ``sim`` (factor), ``joint`` (deterministic).
@@ -103,19 +113,25 @@ def multi_lse(x: jax.Array, z: jax.Array, w: jax.Array, precision: float = 1.0) 
     r"""Multi log-sum-exp: several similarities summed inside one softmax.
 
     Graph:
-        child nodes :math:`x_{1..N}`, parent nodes :math:`z_{1..K}`; one edge site per child.
+        child nodes $x_{1..N}$, parent nodes $z_{1..K}$; one edge site per child.
+
     Prior:
         uniform over parents.
+
     Potentials:
-        :math:`\sum_m \mathrm{sim}_m(x_i, z_k)` with :math:`\mathrm{sim}_1 = (W x_i)^\top z_k`
-        and :math:`\mathrm{sim}_2 = -\tfrac\lambda2\|x_i - z_k\|^2` (a ``Sum`` score).
+        $\sum_m \mathrm{sim}_m(x_i, z_k)$ with $\mathrm{sim}_1 = (W x_i)^\top z_k$
+        and $\mathrm{sim}_2 = -\tfrac\lambda2\|x_i - z_k\|^2$ (a ``Sum`` score).
+
     Value:
-        :math:`\alpha_{ik} = \mathrm{softmax}_k \sum_m \mathrm{sim}_m`,
-        :math:`-\partial E/\partial x_i = \sum_k \alpha_{ik}[W^\top z_k - \lambda(x_i - z_k)]`,
-        :math:`-\partial E/\partial z_k = \sum_i \alpha_{ik}[W x_i + \lambda(x_i - z_k)]`.
+        $\alpha_{ik} = \mathrm{softmax}_k \sum_m \mathrm{sim}_m$,
+        $-\partial E/\partial x_i = \sum_k \alpha_{ik}[W^\top z_k - \lambda(x_i - z_k)]$,
+        $-\partial E/\partial z_k = \sum_i \alpha_{ik}[W x_i + \lambda(x_i - z_k)]$.
 
     Args:
-        x: ``(N, d)``; z: ``(K, d)``; w: ``(d, d)``; precision: :math:`\lambda`.
+        x: child nodes ``(N, d)``.
+        z: parent nodes ``(K, d)``.
+        w: the bilinear weight $W$, ``(d, d)``.
+        precision: $\lambda$ of the distance term.
 
     Sites:
         ``phi`` (edge, children = x).

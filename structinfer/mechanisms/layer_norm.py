@@ -15,22 +15,28 @@ def layer_norm_energy(x: jax.Array, gamma: jax.Array, delta: jax.Array, eps: flo
     r"""The layer-norm energy, whose gradient is the LayerNorm output.
 
     Graph:
-        nodes :math:`x_{1..B} \in \mathbb R^D`, no edges (a node potential only).
+        nodes $x_{1..B} \in \mathbb R^D$, no edges (a node potential only).
+
     Prior:
         none (no edge sites).
-    Potentials:
-        :math:`E^{\mathrm{LN}}(x) = \sum_i \big[D\gamma\sqrt{\tfrac1D\sum_j (x_{ij}-\bar x_i)^2
-        + \epsilon} + \sum_j \delta_j x_{ij}\big]`, added as ``numpyro.factor`` :math:`-E`.
-    Value:
-        :math:`\partial E/\partial x_{ij} = \gamma \frac{x_{ij} - \bar x_i}{\sqrt{\frac1D\sum_k
-        (x_{ik}-\bar x_i)^2 + \epsilon}} + \delta_j`, the LayerNorm output.
 
-    The papers print the energy without the factor :math:`D` and with a vector
-    :math:`\gamma`; the gradient they state needs the factor :math:`D`, and only a scalar
-    :math:`\gamma` makes it a gradient field (as in Hoover et al.'s Energy Transformer).
+    Potentials:
+        $E^{\mathrm{LN}}(x) = \sum_i \big[D\gamma\sqrt{\tfrac1D\sum_j (x_{ij}-\bar x_i)^2
+        + \epsilon} + \sum_j \delta_j x_{ij}\big]$, added as ``numpyro.factor`` $-E$.
+
+    Value:
+        $\partial E/\partial x_{ij} = \gamma \frac{x_{ij} - \bar x_i}{\sqrt{\frac1D\sum_k
+        (x_{ik}-\bar x_i)^2 + \epsilon}} + \delta_j$, the LayerNorm output.
+
+    The papers print the energy without the factor $D$ and with a vector
+    $\gamma$; the gradient they state needs the factor $D$, and only a scalar
+    $\gamma$ makes it a gradient field (as in Hoover et al.'s Energy Transformer).
 
     Args:
-        x: ``(B, D)``; gamma: scalar scale; delta: ``(D,)`` bias; eps: variance offset.
+        x: nodes ``(B, D)``.
+        gamma: the scalar scale $\gamma$.
+        delta: the bias $\delta$, ``(D,)``.
+        eps: the variance offset $\epsilon$.
 
     Sites:
         ``layer_norm`` (factor).

@@ -20,8 +20,13 @@ __all__ = ["LSETerm", "lse_graphical_model", "child_parent_gradients"]
 
 
 class LSETerm(NamedTuple):
-    """One energy term :math:`E_m`: its name, child node indices :math:`C_m` and parent node
-    indices :math:`P_m` (which may overlap)."""
+    """One energy term $E_m$ of [`lse_graphical_model`][structinfer.mechanisms.lse_graphical_model].
+
+    Attributes:
+        name: the term's name (its edge site's name).
+        children: child node indices $C_m$.
+        parents: parent node indices $P_m$ (may overlap with the children).
+    """
 
     name: str
     children: tuple[int, ...]
@@ -56,27 +61,31 @@ def lse_graphical_model(
     r"""A sum of log-sum-exp energies over one node set.
 
     Graph:
-        nodes :math:`v_{1..N}`; term :math:`m` has children :math:`C_m` and parents
-        :math:`P_m` (subsets that may overlap); one edge site per child of each term.
+        nodes $v_{1..N}$; term $m$ has children $C_m$ and parents
+        $P_m$ (subsets that may overlap); one edge site per child of each term.
+
     Prior:
-        uniform over :math:`P_m` for every child of term :math:`m`.
+        uniform over $P_m$ for every child of term $m$.
+
     Potentials:
-        :math:`\mathrm{sim}_m(v_c, v_p) = v_c^\top W_m v_p`.
+        $\mathrm{sim}_m(v_c, v_p) = v_c^\top W_m v_p$.
+
     Value:
-        :math:`E = \sum_m -\sum_{c \in C_m}\ln\sum_{p\in P_m} e^{\mathrm{sim}_m(v_c, v_p)}`
-        (v2 eq. 2-3) and :math:`-\partial E/\partial v_a` = a child part (the terms where
-        :math:`a \in C_m`: :math:`\sum_p \mathrm{softmax}_p\, \partial_{v_a}\mathrm{sim}`) plus a
-        parent part (the terms where :math:`a \in P_m`: :math:`\sum_c \mathrm{softmax}_a\,
-        \partial_{v_a}\mathrm{sim}`) — v2 eq. 4. Passing a separate ``parent_nodes`` copy
-        makes the two parts separate gradients (:func:`child_parent_gradients`).
+        $E = \sum_m -\sum_{c \in C_m}\ln\sum_{p\in P_m} e^{\mathrm{sim}_m(v_c, v_p)}$
+        (v2 eq. 2-3) and $-\partial E/\partial v_a$ = a child part (the terms where
+        $a \in C_m$: $\sum_p \mathrm{softmax}_p\, \partial_{v_a}\mathrm{sim}$) plus a
+        parent part (the terms where $a \in P_m$: $\sum_c \mathrm{softmax}_a\,
+        \partial_{v_a}\mathrm{sim}$) — v2 eq. 4. Passing a separate ``parent_nodes`` copy
+        makes the two parts separate gradients ([`child_parent_gradients`][structinfer.mechanisms.child_parent_gradients]).
 
     Args:
-        nodes: ``(N, d)``; weights: one ``(d, d)`` matrix per term.
-        terms: the :class:`LSETerm` list (concrete indices).
+        nodes: the nodes $v$, ``(N, d)``.
+        weights: one ``(d, d)`` matrix $W_m$ per term.
+        terms: the [`LSETerm`][structinfer.mechanisms.LSETerm] list (concrete indices).
         parent_nodes: optional copy of ``nodes`` read on the parent side of every term.
 
     Sites:
-        one edge per term, named ``term.name`` (children = :math:`C_m`).
+        one edge per term, named ``term.name`` (children = $C_m$).
 
     Reference:
         Tschantz v2 sec. 1 (eqs. 1-4).
@@ -102,11 +111,16 @@ def lse_graphical_model(
 def child_parent_gradients(
     nodes: jax.Array, weights: Sequence[jax.Array], terms: Sequence[LSETerm]
 ) -> tuple[jax.Array, jax.Array]:
-    r"""The two parts of :math:`-\partial E/\partial v` (v2 eq. 4), from the exact engine.
+    r"""The two parts of $-\partial E/\partial v$ (v2 eq. 4), from the exact engine.
 
     The energy is evaluated with the parent side reading a copy of the nodes; the
     gradient with respect to the nodes is then the child part and the gradient with
     respect to the copy the parent part. Their sum is the full gradient.
+
+    Args:
+        nodes: the nodes $v$, ``(N, d)``.
+        weights: one ``(d, d)`` matrix $W_m$ per term.
+        terms: the [`LSETerm`][structinfer.mechanisms.LSETerm] list.
 
     Returns:
         ``(child_part, parent_part)``, each ``(N, d)``.

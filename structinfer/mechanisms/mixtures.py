@@ -24,22 +24,26 @@ def gaussian_mixture(
     r"""Gaussian mixture: each data point takes one component as its parent.
 
     Graph:
-        child data :math:`x_{1..N}`, parent components :math:`\mu_{1..K}`.
+        child data $x_{1..N}$, parent components $\mu_{1..K}$.
+
     Prior:
-        categorical, :math:`p(\phi_i = k) = \pi_k` (``log_weights``, normalised).
+        categorical, $p(\phi_i = k) = \pi_k$ (``log_weights``, normalised).
+
     Potentials:
-        :math:`-\tfrac12 (x_i - \mu_k)^\top \Sigma_k^{-1} (x_i - \mu_k)`, so that with the prior
-        :math:`\mathrm{sim}(x_i, \mu_k) = \ln\pi_k - \tfrac12 \mathrm{Mahalanobis}`;
-        ``normalize=True`` adds :math:`\tfrac12\ln|\Sigma_k^{-1}| - \tfrac d2 \ln 2\pi` and the
+        $-\tfrac12 (x_i - \mu_k)^\top \Sigma_k^{-1} (x_i - \mu_k)$, so that with the prior
+        $\mathrm{sim}(x_i, \mu_k) = \ln\pi_k - \tfrac12 \mathrm{Mahalanobis}$;
+        ``normalize=True`` adds $\tfrac12\ln|\Sigma_k^{-1}| - \tfrac d2 \ln 2\pi$ and the
         energy becomes the GMM negative log-likelihood.
+
     Value:
-        responsibilities :math:`\alpha_{ik} = \mathrm{softmax}_k\,\mathrm{sim}(x_i, \mu_k)` and
-        :math:`-\partial E/\partial \mu_k = \sum_i \alpha_{ik} \Sigma_k^{-1}(x_i - \mu_k)`, whose
-        zero is the M-step :math:`\mu_k = \sum_i \alpha_{ik} x_i / \sum_i \alpha_{ik}`.
+        responsibilities $\alpha_{ik} = \mathrm{softmax}_k\,\mathrm{sim}(x_i, \mu_k)$ and
+        $-\partial E/\partial \mu_k = \sum_i \alpha_{ik} \Sigma_k^{-1}(x_i - \mu_k)$, whose
+        zero is the M-step $\mu_k = \sum_i \alpha_{ik} x_i / \sum_i \alpha_{ik}$.
 
     Args:
-        x: data ``(N, d)``; means: ``(K, d)``.
-        precisions: :math:`\Sigma_k^{-1}`, ``(K, d, d)``, ``(K, d)`` (diagonal), ``(d, d)`` or scalar.
+        x: data ``(N, d)``.
+        means: component means $\mu_k$, ``(K, d)``.
+        precisions: $\Sigma_k^{-1}$, ``(K, d, d)``, ``(K, d)`` (diagonal), ``(d, d)`` or scalar.
         log_weights: ``(K,)`` log mixing weights.
         normalize: include the Gaussian normaliser.
 
@@ -74,22 +78,28 @@ def linear_mixture(
     r"""Linear mixture: each child is a noisy linear map of one parent.
 
     Graph:
-        child nodes :math:`x_{1..N}`, parent nodes :math:`z_{1..K}`, parent :math:`k` predicting
-        :math:`A_k z_k + b_k`.
+        child nodes $x_{1..N}$, parent nodes $z_{1..K}$, parent $k$ predicting
+        $A_k z_k + b_k$.
+
     Prior:
         uniform over parents.
+
     Potentials:
-        :math:`\mathrm{sim}_k(x_i, z_k) = -\tfrac12 (x_i - A_k z_k - b_k)^\top \Sigma_k^{-1}
-        (x_i - A_k z_k - b_k)` (diagonal :math:`\Sigma_k^{-1}`).
+        $\mathrm{sim}_k(x_i, z_k) = -\tfrac12 (x_i - A_k z_k - b_k)^\top \Sigma_k^{-1}
+        (x_i - A_k z_k - b_k)$ (diagonal $\Sigma_k^{-1}$).
+
     Value:
-        with :math:`r_{ik} = x_i - A_k z_k - b_k`: :math:`-\partial E/\partial x_i = -\sum_k
-        \alpha_{ik}\Sigma_k^{-1} r_{ik}` (the slides print it with a + sign), whose zero for a
-        shared :math:`\Sigma` is the fixed point :math:`x_i^* = \sum_k \alpha_{ik}(A_k z_k + b_k)`;
-        :math:`-\partial E/\partial z_k = \sum_i \alpha_{ik} A_k^\top \Sigma_k^{-1} r_{ik}`.
+        with $r_{ik} = x_i - A_k z_k - b_k$: $-\partial E/\partial x_i = -\sum_k
+        \alpha_{ik}\Sigma_k^{-1} r_{ik}$ (the slides print it with a + sign), whose zero for a
+        shared $\Sigma$ is the fixed point $x_i^* = \sum_k \alpha_{ik}(A_k z_k + b_k)$;
+        $-\partial E/\partial z_k = \sum_i \alpha_{ik} A_k^\top \Sigma_k^{-1} r_{ik}$.
 
     Args:
-        x: ``(N, d_x)``; z: ``(K, d_z)``; A: ``(K, d_x, d_z)``; b: ``(K, d_x)``;
-        precisions: diagonal precisions ``(K, d_x)``.
+        x: child nodes ``(N, d_x)``.
+        z: parent nodes $z_k$, ``(K, d_z)``.
+        A: the linear maps $A_k$, ``(K, d_x, d_z)``.
+        b: the offsets $b_k$, ``(K, d_x)``.
+        precisions: diagonal precisions $\Sigma_k^{-1}$, ``(K, d_x)``.
 
     Sites:
         ``mode`` (edge, children = x).

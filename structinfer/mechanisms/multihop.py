@@ -24,24 +24,30 @@ def multihop_attention(
     r"""Multi-hop attention written as a chain of edge sites.
 
     Graph:
-        nodes :math:`K = Q = (x_1..x_n)`, directed edges. Hop 1 is node :math:`i`'s edge
-        :math:`\phi_i`; hop :math:`h+1` is the edge of the node hop :math:`h` reached,
-        :math:`\phi_{\phi_i}` (``si.edge(..., child=previous)``).
+        nodes $K = Q = (x_1..x_n)$, directed edges. Hop 1 is node $i$'s edge
+        $\phi_i$; hop $h+1$ is the edge of the node hop $h$ reached,
+        $\phi_{\phi_i}$ (``si.edge(..., child=previous)``).
+
     Prior:
         uniform.
-    Potentials:
-        :math:`\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j`.
-    Value:
-        :math:`v_i = V x_{\phi_i} + V x_{\phi_{\phi_i}} + \dots` (``hops`` terms), whose
-        expectation is :math:`(P + P^2 + \dots + P^{N}) V X` with :math:`P` the attention
-        matrix; two hops give :math:`(P + P^2) V X`.
 
-    Algorithm 2 of the paper writes :math:`\sum_{k<N} A^k`; its sum starts at :math:`k=1`
-    (the two-hop case of sec. 5.1 is :math:`P + P^2`).
+    Potentials:
+        $\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j$.
+
+    Value:
+        $v_i = V x_{\phi_i} + V x_{\phi_{\phi_i}} + \dots$ (``hops`` terms), whose
+        expectation is $(P + P^2 + \dots + P^{N}) V X$ with $P$ the attention
+        matrix; two hops give $(P + P^2) V X$.
+
+    Algorithm 2 of the paper writes $\sum_{k<N} A^k$; its sum starts at $k=1$
+    (the two-hop case of sec. 5.1 is $P + P^2$).
 
     Args:
-        x: nodes ``(n, d_in)``; wq, wk: ``(d_k, d_in)``; wv: ``(d_v, d_in)`` or ``None``.
-        hops: number of hops :math:`N \ge 1`.
+        x: nodes ``(n, d_in)``.
+        wq: query projection $W_Q$, ``(d_k, d_in)``.
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $V$, ``(d_v, d_in)``, or ``None`` for the nodes themselves.
+        hops: number of hops $N \ge 1$.
 
     Sites:
         ``hop1 .. hop{N}`` (edges), ``out{h}`` (the value after ``h`` hops) and ``out``

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpyro
+from jax.typing import DTypeLike
 
 from .. import priors, scores
 from ..primitives import edge
@@ -18,13 +19,15 @@ __all__ = [
     "RELATIVE_PARAMETERISATIONS",
 ]
 
-#: the parameterisations of the relative-position prior and the shape of ``theta``
 RELATIVE_PARAMETERISATIONS = {
     "categorical": "(n, n) free log-prior matrix ln P",
     "relative": "(2n - 1,) one log-weight per distance i - j",
     "circulant": "(n,) log-weights c with ln P = circ(c)",
     "hartley": "(K,) Hartley coefficients beta",
 }
+"""The parameterisations of
+[`relative_position_attention`][structinfer.mechanisms.relative_position_attention]'s prior
+and the shape of ``theta`` each takes."""
 
 
 def _relative_prior(theta: jax.Array, n: int, parameterisation: str) -> priors.StructuralPrior:
@@ -69,31 +72,39 @@ def relative_position_attention(
     r"""Relative positional encodings are a categorical prior over edges.
 
     Graph:
-        nodes :math:`K = Q = (x_1..x_n)`, directed edges; one edge site per node.
+        nodes $K = Q = (x_1..x_n)$, directed edges; one edge site per node.
+
     Prior:
-        categorical, :math:`p(\phi_i = j) = P_{ij}`: a free matrix (``"categorical"``), a
-        function of :math:`i - j` (``"relative"``), circulant :math:`P = \mathrm{circ}(p)`
+        categorical, $p(\phi_i = j) = P_{ij}$: a free matrix (``"categorical"``), a
+        function of $i - j$ (``"relative"``), circulant $P = \mathrm{circ}(p)$
         (``"circulant"``), or Hartley-parameterised
-        :math:`\ln P_{ij} = \sum_k \beta_k [\cos k\theta_{ij} + \sin k\theta_{ij}]`,
-        :math:`\theta_{ij} = 2\pi (i-j)/n` (``"hartley"``).
+        $\ln P_{ij} = \sum_k \beta_k [\cos k\theta_{ij} + \sin k\theta_{ij}]$,
+        $\theta_{ij} = 2\pi (i-j)/n$ (``"hartley"``).
+
     Potentials:
-        :math:`\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j`.
+        $\psi(x_i, x_j) = x_i^\top W_Q^\top W_K x_j$.
+
     Value:
-        :math:`v_i = W_V x_{\phi_i}`; the output is
-        :math:`\sum_j \mathrm{softmax}_j(x_i^\top W_Q^\top W_K x_j + \ln P_{ij}) W_V x_j`.
+        $v_i = W_V x_{\phi_i}$; the output is
+        $\sum_j \mathrm{softmax}_j(x_i^\top W_Q^\top W_K x_j + \ln P_{ij}) W_V x_j$.
 
     Args:
-        x: nodes ``(n, d_in)``; wq, wk: ``(d_k, d_in)``; wv: ``(d_v, d_in)`` or ``None``.
-        theta: prior parameters, shape per :data:`RELATIVE_PARAMETERISATIONS`.
-        parameterisation: one of ``"categorical"``, ``"relative"``, ``"circulant"``, ``"hartley"``.
+        x: nodes ``(n, d_in)``.
+        wq: query projection $W_Q$, ``(d_k, d_in)``.
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $W_V$, ``(d_v, d_in)``, or ``None`` for the nodes themselves.
+        theta: prior parameters, shape per
+            [`RELATIVE_PARAMETERISATIONS`][structinfer.mechanisms.RELATIVE_PARAMETERISATIONS].
+        parameterisation: one of ``"categorical"``, ``"relative"``, ``"circulant"``,
+            ``"hartley"``.
 
     Sites:
         ``phi`` (edge), ``out`` (deterministic value).
 
     Reference:
         Singh & Buckley appendix 8.2 ("Relative Position Encodings"); the paper prints the
-        Hartley angle as :math:`(i-j)/(2\pi n)`, the standard angle :math:`2\pi (i-j)/n` is
-        the one that makes :math:`P` circulant.
+        Hartley angle as $(i-j)/(2\pi n)$, the standard angle $2\pi (i-j)/n$ is
+        the one that makes $P$ circulant.
     """
     x = features(x, "x", "relative_position_attention")
     n = x.shape[-2]
@@ -109,10 +120,21 @@ def relative_position_attention(
         numpyro.deterministic("out", values[phi])
 
 
-def sinusoidal_encoding(n: int, d: int, base: float = 10000.0, dtype=None) -> jax.Array:
-    r"""The sinusoidal absolute position vectors :math:`e_i` of Vaswani et al., ``(n, d)``.
+def sinusoidal_encoding(
+    n: int, d: int, base: float = 10000.0, dtype: DTypeLike | None = None
+) -> jax.Array:
+    r"""The sinusoidal absolute position vectors $e_i$ of Vaswani et al., ``(n, d)``.
 
-    :math:`e_{i,2k} = \sin(i / b^{2k/d})`, :math:`e_{i,2k+1} = \cos(i / b^{2k/d})`.
+    $e_{i,2k} = \sin(i / b^{2k/d})$, $e_{i,2k+1} = \cos(i / b^{2k/d})$.
+
+    Args:
+        n: the number of positions.
+        d: the vector size.
+        base: the base $b$.
+        dtype: the floating dtype (default JAX's default float).
+
+    Returns:
+        The vectors $e_i$ as rows, ``(n, d)``.
     """
     pos = jnp.arange(n, dtype=dtype or jnp.result_type(float))[:, None]
     k = jnp.arange(d)[None, :]
@@ -130,19 +152,25 @@ def absolute_position_attention(
     r"""Absolute positional encodings modify the edge potentials.
 
     Graph:
-        nodes :math:`K = Q = (x_1..x_n)`; one edge site per node.
+        nodes $K = Q = (x_1..x_n)$; one edge site per node.
+
     Prior:
         uniform.
+
     Potentials:
-        :math:`\psi(x_i, x_j) = \tilde x_i^\top W_Q^\top W_K \tilde x_j` with
-        :math:`\tilde x_i = x_i + e_i` (``positions``).
+        $\psi(x_i, x_j) = \tilde x_i^\top W_Q^\top W_K \tilde x_j$ with
+        $\tilde x_i = x_i + e_i$ (``positions``).
+
     Value:
-        :math:`v_i = W_V x_{\phi_i}` (Table 1: the value uses the un-encoded node).
+        $v_i = W_V x_{\phi_i}$ (Table 1: the value uses the un-encoded node).
 
     Args:
-        x: nodes ``(n, d_in)``; positions: position vectors ``(n, d_in)``
-            (e.g. :func:`sinusoidal_encoding`).
-        wq, wk: ``(d_k, d_in)``; wv: ``(d_v, d_in)`` or ``None``.
+        x: nodes ``(n, d_in)``.
+        positions: position vectors $e_i$, ``(n, d_in)``
+            (e.g. [`sinusoidal_encoding`][structinfer.mechanisms.sinusoidal_encoding]).
+        wq: query projection $W_Q$, ``(d_k, d_in)``.
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $W_V$, ``(d_v, d_in)``, or ``None`` for the nodes themselves.
 
     Sites:
         ``phi`` (edge), ``out`` (deterministic value).

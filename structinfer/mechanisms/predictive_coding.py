@@ -28,33 +28,37 @@ def predictive_coding_network(
     r"""A hierarchical predictive coding network where every unit takes one incoming synapse.
 
     Graph:
-        layers of scalar units :math:`z_0 \to z_1 \to \dots \to z_L = y`; the top layers
+        layers of scalar units $z_0 \to z_1 \to \dots \to z_L = y$; the top layers
         are latent (sites ``z0 .. z{L-1}``), the bottom layer ``y`` is observed. Unit
-        :math:`i` of layer :math:`l+1` has one edge site :math:`\phi_l^i` over the units of
-        layer :math:`l`.
+        $i$ of layer $l+1$ has one edge site $\phi_l^i$ over the units of
+        layer $l$.
+
     Prior:
-        uniform over incoming synapses, :math:`\phi_l^i \sim \mathrm{Uniform}\{z_l^0, z_l^1, \dots\}`.
+        uniform over incoming synapses, $\phi_l^i \sim \mathrm{Uniform}\{z_l^0, z_l^1, \dots\}$.
+
     Potentials:
-        :math:`z_{l+1}^i \mid z_l, \phi_l^i = j \sim \mathcal N(w_l^{ij} z_l^j, 1/k_l^i)`
+        $z_{l+1}^i \mid z_l, \phi_l^i = j \sim \mathcal N(w_l^{ij} z_l^j, 1/k_l^i)$
         (a Gaussian prediction error per synapse) and
-        :math:`z_0 \sim \mathcal N(\hat\mu_0, 1/k_0)`.
+        $z_0 \sim \mathcal N(\hat\mu_0, 1/k_0)$.
+
     Value:
-        :math:`\partial F/\partial \mu`: with :math:`\epsilon_l^{ij} = \mu_{l+1}^i - w_l^{ij}\mu_l^j`
-        and :math:`\alpha_l^{ij} = \mathrm{softmax}_j(-\tfrac12 k_l^i (\epsilon_l^{ij})^2)`,
-        :math:`\partial F/\partial \mu_l^j = \sum_i \alpha_{l-1}^{ji} k_{l-1}^j \epsilon_{l-1}^{ji}
-        - \sum_{i} \alpha_l^{ij} k_l^i \epsilon_l^{ij} w_l^{ij}` (plus the prior term on
+        $\partial F/\partial \mu$: with $\epsilon_l^{ij} = \mu_{l+1}^i - w_l^{ij}\mu_l^j$
+        and $\alpha_l^{ij} = \mathrm{softmax}_j(-\tfrac12 k_l^i (\epsilon_l^{ij})^2)$,
+        $\partial F/\partial \mu_l^j = \sum_i \alpha_{l-1}^{ji} k_{l-1}^j \epsilon_{l-1}^{ji}
+        - \sum_{i} \alpha_l^{ij} k_l^i \epsilon_l^{ij} w_l^{ij}$ (plus the prior term on
         layer 0): incoming errors compete through the softmax, outgoing errors compete
         with the other units of the same layer.
 
-    The signs follow the paper's eq. 10 (:math:`\epsilon` = value minus prediction); its
-    unit-wise restatement in sec. 4.4 writes the same sum with :math:`\epsilon` as
+    The signs follow the paper's eq. 10 ($\epsilon$ = value minus prediction); its
+    unit-wise restatement in sec. 4.4 writes the same sum with $\epsilon$ as
     prediction minus value.
 
     Args:
         y: observed bottom layer ``(n_L,)``.
         weights: ``L`` synapse matrices, ``weights[l]`` of shape ``(n_{l+1}, n_l)``.
-        precisions: ``L`` vectors, ``precisions[l]`` of shape ``(n_{l+1},)`` (:math:`k_l^i > 0`).
-        prior_mean, prior_precision: ``(n_0,)`` prior of the top layer.
+        precisions: ``L`` vectors, ``precisions[l]`` of shape ``(n_{l+1},)`` ($k_l^i > 0$).
+        prior_mean: mean $\hat\mu_0$ of the top layer's prior, ``(n_0,)``.
+        prior_precision: precision $k_0$ of the top layer's prior, ``(n_0,)``.
 
     Sites:
         ``z0 .. z{L-1}`` (latent layers: give them values), ``phi1 .. phiL`` (edges).
@@ -94,7 +98,16 @@ def predictive_coding_network(
 
 
 def tanh_network(mu: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    r"""The generative network :math:`f(\mu) = \tanh(A\mu + b)`, rows of ``mu`` at once."""
+    r"""The generative network $f(\mu) = \tanh(A\mu + b)$, rows of ``mu`` at once.
+
+    Args:
+        mu: causes ``(K, d_mu)``.
+        a: the weight $A$, ``(d_x, d_mu)``.
+        b: the bias $b$, ``(d_x,)``.
+
+    Returns:
+        $f(\mu_k)$ as rows, ``(K, d_x)``.
+    """
     return jnp.tanh(mu @ a.T + b)
 
 
@@ -105,26 +118,33 @@ def nonlinear_mixture(
     b: jax.Array,
     network: Callable[..., jax.Array] = tanh_network,
 ) -> None:
-    r"""Non-linear mixture / predictive-coding energy: data explained by one of K causes
-    through a network :math:`f`.
+    r"""Non-linear mixture: data explained by one of $K$ causes through a network $f$.
+
+    The predictive-coding energy of Tschantz.
 
     Graph:
-        child data :math:`x_{1..N}`, parent causes :math:`\mu_{1..K}` predicting through
-        :math:`f` (``network(mu, a, b)``; default :func:`tanh_network`).
+        child data $x_{1..N}$, parent causes $\mu_{1..K}$ predicting through
+        $f$ (``network(mu, a, b)``; default [`tanh_network`][structinfer.mechanisms.tanh_network]).
+
     Prior:
         uniform over causes.
+
     Potentials:
-        :math:`\mathrm{sim}(x_i, \mu_k) = -\tfrac12 \|x_i - f(\mu_k)\|^2`.
+        $\mathrm{sim}(x_i, \mu_k) = -\tfrac12 \|x_i - f(\mu_k)\|^2$.
+
     Value:
-        the energy and its gradients: with :math:`\alpha_{ik} = \mathrm{softmax}_k\,\mathrm{sim}`,
-        :math:`-\partial E/\partial \mu_k = \sum_i \alpha_{ik} J_f(\mu_k)^\top (x_i - f(\mu_k))`
+        the energy and its gradients: with $\alpha_{ik} = \mathrm{softmax}_k\,\mathrm{sim}$,
+        $-\partial E/\partial \mu_k = \sum_i \alpha_{ik} J_f(\mu_k)^\top (x_i - f(\mu_k))$
         (prediction errors weighted by attention) and
-        :math:`-\partial E/\partial x_i = -\sum_k \alpha_{ik} (x_i - f(\mu_k))`. (v1/v2 print
-        the latter with a + sign; :math:`\partial\,\mathrm{sim}/\partial x_i = -(x_i - f(\mu_k))`.)
+        $-\partial E/\partial x_i = -\sum_k \alpha_{ik} (x_i - f(\mu_k))$. (v1/v2 print
+        the latter with a + sign; $\partial\,\mathrm{sim}/\partial x_i = -(x_i - f(\mu_k))$.)
 
     Args:
-        x: data ``(N, d_x)``; mu: causes ``(K, d_mu)``.
-        a, b: network parameters (``(d_x, d_mu)`` and ``(d_x,)`` for :func:`tanh_network`).
+        x: data ``(N, d_x)``.
+        mu: causes $\mu_k$, ``(K, d_mu)``.
+        a: first network parameter (the weight ``(d_x, d_mu)`` of
+            [`tanh_network`][structinfer.mechanisms.tanh_network]).
+        b: second network parameter (the bias ``(d_x,)`` of ``tanh_network``).
         network: ``network(mu, a, b) -> (K, d_x)`` predictions.
 
     Sites:

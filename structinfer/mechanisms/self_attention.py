@@ -14,10 +14,22 @@ __all__ = ["self_attention", "self_prior"]
 
 
 def self_prior(n: int, include_self: bool = True, causal: bool = False) -> priors.StructuralPrior:
-    """The structural prior of self attention on ``n`` nodes.
+    r"""The structural prior of self attention on ``n`` nodes: $p(\phi_i = j) = 1/n$.
 
     Uniform over all nodes; without the self-edge a ``Restricted`` prior that forbids
-    :math:`\\phi_i = i`; ``causal`` also forbids later nodes.
+    $\phi_i = i$; ``causal`` also forbids later nodes ($j > i$).
+
+    Args:
+        n: the number of nodes.
+        include_self: allow the self-edge $\phi_i = i$.
+        causal: only earlier nodes (and the node itself with ``include_self``).
+
+    Returns:
+        A [`Uniform`][structinfer.priors.Uniform] or
+            [`Restricted`][structinfer.priors.Restricted] prior.
+
+    Raises:
+        ValueError: without the self-edge on fewer than 2 nodes.
     """
     if causal:
         return priors.Restricted.causal(n, include_self=include_self)
@@ -40,27 +52,32 @@ def self_attention(
     r"""Self attention: every node takes one parent among the same nodes (directed edges).
 
     Graph:
-        nodes :math:`K = Q = (x_1, \dots, x_n)`, directed edges; one edge site
-        :math:`\phi_i` per node.
+        nodes $K = Q = (x_1, \dots, x_n)$, directed edges; one edge site
+        $\phi_i$ per node.
+
     Prior:
-        uniform over :math:`\{1..n\}` (``include_self=False``: over :math:`j \ne i`;
-        ``causal=True``: over :math:`j \le i`, or :math:`j < i`).
+        uniform over $\{1..n\}$ (``include_self=False``: over $j \ne i$;
+        ``causal=True``: over $j \le i$, or $j < i$).
+
     Potentials:
-        :math:`\psi(x_i, x_j) = s\, x_i^\top W_Q^\top W_K x_j`.
+        $\psi(x_i, x_j) = s\, x_i^\top W_Q^\top W_K x_j$.
+
     Value:
-        :math:`v_i = W_V x_{\phi_i}`; :math:`\mathbb E[v_i] = \sum_j \mathrm{softmax}_j(\psi_{ij} + \log p(\phi_i=j)) W_V x_j`.
+        $v_i = W_V x_{\phi_i}$; $\mathbb E[v_i] = \sum_j \mathrm{softmax}_j(\psi_{ij} + \log p(\phi_i=j)) W_V x_j$.
 
     As an energy (Tschantz v2 sec. 5) every node is both a child and a parent, so
-    :math:`-\partial E/\partial x_i` is the sum of a child part and a parent part
+    $-\partial E/\partial x_i$ is the sum of a child part and a parent part
     (v2 eq. 13).
 
     Args:
         x: nodes ``(n, d_in)``.
-        wq, wk: projections ``(d_k, d_in)``; wv: value projection ``(d_v, d_in)`` or ``None``.
-        include_self: allow the self-edge :math:`\phi_i = i`.
+        wq: query projection $W_Q$, ``(d_k, d_in)``.
+        wk: key projection $W_K$, ``(d_k, d_in)``.
+        wv: value projection $W_V$, ``(d_v, d_in)``, or ``None`` for the nodes themselves.
+        include_self: allow the self-edge $\phi_i = i$.
         causal: only earlier nodes (and itself when ``include_self``) are parents;
             without the self-edge the first node has no parent and is an error.
-        scale: optional score multiplier.
+        scale: optional score multiplier $s$.
 
     Sites:
         ``phi`` (edge), ``out`` (deterministic value).

@@ -24,23 +24,27 @@ def slot_attention(
     r"""Slot attention: each observed token takes one latent slot as its parent.
 
     Graph:
-        observed tokens :math:`x_1..x_N`, latent slots :math:`z_1..z_S` (site ``slots``);
+        observed tokens $x_1..x_N$, latent slots $z_1..z_S$ (site ``slots``);
         one edge site per token.
+
     Prior:
-        uniform over the latent nodes, :math:`\phi_j \sim \mathrm{Uniform}\{z_1..z_S\}` —
+        uniform over the latent nodes, $\phi_j \sim \mathrm{Uniform}\{z_1..z_S\}$ —
         the prior of the Hopfield network with its roles swapped, so the softmax runs
         over slots.
+
     Potentials:
-        edge :math:`\psi(x_j, z_i) = z_i^\top W_Q^\top W_K x_j = (W_K x_j)^\top (W_Q z_i)`;
-        node :math:`-\tfrac12\|z_i\|^2` (``node_potential=True``) or none.
+        edge $\psi(x_j, z_i) = z_i^\top W_Q^\top W_K x_j = (W_K x_j)^\top (W_Q z_i)$;
+        node $-\tfrac12\|z_i\|^2$ (``node_potential=True``) or none.
+
     Value:
-        :math:`\partial F/\partial z`; the CCCP fixed point (Singh & Buckley eq. 8) is
-        :math:`\mu_i^* = \sum_j \mathrm{softmax}_i(\mu_i^\top W_Q^\top W_K x_j) W_Q^\top W_K x_j`.
+        $\partial F/\partial z$; the CCCP fixed point (Singh & Buckley eq. 8) is
+        $\mu_i^* = \sum_j \mathrm{softmax}_i(\mu_i^\top W_Q^\top W_K x_j) W_Q^\top W_K x_j$.
 
     Args:
         x: tokens ``(N, d)``.
-        wq: slot projection ``(d_k, d)``; wk: token projection ``(d_k, d)``.
-        num_slots: ``S``.
+        wq: slot projection $W_Q$, ``(d_k, d)``.
+        wk: token projection $W_K$, ``(d_k, d)``.
+        num_slots: the number of slots $S$.
         node_potential: add the unit quadratic node potential on slots.
 
     Sites:

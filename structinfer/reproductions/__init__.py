@@ -5,7 +5,7 @@ parses ``--seed``, ``--quick`` (a smoke run that checks its numbers and writes n
 and ``--out DIR`` (where a full run writes ``results.json`` and its figures), and exits
 0 on success. ``structinfer reproduce NAME`` calls it in-process (so a file in the
 current directory is never run); ``python -m structinfer.reproductions.NAME`` runs it
-too. Adding a reproduction is one module here and one line in :data:`REPRODUCTIONS`.
+too. Adding a reproduction is one module here and one line in `REPRODUCTIONS`.
 
 The reproductions train with optax and compare with scikit-learn: install the
 ``examples`` extra (``pip install "structinfer[examples]"``). The results and how they

@@ -3,11 +3,13 @@
 The modern continuous Hopfield update (Ramsauer et al.; Singh & Buckley sec. 4.2,
 Table 1 row 7) is
 
-.. math:: \\xi \\leftarrow X\\, \\mathrm{softmax}(\\beta X^\\top \\xi),
+$$
+\\xi \\leftarrow X\\, \\mathrm{softmax}(\\beta X^\\top \\xi),
+$$
 
-the posterior expectation of the stored pattern :math:`x_\\phi` under the edge posterior
-of a model in which the state :math:`\\xi` takes one of the ``N`` stored patterns as its
-parent, uniformly a priori, with potential :math:`\\beta\\, \\xi^\\top x_j`. We write exactly
+the posterior expectation of the stored pattern $x_\\phi$ under the edge posterior
+of a model in which the state $\\xi$ takes one of the ``N`` stored patterns as its
+parent, uniformly a priori, with potential $\\beta\\, \\xi^\\top x_j$. We write exactly
 that model (``hopfield_model`` below: one edge site per query state, a ``Uniform``
 prior, a ``Dot`` score and the value ``X[φ]``) and compute the update with
 ``si.expectation``; it is checked against the formula written by hand in float64.

@@ -132,11 +132,11 @@ def make_scene(seed: int):
 
 def gaussian_slot_model(x, slots, wk, wq, precision):
     r"""Slot attention with **Gaussian** edge potentials — the one edit to ``slot_model``
-    (Dot -> NegSqDist): token :math:`j` takes slot :math:`\phi_j` uniformly, score
-    :math:`\log\mathcal N(W_K x_j;\, W_Q\mu_i,\, \sigma^2 I)`, ``precision`` = :math:`1/\sigma^2`.
+    (Dot -> NegSqDist): token $j$ takes slot $\phi_j$ uniformly, score
+    $\log\mathcal N(W_K x_j;\, W_Q\mu_i,\, \sigma^2 I)$, ``precision`` = $1/\sigma^2$.
 
-    :math:`-\tfrac{1}{2\sigma^2}\|k_j - q_i\|^2 = \tfrac{1}{\sigma^2}k_j^\top q_i
-    - \tfrac{1}{2\sigma^2}\|q_i\|^2 - \tfrac{1}{2\sigma^2}\|k_j\|^2`: the paper's dot product
+    $-\tfrac{1}{2\sigma^2}\|k_j - q_i\|^2 = \tfrac{1}{\sigma^2}k_j^\top q_i
+    - \tfrac{1}{2\sigma^2}\|q_i\|^2 - \tfrac{1}{2\sigma^2}\|k_j\|^2$: the paper's dot product
     plus a per-slot size penalty (the last term is the same for every slot).
     """
     with numpyro.plate("tokens", x.shape[-2]):
@@ -145,23 +145,25 @@ def gaussian_slot_model(x, slots, wk, wq, precision):
 
 
 def gaussian_slot_free_energy(x, mu, wk, wq, precision, lam=1.0):
-    r""":math:`F(\mu) = \tfrac\lambda2\|\mu\|^2 - \log Z(\mu)` (the paper's unit node potential)."""
+    r"""$F(\mu) = \tfrac\lambda2\|\mu\|^2 - \log Z(\mu)$ (the paper's unit node potential)."""
     return 0.5 * lam * jnp.sum(mu * mu) - log_marginal(gaussian_slot_model, x, mu, wk, wq, precision)
 
 
 def gaussian_slot_e_step(x, mu, wk, wq, precision, *, lam=1.0, iters=20, tol=1e-8):
-    r"""CCCP / majorise-minimise on the slots of :func:`gaussian_slot_model`. At the current
-    attention :math:`A` (the engine's edge marginals) minimise the bound
-    :math:`\tfrac\lambda2\|\mu\|^2 - \sum_{ji} A_{ji}\psi_{ji}(\mu)`:
+    r"""CCCP / majorise-minimise on the slots of `gaussian_slot_model`. At the current
+    attention $A$ (the engine's edge marginals) minimise the bound
+    $\tfrac\lambda2\|\mu\|^2 - \sum_{ji} A_{ji}\psi_{ji}(\mu)$:
 
-    .. math:: (\lambda I + N_i\,\sigma^{-2} W_Q^\top W_Q)\,\mu_i = \sigma^{-2} W_Q^\top \textstyle\sum_j A_{ji} W_K x_j,
-        \qquad N_i = \textstyle\sum_j A_{ji}.
+    $$
+    (\lambda I + N_i\,\sigma^{-2} W_Q^\top W_Q)\,\mu_i = \sigma^{-2} W_Q^\top \textstyle\sum_j A_{ji} W_K x_j,
+    \qquad N_i = \textstyle\sum_j A_{ji}.
+    $$
 
-    For a dot-product :math:`\psi` (linear in :math:`\mu`) the same step is Singh & Buckley's
-    eq. 8, :math:`\mu_i = \lambda^{-1} W_Q^\top\sum_j A_{ji} k_j` (a sum); the Gaussian's
-    quadratic term puts :math:`N_i` in the denominator: with :math:`W_Q = I, \lambda \to 0`,
-    :math:`\mu_i = \sum_j A_{ji} k_j / N_i` — Locatello et al.'s weighted mean.
-    :math:`F` never increases (each step minimises an upper bound that touches it)."""
+    For a dot-product $\psi$ (linear in $\mu$) the same step is Singh & Buckley's
+    eq. 8, $\mu_i = \lambda^{-1} W_Q^\top\sum_j A_{ji} k_j$ (a sum); the Gaussian's
+    quadratic term puts $N_i$ in the denominator: with $W_Q = I, \lambda \to 0$,
+    $\mu_i = \sum_j A_{ji} k_j / N_i$ — Locatello et al.'s weighted mean.
+    $F$ never increases (each step minimises an upper bound that touches it)."""
     eye = jnp.eye(mu.shape[-1], dtype=mu.dtype)
     gram = precision * wq.T @ wq
 
@@ -177,12 +179,12 @@ def gaussian_slot_e_step(x, mu, wk, wq, precision, *, lam=1.0, iters=20, tol=1e-
 
 
 def gaussian_slot_em(x, slots, wk, wq, *, lam=1.0, e_iters=20, max_iters=30, tol=1e-6):
-    r"""EM for :func:`gaussian_slot_model`: E-step :func:`gaussian_slot_e_step`; M-step the
-    closed-form maximiser of :math:`\sum_{ji} A_{ji}\log\mathcal N(k_j; W_Q\mu_i, \sigma^2 I)`:
-    :math:`W_Q` by weighted least squares (``slot_m_step``'s W_Q solve) and
-    :math:`\sigma^2 = \sum A_{ji}\|k_j - W_Q\mu_i\|^2 / (d_k\sum A)`. ``W_K`` stays fixed (with
+    r"""EM for `gaussian_slot_model`: E-step `gaussian_slot_e_step`; M-step the
+    closed-form maximiser of $\sum_{ji} A_{ji}\log\mathcal N(k_j; W_Q\mu_i, \sigma^2 I)$:
+    $W_Q$ by weighted least squares (``slot_m_step``'s W_Q solve) and
+    $\sigma^2 = \sum A_{ji}\|k_j - W_Q\mu_i\|^2 / (d_k\sum A)$. ``W_K`` stays fixed (with
     square ``W_K`` it only sets the metric). Every step lowers
-    :math:`F = \tfrac\lambda2\|\mu\|^2 - \log Z` (``info.energy``)."""
+    $F = \tfrac\lambda2\|\mu\|^2 - \log Z$ (``info.energy``)."""
     prec = jnp.asarray(1.0, x.dtype)
     mu, att = gaussian_slot_e_step(x, slots, wk, wq, prec, lam=lam, iters=e_iters)
 

@@ -13,9 +13,11 @@ reference follows the definitions and the mechanism's docstring says so.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
+from jax.typing import ArrayLike
 
 __all__ = [
     "NEG_INF",
@@ -32,12 +34,20 @@ __all__ = [
     "memory_blocks",
 ]
 
-#: log of a forbidden parent's probability
 NEG_INF = -jnp.inf
+"""The log of a forbidden parent's probability."""
 
 
-def softmax(logits, mask=None):
-    """Softmax over the last axis; `mask` False entries get probability 0."""
+def softmax(logits: ArrayLike, mask: ArrayLike | None = None) -> jax.Array:
+    r"""Softmax over the last axis, $e^{\ell_j} / \sum_{j'} e^{\ell_{j'}}$.
+
+    Args:
+        logits: log-weights $\ell$, any shape.
+        mask: optional booleans; False entries get probability 0.
+
+    Returns:
+        The probabilities, shaped like ``logits``.
+    """
     if mask is not None:
         logits = jnp.where(mask, logits, NEG_INF)
     m = jnp.max(logits, -1, keepdims=True)
@@ -45,25 +55,57 @@ def softmax(logits, mask=None):
     return e / jnp.sum(e, -1, keepdims=True)
 
 
-def lse(logits, mask=None):
-    """Log-sum-exp over the last axis, with optional mask."""
+def lse(logits: ArrayLike, mask: ArrayLike | None = None) -> jax.Array:
+    r"""Log-sum-exp over the last axis, $\log \sum_j e^{\ell_j}$.
+
+    Args:
+        logits: log-weights $\ell$, any shape.
+        mask: optional booleans; False entries are left out.
+
+    Returns:
+        The log-sum-exp, without the last axis.
+    """
     if mask is not None:
         logits = jnp.where(mask, logits, NEG_INF)
     return logsumexp(logits, axis=-1)
 
 
-def uniform_log_prior(mask):
-    """`-log(number of allowed parents)` per child: the energy constant of a uniform prior."""
+def uniform_log_prior(mask: ArrayLike) -> jax.Array:
+    r"""$-\log |\{j : M_{ij}\}|$ per child: the energy constant of a uniform prior.
+
+    Args:
+        mask: allowed ``(child, parent)`` pairs $M$.
+
+    Returns:
+        The log-prior of each child's allowed parents, ``(children,)``.
+    """
     return -jnp.log(jnp.sum(jnp.asarray(mask), -1).astype(jnp.result_type(float)))
 
 
-def bilinear_term(children, parents, wc, wp, mask=None):
+def bilinear_term(
+    children: ArrayLike,
+    parents: ArrayLike,
+    wc: ArrayLike,
+    wp: ArrayLike,
+    mask: ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     r"""One log-sum-exp term with $\mathrm{sim}(c, p) = (W_c v_c)^\top (W_p v_p)$.
 
-    Returns `(attention, child_grad, parent_grad, lse)` where (Tschantz v2 eq. 4)
+    The gradients are (Tschantz v2 eq. 4)
     $\mathrm{child}_c = \sum_p a_{cp} W_c^\top W_p v_p$ and
     $\mathrm{parent}_p = \sum_c a_{cp} W_p^\top W_c v_c$. Leading batch dims of
     `children` / `parents` broadcast.
+
+    Args:
+        children: child nodes $v_c$, ``(..., C, d)``.
+        parents: parent nodes $v_p$, ``(..., P, d)``.
+        wc: the child projection $W_c$, ``(k, d)``.
+        wp: the parent projection $W_p$, ``(k, d)``.
+        mask: optional allowed ``(child, parent)`` pairs.
+
+    Returns:
+        ``(attention, child_grad, parent_grad, lse)``: $a_{cp}$, the child and parent
+            parts of $-\partial E$, and the log-sum-exp per child.
     """
     qc = children @ wc.T
     kp = parents @ wp.T
@@ -74,14 +116,37 @@ def bilinear_term(children, parents, wc, wp, mask=None):
     return a, child, parent, lse(s, mask)
 
 
-def project_values(x, wv):
-    """The value of each parent: `x @ wv.T`, or `x` itself when `wv` is None."""
+def project_values(x: ArrayLike, wv: ArrayLike | None) -> jax.Array:
+    """The value of each parent: $W_V x_j$, i.e. `x @ wv.T`, or `x` itself when `wv` is None.
+
+    Args:
+        x: parent nodes ``(m, d)``.
+        wv: the value projection ``(d_v, d)`` or None.
+
+    Returns:
+        The values, ``(m, d_v)``.
+    """
     return x if wv is None else x @ wv.T
 
 
-def attention_out_energy(s, log_prior, values, site="phi", out="out"):
-    """Attention `softmax(s + log_prior)`, its output `attention @ values` and the energy
-    `-sum_i lse_j(s + log_prior)`, keyed like the registry's quantities."""
+def attention_out_energy(
+    s: ArrayLike, log_prior: ArrayLike, values: ArrayLike, site: str = "phi", out: str = "out"
+) -> dict[str, jax.Array]:
+    r"""Attention, its output and the energy, keyed like the registry's quantities.
+
+    The attention is $a_{ij} = \mathrm{softmax}_j(s_{ij} + \log p_{ij})$, the output
+    $a V$ and the energy $-\sum_i \mathrm{lse}_j(s_{ij} + \log p_{ij})$.
+
+    Args:
+        s: scores ``(n, m)``.
+        log_prior: log-prior ``(n, m)`` (or broadcastable).
+        values: values ``(m, d_v)``.
+        site: the edge site's name in the keys.
+        out: the output site's name in the keys.
+
+    Returns:
+        ``{"attention:<site>": a, "output:<out>": a @ values, "energy": E}``.
+    """
     logits = s + log_prior
     a = softmax(logits)
     return {
@@ -91,8 +156,17 @@ def attention_out_energy(s, log_prior, values, site="phi", out="out"):
     }
 
 
-def self_mask(n, include_self=True, causal=False):
-    """The allowed `(child, parent)` pairs of self attention over `n` tokens."""
+def self_mask(n: int, include_self: bool = True, causal: bool = False) -> np.ndarray:
+    r"""The allowed `(child, parent)` pairs of self attention over `n` tokens.
+
+    Args:
+        n: the number of tokens.
+        include_self: allow $j = i$.
+        causal: only $j \le i$.
+
+    Returns:
+        A boolean ``(n, n)`` mask.
+    """
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     mask = np.ones((n, n), bool)
     if causal:
@@ -102,15 +176,34 @@ def self_mask(n, include_self=True, causal=False):
     return mask
 
 
-def masked_attention(s, mask, values):
-    """`attention_out_energy` with a uniform prior over the allowed parents of `mask`."""
+def masked_attention(s: ArrayLike, mask: ArrayLike, values: ArrayLike) -> dict[str, jax.Array]:
+    """`attention_out_energy` with a uniform prior over the allowed parents of `mask`.
+
+    Args:
+        s: scores ``(n, m)``.
+        mask: allowed ``(child, parent)`` pairs ``(n, m)``.
+        values: values ``(m, d_v)``.
+
+    Returns:
+        The keyed attention, output and energy.
+    """
     mask = jnp.asarray(mask)
     log_prior = jnp.where(mask, uniform_log_prior(mask)[:, None], NEG_INF)
     return attention_out_energy(s, log_prior, values)
 
 
-def relative_log_prior(theta, n, parameterisation):
-    r"""$\ln P_{ij}$ for each parameterisation of Singh & Buckley appendix 8.2 (unnormalised)."""
+def relative_log_prior(theta: ArrayLike, n: int, parameterisation: str) -> jax.Array:
+    r"""$\ln P_{ij}$ for each parameterisation of Singh & Buckley appendix 8.2 (unnormalised).
+
+    Args:
+        theta: the prior's parameters.
+        n: the number of nodes.
+        parameterisation: ``"categorical"``, ``"relative"``, ``"circulant"`` or
+            ``"hartley"``.
+
+    Returns:
+        The unnormalised log-prior ``(n, n)``.
+    """
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     if parameterisation == "categorical":
         return theta
@@ -122,16 +215,41 @@ def relative_log_prior(theta, n, parameterisation):
     return sum(theta[k] * (jnp.cos(k * angle) + jnp.sin(k * angle)) for k in range(theta.shape[0]))
 
 
-def transition_terms(x, A, b, precisions, extra=0.0):
-    r"""Residuals $r_{tk} = x_{t+1} - A_k x_t - b_k$ and similarities
-    $-\frac12 r^\top \mathrm{diag}(\lambda_k) r + \mathrm{extra}$ of a switching linear
-    transition."""
+def transition_terms(
+    x: ArrayLike,
+    A: ArrayLike,
+    b: ArrayLike,
+    precisions: ArrayLike,
+    extra: ArrayLike = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Residuals and similarities of a switching linear transition.
+
+    $r_{tk} = x_{t+1} - A_k x_t - b_k$ and
+    $\mathrm{sim}_{tk} = -\frac12 r_{tk}^\top \mathrm{diag}(\lambda_k) r_{tk} + \mathrm{extra}$.
+
+    Args:
+        x: the time series ``(T, d)``.
+        A: mode dynamics ``(K, d, d)``.
+        b: mode offsets ``(K, d)``.
+        precisions: diagonal precisions $\lambda_k$, ``(K, d)``.
+        extra: added to every similarity.
+
+    Returns:
+        ``(r, sim)`` of shapes ``(T-1, K, d)`` and ``(T-1, K)``.
+    """
     x_prev, x_next = x[:-1], x[1:]
     r = x_next[:, None, :] - jnp.einsum("kde,te->tkd", A, x_prev) - b  # (T-1, K, d)
     sim = -0.5 * jnp.sum(r * r * precisions, -1) + extra
     return r, sim
 
 
-def memory_blocks(memories):
-    """Memories as `(blocks, memories, block size)`: a 2-d array is one block."""
+def memory_blocks(memories: jax.Array) -> jax.Array:
+    """Memories as `(blocks, memories, block size)`: a 2-d array is one block.
+
+    Args:
+        memories: ``(L, d)`` or ``(B, L, d / B)``.
+
+    Returns:
+        ``(B, L, d / B)`` memories.
+    """
     return memories[None] if memories.ndim == 2 else memories

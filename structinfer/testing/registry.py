@@ -65,8 +65,8 @@ __all__ = [
     "custom",
 ]
 
-#: the papers a row may cite (`Mechanism.paper`)
 PAPER_KEYS = ("SB", "T", "M")  # Singh & Buckley; Tschantz; McCarter
+"""The papers a row may cite (`Mechanism.paper`): Singh & Buckley, Tschantz, McCarter."""
 
 
 # ------------------------------------------------------------------------ quantities
@@ -82,6 +82,14 @@ class Quantity:
     ($\mu - \lambda^{-1}\partial E/\partial\mu$, the CCCP update for a latent site
     with quadratic node potential of precision $\lambda$, Singh & Buckley eq. 8) and
     `custom` (`fn(inputs, static) -> dict`).
+
+    Attributes:
+        kind: one of the kinds above.
+        target: the site or input the quantity is about.
+        precision: $\lambda$ of a `fixed_point`.
+        fn: the function of a `custom` quantity.
+        keys: the keys a `custom` quantity returns.
+        gradient_of_energy: whether a `custom` quantity is an energy gradient.
     """
 
     kind: str
@@ -111,38 +119,83 @@ class Quantity:
 
 
 def attention(site: str) -> Quantity:
-    """The posterior marginals of edge site `site`."""
+    r"""The posterior marginals $p(\phi_i = j \mid x)$ of edge site `site`.
+
+    Args:
+        site: the edge site's name.
+
+    Returns:
+        The quantity, key ``attention:<site>``.
+    """
     return Quantity("attention", site)
 
 
 def output(site: str) -> Quantity:
-    """The posterior expectation of deterministic site `site`."""
+    r"""The posterior expectation $\mathbb E[v \mid x]$ of deterministic site `site`.
+
+    Args:
+        site: the deterministic site's name.
+
+    Returns:
+        The quantity, key ``output:<site>``.
+    """
     return Quantity("output", site)
 
 
-#: the collapsed energy
 ENERGY = Quantity("energy")
+r"""The collapsed energy $E = -\log p(x)$ (key ``energy``)."""
 
 
 def neg_grad(name: str) -> Quantity:
-    r"""$-\partial E/\partial$ input `name`."""
+    r"""$-\partial E/\partial$ input `name`.
+
+    Args:
+        name: the model argument.
+
+    Returns:
+        The quantity, key ``-grad:<name>``.
+    """
     return Quantity("neg_grad", name)
 
 
 def grad(name: str) -> Quantity:
-    r"""$\partial E/\partial$ input `name`."""
+    r"""$\partial E/\partial$ input `name`.
+
+    Args:
+        name: the model argument.
+
+    Returns:
+        The quantity, key ``grad:<name>``.
+    """
     return Quantity("grad", name)
 
 
 def fixed_point(latent: str, precision: float = 1.0) -> Quantity:
-    """The CCCP update of latent site `latent`."""
+    r"""The CCCP update $\mu - \lambda^{-1}\partial E/\partial\mu$ of latent site `latent`.
+
+    Args:
+        latent: the latent site's name.
+        precision: $\lambda$, the precision of its quadratic node potential.
+
+    Returns:
+        The quantity, key ``fixed_point:<latent>``.
+    """
     return Quantity("fixed_point", latent, precision=precision)
 
 
 def custom(
     fn: Callable[..., dict[str, jax.Array]], *keys: str, gradient_of_energy: bool = False
 ) -> Quantity:
-    """A quantity computed by `fn(inputs, static)` (which must use the engine)."""
+    """A quantity computed by `fn(inputs, static)` (which must use the engine).
+
+    Args:
+        fn: returns ``{key: array}`` for the given keys.
+        *keys: the keys `fn` returns.
+        gradient_of_energy: whether the quantity is an energy gradient.
+
+    Returns:
+        The quantity.
+    """
     return Quantity("custom", fn=fn, keys=tuple(keys), gradient_of_energy=gradient_of_energy)
 
 
@@ -156,6 +209,11 @@ class Example:
     `inputs` are arrays (or pytrees of arrays): data, parameters and the values of
     latent sites — the contract test differentiates the float ones and vmaps over
     `inputs[batch]`. `static` are Python values (sizes, flags, concrete masks).
+
+    Attributes:
+        inputs: array arguments, by name.
+        static: Python arguments, by name.
+        batch: the input the contract test vmaps over.
     """
 
     inputs: dict[str, Any]
@@ -172,6 +230,18 @@ class Mechanism:
     `example(rng, dtype)` returns an `Example`; `reference(**inputs, **static)` returns
     `{quantity key: array}` from the paper's closed form; `check` says in words what the
     reference checks; `latents` are the model's latent sites given values from `inputs`.
+
+    Attributes:
+        name: the row's name (its catalogue anchor).
+        title: the row's title.
+        model: the model function.
+        paper: the paper key.
+        section: the section of the paper.
+        example: ``example(rng, dtype) -> Example``.
+        quantities: what the engine computes for the row.
+        reference: the paper's closed form.
+        check: what the reference checks, in words.
+        latents: latent sites given values from the inputs.
     """
 
     name: str
@@ -204,7 +274,9 @@ def _is_float_tree(x) -> bool:
     return bool(leaves) and all(jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) for v in leaves)
 
 
-def evaluate(row: Mechanism, inputs: dict[str, Any], static: dict[str, Any] | None = None):
+def evaluate(
+    row: Mechanism, inputs: dict[str, Any], static: dict[str, Any] | None = None
+) -> dict[str, jax.Array]:
     r"""Compute a row's quantities from its model with the exact engine.
 
     Latent sites named in `row.latents` are given the values `inputs[name]`; everything
@@ -1811,18 +1883,32 @@ _ROWS.append(
 
 # ------------------------------------------------------------------------ the registry
 
-#: every row, in catalogue order
 REGISTRY: tuple[Mechanism, ...] = tuple(_ROWS)
+"""Every row, in catalogue order."""
 del _ROWS
 
 
 def names() -> tuple[str, ...]:
-    """The registry's row names."""
+    """The registry's row names.
+
+    Returns:
+        The names, in catalogue order.
+    """
     return tuple(m.name for m in REGISTRY)
 
 
 def get(name: str) -> Mechanism:
-    """The row called `name`."""
+    """The row called `name`.
+
+    Args:
+        name: the row's name.
+
+    Returns:
+        The row.
+
+    Raises:
+        KeyError: if there is no such row, listing the registered names.
+    """
     for m in REGISTRY:
         if m.name == name:
             return m
