@@ -439,6 +439,32 @@ class Attention(nnx.Module):
             out[f"hyper.{name}"] = dist.TransformedDistribution(p, t.inv)
         return out
 
+    def prior_tables(self, length: int) -> dict[str, jax.Array]:
+        r"""The learned structural prior of every head: $\log p_\theta(\phi^h_i = j)$ of each
+        edge site for self attention over ``length`` positions, ``(heads, length, length)``.
+
+        Read from the edge sites' priors with the current hyperparameters (one jitted trace
+        of the mechanism on zero inputs; nothing is enumerated).
+        """
+        length = _check_int(length, "length")
+        dtype = self.hyper[next(iter(self.hyper))][...].dtype if len(self.hyper) else (
+            self.param_dtype)
+        z = jnp.zeros((self.num_heads, length, self.head_dim), dtype)
+        shape = (self.num_heads, length, length)
+
+        def run(hyper):
+            with handlers.block(), handlers.trace() as tr, handlers.seed(rng_seed=0), \
+                    handlers.substitute(data=hyper):
+                self.mechanism(z, z, z)
+            out = {}
+            for name, site in tr.items():
+                info = (site.get("infer") or {}).get(EDGE_INFO_KEY) if is_enumerated(site) else None
+                if info is not None:
+                    out[name] = jnp.broadcast_to(info.prior.log_table(info.num_children), shape)
+            return out
+
+        return jax.jit(run)(self.hyperparameters())
+
     # ------------------------------------------------------------------ the forward pass
     def _heads(self, query, key, value):
         """(..., n, H, d) projections -> the mechanism's output, (..., n, H, d)."""
