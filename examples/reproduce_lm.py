@@ -309,7 +309,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--seeds", type=int, default=3, help="number of seeds per prior")
     ap.add_argument("--priors", nargs="+", default=list(PRIORS), choices=PRIORS)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--window", type=int, default=16, help="the window prior's size")

@@ -6,7 +6,7 @@ per-head projected queries, keys and values ``q, k, v`` of shapes
 query under a structural prior and a score, and a deterministic value site
 (``"out"``, shape ``(heads, n, d)``) read at the edge. Its learnable hyperparameters
 (a geometric $q$, a relative-position bias, a temperature) are ``numpyro.param``
-sites. :class:`Attention` wraps it as a multi-head attention layer with the
+sites. `Attention` wraps it as a multi-head attention layer with the
 arguments of ``flax.nnx.MultiHeadAttention``:
 
 $$
@@ -14,8 +14,8 @@ y_i = W_O \big[\,\mathbb E_{p(\phi^h_i \mid x)}[v^h_{\phi^h_i}]\,\big]_{h=1}^{H}
 p(\phi^h_i = j \mid x) = \mathrm{softmax}_j\big(\psi(q^h_i, k^h_j) + \log p_\theta(\phi^h_i = j)\big),
 $$
 
-run through :func:`structinfer.attention` (a lowered, memory-light kernel when the
-model is recognised, the exact engine otherwise). :mod:`structinfer.nn.heads` holds
+run through `structinfer.attention` (a lowered, memory-light kernel when the
+model is recognised, the exact engine otherwise). `structinfer.nn.heads` holds
 ready-made mechanisms (uniform, causal, sliding window, relative position,
 geometric, geometric × Beta).
 

@@ -1,4 +1,4 @@
-r"""Ready-made mechanisms for :class:`structinfer.nn.Attention`: one model per prior.
+r"""Ready-made mechanisms for `structinfer.nn.Attention`: one model per prior.
 
 Each factory returns a NumPyro model ``mechanism(q, k, v)`` of all the heads of one
 sequence: ``q`` is ``(heads, n, d)``, ``k`` and ``v`` are ``(heads, m, d)``; the
@@ -19,12 +19,12 @@ own mechanism: it is the whole of what the layer needs.
 
 | factory | prior $p_\theta(\phi_i = j)$ | hyperparameters |
 | --- | --- | --- |
-| [`uniform`][structinfer.nn.heads.uniform] | $1/m$ (``flax.nnx.MultiHeadAttention``) | — |
-| [`causal`][structinfer.nn.heads.causal] | uniform over $d \ge 0$ | — |
-| [`window`][structinfer.nn.heads.window] | uniform over $0 \le d < w$ ($w$ static) | — |
-| [`relative_position`][structinfer.nn.heads.relative_position] | $\propto e^{b_h(\min(d, D))}$, $d \ge 0$ | ``bias`` $(H, 2D+1)$ |
-| [`geometric`][structinfer.nn.heads.geometric] | $\propto q_h (1-q_h)^{d}$, $d \ge 0$ | ``q`` $(H, 1)$ in $(0, 1)$ |
-| [`geometric_beta`][structinfer.nn.heads.geometric_beta] | $\propto B(\alpha_h + 1, \beta_h + d)$, $d \ge 0$ | ``alpha``, ``beta`` $(H, 1)$ |
+| `uniform` | $1/m$ (``flax.nnx.MultiHeadAttention``) | — |
+| `causal` | uniform over $d \ge 0$ | — |
+| `window` | uniform over $0 \le d < w$ ($w$ static) | — |
+| `relative_position` | $\propto e^{b_h(\min(d, D))}$, $d \ge 0$ | ``bias`` $(H, 2D+1)$ |
+| `geometric` | $\propto q_h (1-q_h)^{d}$, $d \ge 0$ | ``q`` $(H, 1)$ in $(0, 1)$ |
+| `geometric_beta` | $\propto B(\alpha_h + 1, \beta_h + d)$, $d \ge 0$ | ``alpha``, ``beta`` $(H, 1)$ |
 
 Reference: Singh & Buckley, "Attention as implicit structural inference", Table 1
 (rows 2-4 and 12), appendix 8.2 (relative position) and sec. 5.2 (geometric).
@@ -114,7 +114,7 @@ def causal(*, temperature: bool = False) -> Mechanism:
     r"""Causal prior: uniform over the keys at or before the query, $d \ge 0$.
 
     Args:
-        temperature: learn a per-head temperature (see :func:`uniform`).
+        temperature: learn a per-head temperature (see `uniform`).
 
     Returns:
         ``mechanism(q, k, v)``; the layer equals ``flax.nnx.MultiHeadAttention`` with a
@@ -136,7 +136,7 @@ def window(size: int, *, temperature: bool = False) -> Mechanism:
 
     Args:
         size: the window $w \ge 1$, counting the query's own position.
-        temperature: learn a per-head temperature (see :func:`uniform`).
+        temperature: learn a per-head temperature (see `uniform`).
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"window: size must be an int >= 1, got {size!r}")
@@ -161,7 +161,7 @@ def relative_position(
         max_distance: $D \ge 0$; ``numpyro.param`` ``"bias"`` has shape ``(heads, 2D + 1)``
             (index ``clip(d, -D, D) + D``), initialised to 0 (uniform).
         causal: forbid later keys ($d < 0$); their buckets are then unused.
-        temperature: learn a per-head temperature (see :func:`uniform`).
+        temperature: learn a per-head temperature (see `uniform`).
     """
     if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
         raise ValueError(f"relative_position: max_distance must be an int >= 0, got {max_distance!r}")
@@ -184,7 +184,7 @@ def geometric(
 ) -> Mechanism:
     r"""Geometric (recency) prior with a learnable rate per head:
     $p(\phi_i = j) \propto q_h (1 - q_h)^{d}$ over $d \ge 0$, renormalised over the
-    keys that exist (:class:`structinfer.priors.Geometric`; S&B sec. 5.2).
+    keys that exist (`structinfer.priors.Geometric`; S&B sec. 5.2).
 
     The expected distance is $(1-q)/q$; the window holding 95 % of the prior mass is
     $\lceil \ln 0.05 / \ln(1-q) \rceil$.
@@ -194,7 +194,7 @@ def geometric(
             the ``numpyro.param`` ``"q"`` (constraint ``unit_interval``: the layer
             learns its logit).
         max_distance: optional static truncation $d \le D$ (the windowed kernel's band).
-        temperature: learn a per-head temperature (see :func:`uniform`).
+        temperature: learn a per-head temperature (see `uniform`).
     """
 
     def mechanism(qq, k, v):
@@ -219,7 +219,8 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
     ~1e-6 in float64 for some arguments above 8).
 
     Args:
-        alpha, beta: Beta parameters (> 0), broadcasting shapes ``(..., 1)``.
+        alpha: Beta parameter (> 0), shape ``(..., 1)``.
+        beta: Beta parameter (> 0), broadcasting with ``alpha``.
         size: number of distances.
 
     Returns:
@@ -246,9 +247,9 @@ def geometric_beta(
     the beta-geometric distribution (renormalised over the keys that exist). The
     geometric is the untruncated one, so the Beta is conjugate and the edge posterior
     $p(\phi_i = j \mid x) \propto e^{\psi_{ij}} B(\alpha+1, \beta+d_{ij})$ is exact — the
-    fixed point that :func:`structinfer.infer.geometric_beta` approaches by mean field.
+    fixed point that `structinfer.infer.geometric_beta` approaches by mean field.
     Its tail decays like $d^{-(\alpha+1)}$, heavier than any geometric. Written as a
-    :class:`structinfer.priors.RelativePosition` bias, so it lowers like one;
+    `structinfer.priors.RelativePosition` bias, so it lowers like one;
     $(\alpha_h, \beta_h)$ are learned (type-II maximum likelihood, ``numpyro.param``
     ``"alpha"``, ``"beta"``, positive).
 
@@ -256,9 +257,10 @@ def geometric_beta(
     $\mathbb E[q_i \mid x] = \sum_j p(\phi_i = j \mid x)\,(\alpha+1)/(\alpha+\beta+1+d_{ij})$.
 
     Args:
-        alpha, beta: initial Beta parameters (> 0; floats or arrays broadcasting to
+        alpha: initial Beta parameter $\alpha > 0$ (a float or an array broadcasting to
             ``(heads, 1)``). The prior mean rate is $\alpha/(\alpha+\beta)$.
-        temperature: learn a per-head temperature (see :func:`uniform`).
+        beta: initial Beta parameter $\beta > 0$, likewise.
+        temperature: learn a per-head temperature (see `uniform`).
 
     Reference: Singh & Buckley sec. 5.2 and appendix 7.3 (expanding attention).
     """

@@ -1,4 +1,4 @@
-r"""[`Attention`][structinfer.nn.Attention]: a multi-head attention layer whose heads are
+r"""`Attention`: a multi-head attention layer whose heads are
 a structinfer model.
 
 For inputs $x^Q \in \mathbb R^{n \times F}$, $x^K, x^V \in \mathbb R^{m \times F'}$ the
@@ -11,7 +11,7 @@ o^h_i = \mathbb E_{p_\theta(\phi^h_i \mid q, k)}\big[\mathrm{out}^h_i(\phi)\big]
       = \sum_j \mathrm{softmax}_j\big(\psi(q^h_i, k^h_j) + \log p_\theta(\phi^h_i = j)\big)\, v^h_j
 $$
 
-through [`structinfer.attention`][structinfer.attention] (the second equality when
+through `structinfer.attention` (the second equality when
 the value is the parent's value), and projects back, $y_i = \sum_h o^h_i W_O^h$.
 The prior's hyperparameters $\theta$ are the mechanism's ``numpyro.param`` sites,
 stored unconstrained as ``nnx.Param`` under ``layer.hyper``.
@@ -69,7 +69,7 @@ class Hyperparameter:
 
 @dataclass(frozen=True)
 class MechanismInfo:
-    """What :func:`describe_mechanism` reads from one trace of a mechanism.
+    """What `describe_mechanism` reads from one trace of a mechanism.
 
     Attributes:
         hyperparameters: the ``numpyro.param`` sites, by name.
@@ -105,14 +105,15 @@ def describe_mechanism(
     queries, keys and values and read its hyperparameters, edges and value site.
 
     Args:
-        mechanism: a NumPyro model ``mechanism(q, k, v)`` (see :class:`Attention`).
-        num_heads, head_dim: the shapes the layer will call it with.
+        mechanism: a NumPyro model ``mechanism(q, k, v)`` (see `Attention`).
+        num_heads: the number of heads the layer will call it with.
+        head_dim: the per-head feature size the layer will call it with.
         value: the name of its deterministic value site.
         length: the dummy sequence length.
         dtype: floating dtype of the dummy inputs (and of the initial values).
 
     Returns:
-        A :class:`MechanismInfo`.
+        A `MechanismInfo`.
 
     Raises:
         ValueError: a latent (unobserved, not enumerated) sample site, no edge site,
@@ -229,16 +230,16 @@ class Attention(nnx.Module):
     The mechanism is an ordinary structinfer model of all the heads of one sequence:
     ``mechanism(q, k, v)`` with ``q`` of shape ``(heads, n, head_dim)`` and ``k``, ``v``
     of shape ``(heads, m, head_dim)`` (the queries are the last ``n`` of the ``m``
-    positions); it declares edge sites (:func:`structinfer.edge`) and a
+    positions); it declares edge sites (`structinfer.edge`) and a
     deterministic value site ``value`` of shape ``(heads, n, head_dim)``. Its
     ``numpyro.param`` sites are the prior's hyperparameters: each becomes an
     ``nnx.Param`` under ``layer.hyper``, stored unconstrained (the logit of a ``q``
     constrained to the unit interval), so an optimiser may move it freely. The ready-made
-    mechanisms are in :mod:`structinfer.nn.heads`; the layer built from
+    mechanisms are in `structinfer.nn.heads`; the layer built from
     ``structinfer.nn.uniform()`` (or ``causal()``) equals ``flax.nnx.MultiHeadAttention``
     (with a causal mask) given the same weights, whose names and shapes it shares.
 
-    Forward and backward run through :func:`structinfer.attention`: a lowered kernel
+    Forward and backward run through `structinfer.attention`: a lowered kernel
     when the model is recognised (blocked online softmax with a memory-light custom
     VJP that also differentiates the hyperparameters), the exact engine otherwise —
     ``layer.explain(x)`` says which. The batch dims of the inputs are mapped over with
@@ -260,22 +261,28 @@ class Attention(nnx.Module):
             each key/value head is shared by ``num_heads / num_kv_heads`` query heads).
         in_kv_features: features of ``inputs_k`` / ``inputs_v`` (default ``in_features``).
         value: the mechanism's value site.
-        backend: :func:`structinfer.attention`'s backend (``"auto"``, ``"exact"``,
+        backend: `structinfer.attention`'s backend (``"auto"``, ``"exact"``,
             ``"dense"``, ``"blocked"``, ``"windowed"``).
-        block_q, block_k: block sizes of the blocked and windowed kernels.
+        block_q: query block size of the blocked and windowed kernels.
+        block_k: key block size of the blocked kernel.
         dtype: computation dtype (default: inferred from inputs and parameters).
         param_dtype: dtype of the parameters.
         dropout_rate: dropout on each head's output $o^h$ while training. (Unlike
             ``flax.nnx.MultiHeadAttention`` it does not drop attention weights: they
             are never materialised.)
         deterministic: default for ``__call__``'s ``deterministic`` (dropout off).
-        precision, kernel_init, out_kernel_init, bias_init, out_bias_init, use_bias,
-            normalize_qk: as in ``flax.nnx.MultiHeadAttention``.
-        decode: default for ``__call__``'s ``decode`` (see :meth:`init_cache`).
+        precision: as in ``flax.nnx.MultiHeadAttention``.
+        kernel_init: initialiser of the query, key and value kernels.
+        out_kernel_init: initialiser of the output kernel (default ``kernel_init``).
+        bias_init: initialiser of the query, key and value biases.
+        out_bias_init: initialiser of the output bias (default ``bias_init``).
+        use_bias: give the projections biases.
+        normalize_qk: LayerNorm the queries and keys of each head (as flax).
+        decode: default for ``__call__``'s ``decode`` (see `init_cache`).
         rngs: ``nnx.Rngs`` for the projections' initialisers and dropout.
 
     Raises:
-        ValueError: a bad size, backend or mechanism (see :func:`describe_mechanism`).
+        ValueError: a bad size, backend or mechanism (see `describe_mechanism`).
         TypeError: ``mechanism`` is not callable.
 
     Reference: Singh & Buckley, "Attention as implicit structural inference" (sec. 3,
@@ -556,10 +563,10 @@ class Attention(nnx.Module):
             inputs_k: keys ``(..., m, in_kv_features)`` (default ``inputs_q``).
             inputs_v: values ``(..., m, in_kv_features)`` (default ``inputs_k``).
             mask: not supported — which keys a query may take is the mechanism's prior
-                (e.g. :func:`structinfer.nn.causal`); a mask raises ``ValueError``.
+                (e.g. `structinfer.nn.causal`); a mask raises ``ValueError``.
             deterministic: turn dropout off (default: the constructor's).
             rngs: dropout randomness (default: the layer's own stream).
-            decode: one step of autoregressive decoding (see :meth:`init_cache`).
+            decode: one step of autoregressive decoding (see `init_cache`).
 
         Returns:
             ``(..., n, out_features)``.
@@ -589,7 +596,7 @@ class Attention(nnx.Module):
     def explain(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                 inputs_v: jax.Array | None = None):
         """Which path (kernel, or the exact engine and why) the heads take on these inputs:
-        :func:`structinfer.explain` for one sequence of the batch."""
+        `structinfer.explain` for one sequence of the batch."""
         query, key, value = self._project(inputs_q, inputs_k, inputs_v)
         q, k, v = (jnp.moveaxis(a, -2, -3).reshape((-1,) + jnp.moveaxis(a, -2, -3).shape[-3:])[0]
                    for a in (query, key, value))
