@@ -73,12 +73,14 @@ def maybe64(dtype):
 ])
 def test_equals_flax_multihead_attention(case, dtype):
     with maybe64(dtype):
-        kw = {"num_kv_heads": 1} if case.endswith("gqa") else {}
+        # grouped-query attention: 6 query heads share 3 key/value heads in pairs
+        kw = {"num_heads": 6, "num_kv_heads": 3, "qkv_features": 6 * D} if case.endswith(
+            "gqa") else {}
         mech = sinn.causal() if case.startswith("causal") else sinn.uniform()
         layer = layer_for(mech, dtype, seed=3, **kw)
-        mha = nnx.MultiHeadAttention(num_heads=H, in_features=F, qkv_features=H * D,
-                                     out_features=OUT, param_dtype=dtype, decode=False,
-                                     rngs=nnx.Rngs(4), **kw)
+        mha = nnx.MultiHeadAttention(**{"num_heads": H, "qkv_features": H * D, **kw},
+                                     in_features=F, out_features=OUT, param_dtype=dtype,
+                                     decode=False, rngs=nnx.Rngs(4))
         nnx.update(layer, nnx.state(mha, nnx.Param))  # the same weights, by name
         xq = inputs((B, N, F), dtype)
         xk = inputs((B, M, F), dtype, seed=5) if case.endswith("cross") else xq
@@ -108,7 +110,10 @@ def by_hand(layer, mech, xq, xk):
     p = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
     proj = lambda x, w: jnp.einsum("...f,fhd->...hd", x, w["kernel"]) + w["bias"]  # noqa: E731
     q, k, v = proj(xq, p["query"]), proj(xk, p["key"]), proj(xk, p["value"])
-    hyper = layer.hyperparameters()
+    # the stored values are unconstrained: the rate is a logit, positive ones are logs
+    to_value = {"q": jax.nn.sigmoid, "alpha": jnp.exp, "beta": jnp.exp, "temperature": jnp.exp,
+                "bias": lambda u: u}
+    hyper = {name: to_value[name](u) for name, u in p.get("hyper", {}).items()}
     model = numpyro.handlers.substitute(mech, data=hyper)
     heads = lambda a: jnp.moveaxis(a, -2, -3)  # noqa: E731
     exact = jax.jit(jax.vmap(lambda q, k, v: si.expectation(model, "out", q, k, v)))

@@ -39,7 +39,7 @@ from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
 from .._checks import is_concrete
-from ..lowering import BACKENDS, attention
+from ..lowering import BACKENDS, Explanation, attention
 from ..primitives import EDGE_INFO_KEY, is_enumerated
 
 __all__ = ["Attention", "Hyperparameter", "MechanismInfo", "describe_mechanism"]
@@ -473,16 +473,16 @@ class Attention(nnx.Module):
         return jax.jit(run)(self.hyperparameters())
 
     # ------------------------------------------------------------------ the forward pass
-    def _heads(self, query, key, value):
-        """(..., n, H, d) projections -> the mechanism's output, (..., n, H, d)."""
+    def _per_head(self, query, key, value):
+        """(..., len, H, d) projections -> the mechanism's inputs (..., H, len, d) in one
+        dtype, key/value heads repeated for grouped-query attention, and the
+        hyperparameters; checks the shapes the mechanism gives for this length."""
         H, Hkv = self.num_heads, self.num_kv_heads
         if Hkv != H:
             key = jnp.repeat(key, H // Hkv, axis=-2)
             value = jnp.repeat(value, H // Hkv, axis=-2)
-        q, k, v = (jnp.moveaxis(a, -2, -3) for a in (query, key, value))  # (..., H, len, d)
-        batch = q.shape[:-3]
-        dtype = jnp.result_type(q, k, v)
-        q, k, v = (a.astype(dtype) for a in (q, k, v))
+        dtype = jnp.result_type(query, key, value)
+        q, k, v = (jnp.moveaxis(a, -2, -3).astype(dtype) for a in (query, key, value))
         hyper = {name: a.astype(dtype) for name, a in self.hyperparameters().items()}
         shape, params = _value_and_param_shapes(
             self.mechanism, self.value_site, q.shape[-3:], k.shape[-3:], v.shape[-3:],
@@ -500,6 +500,12 @@ class Attention(nnx.Module):
                 f"structinfer.nn.Attention: value site '{self.value_site}' has shape {shape}, "
                 f"expected (heads, queries, head_dim) = {q.shape[-3:]}"
             )
+        return q, k, v, hyper
+
+    def _heads(self, query, key, value):
+        """(..., len, H, d) projections -> the mechanism's output, (..., n, H, d)."""
+        q, k, v, hyper = self._per_head(query, key, value)
+        batch = q.shape[:-3]
         if not batch:
             o = self._attend_fn(q, k, v, hyper)
         else:
@@ -594,16 +600,13 @@ class Attention(nnx.Module):
         return self.out(o)
 
     def explain(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-                inputs_v: jax.Array | None = None):
+                inputs_v: jax.Array | None = None) -> Explanation:
         """Which path (kernel, or the exact engine and why) the heads take on these inputs:
         `structinfer.explain` for one sequence of the batch."""
         query, key, value = self._project(inputs_q, inputs_k, inputs_v)
-        q, k, v = (jnp.moveaxis(a, -2, -3).reshape((-1,) + jnp.moveaxis(a, -2, -3).shape[-3:])[0]
-                   for a in (query, key, value))
-        if self.num_kv_heads != self.num_heads:
-            k = jnp.repeat(k, self.num_heads // self.num_kv_heads, axis=0)
-            v = jnp.repeat(v, self.num_heads // self.num_kv_heads, axis=0)
-        return self._attend_fn.explain(q, k, v, self.hyperparameters())
+        q, k, v, hyper = self._per_head(query, key, value)
+        first = lambda a: a.reshape((-1,) + a.shape[-3:])[0]  # noqa: E731
+        return self._attend_fn.explain(first(q), first(k), first(v), hyper)
 
     # ------------------------------------------------------------------ decoding
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
