@@ -128,6 +128,7 @@ def main(argv=None) -> list[dict]:
     cfg = ap.parse_args(argv)
     if cfg.quick:
         cfg.sizes, cfg.heads, cfg.head_dim, cfg.window, cfg.reps = [160], 2, 8, 16, 2
+        cfg.cases = cfg.cases if argv and "--cases" in argv else ["window"]
         cfg.block_q, cfg.block_k = 32, 64
     cfg.features = cfg.heads * cfg.head_dim
     print(f"load average {loadavg()}; jax {jax.__version__} on {jax.devices()[0].platform}, "

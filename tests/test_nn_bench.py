@@ -1,4 +1,4 @@
-"""benchmarks/nn_layer.py --quick runs: both layers, both cases, equal outputs (the
+"""benchmarks/nn_layer.py --quick runs: both layers, equal outputs (the
 script asserts it), a time and a temporary-buffer size for each (no timing asserted)."""
 
 import importlib.util
@@ -12,7 +12,7 @@ def test_nn_layer_benchmark_quick(capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rows = mod.main(["--quick"])
-    assert {r["case"] for r in rows} == {"causal", "window"}
+    assert [r["case"] for r in rows] == ["window"]  # --quick: one case, one size
     for r in rows:
         assert set(r["seconds"]) == {"structinfer", "flax"}
         assert all(t > 0 for t in r["seconds"].values())
