@@ -104,6 +104,12 @@ def test_same_rngs_same_weights_as_flax():
             np.testing.assert_array_equal(got[path][leaf], want[path][leaf])
 
 
+def test_abstract_init_with_nnx_eval_shape():
+    """Built under a trace (flax's abstract initialisation), the mechanism is still read."""
+    abstract = nnx.eval_shape(lambda: layer_for(sinn.geometric(0.3)))
+    assert abstract.hyper["q"].shape == (H, 1) and abstract.causal
+
+
 # --------------------------------------------------------------------------- vs exact
 def by_hand(layer, mech, xq, xk):
     """Projections by einsum, each sequence through si.expectation (the exact engine)."""

@@ -147,7 +147,9 @@ def describe_mechanism(
         return arrays
 
     try:
-        arrays = jax.jit(run)()
+        # concrete even when the layer is built under a trace (nnx.eval_shape, nnx.jit)
+        with jax.ensure_compile_time_eval():
+            arrays = jax.jit(run)()
     except Exception as e:
         e.add_note(
             f"(while structinfer.nn traced the mechanism '{name}' on q, k, v of shape "
