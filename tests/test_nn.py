@@ -76,6 +76,8 @@ def test_equals_flax_multihead_attention(case, dtype):
         # grouped-query attention: 6 query heads share 3 key/value heads in pairs
         kw = {"num_heads": 6, "num_kv_heads": 3, "qkv_features": 6 * D} if case.endswith(
             "gqa") else {}
+        if case.endswith("cross"):  # with the other options of flax's layer
+            kw.update(normalize_qk=True, use_bias=False)
         mech = sinn.causal() if case.startswith("causal") else sinn.uniform()
         layer = layer_for(mech, dtype, seed=3, **kw)
         mha = nnx.MultiHeadAttention(**{"num_heads": H, "qkv_features": H * D, **kw},

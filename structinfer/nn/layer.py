@@ -1,5 +1,4 @@
-r"""`Attention`: a multi-head attention layer whose heads are
-a structinfer model.
+r"""`Attention`: a multi-head attention layer whose heads are a structinfer model.
 
 For inputs $x^Q \in \mathbb R^{n \times F}$, $x^K, x^V \in \mathbb R^{m \times F'}$ the
 layer projects per head, $q^h = x^Q W_Q^h$, $k^h = x^K W_K^h$, $v^h = x^V W_V^h$
@@ -38,7 +37,7 @@ from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
-from .._checks import is_concrete
+from .._checks import is_concrete, model_name
 from ..lowering import BACKENDS, Explanation, attention
 from ..primitives import EDGE_INFO_KEY, is_enumerated
 
@@ -119,7 +118,7 @@ def describe_mechanism(
         ValueError: a latent (unobserved, not enumerated) sample site, no edge site,
             no value site ``value``, or a value that is not ``(heads, length, head_dim)``.
     """
-    name = getattr(mechanism, "__name__", type(mechanism).__name__)
+    name = model_name(mechanism)
     shape_in = (num_heads, length, head_dim)
     sites: dict[str, dict] = {}
 
@@ -210,7 +209,7 @@ def _bind(mechanism: Callable) -> Callable:
         with handlers.substitute(data=hyper):
             mechanism(q, k, v)
 
-    bound.__name__ = getattr(mechanism, "__name__", "mechanism")
+    bound.__name__ = model_name(mechanism)
     bound.__doc__ = mechanism.__doc__
     return bound
 
@@ -635,7 +634,7 @@ class Attention(nnx.Module):
         if not self.causal:
             raise ValueError(
                 f"structinfer.nn.Attention: decode needs a causal mechanism, but "
-                f"'{getattr(self.mechanism, '__name__', 'mechanism')}' gives a key after the "
+                f"'{model_name(self.mechanism)}' gives a key after the "
                 "query non-zero prior probability (use a causal prior, e.g. "
                 "structinfer.nn.causal())"
             )
