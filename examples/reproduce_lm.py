@@ -277,6 +277,7 @@ def plot(table: dict, runs: list[dict], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     priors = list(table)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -293,6 +294,8 @@ def plot(table: dict, runs: list[dict], out: Path) -> None:
         b.scatter(np.full(len(ws), i) + np.random.default_rng(i).uniform(-0.2, 0.2, len(ws)), ws,
                   s=14, alpha=0.7)
     b.set_yscale("log")
+    b.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    b.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     b.set_xticks(range(len(priors)), priors, rotation=20)
     b.set_ylabel("95 % window of the prior (characters)")
     b.set_title("learned recency of every head")
@@ -362,4 +365,3 @@ def _loadavg() -> tuple[float, float, float]:
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)
