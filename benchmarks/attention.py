@@ -41,7 +41,8 @@ from numpyro.ops.indexing import Vindex
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import structinfer as si  # noqa: E402
-from structinfer.lowering import band_blocks, blocked_attention, lower_edge  # noqa: E402
+from structinfer.lowering._lower import lower_edge  # noqa: E402
+from structinfer.lowering.blocked import band_blocks, blocked_attention  # noqa: E402
 
 CASES = ("dense", "causal", "window", "relpos", "geometric")
 SHARDED = "structinfer/devices"  # the same model, heads split over the CPU devices

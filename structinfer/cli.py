@@ -9,12 +9,16 @@ stderr; ``--debug`` shows the traceback instead.
 
 Heavy imports (JAX, NumPyro, ArviZ, matplotlib) happen inside the commands, so
 ``--help`` and usage errors answer at once.
+
+``reproduce`` and ``bench`` never run a file from the current directory: the paper
+reproductions are modules of the installed package (:mod:`structinfer.reproductions`);
+the benchmark script is run only from the source checkout holding the imported package.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import importlib
 import importlib.util
 import inspect
 import os
@@ -22,12 +26,11 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "CLIError", "Reproduction", "REPRODUCTIONS", "reproductions", "load_models",
-           "load_data"]
+__all__ = ["main", "build_parser", "CLIError", "load_models", "load_data", "source_checkout",
+           "bench_script"]
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
@@ -39,8 +42,17 @@ MAX_SEED = 2**32 - 1
 #: draws (S = chains x draws, for S up to 225) and needs at least 5 tail draws
 MIN_LOO_DRAWS = 25
 
-#: the source checkout (examples/ and benchmarks/ live next to the package)
+#: the package's parent folder: a source checkout (with benchmarks/ and examples/) when the
+#: package is imported from one, ``site-packages`` for a wheel install
 ROOT = Path(__file__).resolve().parent.parent
+
+#: worked examples that ``reproduce`` ran from a checkout's examples/ folder before the
+#: paper reproductions moved into the package: name -> script
+WORKED_EXAMPLES = {
+    "quickstart": "quickstart.py",
+    "svi-attention": "infer_svi_attention.py",
+    "expanding-nuts": "infer_nuts_expanding.py",
+}
 
 
 class CLIError(Exception):
@@ -52,91 +64,42 @@ class CLIError(Exception):
 
 
 # --------------------------------------------------------------------------------------
-# reproductions registry
+# where `reproduce` and `bench` find their code (never in the current directory)
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Reproduction:
-    """A paper experiment: a script in ``examples/``.
+def source_checkout() -> Path | None:
+    """The source checkout holding the imported package (an editable install or
+    ``PYTHONPATH``), or ``None`` when it is installed from a wheel.
 
-    Attributes:
-        script: file name in the examples folder.
-        description: one line for ``structinfer reproduce --list``.
-        accepts_out: the script takes ``--out DIR`` (otherwise it runs with the output
-            folder as its working directory).
+    A checkout is the package's parent folder when it has the project's
+    ``pyproject.toml``; a wheel's ``site-packages`` has none. The current directory is
+    never consulted.
     """
-
-    script: str
-    description: str
-    accepts_out: bool = False
-
-
-#: explicit entries; every other ``examples/reproduce_<name>.py`` is found automatically
-#: as ``<name>`` (so the reproductions issue only has to add scripts)
-REPRODUCTIONS: dict[str, Reproduction] = {
-    "multihop": Reproduction(
-        "reproduce_multihop.py",
-        "Singh & Buckley 5.1: one-layer vs two-layer self attention vs multi-hop",
-        accepts_out=True,
-    ),
-    "expanding-nuts": Reproduction(
-        "infer_nuts_expanding.py",
-        "NUTS over the geometric q and temperature of expanding attention (edges summed out)",
-    ),
-    "svi-attention": Reproduction(
-        "infer_svi_attention.py",
-        "SVI learns W_Q, W_K, W_V of cross attention with the edges enumerated",
-    ),
-    "quickstart": Reproduction(
-        "quickstart.py", "attention mechanisms as NumPyro models vs their softmax formulas"
-    ),
-}
-
-
-def _folder(env: str, name: str) -> Path:
-    """``$env`` if set, else ``name`` next to the package (a source checkout), else
-    ``./name`` (a wheel install run from a checkout)."""
-    if os.environ.get(env):
-        return Path(os.environ[env])
-    for cand in (ROOT / name, Path.cwd() / name):
-        if cand.is_dir():
-            return cand
-    return ROOT / name
-
-
-def examples_dir() -> Path:
-    """The examples folder (``$STRUCTINFER_EXAMPLES`` overrides)."""
-    return _folder("STRUCTINFER_EXAMPLES", "examples")
-
-
-def _docstring_line(path: Path) -> str:
     try:
-        doc = ast.get_docstring(ast.parse(path.read_text()))
-    except (OSError, SyntaxError, ValueError):
-        return ""
-    return doc.strip().splitlines()[0] if doc else ""
+        text = (ROOT / "pyproject.toml").read_text(errors="replace")
+    except OSError:
+        return None
+    return ROOT if 'name = "structinfer"' in text else None
 
 
-def reproductions() -> dict[str, tuple[Reproduction, Path]]:
-    """Available reproductions: registered entries whose script exists, plus every
-    ``reproduce_<name>.py`` in the examples folder. ``{name: (entry, script path)}``."""
-    folder = examples_dir()
-    out: dict[str, tuple[Reproduction, Path]] = {}
-    for name, rep in REPRODUCTIONS.items():
-        path = folder / rep.script
-        if path.is_file():
-            out[name] = (rep, path)
-    if folder.is_dir():
-        known = {rep.script for rep, _ in out.values()}
-        for path in sorted(folder.glob("reproduce_*.py")):
-            name = path.stem[len("reproduce_"):].replace("_", "-")
-            if path.name in known or name in out:
-                continue
-            src = path.read_text(errors="replace")
-            rep = Reproduction(path.name, _docstring_line(path), accepts_out='"--out"' in src)
-            out[name] = (rep, path)
-    return out
+def bench_script() -> Path:
+    """``benchmarks/attention.py`` of the source checkout (``$STRUCTINFER_BENCHMARKS``
+    names another folder). Raises ``CLIError`` saying where to get it otherwise."""
+    if os.environ.get("STRUCTINFER_BENCHMARKS"):
+        script = Path(os.environ["STRUCTINFER_BENCHMARKS"]) / "attention.py"
+        if not script.is_file():
+            raise CLIError(f"benchmark script {script} not found ($STRUCTINFER_BENCHMARKS)")
+        return script
+    root = source_checkout()
+    if root is None or not (root / "benchmarks" / "attention.py").is_file():
+        raise CLIError(
+            "the benchmarks are not part of the installed package: `structinfer bench` runs "
+            "benchmarks/attention.py of a source checkout; get the project's repository, "
+            "pip install -e . in it and run `structinfer bench` (or python "
+            "benchmarks/attention.py) there"
+        )
+    return root / "benchmarks" / "attention.py"
 
 
 # --------------------------------------------------------------------------------------
@@ -546,55 +509,53 @@ def cmd_compare(args) -> int:
     return EXIT_OK
 
 
-def _run_script(cmd: Sequence[str], cwd: str, what: str) -> int:
+def cmd_reproduce(args) -> int:
+    from . import reproductions as R
+
+    avail = R.REPRODUCTIONS
+    if args.list or not args.name:
+        for name, module in avail.items():
+            print(f"{name:12s} {R.describe(module)}  [{module}]")
+        if not args.name and not args.list:
+            raise CLIError("give the NAME of a reproduction (listed above)", EXIT_USAGE)
+        return EXIT_OK
+    if args.name in WORKED_EXAMPLES:
+        raise CLIError(
+            f"'{args.name}' is a worked example, not a paper reproduction: run python "
+            f"examples/{WORKED_EXAMPLES[args.name]} in a source checkout of the project",
+            EXIT_USAGE,
+        )
+    if args.name not in avail:
+        raise CLIError(
+            f"unknown reproduction '{args.name}' (available: {', '.join(avail)})", EXIT_USAGE
+        )
+    module = avail[args.name]
+    out = os.path.abspath(args.out or os.path.join("structinfer-reproduce", args.name))
+    _check_out(out)
+    argv = ["--seed", str(args.seed), *(["--quick"] if args.quick else []), "--out", out,
+            *args.extra]
+    what = f"reproduction '{args.name}' ({module})"
+    _setup_jax(args)
     try:
-        rc = subprocess.call(list(cmd), cwd=cwd)
-    except OSError as e:
-        raise CLIError(f"{what}: could not start: {e}") from e
-    if rc != 0:
+        main = importlib.import_module(module).main
+        os.makedirs(out, exist_ok=True)
+        if not args.quiet:
+            print(f"running {module}, output in {out}", flush=True)
+        rc = main(argv)
+    except ModuleNotFoundError as e:
+        hint = R.missing_dependency(e)
+        if hint is None:
+            raise
+        raise CLIError(f"{what} needs {hint}") from e
+    except SystemExit as e:  # the script's own argparse or sys.exit
+        rc = e.code
+    if rc not in (None, 0):
         raise CLIError(f"{what} failed with exit status {rc}")
     return EXIT_OK
 
 
-def cmd_reproduce(args) -> int:
-    avail = reproductions()
-    if args.list or not args.name:
-        if not avail:
-            print(f"no reproductions found in {examples_dir()}")
-        for name, (rep, path) in avail.items():
-            print(f"{name:20s} {rep.description}  [{path.name}]")
-        if not args.name and not args.list:
-            raise CLIError("give the NAME of a reproduction (listed above)", EXIT_USAGE)
-        return EXIT_OK
-    if args.name not in avail:
-        known = ", ".join(avail) or "none"
-        raise CLIError(
-            f"unknown reproduction '{args.name}' (available: {known}; more are added with "
-            "the paper reproductions)",
-            EXIT_USAGE,
-        )
-    rep, path = avail[args.name]
-    out = os.path.abspath(args.out or os.path.join("structinfer-reproduce", args.name))
-    _check_out(out)
-    os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, str(path), "--seed", str(args.seed)]
-    if args.quick:
-        cmd.append("--quick")
-    if rep.accepts_out:
-        cmd += ["--out", out]
-    cmd += args.extra
-    if not args.quiet:
-        print(f"running {path.name} in {out}", flush=True)
-    return _run_script(cmd, out, f"reproduction '{args.name}' ({path.name})")
-
-
 def cmd_bench(args) -> int:
-    script = _folder("STRUCTINFER_BENCHMARKS", "benchmarks") / "attention.py"
-    if not script.is_file():
-        raise CLIError(
-            f"benchmark script {script} not found: `structinfer bench` needs a source "
-            "checkout with benchmarks/attention.py"
-        )
+    script = bench_script()
     out = os.path.abspath(args.out or "structinfer-bench")
     _check_out(out)
     os.makedirs(out, exist_ok=True)
@@ -607,7 +568,13 @@ def cmd_bench(args) -> int:
     if '"--out"' in src:
         cmd += ["--out", out]
     cmd += args.extra
-    return _run_script(cmd, out, f"benchmark {script.name}")
+    try:
+        rc = subprocess.call(cmd, cwd=out)
+    except OSError as e:
+        raise CLIError(f"benchmark {script}: could not start: {e}") from e
+    if rc != 0:
+        raise CLIError(f"benchmark {script} failed with exit status {rc}")
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------------------
@@ -691,9 +658,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare, default_out="structinfer-compare")
 
     r = sub.add_parser(
-        "reproduce", parents=[common], help="run a paper reproduction from examples/",
-        description="Run a reproduction script from the examples folder (list them with "
-        "--list). Arguments after -- go to the script.",
+        "reproduce", parents=[common], help="run a paper reproduction (shipped with the package)",
+        description="Run one of the papers' experiments shipped with the package, "
+        "structinfer.reproductions (list them with --list; they need the 'examples' extra). "
+        "Arguments after -- go to the reproduction.",
     )
     r.add_argument("name", nargs="?", metavar="NAME")
     r.add_argument("--list", action="store_true", help="list the available reproductions")
@@ -701,9 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_reproduce, default_out=None)
 
     b = sub.add_parser(
-        "bench", parents=[common], help="run benchmarks/attention.py",
-        description="Run the attention benchmark script (printing ratio tables). "
-        "Arguments after -- go to the script.",
+        "bench", parents=[common], help="run benchmarks/attention.py of a source checkout",
+        description="Run the attention benchmark script (printing ratio tables) of the "
+        "source checkout holding the installed package (pip install -e .); the benchmarks "
+        "are not part of the wheel. Arguments after -- go to the script.",
     )
     b.add_argument("--quick", action="store_true", help="small sizes")
     b.set_defaults(func=cmd_bench, default_out=None)

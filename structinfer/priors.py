@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,12 @@ __all__ = [
     "StructuralPrior",
     "Uniform",
     "Restricted",
+    "RestrictionPattern",
+    "Mask",
+    "Causal",
+    "Window",
+    "Graph",
+    "BlockSparse",
     "Categorical",
     "RelativePosition",
     "Geometric",
@@ -182,6 +189,181 @@ class Uniform(StructuralPrior):
         return jnp.zeros((1, self.num_parents), dtype=jnp.result_type(float))
 
 
+# --- typed restriction patterns ---------------------------------------------------------
+
+
+def _check_flag(value, name: str, who: str) -> bool:
+    """``value`` as a Python bool (bools and the ints 0 / 1 only)."""
+    if isinstance(value, (bool, np.bool_)) or (
+        isinstance(value, (int, np.integer)) and value in (0, 1)
+    ):
+        return bool(value)
+    raise TypeError(f"{who}: {name} must be a bool, got {value!r}")
+
+
+def _check_positive_int(value, name: str, who: str) -> int:
+    """``value`` as a Python int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{who}: {name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{who}: {name} must be >= 1, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class RestrictionPattern:
+    r"""What a :class:`Restricted` prior's mask is known to be (base class).
+
+    A pattern never changes the prior: the mask $M$ alone defines
+    $p(\phi_i = j) \propto M_{ij}$. It tells the lowered engine the structure behind the
+    mask (a distance band, a block layout) so that a kernel can skip excluded blocks
+    instead of reading the mask; the engine checks the claim against the mask whenever
+    the mask is known at trace time and uses the mask otherwise. The lowering dispatches
+    on the pattern's type (``structinfer.lowering.register_pattern_rule``); a subclass
+    without its own rule is lowered as a plain mask.
+
+    ``describe()`` lists ``type`` (the class's ``kind``) and the fields; a pattern with an
+    ``offset`` field fixes the prior's offset.
+    """
+
+    #: the ``type`` entry of ``describe()``
+    kind: ClassVar[str] = "pattern"
+
+    def describe(self) -> dict[str, Any]:
+        """``{"type": kind, field: value, ...}``, read by :meth:`Restricted.describe`."""
+        return {"type": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+@dataclass(frozen=True)
+class Mask(RestrictionPattern):
+    """An arbitrary mask with no further structure (the default pattern).
+
+    Args:
+        label: optional name of what the mask means (``"no_self"``, ``"receptive_field"``),
+            shown by ``describe()`` and ``structinfer.explain``.
+    """
+
+    label: str | None = None
+    kind: ClassVar[str] = "mask"
+
+    def __post_init__(self):
+        if self.label is not None and not isinstance(self.label, str):
+            raise TypeError(f"Mask pattern: label must be a str or None, got {self.label!r}")
+
+    def describe(self) -> dict[str, Any]:
+        """``{"type": "mask"}``, plus ``"label"`` when one is given."""
+        return {"type": self.kind} if self.label is None else {"type": self.kind,
+                                                                "label": self.label}
+
+
+@dataclass(frozen=True)
+class Causal(RestrictionPattern):
+    r"""Causal mask: $M_{ij} = [d_{ij} \ge d_0]$ with $d_{ij} = i + \text{offset} - j$,
+    $d_0 = 0$ with the self-edge and 1 without (set by :meth:`Restricted.causal`).
+
+    Args:
+        include_self: allow the self-edge (distance 0).
+        offset: child ``i`` sits at parent position ``i + offset``.
+    """
+
+    include_self: bool = True
+    offset: int = 0
+    kind: ClassVar[str] = "causal"
+
+    def __post_init__(self):
+        object.__setattr__(self, "include_self",
+                           _check_flag(self.include_self, "include_self", "Causal pattern"))
+        object.__setattr__(self, "offset", _check_offset(self.offset, "Causal pattern"))
+
+
+@dataclass(frozen=True)
+class Window(RestrictionPattern):
+    r"""Sliding window of ``size`` parents (set by :meth:`Restricted.window`).
+
+    Causal: $d_0 \le d_{ij} < d_0 + \text{size}$ ($d_0 = 0$, or 1 without the self-edge);
+    not causal: $|d_{ij}| < \text{size}$ (and $d_{ij} \ne 0$ without the self-edge), with
+    $d_{ij} = i + \text{offset} - j$.
+
+    Args:
+        size: the window size (a positive int).
+        causal: only earlier parents (and the self-edge).
+        include_self: allow the self-edge.
+        offset: child ``i`` sits at parent position ``i + offset``.
+    """
+
+    size: int
+    causal: bool = True
+    include_self: bool = True
+    offset: int = 0
+    kind: ClassVar[str] = "window"
+
+    def __post_init__(self):
+        object.__setattr__(self, "size", _check_positive_int(self.size, "size", "Window pattern"))
+        object.__setattr__(self, "causal", _check_flag(self.causal, "causal", "Window pattern"))
+        object.__setattr__(self, "include_self",
+                           _check_flag(self.include_self, "include_self", "Window pattern"))
+        object.__setattr__(self, "offset", _check_offset(self.offset, "Window pattern"))
+
+
+@dataclass(frozen=True)
+class Graph(RestrictionPattern):
+    """The adjacency of a graph: parents are a node's in-neighbours (set by
+    :meth:`Restricted.from_graph`); lowered as its mask."""
+
+    kind: ClassVar[str] = "graph"
+
+
+@dataclass(frozen=True)
+class BlockSparse(RestrictionPattern):
+    """Whole blocks of ``block_size = (children, parents)`` allowed or not (set by
+    :meth:`Restricted.block_sparse`); lowered as its mask, empty blocks skipped.
+
+    Args:
+        block_size: ``(children, parents)`` per block, or one int for square blocks.
+    """
+
+    block_size: tuple[int, int]
+    kind: ClassVar[str] = "block_sparse"
+
+    def __post_init__(self):
+        bs = self.block_size
+        pair = (bs, bs) if isinstance(bs, (int, np.integer)) else tuple(bs)
+        if len(pair) != 2:
+            raise ValueError(f"BlockSparse pattern: block_size must be an int or a pair of "
+                             f"ints, got {bs!r}")
+        object.__setattr__(self, "block_size", tuple(
+            _check_positive_int(b, "block_size", "BlockSparse pattern") for b in pair))
+
+
+#: what each string ``type`` of the old dict patterns is now (for the error message)
+_PATTERN_NAMES = {"mask": Mask, "causal": Causal, "window": Window, "graph": Graph,
+                  "block_sparse": BlockSparse}
+
+
+def _as_pattern(pattern) -> RestrictionPattern:
+    if pattern is None:
+        return Mask()
+    if isinstance(pattern, RestrictionPattern):
+        return pattern
+    if isinstance(pattern, dict):
+        rest = {k: v for k, v in pattern.items() if k != "type"}
+        cls = _PATTERN_NAMES.get(pattern.get("type"))
+        if cls is None:
+            hint = f"Mask(label={pattern.get('type')!r})"
+        else:
+            hint = f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in rest.items())})"
+        raise TypeError(
+            f"Restricted prior: pattern must be a typed pattern from structinfer.priors "
+            f"(Mask, Causal, Window, Graph, BlockSparse), not a dict; for {pattern!r} pass "
+            f"pattern=structinfer.priors.{hint}, or build the prior with Restricted.causal / "
+            "window / from_graph / block_sparse"
+        )
+    raise TypeError(
+        "Restricted prior: pattern must be a structinfer.priors.RestrictionPattern (Mask, "
+        f"Causal, Window, Graph, BlockSparse) or None, got {type(pattern).__name__}"
+    )
+
+
 class Restricted(StructuralPrior):
     r"""Uniform prior restricted to a set of allowed edges (graph / sparse attention).
 
@@ -192,10 +374,15 @@ class Restricted(StructuralPrior):
     Args:
         mask: boolean array ``(..., children, parents)``; ``mask[i, j]`` is True
             when ``j`` is an allowed parent of ``i``.
-        pattern: optional structured description (set by the constructors below)
-            that the lowered engine uses to skip excluded blocks.
+        pattern: what the mask is known to be, a :class:`RestrictionPattern`
+            (:class:`Causal`, :class:`Window`, :class:`Graph`, :class:`BlockSparse`,
+            :class:`Mask`; set by the constructors below); the lowered engine uses it to
+            skip excluded blocks. Default ``Mask()``.
         offset: child ``i`` sits at parent position ``i + offset``; default the
-            pattern's offset (``causal`` / ``window``), else 0.
+            pattern's offset (``Causal`` / ``Window``), else 0.
+
+    Raises:
+        TypeError: if ``pattern`` is not a :class:`RestrictionPattern` (e.g. a dict).
 
     Use the constructors :meth:`causal`, :meth:`window`, :meth:`from_graph` and
     :meth:`block_sparse` for the common patterns.
@@ -203,7 +390,9 @@ class Restricted(StructuralPrior):
 
     kind = "restricted"
 
-    def __init__(self, mask, pattern: dict[str, Any] | None = None, offset: int | None = None):
+    def __init__(
+        self, mask, pattern: RestrictionPattern | None = None, offset: int | None = None
+    ):
         #: the mask as a NumPy array when known at trace time (lets the lowered
         #: engine verify ``pattern`` and skip empty blocks under ``jit``), else None
         self.concrete_mask = np.asarray(mask) if is_concrete(mask) else None
@@ -219,8 +408,9 @@ class Restricted(StructuralPrior):
             )
         self.mask = mask
         self.num_parents = int(mask.shape[-1])
-        self.pattern = dict(pattern) if pattern else {"type": "mask"}
-        own = self.pattern.get("offset")
+        #: the :class:`RestrictionPattern` the mask is known to follow
+        self.pattern = _as_pattern(pattern)
+        own = getattr(self.pattern, "offset", None)
         self.offset = _check_offset((own or 0) if offset is None else offset, "Restricted prior")
         if own is not None and own != self.offset:
             raise ValueError(
@@ -232,7 +422,7 @@ class Restricted(StructuralPrior):
         return jnp.where(self.mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_parents": self.num_parents, **self.pattern,
+        return {"kind": self.kind, "num_parents": self.num_parents, **self.pattern.describe(),
                 "offset": self.offset}
 
     @classmethod
@@ -244,17 +434,14 @@ class Restricted(StructuralPrior):
         offset: int = 0,
     ) -> Restricted:
         """Causal mask: child ``i`` may take parents at distance ``d = i + offset - j >= 0``
-        (``>= 1`` without the self-edge)."""
+        (``>= 1`` without the self-edge); the pattern is ``Causal(include_self, offset)``."""
         check_static_int(num_children, "num_children", "Restricted.causal")
         check_static_int(num_parents, "num_parents", "Restricted.causal")
         check_static_int(offset, "offset", "Restricted.causal")
         m = num_children if num_parents is None else num_parents
         d = np.arange(num_children)[:, None] + offset - np.arange(m)[None, :]
         lo = 0 if include_self else 1
-        return cls(
-            d >= lo,
-            pattern={"type": "causal", "include_self": include_self, "offset": offset},
-        )
+        return cls(d >= lo, pattern=Causal(include_self=include_self, offset=offset))
 
     @classmethod
     def window(
@@ -267,7 +454,8 @@ class Restricted(StructuralPrior):
         offset: int = 0,
     ) -> Restricted:
         """Sliding window of ``size`` parents: ``lo <= d < lo + size`` with ``lo = 0``
-        (or 1 without self-edge) when causal; ``|d| < size`` when not causal."""
+        (or 1 without self-edge) when causal; ``|d| < size`` when not causal. The pattern
+        is ``Window(size, causal, include_self, offset)``."""
         check_static_int(num_children, "num_children", "Restricted.window")
         check_static_int(size, "size", "Restricted.window")
         check_static_int(num_parents, "num_parents", "Restricted.window")
@@ -285,13 +473,7 @@ class Restricted(StructuralPrior):
                 mask &= d != 0
         return cls(
             mask,
-            pattern={
-                "type": "window",
-                "size": size,
-                "causal": causal,
-                "include_self": include_self,
-                "offset": offset,
-            },
+            pattern=Window(size=size, causal=causal, include_self=include_self, offset=offset),
         )
 
     @classmethod
@@ -301,22 +483,26 @@ class Restricted(StructuralPrior):
         Args:
             adjacency: ``(children, parents)`` array (bool or 0/1 weights).
             self_loops: also allow ``j = i`` (square graphs only).
+
+        The pattern is ``Graph()``.
         """
         adj = np.asarray(adjacency) != 0
         if self_loops:
             if adj.shape[-1] != adj.shape[-2]:
                 raise ValueError("Restricted.from_graph: self_loops needs a square adjacency")
             adj = adj | np.eye(adj.shape[-1], dtype=bool)
-        return cls(adj, pattern={"type": "graph"})
+        return cls(adj, pattern=Graph())
 
     @classmethod
     def block_sparse(cls, block_mask, block_size: int | tuple[int, int]) -> Restricted:
         """Block-sparse attention: ``block_mask[a, b]`` allows the whole block of children
-        ``a*bs:(a+1)*bs`` and parents ``b*bs:(b+1)*bs``."""
+        ``a*bs:(a+1)*bs`` and parents ``b*bs:(b+1)*bs``; the pattern is
+        ``BlockSparse((bs_children, bs_parents))``."""
+        pattern = BlockSparse(block_size=block_size)
+        bc, bp = pattern.block_size
         bm = np.asarray(block_mask, dtype=bool)
-        bc, bp = (block_size, block_size) if isinstance(block_size, int) else block_size
         mask = np.repeat(np.repeat(bm, bc, axis=-2), bp, axis=-1)
-        return cls(mask, pattern={"type": "block_sparse", "block_size": (bc, bp)})
+        return cls(mask, pattern=pattern)
 
 
 class Categorical(StructuralPrior):

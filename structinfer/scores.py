@@ -52,14 +52,23 @@ def _sq_dist(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.sum(diff * diff, axis=-1)
 
 
-def _safe_pow_dist(sq: jax.Array, p) -> jax.Array:
-    r"""``||.||^p = (||.||^2)^{p/2}`` with finite gradients (in the distance and in ``p``)
-    at zero distance.
+def safe_pow_dist(sq: jax.Array, p) -> jax.Array:
+    r"""A distance to the power ``p`` from its square, $\|x\|^p = (\|x\|^2)^{p/2}$, with
+    finite gradients (in the distance and in ``p``) at zero distance.
 
-    ``p`` may be traced. It is computed as :math:`s \cdot s^{p/2 - 1}`, which is exactly
-    ``sq`` at ``p = 2`` (``x ** 0 == 1``), so the concrete ``p == 2`` shortcut and the traced
-    path give the same number. The zero-distance entries are selected out twice (the
-    double-``where``), so neither :math:`s^{p/2-1}` nor :math:`\log s` is evaluated at zero.
+    Computed as $s \cdot s^{p/2 - 1}$ for $s = \|x\|^2 > 0$ and 0 at $s = 0$, which is
+    exactly ``sq`` at ``p = 2`` (``x ** 0 == 1``), so the concrete ``p == 2`` shortcut and the
+    traced path give the same number. The zero-distance entries are selected out twice (the
+    double-``where``), so neither $s^{p/2-1}$ nor $\log s$ is evaluated at zero. Used by
+    :class:`NegLogDist` / :class:`InvDist` and by the lowered kernels' IDW term
+    (McCarter, "Inverse distance weighting attention", eq. 3-4).
+
+    Args:
+        sq: squared distances $s \ge 0$, any shape.
+        p: the exponent (> 0); may be traced.
+
+    Returns:
+        $s^{p/2}$, shaped like ``sq``.
     """
     if is_concrete(p) and np.ndim(p) == 0 and float(p) == 2.0:
         return sq
@@ -241,8 +250,12 @@ class NegSqDist(_PairScore):
             "full": (d, d),
             "parent_full": (m, d, d),
         }
+        #: the precision's form once its shape is read: ``"identity"``, ``"scalar"``,
+        #: ``"diag"`` (``(d,)`` or ``(parents, d)``) or ``"full"`` (``(d, d)`` or
+        #: ``(parents, d, d)``)
+        self.precision_form: str
         if P is None:
-            self._prec_kind = "identity"
+            self.precision_form = "identity"
         else:
             fits = [k for k, shp in shapes.items() if tuple(P.shape) == shp]
             if precision_kind is not None:
@@ -269,7 +282,7 @@ class NegSqDist(_PairScore):
                     f"parents and feature size {d} (it fits {fits}); pass precision_kind"
                 )
             kind = fits[0]
-            self._prec_kind = {"parent_diag": "diag", "parent_full": "full"}.get(kind, kind)
+            self.precision_form = {"parent_diag": "diag", "parent_full": "full"}.get(kind, kind)
             if is_concrete(P):
                 Pa = np.asarray(P)
                 if kind in ("full", "parent_full"):
@@ -286,7 +299,7 @@ class NegSqDist(_PairScore):
         diff = _pairwise_diff(self.q, self.k)  # (..., n, m, d)
         d = self.q.shape[-1]
         P = self.precision
-        kind = self._prec_kind
+        kind = self.precision_form
         if kind == "identity":
             maha, logdet = jnp.sum(diff * diff, -1), 0.0
         elif kind == "scalar":
@@ -329,7 +342,7 @@ class NegLogDist(_PairScore):
         self.p, self.eps = p, eps
 
     def dense(self) -> jax.Array:
-        return -jnp.log(self.eps + _safe_pow_dist(_sq_dist(self.q, self.k), self.p))
+        return -jnp.log(self.eps + safe_pow_dist(_sq_dist(self.q, self.k), self.p))
 
 
 class InvDist(_PairScore):
@@ -343,7 +356,7 @@ class InvDist(_PairScore):
         self.p, self.eps = p, eps
 
     def dense(self) -> jax.Array:
-        return 1.0 / (self.eps + _safe_pow_dist(_sq_dist(self.q, self.k), self.p))
+        return 1.0 / (self.eps + safe_pow_dist(_sq_dist(self.q, self.k), self.p))
 
 
 class GaussianKernel(_PairScore):

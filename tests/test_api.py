@@ -12,7 +12,14 @@ def test_every_public_name_imports_and_is_documented():
 
 
 def test_submodule_public_names_have_docstrings():
-    for mod_name in ["structinfer.priors", "structinfer.scores", "structinfer.handlers"]:
+    for mod_name in [
+        "structinfer.priors",
+        "structinfer.scores",
+        "structinfer.handlers",
+        "structinfer.testing",
+        "structinfer.testing.registry",
+        "structinfer.testing.oracles",
+    ]:
         mod = importlib.import_module(mod_name)
         assert mod.__doc__
         for name in mod.__all__:

@@ -4,7 +4,8 @@ Exit status contract: 0 success, 2 usage error (bad arguments, missing path, unk
 reproduction, a --true-edges key that is not in the data), 1 runtime error (no model in
 the file, wrong keys/shapes, NaN, a failing script). Errors are one line on stderr
 unless --debug. (tests/test_cli_validation.py checks, in-process and without fitting,
-that every input of `compare` is validated before the first fit.)
+that every input of `compare` is validated before the first fit.) Reproductions
+registered by the tests run in-process, as `reproduce` runs every reproduction.
 """
 
 import importlib.metadata
@@ -18,7 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from structinfer import cli
+from structinfer import cli, reproductions
 from structinfer.demo import make_task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,21 +85,27 @@ def files(tmp_path_factory):
     bad = task.x.copy()
     bad[2, 1] = np.nan
     np.savez(d / "nan.npz", x=bad, w=task.weight)
-    ex = d / "examples"
-    ex.mkdir()
-    (ex / "reproduce_tiny_thing.py").write_text(textwrap.dedent('''
+    mods = d / "mods"  # reproductions registered by the tests (in-process)
+    mods.mkdir()
+    (mods / "si_test_tiny_thing.py").write_text(textwrap.dedent('''
         """A tiny reproduction used by the tests."""
         import argparse, json, os
-        p = argparse.ArgumentParser()
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--quick", action="store_true")
-        p.add_argument("--out", default=".")
-        p.add_argument("--extra", default="")
-        a = p.parse_args()
-        with open(os.path.join(a.out, "results.json"), "w") as f:
-            json.dump({"seed": a.seed, "quick": a.quick, "extra": a.extra, "cwd": os.getcwd()}, f)
+
+
+        def main(argv=None):
+            p = argparse.ArgumentParser()
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--quick", action="store_true")
+            p.add_argument("--out", default=".")
+            p.add_argument("--extra", default="")
+            a = p.parse_args(argv)
+            with open(os.path.join(a.out, "results.json"), "w") as f:
+                json.dump({"seed": a.seed, "quick": a.quick, "extra": a.extra}, f)
+            return 0
     '''))
-    (ex / "reproduce_broken.py").write_text('"""Always fails."""\nraise SystemExit(3)\n')
+    (mods / "si_test_broken.py").write_text('"""Always fails."""\n\ndef main(argv=None):\n    return 3\n')
+    (mods / "si_test_needs_sklearn.py").write_text(
+        '"""Needs scikit-learn."""\nimport sklearn\n\ndef main(argv=None):\n    return 0\n')
     bench = d / "bench"
     bench.mkdir()
     (bench / "attention.py").write_text(
@@ -168,16 +175,15 @@ ERROR_CASES = [
     (["demo", "--bogus"], {}, 2, "unrecognized arguments: --bogus"),
     (["frobnicate"], {}, 2, "invalid choice: 'frobnicate'"),
     (["reproduce", "nosuch"], {}, 2, "unknown reproduction 'nosuch'"),
-    (["reproduce", "broken"], {"examples": True}, 1,
-     "reproduction 'broken' (reproduce_broken.py) failed with exit status 3"),
+    (["reproduce", "svi-attention"], {}, 2,
+     "'svi-attention' is a worked example, not a paper reproduction: run python "
+     "examples/infer_svi_attention.py"),
     (["bench"], {"bench": "empty"}, 1, "attention.py not found"),
 ]
 
 
 def _case_env(files, spec):
     env = {}
-    if spec.get("examples"):
-        env["STRUCTINFER_EXAMPLES"] = str(files / "examples")
     if spec.get("bench"):
         env["STRUCTINFER_BENCHMARKS"] = str(files / spec["bench"])
     return env
@@ -213,23 +219,62 @@ def test_console_script_is_declared():
     assert [ep.value for ep in eps] == ["structinfer.cli:main"]
 
 
-def test_reproduce_registry_and_run(files):
-    env = {"STRUCTINFER_EXAMPLES": str(files / "examples")}
-    r = run(files, "reproduce", "--list", env=env)
-    assert r.returncode == 0
-    assert "tiny-thing" in r.stdout and "A tiny reproduction used by the tests." in r.stdout
-    out = files / "rep-out"
-    r = run(files, "reproduce", "tiny-thing", "--quick", "--seed", "3", "--out", out, "--",
-            "--extra", "hello", env=env)
+@pytest.fixture
+def registered(files, monkeypatch):
+    """The test modules of ``files/mods`` registered as reproductions (run in-process)."""
+    monkeypatch.syspath_prepend(str(files / "mods"))
+    for name in ("tiny-thing", "broken", "needs-sklearn"):
+        monkeypatch.setitem(reproductions.REPRODUCTIONS, name,
+                            "si_test_" + name.replace("-", "_"))
+    monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")
+    return files
+
+
+def _main(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, [ln for ln in out.err.splitlines() if ln.strip()]
+
+
+def test_reproduce_lists_the_shipped_reproductions(tmp_path):
+    r = subprocess.run(_cmd("reproduce", "--list"), capture_output=True, text=True,
+                       cwd=tmp_path, env=_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
-    got = pd.read_json(out / "results.json", typ="series")
+    for name in ("multihop", "expanding", "hopfield", "idw", "mixtures"):
+        assert f"structinfer.reproductions.{name}" in r.stdout
+    assert "Multi-hop attention on the toy task" in r.stdout
+
+
+def test_reproduce_registry_and_run(registered, capsys):
+    rc, out, _ = _main(capsys, "reproduce", "--list")
+    assert rc == 0
+    assert "tiny-thing" in out and "A tiny reproduction used by the tests." in out
+    out_dir = registered / "rep-out"
+    rc, _, err = _main(capsys, "reproduce", "tiny-thing", "--quick", "--seed", "3", "--out",
+                       out_dir, "--", "--extra", "hello")
+    assert rc == 0, err
+    got = pd.read_json(out_dir / "results.json", typ="series")
     assert got["seed"] == 3 and bool(got["quick"]) and got["extra"] == "hello"
-    # the registered entries point at scripts of the source checkout
-    avail = cli.reproductions()
-    for name, (_rep, path) in avail.items():
-        assert path.is_file(), name
-        if name in cli.REPRODUCTIONS:
-            assert path.name == cli.REPRODUCTIONS[name].script
+    rc, _, err = _main(capsys, "reproduce", "broken", "--quiet", "--out", registered / "b")
+    assert rc == 1 and err == ["structinfer reproduce: error: reproduction 'broken' "
+                               "(si_test_broken) failed with exit status 3"], err
+
+
+def test_reproduce_names_the_extra_of_a_missing_optional_dependency(registered, capsys,
+                                                                    monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn raises
+    rc, _, err = _main(capsys, "reproduce", "needs-sklearn", "--quiet", "--out",
+                       registered / "never")
+    assert rc == 1 and len(err) == 1, err
+    assert 'needs scikit-learn, an optional dependency that is not installed: pip install ' \
+        '"structinfer[examples]"' in err[0]
+    # a shipped reproduction importing optax at the top
+    monkeypatch.setitem(sys.modules, "optax", None)
+    monkeypatch.delitem(sys.modules, "structinfer.reproductions.multihop", raising=False)
+    rc, _, err = _main(capsys, "reproduce", "multihop", "--quick", "--quiet", "--out",
+                       registered / "never")
+    assert rc == 1 and len(err) == 1 and "needs optax" in err[0] and "[examples]" in err[0]
+    assert not (registered / "never").exists()
 
 
 def test_bench_runs_the_benchmark_script(files):

@@ -91,8 +91,7 @@ def work(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")
-    (tmp_path / "nothing").mkdir()  # no scripts: reproduce / bench never start one
-    monkeypatch.setenv("STRUCTINFER_EXAMPLES", str(tmp_path / "nothing"))
+    (tmp_path / "nothing").mkdir()  # no script: bench never starts one
     monkeypatch.setenv("STRUCTINFER_BENCHMARKS", str(tmp_path / "nothing"))
 
     def stub(*args, **kwargs):

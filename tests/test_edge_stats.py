@@ -209,5 +209,5 @@ def test_prior_offset_must_be_an_int(make):
 
 def test_restricted_offset_cannot_contradict_its_pattern():
     with pytest.raises(ValueError, match="offset"):
-        P.Restricted(np.ones((3, 3), bool), pattern={"type": "causal", "include_self": True,
-                                                       "offset": 1}, offset=0)
+        P.Restricted(np.ones((3, 3), bool), pattern=P.Causal(include_self=True, offset=1),
+                     offset=0)

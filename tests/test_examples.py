@@ -1,10 +1,15 @@
-"""Every example runs in --quick mode (a smoke run with real checks inside)."""
+"""Every example and every shipped reproduction runs in --quick mode (a smoke run with
+real checks inside); the reproductions run through `structinfer reproduce`, as users run
+them."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from structinfer.reproductions import REPRODUCTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 # examples owned by other test files (they run them themselves) are skipped here
@@ -19,13 +24,21 @@ EXAMPLES = sorted(
 )
 
 
+def _run(cmd, cwd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               STRUCTINFER_JAX_CACHE="0")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_quick(path, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(path), "--quick"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run([sys.executable, str(path), "--quick"], tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(REPRODUCTIONS))
+def test_reproduction_quick(name, tmp_path):
+    _run([sys.executable, "-m", "structinfer.cli", "reproduce", name, "--quick", "--quiet",
+          "--out", str(tmp_path / "out")], tmp_path)
+    assert not any((tmp_path / "out").iterdir())  # a smoke run writes no results

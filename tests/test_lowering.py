@@ -23,16 +23,11 @@ from hypothesis import strategies as st
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
-from structinfer.lowering import (
-    NotLowerableError,
-    attention,
-    blocked_attention,
-    dense_attention,
-    explain,
-    lower_edge,
-    make_schedule,
-    windowed_kernel,
-)
+from structinfer.lowering import NotLowerableError, attention, explain
+from structinfer.lowering._lower import lower_edge
+from structinfer.lowering.blocked import blocked_attention, make_schedule
+from structinfer.lowering.dense import dense_attention
+from structinfer.lowering.windowed import windowed_kernel
 
 N, M, D, DV = 23, 29, 5, 3
 BQ, BK = 4, 8  # small blocks: many blocks, padded tails
@@ -77,7 +72,7 @@ def _priors(n, m, dtype):
         "window_1": si.priors.Restricted.window(n, 1, m, offset=m - n),  # one parent per row
         "window_sym": si.priors.Restricted.window(n, 4, m, causal=False, include_self=False),
         "block_sparse": si.priors.Restricted(
-            np.repeat(np.repeat(bm, 6, 0), 6, 1)[:n, :m], pattern={"type": "block_sparse"}
+            np.repeat(np.repeat(bm, 6, 0), 6, 1)[:n, :m], pattern=si.priors.BlockSparse(6)
         ),
         "categorical": si.priors.Categorical(cat),
         "categorical_row": si.priors.Categorical(r.normal(size=m).astype(dtype)),
@@ -446,7 +441,7 @@ def test_pattern_that_lies_about_its_mask_uses_the_mask():
     xq, xk, v = _feats(13, np.float32)
     mask = np.random.default_rng(13).random((N, M)) < 0.5
     mask[:, 0] = True
-    liar = lambda n, m: si.priors.Restricted(mask, pattern={"type": "causal"})  # noqa: E731
+    liar = lambda n, m: si.priors.Restricted(mask, pattern=si.priors.Causal())  # noqa: E731
     model = _simple(liar, lambda a, b: si.scores.Dot(a, b))
     assert "does not match" in str(explain(model, "out", xq, xk, v, backend="blocked"))
     out = attention(model, "out", "blocked", block_q=4, block_k=8)(xq, xk, v)

@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, numpyro
     import structinfer as si
     from numpyro.ops.indexing import Vindex
-    from structinfer.lowering import lower_edge, blocked_attention
+    from structinfer.lowering._lower import lower_edge
+    from structinfer.lowering.blocked import blocked_attention
     from structinfer.lowering.sharded import head_sharded_attention, ring_attention
 
     assert len(jax.devices()) == 4, jax.devices()

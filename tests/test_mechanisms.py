@@ -1,10 +1,10 @@
 """Contract test of the mechanism catalogue: one registry, one test.
 
-Every row of ``structinfer.mechanisms.registry.REGISTRY`` is run through the exact
+Every row of ``structinfer.testing.registry.REGISTRY`` is run through the exact
 engine (``registry.evaluate``: marginals, expectations, energy and ``jax.grad`` of it)
-and compared with an independent implementation of the paper's closed form
-(``structinfer.mechanisms.references``: explicit softmaxes and the similarity
-derivatives of Tschantz appendix B / Singh & Buckley eq. 8):
+and compared with an independent implementation of the paper's closed form (the
+row's reference, written beside it with ``structinfer.testing.oracles``: explicit
+softmaxes and the similarity derivatives of Tschantz appendix B / Singh & Buckley eq. 8):
 
 * float64 under ``jax.jit(jax.vmap(...))`` over a batch of perturbed inputs at tight
   tolerance (the paper check), with the gradient of a scalar function of the quantities
@@ -12,11 +12,16 @@ derivatives of Tschantz appendix B / Singh & Buckley eq. 8):
   differences;
 * float32 inputs give float32 outputs of the right shapes.
 
-Sizes in the examples are distinct primes, so a swapped axis fails.
+Every public model of ``structinfer.mechanisms`` must have a row, and no reference may
+reach the engine. Sizes in the examples are distinct primes, so a swapped axis fails.
+The catalogue page generated from the rows is tested in ``tests/test_catalogue.py``.
 """
 
+import ast
+import dis
+import inspect
 import math
-import pathlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +30,23 @@ import pytest
 
 import structinfer as si
 from structinfer import mechanisms as mech
-from structinfer.mechanisms import registry
+from structinfer.testing import oracles, registry
 
 ROWS = registry.REGISTRY
 IDS = [m.name for m in ROWS]
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: public names of ``structinfer.mechanisms`` that are functions but not models (so they
+#: need no row of their own); every other public function is a model and needs a row
+HELPERS = {
+    "self_prior": "the structural prior of self attention, used by its models",
+    "sinusoidal_encoding": "positions for absolute_position_attention",
+    "mlp_features": "the network f_theta of classification_layer",
+    "tanh_network": "the non-linearity of nonlinear_mixture / predictive coding",
+    "expand_components": "the model-expansion step (the model_expansion row's custom quantity)",
+    "child_parent_gradients": "the split of lse_graphical_model's gradient (its row's custom quantity)",
+    "special_case_eta": "McCarter sec. 2.2 (the idw_special_case row's custom quantity)",
+    "augment_special_case": "McCarter sec. 2.2 (the idw_special_case row's custom quantity)",
+}
 
 
 def _is_float(v):
@@ -136,6 +153,7 @@ def test_float32_in_float32_out(row):
 
 def test_registry_rows_are_well_formed():
     assert len(set(IDS)) == len(IDS), "duplicate row names"
+    assert registry.names() == tuple(IDS)
     assert registry.get("hopfield").name == "hopfield"
     with pytest.raises(KeyError, match="no mechanism named 'nope'"):
         registry.get("nope")
@@ -144,15 +162,86 @@ def test_registry_rows_are_well_formed():
         obj = getattr(mech, name)
         assert obj.__doc__, f"structinfer.mechanisms.{name} has no docstring"
     for model in models:
-        cols = registry.model_columns(model)
-        assert all(cols[s].strip() for s in ("Graph", "Prior", "Potentials", "Value")), model
         assert "Reference:" in model.__doc__, f"{model.__name__}: no paper reference"
-        assert registry.model_excerpt(model).count("\n") < 10
     for m in ROWS:  # the keys a row compares all come from the engine and the reference
+        assert m.paper in registry.PAPER_KEYS, (m.name, m.paper)
         ex = m.example(np.random.default_rng(0), np.float32)
         assert ex.batch in ex.inputs, m.name
         ref = jax.eval_shape(lambda inp: m.reference(**inp, **ex.static), ex.inputs)  # noqa: B023
         assert set(m.keys) <= set(ref), m.name
+
+
+def test_every_public_mechanism_has_a_row():
+    """The recipe "one model file + one row" (docs/architecture.md) is enforced: a public
+    model of ``structinfer.mechanisms`` without a registry row fails here."""
+    models = {id(m.model) for m in ROWS}
+    missing = [
+        name
+        for name in mech.__all__
+        if inspect.isfunction(getattr(mech, name))
+        and id(getattr(mech, name)) not in models
+        and name not in HELPERS
+    ]
+    assert not missing, (
+        f"public mechanism(s) {missing} of structinfer.mechanisms have no row in "
+        "structinfer/testing/registry.py: add one (example factory, reference formula and "
+        "row; docs/architecture.md, 'Adding a mechanism'), or, if a name is a helper and "
+        "not a model, list it in HELPERS in tests/test_mechanisms.py"
+    )
+    stale = sorted(set(HELPERS) - set(mech.__all__))
+    assert not stale, f"HELPERS names that structinfer.mechanisms no longer exports: {stale}"
+    rows_of_helpers = sorted(n for n in HELPERS if id(getattr(mech, n)) in models)
+    assert not rows_of_helpers, f"models listed as HELPERS: {rows_of_helpers}"
+
+
+def _loaded_globals(fn) -> set[str]:
+    """The global names ``fn`` loads, in its own code and in any function nested in it."""
+    codes, names = [fn.__code__], set()
+    while codes:
+        code = codes.pop()
+        names |= {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+def _engine_uses(fn, seen=None) -> list[str]:
+    """Names from ``structinfer`` that ``fn`` reaches other than the oracles and the
+    registry's other references (``_ref_*``), following those transitively."""
+    seen = set() if seen is None else seen
+    if fn in seen:
+        return []
+    seen.add(fn)
+    found = []
+    for name in sorted(_loaded_globals(fn)):
+        if name not in fn.__globals__:
+            continue  # a builtin
+        obj = fn.__globals__[name]
+        where = (
+            obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+        )
+        where = where or type(obj).__module__
+        if not where.startswith("structinfer"):
+            continue
+        own_ref = where == registry.__name__ and getattr(obj, "__name__", "").startswith("_ref")
+        if where == oracles.__name__ or own_ref:
+            if inspect.isfunction(obj):
+                found += _engine_uses(obj, seen)
+        else:
+            found.append(f"{fn.__qualname__} uses {name} ({where})")
+    return found
+
+
+def test_references_never_reach_the_engine():
+    """A reference is an independent oracle: it may use jax, numpy and
+    ``structinfer.testing.oracles`` (which imports nothing from structinfer), never the
+    models, the engine or ``evaluate`` — else an engine bug could hide in its own check."""
+    for node in ast.walk(ast.parse(inspect.getsource(oracles))):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not node.module.startswith("structinfer"), ast.dump(node)
+        if isinstance(node, ast.Import):
+            assert not any(a.name.startswith("structinfer") for a in node.names), ast.dump(node)
+    uses = sorted({u for m in ROWS for u in _engine_uses(m.reference)})
+    assert not uses, f"references that reach structinfer outside the oracles: {uses}"
 
 
 def test_every_table1_row_and_paper_is_covered():
@@ -166,14 +255,6 @@ def _table_rows(section):
     import re
 
     return re.findall(r"Table 1 row (\d+)", section)
-
-
-def test_catalogue_page_is_up_to_date():
-    page = ROOT / "docs" / "catalogue.md"
-    assert page.exists(), "run `python docs/gen_catalogue.py`"
-    assert page.read_text() == registry.render_catalogue() + "\n", (
-        "docs/catalogue.md is stale: run `python docs/gen_catalogue.py`"
-    )
 
 
 # --------------------------------------------------------------- behaviour beyond rows

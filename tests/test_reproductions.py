@@ -1,33 +1,25 @@
-"""Finer checks of the reproduction scripts' data generators (the scripts themselves run
+"""Finer checks of the reproductions' data generators (the reproductions themselves run
 in --quick mode in test_examples.py). Cheap: no training, no engine compilation."""
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import jax
 import numpy as np
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"structinfer.reproductions.{name}")
 
 
 @pytest.fixture(scope="module")
 def multihop():
-    return _load("reproduce_multihop")
+    return _load("multihop")
 
 
 @pytest.fixture(scope="module")
 def expanding():
-    return _load("reproduce_expanding")
+    return _load("expanding")
 
 
 def test_multihop_sequences_put_the_chain_where_the_positions_say(multihop):
@@ -74,10 +66,10 @@ def test_expanding_sequences_place_x1_at_a_geometric_distance(expanding):
 
 
 def test_gaussian_slot_e_step_is_the_weighted_mean_and_a_stationary_point(x64):
-    """The slot-attention edit in reproduce_mixtures: with Gaussian potentials (W_Q = I,
+    """The slot-attention edit in the mixtures reproduction: with Gaussian potentials (W_Q = I,
     no node potential) the CCCP / majorise-minimise step is the attention-weighted mean of
     the keys, and its fixed point is a stationary point of F = ½λ‖μ‖² − log Z."""
-    mix = _load("reproduce_mixtures")
+    mix = _load("mixtures")
     jnp = jax.numpy
     x, _, slots0, _, _ = (np.asarray(a) for a in mix.make_scene(1))
     jx, js, eye = jnp.asarray(x), jnp.asarray(slots0), jnp.eye(5)

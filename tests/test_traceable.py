@@ -5,7 +5,7 @@ values, and special cases (the ``p == 2`` fast path of the distance scores) give
 number as the general, traced path. So a hyperparameter can be a ``jax.jit`` argument and
 can be differentiated:
 
-* for every row of :data:`structinfer.mechanisms.registry.REGISTRY` and every float
+* for every row of :data:`structinfer.testing.registry.REGISTRY` and every float
   hyperparameter of its model (found from the model's signature and the example's static
   values), ``jax.jit`` over it gives the eager quantities, and ``jax.grad`` of a scalar of
   the quantities with respect to it is finite and matches a central difference (float64);
@@ -30,7 +30,7 @@ from numpyro.handlers import substitute
 
 import structinfer as si
 from structinfer import mechanisms as mech
-from structinfer.mechanisms import registry
+from structinfer.testing import registry
 
 ROWS = registry.REGISTRY
 
@@ -469,7 +469,7 @@ def test_issue_example_jit_over_hopfield_beta():
 
 
 def test_traced_geometric_truncation_is_a_mask_and_attention_falls_back():
-    """A Geometric window inferred under jit (examples/reproduce_expanding.py) truncates
+    """A Geometric window inferred under jit (structinfer.reproductions.expanding) truncates
     the table; si.attention cannot band a traced window and takes the exact engine."""
     r = np.random.default_rng(0)
     q, k, v = r.normal(size=(N, D)), r.normal(size=(M, D)), r.normal(size=(M, 2))

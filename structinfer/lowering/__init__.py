@@ -1,26 +1,36 @@
 r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kernel.
 
 * :func:`attention` / :func:`explain` — recognise a model's structure and run it
-  through a kernel (or the exact engine when not recognised).
-* Kernels: :func:`blocked_attention` (online softmax over blocks, custom VJP),
-  :func:`dense_attention` (its naive twin), the windowed kernel for distance
-  bands (:func:`windowed_attention` and its parts, used by expanding attention's
-  mean-field loop), and multi-device wrappers in :mod:`.sharded`.
-* :func:`lower_edge` turns a ``(prior, score, value table)`` into the block terms
-  the kernels read (:class:`Terms`, :class:`Problem`).
+  through a kernel (or the exact engine when not recognised); :data:`BACKENDS`,
+  :class:`Explanation`, :class:`NotLowerableError`.
+* Extending it: :func:`register_prior_rule`, :func:`register_score_rule` and
+  :func:`register_pattern_rule` add the lowering of a prior / score / restriction-pattern
+  type (your own included); a rule adds the terms of
+  $\ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i = j)$ to a :class:`TermBuilder`, a pattern
+  rule returns a :class:`DistanceBand`, and a rule raises :class:`NotLowered` to decline.
+  See ``docs/performance.md``.
+* Windowed kernels on plain arrays, for expanding attention's mean-field loop:
+  :func:`windowed_scores`, :func:`geometric_band_log_prior`, :func:`windowed_posterior`,
+  :func:`windowed_values` and :func:`windowed_attention` (all four in one).
+
+The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``) and the
+multi-device wrappers (:mod:`.sharded`) read the lowered form of an edge site; they are
+reached through :func:`attention` (``backend=``, ``mesh=``).
 """
 
-from ._lower import Lowered, NotLowered, lower_edge
-from ._recognise import Fallback, Plan, recognise
-from ._spec import Problem, RelPos, Terms, block_logits
+from . import _rules  # noqa: F401  (registers the built-in rules)
+from ._lower import (
+    DistanceBand,
+    NotLowered,
+    TermBuilder,
+    register_pattern_rule,
+    register_prior_rule,
+    register_score_rule,
+)
 from .api import BACKENDS, Explanation, NotLowerableError, attention, explain
-from .blocked import Schedule, band_blocks, blocked_attention, make_schedule
-from .dense import dense_attention, dense_logits
 from .windowed import (
-    band_logits,
     geometric_band_log_prior,
     windowed_attention,
-    windowed_kernel,
     windowed_posterior,
     windowed_scores,
     windowed_values,
@@ -32,24 +42,12 @@ __all__ = [
     "Explanation",
     "NotLowerableError",
     "BACKENDS",
-    "Fallback",
-    "Plan",
-    "recognise",
-    "lower_edge",
-    "Lowered",
+    "register_prior_rule",
+    "register_score_rule",
+    "register_pattern_rule",
+    "TermBuilder",
+    "DistanceBand",
     "NotLowered",
-    "Terms",
-    "RelPos",
-    "Problem",
-    "block_logits",
-    "Schedule",
-    "make_schedule",
-    "band_blocks",
-    "blocked_attention",
-    "dense_attention",
-    "dense_logits",
-    "band_logits",
-    "windowed_kernel",
     "windowed_scores",
     "geometric_band_log_prior",
     "windowed_posterior",

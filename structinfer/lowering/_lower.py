@@ -1,51 +1,407 @@
-r"""Recognise a structural prior and a score and turn them into block terms.
+r"""Lower one edge site through rules registered per prior / score / pattern type.
 
-:func:`lower_edge` maps ``(prior, score, V)`` to a :class:`~._spec.Terms` /
-:class:`~._spec.Problem` pair, or raises :class:`NotLowered` naming the part it
-does not recognise. The rules (each a rewrite of the log-potential up to a
-per-child constant, which the softmax ignores):
+An edge site's logits are the unnormalised log-posterior
 
-* ``Dot(q, k, s)``, ``Bilinear`` — :math:`s\,q_i^\top k_j`;
-  ``Cosine`` — a dot product of normalised features.
-* ``NegSqDist(x, mu, Λ)`` with identity / scalar / diagonal / full shared
-  precision — :math:`x_i^\top \bar\Lambda \mu_j - \tfrac12 \mu_j^\top\Lambda\mu_j + \log w_j`
-  (:math:`\bar\Lambda = (\Lambda+\Lambda^\top)/2`); per-parent diagonal precision
-  — features :math:`[x_i, x_i^2]\cdot[\Lambda_j\mu_j, -\tfrac12\Lambda_j]` plus
-  :math:`\tfrac12\log|\Lambda_j|` when normalised. ``LinearGaussian`` is the same
-  with :math:`\mu_j = A z_j + b`.
-* ``NegLogDist`` (IDW) — :math:`-\log(\epsilon + \|q_i-k_j\|^p)` per block.
-* ``Custom`` — its table, sliced per block (nothing saved, but exact).
-* ``Sum`` — the sum of its lowered terms (dot-like terms share one matmul).
-* Priors: ``Uniform`` (nothing), ``Restricted`` causal / window (a distance band,
-  checked against the mask when the mask is known at trace time) or any other
-  mask (sliced per block; empty blocks skipped when known at trace time),
-  ``Categorical`` (per-edge or per-parent logits), ``RelativePosition`` (bias
-  looked up from the distance grid), ``Geometric`` (:math:`\log q_i + (d-d_0)\log(1-q_i)`
-  on the band :math:`d_0 \le d \le d_{\max}`).
+$$\ell_{ij} = \psi(x_i, x_j) + \log \tilde p(\phi_i = j),$$
+
+kept up to a per-child constant (the softmax over parents ignores it). A *rule* for a
+prior or score type turns one instance into terms of $\ell$ that the kernels compute
+blockwise, by calling the methods of a :class:`TermBuilder`: a dot product
+$q_i^\top k_j$, a per-parent bias, a per-edge table, an IDW term, a relative-position
+bias or a geometric log-prior read off the distance grid $d_{ij} = i + \text{offset} - j$,
+a distance band, a mask. Rules live in three tables keyed by type
+(:func:`register_prior_rule`, :func:`register_score_rule`,
+:func:`register_pattern_rule`); lookup walks the type's MRO, so a subclass uses its
+base's rule unless it registers its own (or overrides the methods that define its
+numbers, see :class:`RuleTable`). A type with no rule raises :class:`NotLowered` naming
+it, and :func:`structinfer.attention` takes the exact engine.
+
+```python
+import jax.numpy as jnp
+import structinfer as si
+from structinfer.lowering import register_prior_rule
+
+class Recency(si.priors.StructuralPrior):     # log p(phi_i = j) = -rate * |i - j| + const
+    ...
+
+@register_prior_rule(Recency)
+def _(prior, terms):
+    i = jnp.arange(terms.num_children)[:, None]
+    j = jnp.arange(terms.num_parents)[None, :]
+    terms.add_pair_logits(-prior.rate * jnp.abs(i - j))
+    terms.note("prior Recency (distance table)")
+```
+
+The built-in rules are in :mod:`structinfer.lowering._rules` (registered when
+:mod:`structinfer.lowering` is imported). :func:`lower_edge` runs the rules of an edge's
+``(prior, score)`` and packs what they added, with the value table, into a
+:class:`~._spec.Terms` / :class:`~._spec.Problem` pair for the kernels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import priors as P
-from .. import scores as S
+from ..priors import RestrictionPattern, StructuralPrior
+from ..scores import Score
 from ._spec import Problem, RelPos, Terms, band_mask_np
 
-__all__ = ["NotLowered", "lower_edge", "Lowered"]
+__all__ = [
+    "NotLowered",
+    "TermBuilder",
+    "DistanceBand",
+    "RuleTable",
+    "PRIOR_RULES",
+    "SCORE_RULES",
+    "PATTERN_RULES",
+    "register_prior_rule",
+    "register_score_rule",
+    "register_pattern_rule",
+    "Lowered",
+    "lower_edge",
+]
 
 
 class NotLowered(Exception):
-    """A part of the model that no kernel implements (``part`` says which)."""
+    """A part of the model that no kernel implements (``part`` says which, ``reason`` why).
+
+    Raised by :func:`lower_edge` when a prior / score type has no rule, and by a rule that
+    cannot lower a particular instance (e.g. a parameter that is traced but must be static);
+    :func:`structinfer.attention` then takes the exact engine and
+    :func:`structinfer.explain` reports ``"site '<edge>': <part>: <reason>"``.
+
+    Args:
+        part: what is not lowered, e.g. ``"prior MyPrior"`` or ``"score InvDist"``.
+        reason: why, in words.
+    """
 
     def __init__(self, part: str, reason: str):
         self.part = part
         self.reason = reason
         super().__init__(f"{part}: {reason}")
+
+
+@dataclass(frozen=True)
+class DistanceBand:
+    r"""Allowed distances $d_{\min} \le d_{ij} \le d_{\max}$ (optionally $d_{ij} \ne 0$),
+    $d_{ij} = i + \text{offset} - j$: what a pattern rule says a mask is.
+
+    Args:
+        dmin, dmax: the bounds (``None``: unbounded on that side).
+        exclude_zero: also forbid $d = 0$ (the self-edge).
+        offset: child ``i`` sits at parent position ``i + offset``.
+    """
+
+    dmin: int | None = None
+    dmax: int | None = None
+    exclude_zero: bool = False
+    offset: int = 0
+
+    def mask(self, num_children: int, num_parents: int) -> np.ndarray:
+        """The band as a NumPy boolean ``(children, parents)`` mask."""
+        t = Terms(int(num_children), int(num_parents), dmin=self.dmin, dmax=self.dmax,
+                  exclude_zero=self.exclude_zero, offset=self.offset)
+        ok = band_mask_np(t, t.num_children, t.num_parents)
+        return np.ones((t.num_children, t.num_parents), bool) if ok is None else ok
+
+
+class TermBuilder:
+    r"""The terms of one edge site's logits, collected from the rules of its prior and score.
+
+    Child $i < n$, parent $j < m$; each ``add_*`` method adds one term to
+    $\ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i = j)$ (up to a per-child constant) and each
+    ``restrict_*`` method forbids edges ($\ell_{ij} = -\infty$). Arrays may carry leading
+    batch dims that broadcast against the plates around the edge (heads, batch). Dot-like
+    terms share one matmul; nothing builds the ``(n, m)`` table unless a rule adds one.
+
+    Attributes:
+        num_children: $n$.
+        num_parents: $m$.
+    """
+
+    def __init__(self, num_children: int, num_parents: int):
+        self.num_children, self.num_parents = int(num_children), int(num_parents)
+        self._dot_q: list[jax.Array] = []
+        self._dot_k: list[jax.Array] = []
+        self._idw: list[tuple[jax.Array, jax.Array, jax.Array, jax.Array]] = []
+        self._col_bias: list[jax.Array] = []
+        self._pair: list[jax.Array] = []
+        self._kw: dict[str, Any] = {}
+        self._row: dict[str, jax.Array] = {}
+        self._glob: dict[str, jax.Array] = {}
+        self._const: dict[str, jax.Array] = {}
+        self._mask: np.ndarray | None = None
+        self._notes: list[str] = []
+
+    # --- dispatch ------------------------------------------------------------------
+
+    def add_prior(self, prior: StructuralPrior) -> None:
+        """Add ``prior``'s terms through its registered rule.
+
+        Raises:
+            NotLowered: if no rule is registered for its type (or the rule declines).
+        """
+        PRIOR_RULES.lookup(prior)(prior, self)
+
+    def add_score(self, score: Score) -> None:
+        """Add ``score``'s terms through its registered rule (used by ``Sum``).
+
+        Raises:
+            NotLowered: if no rule is registered for its type (or the rule declines).
+        """
+        SCORE_RULES.lookup(score)(score, self)
+
+    def note(self, text: str) -> None:
+        """Record what was recognised (shown by :func:`structinfer.explain`)."""
+        self._notes.append(str(text))
+
+    # --- additive terms --------------------------------------------------------------
+
+    def add_dot(self, q: jax.Array, k: jax.Array) -> None:
+        r"""$\ell_{ij} \mathrel{+}= q_i^\top k_j$; ``q``: ``(..., n, f)``, ``k``: ``(..., m, f)``."""
+        self._dot_q.append(q)
+        self._dot_k.append(k)
+
+    def add_inverse_distance(self, q: jax.Array, k: jax.Array, p, eps) -> None:
+        r"""$\ell_{ij} \mathrel{+}= -\log(\epsilon + \|q_i - k_j\|^p)$ (IDW), computed per block.
+
+        ``q``: ``(..., n, f)``, ``k``: ``(..., m, f)``; ``p``, ``eps`` may be traced.
+        """
+        self._idw.append((q, k, jnp.asarray(p), jnp.asarray(eps)))
+
+    def add_column_bias(self, bias: jax.Array) -> None:
+        r"""$\ell_{ij} \mathrel{+}= b_j$, one bias per parent; ``bias``: ``(..., m)``, finite."""
+        self._col_bias.append(bias)
+
+    def add_pair_logits(self, logits: jax.Array) -> None:
+        r"""$\ell_{ij} \mathrel{+}= L_{ij}$; ``logits``: ``(..., n, m)`` (or ``(..., 1, m)``),
+        finite (forbid edges with :meth:`restrict_pairs`), sliced per block."""
+        self._pair.append(logits)
+
+    def add_relative_position(self, bias: jax.Array, *, mode: str = "linear",
+                              max_distance: int | None = None, period: int | None = None,
+                              offset: int = 0) -> None:
+        r"""$\ell_{ij} \mathrel{+}= b(d_{ij})$ with $b$ looked up as
+        :meth:`structinfer.priors.RelativePosition.bias_index` does (``mode`` ``"linear"``
+        or ``"circulant"`` with ``period``; ``max_distance`` clips). ``bias``: ``(..., L)``."""
+        self._set_offset(offset)
+        self._glob["relpos"] = bias
+        self._kw["relpos"] = RelPos(mode, self.num_parents, max_distance, period,
+                                    int(bias.shape[-1]))
+
+    def add_geometric(self, q: jax.Array, min_distance: int, offset: int = 0) -> None:
+        r"""$\ell_{ij} \mathrel{+}= \log q_i + (d_{ij} - d_0)\log(1 - q_i)$ on $d_{ij} \ge d_0$
+        (``min_distance``; nearer parents are forbidden); ``q``: scalar or ``(..., n)`` in
+        $(0, 1)$."""
+        self.restrict_band(dmin=min_distance, offset=offset)
+        n = self.num_children
+        qc = q[..., None] if q.ndim else jnp.reshape(q, (1, 1))
+        geo = jnp.concatenate([jnp.log(qc), jnp.log1p(-qc)], -1)  # (..., n|1, 2)
+        self._row["geo"] = jnp.broadcast_to(geo, geo.shape[:-2] + (n, 2))
+        self._kw["geometric"] = True
+        self._kw["geo_d0"] = min_distance
+
+    # --- restrictions ----------------------------------------------------------------
+
+    def restrict_band(self, dmin: int | None = None, dmax: int | None = None, *,
+                      exclude_zero: bool = False, offset: int = 0) -> None:
+        r"""Allow only $d_{\min} \le d_{ij} \le d_{\max}$ (and $d_{ij} \ne 0$ with
+        ``exclude_zero``), $d_{ij} = i + \text{offset} - j$. Blocks outside the band are
+        skipped, not masked. Several bands intersect."""
+        kw = self._kw
+        self._set_offset(offset)
+        if dmin is not None:
+            kw["dmin"] = int(dmin) if kw.get("dmin") is None else max(kw["dmin"], int(dmin))
+        if dmax is not None:
+            kw["dmax"] = int(dmax) if kw.get("dmax") is None else min(kw["dmax"], int(dmax))
+        if exclude_zero:
+            kw["exclude_zero"] = True
+
+    def restrict_columns(self, ok: jax.Array) -> None:
+        """Allow only parents ``j`` with ``ok[..., j]`` (``(..., m)`` boolean, may be traced)."""
+        prev = self._const.get("col_ok")
+        self._const["col_ok"] = ok if prev is None else prev & ok
+        self._kw["col_ok"] = True
+
+    def restrict_pairs(self, ok: jax.Array, concrete: np.ndarray | None = None) -> None:
+        """Allow only edges with ``ok[..., i, j]`` (``(..., n | 1, m)`` boolean, may be traced).
+
+        ``concrete``: the same mask as a NumPy array when known at trace time; the blocked
+        kernel then skips blocks with no allowed edge. A one-row mask is a column mask.
+        """
+        if ok.shape[-2] == 1:
+            self.restrict_columns(ok[..., 0, :])
+        else:
+            prev = self._const.get("pair_ok")
+            self._const["pair_ok"] = ok if prev is None else prev & ok
+            self._kw["pair_ok"] = True
+        if concrete is not None:
+            c = np.asarray(concrete, bool)
+            if self._mask is not None:
+                c = self._mask & c
+            self._mask = c
+
+    def _set_offset(self, offset: int) -> None:
+        offset = int(offset)
+        if self._kw.get("offset", offset) != offset:
+            raise NotLowered("offset", f"two terms disagree on the offset ({self._kw['offset']} "
+                             f"and {offset})")
+        self._kw["offset"] = offset
+
+
+Rule = Callable[..., Any]
+
+
+class RuleTable:
+    """Rules keyed by type, found along the MRO of the object's type.
+
+    A subclass uses its nearest registered base's rule, unless it (or a class between it
+    and that base) overrides one of ``defining``: the methods that give the object its
+    numbers (``log_table`` for priors, ``dense`` for scores). A rule written for the base
+    would then lower different numbers, so lookup refuses with :class:`NotLowered`.
+
+    Args:
+        what: ``"prior"``, ``"score"`` or ``"pattern"`` (for messages).
+        base: the class every registered type must subclass.
+        defining: method names whose override breaks inheritance of a rule.
+    """
+
+    def __init__(self, what: str, base: type, defining: tuple[str, ...] = ()):
+        self.what, self.base, self.defining = what, base, tuple(defining)
+        self._rules: dict[type, Rule] = {}
+
+    def register(self, *types: type) -> Callable[[Rule], Rule]:
+        """Decorator registering a rule for ``types`` (replacing any earlier rule)."""
+        fn_name = f"register_{self.what}_rule"
+        if not types:
+            raise TypeError(f"{fn_name}: give at least one {self.what} type")
+        for t in types:
+            if not (isinstance(t, type) and issubclass(t, self.base)):
+                raise TypeError(f"{fn_name}: {t!r} is not a subclass of "
+                                f"{self.base.__module__}.{self.base.__qualname__}")
+
+        def deco(rule: Rule) -> Rule:
+            if not callable(rule):
+                raise TypeError(f"{fn_name}: the rule must be callable, got {rule!r}")
+            for t in types:
+                self._rules[t] = rule
+            return rule
+
+        return deco
+
+    def find(self, cls: type) -> tuple[type, Rule] | None:
+        """``(registered type, rule)`` for the nearest registered class in ``cls``'s MRO."""
+        for c in cls.__mro__:
+            rule = self._rules.get(c)
+            if rule is not None:
+                return c, rule
+        return None
+
+    def lookup(self, obj: Any) -> Rule:
+        """The rule for ``obj``'s type.
+
+        Raises:
+            NotLowered: naming the type when none is registered, or when the type
+                overrides a method that defines its numbers and only a base has a rule.
+        """
+        cls = type(obj)
+        part = f"{self.what} {cls.__name__}"
+        found = self.find(cls)
+        if found is None:
+            known = sorted({t.__name__ for t in self._rules})
+            raise NotLowered(part, f"no lowering rule is registered for {self.what} type "
+                             f"{cls.__module__}.{cls.__qualname__} (rules exist for "
+                             f"{', '.join(known)}); register one with "
+                             f"structinfer.lowering.register_{self.what}_rule")
+        owner, rule = found
+        for c in cls.__mro__[: cls.__mro__.index(owner)]:
+            over = [m for m in self.defining if m in vars(c)]
+            if over:
+                raise NotLowered(part, f"{c.__name__} overrides {over[0]}, so the rule of its "
+                                 f"base {owner.__name__} does not describe it; register a rule "
+                                 f"for {cls.__name__} with "
+                                 f"structinfer.lowering.register_{self.what}_rule")
+        return rule
+
+
+#: rules ``rule(prior, terms)`` per structural prior type
+PRIOR_RULES = RuleTable("prior", StructuralPrior, ("_log_weights", "log_table", "distribution"))
+#: rules ``rule(score, terms)`` per score type
+SCORE_RULES = RuleTable("score", Score, ("dense",))
+#: rules ``rule(pattern) -> DistanceBand | None`` per restriction-pattern type
+PATTERN_RULES = RuleTable("pattern", RestrictionPattern)
+
+
+def register_prior_rule(*prior_types: type) -> Callable[[Rule], Rule]:
+    r"""Register ``rule(prior, terms)`` as the lowering of these prior types (a decorator).
+
+    The rule adds the prior's $\log\tilde p(\phi_i = j)$ (up to a per-child constant) to
+    the :class:`TermBuilder` ``terms``, and may raise :class:`NotLowered` for an instance
+    it cannot lower. Subclasses use the rule too unless they register their own or
+    override ``log_table`` / ``_log_weights`` / ``distribution``. Registering again
+    replaces the rule. Check a new rule against the exact engine
+    (:func:`structinfer.expectation`).
+
+    Args:
+        *prior_types: subclasses of :class:`structinfer.priors.StructuralPrior`.
+
+    Returns:
+        A decorator that registers the rule and returns it unchanged.
+
+    Raises:
+        TypeError: if a type is not a ``StructuralPrior`` subclass, or the rule is not
+            callable.
+    """
+    return PRIOR_RULES.register(*prior_types)
+
+
+def register_score_rule(*score_types: type) -> Callable[[Rule], Rule]:
+    r"""Register ``rule(score, terms)`` as the lowering of these score types (a decorator).
+
+    The rule adds the score's $\psi(x_i, x_j)$ (up to a per-child constant) to the
+    :class:`TermBuilder` ``terms``, and may raise :class:`NotLowered` for an instance it
+    cannot lower. Subclasses use the rule too unless they register their own or override
+    ``dense``. Registering again replaces the rule.
+
+    Args:
+        *score_types: subclasses of :class:`structinfer.scores.Score`.
+
+    Returns:
+        A decorator that registers the rule and returns it unchanged.
+
+    Raises:
+        TypeError: if a type is not a ``Score`` subclass, or the rule is not callable.
+    """
+    return SCORE_RULES.register(*score_types)
+
+
+def register_pattern_rule(*pattern_types: type) -> Callable[[Rule], Rule]:
+    r"""Register ``rule(pattern) -> DistanceBand | None`` for these restriction patterns.
+
+    A :class:`structinfer.priors.Restricted` prior is lowered from its mask; its pattern's
+    rule may return the :class:`DistanceBand` the mask is, so the kernels skip the blocks
+    outside it. The claim is checked against the mask whenever the mask is known at trace
+    time (the mask is used when they differ, or when it is traced), so a rule cannot make
+    the result wrong. ``None``: use the mask (the rule of the base
+    :class:`~structinfer.priors.RestrictionPattern`, inherited by patterns without one).
+
+    Args:
+        *pattern_types: subclasses of :class:`structinfer.priors.RestrictionPattern`.
+
+    Returns:
+        A decorator that registers the rule and returns it unchanged.
+
+    Raises:
+        TypeError: if a type is not a ``RestrictionPattern`` subclass, or the rule is not
+            callable.
+    """
+    return PATTERN_RULES.register(*pattern_types)
 
 
 class Lowered:
@@ -62,252 +418,6 @@ class Lowered:
         return f"Lowered({', '.join(self.terms.notes)}; batch={self.batch_shape})"
 
 
-class _Acc:
-    """Accumulates terms while walking a score / prior."""
-
-    def __init__(self, n: int, m: int):
-        self.n, self.m = n, m
-        self.dot_q: list[jax.Array] = []
-        self.dot_k: list[jax.Array] = []
-        self.idw: list[tuple[jax.Array, jax.Array, jax.Array, jax.Array]] = []
-        self.col_bias: list[jax.Array] = []
-        self.pair: list[jax.Array] = []
-        self.kw: dict[str, Any] = {}
-        self.row: dict[str, jax.Array] = {}
-        self.glob: dict[str, jax.Array] = {}
-        self.const: dict[str, jax.Array] = {}
-        self.mask: np.ndarray | None = None
-        self.notes: list[str] = []
-
-
-def _is_tracer_free(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-def _scale(x, scale):
-    return x if scale is None else x * scale
-
-
-def _add_negsqdist(acc: _Acc, x, mu, prec, kind: str, log_w, normalize: bool, what: str):
-    d = x.shape[-1]
-    if kind == "identity":
-        acc.dot_q.append(x)
-        acc.dot_k.append(mu)
-        bias = -0.5 * jnp.sum(mu * mu, -1)
-    elif kind == "scalar":
-        acc.dot_q.append(x)
-        acc.dot_k.append(prec * mu)
-        bias = -0.5 * prec * jnp.sum(mu * mu, -1)
-    elif kind == "diag" and prec.ndim == 1:
-        acc.dot_q.append(x)
-        acc.dot_k.append(prec * mu)
-        bias = -0.5 * jnp.sum(prec * mu * mu, -1)
-    elif kind == "diag":  # (parents, d)
-        acc.dot_q.append(jnp.concatenate([x, x * x], -1))
-        acc.dot_k.append(
-            jnp.concatenate(
-                [jnp.broadcast_to(prec * mu, jnp.broadcast_shapes(prec.shape, mu.shape)),
-                 jnp.broadcast_to(-0.5 * prec, jnp.broadcast_shapes(prec.shape, mu.shape))],
-                -1,
-            )
-        )
-        bias = -0.5 * jnp.sum(prec * mu * mu, -1)
-        if normalize:
-            bias = bias + 0.5 * jnp.sum(jnp.log(prec), -1)
-    elif kind == "full" and prec.ndim == 2:
-        sym = 0.5 * (prec + prec.T)
-        acc.dot_q.append(x)
-        acc.dot_k.append(jnp.einsum("...jd,de->...je", mu, sym))
-        bias = -0.5 * jnp.einsum("...jd,de,...je->...j", mu, prec, mu)
-    else:
-        raise NotLowered(
-            f"score {what}",
-            "per-parent full precision matrices (parents, d, d) are not lowered "
-            "(the quadratic term x_i^T Λ_j x_i does not factor into a matmul)",
-        )
-    if log_w is not None:
-        bias = bias + log_w
-    acc.col_bias.append(bias)
-    del d
-
-
-def _walk_score(acc: _Acc, score: S.Score | None) -> None:
-    if score is None:
-        return
-    what = type(score).__name__
-    if isinstance(score, S.Sum):
-        for s in score.scores:
-            _walk_score(acc, s)
-        acc.notes.append(f"score Sum of {len(score.scores)} terms")
-        return
-    if isinstance(score, S.Dot):  # includes Bilinear
-        acc.dot_q.append(_scale(score.q, score.scale))
-        acc.dot_k.append(score.k)
-        acc.notes.append(f"score {what} (matmul)")
-        return
-    if isinstance(score, S.Cosine):
-        qn = score.q / jnp.sqrt(jnp.sum(score.q**2, -1, keepdims=True) + score.eps)
-        kn = score.k / jnp.sqrt(jnp.sum(score.k**2, -1, keepdims=True) + score.eps)
-        acc.dot_q.append(score.scale * qn)
-        acc.dot_k.append(kn)
-        acc.notes.append("score Cosine (matmul of normalised features)")
-        return
-    if isinstance(score, S.NegSqDist):
-        _add_negsqdist(
-            acc, score.q, score.k, score.precision, score._prec_kind, score.log_weights,
-            score.normalize, what,
-        )
-        acc.notes.append(f"score NegSqDist ({score._prec_kind} precision, matmul + bias)")
-        return
-    if isinstance(score, S.LinearGaussian):
-        prec = score.precision
-        d = score.x.shape[-1]
-        if prec is None:
-            kind = "identity"
-        elif prec.ndim == 0:
-            kind = "scalar"
-        elif prec.shape == (d,):
-            kind = "diag"
-        else:
-            raise NotLowered("score LinearGaussian", f"precision of shape {prec.shape}")
-        _add_negsqdist(acc, score.x, score.predictions(), prec, kind, None, False, what)
-        acc.notes.append("score LinearGaussian (matmul against predictions A z + b)")
-        return
-    if isinstance(score, S.NegLogDist):
-        acc.idw.append((score.q, score.k, jnp.asarray(score.p), jnp.asarray(score.eps)))
-        acc.notes.append("score NegLogDist (IDW, per block)")
-        return
-    if isinstance(score, S.Custom):
-        acc.pair.append(score.dense())
-        acc.notes.append("score Custom (table sliced per block)")
-        return
-    raise NotLowered(
-        f"score {what}",
-        f"score kind '{score.kind}' has no lowering (lowered: Dot, Bilinear, Cosine, "
-        "NegSqDist, LinearGaussian, NegLogDist, Custom, Sum)",
-    )
-
-
-def _band(acc: _Acc, dmin=None, dmax=None, exclude_zero=False, offset=0):
-    kw = acc.kw
-    kw["offset"] = int(offset)
-    if dmin is not None:
-        kw["dmin"] = int(dmin) if kw.get("dmin") is None else max(kw["dmin"], int(dmin))
-    if dmax is not None:
-        kw["dmax"] = int(dmax) if kw.get("dmax") is None else min(kw["dmax"], int(dmax))
-    if exclude_zero:
-        kw["exclude_zero"] = True
-
-
-def _restricted_band(prior: P.Restricted) -> dict | None:
-    pat = prior.pattern
-    t = pat.get("type")
-    if t == "causal":
-        lo = 0 if pat.get("include_self", True) else 1
-        return {"dmin": lo, "offset": pat.get("offset", 0)}
-    if t == "window":
-        size, off = int(pat["size"]), pat.get("offset", 0)
-        inc = pat.get("include_self", True)
-        if pat.get("causal", True):
-            lo = 0 if inc else 1
-            return {"dmin": lo, "dmax": lo + size - 1, "offset": off}
-        return {"dmin": -(size - 1), "dmax": size - 1, "exclude_zero": not inc, "offset": off}
-    return None
-
-
-def _mask_const(acc: _Acc, mask: jax.Array, concrete) -> None:
-    if mask.shape[-2] == 1:
-        acc.const["col_ok"] = mask[..., 0, :]
-        acc.kw["col_ok"] = True
-    else:
-        acc.const["pair_ok"] = mask
-        acc.kw["pair_ok"] = True
-    acc.mask = None if concrete is None else np.asarray(concrete, bool)
-
-
-def _walk_prior(acc: _Acc, prior: P.StructuralPrior) -> None:
-    n, m = acc.n, acc.m
-    if isinstance(prior, P.Uniform):
-        acc.notes.append("prior Uniform")
-        return
-    if isinstance(prior, P.Restricted):
-        band = _restricted_band(prior)
-        t = prior.pattern.get("type")
-        if band is not None:
-            conc = getattr(prior, "concrete_mask", None)
-            if conc is not None:
-                probe = Terms(n, m, **band)
-                want = band_mask_np(probe, n, m)
-                if np.array_equal(np.broadcast_to(conc, np.broadcast_shapes(conc.shape, want.shape)),
-                                  np.broadcast_to(want, np.broadcast_shapes(conc.shape, want.shape))):
-                    _band(acc, **band)
-                    acc.notes.append(f"prior Restricted.{t} (distance band {band}; blocks skipped)")
-                    return
-                acc.notes.append(f"prior Restricted: pattern '{t}' does not match its mask; "
-                                 "using the mask")
-            else:
-                acc.notes.append(f"prior Restricted.{t}: mask not known at trace time; "
-                                 "using the mask without block skipping")
-        _mask_const(acc, prior.mask, getattr(prior, "concrete_mask", None))
-        if acc.mask is not None:
-            acc.notes.append(f"prior Restricted ({t} mask; empty blocks skipped)")
-        elif band is None:
-            acc.notes.append(f"prior Restricted ({t} mask, traced: no block skipping)")
-        return
-    if isinstance(prior, P.Categorical):
-        lg = prior.logits
-        if lg.ndim == 1 or lg.shape[-2] == 1:
-            row = lg if lg.ndim == 1 else lg[..., 0, :]
-            ok = jnp.isfinite(row)
-            acc.col_bias.append(jnp.where(ok, row, 0.0))
-            acc.const["col_ok"] = ok
-            acc.kw["col_ok"] = True
-            acc.notes.append("prior Categorical (one row shared by every child: per-parent bias)")
-        else:
-            ok = jnp.isfinite(lg)
-            acc.pair.append(jnp.where(ok, lg, 0.0))
-            acc.const["pair_ok"] = ok
-            acc.kw["pair_ok"] = True
-            acc.notes.append("prior Categorical (logits sliced per block)")
-        return
-    if isinstance(prior, P.RelativePosition):
-        check = getattr(prior, "check_bias_length", None)
-        if check is not None:  # the exact engine's check: a bias too short is an error there
-            try:
-                check(n)
-            except ValueError as err:
-                raise NotLowered("prior", str(err)) from None
-        acc.glob["relpos"] = prior.bias
-        acc.kw["relpos"] = RelPos(
-            prior.mode, prior.num_parents, prior.max_distance, prior.period,
-            int(prior.bias.shape[-1]),
-        )
-        _band(acc, dmin=0 if prior.causal else None, offset=prior.offset)
-        acc.notes.append(f"prior RelativePosition ({prior.mode}; bias from the distance grid)")
-        return
-    if isinstance(prior, P.Geometric):
-        q = prior.q
-        qc = q[..., None] if q.ndim else jnp.reshape(q, (1, 1))
-        geo = jnp.concatenate([jnp.log(qc), jnp.log1p(-qc)], -1)  # (..., n|1, 2)
-        acc.row["geo"] = jnp.broadcast_to(geo, geo.shape[:-2] + (n, 2))
-        acc.kw["geometric"] = True
-        acc.kw["geo_d0"] = prior.min_distance
-        if prior.max_distance is not None and not isinstance(prior.max_distance, int):
-            raise NotLowered("prior", "Geometric max_distance is traced (the kernels need "
-                             "a static band); pass a Python int to lower it")
-        _band(acc, dmin=prior.min_distance, dmax=prior.max_distance, offset=prior.offset)
-        acc.notes.append(
-            "prior Geometric (log-prior from the distance grid"
-            + (f", truncated at distance {prior.max_distance})" if prior.max_distance is not None
-               else ")")
-        )
-        return
-    raise NotLowered(
-        f"prior {type(prior).__name__}",
-        f"prior kind '{getattr(prior, 'kind', '?')}' has no lowering",
-    )
-
-
 def _batch(x: jax.Array, core: int) -> tuple[int, ...]:
     return tuple(x.shape[: x.ndim - core])
 
@@ -321,8 +431,8 @@ def _bcast_cat(xs: list[jax.Array]) -> jax.Array:
 
 
 def lower_edge(
-    prior: P.StructuralPrior,
-    score: S.Score | None,
+    prior: StructuralPrior,
+    score: Score | None,
     value_table: jax.Array,
     num_children: int,
     plate_batch: tuple[int, ...] = (),
@@ -341,39 +451,40 @@ def lower_edge(
         NotLowered: naming the part (``"prior ..."``/``"score ..."``) with no lowering.
     """
     n, m = int(num_children), int(prior.num_parents)
-    acc = _Acc(n, m)
-    _walk_prior(acc, prior)
-    _walk_score(acc, score)
+    acc = TermBuilder(n, m)
+    acc.add_prior(prior)
+    if score is not None:
+        acc.add_score(score)
     arrays = []
-    row, col, pair = dict(acc.row), {}, {}
-    kw = dict(acc.kw)
-    if acc.dot_q:
-        row["q"] = _bcast_cat(acc.dot_q)
-        col["k"] = _bcast_cat(acc.dot_k)
+    row, col, pair, glob = dict(acc._row), {}, {}, dict(acc._glob)
+    kw = dict(acc._kw)
+    if acc._dot_q:
+        row["q"] = _bcast_cat(acc._dot_q)
+        col["k"] = _bcast_cat(acc._dot_k)
         kw["dot"] = True
-    for r, (x, y, p, eps) in enumerate(acc.idw):
+    for r, (x, y, p, eps) in enumerate(acc._idw):
         row[f"idw{r}"], col[f"idw{r}"] = x, y
-        acc.glob[f"idw{r}_p"], acc.glob[f"idw{r}_eps"] = p, eps
-    kw["idw"] = len(acc.idw)
-    if acc.col_bias:
-        b = acc.col_bias[0]
-        for x in acc.col_bias[1:]:
+        glob[f"idw{r}_p"], glob[f"idw{r}_eps"] = p, eps
+    kw["idw"] = len(acc._idw)
+    if acc._col_bias:
+        b = acc._col_bias[0]
+        for x in acc._col_bias[1:]:
             b = b + x
         col["bias"] = b[..., None]
         kw["col_bias"] = True
-    if acc.pair:
-        t = acc.pair[0]
-        for x in acc.pair[1:]:
+    if acc._pair:
+        t = acc._pair[0]
+        for x in acc._pair[1:]:
             t = t + x
         pair["logits"] = t
         kw["pair_logits"] = True
     v = jnp.asarray(value_table)
     # common floating dtype
-    floats = [x for d in (row, col, pair, acc.glob) for x in d.values()] + [v]
+    floats = [x for d in (row, col, pair, glob) for x in d.values()] + [v]
     dtype = jnp.result_type(*[x.dtype for x in floats if jnp.issubdtype(x.dtype, jnp.floating)]
                             or [jnp.result_type(float)])
     cast = lambda d: {k: x.astype(dtype) for k, x in d.items()}  # noqa: E731
-    row, col, pair, glob = cast(row), cast(col), cast(pair), cast(acc.glob)
+    row, col, pair, glob = cast(row), cast(col), cast(pair), cast(glob)
     v = v.astype(dtype)
     # shape checks and the batch shape
     for k, x in row.items():
@@ -389,7 +500,7 @@ def lower_edge(
             raise NotLowered(f"pair array '{k}'", f"shape {x.shape}, expected (..., {n}, {m})")
         pair[k] = jnp.broadcast_to(x, x.shape[:-2] + (n, m))
         arrays.append(_batch(x, 2))
-    const = dict(acc.const)
+    const = dict(acc._const)
     for k, x in const.items():
         if k == "pair_ok":
             const[k] = jnp.broadcast_to(x, x.shape[:-2] + (n, m))
@@ -410,5 +521,5 @@ def lower_edge(
             f"some array has more batch dims ({batch}) than the plates around the edge "
             f"({tuple(plate_batch)}): it depends on another edge or on an extra dim",
         )
-    terms = Terms(n, m, notes=tuple(acc.notes), **kw)
-    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, acc.mask)
+    terms = Terms(n, m, notes=tuple(acc._notes), **kw)
+    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, acc._mask)

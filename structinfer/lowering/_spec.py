@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..priors import RelativePosition
-from ..scores import _safe_pow_dist
+from ..scores import safe_pow_dist
 
 __all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np"]
 
@@ -180,7 +180,7 @@ def block_logits(
         x, y = row[f"idw{r}"], col[f"idw{r}"]
         p, eps = glob[f"idw{r}_p"], glob[f"idw{r}_eps"]
         diff = x[..., :, None, :] - y[..., None, :, :]
-        add(-jnp.log(eps + _safe_pow_dist(jnp.sum(diff * diff, -1), p)))
+        add(-jnp.log(eps + safe_pow_dist(jnp.sum(diff * diff, -1), p)))
     if t.col_bias:
         add(col["bias"][..., 0][..., None, :])
     if t.pair_logits:

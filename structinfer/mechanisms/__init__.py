@@ -8,16 +8,17 @@ output, energy and gradients come out of the exact engine (``si.marginals``,
 states, slots, predictive-coding layers) must be given values with
 ``numpyro.handlers.substitute``.
 
-:mod:`structinfer.mechanisms.registry` lists them, with example arguments and an
-independent implementation of each paper's closed form
-(:mod:`structinfer.mechanisms.references`), for the contract test and the docs.
+This package holds only models. The test harness that checks each of them against an
+independent implementation of its paper's closed form (one row per mechanism, with
+example arguments) is `structinfer.testing`; the catalogue page is generated from it
+by `docs/gen_catalogue.py`. Adding a mechanism is one model file here, its export
+below, and one row in `structinfer/testing/registry.py` (`docs/architecture.md`).
 
 Papers: Singh & Buckley, "Attention as implicit structural inference"; Tschantz,
 "Attention via log-sum-exp energy" (v1, v2, slides); McCarter, "Inverse distance
 weighting attention".
 """
 
-from . import references, registry
 from .block_slot import block_slot_attention, block_slot_energy
 from .classification import classification_layer, mlp_features
 from .cross import cross_attention
@@ -41,7 +42,6 @@ from .positional import (
     sinusoidal_encoding,
 )
 from .predictive_coding import nonlinear_mixture, predictive_coding_network, tanh_network
-from .registry import REGISTRY, Mechanism, evaluate, get, render_catalogue
 from .self_attention import self_attention, self_prior
 from .slot import slot_attention
 
@@ -89,12 +89,4 @@ __all__ = [
     "special_case_eta",
     "augment_special_case",
     "DISTANCE_SCORES",
-    # registry
-    "registry",
-    "references",
-    "REGISTRY",
-    "Mechanism",
-    "evaluate",
-    "get",
-    "render_catalogue",
 ]

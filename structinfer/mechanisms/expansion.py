@@ -53,7 +53,7 @@ def expandable_mixture(
     with numpyro.plate("data", x.shape[-2]):
         edge(
             "component",
-            priors.Restricted(active[None, :], pattern={"type": "active_components"}),
+            priors.Restricted(active[None, :], pattern=priors.Mask("active_components")),
             scores.NegSqDist(x, components, precision=precision),
         )
 

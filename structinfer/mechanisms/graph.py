@@ -63,7 +63,7 @@ def graph_attention(
     with numpyro.plate("nodes", n):
         if self_loops:
             adj = adj | jnp.eye(n, dtype=bool)
-        prior = priors.Restricted(adj, pattern={"type": "graph"})
+        prior = priors.Restricted(adj, pattern=priors.Graph())
         phi = edge("phi", prior, scores.Bilinear(x, x, wq, wk))
         numpyro.deterministic("out", values[phi])
 
@@ -122,9 +122,7 @@ def sparse_attention(
                 f"sparse_attention: block_mask {tuple(blocks.shape)} x block_size {block_size} "
                 f"gives a {tuple(mask.shape)} pattern, expected ({n}, {n})"
             )
-        prior = priors.Restricted(
-            mask, pattern={"type": "block_sparse", "block_size": (block_size, block_size)}
-        )
+        prior = priors.Restricted(mask, pattern=priors.BlockSparse((block_size, block_size)))
     check_matrix(wq, "wq", "sparse_attention", x.shape[-1])
     check_matrix(wk, "wk", "sparse_attention", x.shape[-1])
     values = project(

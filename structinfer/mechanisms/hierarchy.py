@@ -133,7 +133,7 @@ def spatiotemporal_hierarchy(
             ):
                 edge(
                     f"inter{lv}",
-                    priors.Restricted(field, pattern={"type": "receptive_field"}),
+                    priors.Restricted(field, pattern=priors.Mask("receptive_field")),
                     scores.Dot(uq, lk),
                 )
     for lv in range(1, L + 1):  # intra-layer and temporal energies
@@ -146,7 +146,7 @@ def spatiotemporal_hierarchy(
         ):
             edge(
                 f"intra{lv}",
-                priors.Restricted(~np.eye(k, dtype=bool), pattern={"type": "no_self"}),
+                priors.Restricted(~np.eye(k, dtype=bool), pattern=priors.Mask("no_self")),
                 scores.Dot(h @ wq_.T, h @ wk_.T),
             )
         wq_, wk_ = _pair(w_temporal[lv - 1], "w_temporal", lv - 1, (dims[lv - 1], dims[lv - 1]))

@@ -25,7 +25,7 @@ def self_prior(n: int, include_self: bool = True, causal: bool = False) -> prior
         return priors.Uniform(n)
     if n < 2:
         raise ValueError("self_attention: without the self-edge it needs at least 2 nodes")
-    return priors.Restricted(~np.eye(n, dtype=bool), pattern={"type": "no_self"})
+    return priors.Restricted(~np.eye(n, dtype=bool), pattern=priors.Mask("no_self"))
 
 
 def self_attention(

@@ -24,7 +24,7 @@ Training (appendix 9): batch size 1, 10000 Adam steps at learning rate 5e-4 (ful
 mode); losses are per-step squared errors, plotted as a running mean, and each model
 is evaluated on 1000 held-out sequences. ``W_r`` is ``rand(d, 2) @ rand(2, d)``
 rescaled to spectral norm ``--wr-norm`` and ``W_y = rand(d)`` to unit norm (the paper
-states no scales; the same choice as ``reproduce_multihop.py``).
+states no scales; the same choice as ``structinfer.reproductions.multihop``).
 
 Operation counts (sec. 5.2: ``O(n² d)`` for attention vs ``O(n(m d + k))`` for
 expanding, ``m`` the window at convergence, ``k`` the number of steps): per query,
@@ -35,8 +35,8 @@ caching, ``Σ_t H_t · d``. The windows ``H_t`` of every iteration are recovered
 replaying the plug-in recurrence for the number of steps the library loop took; the
 replay is checked to end at the library's attention and window.
 
-    python examples/reproduce_expanding.py            # 8 settings × 2 models × 10000 steps
-    python examples/reproduce_expanding.py --quick    # CI smoke run (one setting)
+    structinfer reproduce expanding            # 8 settings × 2 models × 10000 steps
+    structinfer reproduce expanding --quick    # CI smoke run (one setting)
 """
 
 from __future__ import annotations

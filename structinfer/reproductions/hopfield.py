@@ -23,8 +23,8 @@ The papers in ``../shared/papers`` state no retrieval numbers (Singh & Buckley d
 update; Ramsauer et al. are not in that folder), so this script reports the capacity
 curves only; ``docs/reproductions.md`` says so.
 
-    python examples/reproduce_hopfield.py            # full grid
-    python examples/reproduce_hopfield.py --quick    # CI smoke run
+    structinfer reproduce hopfield            # full grid
+    structinfer reproduce hopfield --quick    # CI smoke run
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ M-step closed form.
 The papers report no numbers for these (they derive the energies), so the checks are
 against the simulated truth and scikit-learn.
 
-    python examples/reproduce_mixtures.py            # full (5 seeds; 10 slot scenes)
-    python examples/reproduce_mixtures.py --quick    # CI smoke run (1 seed)
+    structinfer reproduce mixtures            # full (5 seeds; 10 slot scenes)
+    structinfer reproduce mixtures --quick    # CI smoke run (1 seed)
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ uniform entries, rank ``r = 2``) rescaled to spectral norm ``--wr-norm`` so that
 chain neither vanishes nor explodes; ``W_y`` is ``rand(d)`` rescaled to unit norm.
 The paper states neither scale.
 
-    python examples/reproduce_multihop.py            # full run (10 seeds), a few minutes
-    python examples/reproduce_multihop.py --quick    # CI smoke run
+    structinfer reproduce multihop            # full run (10 seeds), a few minutes
+    structinfer reproduce multihop --quick    # CI smoke run
 """
 
 from __future__ import annotations

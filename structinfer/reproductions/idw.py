@@ -30,8 +30,8 @@ eq. 7 (times 1.001, since eq. 7's η makes class c tie), and report accuracy bef
 after. The prediction at the special input is checked to become c (and not to with
 0.999 η).
 
-    python examples/reproduce_idw.py            # full (two moons × 3 sizes, digits), ~minutes
-    python examples/reproduce_idw.py --quick    # CI smoke run
+    structinfer reproduce idw            # full (two moons × 3 sizes, digits), ~minutes
+    structinfer reproduce idw --quick    # CI smoke run
 """
 
 from __future__ import annotations

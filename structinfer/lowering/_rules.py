@@ -1,0 +1,259 @@
+r"""The built-in lowering rules: one small function per prior, score and pattern type.
+
+Each rule rewrites the log-potential up to a per-child constant (which the softmax
+ignores) into :class:`~._lower.TermBuilder` terms:
+
+* ``Dot(q, k, s)``, ``Bilinear`` — $s\,q_i^\top k_j$; ``Cosine`` — a dot product of
+  normalised features.
+* ``NegSqDist(x, mu, Λ)`` with identity / scalar / diagonal / full shared precision —
+  $x_i^\top \bar\Lambda \mu_j - \tfrac12 \mu_j^\top\Lambda\mu_j + \log w_j$
+  ($\bar\Lambda = (\Lambda+\Lambda^\top)/2$); per-parent diagonal precision — features
+  $[x_i, x_i^2]\cdot[\Lambda_j\mu_j, -\tfrac12\Lambda_j]$ plus $\tfrac12\log|\Lambda_j|$
+  when normalised. ``LinearGaussian`` is the same with $\mu_j = A z_j + b$.
+* ``NegLogDist`` (IDW) — $-\log(\epsilon + \|q_i-k_j\|^p)$ per block.
+* ``Custom`` — its table, sliced per block (nothing saved, but exact).
+* ``Sum`` — the sum of its terms' rules (dot-like terms share one matmul).
+* Priors: ``Uniform`` (nothing); ``Restricted`` — its mask (sliced per block; empty
+  blocks skipped when the mask is known at trace time), or the distance band its
+  pattern's rule names (``Causal``, ``Window``) when that band is checked equal to the
+  mask; ``Categorical`` (per-edge or per-parent logits); ``RelativePosition`` (bias
+  looked up from the distance grid); ``Geometric``
+  ($\log q_i + (d-d_0)\log(1-q_i)$ on the band $d_0 \le d \le d_{\max}$).
+
+Not lowered (no rule): ``InvDist``, ``GaussianKernel`` (their potentials are not
+log-linear in a matmul), per-parent full precision (raised by the ``NegSqDist`` rule).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import priors as P
+from .. import scores as S
+from ._lower import (
+    PATTERN_RULES,
+    DistanceBand,
+    NotLowered,
+    TermBuilder,
+    register_pattern_rule,
+    register_prior_rule,
+    register_score_rule,
+)
+
+__all__: list[str] = []  # everything here is registered, nothing is called by name
+
+
+# --- scores -----------------------------------------------------------------------------
+
+
+@register_score_rule(S.Sum)
+def _sum(score: S.Sum, terms: TermBuilder) -> None:
+    for s in score.scores:
+        terms.add_score(s)
+    terms.note(f"score Sum of {len(score.scores)} terms")
+
+
+@register_score_rule(S.Dot)  # and Bilinear, which is a Dot of its projections
+def _dot(score: S.Dot, terms: TermBuilder) -> None:
+    terms.add_dot(score.q if score.scale is None else score.q * score.scale, score.k)
+    terms.note(f"score {type(score).__name__} (matmul)")
+
+
+@register_score_rule(S.Cosine)
+def _cosine(score: S.Cosine, terms: TermBuilder) -> None:
+    qn = score.q / jnp.sqrt(jnp.sum(score.q**2, -1, keepdims=True) + score.eps)
+    kn = score.k / jnp.sqrt(jnp.sum(score.k**2, -1, keepdims=True) + score.eps)
+    terms.add_dot(score.scale * qn, kn)
+    terms.note("score Cosine (matmul of normalised features)")
+
+
+def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool, what: str):
+    r"""$-\tfrac12 (x_i-\mu_j)^\top\Lambda_j(x_i-\mu_j) + \log w_j$ as a matmul plus a
+    per-parent bias (dropping the per-child $-\tfrac12 x_i^\top\Lambda x_i$)."""
+    if form == "identity":
+        terms.add_dot(x, mu)
+        bias = -0.5 * jnp.sum(mu * mu, -1)
+    elif form == "scalar":
+        terms.add_dot(x, prec * mu)
+        bias = -0.5 * prec * jnp.sum(mu * mu, -1)
+    elif form == "diag" and prec.ndim == 1:
+        terms.add_dot(x, prec * mu)
+        bias = -0.5 * jnp.sum(prec * mu * mu, -1)
+    elif form == "diag":  # (parents, d)
+        shape = jnp.broadcast_shapes(prec.shape, mu.shape)
+        terms.add_dot(
+            jnp.concatenate([x, x * x], -1),
+            jnp.concatenate([jnp.broadcast_to(prec * mu, shape),
+                             jnp.broadcast_to(-0.5 * prec, shape)], -1),
+        )
+        bias = -0.5 * jnp.sum(prec * mu * mu, -1)
+        if normalize:
+            bias = bias + 0.5 * jnp.sum(jnp.log(prec), -1)
+    elif form == "full" and prec.ndim == 2:
+        sym = 0.5 * (prec + prec.T)
+        terms.add_dot(x, jnp.einsum("...jd,de->...je", mu, sym))
+        bias = -0.5 * jnp.einsum("...jd,de,...je->...j", mu, prec, mu)
+    else:
+        raise NotLowered(
+            f"score {what}",
+            "per-parent full precision matrices (parents, d, d) are not lowered "
+            "(the quadratic term x_i^T Λ_j x_i does not factor into a matmul)",
+        )
+    if log_w is not None:
+        bias = bias + log_w
+    terms.add_column_bias(bias)
+
+
+@register_score_rule(S.NegSqDist)
+def _neg_sq_dist(score: S.NegSqDist, terms: TermBuilder) -> None:
+    form = score.precision_form
+    _gaussian(terms, score.q, score.k, score.precision, form, score.log_weights,
+              score.normalize, type(score).__name__)
+    terms.note(f"score NegSqDist ({form} precision, matmul + bias)")
+
+
+@register_score_rule(S.LinearGaussian)
+def _linear_gaussian(score: S.LinearGaussian, terms: TermBuilder) -> None:
+    prec = score.precision
+    d = score.x.shape[-1]
+    if prec is None:
+        form = "identity"
+    elif prec.ndim == 0:
+        form = "scalar"
+    elif prec.shape == (d,):
+        form = "diag"
+    else:
+        raise NotLowered("score LinearGaussian", f"precision of shape {prec.shape}")
+    _gaussian(terms, score.x, score.predictions(), prec, form, None, False,
+              type(score).__name__)
+    terms.note("score LinearGaussian (matmul against predictions A z + b)")
+
+
+@register_score_rule(S.NegLogDist)
+def _neg_log_dist(score: S.NegLogDist, terms: TermBuilder) -> None:
+    terms.add_inverse_distance(score.q, score.k, score.p, score.eps)
+    terms.note("score NegLogDist (IDW, per block)")
+
+
+@register_score_rule(S.Custom)
+def _custom(score: S.Custom, terms: TermBuilder) -> None:
+    terms.add_pair_logits(score.dense())
+    terms.note("score Custom (table sliced per block)")
+
+
+# --- restriction patterns ------------------------------------------------------------
+
+
+@register_pattern_rule(P.RestrictionPattern)  # Mask, Graph, BlockSparse and user patterns
+def _mask_only(pattern: P.RestrictionPattern) -> None:
+    return None
+
+
+@register_pattern_rule(P.Causal)
+def _causal(pattern: P.Causal) -> DistanceBand:
+    return DistanceBand(dmin=0 if pattern.include_self else 1, offset=pattern.offset)
+
+
+@register_pattern_rule(P.Window)
+def _window(pattern: P.Window) -> DistanceBand:
+    size, inc = pattern.size, pattern.include_self
+    if pattern.causal:
+        lo = 0 if inc else 1
+        return DistanceBand(dmin=lo, dmax=lo + size - 1, offset=pattern.offset)
+    return DistanceBand(dmin=-(size - 1), dmax=size - 1, exclude_zero=not inc,
+                        offset=pattern.offset)
+
+
+# --- priors --------------------------------------------------------------------------
+
+
+@register_prior_rule(P.Uniform)
+def _uniform(prior: P.Uniform, terms: TermBuilder) -> None:
+    terms.note("prior Uniform")
+
+
+def _pattern_name(pattern: P.RestrictionPattern) -> str:
+    return getattr(pattern, "label", None) or pattern.kind
+
+
+@register_prior_rule(P.Restricted)
+def _restricted(prior: P.Restricted, terms: TermBuilder) -> None:
+    n, m = terms.num_children, terms.num_parents
+    t = _pattern_name(prior.pattern)
+    rule = PATTERN_RULES.lookup(prior.pattern)
+    band = rule(prior.pattern)
+    if band is not None and not isinstance(band, DistanceBand):
+        raise TypeError(f"pattern rule {getattr(rule, '__qualname__', rule)!r} for "
+                        f"{type(prior.pattern).__name__} returned {band!r}; a pattern rule "
+                        "returns a structinfer.lowering.DistanceBand or None")
+    conc = getattr(prior, "concrete_mask", None)
+    if band is not None:
+        if conc is not None:
+            want = band.mask(n, m)
+            shape = np.broadcast_shapes(conc.shape, want.shape)
+            if np.array_equal(np.broadcast_to(conc, shape), np.broadcast_to(want, shape)):
+                terms.restrict_band(band.dmin, band.dmax, exclude_zero=band.exclude_zero,
+                                    offset=band.offset)
+                terms.note(f"prior Restricted.{t} (distance band {_band_text(band)}; "
+                           "blocks skipped)")
+                return
+            terms.note(f"prior Restricted: pattern '{t}' does not match its mask; using the mask")
+        else:
+            terms.note(f"prior Restricted.{t}: mask not known at trace time; using the mask "
+                       "without block skipping")
+    terms.restrict_pairs(prior.mask, conc)
+    if conc is not None:
+        terms.note(f"prior Restricted ({t} mask; empty blocks skipped)")
+    elif band is None:
+        terms.note(f"prior Restricted ({t} mask, traced: no block skipping)")
+
+
+def _band_text(band: DistanceBand) -> str:
+    """``"0 <= d <= 2, d = i + 6 - j"`` for explain's notes."""
+    lo = "" if band.dmin is None else f"{band.dmin} <= "
+    hi = "" if band.dmax is None else f" <= {band.dmax}"
+    ne = ", d != 0" if band.exclude_zero else ""
+    return f"{lo}d{hi}{ne}, d = i + {band.offset} - j"
+
+
+@register_prior_rule(P.Categorical)
+def _categorical(prior: P.Categorical, terms: TermBuilder) -> None:
+    lg = prior.logits
+    if lg.ndim == 1 or lg.shape[-2] == 1:
+        row = lg if lg.ndim == 1 else lg[..., 0, :]
+        ok = jnp.isfinite(row)
+        terms.add_column_bias(jnp.where(ok, row, 0.0))
+        terms.restrict_columns(ok)
+        terms.note("prior Categorical (one row shared by every child: per-parent bias)")
+    else:
+        ok = jnp.isfinite(lg)
+        terms.add_pair_logits(jnp.where(ok, lg, 0.0))
+        terms.restrict_pairs(ok)
+        terms.note("prior Categorical (logits sliced per block)")
+
+
+@register_prior_rule(P.RelativePosition)
+def _relative_position(prior: P.RelativePosition, terms: TermBuilder) -> None:
+    try:  # the exact engine's check: a bias too short is an error there
+        prior.check_bias_length(terms.num_children)
+    except ValueError as err:
+        raise NotLowered("prior", str(err)) from None
+    terms.add_relative_position(prior.bias, mode=prior.mode, max_distance=prior.max_distance,
+                                period=prior.period, offset=prior.offset)
+    terms.restrict_band(dmin=0 if prior.causal else None, offset=prior.offset)
+    terms.note(f"prior RelativePosition ({prior.mode}; bias from the distance grid)")
+
+
+@register_prior_rule(P.Geometric)
+def _geometric(prior: P.Geometric, terms: TermBuilder) -> None:
+    if prior.max_distance is not None and not isinstance(prior.max_distance, int):
+        raise NotLowered("prior", "Geometric max_distance is traced (the kernels need "
+                         "a static band); pass a Python int to lower it")
+    terms.add_geometric(prior.q, prior.min_distance, offset=prior.offset)
+    terms.restrict_band(dmin=prior.min_distance, dmax=prior.max_distance, offset=prior.offset)
+    terms.note(
+        "prior Geometric (log-prior from the distance grid"
+        + (f", truncated at distance {prior.max_distance})" if prior.max_distance is not None
+           else ")")
+    )

@@ -1,0 +1,312 @@
+"""The lowering rule table and the typed restriction patterns.
+
+Oracle: the exact engine (``si.expectation``) on the same model, and a NumPy softmax
+over the prior's own ``log_table`` (a user prior defines its numbers there, the rule
+rewrites them). Sizes are small distinct primes (5 children, 7 parents).
+"""
+
+import dataclasses
+import pathlib
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+
+import structinfer as si
+import structinfer.lowering as L
+from structinfer.lowering import (
+    DistanceBand,
+    NotLowered,
+    attention,
+    explain,
+    register_pattern_rule,
+    register_prior_rule,
+    register_score_rule,
+)
+
+P = si.priors
+N, M, D = 5, 7, 3
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _data(seed=0):
+    r = np.random.default_rng(seed)
+    return (r.normal(size=(N, D)).astype(np.float32), r.normal(size=(M, D)).astype(np.float32),
+            r.normal(size=(M, 2)).astype(np.float32))
+
+
+def _model(prior_fn, score_fn=lambda q, k: si.scores.Dot(q, k)):
+    def model(q, k, v):
+        with numpyro.plate("queries", q.shape[0]):
+            j = si.edge("phi", prior_fn(q.shape[0], k.shape[0]), score_fn(q, k))
+            numpyro.deterministic("out", v[j])
+
+    return model
+
+
+def _reference(prior, q, k, v):
+    logits = np.asarray(prior.log_table(N), np.float64) + np.float64(q) @ np.float64(k).T
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)) @ np.float64(v)
+
+
+def _alibi_class():
+    """A fresh user prior class (a new type per call, so registrations do not leak)."""
+
+    class ALiBi(P.StructuralPrior):
+        kind = "alibi"
+
+        def __init__(self, slope, num_parents, offset=0):
+            self.slope, self.num_parents, self.offset = jnp.asarray(slope), num_parents, offset
+
+        def _log_weights(self, num_children):
+            d = jnp.arange(num_children)[:, None] + self.offset - jnp.arange(self.num_parents)
+            return jnp.where(d >= 0, -self.slope * d, -jnp.inf)
+
+    return ALiBi
+
+
+def _alibi_rule(prior, terms):
+    terms.add_column_bias(prior.slope * jnp.arange(terms.num_parents))
+    terms.restrict_band(dmin=0, offset=prior.offset)
+    terms.note("prior ALiBi (per-parent bias on the causal band)")
+
+
+# --- user rules for user classes ----------------------------------------------------
+
+
+def test_user_prior_with_a_rule_is_lowered_and_equals_the_exact_engine():
+    ALiBi = _alibi_class()
+    register_prior_rule(ALiBi)(_alibi_rule)
+    model = _model(lambda n, m: ALiBi(0.7, m, offset=m - n))
+    q, k, v = _data()
+    ex = explain(model, "out", q, k, v)
+    assert ex.path == "lowered" and "prior ALiBi (per-parent bias" in str(ex), str(ex)
+    exact = si.expectation(model, "out", q, k, v)
+    np.testing.assert_allclose(exact, _reference(ALiBi(0.7, M, offset=M - N), q, k, v),
+                               atol=2e-5)
+    for backend in ("dense", "blocked"):
+        y = attention(model, "out", backend, block_q=2, block_k=3)(q, k, v)
+        np.testing.assert_allclose(y, exact, atol=2e-5, err_msg=backend)
+
+
+def test_user_prior_without_a_rule_falls_back_and_explain_names_the_type():
+    ALiBi = _alibi_class()  # never registered
+    model = _model(lambda n, m: ALiBi(0.7, m, offset=m - n))
+    q, k, v = _data(1)
+    ex = explain(model, "out", q, k, v)
+    assert ex.path == "exact" and ex.fallback.site == "phi", str(ex)
+    assert ex.fallback.part == "prior ALiBi" and "register_prior_rule" in str(ex), str(ex)
+    np.testing.assert_allclose(attention(model, "out")(q, k, v),
+                               si.expectation(model, "out", q, k, v), atol=1e-6)
+    with pytest.raises(L.NotLowerableError, match="prior ALiBi"):
+        attention(model, "out", "blocked")(q, k, v)
+
+
+def test_subclasses_inherit_a_rule_unless_they_change_the_numbers():
+    ALiBi = _alibi_class()
+    register_prior_rule(ALiBi)(_alibi_rule)
+
+    class Named(ALiBi):  # same numbers: the base's rule describes it
+        kind = "named_alibi"
+
+    class Doubled(ALiBi):  # other numbers: the base's rule would be wrong
+        def _log_weights(self, num_children):
+            return 2.0 * super()._log_weights(num_children)
+
+    q, k, v = _data(2)
+    named = _model(lambda n, m: Named(0.4, m, offset=m - n))
+    assert explain(named, "out", q, k, v).path == "lowered"
+    np.testing.assert_allclose(attention(named, "out")(q, k, v),
+                               si.expectation(named, "out", q, k, v), atol=2e-5)
+    doubled = _model(lambda n, m: Doubled(0.4, m, offset=m - n))
+    ex = explain(doubled, "out", q, k, v)
+    assert ex.path == "exact" and "overrides _log_weights" in str(ex), str(ex)
+    np.testing.assert_allclose(attention(doubled, "out")(q, k, v),
+                               _reference(Doubled(0.4, M, offset=M - N), q, k, v), atol=2e-5)
+    # its own rule takes precedence over the base's
+    @register_prior_rule(Doubled)
+    def _doubled(prior, terms):
+        terms.add_column_bias(2.0 * prior.slope * jnp.arange(terms.num_parents))
+        terms.restrict_band(dmin=0, offset=prior.offset)
+
+    assert explain(doubled, "out", q, k, v).path == "lowered"
+    np.testing.assert_allclose(attention(doubled, "out")(q, k, v),
+                               _reference(Doubled(0.4, M, offset=M - N), q, k, v), atol=2e-5)
+
+
+def test_user_score_rule_inside_a_sum():
+    class ParentBias(si.scores.Score):
+        """psi_ij = b_j."""
+
+        kind = "parent_bias"
+
+        def __init__(self, b, n):
+            self.b, self._n = jnp.asarray(b), n
+
+        num_children = property(lambda self: self._n)
+        num_parents = property(lambda self: int(self.b.shape[-1]))
+
+        def dense(self):
+            return jnp.broadcast_to(self.b, (self._n, self.b.shape[-1]))
+
+    q, k, v = _data(3)
+    b = np.random.default_rng(3).normal(size=M).astype(np.float32)
+    model = _model(lambda n, m: P.Uniform(m),
+                   lambda q, k: si.scores.Sum(si.scores.Dot(q, k), ParentBias(b, q.shape[0])))
+    ex = explain(model, "out", q, k, v)
+    assert ex.path == "exact" and ex.fallback.part == "score ParentBias", str(ex)
+
+    @register_score_rule(ParentBias)
+    def _bias(score, terms):
+        terms.add_column_bias(score.b)
+        terms.note("score ParentBias (per-parent bias)")
+
+    ex = explain(model, "out", q, k, v)
+    assert ex.path == "lowered" and "score ParentBias" in str(ex), str(ex)
+    np.testing.assert_allclose(attention(model, "out", "blocked", block_q=2, block_k=3)(q, k, v),
+                               si.expectation(model, "out", q, k, v), atol=2e-5)
+
+
+def test_a_rule_may_decline_with_not_lowered():
+    ALiBi = _alibi_class()
+
+    @register_prior_rule(ALiBi)
+    def _only_static(prior, terms):
+        raise NotLowered("prior ALiBi", "this rule lowers nothing")
+
+    model = _model(lambda n, m: ALiBi(0.3, m, offset=m - n))
+    q, k, v = _data(4)
+    ex = explain(model, "out", q, k, v)
+    assert ex.path == "exact" and "this rule lowers nothing" in str(ex), str(ex)
+    np.testing.assert_allclose(attention(model, "out")(q, k, v),
+                               si.expectation(model, "out", q, k, v), atol=1e-6)
+
+
+def test_registration_checks_its_arguments():
+    with pytest.raises(TypeError, match="not a subclass of structinfer.priors.StructuralPrior"):
+        register_prior_rule(si.scores.Dot)
+    with pytest.raises(TypeError, match="not a subclass of structinfer.scores.Score"):
+        register_score_rule("Dot")
+    with pytest.raises(TypeError, match="RestrictionPattern"):
+        register_pattern_rule(dict)
+    with pytest.raises(TypeError, match="at least one"):
+        register_prior_rule()
+    with pytest.raises(TypeError, match="callable"):
+        register_prior_rule(_alibi_class())(42)
+
+
+def test_the_docs_example_runs():
+    """docs/performance.md's rule example: lowered result == exact engine (asserted inside)."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    code = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
+            if "register_prior_rule(ALiBi)" in b]
+    assert len(code) == 1
+    exec(compile(code[0], "docs/performance.md", "exec"), {"__name__": "docs_example"})
+
+
+# --- typed restriction patterns ------------------------------------------------------
+
+
+def test_constructors_set_typed_patterns():
+    R = P.Restricted
+    cases = [
+        (R.causal(N, M, include_self=False, offset=2), P.Causal(include_self=False, offset=2),
+         {"type": "causal", "include_self": False, "offset": 2}),
+        (R.window(N, 3, M, causal=False, include_self=False, offset=1),
+         P.Window(3, causal=False, include_self=False, offset=1),
+         {"type": "window", "size": 3, "causal": False, "include_self": False, "offset": 1}),
+        (R.from_graph(np.ones((N, M))), P.Graph(), {"type": "graph", "offset": 0}),
+        (R.block_sparse(np.ones((2, 3), bool), (3, 4)), P.BlockSparse((3, 4)),
+         {"type": "block_sparse", "block_size": (3, 4), "offset": 0}),
+        (R.block_sparse(np.ones((2, 2), bool), 3), P.BlockSparse((3, 3)),
+         {"type": "block_sparse", "block_size": (3, 3), "offset": 0}),
+        (R(np.ones((N, M), bool)), P.Mask(), {"type": "mask", "offset": 0}),
+        (R(np.ones((N, M), bool), pattern=P.Mask("no_self")), P.Mask(label="no_self"),
+         {"type": "mask", "label": "no_self", "offset": 0}),
+    ]
+    for prior, pattern, desc in cases:
+        assert type(prior.pattern) is type(pattern) and prior.pattern == pattern
+        d = prior.describe()
+        assert d.pop("kind") == "restricted" and d.pop("num_parents") == prior.num_parents
+        assert d == desc and list(d) == list(desc)  # same keys, same order as before
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            prior.pattern.offset = 5
+    assert R.causal(N, M, offset=3).offset == 3  # a pattern's offset is the prior's
+
+
+def test_a_dict_or_a_bad_field_is_a_clear_error():
+    mask = np.ones((N, M), bool)
+    with pytest.raises(TypeError, match=r"not a dict.*Causal\(include_self=False, offset=0\)"):
+        P.Restricted(mask, pattern={"type": "causal", "include_self": False, "offset": 0})
+    with pytest.raises(TypeError, match=r"Mask\(label='no_self'\)"):
+        P.Restricted(mask, pattern={"type": "no_self"})
+    with pytest.raises(TypeError, match="RestrictionPattern"):
+        P.Restricted(mask, pattern="causal")
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        P.Window(0)
+    with pytest.raises(TypeError, match="size must be a positive int"):
+        P.Window(2.5)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        P.Causal(offset=1.5)
+    with pytest.raises(TypeError, match="include_self must be a bool"):
+        P.Causal(include_self="yes")
+    with pytest.raises(ValueError, match="block_size"):
+        P.BlockSparse((2, 3, 4))
+    with pytest.raises(TypeError, match="label"):
+        P.Mask(3)
+
+
+def test_pattern_rules_dispatch_on_the_pattern_type():
+    class Diagonal(P.RestrictionPattern):
+        """Only the self-edge (a band of width 1)."""
+
+        kind = "diagonal"
+
+    mask = np.eye(N, M, k=M - N, dtype=bool)
+    model = _model(lambda n, m: P.Restricted(mask, pattern=Diagonal()))
+    q, k, v = _data(5)
+    ref = si.expectation(model, "out", q, k, v)
+    # no rule of its own: the base pattern's rule lowers it as its mask
+    assert "diagonal mask; empty blocks skipped" in str(explain(model, "out", q, k, v))
+
+    @register_pattern_rule(Diagonal)
+    def _diag(pattern):
+        return DistanceBand(dmin=0, dmax=0, offset=M - N)
+
+    ex = explain(model, "out", q, k, v)
+    assert ex.path == "lowered" and "Restricted.diagonal (distance band 0 <= d <= 0" in str(ex)
+    np.testing.assert_allclose(attention(model, "out", "windowed", block_q=2)(q, k, v), ref,
+                               atol=1e-6)
+
+    @register_pattern_rule(Diagonal)
+    def _bad(pattern):
+        return {"dmin": 0}
+
+    with pytest.raises(TypeError, match="returns a structinfer.lowering.DistanceBand"):
+        explain(model, "out", q, k, v)
+
+
+def test_distance_band_mask():
+    band = DistanceBand(dmin=-1, dmax=2, exclude_zero=True, offset=1)
+    d = np.arange(N)[:, None] + 1 - np.arange(M)[None, :]
+    np.testing.assert_array_equal(band.mask(N, M), (d >= -1) & (d <= 2) & (d != 0))
+    assert DistanceBand().mask(2, 3).all()
+
+
+# --- the public surface ---------------------------------------------------------------
+
+
+def test_lowering_namespace_is_what_users_call():
+    internals = ["Terms", "Problem", "RelPos", "Plan", "Fallback", "recognise", "lower_edge",
+                 "Lowered", "block_logits", "Schedule", "make_schedule", "band_blocks",
+                 "blocked_attention", "dense_attention", "dense_logits", "band_logits",
+                 "windowed_kernel"]
+    for name in internals:
+        assert not hasattr(L, name), name
+    for name in L.__all__:
+        assert getattr(L, name) is not None
+    assert {"attention", "explain", "register_prior_rule", "register_score_rule",
+            "register_pattern_rule"} <= set(L.__all__)

@@ -1,0 +1,198 @@
+"""Packaging: lazy imports (the command answers --help without loading JAX), the
+declared dependencies, and `reproduce` / `bench` never running files from the current
+directory."""
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import structinfer as si
+from structinfer import cli, reproductions
+
+REPO = Path(__file__).resolve().parent.parent
+HEAVY = ("jax", "jaxlib", "numpyro", "funsor", "numpy", "arviz_base", "arviz_stats",
+         "arviz_plots", "matplotlib", "xarray", "pandas", "optax", "sklearn")
+
+PROBE = """
+import contextlib, io, json, sys
+import structinfer
+from structinfer import cli
+steps = {}
+def heavy():
+    return sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
+steps["import structinfer"] = heavy()
+names = dir(structinfer)
+steps["dir(structinfer)"] = heavy()
+cli.build_parser()
+with contextlib.redirect_stdout(io.StringIO()):
+    for argv in (["--help"], ["compare", "--help"], ["reproduce", "--list"], ["bench", "--help"]):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:
+            rc = e.code
+        assert rc == 0, (argv, rc)
+        steps[" ".join(argv)] = heavy()
+print(json.dumps({"steps": steps, "dir": names}))
+"""
+
+
+def test_import_and_help_load_no_heavy_module():
+    """`import structinfer`, building the parser, --help and `reproduce --list` import
+    none of JAX, NumPyro, funsor, NumPy, ArviZ, matplotlib (a fresh interpreter)."""
+    code = f"HEAVY = {HEAVY!r}\n" + PROBE
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["steps"] == {step: [] for step in got["steps"]}, got["steps"]
+    assert set(si.__all__) <= set(got["dir"])
+
+
+def test_public_names_resolve_lazily():
+    from structinfer import edge, marginals  # noqa: F401  (PEP 562 __getattr__)
+    from structinfer.primitives import edge as edge_def
+
+    assert edge is edge_def and si.edge is edge_def
+    assert si.marginals is marginals and marginals.__module__.startswith("structinfer.exact")
+    assert si.attention.__module__.startswith("structinfer.lowering")
+    for name in si.__all__:
+        assert getattr(si, name) is not None, name
+    assert si.exact.__name__ == "structinfer.exact" and si.priors.Uniform
+    assert set(si.__all__) <= set(dir(si)) and {"exact", "lowering"} <= set(dir(si))
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        si.no_such_name  # noqa: B018
+    assert not hasattr(si, "_no_such_private")
+
+
+# --------------------------------------------------------------------------- dependencies
+
+def _pyproject():
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _names(reqs):
+    return {r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+            for r in reqs}
+
+
+def _imports(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module.split(".")[0]
+
+
+def test_library_imports_only_core_dependencies():
+    """No library module imports an optional dependency (optax, scikit-learn, torch); the
+    reproductions, which may, are shipped but need the `examples` extra."""
+    lib = REPO / "structinfer"
+    skip = lib / "reproductions"
+    optional = {"optax", "sklearn", "torch"}
+    found = {
+        (str(p.relative_to(REPO)), m)
+        for p in lib.rglob("*.py") if skip not in p.parents
+        for m in _imports(p) if m in optional
+    }
+    assert not found, found
+
+
+def test_dependencies_are_lean_and_unpinned():
+    project = _pyproject()["project"]
+    core = _names(project["dependencies"])
+    assert {"jax", "numpyro", "funsor", "numpy", "arviz-base"} <= core
+    assert not core & {"jaxlib", "optax", "scikit-learn", "torch"}, core  # jax requires jaxlib
+    extras = project["optional-dependencies"]
+    assert {"optax", "scikit-learn"} <= _names(extras["examples"])
+    # the test extra carries everything the suite runs (the reproductions included)
+    assert "structinfer[examples]" in extras["test"]
+    for req in project["dependencies"] + [r for rs in extras.values() for r in rs]:
+        assert "==" not in req, f"exact pin: {req}"
+
+
+# ------------------------------------------------ nothing runs from the current directory
+
+PLANTED = textwrap.dedent('''
+    """Planted in the current directory: must never run."""
+    import pathlib
+    pathlib.Path({marker!r}).write_text("ran")
+''')
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """A working directory holding examples/reproduce_*.py and benchmarks/attention.py that
+    write a marker when run; the package looks installed from a wheel (no source checkout)."""
+    cwd, marker = tmp_path / "cwd", tmp_path / "ran"
+    for rel in ("examples/reproduce_planted.py", "examples/reproduce_multihop.py",
+                "examples/quickstart.py", "benchmarks/attention.py"):
+        (cwd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cwd / rel).write_text(PLANTED.format(marker=str(marker)))
+    site = tmp_path / "site-packages"  # what a wheel install looks like: no pyproject.toml
+    site.mkdir()
+    monkeypatch.setattr(cli, "ROOT", site)
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("STRUCTINFER_BENCHMARKS", raising=False)
+    monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")
+    return marker
+
+
+def _main(capsys, *argv):
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_reproduce_never_runs_scripts_from_the_current_directory(planted, capsys):
+    rc, out, _ = _main(capsys, "reproduce", "--list")
+    assert rc == 0 and "planted" not in out and "multihop" in out
+    rc, _, err = _main(capsys, "reproduce", "planted", "--quick", "--out", "o1")
+    assert rc == 2 and "unknown reproduction 'planted'" in err
+    rc, _, err = _main(capsys, "reproduce", "quickstart", "--quick", "--out", "o2")
+    assert rc == 2 and "python examples/quickstart.py" in err
+    assert not planted.exists()
+    # a known name resolves to the module shipped in the package, never to a file here
+    origin = Path(importlib.util.find_spec(reproductions.REPRODUCTIONS["multihop"]).origin)
+    assert origin.resolve().parent == Path(reproductions.__file__).resolve().parent
+
+
+def test_every_reproduction_module_is_registered():
+    """Adding a reproduction is one module in structinfer/reproductions and one line in
+    REPRODUCTIONS: a module without its line (or a line without its module) fails here."""
+    folder = Path(reproductions.__file__).parent
+    modules = {f"structinfer.reproductions.{p.stem}" for p in folder.glob("*.py")
+               if not p.name.startswith("_")}
+    assert set(reproductions.REPRODUCTIONS.values()) == modules
+    for name, module in reproductions.REPRODUCTIONS.items():
+        assert reproductions.describe(module), name  # a docstring for --list
+
+
+def test_bench_never_runs_a_script_from_the_current_directory(planted, capsys):
+    rc, _, err = _main(capsys, "bench", "--quick", "--out", "o3")
+    assert rc == 1 and "source checkout" in err and "benchmarks/attention.py" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not planted.exists()
+
+
+def test_bench_runs_the_script_of_the_checkout_holding_the_package(planted, capsys,
+                                                                     tmp_path, monkeypatch):
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text('[project]\nname = "structinfer"\n')
+    mark = tmp_path / "checkout-ran"
+    (checkout / "benchmarks" / "attention.py").write_text(
+        f"import pathlib, sys\npathlib.Path({str(mark)!r}).write_text(' '.join(sys.argv[1:]))\n")
+    monkeypatch.setattr(cli, "ROOT", checkout)
+    rc, _, err = _main(capsys, "bench", "--quick", "--out", "o4")
+    assert rc == 0, err
+    assert mark.read_text().startswith("--quick") and not planted.exists()
