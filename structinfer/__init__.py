@@ -38,6 +38,7 @@ _FUNCTIONS: dict[str, str] = {
 _SUBMODULES: frozenset[str] = frozenset({
     "priors", "scores", "primitives", "handlers", "exact", "lowering", "infer",
     "mechanisms", "diagnostics", "reproductions", "demo", "cli",
+    "nn",  # Flax NNX layers: imports flax (the `nn` extra) only when first used
 })
 
 __all__ = [

@@ -17,6 +17,7 @@ OWNED_ELSEWHERE = {
     "derive_mechanisms.py",  # tests/test_examples_mechanisms.py
     "infer_svi_attention.py",  # tests/test_infer_numpyro.py
     "infer_nuts_expanding.py",  # tests/test_infer_numpyro.py
+    "reproduce_lm.py",  # tests/test_nn_lm.py
 }
 EXAMPLES = sorted(
     p for p in (ROOT / "examples").glob("*.py") if p.name not in OWNED_ELSEWHERE

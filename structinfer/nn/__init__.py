@@ -1,0 +1,49 @@
+r"""Flax NNX layers built from a mechanism: write the model, get the layer.
+
+A *mechanism* is an ordinary structinfer model of one attention head stack: given
+per-head projected queries, keys and values ``q, k, v`` of shapes
+``(heads, n, d)``, ``(heads, m, d)``, ``(heads, m, d)`` it declares an edge site per
+query under a structural prior and a score, and a deterministic value site
+(``"out"``, shape ``(heads, n, d)``) read at the edge. Its learnable hyperparameters
+(a geometric $q$, a relative-position bias, a temperature) are ``numpyro.param``
+sites. `Attention` wraps it as a multi-head attention layer with the
+arguments of ``flax.nnx.MultiHeadAttention``:
+
+$$
+y_i = W_O \big[\,\mathbb E_{p(\phi^h_i \mid x)}[v^h_{\phi^h_i}]\,\big]_{h=1}^{H},\qquad
+p(\phi^h_i = j \mid x) = \mathrm{softmax}_j\big(\psi(q^h_i, k^h_j) + \log p_\theta(\phi^h_i = j)\big),
+$$
+
+run through `structinfer.attention` (a lowered, memory-light kernel when the
+model is recognised, the exact engine otherwise). `structinfer.nn.heads` holds
+ready-made mechanisms (uniform, causal, sliding window, relative position,
+geometric, geometric × Beta).
+
+Reference: Singh & Buckley, "Attention as implicit structural inference" (sec. 3,
+Table 1; sec. 5.2 for the geometric prior).
+"""
+
+from __future__ import annotations
+
+try:
+    import flax.nnx  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "structinfer.nn needs Flax (NNX): pip install 'structinfer[nn]'"
+    ) from e
+
+from .heads import causal, geometric, geometric_beta, relative_position, uniform, window
+from .layer import Attention, Hyperparameter, MechanismInfo, describe_mechanism
+
+__all__ = [
+    "Attention",
+    "Hyperparameter",
+    "MechanismInfo",
+    "describe_mechanism",
+    "uniform",
+    "causal",
+    "window",
+    "relative_position",
+    "geometric",
+    "geometric_beta",
+]

@@ -1,0 +1,361 @@
+"""structinfer.nn.Attention: equal to flax.nnx.MultiHeadAttention (uniform / causal), to
+si.expectation of its mechanism (every prior), to a quadrature of the Beta integral
+(collapsed geometric x Beta); gradients by finite differences; jit, batch dims, float32 /
+float64; the decode cache equals the full pass; a hyperprior by random_nnx_module; errors
+name the argument. Sizes are distinct primes: batch 2, n 7, m 5, features 11, heads 3,
+head_dim 5, out 13."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from conftest import float64
+from flax import nnx
+from jax.test_util import check_grads
+from numpyro.contrib.module import random_nnx_module
+from numpyro.infer.util import log_density
+from scipy.special import roots_sh_jacobi
+
+import structinfer as si
+from structinfer import nn as sinn
+
+B, N, M, F, H, D, OUT = 2, 7, 5, 11, 3, 5, 13
+
+MECHANISMS = {
+    "uniform": lambda: sinn.uniform(),
+    "causal": lambda: sinn.causal(),
+    "window": lambda: sinn.window(3),
+    "relative_position": lambda: sinn.relative_position(4),
+    "geometric": lambda: sinn.geometric(0.3),
+    "geometric_beta": lambda: sinn.geometric_beta(2.0, 3.0),
+    "causal_temperature": lambda: sinn.causal(temperature=True),
+}
+
+
+def layer_for(mech, dtype=jnp.float32, seed=0, **kw):
+    kw.setdefault("qkv_features", H * D)
+    kw.setdefault("out_features", OUT)
+    kw.setdefault("num_heads", H)
+    return sinn.Attention(mech, in_features=F, param_dtype=dtype, rngs=nnx.Rngs(seed), **kw)
+
+
+def randomise_hyper(layer, seed=1):
+    """Move every hyperparameter off its initial value (unconstrained normal draws)."""
+    keys = jax.random.split(jax.random.key(seed), max(len(layer.hyper), 1))
+    for key, name in zip(keys, sorted(layer.hyper)):
+        p = layer.hyper[name]
+        p[...] = p[...] + jax.random.normal(key, p.shape, p.dtype)
+
+
+def inputs(shape, dtype, seed=2):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def tol(dtype):
+    return dict(rtol=0, atol=2e-5) if dtype == jnp.float32 else dict(rtol=0, atol=1e-11)
+
+
+def maybe64(dtype):
+    return float64() if dtype == jnp.float64 else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- vs flax
+@pytest.mark.parametrize("case, dtype", [
+    ("uniform", jnp.float32), ("causal", jnp.float64), ("uniform_cross", jnp.float32),
+    ("causal_gqa", jnp.float64),
+])
+def test_equals_flax_multihead_attention(case, dtype):
+    with maybe64(dtype):
+        # grouped-query attention: 6 query heads share 3 key/value heads in pairs
+        kw = {"num_heads": 6, "num_kv_heads": 3, "qkv_features": 6 * D} if case.endswith(
+            "gqa") else {}
+        if case.endswith("cross"):  # with the other options of flax's layer
+            kw.update(normalize_qk=True, use_bias=False)
+        mech = sinn.causal() if case.startswith("causal") else sinn.uniform()
+        layer = layer_for(mech, dtype, seed=3, **kw)
+        mha = nnx.MultiHeadAttention(**{"num_heads": H, "qkv_features": H * D, **kw},
+                                     in_features=F, out_features=OUT, param_dtype=dtype,
+                                     decode=False, rngs=nnx.Rngs(4))
+        nnx.update(layer, nnx.state(mha, nnx.Param))  # the same weights, by name
+        xq = inputs((B, N, F), dtype)
+        xk = inputs((B, M, F), dtype, seed=5) if case.endswith("cross") else xq
+        mask = nnx.make_causal_mask(jnp.ones((B, N))) if case.startswith("causal") else None
+        want = mha(xq, xk, mask=mask)
+        got = layer(xq, xk)
+        assert got.dtype == dtype
+        # flax's float64 attention is good to ~1e-7 only (ours is 1e-15 from a NumPy
+        # softmax): compare at that level
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 if dtype == jnp.float32 else 1e-6)
+
+
+def test_same_rngs_same_weights_as_flax():
+    layer = layer_for(sinn.uniform(), seed=7, dropout_rate=0.1)
+    mha = nnx.MultiHeadAttention(num_heads=H, in_features=F, qkv_features=H * D,
+                                 out_features=OUT, dropout_rate=0.1, rngs=nnx.Rngs(7))
+    want = nnx.to_pure_dict(nnx.state(mha, nnx.Param))
+    got = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    for path in ("query", "key", "value", "out"):
+        for leaf in ("kernel", "bias"):
+            np.testing.assert_array_equal(got[path][leaf], want[path][leaf])
+
+
+def test_abstract_init_with_nnx_eval_shape():
+    """Built under a trace (flax's abstract initialisation), the mechanism is still read."""
+    abstract = nnx.eval_shape(lambda: layer_for(sinn.geometric(0.3)))
+    assert abstract.hyper["q"].shape == (H, 1) and abstract.causal
+
+
+# --------------------------------------------------------------------------- vs exact
+def by_hand(layer, mech, xq, xk):
+    """Projections by einsum, each sequence through si.expectation (the exact engine)."""
+    p = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    proj = lambda x, w: jnp.einsum("...f,fhd->...hd", x, w["kernel"]) + w["bias"]  # noqa: E731
+    q, k, v = proj(xq, p["query"]), proj(xk, p["key"]), proj(xk, p["value"])
+    # the stored values are unconstrained: the rate is a logit, positive ones are logs
+    to_value = {"q": jax.nn.sigmoid, "alpha": jnp.exp, "beta": jnp.exp, "temperature": jnp.exp,
+                "bias": lambda u: u}
+    hyper = {name: to_value[name](u) for name, u in p.get("hyper", {}).items()}
+    model = numpyro.handlers.substitute(mech, data=hyper)
+    heads = lambda a: jnp.moveaxis(a, -2, -3)  # noqa: E731
+    exact = jax.jit(jax.vmap(lambda q, k, v: si.expectation(model, "out", q, k, v)))
+    o = exact(heads(q), heads(k), heads(v))
+    return jnp.einsum("bhnd,hdo->bno", o, p["out"]["kernel"]) + p["out"]["bias"]
+
+
+def inverse_distance(q, k, v):
+    """Not lowered (InvDist score): the layer takes the exact engine."""
+    n, m = q.shape[-2], k.shape[-2]
+    with numpyro.plate("heads", q.shape[0], dim=-2), numpyro.plate("queries", n, dim=-1):
+        j = si.edge("phi", si.priors.Restricted.causal(n, m, offset=m - n),
+                    si.scores.InvDist(q, k))
+        numpyro.deterministic("out", numpyro.ops.indexing.Vindex(v[:, None])[..., j, :])
+
+
+@pytest.mark.parametrize("name, dtype", [
+    *[(name, jnp.float64) for name in [*MECHANISMS, "inverse_distance"]],
+    ("causal", jnp.float32),
+])
+def test_equals_exact_expectation_of_the_mechanism(name, dtype):
+    with maybe64(dtype):
+        mech = inverse_distance if name == "inverse_distance" else MECHANISMS[name]()
+        layer = layer_for(mech, dtype)
+        randomise_hyper(layer)
+        x = inputs((B, N, F), dtype)
+        explanation = layer.explain(x)
+        assert explanation.path == ("exact" if name == "inverse_distance" else "lowered")
+        np.testing.assert_allclose(layer(x), by_hand(layer, mech, x, x), **tol(dtype))
+        if name == "uniform":  # cross attention: the queries are the last n of m keys
+            xk = inputs((B, M + N, F), dtype, seed=5)
+            np.testing.assert_allclose(layer(x, xk), by_hand(layer, mech, x, xk), **tol(dtype))
+
+
+def test_collapsed_geometric_beta_equals_quadrature(x64):
+    """p(phi_i = j | x) ∝ e^{s_ij} ∫ q (1-q)^{d_ij} Beta(q; a, b) dq, by Gauss-Legendre."""
+    a, b = np.array([[2.0], [0.7], [5.0]]), np.array([[3.0], [1.5], [0.9]])
+    mech = numpyro.handlers.substitute(sinn.geometric_beta(),
+                                       data={"alpha": jnp.asarray(a), "beta": jnp.asarray(b)})
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(H, N, D)) for _ in range(3))
+    got = si.expectation(mech, "out", jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    d = np.arange(N)[:, None] - np.arange(N)[None, :]  # distance back from query i
+    want = np.zeros((H, N, D))
+    for h in range(H):
+        # Gauss-Jacobi on (0, 1) with weight q^(a-1) (1-q)^(b-1): exact for the
+        # polynomial q (1-q)^d, d < N (20 nodes >> degree N)
+        u, w = roots_sh_jacobi(20, a[h, 0] + b[h, 0] - 1, a[h, 0])
+        w = w / w.sum()  # the Beta(a, b) density's normaliser
+        prior = np.einsum("t,tij->ij", w, u[:, None, None]
+                          * (1 - u[:, None, None]) ** np.maximum(d, 0))
+        prior = np.where(d >= 0, prior, 0.0)
+        s = q[h] @ k[h].T / np.sqrt(D)
+        p = prior * np.exp(s - s.max(-1, keepdims=True))
+        want[h] = (p / p.sum(-1, keepdims=True)) @ v[h]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-11)
+
+
+# --------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("name, backend", [
+    ("geometric", "blocked"), ("relative_position", "blocked"),  # the custom VJP
+    ("geometric", "dense"), ("relative_position", "exact"),
+])
+def test_gradients_match_finite_differences(name, backend, x64):
+    layer = layer_for(MECHANISMS[name](), jnp.float64, backend=backend, block_q=3, block_k=4)
+    randomise_hyper(layer)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    x = inputs((B, N, F), jnp.float64)
+    w = inputs((B, N, OUT), jnp.float64, seed=9)
+
+    def loss(x, params):
+        return jnp.sum(nnx.merge(graphdef, params, rest)(x) * w)
+
+    check_grads(loss, (x, params), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+    g = jax.grad(loss, argnums=1)(x, params)
+    assert all(float(jnp.abs(leaf).max()) > 0 for leaf in jax.tree.leaves(g["hyper"]))
+
+
+# --------------------------------------------------------------------------- jit, batch
+@pytest.mark.parametrize("dtype", [jnp.float32])  # float64: the exact / gradient tests
+def test_jit_and_batch_dims(dtype):
+    with maybe64(dtype):
+        layer = layer_for(sinn.geometric(0.2), dtype)
+        x = inputs((2, 3, N, F), dtype)
+        eager = layer(x)
+        jitted = nnx.jit(lambda m, x: m(x))(layer, x)
+        np.testing.assert_allclose(jitted, eager, **tol(dtype))
+        np.testing.assert_allclose(eager[1, 2], layer(x[1, 2]), **tol(dtype))  # no batch dim
+        assert eager.shape == (2, 3, N, OUT) and eager.dtype == dtype
+
+
+def test_trains_with_optax():
+    """A few Adam steps on a toy target move the loss and the geometric rate."""
+    import optax
+
+    layer = layer_for(sinn.geometric(0.5))
+    opt = nnx.Optimizer(layer, optax.adam(3e-2), wrt=nnx.Param)
+    x = inputs((B, N, F), jnp.float32)
+    target = jnp.roll(x, 2, axis=-2) @ inputs((F, OUT), jnp.float32, seed=8)  # two back
+
+    @nnx.jit
+    def step(layer, opt):
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(layer)
+        opt.update(layer, g)
+        return loss
+
+    q0 = layer.hyperparameters()["q"]
+    losses = [float(step(layer, opt)) for _ in range(8)]
+    assert losses[-1] < losses[0]
+    assert not np.allclose(layer.hyperparameters()["q"], q0)
+
+
+# --------------------------------------------------------------------------- decode
+@pytest.mark.parametrize("name", ["causal", "window", "geometric"])
+def test_decode_cache_equals_full_pass(name):
+    layer = layer_for(MECHANISMS[name](), num_kv_heads=1 if name == "causal" else None)
+    randomise_hyper(layer)
+    x = inputs((B, N, F), jnp.float32)
+    full = layer(x)
+    layer.init_cache((B, N, F))
+    step = nnx.jit(lambda m, xt: m(xt, decode=True))
+    steps = jnp.concatenate([step(layer, x[:, t : t + 1]) for t in range(N)], axis=1)
+    np.testing.assert_allclose(steps, full, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="cache is full"):
+        layer(x[:, :1], decode=True)
+
+
+def test_decode_refuses_non_causal_and_uninitialised():
+    with pytest.raises(ValueError, match="decode needs a causal mechanism"):
+        layer_for(sinn.uniform()).init_cache((B, N, F))
+    with pytest.raises(ValueError, match="call init_cache first"):
+        layer_for(sinn.causal())(inputs((B, 1, F), jnp.float32), decode=True)
+
+
+# --------------------------------------------------------------------------- hyperprior
+def test_beta_hyperprior_by_random_nnx_module():
+    """The same layer lifted with a Beta prior over q: log p = log Beta(q) + log |dq/du| +
+    the likelihood of the layer at that q (and nothing of the mechanism leaks)."""
+    layer = layer_for(sinn.geometric(0.3))
+    x = inputs((B, N, F), jnp.float32)
+    y = inputs((B, N, OUT), jnp.float32, seed=6)
+
+    def model(x, y):
+        net = random_nnx_module("attn", layer, prior=layer.hyperprior({"q": dist.Beta(2.0, 5.0)}))
+        numpyro.sample("y", dist.Normal(net(x), 1.0).to_event(3), obs=y)
+
+    sites = []
+
+    def joint(u):
+        value, trace = log_density(model, (x, y), {}, {"attn/hyper.q": u})
+        sites.extend(trace)
+        return value
+
+    u = jnp.array([[-1.0], [0.5], [2.0]])
+    got = jax.jit(joint)(u)
+    assert set(sites) == {"attn$params", "attn/hyper.q", "y"}
+    at_q = nnx.clone(layer)
+    at_q.hyper["q"][...] = u
+
+    @nnx.jit
+    def reference(at_q):
+        q = jax.nn.sigmoid(at_q.hyper["q"][...])
+        return (dist.Beta(2.0, 5.0).log_prob(q).sum() + jnp.log(q * (1 - q)).sum()
+                + dist.Normal(at_q(x), 1.0).log_prob(y).sum())
+
+    want = reference(at_q)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- dropout
+def test_dropout_on_head_outputs():
+    layer = layer_for(sinn.causal(), dropout_rate=0.5)
+    plain = layer_for(sinn.causal())
+    x = inputs((B, N, F), jnp.float32)
+    np.testing.assert_allclose(layer(x, deterministic=True), plain(x), rtol=0, atol=1e-6)
+    assert not np.allclose(layer(x, deterministic=False), plain(x))
+    with pytest.raises(ValueError, match="deterministic="):
+        layer(x)
+
+
+# --------------------------------------------------------------------------- errors
+def _latent(q, k, v):
+    numpyro.sample("rate", dist.Beta(1.0, 1.0))
+    sinn.causal()(q, k, v)
+
+
+def _wrong_value(q, k, v):
+    with numpyro.plate("heads", q.shape[0], dim=-2), numpyro.plate("queries", q.shape[1], dim=-1):
+        j = si.edge("phi", si.priors.Uniform(k.shape[1]), si.scores.Dot(q, k))
+        numpyro.deterministic("out", j)
+
+
+def _length_bias(q, k, v):
+    b = numpyro.param("bias", jnp.zeros((q.shape[0], 2 * k.shape[1] - 1)))
+    n = q.shape[1]
+    with numpyro.plate("heads", q.shape[0], dim=-2), numpyro.plate("queries", n, dim=-1):
+        j = si.edge("phi", si.priors.RelativePosition(b, n), si.scores.Dot(q, k))
+        numpyro.deterministic("out", numpyro.ops.indexing.Vindex(v[:, None])[..., j, :])
+
+
+@pytest.mark.parametrize("build, call, match", [
+    (dict(mechanism=None), None, "mechanism must be a model"),
+    (dict(qkv_features=16), None, r"qkv_features \(16\) must be divisible by num_heads"),
+    (dict(num_heads=0), None, "num_heads must be an int >= 1"),
+    (dict(num_kv_heads=2), None, "divisible by num_kv_heads"),
+    (dict(backend="fast"), None, "backend must be one of"),
+    (dict(dropout_rate=1.0), None, "dropout_rate must lie in"),
+    (dict(mechanism=_latent), None, "site 'rate' is a latent sample site"),
+    (dict(mechanism=_wrong_value), None, r"value site 'out' has shape \(3, 3\)"),
+    (dict(value="y"), None, "no deterministic value site 'y'"),
+    ({}, dict(inputs_q=(B, N, F + 2)), r"inputs_q must be \(\.\.\., length, 11\)"),
+    ({}, dict(inputs_k=(B + 1, N, F)), "inputs_k batch dims"),
+    ({}, dict(inputs_v=(B, N + 1, F)), "inputs_v"),
+    ({}, dict(mask=True), "mask is not supported"),
+    (dict(mechanism=_length_bias), dict(), "hyperparameter 'bias' has shape"),
+])
+def test_bad_input_errors_name_the_argument(build, call, match):
+    kw = dict(mechanism=sinn.causal())
+    kw.update(build)
+    mech = kw.pop("mechanism")
+    if call is None:
+        with pytest.raises((ValueError, TypeError), match=match):
+            layer_for(mech, **kw)
+        return
+    layer = layer_for(mech, **kw)
+    x = inputs((B, N, F), jnp.float32)
+    args = {"inputs_q": x}
+    for name in ("inputs_q", "inputs_k", "inputs_v"):
+        if name in call:
+            args[name] = inputs(call[name], jnp.float32)
+    if "inputs_v" in args and "inputs_k" not in args:
+        args["inputs_k"] = x
+    mask = jnp.ones((B, H, N, N), bool) if call.get("mask") else None
+    with pytest.raises(ValueError, match=match):
+        layer(**args, mask=mask)
+
+
+def test_hyperprior_unknown_name():
+    with pytest.raises(KeyError, match="'rate' is not a hyperparameter"):
+        layer_for(sinn.geometric()).hyperprior({"rate": dist.Beta(1.0, 1.0)})
