@@ -1,26 +1,18 @@
-"""The language-modelling experiment (examples/reproduce_lm.py) in --quick mode: every
+"""The language-modelling experiment (structinfer.reproductions.lm, `structinfer reproduce lm`) in --quick mode: every
 prior trains, is evaluated and reported (table, JSON, plot); the corpus split is by file
 and deterministic; the reported priors are the mechanisms' own."""
 
-import importlib.util
+import importlib
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "reproduce_lm.py"
-
 
 @pytest.fixture(scope="module")
 def lm():
-    spec = importlib.util.spec_from_file_location("reproduce_lm", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce_lm"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("structinfer.reproductions.lm")
 
 
 def test_corpus_is_split_by_file(lm):

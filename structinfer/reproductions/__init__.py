@@ -26,13 +26,18 @@ REPRODUCTIONS: dict[str, str] = {
     "hopfield": "structinfer.reproductions.hopfield",
     "idw": "structinfer.reproductions.idw",
     "mixtures": "structinfer.reproductions.mixtures",
+    "lm": "structinfer.reproductions.lm",
 }
 
 #: the extra that installs the reproductions' optional dependencies
 EXTRA = "examples"
 
-#: the reproductions' optional dependencies: import name -> distribution name
-OPTIONAL_DEPENDENCIES: dict[str, str] = {"optax": "optax", "sklearn": "scikit-learn"}
+#: the reproductions' optional dependencies: import name -> (distribution, extra)
+OPTIONAL_DEPENDENCIES: dict[str, tuple[str, str]] = {
+    "optax": ("optax", EXTRA),
+    "sklearn": ("scikit-learn", EXTRA),
+    "flax": ("flax", "nn"),
+}
 
 
 def describe(module: str) -> str:
@@ -55,5 +60,6 @@ def missing_dependency(error: ModuleNotFoundError) -> str | None:
     top = (error.name or "").split(".")[0]
     if top not in OPTIONAL_DEPENDENCIES:
         return None
-    return (f"{OPTIONAL_DEPENDENCIES[top]}, an optional dependency that is not installed: "
-            f'pip install "structinfer[{EXTRA}]"')
+    dist, extra = OPTIONAL_DEPENDENCIES[top]
+    return (f"{dist}, an optional dependency that is not installed: "
+            f'pip install "structinfer[{extra}]"')

@@ -33,9 +33,9 @@ last position of a window (the posterior of the mechanism with zero scores, read
 ``si.marginals``) — its 95 % window (the smallest ``w`` with ``P(d < w) ≥ 0.95``) and mean
 distance, plus the raw ``q`` / ``(α, β)``.
 
-    python examples/reproduce_lm.py --quick                 # seconds, writes nothing
-    python examples/reproduce_lm.py --quick --out /tmp/lm   # the same, with the outputs (a test)
-    python examples/reproduce_lm.py --out results/lm        # the full run (see --help)
+    structinfer reproduce lm --quick                 # seconds, writes nothing
+    structinfer reproduce lm --quick --out /tmp/lm   # the same, with the outputs (a test)
+    structinfer reproduce lm --out results/lm        # the full run (see --help)
 
 Writes ``results.json``, ``results.md`` (the table) and ``lm.png`` to ``--out`` (default
 ``results/lm``; a ``--quick`` run writes only when ``--out`` is given).
