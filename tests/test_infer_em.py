@@ -126,9 +126,9 @@ def test_energy_em_reaches_the_gmm_maximum_likelihood(x64):
 
     def energy(means, theta):
         prec = jnp.exp(theta["log_prec"])
-        return -si.log_marginal(si.infer.gmm_model, x, means,
+        return -si.log_marginal(si.mechanisms.gaussian_mixture, x, means,
                                 jnp.broadcast_to(prec * jnp.eye(D), (3, D, D)),
-                                jax.nn.softmax(theta["logits"]))
+                                jax.nn.log_softmax(theta["logits"]), normalize=True)
 
     r = np.random.default_rng(6)
     means0 = x[r.choice(n, 3, replace=False)]
