@@ -11,10 +11,9 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-
-import structinfer as si
 from numpyro.handlers import substitute
 
+import structinfer as si
 from structinfer.infer import (
     NonFiniteEnergyError,
     cccp,
