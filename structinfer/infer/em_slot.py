@@ -348,7 +348,8 @@ def run(
             :math:`\sum A (x-\bar x)(x-\bar x)^\top`; use it when a slot's tokens can
             coincide (zero within-slot spread makes the attention arbitrarily sharp).
         tol: relative tolerance for the convergence test above.
-        max_iters: the most EM iterations; stopping there is reported in ``info.status``.
+        max_iters: the most EM iterations; stopping there is reported in
+            ``info.max_iters_reached``.
         raise_on_nonfinite: raise ``NonFiniteEnergyError`` when
             the result is concrete and an energy was not finite.
         rtol: eigenvalue cut-off relative to the largest eigenvalue (pseudo-inverses,

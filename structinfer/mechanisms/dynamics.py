@@ -18,7 +18,8 @@ __all__ = ["switching_linear_dynamics", "dynamic_mixture_attention", "atari_mode
 
 def _transition_scores(x_prev, x_next, A, b, precisions, normalize: bool = False) -> jax.Array:
     r"""``-1/2 (x_{t+1} - A_k x_t - b_k)^T Lambda_k (...)``, shape ``(T-1, K)``; ``Lambda_k``
-    diagonal ``(K, d)`` or full ``(K, d, d)``; ``normalize`` adds ``1/2 ln|Lambda_k| - d/2 ln 2 pi``."""
+    diagonal ``(K, d)`` or full ``(K, d, d)``; ``normalize`` adds
+    ``1/2 ln|Lambda_k| - d/2 ln 2 pi``."""
     resid = x_next[:, None, :] - jnp.einsum("kde,te->tkd", A, x_prev) - b
     full = jnp.ndim(precisions) == 3
     if full:
