@@ -57,7 +57,7 @@ def test_geometric_beta(x64, method):
     s = np.random.default_rng(2).normal(size=(1, 7))
     kw = dict(method=method, offset=6)
     out = mean_field.run(s, 0.3, 1.1, max_iters=100, **kw)
-    ref = iterate_steps(mean_field.init(s, 0.3, 1.1, **kw),
+    ref = iterate_steps(jax.jit(lambda s: mean_field.init(s, 0.3, 1.1, **kw))(s),
                   lambda st: mean_field.step(s, st, 0.3, 1.1, **kw), lambda st: st.energy, 100)
     assert ref[3]
     assert_run_is_iterated_step(out, ref)
