@@ -11,10 +11,10 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from numpyro.handlers import substitute
 
 import structinfer as si
 from structinfer.infer import (
-    MAX_ITERS,
     NonFiniteEnergyError,
     cccp,
     gradient_descent,
@@ -129,7 +129,7 @@ def test_hopfield_retrieval_in_one_step():
     log_z = model_log_z(hopfield, "mu", X, 1.0)
     one, info1 = jax.jit(lambda mu: cccp(log_z, mu, max_iters=1))(xi)
     np.testing.assert_allclose(one.mu, X, atol=1e-3)  # back to the stored patterns
-    assert int(info1.status[()]) == MAX_ITERS and not bool(info1.converged)
+    assert bool(info1.max_iters_reached) and not bool(info1.converged)
     full, info = jax.jit(lambda mu: cccp(log_z, mu, tol=1e-4, max_iters=10))(xi)
     assert bool(info.converged) and int(info.num_steps) == 2  # step 2 confirms the fixed point
 
@@ -145,10 +145,15 @@ def test_slot_attention_competition_over_slots(x64):
     x = centres[labels] + 0.3 * r.normal(size=(2 * n_per, D))
     wk, wq = np.eye(D), np.eye(D)
     mu0 = 0.3 * r.normal(size=(S, D))
-    log_z = model_log_z(si.infer.slot_model, "slots", x, wk=wk, wq=wq)
+    def slots_at(mu):  # the catalogue's slot attention, edge potentials only
+        return substitute(si.mechanisms.slot_attention, data={"slots": mu})
+
+    def log_z(mu):
+        return si.log_marginal(slots_at(mu), x, wq, wk, S, node_potential=False)
+
     st, info = jax.jit(lambda mu: cccp(log_z, mu, tol=1e-9, max_iters=100))(mu0)
     assert bool(info.converged)
-    A = np.asarray(si.marginals(si.infer.slot_model, x, st.mu, wk, wq)["slot"])
+    A = np.asarray(si.marginals(slots_at(st.mu), x, wq, wk, S, node_potential=False)["phi"])
     # the softmax runs over the slots (competition), not over the tokens
     np.testing.assert_allclose(A, softmax(x @ wk.T @ wq @ np.asarray(st.mu).T, axis=1),
                                atol=1e-12)
@@ -265,13 +270,13 @@ def test_nonfinite_energy_names_step_and_site():
     with pytest.raises(NonFiniteEnergyError, match=r"step 1.*'log_barrier'") as err:
         gradient_descent(F, jnp.array([0.5, 0.5, 0.5]), step_size=10.0, max_iters=5)
     assert err.value.step == 1
-    # under jit the loop stops with a status instead; check() raises afterwards
+    # under jit the loop stops with a status instead; raise_on_nonfinite() raises afterwards
     st, info = jax.jit(lambda m: gradient_descent(F, m, step_size=10.0, max_iters=5))(
         jnp.array([0.5, 0.5, 0.5]))
-    assert int(info.status) == si.infer.NONFINITE and int(info.num_steps) == 1
+    assert bool(info.nonfinite) and int(info.num_steps) == 1
     np.testing.assert_allclose(st.mu, [0.5, 0.5, 0.5])  # the last finite state
     with pytest.raises(NonFiniteEnergyError, match="step 1"):
-        si.infer.check(info, "gd")
+        info.raise_on_nonfinite("gd")
 
 
 # ------------------------------------------- laplace: separability decided structurally

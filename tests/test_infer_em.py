@@ -4,10 +4,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_run_is_iterated_step, iterate_steps
 from scipy.stats import multivariate_normal
 
 import structinfer as si
-from structinfer.infer import energy_em, expand, gmm_em, linear_mixture_em, slot_m_step
+from structinfer.infer import (
+    em_gmm,
+    em_linear_mixture,
+    em_slot,
+    energy_em,
+    expand,
+    gmm_em,
+    linear_mixture_em,
+    slot_m_step,
+)
 
 D = 2
 
@@ -47,6 +57,10 @@ def test_gmm_em_matches_plain_em_and_never_decreases(x64):
     e = np.asarray(info.energy[: int(info.num_steps) + 1])
     assert np.all(np.diff(e) <= 1e-9 * np.abs(e).max())
     np.testing.assert_allclose(st.responsibilities.sum(1), 1.0, atol=1e-12)
+    # run is em_gmm.step iterated from em_gmm.init until its convergence rule
+    ref = iterate_steps(jax.jit(em_gmm.init)(x, means0, covs0),
+                        lambda s: em_gmm.step(x, s, tol=1e-12), lambda s: -s.log_likelihood, 40)
+    assert_run_is_iterated_step((st, info), ref)
 
 
 def test_linear_mixture_recovers_modes(x64):
@@ -65,6 +79,10 @@ def test_linear_mixture_recovers_modes(x64):
                                                       tol=1e-12))(u, y)
     e = np.asarray(info.energy[: int(info.num_steps) + 1])
     assert np.all(np.diff(e) <= 1e-9 * np.abs(e).max())
+    ref = iterate_steps(jax.jit(em_linear_mixture.init)(u, y, A0, b0, covs0),
+                        lambda s: em_linear_mixture.step(u, y, s, tol=1e-12),
+                        lambda s: -s.log_likelihood, 60)
+    assert_run_is_iterated_step((st, info), ref)
     np.testing.assert_allclose(st.A, A, atol=0.05)
     np.testing.assert_allclose(st.b, b, atol=0.05)
     np.testing.assert_allclose(np.sqrt(np.diagonal(st.covariances, axis1=1, axis2=2)),
@@ -77,6 +95,33 @@ def test_linear_mixture_recovers_modes(x64):
         sw = np.sqrt(R[:, k])[:, None]
         sol = np.linalg.lstsq(sw * ut, sw * y, rcond=None)[0].T
         np.testing.assert_allclose(sol[:, :2], A_prev[k], atol=1e-6)
+
+
+def test_linear_mixture_e_step_model_is_the_regression_mixture_likelihood(x64):
+    """The E-step's model (the catalogue's switching_linear_dynamics with pairs and the
+    normaliser) against scipy: log Z = sum_t log sum_k w_k N(y_t; A_k u_t + b_k, S_k) and
+    the edge marginals are the responsibilities; full and diagonal precisions."""
+    r = np.random.default_rng(9)
+    T, K, du, dy = 11, 3, 5, 2
+    u, y = r.normal(size=(T, du)), r.normal(size=(T, dy))
+    A, b = r.normal(size=(K, dy, du)), r.normal(size=(K, dy))
+    L = r.normal(size=(K, dy, dy))
+    covs = L @ np.swapaxes(L, 1, 2) + np.eye(dy)
+    w = np.array([0.2, 0.5, 0.3])
+    diag = np.diagonal(covs, axis1=1, axis2=2)
+
+    @jax.jit
+    def engine(p):
+        args = (si.mechanisms.switching_linear_dynamics, u, A, b, p, jnp.log(w))
+        kw = dict(targets=y, normalize=True)
+        return si.log_marginal(*args, **kw), si.marginals(*args, **kw)["mode"]
+
+    for cov, prec in ((covs, np.linalg.inv(covs)), (diag[..., None] * np.eye(dy), 1 / diag)):
+        dens = np.array([[w[k] * multivariate_normal(A[k] @ u[t] + b[k], cov[k]).pdf(y[t])
+                          for k in range(K)] for t in range(T)])
+        log_z, resp = engine(prec)
+        np.testing.assert_allclose(log_z, np.log(dens.sum(1)).sum(), rtol=1e-12)
+        np.testing.assert_allclose(resp, dens / dens.sum(1, keepdims=True), atol=1e-12)
 
 
 def test_slot_m_step_is_weighted_least_squares(x64):
@@ -110,11 +155,15 @@ def test_slot_m_step_is_weighted_least_squares(x64):
 def test_slot_em_runs_and_reports():
     r = np.random.default_rng(4)
     x = np.concatenate([r.normal(size=(7, 3)) + 3, r.normal(size=(7, 3)) - 3]).astype(np.float32)
-    st, info = jax.jit(lambda x: si.infer.slot_em(x, 0.1 * jnp.ones((2, 3)) + jnp.eye(2, 3),
-                                                  jnp.eye(3), jnp.eye(3), e_iters=5,
+    slots0, eye = 0.1 * jnp.ones((2, 3)) + jnp.eye(2, 3), jnp.eye(3)
+    st, info = jax.jit(lambda x: si.infer.slot_em(x, slots0, eye, eye, e_iters=5,
                                                   max_iters=3))(x)
     assert info.energy.shape == (4,) and np.all(np.isfinite(info.energy[: int(info.num_steps) + 1]))
     np.testing.assert_allclose(st.attention.sum(1), 1.0, atol=1e-5)
+    # run is em_slot.step iterated from em_slot.init until its convergence rule
+    init = jax.jit(lambda x: em_slot.init(x, slots0, eye, eye, e_iters=5))
+    ref = iterate_steps(init(x), lambda s: em_slot.step(x, s, e_iters=5), lambda s: s.energy, 3)
+    assert_run_is_iterated_step((st, info), ref, rtol=1e-4)
 
 
 def test_energy_em_reaches_the_gmm_maximum_likelihood(x64):
@@ -126,9 +175,9 @@ def test_energy_em_reaches_the_gmm_maximum_likelihood(x64):
 
     def energy(means, theta):
         prec = jnp.exp(theta["log_prec"])
-        return -si.log_marginal(si.infer.gmm_model, x, means,
+        return -si.log_marginal(si.mechanisms.gaussian_mixture, x, means,
                                 jnp.broadcast_to(prec * jnp.eye(D), (3, D, D)),
-                                jax.nn.softmax(theta["logits"]))
+                                jax.nn.log_softmax(theta["logits"]), normalize=True)
 
     r = np.random.default_rng(6)
     means0 = x[r.choice(n, 3, replace=False)]

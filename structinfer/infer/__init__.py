@@ -1,71 +1,60 @@
 r"""Iterative inference on the collapsed energy (Singh & Buckley sec. 4, 5.2, app. 7.1, 7.3;
 Tschantz, log-sum-exp EM and coordinate ascent).
 
-One algorithm per module, each a pure :func:`jax.lax.while_loop` (jittable,
-vmappable) returning ``(state, info)`` where ``info`` is a :class:`LoopInfo`: the
-free energy at every step, the number of steps, a converged flag and a status
-(converged / stopped at ``max_iters`` / non-finite energy).
+One algorithm per module, each with pure functions over a `NamedTuple` state: `init`,
+`step` (`(state, converged)`) and `run`, which iterates `step` from `init` under
+`jax.lax.while_loop` (jittable, vmappable) until its convergence rule holds or
+`max_iters`, and returns `(state, info)`; `info` is a `LoopInfo`: the free energy at
+every step, the number of steps and why each element stopped (`info.converged`,
+`info.max_iters_reached`, `info.nonfinite`).
 
-* :mod:`~structinfer.infer.collapsed_vi` — :func:`cccp`, :func:`gradient_descent`,
-  :func:`laplace` for latent nodes (Hopfield, slot, block-slot, predictive coding).
-* :mod:`~structinfer.infer.mean_field` — :func:`geometric_beta`, expanding attention.
-* :mod:`~structinfer.infer.em` — :func:`gmm_em`, :func:`linear_mixture_em`,
-  :func:`slot_em`, :func:`energy_em`, :func:`expand`.
-* :mod:`~structinfer.infer.svi`, :mod:`~structinfer.infer.mcmc` — NumPyro SVI
-  (:func:`fit_svi`) and NUTS (:func:`run_nuts`) with the edges enumerated.
+| module | algorithm (`run` exported as) |
+| --- | --- |
+| `convex_concave` | CCCP fixed point for latent nodes (`cccp`, `cccp_init`, `cccp_step`) |
+| `gradient` | gradient descent on the free energy (`gradient_descent`, `gradient_init`, `gradient_step`) |
+| `laplace_approx` | Laplace covariance from the edge posterior (`laplace`; not iterative) |
+| `mean_field` | geometric × Beta mean field, expanding attention (`geometric_beta`) |
+| `em_gmm` | Gaussian-mixture EM (`gmm_em`) |
+| `em_linear_mixture` | linear-mixture / switching-dynamics EM (`linear_mixture_em`) |
+| `em_slot` | slot-attention EM (`slot_em`; `slot_m_step`) |
+| `em_energy` | the general log-sum-exp EM (`energy_em`) |
+| `expansion` | Bayesian model expansion (`expand`; a scan, not iterative) |
+| `svi`, `mcmc` | NumPyro SVI (`fit_svi`) and NUTS (`run_nuts`) with the edges enumerated |
+
+The EM algorithms run their E-steps on the catalogue's models
+(`structinfer.mechanisms.gaussian_mixture`, `switching_linear_dynamics`,
+`slot_attention`) through the exact engine.
 """
 
-from ._loop import (
-    CONVERGED,
-    MAX_ITERS,
-    NONFINITE,
-    LoopInfo,
-    NonFiniteEnergyError,
-    check,
-    run_loop,
-)
-from ._model_fn import ModelFunction, model_energy, model_log_z
-from .collapsed_vi import (
-    CCCPState,
-    GradientState,
-    LaplaceResult,
-    cccp,
-    cccp_init,
-    cccp_step,
-    gradient_descent,
-    gradient_init,
-    gradient_step,
-    laplace,
-)
-from .em import (
-    EMState,
-    ExpansionResult,
-    GMMState,
-    LinearMixtureState,
-    SlotState,
-    energy_em,
-    expand,
-    gmm_em,
-    gmm_model,
-    linear_mixture_em,
-    linear_mixture_model,
-    slot_em,
-    slot_m_step,
-    slot_model,
-)
+from ._loop import LoopInfo, NonFiniteEnergyError
+from ._model_fn import model_energy, model_log_z
+from .convex_concave import CCCPState
+from .convex_concave import init as cccp_init
+from .convex_concave import run as cccp
+from .convex_concave import step as cccp_step
+from .em_energy import EMState
+from .em_energy import run as energy_em
+from .em_gmm import GMMState
+from .em_gmm import run as gmm_em
+from .em_linear_mixture import LinearMixtureState
+from .em_linear_mixture import run as linear_mixture_em
+from .em_slot import SlotState
+from .em_slot import m_step as slot_m_step
+from .em_slot import run as slot_em
+from .expansion import ExpansionResult, expand
+from .gradient import GradientState
+from .gradient import init as gradient_init
+from .gradient import run as gradient_descent
+from .gradient import step as gradient_step
+from .laplace_approx import LaplaceResult, laplace
 from .mcmc import posterior_marginals, run_nuts
-from .mean_field import GeoBetaState, geometric_beta, geometric_beta_free_energy, horizon
+from .mean_field import GeoBetaState, geometric_beta_free_energy, horizon
+from .mean_field import run as geometric_beta
 from .svi import SVIFit, conditional_edge, fit_svi, hide_edges
 
 __all__ = [
     "LoopInfo",
     "NonFiniteEnergyError",
-    "CONVERGED",
-    "MAX_ITERS",
-    "NONFINITE",
-    "check",
-    "run_loop",
-    "ModelFunction",
     "model_energy",
     "model_log_z",
     "CCCPState",
@@ -83,13 +72,10 @@ __all__ = [
     "geometric_beta_free_energy",
     "horizon",
     "GMMState",
-    "gmm_model",
     "gmm_em",
     "LinearMixtureState",
-    "linear_mixture_model",
     "linear_mixture_em",
     "SlotState",
-    "slot_model",
     "slot_m_step",
     "slot_em",
     "EMState",

@@ -15,7 +15,9 @@ from ..exact import inspect_model
 from ..handlers import require_values
 
 
-def _bad_leaf(tree: Any) -> str | None:
+def bad_leaf(tree: Any) -> str | None:
+    """The path and kind (`NaN` / `inf`) of the first floating leaf of `tree` that is not
+    finite, or None."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     for path, leaf in leaves:
         try:
@@ -35,11 +37,11 @@ def nonfinite_site(model: Callable, *args, **kwargs) -> str | None:
     Runs the model eagerly under funsor enumeration; meant for error messages only.
     """
     for i, a in enumerate(args):
-        bad = _bad_leaf(a)
+        bad = bad_leaf(a)
         if bad:
             return f"model argument {i} ({bad})"
     for k, a in kwargs.items():
-        bad = _bad_leaf(a)
+        bad = bad_leaf(a)
         if bad:
             return f"model argument '{k}' ({bad})"
     args, kwargs = as_arrays(args, kwargs)
@@ -57,7 +59,7 @@ def nonfinite_site(model: Callable, *args, **kwargs) -> str | None:
             continue
         value = site["value"]
         if not site["is_observed"] and name not in info.enumerated:
-            bad = _bad_leaf(value)
+            bad = bad_leaf(value)
             if bad:
                 return f"'{name}' (its value {bad})"
         lp = np.asarray(site["fn"].log_prob(value))

@@ -1,18 +1,20 @@
-r"""The loop every iterative algorithm in :mod:`structinfer.infer` runs on.
+r"""The loop every iterative algorithm in `structinfer.infer` runs on (not user API).
 
-Each algorithm supplies a pure ``step(state) -> (state, energy, converged)``; the
-driver runs it with :func:`jax.lax.while_loop`, records the free energy after
-every step in a fixed-size buffer, and stops
+Each algorithm's `run` supplies a pure `step(state) -> (state, energy, converged)`;
+`run_loop` runs it with `jax.lax.while_loop`, records the free energy after every
+step in a fixed-size buffer, and stops
 
-* when every batch element has converged (status :data:`CONVERGED`),
-* at ``max_iters`` (status :data:`MAX_ITERS`: reported, never hidden), or
-* when an element's energy is not finite (status :data:`NONFINITE`): that element
-  keeps its last finite state, and :func:`check` raises
-  :class:`NonFiniteEnergyError` naming the step (and, when the algorithm can
-  tell, the site) once the result is concrete.
+* when every batch element has converged (status `CONVERGED`),
+* at `max_iters` (status `MAX_ITERS`: reported, never hidden), or
+* when an element's energy is not finite (status `NONFINITE`): that element keeps
+  its last finite state, and `check` raises `NonFiniteEnergyError` naming the step
+  (and, when the algorithm can tell, the site) once the result is concrete.
 
-Batched problems (leading ``batch_shape`` on the state and the energy) converge
-per element: an element that has converged is frozen while the others go on.
+Batched problems (leading `batch_shape` on the state and the energy) converge per
+element: an element that has converged is frozen while the others go on.
+
+Users read the outcome from `LoopInfo` (`converged`, `max_iters_reached`,
+`nonfinite`, `raise_on_nonfinite()`); the integer status codes stay here.
 """
 
 from __future__ import annotations
@@ -46,13 +48,16 @@ _STATUS_NAMES = {RUNNING: "running", CONVERGED: "converged", MAX_ITERS: "max_ite
 class LoopInfo(NamedTuple):
     """What an iterative algorithm reports besides its result.
 
+    Every element stops for exactly one reason: `converged`, `max_iters_reached` or
+    `nonfinite` (the properties below) is True for it.
+
     Attributes:
-        energy: ``(*batch, max_iters + 1)`` free energy before the first step
+        energy: `(*batch, max_iters + 1)` free energy before the first step
             (index 0) and after each step; entries after an element stopped are NaN.
-        num_steps: ``(*batch,)`` int32, steps taken by each element.
-        converged: ``(*batch,)`` bool, True where the tolerance was met.
-        status: ``(*batch,)`` int32: 1 converged, 2 stopped at ``max_iters``,
-            3 stopped on a non-finite energy (see :func:`check`).
+        num_steps: `(*batch,)` int32, steps taken by each element.
+        converged: `(*batch,)` bool, True where the tolerance was met.
+        status: `(*batch,)` int32: 1 converged, 2 stopped at `max_iters`,
+            3 stopped on a non-finite energy (read it through the properties).
     """
 
     energy: jax.Array
@@ -60,10 +65,37 @@ class LoopInfo(NamedTuple):
     converged: jax.Array
     status: jax.Array
 
+    @property
+    def max_iters_reached(self) -> jax.Array:
+        """`(*batch,)` bool: stopped at `max_iters` without meeting the tolerance."""
+        return jnp.asarray(self.status) == MAX_ITERS
+
+    @property
+    def nonfinite(self) -> jax.Array:
+        """`(*batch,)` bool: stopped on a NaN or infinite energy (the state returned is
+        the element's last one with a finite energy)."""
+        return jnp.asarray(self.status) == NONFINITE
+
     def final_energy(self) -> jax.Array:
-        """The energy after the last step taken, ``(*batch,)``."""
+        """The energy after the last step taken, `(*batch,)`."""
         idx = jnp.asarray(self.num_steps)[..., None]
         return jnp.take_along_axis(self.energy, idx, axis=-1)[..., 0]
+
+    def raise_on_nonfinite(self, algorithm: str = "iterative inference") -> None:
+        """Raise `NonFiniteEnergyError` (naming the step and batch element) if some
+        element stopped on a non-finite energy.
+
+        Every algorithm does this itself on a concrete result; under `jax.jit` it
+        returns the status instead, so call this on the concrete `info` afterwards.
+        Does nothing while traced.
+
+        Args:
+            algorithm: the name used in the message.
+
+        Raises:
+            NonFiniteEnergyError: when `nonfinite` is True somewhere.
+        """
+        check(self, algorithm)
 
 
 class NonFiniteEnergyError(FloatingPointError):

@@ -42,6 +42,9 @@ objective; its reported energy is the collapsed energy at :math:`q_t`.
 
 Both run batched over any leading dims (batch, heads) and the queries, each
 query stopping on its own; the final window :math:`H` of each query is returned.
+
+``init``, ``step`` and ``run`` (exported as ``structinfer.infer.geometric_beta``) are
+pure functions of a :class:`GeoBetaState`.
 """
 
 from __future__ import annotations
@@ -57,11 +60,11 @@ from .._checks import as_float_array, check_ndim, is_concrete
 from ..scores import Score
 from ._loop import LoopInfo, check, run_loop
 
-__all__ = ["GeoBetaState", "geometric_beta", "horizon", "geometric_beta_free_energy"]
+__all__ = ["GeoBetaState", "horizon", "geometric_beta_free_energy", "init", "step", "run"]
 
 
 class GeoBetaState(NamedTuple):
-    r"""State of :func:`geometric_beta` (batch shape ``(..., children)``).
+    r"""State of `structinfer.infer.geometric_beta` (batch shape `(..., children)`).
 
     Attributes:
         attention: ``(..., children, parents)`` :math:`r(\phi_i = j)`.
@@ -127,53 +130,19 @@ def geometric_beta_free_energy(scores, attention, alpha, beta, alpha0, beta0, st
     return -(lik + prior + ent_r + _beta_entropy(alpha, beta))
 
 
-def geometric_beta(
-    scores,
-    alpha0=0.1,
-    beta0=0.9,
-    *,
-    method: str = "exact",
-    include_self: bool = True,
-    offset: int = 0,
-    max_distance: int | None = None,
-    mass: float = 0.95,
-    tol: float | None = None,
-    max_iters: int = 100,
-    raise_on_nonfinite: bool = True,
-) -> tuple[GeoBetaState, LoopInfo]:
-    r"""Expanding attention: mean-field inference of the edges and the geometric rate.
+class _Problem(NamedTuple):
+    """The scores and the parent layout, checked and cast once per call."""
 
-    See the module docstring for the model and both updates.
+    scores: jax.Array  # (..., children, parents)
+    alpha0: jax.Array  # (..., children)
+    beta0: jax.Array
+    steps: jax.Array  # (children, parents) k_ij
+    allowed: jax.Array  # (children, parents) bool
 
-    Args:
-        scores: ``(..., children, parents)`` log-potentials :math:`s_{ij}` (e.g.
-            ``q k^T / sqrt(d)``) or a :class:`structinfer.scores.Score`.
-        alpha0, beta0: Beta hyper-prior, broadcasting against ``(..., children)``
-            (the paper uses 0.1, 0.9).
-        method: ``"exact"`` (conjugate coordinate ascent) or ``"plugin"`` (Algorithm 3).
-        include_self, offset, max_distance: the parent layout, as in
-            :class:`structinfer.priors.Geometric`.
-        mass: prior mass kept by the horizon :math:`H(q)` (0.95 in the paper).
-        tol: a query has converged when its attention moves by at most ``tol`` and its
-            window stays put (default ``1e-6`` exact; ``1e-3`` plug-in, whose
-            accumulating pseudo-counts move :math:`q_t` by :math:`O(1/t)` per step).
-        max_iters: the most iterations (queries still moving are reported as
-            ``info.status == 2``).
-        raise_on_nonfinite: raise on a non-finite energy when the result is concrete.
 
-    Returns:
-        ``(GeoBetaState, LoopInfo)``, both with batch shape ``(..., children)``.
-        ``info.energy[..., t]`` is the free energy after iteration ``t`` (``t = 0``:
-        the prior factor :math:`\mathrm{Beta}(\alpha_0, \beta_0)`) (exact: the
-        mean-field :math:`-\mathrm{ELBO}`, non-increasing; plug-in: the collapsed
-        energy :math:`-\ln\sum_{k<H_t} e^{s + \ln q_t + k\ln(1-q_t)}`).
-
-    Cost: :math:`O(n m)` per iteration on the cached scores.
-    """
+def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass) -> _Problem:
     if method not in ("exact", "plugin"):
         raise ValueError(f"geometric_beta: method must be 'exact' or 'plugin', got {method!r}")
-    if tol is None:
-        tol = 1e-6 if method == "exact" else 1e-3
     if not 0.0 < mass < 1.0:
         raise ValueError(f"geometric_beta: mass must lie in (0, 1), got {mass}")
     s = scores.dense() if isinstance(scores, Score) else as_float_array(scores, "geometric_beta: scores")
@@ -193,44 +162,152 @@ def geometric_beta(
             f"geometric_beta: child {int(np.argmax(empty))} has no allowed parent "
             f"(include_self={include_self}, offset={offset}, max_distance={max_distance})"
         )
-    steps = jnp.asarray(steps_np, dtype)
-    allowed = jnp.asarray(allowed_np)
-    neg_inf = jnp.asarray(-jnp.inf, dtype)
+    return _Problem(s, a0, b0, jnp.asarray(steps_np, dtype), jnp.asarray(allowed_np))
 
-    def attend(log_decay, window):
-        mask = allowed if window is None else allowed & (steps < window[..., None])
-        logits = jnp.where(mask, s + steps * log_decay[..., None], neg_inf)
-        return jax.nn.softmax(logits, -1), logits
 
-    def exact_factors(alpha, beta):
-        r, _ = attend(digamma(beta) - digamma(alpha + beta), None)
-        e = geometric_beta_free_energy(s, r, alpha, beta, a0, b0, steps, allowed)
+def _attend(p: _Problem, log_decay, window):
+    mask = p.allowed if window is None else p.allowed & (p.steps < window[..., None])
+    logits = jnp.where(mask, p.scores + p.steps * log_decay[..., None],
+                       jnp.asarray(-jnp.inf, p.scores.dtype))
+    return jax.nn.softmax(logits, -1), logits
+
+
+def _factors(p: _Problem, alpha, beta, method: str, mass: float) -> GeoBetaState:
+    """The attention, window and energy that the Beta factor (alpha, beta) implies."""
+    if method == "exact":
+        r, _ = _attend(p, digamma(beta) - digamma(alpha + beta), None)
+        e = geometric_beta_free_energy(p.scores, r, alpha, beta, p.alpha0, p.beta0, p.steps,
+                                       p.allowed)
         win = horizon(alpha / (alpha + beta), mass).astype(jnp.int32)
         return GeoBetaState(r, alpha, beta, win, e)
+    q = alpha / (alpha + beta)
+    win = horizon(q, mass)
+    r, logits = _attend(p, jnp.log1p(-q), win)
+    e = -jax.nn.logsumexp(logits + jnp.log(q)[..., None], -1)
+    return GeoBetaState(r, alpha, beta, win.astype(jnp.int32), e)
 
-    def plugin_factors(alpha, beta):
-        q = alpha / (alpha + beta)
-        win = horizon(q, mass)
-        r, logits = attend(jnp.log1p(-q), win)
-        e = -jax.nn.logsumexp(logits + jnp.log(q)[..., None], -1)
-        return GeoBetaState(r, alpha, beta, win.astype(jnp.int32), e)
 
-    factors = exact_factors if method == "exact" else plugin_factors
+def _default_tol(method: str, tol: float | None) -> float:
+    return (1e-6 if method == "exact" else 1e-3) if tol is None else tol
 
-    def step(st: GeoBetaState):
-        ek = jnp.sum(st.attention * steps, -1)
-        if method == "exact":  # q-factor given r, then r given the q-factor
-            alpha, beta = a0 + 1.0, b0 + ek
-        else:  # Algorithm 3: accumulate pseudo-counts
-            alpha, beta = st.alpha + 1.0, st.beta + ek
-        new = factors(alpha, beta)
-        conv = (jnp.max(jnp.abs(new.attention - st.attention), -1) <= tol) & (
-            new.window == st.window)
+
+def _step(p: _Problem, st: GeoBetaState, method: str, mass: float, tol: float):
+    ek = jnp.sum(st.attention * p.steps, -1)
+    if method == "exact":  # q-factor given r, then r given the q-factor
+        alpha, beta = p.alpha0 + 1.0, p.beta0 + ek
+    else:  # Algorithm 3: accumulate pseudo-counts
+        alpha, beta = st.alpha + 1.0, st.beta + ek
+    new = _factors(p, alpha, beta, method, mass)
+    conv = (jnp.max(jnp.abs(new.attention - st.attention), -1) <= tol) & (
+        new.window == st.window)
+    return new, conv
+
+
+def init(
+    scores,
+    alpha0=0.1,
+    beta0=0.9,
+    *,
+    method: str = "exact",
+    include_self: bool = True,
+    offset: int = 0,
+    max_distance: int | None = None,
+    mass: float = 0.95,
+) -> GeoBetaState:
+    r"""The initial factors: $\mathrm{Beta}(\alpha_0, \beta_0)$ for $q$ and the attention
+    it implies (arguments as in `run`).
+
+    Returns:
+        The `GeoBetaState` before the first iteration.
+    """
+    p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
+    return _factors(p, p.alpha0, p.beta0, method, mass)
+
+
+def step(
+    scores,
+    state: GeoBetaState,
+    alpha0=0.1,
+    beta0=0.9,
+    *,
+    method: str = "exact",
+    include_self: bool = True,
+    offset: int = 0,
+    max_distance: int | None = None,
+    mass: float = 0.95,
+    tol: float | None = None,
+) -> tuple[GeoBetaState, jax.Array]:
+    r"""One mean-field iteration (module docstring; arguments as in `run`).
+
+    Exact: $\alpha = \alpha_0 + 1$, $\beta = \beta_0 + \sum_j r_{ij}k_{ij}$, then the
+    attention given the new factor. Plug-in (Algorithm 3): $\alpha \leftarrow \alpha + 1$,
+    $\beta \leftarrow \beta + \sum_{k<H} r_{ij}k_{ij}$, then the windowed attention at
+    $q = \alpha/(\alpha+\beta)$.
+
+    Returns:
+        `(new_state, converged)`, `converged` `(..., children)`: the attention moved by
+        at most `tol` and the window stayed put.
+    """
+    p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
+    return _step(p, state, method, mass, _default_tol(method, tol))
+
+
+def run(
+    scores,
+    alpha0=0.1,
+    beta0=0.9,
+    *,
+    method: str = "exact",
+    include_self: bool = True,
+    offset: int = 0,
+    max_distance: int | None = None,
+    mass: float = 0.95,
+    tol: float | None = None,
+    max_iters: int = 100,
+    raise_on_nonfinite: bool = True,
+) -> tuple[GeoBetaState, LoopInfo]:
+    r"""Expanding attention: mean-field inference of the edges and the geometric rate.
+
+    See the module docstring for the model and both updates.
+
+    Args:
+        scores: `(..., children, parents)` log-potentials $s_{ij}$ (e.g.
+            `q k^T / sqrt(d)`) or a `structinfer.scores.Score`.
+        alpha0, beta0: Beta hyper-prior, broadcasting against `(..., children)`
+            (the paper uses 0.1, 0.9).
+        method: `"exact"` (conjugate coordinate ascent) or `"plugin"` (Algorithm 3).
+        include_self, offset, max_distance: the parent layout, as in
+            `structinfer.priors.Geometric`.
+        mass: prior mass kept by the horizon $H(q)$ (0.95 in the paper).
+        tol: a query has converged when its attention moves by at most `tol` and its
+            window stays put (default `1e-6` exact; `1e-3` plug-in, whose accumulating
+            pseudo-counts move $q_t$ by $O(1/t)$ per step).
+        max_iters: the most iterations (queries still moving are reported in
+            `info.max_iters_reached`).
+        raise_on_nonfinite: raise on a non-finite energy when the result is concrete.
+
+    Returns:
+        `(GeoBetaState, LoopInfo)`, both with batch shape `(..., children)`.
+        `info.energy[..., t]` is the free energy after iteration `t` (`t = 0`: the
+        prior factor $\mathrm{Beta}(\alpha_0, \beta_0)$) (exact: the mean-field
+        $-\mathrm{ELBO}$, non-increasing; plug-in: the collapsed energy
+        $-\ln\sum_{k<H_t} e^{s + \ln q_t + k\ln(1-q_t)}$).
+
+    Raises:
+        ValueError: an unknown `method`, `mass` outside (0, 1), non-positive
+            `alpha0`/`beta0` (concrete values), or a child with no allowed parent.
+
+    Cost: $O(n m)$ per iteration on the cached scores.
+    """
+    p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
+    tol = _default_tol(method, tol)
+
+    def body(st: GeoBetaState):
+        new, conv = _step(p, st, method, mass, tol)
         return new, new.energy, conv
 
-    # initial factors: Beta(alpha0, beta0) for q and the attention it implies
-    state = factors(a0, b0)
-    state, info = run_loop(step, state, state.energy, max_iters)
+    state = _factors(p, p.alpha0, p.beta0, method, mass)
+    state, info = run_loop(body, state, state.energy, max_iters)
     if raise_on_nonfinite:
         check(info, f"geometric_beta ({method})", "edge scores (check them for NaN/inf)")
     return state, info

@@ -36,7 +36,7 @@ from numpyro.infer.autoguide import AutoDelta, AutoNormal
 from ..primitives import edge, is_enumerated
 from ..priors import as_prior
 from ..scores import as_score
-from ._diagnose import _bad_leaf, nonfinite_site
+from ._diagnose import bad_leaf, nonfinite_site
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["conditional_edge", "NORMALIZER_SUFFIX", "SVIFit", "fit_svi", "hide_edges"]
@@ -177,7 +177,7 @@ def fit_svi(
         def site(_):
             bad_state, _ = svi.update(state, *args, **kwargs)  # the failing update, eagerly
             params = svi.get_params(bad_state)
-            bad = _bad_leaf(params)
+            bad = bad_leaf(params)
             if bad:
                 return f"parameter {bad}"
             values = dict(params)

@@ -3,6 +3,8 @@ dynamic mixture attention and the "Atari" model (Tschantz v2 secs. 7, 10; slides
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpyro
@@ -14,16 +16,28 @@ from ._common import check_matrix, features, latent_nodes
 __all__ = ["switching_linear_dynamics", "dynamic_mixture_attention", "atari_model"]
 
 
-def _transition_scores(x_prev, x_next, A, b, precisions) -> jax.Array:
-    r"""``-1/2 (x_{t+1} - A_k x_t - b_k)^T Lambda_k (...)``, shape ``(T-1, K)``."""
+def _transition_scores(x_prev, x_next, A, b, precisions, normalize: bool = False) -> jax.Array:
+    r"""``-1/2 (x_{t+1} - A_k x_t - b_k)^T Lambda_k (...)``, shape ``(T-1, K)``; ``Lambda_k``
+    diagonal ``(K, d)`` or full ``(K, d, d)``; ``normalize`` adds
+    ``1/2 ln|Lambda_k| - d/2 ln 2 pi``."""
     resid = x_next[:, None, :] - jnp.einsum("kde,te->tkd", A, x_prev) - b
-    return -0.5 * jnp.sum(resid * resid * precisions, -1)
+    full = jnp.ndim(precisions) == 3
+    if full:
+        s = -0.5 * jnp.einsum("tkd,kde,tke->tk", resid, precisions, resid)
+    else:
+        s = -0.5 * jnp.sum(resid * resid * precisions, -1)
+    if normalize:
+        logdet = jnp.linalg.slogdet(precisions)[1] if full else jnp.sum(jnp.log(precisions), -1)
+        s = s + 0.5 * logdet - 0.5 * x_next.shape[-1] * math.log(2 * math.pi)
+    return s
 
 
-def _check_modes(A, b, d, name):
-    if A.ndim != 3 or A.shape[1:] != (d, d) or b.shape != (A.shape[0], d):
+def _check_modes(A, b, d, name, d_in=None):
+    d_in = d if d_in is None else d_in
+    if A.ndim != 3 or A.shape[1:] != (d, d_in) or b.shape != (A.shape[0], d):
         raise ValueError(
-            f"{name}: expected A (K, {d}, {d}) and b (K, {d}), got {tuple(A.shape)} and {tuple(b.shape)}"
+            f"{name}: expected A (K, {d}, {d_in}) and b (K, {d}), got {tuple(A.shape)} and "
+            f"{tuple(b.shape)}"
         )
 
 
@@ -33,6 +47,9 @@ def switching_linear_dynamics(
     b: jax.Array,
     precisions: jax.Array,
     log_weights: jax.Array,
+    *,
+    targets: jax.Array | None = None,
+    normalize: bool = False,
 ) -> None:
     r"""Switching linear dynamical system: each transition takes one dynamical mode.
 
@@ -45,7 +62,7 @@ def switching_linear_dynamics(
 
     Potentials:
         $-\tfrac12 r_{tk}^\top \Sigma_k^{-1} r_{tk}$ with
-        $r_{tk} = x_{t+1} - A_k x_t - b_k$ (diagonal $\Sigma_k^{-1}$).
+        $r_{tk} = x_{t+1} - A_k x_t - b_k$ (diagonal or full $\Sigma_k^{-1}$).
 
     Value:
         $\alpha_{tk} = \mathrm{softmax}_k(\ln\pi_k - \tfrac12 r^\top\Sigma_k^{-1} r)$;
@@ -56,23 +73,50 @@ def switching_linear_dynamics(
         r_{tk}$ (as parent). v1/v2 print both state terms with the opposite sign; a middle
         state receives both terms.
 
+    With ``targets`` the transitions are given as pairs: ``x`` holds the inputs
+    $u_t$ and ``targets`` the children $y_t$, $r_{tk} = y_t - A_k u_t - b_k$
+    — a mixture of linear regressions (the time series is ``x[:-1]``, ``x[1:]``; this is
+    the model [`linear_mixture_em`][structinfer.infer.linear_mixture_em] fits). ``normalize=True`` adds
+    $\tfrac12\ln|\Sigma_k^{-1}| - \tfrac d2\ln 2\pi$, so that the energy is
+    $-\ln p(y \mid u)$.
+
     Args:
-        x: the time series ``(T, d)``.
-        A: mode dynamics $A_k$, ``(K, d, d)``.
+        x: the time series ``(T, d)``; with ``targets``, the inputs ``(T, d_u)``.
+        A: mode dynamics $A_k$, ``(K, d, d)`` (with ``targets``: ``(K, d_y, d_u)``).
         b: mode offsets $b_k$, ``(K, d)``.
-        precisions: diagonal precisions $\Sigma_k^{-1}$, ``(K, d)``.
-        log_weights: mode log-weights $\ln \pi_k$, ``(K,)``.
+        precisions: precisions $\Sigma_k^{-1}$, diagonal ``(K, d)`` or full ``(K, d, d)``.
+        log_weights: mode log-weights $\ln \pi_k$, ``(K,)`` (normalised; ``-inf`` switches
+            a mode off).
+        targets: optional ``(T, d_y)`` children paired with the rows of ``x``.
+        normalize: include the Gaussian normaliser.
 
     Sites:
-        ``mode`` (edge, children = transitions ``t = 1..T-1``).
+        ``mode`` (edge, children = transitions ``t = 1..T-1``, or the rows of ``targets``).
 
     Reference:
         Tschantz v2 sec. 10 (eq. 32) and appendix B.
     """
     x = features(x, "x", "switching_linear_dynamics")
-    _check_modes(A, b, x.shape[-1], "switching_linear_dynamics")
-    table = _transition_scores(x[:-1], x[1:], A, b, precisions)
-    with numpyro.plate("transitions", x.shape[-2] - 1):
+    if targets is None:
+        _check_modes(A, b, x.shape[-1], "switching_linear_dynamics")
+        inputs, children = x[:-1], x[1:]
+    else:
+        children = features(targets, "targets", "switching_linear_dynamics")
+        if children.shape[-2] != x.shape[-2]:
+            raise ValueError(
+                f"switching_linear_dynamics: x (inputs) has {x.shape[-2]} rows but targets "
+                f"{children.shape[-2]}; they must pair up"
+            )
+        _check_modes(A, b, children.shape[-1], "switching_linear_dynamics", x.shape[-1])
+        inputs = x
+    k, dy = A.shape[0], children.shape[-1]
+    if jnp.shape(precisions) not in ((k, dy), (k, dy, dy)):
+        raise ValueError(
+            f"switching_linear_dynamics: precisions must be diagonal ({k}, {dy}) or full "
+            f"({k}, {dy}, {dy}), got {tuple(jnp.shape(precisions))}"
+        )
+    table = _transition_scores(inputs, children, A, b, precisions, normalize)
+    with numpyro.plate("transitions", children.shape[-2]):
         edge("mode", priors.Categorical(log_weights), table)
 
 

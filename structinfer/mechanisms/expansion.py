@@ -3,6 +3,8 @@ r"""Bayesian model expansion: add a parent when a new child is poorly explained
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpyro
@@ -12,7 +14,7 @@ from ..exact import energy
 from ..primitives import edge
 from ._common import features
 
-__all__ = ["expandable_mixture", "expand_components"]
+__all__ = ["expandable_mixture", "expand_components", "add_component"]
 
 
 def expandable_mixture(
@@ -63,6 +65,41 @@ def expandable_mixture(
         )
 
 
+def add_component(
+    components: Any, active: jax.Array, row: Any, grow: jax.Array
+) -> tuple[Any, jax.Array, jax.Array]:
+    r"""The expansion step on a fixed-capacity buffer: when `grow` and a slot is free,
+    the first free slot becomes `row` and active.
+
+    $$\text{grow} \wedge \exists k: \neg\,\text{active}_k \;\Rightarrow\;
+    z_{k^*} \leftarrow \text{row},\ \text{active}_{k^*} \leftarrow \text{True},
+    \quad k^* = \min\{k : \neg\,\text{active}_k\}.$$
+
+    The one implementation of model expansion: `expand_components` (this mixture's
+    energy) and `structinfer.infer.expand` (any similarity, a scan over children) both
+    call it. Jittable; nothing changes when the buffer is full.
+
+    Args:
+        components: a pytree of `(K_max, ...)` arrays.
+        active: boolean `(K_max,)`.
+        row: a pytree like one row of `components`.
+        grow: boolean scalar, whether a component is wanted.
+
+    Returns:
+        `(components, active, added)`; `added` is False when `grow` is False or the
+        buffer is full.
+    """
+    active = jnp.asarray(active)
+    free = ~active
+    added = grow & jnp.any(free)
+    slot = jnp.argmax(free)
+    components = jax.tree.map(
+        lambda c, r: jnp.where(added, jnp.asarray(c).at[slot].set(jnp.asarray(r, c.dtype)), c),
+        components, row)
+    active = jnp.where(added, active.at[slot].set(True), active)
+    return components, active, added
+
+
 def expand_components(
     x_new: jax.Array,
     components: jax.Array,
@@ -80,7 +117,8 @@ def expand_components(
     $$
 
     The energy is that of [`expandable_mixture`][structinfer.mechanisms.expandable_mixture] for the single point, computed by the
-    exact engine (it includes the prior's $\ln K_{\mathrm{active}}$). Jittable: the
+    exact engine (it includes the prior's $\ln K_{\mathrm{active}}$); the step is
+    [`add_component`][structinfer.mechanisms.expansion.add_component]. Jittable: the
     buffer has a fixed capacity; when it is full nothing is added.
 
     Args:
@@ -99,10 +137,7 @@ def expand_components(
     x_new = jnp.asarray(x_new)
     if x_new.ndim != 1:
         raise ValueError(f"expand_components: x_new must be one point (d,), got {x_new.shape}")
+    components, active = jnp.asarray(components), jnp.asarray(active)
     e_new = energy(expandable_mixture, x_new[None], components, active, precision)
-    free = ~active
-    grow = (e_new > tau) & jnp.any(free)
-    slot = jnp.argmax(free)
-    components = jnp.where(grow, components.at[slot].set(x_new), components)
-    active = jnp.where(grow, active.at[slot].set(True), active)
+    components, active, _ = add_component(components, active, x_new, e_new > tau)
     return components, active, e_new

@@ -20,6 +20,7 @@ def slot_attention(
     wk: jax.Array,
     num_slots: int,
     node_potential: bool = True,
+    slot_dim: int | None = None,
 ) -> None:
     r"""Slot attention: each observed token takes one latent slot as its parent.
 
@@ -42,13 +43,14 @@ def slot_attention(
 
     Args:
         x: tokens ``(N, d)``.
-        wq: slot projection $W_Q$, ``(d_k, d)``.
+        wq: slot projection $W_Q$, ``(d_k, d_z)``.
         wk: token projection $W_K$, ``(d_k, d)``.
         num_slots: the number of slots $S$.
         node_potential: add the unit quadratic node potential on slots.
+        slot_dim: ``d_z``, the slots' feature size (default ``d``, the tokens').
 
     Sites:
-        ``slots`` (latent ``(S, d)``: give it a value), ``phi`` (edge, children = tokens).
+        ``slots`` (latent ``(S, d_z)``: give it a value), ``phi`` (edge, children = tokens).
 
     Reference:
         Singh & Buckley sec. 4.3; Locatello et al. "Object-centric learning with slot
@@ -57,8 +59,9 @@ def slot_attention(
     x = features(x, "x", "slot_attention")
     d = x.shape[-1]
     check_static_int(num_slots, "num_slots", "slot_attention")
-    check_matrix(wq, "wq", "slot_attention", d)
+    dz = d if slot_dim is None else check_static_int(slot_dim, "slot_dim", "slot_attention")
+    check_matrix(wq, "wq", "slot_attention", dz)
     check_matrix(wk, "wk", "slot_attention", d)
-    slots = latent_nodes("slots", (num_slots, d), 1.0 if node_potential else None, x.dtype)
+    slots = latent_nodes("slots", (num_slots, dz), 1.0 if node_potential else None, x.dtype)
     with numpyro.plate("tokens", x.shape[-2]):
         edge("phi", priors.Uniform(num_slots), scores.Dot(x @ wk.T, slots @ wq.T))

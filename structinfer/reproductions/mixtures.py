@@ -54,17 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
+from numpyro.handlers import substitute
 
 from structinfer import edge, log_marginal, marginals
-from structinfer.infer import (
-    cccp,
-    gmm_em,
-    linear_mixture_em,
-    run_loop,
-    slot_em,
-    slot_m_step,
-    slot_model,
-)
+from structinfer.infer import cccp, gmm_em, linear_mixture_em, slot_em, slot_m_step
+from structinfer.mechanisms import slot_attention
 from structinfer.priors import Uniform
 from structinfer.scores import NegSqDist
 
@@ -130,9 +124,35 @@ def make_scene(seed: int):
     return x, labels, slots0, wk, wq
 
 
+def paper_slot_model(x, slots, wk, wq):
+    r"""The paper's slot attention (``structinfer.mechanisms.slot_attention``, Dot potentials)
+    at the slot values ``slots``, without its node potential (CCCP adds ½‖μ‖²)."""
+    model = substitute(slot_attention, data={"slots": slots})
+    return model(x, wq, wk, slots.shape[-2], node_potential=False, slot_dim=slots.shape[-1])
+
+
+def iterate(step, state, energy0, max_iters):
+    """Iterate ``step(state) -> (state, energy, converged)`` under ``jax.lax.while_loop``
+    until it converges or ``max_iters``: ``(state, energies, num_steps)``, ``energies[t]``
+    the energy after ``t`` steps (NaN past the last)."""
+    trace = jnp.full(max_iters + 1, jnp.nan, jnp.result_type(energy0)).at[0].set(energy0)
+
+    def cond(c):
+        k, _, _, done = c
+        return (k < max_iters) & ~done
+
+    def body(c):
+        k, st, tr, _ = c
+        st, e, conv = step(st)
+        return k + 1, st, tr.at[k + 1].set(e), conv
+
+    k, state, trace, _ = jax.lax.while_loop(cond, body, (0, state, trace, jnp.asarray(False)))
+    return state, trace, k
+
+
 def gaussian_slot_model(x, slots, wk, wq, precision):
-    r"""Slot attention with **Gaussian** edge potentials — the one edit to ``slot_model``
-    (Dot -> NegSqDist): token $j$ takes slot $\phi_j$ uniformly, score
+    r"""Slot attention with **Gaussian** edge potentials — the one edit to the paper's
+    ``slot_attention`` (Dot -> NegSqDist): token $j$ takes slot $\phi_j$ uniformly, score
     $\log\mathcal N(W_K x_j;\, W_Q\mu_i,\, \sigma^2 I)$, ``precision`` = $1/\sigma^2$.
 
     $-\tfrac{1}{2\sigma^2}\|k_j - q_i\|^2 = \tfrac{1}{\sigma^2}k_j^\top q_i
@@ -174,7 +194,7 @@ def gaussian_slot_e_step(x, mu, wk, wq, precision, *, lam=1.0, iters=20, tol=1e-
         return (new, gaussian_slot_free_energy(x, new, wk, wq, precision, lam),
                 jnp.max(jnp.abs(new - mu)) <= tol)
 
-    mu, info = run_loop(step, mu, gaussian_slot_free_energy(x, mu, wk, wq, precision, lam), iters)
+    mu, _, _ = iterate(step, mu, gaussian_slot_free_energy(x, mu, wk, wq, precision, lam), iters)
     return mu, marginals(gaussian_slot_model, x, mu, wk, wq, precision)["slot"]
 
 
@@ -184,7 +204,7 @@ def gaussian_slot_em(x, slots, wk, wq, *, lam=1.0, e_iters=20, max_iters=30, tol
     $W_Q$ by weighted least squares (``slot_m_step``'s W_Q solve) and
     $\sigma^2 = \sum A_{ji}\|k_j - W_Q\mu_i\|^2 / (d_k\sum A)$. ``W_K`` stays fixed (with
     square ``W_K`` it only sets the metric). Every step lowers
-    $F = \tfrac\lambda2\|\mu\|^2 - \log Z$ (``info.energy``)."""
+    $F = \tfrac\lambda2\|\mu\|^2 - \log Z$ (the energies `iterate` returns)."""
     prec = jnp.asarray(1.0, x.dtype)
     mu, att = gaussian_slot_e_step(x, slots, wk, wq, prec, lam=lam, iters=e_iters)
 
@@ -199,7 +219,7 @@ def gaussian_slot_em(x, slots, wk, wq, *, lam=1.0, e_iters=20, max_iters=30, tol
                 jnp.max(jnp.abs(new - att)) <= tol)
 
     state = (mu, wq, prec, att)
-    return run_loop(step, state, gaussian_slot_free_energy(x, mu, wk, wq, prec, lam), max_iters)
+    return iterate(step, state, gaussian_slot_free_energy(x, mu, wk, wq, prec, lam), max_iters)
 
 
 def _entropy(att) -> float:
@@ -208,7 +228,8 @@ def _entropy(att) -> float:
 
 _paper_slot_em = jax.jit(lambda *a: slot_em(*a, e_iters=20, max_iters=30, raise_on_nonfinite=False))
 _paper_e_step = jax.jit(lambda x, mu, wk, wq: cccp(
-    lambda m: log_marginal(slot_model, x, m, wk, wq), mu, max_iters=20, raise_on_nonfinite=False))
+    lambda m: log_marginal(paper_slot_model, x, m, wk, wq), mu, max_iters=20,
+    raise_on_nonfinite=False))
 _gauss_slot_em = jax.jit(gaussian_slot_em)
 
 
@@ -232,7 +253,7 @@ def run_slots(seed: int) -> dict:
 
     # 2. the paper's E-step alone (W_K, W_Q fixed at the initial ≈ I): eq. 8 is a sum
     cs, _ = _paper_e_step(*args)
-    att = np.asarray(marginals(slot_model, args[0], cs.mu, args[2], args[3])["slot"])
+    att = np.asarray(marginals(paper_slot_model, args[0], cs.mu, args[2], args[3])["phi"])
     out["paper_cccp_fixed_w"] = {
         "ari": float(adjusted_rand_score(labels, att.argmax(-1))),
         "slots_used": int(len(np.unique(att.argmax(-1)))),
@@ -240,13 +261,13 @@ def run_slots(seed: int) -> dict:
         "slot_counts": att.sum(0).tolist(), "attention_entropy": _entropy(att)}
 
     # 3. the edit: Gaussian potentials, EM (E-step weighted mean, M-step W_Q and σ²)
-    (mu, wq_g, prec, att), info = _gauss_slot_em(*args)
+    (mu, wq_g, prec, att), energies, steps = _gauss_slot_em(*args)
     att = np.asarray(att)
-    e = np.asarray(info.energy)[: int(info.num_steps) + 1]
+    e = np.asarray(energies)[: int(steps) + 1]
     grad_f = jax.grad(gaussian_slot_free_energy, argnums=1)(args[0], mu, args[2], wq_g, prec)
     out["gaussian_slot_em"] = {
         "ari": float(adjusted_rand_score(labels, att.argmax(-1))),
-        "slots_used": int(len(np.unique(att.argmax(-1)))), "iterations": int(info.num_steps),
+        "slots_used": int(len(np.unique(att.argmax(-1)))), "iterations": int(steps),
         "attention_rows_sum_to_one": bool(np.allclose(att.sum(-1), 1.0, atol=1e-6)),
         "free_energy_monotone": bool(np.all(np.diff(e) <= 1e-8 * np.abs(e[1:]) + 1e-8)),
         "max_abs_grad_F_at_slots": float(np.abs(np.asarray(grad_f)).max()),
@@ -254,10 +275,11 @@ def run_slots(seed: int) -> dict:
 
     # is a miss the optimiser (a local optimum) or the model? restart EM at the true means
     true_means = np.stack([x[labels == c].mean(0) for c in range(len(slots0))])
-    (_, _, _, att_t), info_t = _gauss_slot_em(args[0], jnp.asarray(true_means), *args[2:])
+    (_, _, _, att_t), energies_t, steps_t = _gauss_slot_em(args[0], jnp.asarray(true_means),
+                                                           *args[2:])
     out["gaussian_slot_em"].update(
         free_energy=float(e[-1]),
-        free_energy_from_true_means=float(np.asarray(info_t.energy)[int(info_t.num_steps)]),
+        free_energy_from_true_means=float(np.asarray(energies_t)[int(steps_t)]),
         ari_from_true_means=float(adjusted_rand_score(labels, np.asarray(att_t).argmax(-1))))
 
     # 4. reference: k-means (scikit-learn) on the same features from the same initial slots

@@ -1,40 +1,14 @@
-r"""Collapsed variational inference for continuous latent nodes (Singh & Buckley sec. 4).
+r"""The Laplace approximation of the latent means from the edge posterior (Singh &
+Buckley appendix 7.1, Lemma 7.1).
 
-The model has observed nodes :math:`x`, latent nodes summarised by their
-variational means :math:`\mu`, and edge sites :math:`\phi` that the exact engine
-collapses. With a Laplace (delta) approximation the free energy is
+With $E_\phi(\mu) = \log p(x, \mu, \phi)$,
 
-.. math::
+$$\nabla^2_\mu \log p(x,\mu) = \mathrm{Var}_{\phi\mid\mu,x}[\partial_\mu E_\phi]
+  + \mathbb E_{\phi\mid\mu,x}[\partial^2_\mu E_\phi],$$
 
-    F(\mu) = -\log \sum_\phi p(x, \mu, \phi)
-           = -\sum_i \log \sum_{\phi_i} e^{f_i(x, \mu, \phi_i)} + C,
-    \qquad
-    \frac{\partial F}{\partial \mu} = -\sum_i \sum_{\phi_i}
-        \mathrm{softmax}(f_i)\, \frac{\partial f_i}{\partial \mu}
-
-(eqs. 4–7): the gradient is attention with the free-energy gradient as value.
-
-Three algorithms:
-
-* :func:`cccp` — the convex–concave fixed point (eq. 8) for quadratic node
-  potentials :math:`\tfrac12 \mu^\top \Lambda \mu` and edge potentials whose
-  log-sum-exp :math:`G(\mu) = \log\sum_\phi e^{\tilde f(\mu,\phi)}` is convex
-  (bilinear / linear in :math:`\mu`, Lemma 7.2):
-  :math:`\mu^{t+1} = \Lambda^{-1}\nabla G(\mu^t)
-  = \Lambda^{-1}\sum_i\sum_{\phi_i}\mathrm{softmax}(\tilde f_i)\,\partial_\mu \tilde f_i`,
-  which never increases :math:`F = \tfrac12\mu^\top\Lambda\mu - G(\mu)`
-  (Yuille & Rangarajan). :math:`\nabla G` is one backward pass through the exact
-  engine, so Hopfield, slot and block-slot updates all come from their models.
-* :func:`gradient_descent` — :math:`\mu \leftarrow \mu - \eta \nabla F(\mu)` for
-  any potentials (predictive coding, non-linear scores).
-* :func:`laplace` — the second-order term (appendix 7.1, Lemma 7.1):
-  :math:`\nabla^2_\mu \log p(x,\mu) = \mathrm{Var}_{\phi\mid\mu,x}[\partial_\mu E_\phi]
-  + \mathbb E_{\phi\mid\mu,x}[\partial^2_\mu E_\phi]`,
-  :math:`E_\phi = \log p(x, \mu, \phi)`; the Laplace covariance is the inverse of
-  its negative.
-
-Every loop is a :func:`jax.lax.while_loop` (jittable, vmappable) returning
-``(state, info)`` with the free energy at every step (:class:`~structinfer.infer.LoopInfo`).
+and the Laplace covariance is the inverse of its negative. Not iterative: `laplace`
+expands at a point, usually the fixed point of `structinfer.infer.cccp` or
+`gradient_descent`.
 """
 
 from __future__ import annotations
@@ -44,7 +18,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex_core
 from jax.flatten_util import ravel_pytree
 from numpyro.handlers import block, substitute, trace
@@ -53,238 +26,9 @@ from .._checks import as_arrays, is_concrete, is_masked
 from ..exact import inspect_model, log_marginal
 from ..handlers import fill_discrete, require_values
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
-from ._loop import LoopInfo, check, run_loop
-from ._model_fn import ModelFunction
+from ._common import as_float_tree
 
-__all__ = [
-    "CCCPState",
-    "cccp_init",
-    "cccp_step",
-    "cccp",
-    "GradientState",
-    "gradient_init",
-    "gradient_step",
-    "gradient_descent",
-    "LaplaceResult",
-    "laplace",
-]
-
-
-def _sum_tree(tree) -> jax.Array:
-    return sum(jnp.sum(x) for x in jax.tree.leaves(tree))
-
-
-def _max_abs(tree) -> jax.Array:
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _as_tree_float(mu):
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=jnp.result_type(a, float)), mu)
-
-
-def _precision_tree(precision, mu):
-    if jax.tree.structure(precision) == jax.tree.structure(mu):
-        return precision
-    return jax.tree.map(lambda _: precision, mu)
-
-
-def _check_precision(precision) -> None:
-    for p in jax.tree.leaves(precision):
-        if is_concrete(p) and bool(np.any(np.asarray(p) <= 0)):
-            raise ValueError(
-                "cccp: `precision` (the quadratic node potential 1/2 mu^T Lambda mu) must be "
-                f"positive, got {p}"
-            )
-
-
-def _site_finder(fn, mu_of_failure):
-    if isinstance(fn, ModelFunction):
-        return lambda idx: fn.site(mu_of_failure(idx))
-    return None
-
-
-# --------------------------------------------------------------------------- CCCP
-
-
-class CCCPState(NamedTuple):
-    """State of :func:`cccp`: the means ``mu`` (any pytree) and ``F(mu)``."""
-
-    mu: Any
-    energy: jax.Array
-
-
-def _cccp_energy(log_z_fn, mu, precision) -> jax.Array:
-    quad = _sum_tree(jax.tree.map(lambda m, p: 0.5 * p * m * m, mu, precision))
-    return quad - log_z_fn(mu)
-
-
-def cccp_init(log_z_fn: Callable[[Any], jax.Array], mu0: Any, precision: Any = 1.0) -> CCCPState:
-    r"""Initial :class:`CCCPState` with :math:`F(\mu_0) = \tfrac12\mu_0^\top\Lambda\mu_0 - G(\mu_0)`."""
-    mu0 = _as_tree_float(mu0)
-    prec = _precision_tree(precision, mu0)
-    return CCCPState(mu0, _cccp_energy(log_z_fn, mu0, prec))
-
-
-def cccp_step(
-    log_z_fn: Callable[[Any], jax.Array], state: CCCPState, precision: Any = 1.0, tol: float = 1e-6
-) -> tuple[CCCPState, jax.Array]:
-    r"""One fixed-point step :math:`\mu \leftarrow \Lambda^{-1}\nabla_\mu G(\mu)` (eq. 8).
-
-    Returns:
-        ``(new_state, converged)`` with ``converged = max |Δμ| <= tol``.
-    """
-    prec = _precision_tree(precision, state.mu)
-    g = jax.grad(log_z_fn)(state.mu)
-    mu = jax.tree.map(lambda gi, p, m: (gi / p).astype(m.dtype), g, prec, state.mu)
-    delta = _max_abs(jax.tree.map(lambda a, b: a - b, mu, state.mu))
-    return CCCPState(mu, _cccp_energy(log_z_fn, mu, prec)), delta <= tol
-
-
-def cccp(
-    log_z_fn: Callable[[Any], jax.Array],
-    mu0: Any,
-    *,
-    precision: Any = 1.0,
-    tol: float = 1e-6,
-    max_iters: int = 100,
-    raise_on_nonfinite: bool = True,
-) -> tuple[CCCPState, LoopInfo]:
-    r"""Convex–concave fixed-point iteration on the collapsed free energy (Singh & Buckley eq. 8).
-
-    .. math::
-
-        F(\mu) = \tfrac12 \mu^\top \Lambda \mu - G(\mu), \quad
-        G(\mu) = \log \sum_\phi \exp \tilde f(x, \mu, \phi), \qquad
-        \mu^{t+1} = \Lambda^{-1} \nabla G(\mu^t)
-                  = \Lambda^{-1} \sum_i \sum_{\phi_i} \mathrm{softmax}(\tilde f_i)\,
-                    \frac{\partial \tilde f_i}{\partial \mu}.
-
-    When :math:`G` is convex (edge potentials linear in :math:`\mu`, or bilinear
-    :math:`\mu_i^\top W \mu_j` with :math:`W` p.s.d., appendix 7.1.1) every step
-    satisfies :math:`F(\mu^{t+1}) \le F(\mu^t)`, with equality only at a
-    stationary point. Examples: Hopfield (:math:`\tilde f = \beta\mu^\top x_j`,
-    :math:`\Lambda = \beta`) gives :math:`\mu^* = \sum_j \mathrm{softmax}_j(\beta\mu^\top x_j) x_j`
-    (sec. 4.2); slot attention (edges of the tokens over the slots) gives
-    :math:`\mu_i^* = \sum_j \mathrm{softmax}_i(\mu_i^\top W_Q^\top W_K x_j) W_Q^\top W_K x_j` (sec. 4.3).
-
-    Args:
-        log_z_fn: :math:`G`, ``mu -> log Σ_φ exp f̃`` — usually
-            :func:`structinfer.infer.model_log_z` of a model with the edge potentials
-            only (no node potential).
-        mu0: initial means (any pytree of arrays).
-        precision: :math:`\Lambda`, positive; a scalar or a pytree like ``mu`` of
-            arrays broadcasting against its leaves (diagonal precision).
-        tol: converged when :math:`\max|\mu^{t+1} - \mu^t| \le` ``tol``.
-        max_iters: the most steps; stopping there is reported in ``info.status``.
-        raise_on_nonfinite: raise :class:`~structinfer.infer.NonFiniteEnergyError`
-            (naming the step and site) when the result is concrete.
-
-    Returns:
-        ``(CCCPState, LoopInfo)``; ``info.energy[t]`` is :math:`F(\mu^t)`.
-
-    Cost: one forward and backward pass of the exact engine per step.
-    """
-    _check_precision(precision)
-    state = cccp_init(log_z_fn, mu0, precision)
-    state, info = run_loop(
-        lambda s: _cccp_body(log_z_fn, s, precision, tol), state, state.energy, max_iters
-    )
-    if raise_on_nonfinite:
-        prec = _precision_tree(precision, state.mu)
-        bad_mu = lambda idx: jax.tree.map(  # noqa: E731 - recompute the failing step eagerly
-            lambda g, p: g / p, jax.grad(log_z_fn)(state.mu), prec
-        )
-        check(info, "cccp", _site_finder(log_z_fn, bad_mu))
-    return state, info
-
-
-def _cccp_body(log_z_fn, s, precision, tol):
-    new, conv = cccp_step(log_z_fn, s, precision, tol)
-    return new, new.energy, conv
-
-
-# ----------------------------------------------------------------- gradient descent
-
-
-class GradientState(NamedTuple):
-    """State of :func:`gradient_descent`: ``mu``, ``F(mu)`` and ``∇F(mu)``."""
-
-    mu: Any
-    energy: jax.Array
-    grad: Any
-
-
-def gradient_init(energy_fn: Callable[[Any], jax.Array], mu0: Any) -> GradientState:
-    """Initial :class:`GradientState` (one value-and-gradient evaluation)."""
-    mu0 = _as_tree_float(mu0)
-    e, g = jax.value_and_grad(energy_fn)(mu0)
-    return GradientState(mu0, e, g)
-
-
-def gradient_step(
-    energy_fn: Callable[[Any], jax.Array], state: GradientState, step_size: Any, tol: float = 1e-6
-) -> tuple[GradientState, jax.Array]:
-    r"""One step :math:`\mu \leftarrow \mu - \eta\,\nabla F(\mu)`.
-
-    Returns:
-        ``(new_state, converged)`` with ``converged = max |∇F(new μ)| <= tol``.
-    """
-    lr = _precision_tree(step_size, state.mu)
-    mu = jax.tree.map(lambda m, g, h: (m - h * g).astype(m.dtype), state.mu, state.grad, lr)
-    e, g = jax.value_and_grad(energy_fn)(mu)
-    return GradientState(mu, e, g), _max_abs(g) <= tol
-
-
-def gradient_descent(
-    energy_fn: Callable[[Any], jax.Array],
-    mu0: Any,
-    *,
-    step_size: Any = 0.1,
-    tol: float = 1e-5,
-    max_iters: int = 1000,
-    raise_on_nonfinite: bool = True,
-) -> tuple[GradientState, LoopInfo]:
-    r"""Gradient descent on the collapsed free energy for general potentials.
-
-    .. math::
-
-        \mu^{t+1} = \mu^t - \eta\, \nabla F(\mu^t), \qquad
-        \nabla F(\mu) = -\sum_i \sum_{\phi_i} \mathrm{softmax}(f_i)\,\partial_\mu f_i
-
-    (Singh & Buckley eq. 7; with squared prediction errors as edge potentials this is
-    the attention-modulated predictive-coding dynamics of sec. 4.4 / appendix 7.2).
-    The gradient is ``jax.grad`` of ``energy_fn``. :math:`F` decreases for
-    :math:`\eta < 2/L` (:math:`L` the gradient's Lipschitz constant); a too-large step
-    shows as a rising ``info.energy``.
-
-    Args:
-        energy_fn: ``mu -> F(mu)``, e.g. :func:`structinfer.infer.model_energy`.
-        mu0: initial means (pytree).
-        step_size: :math:`\eta`, a scalar or a pytree like ``mu``.
-        tol: converged when :math:`\max|\nabla F| \le` ``tol``.
-        max_iters: the most steps (reported in ``info.status`` when reached).
-        raise_on_nonfinite: raise on a non-finite energy when the result is concrete.
-
-    Returns:
-        ``(GradientState, LoopInfo)``.
-    """
-    state = gradient_init(energy_fn, mu0)
-
-    def body(s):
-        new, conv = gradient_step(energy_fn, s, step_size, tol)
-        return new, new.energy, conv
-
-    state, info = run_loop(body, state, state.energy, max_iters)
-    if raise_on_nonfinite:
-        lr = _precision_tree(step_size, state.mu)
-        bad_mu = lambda idx: jax.tree.map(  # noqa: E731
-            lambda m, g, h: m - h * g, state.mu, state.grad, lr
-        )
-        check(info, "gradient_descent", _site_finder(energy_fn, bad_mu))
-    return state, info
-
-
-# -------------------------------------------------------------------------- Laplace
+__all__ = ["LaplaceResult", "laplace"]
 
 
 class LaplaceResult(NamedTuple):
@@ -509,7 +253,7 @@ def laplace(model: Callable, argname: str, mu: Any, *args, rtol: float = 1e-4, *
     passes, ``D`` = latent size) and a ``D × D`` Hessian.
     """
     args, kwargs = as_arrays(args, kwargs)
-    mu = _as_tree_float(mu)
+    mu = as_float_tree(mu)
     flat, unravel = ravel_pytree(mu)
     call_kw = lambda u: {**kwargs, argname: unravel(u)}  # noqa: E731
     info = inspect_model(model, *args, **call_kw(flat))

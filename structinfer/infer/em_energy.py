@@ -1,0 +1,132 @@
+r"""The general log-sum-exp EM (Tschantz, "log-sum-exp expectation maximisation"): the
+E-step is gradient descent on the latents to a minimum of the energy, the M-step one
+gradient step on the parameters,
+
+$$v^* = \arg\min_v E(v; \theta), \qquad
+\theta \leftarrow \theta - \eta_\theta\, \partial_\theta E(v^*; \theta).$$
+
+For energies with a closed-form M-step use `structinfer.infer.gmm_em`,
+`linear_mixture_em` or `slot_em`.
+
+`init`, `step` and `run` (exported as `structinfer.infer.energy_em`) are pure functions
+of an `EMState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import gradient
+from ._common import like_tree, rel_change_small
+from ._loop import LoopInfo, check, run_loop
+
+__all__ = ["EMState", "init", "step", "run"]
+
+
+class EMState(NamedTuple):
+    """`structinfer.infer.energy_em` state: `latents` and `params` (pytrees) and the energy."""
+
+    latents: Any
+    params: Any
+    energy: jax.Array
+
+
+def _e_step(energy_fn, v, th, e_step_size, e_iters, e_tol):
+    st, _ = gradient.run(lambda z: energy_fn(z, th), v, step_size=e_step_size, tol=e_tol,
+                         max_iters=e_iters, raise_on_nonfinite=False)
+    return st.mu, st.energy
+
+
+def init(
+    energy_fn: Callable[[Any, Any], jax.Array],
+    latents: Any,
+    params: Any,
+    *,
+    e_step_size: Any = 0.1,
+    e_iters: int = 100,
+    e_tol: float = 1e-6,
+) -> EMState:
+    r"""The first E-step: gradient descent on the latents at `params` (arguments as in `run`).
+
+    Returns:
+        The `EMState` with $v^*_0$, `params` and $E(v^*_0; \theta_0)$.
+    """
+    v0, e0 = _e_step(energy_fn, latents, params, e_step_size, e_iters, e_tol)
+    return EMState(v0, params, e0)
+
+
+def step(
+    energy_fn: Callable[[Any, Any], jax.Array],
+    state: EMState,
+    *,
+    e_step_size: Any = 0.1,
+    e_iters: int = 100,
+    e_tol: float = 1e-6,
+    m_step_size: Any = 0.01,
+    tol: float = 1e-8,
+) -> tuple[EMState, jax.Array]:
+    r"""One iteration: a gradient step on the parameters at the current latents, then the
+    E-step from them (arguments as in `run`).
+
+    Returns:
+        `(new_state, converged)`: $E$ changed by at most `tol * max(1, |E|)`.
+    """
+    g = jax.grad(energy_fn, argnums=1)(state.latents, state.params)
+    lr = like_tree(m_step_size, g)
+    th = jax.tree.map(lambda p, gi, h: (p - h * gi).astype(jnp.result_type(p)),
+                      state.params, g, lr)
+    v, e = _e_step(energy_fn, state.latents, th, e_step_size, e_iters, e_tol)
+    return EMState(v, th, e), rel_change_small(e, state.energy, tol)
+
+
+def run(
+    energy_fn: Callable[[Any, Any], jax.Array],
+    latents: Any,
+    params: Any,
+    *,
+    e_step_size: Any = 0.1,
+    e_iters: int = 100,
+    e_tol: float = 1e-6,
+    m_step_size: Any = 0.01,
+    tol: float = 1e-8,
+    max_iters: int = 200,
+    raise_on_nonfinite: bool = True,
+) -> tuple[EMState, LoopInfo]:
+    r"""The general log-sum-exp EM (Tschantz): E-step = gradient descent on the latents
+    to a minimum of the energy, M-step = one gradient step on the parameters.
+
+    $$v^* = \arg\min_v E(v; \theta) \;\;(\text{gradient descent from the previous } v),
+    \qquad \theta \leftarrow \theta - \eta_\theta\, \partial_\theta E(v^*; \theta).$$
+
+    Args:
+        energy_fn: `(latents, params) -> E`, e.g. built from `structinfer.energy`.
+        latents: initial latents (pytree).
+        params: initial parameters (pytree).
+        e_step_size: step size of the inner `structinfer.infer.gradient_descent`.
+        e_iters: its most steps.
+        e_tol: its gradient tolerance.
+        m_step_size: $\eta_\theta$ (scalar or pytree like `params`).
+        tol: converged when $E$ changes by at most `tol * max(1, |E|)`.
+        max_iters: the most outer iterations.
+        raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite energy when the
+            result is concrete.
+
+    Returns:
+        `(EMState, LoopInfo)`; `info.energy[t]` is $E(v^*_t; \theta_t)$ after the E-step of
+        iteration `t` at the parameters of iteration `t`.
+    """
+    kw = dict(e_step_size=e_step_size, e_iters=e_iters, e_tol=e_tol)
+    state = init(energy_fn, latents, params, **kw)
+
+    def body(s: EMState):
+        new, conv = step(energy_fn, s, m_step_size=m_step_size, tol=tol, **kw)
+        return new, new.energy, conv
+
+    state, info = run_loop(body, state, state.energy, max_iters)
+    if raise_on_nonfinite:
+        check(info, "energy_em", None)
+    return state, info

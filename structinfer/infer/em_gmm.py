@@ -1,0 +1,161 @@
+r"""EM for a Gaussian mixture with the closed-form M-step (Tschantz, "log-sum-exp
+expectation maximisation", sec. 2).
+
+The model is the catalogue's `structinfer.mechanisms.gaussian_mixture` with the
+Gaussian normaliser (`normalize=True`): point $i$ takes component $\phi_i$ with prior
+$w$ and score $\log\mathcal N(x_i;\mu_k,\Sigma_k)$, so
+$\log Z = \sum_i \log\sum_k w_k \mathcal N(x_i; \mu_k, \Sigma_k)$ is the log-likelihood.
+The E-step is the exact engine on it (responsibilities = the edge marginals of
+`component`); the M-step is closed form.
+
+`init`, `step` and `run` (exported as `structinfer.infer.gmm_em`) are pure functions
+of a `GMMState`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._checks import as_float_array, check_ndim
+from ..exact import log_marginal, marginals
+from ..mechanisms.mixtures import gaussian_mixture
+from ._common import rel_change_small, safe_log
+from ._loop import LoopInfo, check, run_loop
+
+__all__ = ["GMMState", "init", "step", "run"]
+
+
+class GMMState(NamedTuple):
+    """`structinfer.infer.gmm_em` state: parameters, responsibilities `(points, K)` and
+    the log-likelihood."""
+
+    means: jax.Array
+    covariances: jax.Array
+    weights: jax.Array
+    responsibilities: jax.Array
+    log_likelihood: jax.Array
+
+
+def _e_step(x, means, covs, weights):
+    args = (x, means, jnp.linalg.inv(covs), safe_log(weights))
+    ll = log_marginal(gaussian_mixture, *args, normalize=True)
+    resp = marginals(gaussian_mixture, *args, normalize=True)["component"].astype(x.dtype)
+    return ll, resp
+
+
+def _m_step(x, resp, old_means, old_covs, reg):
+    nk = jnp.sum(resp, 0)
+    live = nk > 0
+    safe = jnp.where(live, nk, 1.0)
+    weights = nk / x.shape[0]
+    means = jnp.where(live[:, None], resp.T @ x / safe[:, None], old_means)
+    diff = x[None, :, :] - means[:, None, :]  # (K, N, d)
+    covs = jnp.einsum("nk,kni,knj->kij", resp, diff, diff) / safe[:, None, None]
+    covs = covs + reg * jnp.eye(x.shape[1], dtype=x.dtype)
+    covs = jnp.where(live[:, None, None], covs, old_covs)
+    return means, covs, weights
+
+
+def _prepare(x, means, covariances, weights):
+    x = as_float_array(x, "gmm_em: x")
+    check_ndim(x, 2, "gmm_em: x", "(points, d)")
+    means = jnp.asarray(means, x.dtype)
+    covs = jnp.asarray(covariances, x.dtype)
+    k, d = means.shape
+    if x.shape[-1] != d or covs.shape != (k, d, d):
+        raise ValueError(
+            f"gmm_em: x {tuple(x.shape)}, means {tuple(means.shape)} and covariances "
+            f"{tuple(covs.shape)} must be (points, d), (K, d), (K, d, d)"
+        )
+    w = jnp.full((k,), 1.0 / k, x.dtype) if weights is None else jnp.asarray(weights, x.dtype)
+    return x, means, covs, w
+
+
+def _init(x, means, covs, w) -> GMMState:
+    ll, resp = _e_step(x, means, covs, w)
+    return GMMState(means, covs, w, resp, ll)
+
+
+def init(x, means, covariances, weights=None) -> GMMState:
+    r"""Check and cast the arguments (as in `run`) and run the first E-step.
+
+    Returns:
+        The `GMMState` at the initial parameters.
+
+    Raises:
+        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`.
+    """
+    return _init(*_prepare(x, means, covariances, weights))
+
+
+def step(x, state: GMMState, *, reg: float = 0.0, tol: float = 1e-8) -> tuple[GMMState, jax.Array]:
+    r"""One EM iteration: the M-step of `run` at `state.responsibilities`, then the E-step.
+
+    Args:
+        x: `(points, d)` data (as cast by `init`).
+        state: the current `GMMState`.
+        reg: ridge added to every covariance.
+        tol: the convergence tolerance.
+
+    Returns:
+        `(new_state, converged)`: `converged` when the log-likelihood changed by at most
+        `tol * max(1, |ll|)`.
+    """
+    mu, cov, wt = _m_step(x, state.responsibilities, state.means, state.covariances, reg)
+    ll, resp = _e_step(x, mu, cov, wt)
+    return GMMState(mu, cov, wt, resp, ll), rel_change_small(ll, state.log_likelihood, tol)
+
+
+def run(
+    x,
+    means,
+    covariances,
+    weights=None,
+    *,
+    reg: float = 0.0,
+    tol: float = 1e-8,
+    max_iters: int = 100,
+    raise_on_nonfinite: bool = True,
+) -> tuple[GMMState, LoopInfo]:
+    r"""EM for a Gaussian mixture with the closed-form M-step.
+
+    E-step (exact engine on `structinfer.mechanisms.gaussian_mixture`):
+    $r_{ik} = \mathrm{softmax}_k\big(\ln w_k + \ln\mathcal N(x_i;\mu_k,\Sigma_k)\big)$.
+    M-step: $N_k = \sum_i r_{ik}$, $w_k = N_k/N$, $\mu_k = \sum_i r_{ik} x_i / N_k$,
+    $\Sigma_k = \sum_i r_{ik}(x_i-\mu_k)(x_i-\mu_k)^\top / N_k + \text{reg}\, I$
+    (Tschantz sec. 2: the M-step is the zero of $\partial E/\partial\mu_k$).
+    With `reg = 0` the log-likelihood never decreases (Dempster et al.).
+    Components with zero weight stay off.
+
+    Args:
+        x: `(points, d)` data.
+        means: `(K, d)`.
+        covariances: `(K, d, d)`.
+        weights: `(K,)` (default uniform).
+        reg: ridge added to every covariance (keeps them invertible).
+        tol: converged when the log-likelihood changes by at most `tol * max(1, |ll|)`.
+        max_iters: the most EM iterations.
+        raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite log-likelihood
+            when the result is concrete.
+
+    Returns:
+        `(GMMState, LoopInfo)`; `info.energy[t]` is $-\log p(x)$ after `t` iterations
+        (non-increasing).
+
+    Raises:
+        ValueError: see `init`.
+    """
+    x, means, covs, w = _prepare(x, means, covariances, weights)
+    state = _init(x, means, covs, w)
+
+    def body(st: GMMState):
+        new, conv = step(x, st, reg=reg, tol=tol)
+        return new, -new.log_likelihood, conv
+
+    state, info = run_loop(body, state, -state.log_likelihood, max_iters)
+    if raise_on_nonfinite:
+        check(info, "gmm_em", "'component' (a covariance became singular? set reg > 0)")
+    return state, info

@@ -1,0 +1,183 @@
+r"""EM for a mixture of linear regressions / switching linear dynamics with i.i.d. modes
+(Tschantz v2 sec. 10 and the slides' linear mixture: the SLDS energy with
+$u_t = x_t$, $y_t = x_{t+1}$).
+
+The model is the catalogue's `structinfer.mechanisms.switching_linear_dynamics` with
+the transitions given as pairs (`targets=`) and the Gaussian normaliser: target $y_t$
+takes a mode $\phi_t$ with prior $w$ and score $\log\mathcal N(y_t; A_k u_t + b_k,
+\Sigma_k)$. The E-step is the exact engine on it (responsibilities = the edge marginals
+of `mode`); the M-step is weighted least squares.
+
+`init`, `step` and `run` (exported as `structinfer.infer.linear_mixture_em`) are pure
+functions of a `LinearMixtureState`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._checks import as_float_array, check_ndim
+from ..exact import log_marginal, marginals
+from ..mechanisms.dynamics import switching_linear_dynamics
+from ._common import rel_change_small, safe_log
+from ._loop import LoopInfo, check, run_loop
+
+__all__ = ["LinearMixtureState", "init", "step", "run"]
+
+
+class LinearMixtureState(NamedTuple):
+    """`structinfer.infer.linear_mixture_em` state: `A (K, d_y, d_u)`, `b (K, d_y)`,
+    `covariances (K, d_y, d_y)`, `weights (K,)`, responsibilities `(T, K)`,
+    log-likelihood."""
+
+    A: jax.Array
+    b: jax.Array
+    covariances: jax.Array
+    weights: jax.Array
+    responsibilities: jax.Array
+    log_likelihood: jax.Array
+
+
+def _prepare(inputs, targets, A, b, covariances, weights):
+    u = as_float_array(inputs, "linear_mixture_em: inputs")
+    y = as_float_array(targets, "linear_mixture_em: targets")
+    check_ndim(u, 2, "linear_mixture_em: inputs", "(T, d_u)")
+    check_ndim(y, 2, "linear_mixture_em: targets", "(T, d_y)")
+    A = jnp.asarray(A, y.dtype)
+    b = jnp.asarray(b, y.dtype)
+    covs = jnp.asarray(covariances, y.dtype)
+    k = A.shape[0]
+    if (u.shape[0] != y.shape[0] or A.shape[1:] != (y.shape[1], u.shape[1])
+            or b.shape != (k, y.shape[1]) or covs.shape != (k, y.shape[1], y.shape[1])):
+        raise ValueError(
+            f"linear_mixture_em: inputs {tuple(u.shape)}, targets {tuple(y.shape)}, A "
+            f"{tuple(A.shape)}, b {tuple(b.shape)}, covariances {tuple(covs.shape)} must be "
+            "(T, d_u), (T, d_y), (K, d_y, d_u), (K, d_y), (K, d_y, d_y)"
+        )
+    w = jnp.full((k,), 1.0 / k, y.dtype) if weights is None else jnp.asarray(weights, y.dtype)
+    return u, y, A, b, covs, w
+
+
+def _e_step(u, y, A, b, covs, w):
+    args = (u, A, b, jnp.linalg.inv(covs), safe_log(w))
+    kw = dict(targets=y, normalize=True)
+    ll = log_marginal(switching_linear_dynamics, *args, **kw)
+    return ll, marginals(switching_linear_dynamics, *args, **kw)["mode"].astype(y.dtype)
+
+
+def _init(u, y, A, b, covs, w) -> LinearMixtureState:
+    ll, resp = _e_step(u, y, A, b, covs, w)
+    return LinearMixtureState(A, b, covs, w, resp, ll)
+
+
+def init(inputs, targets, A, b, covariances, weights=None) -> LinearMixtureState:
+    r"""Check and cast the arguments (as in `run`) and run the first E-step.
+
+    Returns:
+        The `LinearMixtureState` at the initial parameters.
+
+    Raises:
+        ValueError: shapes other than those listed in `run`.
+    """
+    return _init(*_prepare(inputs, targets, A, b, covariances, weights))
+
+
+def _m_step(u, y, st: LinearMixtureState, reg):
+    ut = jnp.concatenate([u, jnp.ones((u.shape[0], 1), u.dtype)], -1)
+    r = st.responsibilities  # (T, K)
+    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut)
+    cross = jnp.einsum("tk,ti,tj->kij", r, y, ut)
+    Ab = jnp.swapaxes(jnp.linalg.solve(gram, jnp.swapaxes(cross, -1, -2)), -1, -2)
+    A_new, b_new = Ab[..., :-1], Ab[..., -1]
+    err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])  # (K, T, d)
+    nk = jnp.sum(r, 0)
+    cov = jnp.einsum("tk,kti,ktj->kij", r, err, err) / nk[:, None, None]
+    cov = cov + reg * jnp.eye(y.shape[1], dtype=y.dtype)
+    return A_new, b_new, cov, nk / y.shape[0]
+
+
+def step(
+    inputs, targets, state: LinearMixtureState, *, reg: float = 0.0, tol: float = 1e-8
+) -> tuple[LinearMixtureState, jax.Array]:
+    r"""One EM iteration: the weighted least squares of `run` at
+    `state.responsibilities`, then the E-step.
+
+    Args:
+        inputs: `(T, d_u)`; targets: `(T, d_y)` (as cast by `init`).
+        state: the current `LinearMixtureState`.
+        reg: ridge added to every covariance.
+        tol: the convergence tolerance.
+
+    Returns:
+        `(new_state, converged)`: `converged` when the log-likelihood changed by at most
+        `tol * max(1, |ll|)`.
+    """
+    A, b, cov, w = _m_step(inputs, targets, state, reg)
+    ll, resp = _e_step(inputs, targets, A, b, cov, w)
+    new = LinearMixtureState(A, b, cov, w, resp, ll)
+    return new, rel_change_small(ll, state.log_likelihood, tol)
+
+
+def run(
+    inputs,
+    targets,
+    A,
+    b,
+    covariances,
+    weights=None,
+    *,
+    reg: float = 0.0,
+    tol: float = 1e-8,
+    max_iters: int = 100,
+    raise_on_nonfinite: bool = True,
+) -> tuple[LinearMixtureState, LoopInfo]:
+    r"""EM for a mixture of linear regressions / switching linear dynamics (iid modes).
+
+    E-step: $r_{tk} = \mathrm{softmax}_k(\ln w_k + \ln\mathcal N(y_t; A_k u_t + b_k, \Sigma_k))$
+    (exact engine on `structinfer.mechanisms.switching_linear_dynamics` with
+    `targets=y, normalize=True`). M-step, weighted least squares with
+    $\tilde u_t = (u_t, 1)$:
+
+    $$[A_k\; b_k] = \Big(\sum_t r_{tk} y_t \tilde u_t^\top\Big)\Big(\sum_t r_{tk}\tilde u_t\tilde u_t^\top\Big)^{-1},
+    \quad
+    \Sigma_k = \frac{\sum_t r_{tk} e_{tk} e_{tk}^\top}{\sum_t r_{tk}} + \text{reg}\,I,
+    \quad w_k = \frac1T\sum_t r_{tk},$$
+
+    $e_{tk} = y_t - A_k u_t - b_k$ (the zero of Tschantz's $\partial E/\partial A_k$,
+    $\partial E/\partial b_k$). For a time series $x$, pass `inputs = x[:-1]`,
+    `targets = x[1:]`.
+
+    Args:
+        inputs: `(T, d_u)`.
+        targets: `(T, d_y)`.
+        A: `(K, d_y, d_u)`.
+        b: `(K, d_y)`.
+        covariances: `(K, d_y, d_y)`.
+        weights: `(K,)` (default uniform).
+        reg: ridge added to every covariance.
+        tol: converged when the log-likelihood changes by at most `tol * max(1, |ll|)`.
+        max_iters: the most EM iterations.
+        raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite log-likelihood
+            when the result is concrete.
+
+    Returns:
+        `(LinearMixtureState, LoopInfo)`; `info.energy` is $-\log p(y \mid u)$
+        (non-increasing for `reg = 0`).
+
+    Raises:
+        ValueError: shapes other than those above.
+    """
+    u, y, A, b, covs, w = _prepare(inputs, targets, A, b, covariances, weights)
+    state = _init(u, y, A, b, covs, w)
+
+    def body(st):
+        new, conv = step(u, y, st, reg=reg, tol=tol)
+        return new, -new.log_likelihood, conv
+
+    state, info = run_loop(body, state, -state.log_likelihood, max_iters)
+    if raise_on_nonfinite:
+        check(info, "linear_mixture_em", "'mode' (a mode lost its data? set reg > 0)")
+    return state, info

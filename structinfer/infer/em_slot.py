@@ -1,0 +1,378 @@
+r"""Slot attention with learned $W_K, W_Q$ by EM (Singh & Buckley sec. 4.3; Tschantz,
+"coordinate ascent").
+
+The model is the catalogue's `structinfer.mechanisms.slot_attention` without its node
+potential: every token $x_j$ takes a slot $\phi_j$ uniformly, score
+$(W_K x_j)^\top (W_Q \mu_i)$ — the softmax runs over the slots. The E-step is CCCP on
+the slots (`structinfer.infer.cccp`, node potential $\tfrac12\|\mu\|^2$) and the edge
+marginals of `phi` at its result; the M-step is weighted least squares for the
+projections.
+
+`init`, `step` and `run` (exported as `structinfer.infer.slot_em`) are pure functions
+of a `SlotState`; `m_step` (exported as `structinfer.infer.slot_m_step`) is Tschantz's
+untied least squares, `tied_m_step` the M-step `run` uses.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from numpyro.handlers import substitute
+
+from .._checks import as_float_array
+from ..exact import log_marginal, marginals
+from ..mechanisms.slot import slot_attention
+from . import convex_concave
+from ._common import rel_change_small, rel_change_small_tree
+from ._loop import LoopInfo, check, run_loop
+
+__all__ = ["SlotState", "m_step", "tied_m_step", "init", "step", "run"]
+
+
+def _default_rtol(dtype, *dims) -> float:
+    """Relative eigenvalue cut-off ``10 * max(dims) * eps(dtype)`` (NumPy's ``pinv`` default)."""
+    return 10.0 * max(dims) * float(jnp.finfo(dtype).eps)
+
+
+def _slot_rank(x, slots, wk, wq) -> int:
+    """Static bound on the rank of the fitted ``W_K``, ``W_Q``: ``min(d_k, S, d_mu, d_x)``."""
+    return min(wk.shape[0], slots.shape[-2], wq.shape[-1], x.shape[-1])
+
+
+def _pinv_sqrt_psd(c, rank: int, rtol: float):
+    r""":math:`C^{+1/2} = \sum_{\lambda_a > \tau} \lambda_a^{-1/2} v_a v_a^\top` for p.s.d. :math:`C`.
+
+    Only the ``rank`` largest eigenvalues (a static bound from the shapes) that exceed
+    :math:`\tau = \mathrm{rtol}\cdot\lambda_{\max}` are inverted; the rest, exact zeros
+    that rounding turned into :math:`\pm\varepsilon\lambda_{\max}`, are set to 0, so
+    :math:`C^{+1/2} C\, C^{+1/2}` is the orthogonal projector onto the range of :math:`C`.
+    """
+    evals, evecs = jnp.linalg.eigh(0.5 * (c + jnp.swapaxes(c, -1, -2)))  # ascending
+    d = c.shape[-1]
+    keep = (jnp.arange(d) >= d - rank) & (evals > rtol * jnp.max(evals))
+    inv = jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, evals, 1.0)), 0.0)
+    return (evecs * inv) @ evecs.T
+
+
+def _polar(m):
+    r"""Orthogonal polar factor :math:`U V^\top` of :math:`m = U \Sigma V^\top`: the
+    :math:`O` with orthonormal rows (or columns) maximising :math:`\mathrm{tr}(O^\top m)`."""
+    u, _, vt = jnp.linalg.svd(m, full_matrices=False)
+    return u @ vt
+
+
+def m_step(x, slots, attention, wk, wq, *, whiten: bool = True, ridge: float = 0.0,
+           rtol: float | None = None):
+    r"""Weighted least squares for :math:`W_Q` then :math:`W_K` (Tschantz, "coordinate ascent"):
+
+    .. math::
+
+        \min \sum_{j,i} A_{ji} \|W_K x_j - W_Q \mu_i\|^2: \quad
+        W_Q = \Big(\sum A_{ji} W_K x_j \mu_i^\top\Big)\Big(\sum A_{ji}\mu_i\mu_i^\top\Big)^{+},\quad
+        W_K = \Big(\sum A_{ji} W_Q \mu_i x_j^\top\Big)\Big(\sum A_{ji} x_j x_j^\top\Big)^{+}.
+
+    Gram matrices are pseudo-inverted (minimum-norm solutions when they are singular,
+    e.g. fewer slots than slot dimensions). The objective is minimised jointly by
+    :math:`W_K = W_Q = 0`, and alternating the two solves shrinks both towards it (each
+    is a regression; their product has the squared canonical correlations as
+    eigenvalues). ``whiten=True`` adds the scale constraint
+    :math:`W_K C_{xx} W_K^\top = \Pi` (:math:`C_{xx} = \sum A x x^\top / \sum A`) after
+    the :math:`W_K` solve, :math:`W_K \leftarrow (W_K C_{xx} W_K^\top)^{+1/2} W_K`,
+    which turns the alternation into the power iteration of weighted canonical
+    correlation analysis between tokens and their slots. :math:`\Pi` is the orthogonal
+    projector onto the range of :math:`W_K C_{xx} W_K^\top`: :math:`I` when it has full
+    rank, rank :math:`\le \min(S, d_\mu, d_x)` otherwise (e.g. more key dimensions than
+    slots) — the whitening acts on that range only, so it is continuous in the data.
+
+    This single step leaves the gauge :math:`(\mu, W_Q) \to (c\mu, W_Q/c)` free (it
+    changes no score, but the E-step fixes :math:`|\mu| \propto |W_Q|`); ``slot_em``
+    uses the well-posed variant described there (:func:`tied_m_step`).
+
+    Args:
+        x: ``(tokens, d_x)``.
+        slots: ``(S, d_mu)``.
+        attention: ``(tokens, S)``, rows sum to 1.
+        wk: ``(d_k, d_x)``.
+        wq: ``(d_k, d_mu)``.
+        whiten: apply the scale constraint above.
+        ridge: added to both Gram matrices.
+        rtol: eigenvalue cut-off relative to the largest eigenvalue for the
+            pseudo-inverses and the whitening; default ``10 * max(shape) * eps(dtype)``.
+
+    Returns:
+        ``(wk, wq)``.
+
+    Reference: Singh & Buckley sec. 4.3 (the score :math:`\mu_i^\top W_Q^\top W_K x_j`);
+    Tschantz, coordinate ascent for ``W_K, W_Q``.
+    """
+    A = attention
+    rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
+    cxx = jnp.einsum("js,ja,jb->ab", A, x, x) + ridge * jnp.eye(x.shape[-1], dtype=x.dtype)
+    cmm = jnp.einsum("js,sa,sb->ab", A, slots, slots) + ridge * jnp.eye(
+        slots.shape[-1], dtype=x.dtype)
+    cxm = jnp.einsum("js,ja,sb->ab", A, x, slots)  # Σ A x μ^T
+    # pseudo-inverses: with fewer slots than slot dims the slot Gram matrix is singular,
+    # and the minimum-norm least-squares solution is the one we take
+    wq_new = wk @ cxm @ jnp.linalg.pinv(cmm, rtol=rtol, hermitian=True)
+    wk_new = wq_new @ cxm.T @ jnp.linalg.pinv(cxx, rtol=rtol, hermitian=True)
+    if whiten:
+        c = wk_new @ (cxx / jnp.sum(A)) @ wk_new.T
+        wk_new = _pinv_sqrt_psd(c, _slot_rank(x, slots, wk, wq), rtol) @ wk_new
+    return wk_new, wq_new
+
+
+def tied_m_step(x, slots, attention, wk, wq, *, whiten: bool, ridge: float, rtol: float):
+    r"""The M-step of `structinfer.infer.slot_em` (steps 1–4 of `run`), with the slots tied
+    to the E-step's fixed point.
+
+    Args:
+        x: `(tokens, d_x)`.
+        slots: `(S, d_mu)`.
+        attention: `(tokens, S)`, rows sum to 1.
+        wk: `(d_k, d_x)`.
+        wq: `(d_k, d_mu)`.
+        whiten: steps 2–3.
+        ridge: added to $\sum A x x^\top$ and to the within-slot scatter.
+        rtol: eigenvalue cut-off relative to the largest eigenvalue.
+
+    Returns:
+        `(wk, wq, slots)`: the new projections and the slots $\mu_i = W_Q^\top m_i$ the
+        next E-step starts from.
+    """
+    A = attention
+    n = jnp.sum(A, 0)  # N_i, the slots' masses
+    eye = jnp.eye(x.shape[-1], dtype=x.dtype)
+    # 1. W_K by weighted least squares given the queries q_i = W_Q mu_i
+    q = slots @ wq.T
+    cxx = jnp.einsum("js,ja,jb->ab", A, x, x) + ridge * eye
+    wk_new = jnp.einsum("js,sa,jb->ab", A, q, x) @ jnp.linalg.pinv(cxx, rtol=rtol, hermitian=True)
+    if whiten:
+        # 2. unit within-slot key covariance, on its range (centred in difference form:
+        #    no cancellation when the slots are far apart relative to their spread)
+        xbar = (A.T @ x) / jnp.where(n > 0, n, 1.0)[:, None]
+        diff = x[:, None, :] - xbar[None, :, :]
+        cw = (jnp.einsum("js,jsa,jsb->ab", A, diff, diff) + ridge * eye) / jnp.sum(A)
+        wk_new = _pinv_sqrt_psd(wk_new @ cw @ wk_new.T, _slot_rank(x, slots, wk, wq),
+                                rtol) @ wk_new
+        # 3. the rotation left free by 2: the orthogonal R closest to the previous W_K
+        wk_new = _polar(wk @ wk_new.T) @ wk_new
+    # 4. W_Q with the slots tied to their E-step fixed point mu_i = W_Q^T m_i:
+    #    min_P sum_i [N_i m_i^T P^2 m_i - 2 m_i^T P m_i], P = W_Q W_Q^T  <=>  PD + DP = 2B
+    m = A.T @ (x @ wk_new.T)  # (S, d_k), m_i = sum_j A_ji k_j
+    big_d = jnp.einsum("s,sa,sb->ab", n, m, m)
+    big_b = m.T @ m
+    d, v = jnp.linalg.eigh(0.5 * (big_d + big_d.T))
+    den = d[:, None] + d[None, :]
+    ok = den > rtol * jnp.max(d)
+    p_tilde = jnp.where(ok, 2.0 * (v.T @ big_b @ v) / jnp.where(ok, den, 1.0), 0.0)
+    p_mat = v @ p_tilde @ v.T
+    # W_Q W_Q^T = P (its d_mu largest eigenvalues when rank P > d_mu), W_Q the closest
+    # such factor to the previous W_Q (fixes the gauge mu -> O mu, W_Q -> W_Q O^T)
+    dk = wk.shape[0]
+    r = min(dk, wq.shape[-1])
+    p, u = jnp.linalg.eigh(0.5 * (p_mat + p_mat.T))
+    p, u = p[dk - r:], u[:, dk - r:]
+    p = jnp.where(p > rtol * jnp.max(p), p, 0.0)
+    factor = u * jnp.sqrt(p)  # (d_k, r), factor factor^T = P
+    wq_new = factor @ _polar(factor.T @ wq)
+    return wk_new, wq_new, m @ wq_new
+
+
+class SlotState(NamedTuple):
+    """`structinfer.infer.slot_em` state: slots `(S, d_mu)`, `wk`, `wq`, attention
+    `(tokens, S)` and the free energy."""
+
+    slots: jax.Array
+    wk: jax.Array
+    wq: jax.Array
+    attention: jax.Array
+    energy: jax.Array
+
+
+def _prepare(x, slots, wk, wq):
+    x = as_float_array(x, "slot_em: x")
+    slots = jnp.asarray(slots, x.dtype)
+    wk, wq = jnp.asarray(wk, x.dtype), jnp.asarray(wq, x.dtype)
+    if wk.shape[-1] != x.shape[-1] or wq.shape[-1] != slots.shape[-1] or wk.shape[0] != wq.shape[0]:
+        raise ValueError(
+            f"slot_em: wk {tuple(wk.shape)} must be (d_k, d_x={x.shape[-1]}) and wq "
+            f"{tuple(wq.shape)} (d_k, d_mu={slots.shape[-1]})"
+        )
+    return x, slots, wk, wq
+
+
+def _model(x, slots, wk, wq):
+    """The slot-attention mechanism at slot values `slots`, as `(model, args, kwargs)`."""
+    model = substitute(slot_attention, data={"slots": slots})
+    return model, (x, wq, wk, slots.shape[-2]), dict(node_potential=False, slot_dim=slots.shape[-1])
+
+
+def _e_step(x, slots, wk, wq, e_iters):
+    def log_z(mu):
+        model, args, kw = _model(x, mu, wk, wq)
+        return log_marginal(model, *args, **kw)
+
+    st, _ = convex_concave.run(log_z, slots, max_iters=e_iters, raise_on_nonfinite=False)
+    model, args, kw = _model(x, st.mu, wk, wq)
+    att = marginals(model, *args, **kw)["phi"].astype(x.dtype)
+    return SlotState(st.mu, wk, wq, att, st.energy.astype(x.dtype))
+
+
+def init(x, slots, wk, wq, *, e_iters: int = 20) -> SlotState:
+    r"""Check and cast the arguments (as in `run`) and run the first E-step.
+
+    Returns:
+        The `SlotState` after `e_iters` CCCP steps from `slots` at `wk`, `wq`.
+
+    Raises:
+        ValueError: `wk`, `wq` that do not fit `x` and `slots`.
+    """
+    return _e_step(*_prepare(x, slots, wk, wq), e_iters)
+
+
+def step(
+    x,
+    state: SlotState,
+    *,
+    e_iters: int = 20,
+    whiten: bool = True,
+    ridge: float = 0.0,
+    tol: float = 1e-6,
+    rtol: float | None = None,
+) -> tuple[SlotState, jax.Array]:
+    r"""One EM iteration: `tied_m_step` at `state`, then the E-step from the slots it
+    returns (arguments as in `run`).
+
+    Returns:
+        `(new_state, converged)`: the energy, $W_K$, $W_Q$ and the slots all changed
+        by at most `tol` relatively.
+    """
+    if rtol is None:
+        rtol = _default_rtol(x.dtype, *state.wk.shape, *state.wq.shape, *state.slots.shape)
+    wk, wq, mu0 = tied_m_step(x, state.slots, state.attention, state.wk, state.wq,
+                              whiten=whiten, ridge=ridge, rtol=rtol)
+    new = _e_step(x, mu0, wk, wq, e_iters)
+    conv = rel_change_small(new.energy, state.energy, tol) & rel_change_small_tree(
+        (new.wk, new.wq, new.slots), (state.wk, state.wq, state.slots), tol)
+    return new, conv
+
+
+def run(
+    x,
+    slots,
+    wk,
+    wq,
+    *,
+    e_iters: int = 20,
+    whiten: bool = True,
+    ridge: float = 0.0,
+    tol: float = 1e-6,
+    max_iters: int = 50,
+    raise_on_nonfinite: bool = True,
+    rtol: float | None = None,
+) -> tuple[SlotState, LoopInfo]:
+    r"""Slot attention with learned :math:`W_K, W_Q`: E-step on the slots, WLS M-step.
+
+    E-step: ``e_iters`` CCCP steps on the slots of
+    :func:`structinfer.mechanisms.slot_attention` (without its node potential),
+
+    .. math::
+
+        \mu_i \leftarrow W_Q^\top m_i,\qquad m_i = \sum_j A_{ji} k_j,\quad
+        A_{ji} = \mathrm{softmax}_i(k_j^\top W_Q \mu_i),\quad k_j = W_K x_j
+
+    (Singh & Buckley eq. 8, node potential :math:`\tfrac12\|\mu\|^2`), and the attention
+    :math:`A` at the result. M-step, at that attention, with :math:`N_i = \sum_j A_{ji}`:
+
+    1. :math:`W_K` by weighted least squares given the queries :math:`q_i = W_Q\mu_i`,
+       :math:`W_K = (\sum A_{ji} q_i x_j^\top)(\sum A_{ji} x_j x_j^\top)^{+}`.
+    2. (``whiten``) :math:`W_K \leftarrow (W_K \Sigma_w W_K^\top)^{+1/2} W_K`,
+       :math:`\Sigma_w = \sum_{ji} A_{ji}(x_j-\bar x_i)(x_j-\bar x_i)^\top / \sum A`,
+       :math:`\bar x_i = \sum_j A_{ji}x_j / N_i`: unit within-slot key covariance, i.e.
+       the residual covariance of :math:`\sum A\|k_j - q_i\|^2` read as a Gaussian
+       likelihood, at its best :math:`q_i = \bar k_i`, absorbed into :math:`W_K` (this
+       sets the scale of the scores, hence how sharp the attention is). The
+       pseudo-inverse square root acts on the range only: :math:`W_K` has rank
+       :math:`\le \min(S, d_\mu, d_x)`, which can be below :math:`d_k`.
+    3. (``whiten``) :math:`W_K \leftarrow R W_K` with :math:`R` the orthogonal matrix
+       closest to the previous :math:`W_K` (Procrustes): 2. leaves a rotation of the key
+       space free, which changes no score.
+    4. :math:`W_Q` with the slots tied to the E-step's fixed point
+       :math:`\mu_i = W_Q^\top m_i`: the weighted least squares
+       :math:`\sum A_{ji}\|k_j - W_Q\mu_i\|^2` then depends on :math:`W_Q` only through
+       :math:`P = W_Q W_Q^\top`,
+
+       .. math::
+
+          \min_P \sum_i N_i m_i^\top P^2 m_i - 2\, m_i^\top P m_i
+          \iff PD + DP = 2B,\quad D = \textstyle\sum_i N_i m_i m_i^\top,\
+          B = \textstyle\sum_i m_i m_i^\top,
+
+       a strictly convex quadratic on the range of :math:`D`, solved in :math:`D`'s
+       eigenbasis (:math:`\tilde P_{ab} = 2\tilde B_{ab}/(d_a + d_b)`; :math:`P \succeq 0`).
+       :math:`W_Q` is the factor :math:`W_Q W_Q^\top = P` closest to the previous
+       :math:`W_Q` (exact when :math:`\mathrm{rank}\,P \le d_\mu`, else the
+       :math:`d_\mu` largest eigenvalues of :math:`P`), and the next E-step starts from
+       :math:`\mu_i = W_Q^\top m_i`.
+
+    Solving :math:`W_Q` against the previous E-step's slots instead (as
+    :func:`m_step` does) is ill-posed: the WLS :math:`W_Q` scales as
+    :math:`1/|\mu|` and the E-step's :math:`\mu` as :math:`|W_Q|`, so :math:`|W_Q|`
+    alternates between two values forever; step 4 removes that gauge
+    (:math:`|W_Q|^2 \approx 1/N_i`, queries :math:`q_i \approx \bar k_i`).
+
+    Converged when the energy, :math:`W_K`, :math:`W_Q` and the slots all changed by at
+    most ``tol`` relatively in the last iteration
+    (:math:`|\Delta F| \le \mathrm{tol}\max(1,|F|)`,
+    :math:`\|\Delta\theta\|_F \le \mathrm{tol}\,\|\theta\|_F`). ``info.energy`` is the
+    collapsed free energy :math:`F = \tfrac12\|\mu\|^2 - \log Z(\mu; W)` after each
+    iteration; the WLS M-step is a surrogate (:math:`F` is unbounded below in the scale
+    of :math:`W`), so :math:`F` is reported, not guaranteed to decrease.
+
+    The dot-product score prefers the slot with the largest projection, not the nearest
+    one: clusters must differ in direction (after :math:`W_K`), and slots that lose all
+    their tokens in the first E-step (eq. 8 sums over a slot's tokens, so attention is
+    rich-get-richer) stay empty — initialise the slots near distinct tokens.
+
+    Args:
+        x: ``(tokens, d_x)``.
+        slots: ``(S, d_mu)`` initial slots.
+        wk: ``(d_k, d_x)``; any ``d_k`` (also ``d_k > S``).
+        wq: ``(d_k, d_mu)``.
+        e_iters: CCCP steps per E-step.
+        whiten: steps 2–3; without them the scale of :math:`W_K` is not fixed (the WLS
+            objective is minimised by :math:`W = 0`).
+        ridge: added to :math:`\sum A x x^\top` and to the within-slot scatter
+            :math:`\sum A (x-\bar x)(x-\bar x)^\top`; use it when a slot's tokens can
+            coincide (zero within-slot spread makes the attention arbitrarily sharp).
+        tol: relative tolerance for the convergence test above.
+        max_iters: the most EM iterations; stopping there is reported in
+            ``info.max_iters_reached``.
+        raise_on_nonfinite: raise ``NonFiniteEnergyError`` when
+            the result is concrete and an energy was not finite.
+        rtol: eigenvalue cut-off relative to the largest eigenvalue (pseudo-inverses,
+            whitening, :math:`P`); default ``10 * max(shape) * eps(dtype)``.
+
+    Returns:
+        ``(SlotState, LoopInfo)``.
+
+    Raises:
+        ValueError: ``wk``, ``wq`` that do not fit ``x`` and ``slots``.
+
+    Reference: Singh & Buckley sec. 4.3 and Table 1 (slot attention, eq. 8 E-step);
+    Tschantz, coordinate ascent for ``W_K, W_Q``.
+    """
+    x, slots, wk, wq = _prepare(x, slots, wk, wq)
+    rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
+    state = _e_step(x, slots, wk, wq, e_iters)
+
+    def body(st):
+        new, conv = step(x, st, e_iters=e_iters, whiten=whiten, ridge=ridge, tol=tol, rtol=rtol)
+        return new, new.energy, conv
+
+    state, info = run_loop(body, state, state.energy, max_iters)
+    if raise_on_nonfinite:
+        check(info, "slot_em", "'phi'")
+    return state, info
