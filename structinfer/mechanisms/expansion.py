@@ -118,7 +118,7 @@ def expand_components(
 
     The energy is that of [`expandable_mixture`][structinfer.mechanisms.expandable_mixture] for the single point, computed by the
     exact engine (it includes the prior's $\ln K_{\mathrm{active}}$); the step is
-    [`add_component`][structinfer.mechanisms.expansion.add_component]. Jittable: the
+    `structinfer.mechanisms.expansion.add_component`. Jittable: the
     buffer has a fixed capacity; when it is full nothing is added.
 
     Args:
