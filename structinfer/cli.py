@@ -457,7 +457,7 @@ def cmd_compare(args) -> int:
     sites = {}
     for name, fn in models.items():
         try:
-            dg._check_comparable(fn, (), bound[name], args.score_factors)
+            dg.check_comparable(fn, (), bound[name], args.score_factors)
             sites[name] = _edge_sites(fn, bound[name])
         except dg.EnergyOnlyModelError as e:
             raise CLIError(f"model '{name}': {e}") from e

@@ -1,4 +1,4 @@
-r"""The exact engine: collapse every edge site with funsor.
+r"""The exact engine's user functions: collapse every edge site with funsor.
 
 For a model :math:`p(x, \phi)` with discrete edge sites :math:`\phi` (and any
 other sites observed or given values):
@@ -10,8 +10,8 @@ other sites observed or given values):
     p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}, \qquad
     \mathbb E[v] = \frac{\partial}{\partial t} \log \sum_\phi p(x,\phi)\, e^{t \cdot v(\phi)}\Big|_{t=0}.
 
-``log Z`` is computed by ``numpyro.contrib.funsor`` (variable elimination over
-the plates); marginals and expectations are one backward pass through it
+``log Z`` is the engine's one contraction (:func:`structinfer.exact.log_z`, NumPyro's
+``numpyro.contrib.funsor`` variable elimination over the plates); marginals and expectations are one backward pass through it
 (torch-struct's "marginals are gradients of the log-partition"); MAP and
 posterior samples use funsor's max-product / forward-filter-backward-sample
 (``numpyro.contrib.funsor.infer_discrete``).
@@ -22,21 +22,18 @@ model) and differentiable, and work in float32 and float64.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from numpyro import validation_enabled
-from numpyro.contrib.funsor import enum, infer_discrete
-from numpyro.contrib.funsor import log_density as _funsor_log_density
+from numpyro.contrib.funsor import infer_discrete
 from numpyro.handlers import block, substitute, trace
 
-from ._bounds import IndexOutOfBounds, check_gather_bounds
-from ._checks import as_arrays, is_concrete, model_name
-from .handlers import fill_discrete, pin, require_values, tilt
-from .primitives import EDGE_INFO_KEY
+from .._checks import as_arrays, model_name
+from ..handlers import pin, require_values
+from .contract import LikelihoodStructure, ScoreFactors, log_z
+from .inspect import inspect_model
 
 __all__ = [
     "log_marginal",
@@ -45,169 +42,9 @@ __all__ = [
     "expectation",
     "map_edges",
     "sample_edges",
-    "inspect_model",
-    "ModelInfo",
-    "MAX_ENUM_DIMS",
+    "pointwise_log_likelihood",
+    "likelihood_structure",
 ]
-
-#: the most tensor dims (plates + one per enumerated site) the engine will build
-MAX_ENUM_DIMS = 32
-
-
-@dataclass
-class ModelInfo:
-    """Static facts about a model read from one shape-only pass (no enumeration)."""
-
-    #: enumerated sites: name -> (batch_shape, support_size)
-    enumerated: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
-    #: which enumerated sites were declared with structinfer.edge
-    edges: list[str] = field(default_factory=list)
-    #: deterministic sites: name -> (shape, event_dim)
-    deterministic: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
-    #: all site names by type, for error messages
-    sites: dict[str, str] = field(default_factory=dict)
-    max_plate_nesting: int = 0
-
-    @property
-    def first_available_dim(self) -> int:
-        return -self.max_plate_nesting - 1
-
-    def probes(self) -> dict[str, np.ndarray]:
-        """Each enumerated site's whole support ``0..k-1`` on its own enumeration dim,
-        laid out as funsor's enumeration lays it out (site ``i`` at dim
-        ``first_available_dim - i``): NumPy arrays, so they stay concrete under ``jit``.
-        Substituting them runs the model on every structure at once."""
-        return {
-            name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (self.max_plate_nesting + i))
-            for i, (name, (_, k)) in enumerate(self.enumerated.items())
-        }
-
-
-def _check_unscaled(site) -> None:
-    """Refuse a scaled enumerated site: funsor would scale inside the log-sum-exp."""
-    scale = site.get("scale")
-    if scale is None:
-        return
-    if is_concrete(scale) and np.all(np.asarray(scale) == 1):
-        return
-    raise ValueError(
-        f"edge site '{site['name']}' carries a scale (from numpyro.handlers.scale or a "
-        "subsampled plate): the exact engine would multiply the log-potentials inside "
-        "the log-sum-exp, i.e. temper the edge posterior instead of scaling each "
-        "child's log-likelihood. Collapse the edges without the scale, then scale the "
-        "per-child result (e.g. structinfer.diagnostics.pointwise_log_likelihood)"
-    )
-
-
-def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
-    """Run ``model`` once without enumeration and collect its sites and shapes.
-
-    Enumerable sites get placeholder values (zeros), so nothing is enumerated or
-    sampled; under ``jit`` this pass is traced only for its shapes and compiled away.
-    Raises a clear error for latent continuous sites without a value, when the model
-    would need more than :data:`MAX_ENUM_DIMS` tensor dims, and when it reads a table
-    with fewer rows than an edge has parents at that edge's value (a static check of
-    the model's jaxpr, so under ``jit`` too).
-
-    Reference: the plates and enumeration dims of NumPyro's funsor enumeration (``numpyro.contrib.funsor``); used by every exact-engine call.
-    """
-    if not callable(model):
-        raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
-    info = ModelInfo()
-
-    def run():
-        with block():
-            tr = trace(fill_discrete(require_values(model))).get_trace(*args, **kwargs)
-        nesting = 0
-        for name, site in tr.items():
-            info.sites[name] = site["type"]
-            frames = site.get("cond_indep_stack", []) or []
-            dims = [-f.dim for f in frames if f.dim is not None]
-            site_nesting = max(dims) if dims else 0
-            nesting = max(nesting, site_nesting)
-            if (
-                site["type"] == "sample"
-                and site["infer"].get("enumerate") == "parallel"
-                and (not site["is_observed"])
-            ):
-                _check_unscaled(site)
-                fn = site["fn"]
-                support = int(fn.enumerate_support(expand=False).shape[0])
-                info.enumerated[name] = (tuple(fn.batch_shape), support)
-                if EDGE_INFO_KEY in site["infer"]:
-                    info.edges.append(name)
-            elif site["type"] == "deterministic":
-                shape = tuple(jnp.shape(site["value"]))
-                info.deterministic[name] = (shape, max(len(shape) - site_nesting, 0))
-        info.max_plate_nesting = nesting
-
-    try:
-        run()
-    except jax.errors.TracerArrayConversionError as e:
-        raise TypeError(
-            f"model '{model_name(model)}' indexes a NumPy array with an edge variable "
-            "inside jit/grad/vmap; convert the array with jnp.asarray first"
-        ) from e
-    n_dims = info.max_plate_nesting + len(info.enumerated)
-    if info.enumerated and n_dims <= MAX_ENUM_DIMS:
-        _check_edge_reads(model, args, kwargs, info)
-    if n_dims > MAX_ENUM_DIMS:
-        raise ValueError(
-            f"model '{model_name(model)}' needs {n_dims} tensor dims ({info.max_plate_nesting} "
-            f"plate dims + {len(info.enumerated)} enumerated sites), more than the budget of "
-            f"{MAX_ENUM_DIMS}: put repeated edge sites under a plate (one site per child "
-            "set, not one per child)"
-        )
-    return info
-
-
-def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
-    """Every table the model reads at an edge value has a row per parent (static check).
-
-    The model is traced once with each enumerated site given its whole support in its
-    own enumeration dim, as the engine will; :func:`structinfer._bounds.check_gather_bounds`
-    then checks every clamping read indexed directly by an edge value, and raises
-    :class:`~structinfer._bounds.IndexOutOfBounds` naming the site and the array.
-    """
-    probes = info.probes()
-
-    def run(values):
-        with block():
-            tr = trace(require_values(substitute(model, data=values))).get_trace(*args, **kwargs)
-        return [
-            s["value"] if s["type"] == "deterministic" else s["fn"].log_prob(s["value"])
-            for name, s in tr.items()
-            if s["type"] == "deterministic" or (s["type"] == "sample" and name not in values)
-        ]
-
-    try:
-        check_gather_bounds(run, probes, f"model '{model_name(model)}'")
-    except IndexOutOfBounds:
-        raise
-    except Exception:  # best effort: the engine's own pass reports the model's errors
-        pass
-
-
-def _log_z(model, args, kwargs, info: ModelInfo, tilts: dict | None = None) -> jax.Array:
-    m = require_values(model)
-    if tilts:
-        m = tilt(m, tilts=tilts, max_plate_nesting=info.max_plate_nesting)
-    try:
-        lp, _ = _funsor_log_density(
-            enum(m, first_available_dim=info.first_available_dim), args, kwargs, {}
-        )
-    except ValueError as e:
-        if "joint log density is a scalar" not in str(e):
-            raise
-        raise ValueError(
-            f"model '{model_name(model)}': after collapsing the edges a tensor dim was left "
-            "over, so some factor or value mixes enumeration dims with plate dims. Typical "
-            "causes: indexing one edge variable with another (follow a chain with "
-            "si.edge(..., child=j) instead), summing over a plate dim inside the model, or "
-            "indexing batched tables without Vindex/si.gather. (funsor: "
-            f"{str(e).splitlines()[0]})"
-        ) from None
-    return lp
 
 
 def log_marginal(model: Callable, *args, **kwargs) -> jax.Array:
@@ -227,8 +64,7 @@ def log_marginal(model: Callable, *args, **kwargs) -> jax.Array:
         A scalar.
     """
     args, kwargs = as_arrays(args, kwargs)
-    info = inspect_model(model, *args, **kwargs)
-    return _log_z(model, args, kwargs, info)
+    return log_z(model, args, kwargs)
 
 
 def energy(model: Callable, *args, **kwargs) -> jax.Array:
@@ -268,7 +104,7 @@ def marginals(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
     zeros = {name: jnp.zeros(batch + (k,), dtype) for name, (batch, k) in info.enumerated.items()}
 
     def f(t):
-        return _log_z(model, args, kwargs, info, {n: (v, 0) for n, v in t.items()})
+        return log_z(model, args, kwargs, info=info, tilts={n: (v, 0) for n, v in t.items()})
 
     return jax.grad(f)(zeros)
 
@@ -316,8 +152,9 @@ def expectation(model: Callable, site: str | Sequence[str], *args, **kwargs):
     zeros = {n: jnp.zeros(info.deterministic[n][0], dtype) for n in names}
 
     def f(t):
-        return _log_z(
-            model, args, kwargs, info, {n: (t[n], info.deterministic[n][1]) for n in names}
+        return log_z(
+            model, args, kwargs, info=info,
+            tilts={n: (t[n], info.deterministic[n][1]) for n in names},
         )
 
     out = jax.grad(f)(zeros)
@@ -377,3 +214,79 @@ def sample_edges(rng_key: jax.Array, model: Callable, *args, **kwargs) -> dict[s
     (Singh & Buckley sec. 2, "latent alignment"); funsor forward-filter backward-sample.
     """
     return _discrete_posterior(model, args, kwargs, 1, rng_key)
+
+
+def pointwise_log_likelihood(
+    model: Callable,
+    params: Mapping[str, jax.Array] | None,
+    *args,
+    score_factors: ScoreFactors = "error",
+    **kwargs,
+) -> jax.Array:
+    r"""Log-likelihood of each observed element with the edge sites summed out.
+
+    $$\ell_i(\theta) = \log \sum_{\phi_i} p(\phi_i \mid \theta)\, p(x_i \mid \phi_i, \theta)$$
+
+    (all enumerated sites local to element $i$ are summed out; plates nested inside the
+    observations' plates, e.g. heads, are multiplied out first). It is
+    :func:`~structinfer.exact.log_z` with ``keep_plates="observed"``. With
+    ``score_factors="normalize"`` factor potentials $\psi$ inside the observations'
+    plates (such as the scores of :func:`structinfer.edge`) are read as a conditional
+    prior over the edges given the inputs,
+    $\ell_i = \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}p(x_i\mid\phi_i) - \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}$.
+
+    Args:
+        model: a NumPyro model with edge sites and an observed sample site per child.
+        params: values of the model's continuous latent sites (one posterior draw).
+        *args, **kwargs: the model's arguments.
+        score_factors: ``"error"`` (default) refuses factor potentials in the
+            observations' terms; ``"normalize"`` normalises them as above.
+
+    Returns:
+        An array shaped like the plates around the observed site(s), outermost first
+        (e.g. ``(children,)`` or ``(batch, children)``); its sum is
+        $\log p(x \mid \theta)$. Jittable and differentiable.
+
+    Raises:
+        EnergyOnlyModelError: no normalised observed site, or unnormalised factors.
+
+    Reference: the pointwise log-likelihood of PSIS-LOO (Vehtari, Gelman & Gabry 2017)
+    with the edges of Singh & Buckley (sec. 3.1) collapsed.
+    """
+    args, kwargs = as_arrays(args, kwargs)
+    m = substitute(model, data=dict(params)) if params else model
+    return log_z(m, args, kwargs, keep_plates="observed", score_factors=score_factors)
+
+
+def likelihood_structure(
+    model: Callable,
+    params: Mapping[str, jax.Array] | None,
+    *args,
+    score_factors: ScoreFactors = "error",
+    **kwargs,
+) -> LikelihoodStructure:
+    """The static facts of :func:`pointwise_log_likelihood` (names, plates, shape), shape-only.
+
+    Nothing is computed (``jax.eval_shape``). Latent sites missing from ``params`` (all
+    of them with ``params=None``) are given placeholders of their shape: the structure
+    does not depend on their values, so a model can be checked before it is fitted.
+
+    Raises:
+        EnergyOnlyModelError: as :func:`pointwise_log_likelihood`.
+    """
+    args, kwargs = as_arrays(args, kwargs)
+    box = []
+
+    def f(p):
+        m = substitute(model, data=p) if p else model
+        info = inspect_model(m, *args, **kwargs)
+        if info.unvalued:
+            fill = {n: jnp.zeros(info[n].shape, info[n].dtype) for n in info.unvalued}
+            m = substitute(m, data=fill)  # the roles and shapes stay those of `info`
+        data, struct = log_z(m, args, kwargs, info=info, keep_plates="observed",
+                             score_factors=score_factors, return_structure=True)
+        box.append(struct)
+        return data
+
+    jax.eval_shape(f, dict(params or {}))
+    return box[0]
