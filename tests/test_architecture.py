@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
-import structinfer
-
-PKG = Path(structinfer.__file__).resolve().parent
+#: the package's source folder (found without importing it)
+PKG = Path(importlib.util.find_spec("structinfer").origin).resolve().parent
 
 #: public API of NamedTuple / namedtuple, spelled with a leading underscore
 NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make", "_field_defaults"}

@@ -84,7 +84,7 @@ def log_z(
     keep_plates: Sequence[str] | Literal["observed"] | None = None,
     score_factors: ScoreFactors = "error",
     return_structure: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, LikelihoodStructure | None]:
     r"""The engine's one contraction: $\log \sum_\phi p(x, \phi)$, or its terms per element.
 
     Args:
