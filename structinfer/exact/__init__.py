@@ -29,8 +29,10 @@ from .api import (
     sample_edges,
 )
 from .bounds import IndexOutOfBounds, check_gather_bounds
-from .contract import EnergyOnlyModelError, LikelihoodStructure, ScoreFactors, log_z
-from .inspect import MAX_ENUM_DIMS, ModelInfo, Role, SiteInfo, inspect_model, trace_model
+from .contract import EnergyOnlyModelError, LikelihoodStructure, log_z
+from .contract import ScoreFactors as ScoreFactors  # a type alias (no docstring, not in __all__)
+from .inspect import MAX_ENUM_DIMS, ModelInfo, SiteInfo, inspect_model, trace_model
+from .inspect import Role as Role  # a type alias (no docstring, not in __all__)
 
 __all__ = [
     "log_marginal",
@@ -43,13 +45,11 @@ __all__ = [
     "likelihood_structure",
     "LikelihoodStructure",
     "EnergyOnlyModelError",
-    "ScoreFactors",
     "log_z",
     "inspect_model",
     "trace_model",
     "ModelInfo",
     "SiteInfo",
-    "Role",
     "MAX_ENUM_DIMS",
     "IndexOutOfBounds",
     "check_gather_bounds",

@@ -38,7 +38,6 @@ __all__ = [
     "log_z",
     "LikelihoodStructure",
     "EnergyOnlyModelError",
-    "ScoreFactors",
 ]
 
 #: how potentials inside the kept plates are read (see :func:`log_z`)

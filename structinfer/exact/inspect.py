@@ -42,7 +42,6 @@ from .bounds import IndexOutOfBounds, check_gather_bounds
 
 __all__ = [
     "MAX_ENUM_DIMS",
-    "Role",
     "SiteInfo",
     "ModelInfo",
     "inspect_model",
