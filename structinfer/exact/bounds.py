@@ -63,14 +63,17 @@ class _Range:
 
 def _is_int(aval) -> bool:
     dt = getattr(aval, "dtype", None)
-    return dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_))
+    try:
+        return dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_))
+    except TypeError:  # extended dtypes (PRNG keys) are not NumPy dtypes
+        return False
 
 
 def _const_range(x) -> _Range | None:
     if isinstance(x, jax.core.Tracer):
         return None
     dt = getattr(x, "dtype", None)
-    if dt is not None and not (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_)):
+    if dt is not None and not _is_int(x):
         return None
     try:
         a = np.asarray(x)
