@@ -244,10 +244,9 @@ def _placeholder(fn: dist.Distribution, sample_shape: tuple[int, ...] = ()) -> j
 
 
 class fill_latent(Messenger):
-    """Give each latent sample site that has no value and is not enumerable a
-    placeholder inside its support, and mark it with `infer[PLACEHOLDER_KEY] = True`.
+    """Give each unvalued latent site that is not enumerable a placeholder in its support.
 
-    The placeholder is $T(0)$ with $T$ = `biject_to(support)` (the image of the
+    The site is marked with `infer[PLACEHOLDER_KEY] = True`. The placeholder is $T(0)$ with $T$ = `biject_to(support)` (the image of the
     unconstrained origin: 1 for a positive site, the uniform point of a simplex); it is
     never a draw, so no sampler is traced. Reading a model's sites and shapes before it
     is fitted needs no real values; computing with them does, which
