@@ -251,9 +251,6 @@ class fill_latent(Messenger):
     never a draw, so no sampler is traced. Reading a model's sites and shapes before it
     is fitted needs no real values; computing with them does, which
     [`require_values`][structinfer.handlers.require_values] enforces.
-
-    Args:
-        fn: the model (or `None` to use as a context manager).
     """
 
     def process_message(self, msg):

@@ -23,6 +23,7 @@ model) and differentiable, and work in float32 and float64.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 
-def log_marginal(model: Callable, *args, **kwargs) -> jax.Array:
+def log_marginal(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
     r"""Log marginal likelihood with every edge collapsed, :math:`\log \sum_\phi p(x, \phi)`.
 
     For attention with a prior table :math:`\log\pi` and scores :math:`s` this is
@@ -58,7 +59,8 @@ def log_marginal(model: Callable, *args, **kwargs) -> jax.Array:
         model: a NumPyro model using :func:`structinfer.edge` (and/or discrete sites
             marked ``infer={"enumerate": "parallel"}``); continuous latent sites must
             be given values (``numpyro.handlers.substitute``).
-        *args, **kwargs: the model's arguments.
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
 
     Returns:
         A scalar.
@@ -67,7 +69,7 @@ def log_marginal(model: Callable, *args, **kwargs) -> jax.Array:
     return log_z(model, args, kwargs)
 
 
-def energy(model: Callable, *args, **kwargs) -> jax.Array:
+def energy(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
     r"""The collapsed energy :math:`E(x) = -\log \sum_\phi p(x, \phi)` (see :func:`log_marginal`).
 
     For independent children this is the log-sum-exp energy
@@ -82,7 +84,7 @@ def _float_dtype():
     return jnp.result_type(float)
 
 
-def marginals(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
+def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
     r"""Exact posterior marginals of every enumerated site, by one backward pass.
 
     .. math:: p(\phi_i = j \mid x) = \partial \log Z / \partial t_{ij} \big|_{t=0}
@@ -109,7 +111,9 @@ def marginals(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
     return jax.grad(f)(zeros)
 
 
-def expectation(model: Callable, site: str | Sequence[str], *args, **kwargs):
+def expectation(
+    model: Callable, site: str | Sequence[str], *args: Any, **kwargs: Any
+) -> jax.Array | dict[str, jax.Array]:
     r"""Exact posterior expectation of deterministic site(s), by one backward pass.
 
     .. math::
@@ -124,11 +128,12 @@ def expectation(model: Callable, site: str | Sequence[str], *args, **kwargs):
     Args:
         model: the model.
         site: a deterministic site name, or a sequence of names.
-        *args, **kwargs: the model's arguments.
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
 
     Returns:
-        The expectation, shaped like the site's value in a plain run (a dict of
-        them when ``site`` is a sequence).
+        The expectation, shaped like the site's value in a plain run; a dict of them
+            when ``site`` is a sequence.
 
     Reference: attention output as :math:`\mathbb E_{\phi|x}[v(x,\phi)]`, Singh &
     Buckley eq. 1; multi-hop values, app. 7.3.
@@ -190,7 +195,7 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     }
 
 
-def map_edges(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
+def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
     r"""Jointly most probable structure :math:`\arg\max_\phi p(\phi \mid x)` (max-product).
 
     Returns:
@@ -202,7 +207,9 @@ def map_edges(model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
     return _discrete_posterior(model, args, kwargs, 0, None)
 
 
-def sample_edges(rng_key: jax.Array, model: Callable, *args, **kwargs) -> dict[str, jax.Array]:
+def sample_edges(
+    rng_key: jax.Array, model: Callable, *args: Any, **kwargs: Any
+) -> dict[str, jax.Array]:
     r"""One exact joint draw :math:`\phi \sim p(\phi \mid x)` (forward-filter backward-sample).
 
     ``jax.vmap`` over keys for many draws.
@@ -219,9 +226,9 @@ def sample_edges(rng_key: jax.Array, model: Callable, *args, **kwargs) -> dict[s
 def pointwise_log_likelihood(
     model: Callable,
     params: Mapping[str, jax.Array] | None,
-    *args,
+    *args: Any,
     score_factors: ScoreFactors = "error",
-    **kwargs,
+    **kwargs: Any,
 ) -> jax.Array:
     r"""Log-likelihood of each observed element with the edge sites summed out.
 
@@ -238,7 +245,8 @@ def pointwise_log_likelihood(
     Args:
         model: a NumPyro model with edge sites and an observed sample site per child.
         params: values of the model's continuous latent sites (one posterior draw).
-        *args, **kwargs: the model's arguments.
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
         score_factors: ``"error"`` (default) refuses factor potentials in the
             observations' terms; ``"normalize"`` normalises them as above.
 
@@ -261,9 +269,9 @@ def pointwise_log_likelihood(
 def likelihood_structure(
     model: Callable,
     params: Mapping[str, jax.Array] | None,
-    *args,
+    *args: Any,
     score_factors: ScoreFactors = "error",
-    **kwargs,
+    **kwargs: Any,
 ) -> LikelihoodStructure:
     """The static facts of :func:`pointwise_log_likelihood` (names, plates, shape), shape-only.
 

@@ -17,7 +17,9 @@ Reads the model shaped on purpose are left alone: an index computed with arithme
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -261,7 +263,9 @@ def _check_gather(eqn, idx: _Range, where: str) -> None:
             )
 
 
-def check_gather_bounds(fn, probes: dict[str, np.ndarray], where: str) -> None:
+def check_gather_bounds(
+    fn: Callable[[dict], Any], probes: dict[str, np.ndarray], where: str
+) -> None:
     """Raise :class:`IndexOutOfBounds` if ``fn(probes)`` reads past an array's end, with
     clamping, at an index that is a probe value (see the module docstring).
 

@@ -89,7 +89,8 @@ def log_z(
     Args:
         model: a NumPyro model; its continuous latent sites must have values
             (``numpyro.handlers.substitute``).
-        args, kwargs: the model's arguments (NumPy arrays become JAX arrays).
+        args: the model's positional arguments (NumPy arrays become JAX arrays).
+        kwargs: the model's keyword arguments.
         info: the model's :class:`~structinfer.exact.ModelInfo` when the caller has it
             (saves the inspection pass); read from the model otherwise.
         tilts: ``{site: (t, event_dim)}`` zero tilts (:class:`structinfer.handlers.tilt`):

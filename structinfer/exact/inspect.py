@@ -273,7 +273,7 @@ def _read(tr: dict) -> ModelInfo:
     return info
 
 
-def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
+def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
     """Run ``model`` once without enumeration and read every site into a :class:`ModelInfo`.
 
     Enumerable sites get zeros and latent sites without a value a placeholder inside
@@ -287,7 +287,8 @@ def inspect_model(model: Callable, *args, **kwargs) -> ModelInfo:
 
     Args:
         model: a NumPyro model.
-        *args, **kwargs: its arguments.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
 
     Returns:
         The model's :class:`ModelInfo`.
