@@ -279,25 +279,21 @@ def _shapes(kwargs: dict) -> str:
 def _edge_sites(fn: Callable, kwargs: dict) -> dict[str, tuple[tuple[int, ...], int]]:
     """The edge sites of a model on the data, ``{site: (children shape, number of parents)}``.
 
-    One shape-only run of the model (``jax.eval_shape``: traced, never compiled): the
-    edge posterior of a site has shape ``children shape + (parents,)``, so a true
-    structure for it needs the children shape.
+    Read from the model's one inspection (:func:`structinfer.exact.inspect_model`), run
+    shape-only (``jax.eval_shape``: traced, never compiled): the edge posterior of a site
+    has shape ``children shape + (parents,)``, so a true structure for it needs the
+    children shape.
     """
     import jax
     import jax.numpy as jnp
-    from numpyro.handlers import block, seed, trace
 
-    from .primitives import EdgeInfo
+    from .exact import inspect_model
 
     sites: dict[str, tuple[tuple[int, ...], int]] = {}
 
     def run():
-        with block():
-            tr = trace(seed(fn, 0)).get_trace(**{k: jnp.asarray(v) for k, v in kwargs.items()})
-        for name, site in tr.items():
-            infos = [v for v in (site.get("infer") or {}).values() if isinstance(v, EdgeInfo)]
-            if site["type"] == "sample" and infos:
-                sites[name] = (tuple(site["fn"].batch_shape), int(infos[0].num_parents))
+        info = inspect_model(fn, **{k: jnp.asarray(v) for k, v in kwargs.items()})
+        sites.update({n: (s.shape, s.num_values) for n, s in info.of_role("edge").items()})
         return 0
 
     jax.eval_shape(run)
@@ -457,7 +453,7 @@ def cmd_compare(args) -> int:
     sites = {}
     for name, fn in models.items():
         try:
-            dg._check_comparable(fn, (), bound[name], args.score_factors)
+            dg.check_comparable(fn, (), bound[name], args.score_factors)
             sites[name] = _edge_sites(fn, bound[name])
         except dg.EnergyOnlyModelError as e:
             raise CLIError(f"model '{name}': {e}") from e

@@ -45,22 +45,23 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-import funsor
-import funsor.optimizer
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-import numpyro.distributions as dist
-from numpyro.contrib.funsor import enum, plate_to_enum_plate
-from numpyro.contrib.funsor import trace as packed_trace
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import block, seed, substitute, trace
 
 from . import exact
 from ._checks import as_arrays, model_name
-from .handlers import require_values
-from .primitives import EDGE_INFO_KEY, EdgeInfo, is_enumerated
+from .exact import (
+    EnergyOnlyModelError,
+    LikelihoodStructure,
+    ScoreFactors,
+    likelihood_structure,
+    pointwise_log_likelihood,
+)
+from .primitives import is_enumerated
 
 __all__ = [
     "Fit",
@@ -99,57 +100,13 @@ __all__ = [
     "plot_convergence",
 ]
 
-ScoreFactors = Literal["error", "normalize"]
-
-
-class EnergyOnlyModelError(ValueError):
-    """The model defines an energy, not a normalised density of observed data.
-
-    Leave-one-out and every other predictive-density comparison need
-    :math:`p(x_i \\mid \\theta)`; a model made of factor potentials only (or whose
-    observation term includes unnormalised potentials) does not define it.
-    """
-
-
 class ParetoKWarning(UserWarning):
     """PSIS-LOO is unreliable for some observations (Pareto :math:`\\hat k` above the threshold)."""
 
 
 # --------------------------------------------------------------------------------------
-# the model's sites
+# the model's sites (read once, by the exact engine's inspection)
 # --------------------------------------------------------------------------------------
-
-
-def _unwrap(fn):
-    while hasattr(fn, "base_dist"):
-        fn = fn.base_dist
-    return fn
-
-
-def _is_factor(site) -> bool:
-    return isinstance(_unwrap(site["fn"]), dist.distribution.Unit)
-
-
-def _plates(site) -> dict[str, tuple[int, int]]:
-    """``{plate name: (dim, size)}`` of the plates around a site."""
-    return {
-        f.name: (f.dim, f.size) for f in site.get("cond_indep_stack", []) or [] if f.dim is not None
-    }
-
-
-class _Latent(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: Any
-    support: Any
-
-
-class _EdgeFacts(NamedTuple):
-    """Static facts about an edge site (no arrays)."""
-
-    children_plate: str
-    num_children: int
-    num_parents: int
-    offset: int
 
 
 def _plain_trace(model, args, kwargs, rng_key=0, params: dict | None = None):
@@ -158,269 +115,30 @@ def _plain_trace(model, args, kwargs, rng_key=0, params: dict | None = None):
         return trace(seed(m, rng_key)).get_trace(*args, **kwargs)
 
 
-def _static_pass(model, args, kwargs, params: dict | None = None):
-    """One shape-only plain run of the model (``jax.eval_shape``: traced, never compiled
-    nor executed op by op): its continuous latent sites, edge sites and observed sites."""
-    box = {}
-
-    def run(p):
-        tr = _plain_trace(model, args, kwargs, params=p or None)
-        latent, edges, observed, nesting = {}, {}, [], 0
-        for name, site in tr.items():
-            for d, _ in _plates(site).values():
-                nesting = max(nesting, -d)
-            if site["type"] == "param":
-                raise ValueError(
-                    f"model '{model_name(model)}' has a numpyro.param site '{name}'; the "
-                    "fitting helpers infer sample sites only: give it a prior with "
-                    "numpyro.sample"
-                )
-            if site["type"] != "sample":
-                continue
-            if EDGE_INFO_KEY in site["infer"]:
-                info: EdgeInfo = site["infer"][EDGE_INFO_KEY]
-                edges[name] = _EdgeFacts(
-                    info.children_plate, info.num_children, info.num_parents,
-                    int(info.prior.describe().get("offset", 0) or 0),
-                )
-            if site["is_observed"]:
-                if not _is_factor(site):
-                    observed.append(name)
-                continue
-            if is_enumerated(site):
-                continue
-            if site["fn"].has_enumerate_support or site["fn"].support.is_discrete:
-                raise ValueError(
-                    f"model '{model_name(model)}': discrete latent site '{name}' is not "
-                    "enumerated; declare edges with structinfer.edge or mark the site with "
-                    "infer={'enumerate': 'parallel'}"
-                )
-            v = site["value"]
-            latent[name] = _Latent(tuple(jnp.shape(v)), jnp.result_type(v), site["fn"].support)
-        box.update(latent=latent, edges=edges, observed=observed, nesting=nesting)
-        return 0
-
-    jax.eval_shape(run, dict(params or {}))
-    return box
+def _prior_offset(prior) -> int:
+    """The child-to-parent position offset of a structural prior (0 when it has none)."""
+    return int(prior.describe().get("offset", 0) or 0)
 
 
-def _latent_sites(model, args, kwargs) -> dict[str, _Latent]:
-    """Continuous latent sites (the parameters to infer): shapes, dtypes and supports."""
-    return _static_pass(model, args, kwargs)["latent"]
-
-
-# --------------------------------------------------------------------------------------
-# pointwise log-likelihood with the edges collapsed
-# --------------------------------------------------------------------------------------
-
-
-class LikelihoodStructure(NamedTuple):
-    """What :func:`pointwise_log_likelihood` returns one entry for (static facts).
-
-    Attributes:
-        name: variable name in the ``log_likelihood`` group (the observed site, or the
-            observed sites joined with ``"+"`` when several share the edges).
-        observed: the observed sample sites whose densities are collapsed.
-        plates: pointwise dims: the plates around every observed site, outermost first.
-        shape: sizes of those plates.
-        conditional_factors: factor sites treated as conditional potentials
-            (``score_factors="normalize"``).
-    """
-
-    name: str
-    observed: tuple[str, ...]
-    plates: tuple[str, ...]
-    shape: tuple[int, ...]
-    conditional_factors: tuple[str, ...]
-
-
-def _energy_only(model, reason: str) -> EnergyOnlyModelError:
-    return EnergyOnlyModelError(
-        f"model '{model_name(model)}' {reason}, so it defines an energy, not a normalised "
-        "density p(x_i | theta) of observed data, and cannot be compared by predictive "
-        "density (LOO)"
-    )
-
-
-def _collapse(model, params, args, kwargs, score_factors: ScoreFactors):
-    """Per-element collapsed log-likelihood (array) and its :class:`LikelihoodStructure`."""
-    if score_factors not in ("error", "normalize"):
-        raise ValueError(
-            f"score_factors must be 'error' or 'normalize', got {score_factors!r}"
-        )
-    m = substitute(model, data=params) if params else model
-    info = exact.inspect_model(m, *args, **kwargs)
-    em = enum(
-        require_values(m, what="the pointwise log-likelihood"),
-        first_available_dim=info.first_available_dim,
-    )
-    with plate_to_enum_plate():
-        tr = packed_trace(em).get_trace(*args, **kwargs)
-
-    sites = [s for s in tr.values() if s["type"] == "sample"]
-    observed = [s for s in sites if s["is_observed"] and not _is_factor(s)]
-    factors = [s for s in sites if s["is_observed"] and _is_factor(s)]
-    enumerated = [s for s in sites if is_enumerated(s)]
-    factor_names = [s["name"] for s in factors]
-    if not observed:
-        raise _energy_only(
-            model,
-            f"has no observed sample site (factor sites: {factor_names or 'none'}); write "
-            "each child's observation as numpyro.sample(name, distribution, obs=data) inside "
-            "the children plate",
-        )
-    keep = set(_plates(observed[0]))
-    for s in observed[1:]:
-        keep &= set(_plates(s))
-    if not keep:
-        raise ValueError(
-            f"model '{model_name(model)}': the observed site(s) "
-            f"{[s['name'] for s in observed]} share no plate, so there is no pointwise "
-            "log-likelihood; put each child's observation inside the children plate"
-        )
-    for s in enumerated:
-        missing = keep - set(_plates(s))
-        if missing:
+def _fit_info(model, args, kwargs) -> exact.ModelInfo:
+    """The model's :class:`~structinfer.exact.ModelInfo`, refusing what the fitting
+    helpers cannot infer (``numpyro.param`` sites, discrete latent sites that are not
+    enumerated). Its ``latent`` sites are the parameters to infer."""
+    info = exact.inspect_model(model, *args, **kwargs)
+    for name, site in info.items():
+        if site.role == "param":
             raise ValueError(
-                f"model '{model_name(model)}': enumerated site '{s['name']}' lies outside "
-                f"the plate(s) {sorted(missing)} of the observations, so it couples them "
-                "and the log-likelihood does not split into one term per element"
+                f"model '{model_name(model)}' has a numpyro.param site '{name}'; the "
+                "fitting helpers infer sample sites only: give it a prior with "
+                "numpyro.sample"
             )
-    for s in sites:
-        if any(n.startswith("_time") for n in s["infer"].get("dim_to_name", {}).values()):
+        if site.role == "latent" and site.support.is_discrete:
             raise ValueError(
-                f"model '{model_name(model)}': markov (time) dims at site '{s['name']}' are "
-                "not supported by the pointwise log-likelihood"
+                f"model '{model_name(model)}': discrete latent site '{name}' is not "
+                "enumerated; declare edges with structinfer.edge or mark the site with "
+                "infer={'enumerate': 'parallel'}"
             )
-    enum_names = {s["name"] for s in enumerated}
-    local_factors = []
-    for s in factors:
-        inside = keep <= set(_plates(s))
-        touches_edges = bool(enum_names & set(s["infer"].get("dim_to_name", {}).values()))
-        if inside:
-            local_factors.append(s)
-        elif touches_edges:
-            raise ValueError(
-                f"model '{model_name(model)}': factor site '{s['name']}' depends on "
-                "enumerated sites but lies outside the observations' plates"
-            )
-    if local_factors and score_factors == "error":
-        raise _energy_only(
-            model,
-            f"adds factor potentials {[s['name'] for s in local_factors]} to its "
-            "observations' terms (if they are attention scores over given inputs, pass "
-            "score_factors='normalize' to read them as the conditional prior "
-            "p(phi_i | inputs) proportional to prior x exp(score))",
-        )
-
-    def to_funsor(s):
-        lp = s["fn"].log_prob(s["value"])
-        if s["scale"] is not None:
-            lp = s["scale"] * lp
-        return funsor.to_funsor(lp, output=funsor.Real, dim_to_name=s["infer"]["dim_to_name"])
-
-    plate_dims: dict[str, tuple[int, int]] = {}
-    for s in observed + enumerated + local_factors:
-        plate_dims.update(_plates(s))
-    prod_vars = frozenset(plate_dims)
-    eliminate = frozenset(enum_names) | (prod_vars - keep)
-
-    def contract(group):
-        with funsor.interpretations.lazy:
-            lazy = funsor.sum_product.sum_product(
-                funsor.ops.logaddexp,
-                funsor.ops.add,
-                [to_funsor(s) for s in group],
-                eliminate=eliminate,
-                plates=prod_vars,
-            )
-        return funsor.optimizer.apply_optimizer(lazy)
-
-    result = contract(enumerated + local_factors + observed)
-    if local_factors:
-        result = result - contract(enumerated + local_factors)
-    keep_sorted = sorted(keep, key=lambda n: plate_dims[n][0])  # outermost (most negative) first
-    name_to_dim = {n: plate_dims[n][0] for n in keep_sorted}
-    extra = set(result.inputs) - set(keep_sorted)
-    if extra:  # pragma: no cover - guarded by the checks above
-        raise ValueError(f"pointwise log-likelihood left free variables {sorted(extra)}")
-    data = funsor.to_data(result, name_to_dim=name_to_dim)
-    nd = max(-d for d, _ in plate_dims.values())
-    full = [1] * nd
-    for n in keep_sorted:
-        dim, size = plate_dims[n]
-        full[dim] = size
-    shape = tuple(plate_dims[n][1] for n in keep_sorted)
-    data = jnp.broadcast_to(jnp.reshape(data, (1,) * (nd - jnp.ndim(data)) + jnp.shape(data)), full)
-    data = jnp.reshape(data, shape)
-    obs_names = tuple(s["name"] for s in observed)
-    struct = LikelihoodStructure(
-        name="+".join(obs_names),
-        observed=obs_names,
-        plates=tuple(keep_sorted),
-        shape=shape,
-        conditional_factors=tuple(s["name"] for s in local_factors),
-    )
-    return data, struct
-
-
-def pointwise_log_likelihood(
-    model: Callable,
-    params: Mapping[str, jax.Array] | None,
-    *args,
-    score_factors: ScoreFactors = "error",
-    **kwargs,
-) -> jax.Array:
-    r"""Log-likelihood of each observed element with the edge sites summed out.
-
-    .. math::
-
-        \ell_i(\theta) = \log \sum_{\phi_i} p(\phi_i \mid \theta)\, p(x_i \mid \phi_i, \theta)
-
-    (all enumerated sites local to element :math:`i` are summed out; plates nested
-    inside the observation's plates, e.g. heads, are multiplied out first). With
-    ``score_factors="normalize"`` factor potentials :math:`\psi` inside the
-    observations' plates (such as the scores of :func:`structinfer.edge`) are read as
-    a conditional prior over the edges given the inputs,
-    :math:`\ell_i = \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}p(x_i\mid\phi_i) - \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}`.
-
-    Args:
-        model: a NumPyro model with edge sites and an observed sample site per child.
-        params: values of the model's continuous latent sites (one posterior draw).
-        *args, **kwargs: the model's arguments.
-        score_factors: ``"error"`` (default) refuses factor potentials in the
-            observations' terms; ``"normalize"`` normalises them as above.
-
-    Returns:
-        An array shaped like the plates around the observed site(s), outermost first
-        (e.g. ``(children,)`` or ``(batch, children)``); its sum is
-        :math:`\log p(x \mid \theta)`. Jittable and differentiable.
-
-    Raises:
-        EnergyOnlyModelError: no normalised observed site, or unnormalised factors.
-    """
-    args, kwargs = as_arrays(args, kwargs)
-    return _collapse(model, dict(params or {}), args, kwargs, score_factors)[0]
-
-
-def likelihood_structure(
-    model: Callable,
-    params: Mapping[str, jax.Array] | None,
-    *args,
-    score_factors: ScoreFactors = "error",
-    **kwargs,
-) -> LikelihoodStructure:
-    """The static facts of :func:`pointwise_log_likelihood` (names, plates, shape), shape-only."""
-    args, kwargs = as_arrays(args, kwargs)
-    box = []
-
-    def f(p):
-        data, struct = _collapse(model, p, args, kwargs, score_factors)
-        box.append(struct)
-        return data
-
-    jax.eval_shape(f, dict(params or {}))
-    return box[0]
+    return info
 
 
 # --------------------------------------------------------------------------------------
@@ -451,7 +169,7 @@ class Fit(NamedTuple):
         """Wrap a finished :class:`numpyro.infer.MCMC` run (e.g. from
         ``structinfer.infer.run_nuts``) of ``model`` on ``*args, **kwargs``."""
         args, kwargs = as_arrays(args, kwargs)
-        latent = _latent_sites(model, args, kwargs)
+        latent = _fit_info(model, args, kwargs).latent
         draws = mcmc.get_samples(group_by_chain=True)
         missing = set(latent) - set(draws)
         if missing:
@@ -468,7 +186,7 @@ class Fit(NamedTuple):
         from numpyro.infer import Predictive
 
         args, kwargs = as_arrays(args, kwargs)
-        latent = _latent_sites(model, args, kwargs)
+        latent = _fit_info(model, args, kwargs).latent
         num_draws = _check_positive(num_draws, "Fit.from_guide: num_draws")
         draws = Predictive(guide, params=dict(params), num_samples=num_draws)(
             jax.random.PRNGKey(seed), *args, **kwargs
@@ -523,7 +241,7 @@ def fit_nuts(
     num_samples = _check_positive(num_samples, "fit_nuts: num_samples")
     num_chains = _check_positive(num_chains, "fit_nuts: num_chains")
     args, kwargs = as_arrays(args, kwargs)
-    latent = _latent_sites(model, args, kwargs)
+    latent = _fit_info(model, args, kwargs).latent
     if not latent:
         raise ValueError(
             f"model '{model_name(model)}' has no continuous latent site to sample; "
@@ -644,7 +362,7 @@ def fit_svi(
     num_steps = _check_positive(num_steps, "fit_svi: num_steps")
     num_draws = _check_positive(num_draws, "fit_svi: num_draws")
     args, kwargs = as_arrays(args, kwargs)
-    nesting = _static_pass(model, args, kwargs)["nesting"]
+    nesting = _fit_info(model, args, kwargs).max_plate_nesting
     if guide is None:
         guide = AutoNormal(block(model, hide_fn=is_enumerated))
     svi = SVI(
@@ -697,19 +415,23 @@ def _draw_quantities(
         out["struct"] = likelihood_structure(
             fit.model, first, *fit.args, score_factors=score_factors, **fit.kwargs
         )
-    edges = list(_static_pass(fit.model, fit.args, fit.kwargs, first)["edges"])
+    edges = exact.inspect_model(substitute(fit.model, data=first), *fit.args, **fit.kwargs).edges
 
     def f(p):
         res = {}
         if "ll" in what:
-            res["ll"] = _collapse(fit.model, p, fit.args, fit.kwargs, score_factors)[0]
+            res["ll"] = pointwise_log_likelihood(
+                fit.model, p, *fit.args, score_factors=score_factors, **fit.kwargs
+            )
         if "marg" in what and edges:
             marg = exact.marginals(substitute(fit.model, data=p), *fit.args, **fit.kwargs)
             res["marg"] = {n: marg[n] for n in edges}
         if "prior" in what and edges:
-            infos = _edge_infos(fit.model, fit.args, fit.kwargs, p)
+            info = exact.inspect_model(substitute(fit.model, data=p), *fit.args, **fit.kwargs)
             res["prior"] = {
-                n: jnp.exp(i.prior.log_table(i.num_children)) for n, i in infos.items()
+                n: jnp.exp(s.edge.prior.log_table(s.edge.num_children))
+                for n, s in info.items()
+                if s.edge is not None
             }
         return res
 
@@ -739,15 +461,6 @@ def edge_marginal_draws(fit: Fit, *, batch_size: int | None = 64) -> dict[str, n
         ``{edge site: array (chains, draws, ..., children, parents)}``.
     """
     return _draw_quantities(fit, ["marg"], "error", batch_size)["marg"]
-
-
-def _edge_infos(model, args, kwargs, params) -> dict[str, EdgeInfo]:
-    tr = _plain_trace(model, args, kwargs, params=params)
-    return {
-        n: s["infer"][EDGE_INFO_KEY]
-        for n, s in tr.items()
-        if s["type"] == "sample" and EDGE_INFO_KEY in s.get("infer", {})
-    }
 
 
 def edge_prior_draws(fit: Fit, *, batch_size: int | None = 64) -> dict[str, np.ndarray]:
@@ -817,7 +530,8 @@ def to_inference_data(
     ll, struct, marg, prior_tables = q["ll"], q["struct"], q["marg"], q["prior"]
     obs = _observed_values(fit, struct)
     first = {n: v[0, 0] for n, v in fit.samples.items()}
-    infos = _static_pass(fit.model, fit.args, fit.kwargs, first)["edges"]
+    model_info = exact.inspect_model(substitute(fit.model, data=first), *fit.args, **fit.kwargs)
+    infos = {n: s.edge for n, s in model_info.items() if s.edge is not None}
     latent = sorted(fit.samples)
 
     data: dict[str, dict[str, Any]] = {
@@ -848,7 +562,7 @@ def to_inference_data(
         if true_edges is not None and n in true_edges:
             t = _check_true_edges(true_edges[n], mean, n)
             edge_vars[f"{n}_true"] = (bdims[:-1], t)
-        attrs[f"{n}.offset"] = info.offset if info is not None else 0
+        attrs[f"{n}.offset"] = _prior_offset(info.prior) if info is not None else 0
     dt["edge_posterior"] = xr.DataTree(xr.Dataset(edge_vars, attrs=attrs))
     return dt
 
@@ -946,12 +660,7 @@ def _constant_terms(idata, var_name: str | None) -> dict:
         return {}
     n_chains, n_draws = ll.sizes["chain"], ll.sizes["draw"]
     n_samples = n_chains * n_draws
-    try:
-        from arviz_stats.loo.helper_loo import _get_r_eff
-
-        reff = _get_r_eff(idata, n_samples)
-    except Exception:  # pragma: no cover - private helper moved: PSIS is fine with reff=1
-        reff = 1.0
+    reff = _relative_efficiency(idata, n_samples)
     ramp = xr.DataArray(
         np.arange(n_samples, dtype=float).reshape(n_chains, n_draws) / n_samples,
         dims=("chain", "draw"),
@@ -963,17 +672,33 @@ def _constant_terms(idata, var_name: str | None) -> dict:
     return {"reff": reff, "log_weights": log_weights, "pareto_k": pareto_k}
 
 
-def _check_comparable(model, args, kwargs, score_factors: ScoreFactors) -> None:
-    """Refuse energy-only models before spending time fitting them."""
+def _relative_efficiency(idata, n_samples: int) -> float:
+    r"""PSIS's relative efficiency $r_\mathrm{eff} = \overline{\mathrm{ESS}} / S$: the mean
+    over every element of every posterior variable of its (mean) effective sample size,
+    over the number of draws $S$; 1 for a single chain. This is the ``reff`` ArviZ's
+    ``loo`` uses by default (Vehtari, Gelman & Gabry 2017, sec. 3.1)."""
+    posterior = idata["posterior"]
+    if posterior.sizes["chain"] == 1:
+        return 1.0
+    ess = posterior.to_dataset().azstats.ess(method="mean")
+    return float(np.hstack([np.ravel(ess[v].values) for v in ess.data_vars]).mean() / n_samples)
+
+
+def check_comparable(model: Callable, args: tuple, kwargs: dict,
+                     score_factors: ScoreFactors = "error") -> None:
+    """Refuse, before any fitting, a model that :func:`compare_priors` cannot compare.
+
+    Shape-only: the model is inspected once and its pointwise log-likelihood structure
+    read with placeholders for the parameters (:func:`likelihood_structure`).
+
+    Raises:
+        EnergyOnlyModelError: the model defines an energy, not a density of its data.
+        ValueError: a ``numpyro.param`` site or a discrete latent site that is not
+            enumerated (the fitting helpers cannot infer them).
+    """
     args, kwargs = as_arrays(args, kwargs)
-    latent = _latent_sites(model, args, kwargs)
-    likelihood_structure(
-        model,
-        {n: jax.ShapeDtypeStruct(s.shape, s.dtype) for n, s in latent.items()},
-        *args,
-        score_factors=score_factors,
-        **kwargs,
-    )
+    _fit_info(model, args, kwargs)
+    likelihood_structure(model, None, *args, score_factors=score_factors, **kwargs)
 
 
 def compare_priors(
@@ -1019,7 +744,7 @@ def compare_priors(
         raise ValueError(f"compare_priors: fit must be 'nuts' or 'svi', got {fit!r}")
     for item in models.values():
         if callable(item) and not isinstance(item, Fit):
-            _check_comparable(item, args, kwargs, score_factors)
+            check_comparable(item, args, kwargs, score_factors)
     fitter = fit_nuts if fit == "nuts" else fit_svi
     elpds = {}
     for name, item in models.items():

@@ -9,6 +9,9 @@ r"""Effect handlers the exact engine is built from (NumPyro ``Messenger`` subcla
   placeholder value of its batch shape (used to read shapes without enumerating).
 * [`pin`][structinfer.handlers.pin] — fixes discrete sites to given values and takes
   them out of enumeration.
+* [`fill_latent`][structinfer.handlers.fill_latent] — gives every other latent sample
+  site without a value a placeholder inside its support, without sampling (used to read
+  a model that is still to be fitted).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
+from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
 from .primitives import gather, is_enumerated
@@ -27,13 +31,18 @@ __all__ = [
     "tilt",
     "require_values",
     "fill_discrete",
+    "fill_latent",
     "pin",
     "TiltedDistribution",
     "TILT_PREFIX",
+    "PLACEHOLDER_KEY",
 ]
 
 TILT_PREFIX = "_structinfer_tilt:"
 """Prefix of the factor sites [`tilt`][structinfer.handlers.tilt] adds for deterministic sites."""
+PLACEHOLDER_KEY = "structinfer_placeholder"
+"""Key [`fill_latent`][structinfer.handlers.fill_latent] sets (to `True`) in the `infer`
+dict of a site it filled."""
 
 
 class TiltedDistribution(dist.Distribution):
@@ -198,6 +207,59 @@ class fill_discrete(Messenger):
         if msg["type"] == "sample" and msg.get("value") is None and not msg["is_observed"]:
             if is_enumerated(msg) and msg["fn"].has_enumerate_support:
                 msg["value"] = jnp.zeros(msg["fn"].batch_shape, dtype=jnp.int32)
+
+
+def _float_dtype(fn) -> jnp.dtype:
+    """The floating dtype of a distribution's parameters (what its draws would have)."""
+    try:
+        leaves = [x for x in jax.tree.leaves(fn) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    except Exception:  # noqa: BLE001 - a distribution that is not a pytree: the default
+        leaves = []
+    return jnp.result_type(*leaves) if leaves else jnp.result_type(float)
+
+
+def _placeholder(fn: dist.Distribution, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+    r"""A value of `fn`'s shape inside its support, computed without sampling: $T(0)$ with
+    $T$ = `biject_to(support)`. Discrete supports, and supports with no bijection, get
+    zeros.
+
+    Args:
+        fn: the site's distribution (already expanded by its plates).
+        sample_shape: the site's extra leading sample shape.
+
+    Returns:
+        An array of shape ``sample_shape + fn.batch_shape + fn.event_shape``.
+    """
+    shape = tuple(sample_shape) + tuple(fn.batch_shape) + tuple(fn.event_shape)
+    support = fn.support
+    if support.is_discrete:
+        return jnp.zeros(shape, jnp.int32)
+    dtype = _float_dtype(fn)
+    try:
+        t = biject_to(support)
+        value = t(jnp.zeros(t.inverse_shape(shape), dtype))
+    except (NotImplementedError, TypeError, ValueError):
+        return jnp.zeros(shape, dtype)
+    return jnp.broadcast_to(value, shape)
+
+
+class fill_latent(Messenger):
+    """Give each unvalued latent site that is not enumerable a placeholder in its support.
+
+    The site is marked with `infer[PLACEHOLDER_KEY] = True`. The placeholder is $T(0)$ with $T$ = `biject_to(support)` (the image of the
+    unconstrained origin: 1 for a positive site, the uniform point of a simplex); it is
+    never a draw, so no sampler is traced. Reading a model's sites and shapes before it
+    is fitted needs no real values; computing with them does, which
+    [`require_values`][structinfer.handlers.require_values] enforces.
+    """
+
+    def process_message(self, msg):
+        if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
+            return
+        if is_enumerated(msg) and msg["fn"].has_enumerate_support:
+            return
+        msg["value"] = _placeholder(msg["fn"], tuple(msg["kwargs"].get("sample_shape", ())))
+        msg["infer"] = {**(msg.get("infer") or {}), PLACEHOLDER_KEY: True}
 
 
 class pin(Messenger):

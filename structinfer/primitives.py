@@ -28,11 +28,9 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 from jax.typing import ArrayLike
-from numpyro.contrib.funsor.enum_messenger import plate as _enum_plate
 from numpyro.distributions.util import validate_sample
 from numpyro.ops.indexing import Vindex
-from numpyro.primitives import _PYRO_STACK
-from numpyro.primitives import plate as _plate
+from numpyro.primitives import CondIndepStackFrame, apply_stack
 
 from ._checks import check_finite
 from .priors import StructuralPrior, as_prior
@@ -44,6 +42,8 @@ __all__ = [
     "EdgeDistribution",
     "gather",
     "is_enumerated",
+    "is_factor",
+    "active_plates",
     "EDGE_INFO_KEY",
     "SCORE_SUFFIX",
 ]
@@ -101,13 +101,62 @@ def is_enumerated(site: dict) -> bool:
     )
 
 
-def active_plates() -> list[Any]:
-    """The plates (NumPyro's or funsor's enumeration plates) currently entered, outermost first.
+def is_factor(site: dict) -> bool:
+    """Whether a trace site (or a message) is a potential.
+
+    An observed `sample` site whose distribution is (or wraps: expanded by a plate,
+    masked) NumPyro's `Unit`, as `numpyro.factor` and the `"<edge>.score"` row
+    normalisers of [`edge`][structinfer.edge] record.
+
+    Args:
+        site: a trace site or a handler message.
 
     Returns:
-        The plate messengers on NumPyro's handler stack.
+        `True` for a potential, `False` otherwise.
     """
-    return [h for h in _PYRO_STACK if isinstance(h, (_plate, _enum_plate))]
+    if site.get("type") != "sample" or not site.get("is_observed", False):
+        return False
+    fn = site.get("fn")
+    for _ in range(32):
+        if isinstance(fn, dist.distribution.Unit):
+            return True
+        fn = getattr(fn, "base_dist", None)
+        if fn is None:
+            return False
+    return False  # pragma: no cover - absurdly deep wrapping
+
+
+def active_plates() -> list[CondIndepStackFrame]:
+    """The plates around the current statement, outermost first.
+
+    A `deterministic` message is sent through `numpyro.primitives.apply_stack`: every
+    enclosing plate (NumPyro's and funsor's enumeration plates alike) annotates it with
+    its frame, as it does a `numpyro.deterministic` site. Handlers may read its name
+    while it travels (`substitute` functions do), so it has one; its value is computed by
+    a function that drops the name again, so no handler records it as a site (`trace`
+    skips nameless messages). A `numpyro.handlers.block` entered between two plates
+    hides the plates outside it, as it hides the sites inside it.
+
+    Returns:
+        NumPyro's `CondIndepStackFrame(name, dim, size)` of each plate (`size`: the
+        subsample size).
+    """
+    msg = {"type": "deterministic", "name": _PLATES_PROBE, "value": None, "args": (),
+           "kwargs": {}, "cond_indep_stack": []}
+
+    def drop_name():
+        msg.pop("name", None)
+        return ()
+
+    msg["fn"] = drop_name
+    apply_stack(msg)
+    msg.pop("name", None)
+    return [f for f in reversed(msg["cond_indep_stack"]) if f.dim is not None]
+
+
+_PLATES_PROBE = "structinfer.active_plates"
+"""Name of the message [`active_plates`][structinfer.primitives.active_plates] sends
+(never recorded as a site)."""
 
 
 def gather(table: jax.Array, index: jax.Array) -> jax.Array:
@@ -218,7 +267,7 @@ class EdgeDistribution(dist.CategoricalLogits):
         return gather(self.logits, value)
 
 
-def _children_plate(name: str):
+def _children_plate(name: str) -> tuple[CondIndepStackFrame, list[CondIndepStackFrame]]:
     plates = active_plates()
     if not plates:
         raise ValueError(
@@ -235,11 +284,11 @@ def _children_plate(name: str):
     )
 
 
-def _batch_shape(plates) -> tuple[int, ...]:
+def _batch_shape(plates: list[CondIndepStackFrame]) -> tuple[int, ...]:
     nd = max(-p.dim for p in plates)
     shape = [1] * nd
     for p in plates:
-        shape[p.dim] = p.subsample_size if getattr(p, "subsample_size", None) else p.size
+        shape[p.dim] = p.size
     return tuple(shape)
 
 

@@ -312,6 +312,19 @@ def test_edge_summary_and_hyperparameters(q_task, q_idata):
         dg.hyperparameter_summary(q_idata, ["nope"])
 
 
+def test_relative_efficiency_matches_arviz(q_idata):
+    """PSIS's r_eff (used for children whose log-likelihood is constant over the draws)
+    comes from ArviZ's public ESS; it equals arviz-stats' own helper on a 2-chain fit."""
+    helper = pytest.importorskip("arviz_stats.loo.helper_loo")
+    if not hasattr(helper, "_get_r_eff"):
+        pytest.skip("arviz-stats no longer has _get_r_eff")
+    reff = dg._relative_efficiency(q_idata, 2 * 400)
+    assert reff == pytest.approx(float(helper._get_r_eff(q_idata, 2 * 400)), rel=1e-12)
+    assert 0.05 < reff < 2.0
+    one = azb.from_dict({"posterior": {"q": q_idata["posterior"]["q"].values[:1]}})
+    assert dg._relative_efficiency(one, 400) == 1.0
+
+
 # ---------------------------------------------------------------------------------------
 # LOO and comparison
 # ---------------------------------------------------------------------------------------

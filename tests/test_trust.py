@@ -406,7 +406,7 @@ def test_value_table_with_fewer_rows_than_parents_is_an_error(engine, jitted):
 
 def test_bounds_check_reads_negative_index_wrap_and_clipping():
     """A direct read of a short table is caught; reads shaped on purpose are not."""
-    from structinfer._bounds import check_gather_bounds
+    from structinfer.exact.bounds import check_gather_bounds
 
     v = jnp.ones((7, 2))
     probes = {"phi": np.arange(7, dtype=np.int32).reshape(7, 1)}

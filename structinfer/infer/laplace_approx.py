@@ -20,11 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 from jax.flatten_util import ravel_pytree
-from numpyro.handlers import block, substitute, trace
 
 from .._checks import as_arrays, is_concrete, is_masked
-from ..exact import inspect_model, log_marginal
-from ..handlers import fill_discrete, require_values
+from ..exact import inspect_model, log_marginal, trace_model
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
 from ._common import as_float_tree
 
@@ -73,8 +71,7 @@ def _edge_terms(model, args, kwargs, edges):
         ``(tables, rest)``: ``{edge: (..., children, parents) table}`` and the sum of
         every other site's (scaled) log-density at the model's values.
     """
-    with block():
-        tr = trace(fill_discrete(require_values(model))).get_trace(*args, **kwargs)
+    tr = trace_model(model, args, kwargs)
     logits, rest = {}, 0.0
     for name, site in tr.items():
         if site["type"] != "sample":
@@ -160,9 +157,7 @@ def _check_separable(model, args, kwargs, info) -> None:
     sites: list = []
 
     def log_densities(*phis):
-        with block():
-            tr = trace(require_values(substitute(model, data=dict(zip(names, phis))))).get_trace(
-                *args, **kwargs)
+        tr = trace_model(model, args, kwargs, values=dict(zip(names, phis)))
         sites[:] = [(n, s) for n, s in tr.items() if s["type"] == "sample"]
         out = []
         for _, s in sites:

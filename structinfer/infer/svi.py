@@ -33,6 +33,7 @@ from numpyro.handlers import block, substitute
 from numpyro.infer import SVI, TraceEnum_ELBO
 from numpyro.infer.autoguide import AutoDelta, AutoNormal
 
+from ..exact import inspect_model
 from ..primitives import edge, is_enumerated
 from ..priors import as_prior
 from ..scores import as_score
@@ -91,15 +92,6 @@ class SVIFit(NamedTuple):
     state: Any
 
 
-def _has_latent_continuous(model, args, kwargs) -> bool:
-    with block():
-        tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(*args, **kwargs)
-    return any(
-        s["type"] == "sample" and not s["is_observed"] and not is_enumerated(s)
-        for s in tr.values()
-    )
-
-
 def fit_svi(
     model: Callable,
     *args,
@@ -145,7 +137,7 @@ def fit_svi(
     if isinstance(guide, str):
         if guide not in ("delta", "normal"):
             raise ValueError(f"fit_svi: guide must be 'delta', 'normal', a callable or None, got {guide!r}")
-        if _has_latent_continuous(model, args, kwargs):
+        if inspect_model(model, *args, **kwargs).latent:
             guide = (AutoDelta if guide == "delta" else AutoNormal)(hide_edges(model))
         else:
             guide = None

@@ -30,9 +30,7 @@ from numpyro.handlers import substitute
 
 from .. import mechanisms as mech
 from .._checks import as_arrays
-
-# SEAM: at merge evaluate calls the public contraction, exact.log_z(m, (), kw, info=info, tilts=tilts)
-from ..exact import _log_z, expectation, inspect_model
+from ..exact import expectation, inspect_model, log_z
 from .oracles import (
     NEG_INF,
     attention_out_energy,
@@ -323,13 +321,13 @@ def evaluate(
         zeros.update({n: jnp.zeros(info.deterministic[n][0], dtype) for n in values})
         diff = {k: v for k, v in inputs.items() if _is_float_tree(v)} if needs_grad else {}
 
-        def log_z(t, d):
+        def tilted_log_z(t, d):
             m, kw = bound({**inputs, **d})
             tilts = {n: (t[n], 0) for n in edges}
             tilts.update({n: (t[n], info.deterministic[n][1]) for n in values})
-            return _log_z(m, (), kw, info, tilts)
+            return log_z(m, (), kw, info=info, tilts=tilts)
 
-        lz, (g_t, g) = jax.value_and_grad(log_z, argnums=(0, 1))(zeros, diff)
+        lz, (g_t, g) = jax.value_and_grad(tilted_log_z, argnums=(0, 1))(zeros, diff)
         for q in qs:
             if q.kind in ("attention", "output"):
                 out[q.key] = g_t[q.target]

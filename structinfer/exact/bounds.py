@@ -17,7 +17,9 @@ Reads the model shaped on purpose are left alone: an index computed with arithme
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -63,14 +65,17 @@ class _Range:
 
 def _is_int(aval) -> bool:
     dt = getattr(aval, "dtype", None)
-    return dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_))
+    try:
+        return dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_))
+    except TypeError:  # extended dtypes (PRNG keys) are not NumPy dtypes
+        return False
 
 
 def _const_range(x) -> _Range | None:
     if isinstance(x, jax.core.Tracer):
         return None
     dt = getattr(x, "dtype", None)
-    if dt is not None and not (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_)):
+    if dt is not None and not _is_int(x):
         return None
     try:
         a = np.asarray(x)
@@ -258,7 +263,9 @@ def _check_gather(eqn, idx: _Range, where: str) -> None:
             )
 
 
-def check_gather_bounds(fn, probes: dict[str, np.ndarray], where: str) -> None:
+def check_gather_bounds(
+    fn: Callable[[dict], Any], probes: dict[str, np.ndarray], where: str
+) -> None:
     """Raise :class:`IndexOutOfBounds` if ``fn(probes)`` reads past an array's end, with
     clamping, at an index that is a probe value (see the module docstring).
 

@@ -1,0 +1,56 @@
+r"""The exact engine's public seam: one inspection, one contraction, the user functions.
+
+$$\log Z = \log \sum_\phi p(x, \phi), \qquad
+p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}$$
+
+* :mod:`~structinfer.exact.inspect` — :func:`inspect_model` reads every site of a
+  model once into a :class:`ModelInfo` (roles, shapes, plates, supports, each edge's
+  prior and score);
+* :mod:`~structinfer.exact.contract` — :func:`log_z`, the one contraction (NumPyro's
+  funsor ``log_density``; with ``keep_plates`` the per-element log-likelihood);
+* :mod:`~structinfer.exact.api` — :func:`log_marginal`, :func:`energy`,
+  :func:`marginals`, :func:`expectation`, :func:`map_edges`, :func:`sample_edges`,
+  :func:`pointwise_log_likelihood`, :func:`likelihood_structure`;
+* :mod:`~structinfer.exact.bounds` — the static index-bounds check
+  (:class:`IndexOutOfBounds`).
+
+Everything above the engine (lowering, inference, diagnostics, the catalogue) uses
+these names only.
+"""
+
+from .api import (
+    energy,
+    expectation,
+    likelihood_structure,
+    log_marginal,
+    map_edges,
+    marginals,
+    pointwise_log_likelihood,
+    sample_edges,
+)
+from .bounds import IndexOutOfBounds, check_gather_bounds
+from .contract import EnergyOnlyModelError, LikelihoodStructure, log_z
+from .contract import ScoreFactors as ScoreFactors  # a type alias (no docstring, not in __all__)
+from .inspect import MAX_ENUM_DIMS, ModelInfo, SiteInfo, inspect_model, trace_model
+from .inspect import Role as Role  # a type alias (no docstring, not in __all__)
+
+__all__ = [
+    "log_marginal",
+    "energy",
+    "marginals",
+    "expectation",
+    "map_edges",
+    "sample_edges",
+    "pointwise_log_likelihood",
+    "likelihood_structure",
+    "LikelihoodStructure",
+    "EnergyOnlyModelError",
+    "log_z",
+    "inspect_model",
+    "trace_model",
+    "ModelInfo",
+    "SiteInfo",
+    "MAX_ENUM_DIMS",
+    "IndexOutOfBounds",
+    "check_gather_bounds",
+]

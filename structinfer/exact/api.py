@@ -1,0 +1,300 @@
+r"""The exact engine's user functions: collapse every edge site with funsor.
+
+For a model :math:`p(x, \phi)` with discrete edge sites :math:`\phi` (and any
+other sites observed or given values):
+
+.. math::
+
+    \log Z = \log \sum_\phi p(x, \phi), \qquad
+    E = -\log Z, \qquad
+    p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}, \qquad
+    \mathbb E[v] = \frac{\partial}{\partial t} \log \sum_\phi p(x,\phi)\, e^{t \cdot v(\phi)}\Big|_{t=0}.
+
+``log Z`` is the engine's one contraction (:func:`structinfer.exact.log_z`, NumPyro's
+``numpyro.contrib.funsor`` variable elimination over the plates); marginals and expectations are one backward pass through it
+(torch-struct's "marginals are gradients of the log-partition"); MAP and
+posterior samples use funsor's max-product / forward-filter-backward-sample
+(``numpyro.contrib.funsor.infer_discrete``).
+
+All functions take the model and its arguments, are jittable (close over the
+model) and differentiable, and work in float32 and float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from numpyro import validation_enabled
+from numpyro.contrib.funsor import infer_discrete
+from numpyro.handlers import block, substitute, trace
+
+from .._checks import as_arrays, model_name
+from ..handlers import pin, require_values
+from .contract import LikelihoodStructure, ScoreFactors, log_z
+from .inspect import inspect_model
+
+__all__ = [
+    "log_marginal",
+    "energy",
+    "marginals",
+    "expectation",
+    "map_edges",
+    "sample_edges",
+    "pointwise_log_likelihood",
+    "likelihood_structure",
+]
+
+
+def log_marginal(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
+    r"""Log marginal likelihood with every edge collapsed, :math:`\log \sum_\phi p(x, \phi)`.
+
+    For attention with a prior table :math:`\log\pi` and scores :math:`s` this is
+    :math:`\sum_i \mathrm{logsumexp}_j (s_{ij} + \log \pi_{ij})` — the negative of
+    the log-sum-exp energy (Tschantz; Singh & Buckley sec. 3).
+
+    Args:
+        model: a NumPyro model using :func:`structinfer.edge` (and/or discrete sites
+            marked ``infer={"enumerate": "parallel"}``); continuous latent sites must
+            be given values (``numpyro.handlers.substitute``).
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
+
+    Returns:
+        A scalar.
+    """
+    args, kwargs = as_arrays(args, kwargs)
+    return log_z(model, args, kwargs)
+
+
+def energy(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
+    r"""The collapsed energy :math:`E(x) = -\log \sum_\phi p(x, \phi)` (see :func:`log_marginal`).
+
+    For independent children this is the log-sum-exp energy
+    :math:`-\sum_i \log \sum_j \exp(\psi_{ij} + \log p_{ij})` of Tschantz
+    ("log-sum-exp energies", v2 eq. 1) and the collapsed free energy of Singh &
+    Buckley sec. 4.1 (eq. 3).
+    """
+    return -log_marginal(model, *args, **kwargs)
+
+
+def _float_dtype():
+    return jnp.result_type(float)
+
+
+def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
+    r"""Exact posterior marginals of every enumerated site, by one backward pass.
+
+    .. math:: p(\phi_i = j \mid x) = \partial \log Z / \partial t_{ij} \big|_{t=0}
+
+    Returns:
+        ``{site: array (..., children, parents)}`` for each edge site (and each other
+        enumerated discrete site, shape ``batch + (support,)``). Rows sum to one.
+
+    Reference: the attention matrix as the edge posterior, Singh & Buckley sec. 3.1
+    (eq. 1); marginals as gradients of the log-partition (Lemma 7.1 (i), app. 7.1).
+    """
+    args, kwargs = as_arrays(args, kwargs)
+    info = inspect_model(model, *args, **kwargs)
+    if not info.enumerated:
+        raise ValueError(
+            f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
+        )
+    dtype = _float_dtype()
+    zeros = {name: jnp.zeros(batch + (k,), dtype) for name, (batch, k) in info.enumerated.items()}
+
+    def f(t):
+        return log_z(model, args, kwargs, info=info, tilts={n: (v, 0) for n, v in t.items()})
+
+    return jax.grad(f)(zeros)
+
+
+def expectation(
+    model: Callable, site: str | Sequence[str], *args: Any, **kwargs: Any
+) -> jax.Array | dict[str, jax.Array]:
+    r"""Exact posterior expectation of deterministic site(s), by one backward pass.
+
+    .. math::
+
+        \mathbb E_{\phi \mid x}[v(\phi)]
+        = \frac{\partial}{\partial t} \log \sum_\phi p(x, \phi)\, e^{\langle t, v(\phi)\rangle}\Big|_{t=0}
+
+    Works for any value of the edges, including ones that couple several edge
+    sites (a two-hop chain :math:`V x_{\phi_{\phi_i}}`). The value must be
+    recorded with ``numpyro.deterministic`` inside the plates of its children.
+
+    Args:
+        model: the model.
+        site: a deterministic site name, or a sequence of names.
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
+
+    Returns:
+        The expectation, shaped like the site's value in a plain run; a dict of them
+            when ``site`` is a sequence.
+
+    Reference: attention output as :math:`\mathbb E_{\phi|x}[v(x,\phi)]`, Singh &
+    Buckley eq. 1; multi-hop values, app. 7.3.
+    """
+    args, kwargs = as_arrays(args, kwargs)
+    names = [site] if isinstance(site, str) else list(site)
+    info = inspect_model(model, *args, **kwargs)
+    for n in names:
+        if n not in info.deterministic:
+            kind = info.sites.get(n)
+            if kind is None:
+                raise KeyError(
+                    f"model '{model_name(model)}' has no site '{n}'; deterministic sites: "
+                    f"{sorted(info.deterministic)}"
+                )
+            raise ValueError(
+                f"site '{n}' is a {kind} site, not a deterministic one"
+                + ("; use structinfer.marginals for edge sites" if n in info.enumerated else "")
+            )
+    dtype = _float_dtype()
+    zeros = {n: jnp.zeros(info.deterministic[n][0], dtype) for n in names}
+
+    def f(t):
+        return log_z(
+            model, args, kwargs, info=info,
+            tilts={n: (t[n], info.deterministic[n][1]) for n in names},
+        )
+
+    out = jax.grad(f)(zeros)
+    return out[site] if isinstance(site, str) else out
+
+
+def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[str, jax.Array]:
+    args, kwargs = as_arrays(args, kwargs)
+    info = inspect_model(model, *args, **kwargs)
+    if not info.enumerated:
+        raise ValueError(f"model '{model_name(model)}' has no edge sites")
+    key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    # single-parent sites are deterministic; funsor cannot extract a point from a
+    # size-1 enumeration dim, so fix them to 0 as observations (log-prob unchanged)
+    trivial = {
+        name: jnp.zeros(batch, jnp.int32) for name, (batch, k) in info.enumerated.items() if k == 1
+    }
+    if len(trivial) == len(info.enumerated):  # nothing left to infer
+        return trivial
+    m = infer_discrete(
+        pin(require_values(model), data=trivial),
+        first_available_dim=info.first_available_dim,
+        temperature=temperature,
+        rng_key=key,
+    )
+    # funsor draws through a NumPyro Categorical built from the posterior logits, whose
+    # argument validation (on by default) rejects the -inf of forbidden parents
+    with block(), validation_enabled(False):
+        tr = trace(m).get_trace(*args, **kwargs)
+    return {
+        name: jnp.broadcast_to(tr[name]["value"], info.enumerated[name][0])
+        for name in info.enumerated
+    }
+
+
+def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
+    r"""Jointly most probable structure :math:`\arg\max_\phi p(\phi \mid x)` (max-product).
+
+    Returns:
+        ``{site: int array of the site's batch shape (..., children)}``.
+
+    Reference: hard attention as the MAP structure (Singh & Buckley sec. 3.1);
+    computed with funsor's max-product adjoint (``numpyro.contrib.funsor.infer_discrete``).
+    """
+    return _discrete_posterior(model, args, kwargs, 0, None)
+
+
+def sample_edges(
+    rng_key: jax.Array, model: Callable, *args: Any, **kwargs: Any
+) -> dict[str, jax.Array]:
+    r"""One exact joint draw :math:`\phi \sim p(\phi \mid x)` (forward-filter backward-sample).
+
+    ``jax.vmap`` over keys for many draws.
+
+    Returns:
+        ``{site: int array of the site's batch shape (..., children)}``.
+
+    Reference: stochastic (sampled) attention as a draw from the edge posterior
+    (Singh & Buckley sec. 2, "latent alignment"); funsor forward-filter backward-sample.
+    """
+    return _discrete_posterior(model, args, kwargs, 1, rng_key)
+
+
+def pointwise_log_likelihood(
+    model: Callable,
+    params: Mapping[str, jax.Array] | None,
+    *args: Any,
+    score_factors: ScoreFactors = "error",
+    **kwargs: Any,
+) -> jax.Array:
+    r"""Log-likelihood of each observed element with the edge sites summed out.
+
+    $$\ell_i(\theta) = \log \sum_{\phi_i} p(\phi_i \mid \theta)\, p(x_i \mid \phi_i, \theta)$$
+
+    (all enumerated sites local to element $i$ are summed out; plates nested inside the
+    observations' plates, e.g. heads, are multiplied out first). It is
+    :func:`~structinfer.exact.log_z` with ``keep_plates="observed"``. With
+    ``score_factors="normalize"`` factor potentials $\psi$ inside the observations'
+    plates (such as the scores of :func:`structinfer.edge`) are read as a conditional
+    prior over the edges given the inputs,
+    $\ell_i = \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}p(x_i\mid\phi_i) - \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}$.
+
+    Args:
+        model: a NumPyro model with edge sites and an observed sample site per child.
+        params: values of the model's continuous latent sites (one posterior draw).
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
+        score_factors: ``"error"`` (default) refuses factor potentials in the
+            observations' terms; ``"normalize"`` normalises them as above.
+
+    Returns:
+        An array shaped like the plates around the observed site(s), outermost first
+        (e.g. ``(children,)`` or ``(batch, children)``); its sum is
+        $\log p(x \mid \theta)$. Jittable and differentiable.
+
+    Raises:
+        EnergyOnlyModelError: no normalised observed site, or unnormalised factors.
+
+    Reference: the pointwise log-likelihood of PSIS-LOO (Vehtari, Gelman & Gabry 2017)
+    with the edges of Singh & Buckley (sec. 3.1) collapsed.
+    """
+    args, kwargs = as_arrays(args, kwargs)
+    m = substitute(model, data=dict(params)) if params else model
+    return log_z(m, args, kwargs, keep_plates="observed", score_factors=score_factors)
+
+
+def likelihood_structure(
+    model: Callable,
+    params: Mapping[str, jax.Array] | None,
+    *args: Any,
+    score_factors: ScoreFactors = "error",
+    **kwargs: Any,
+) -> LikelihoodStructure:
+    """The static facts of :func:`pointwise_log_likelihood` (names, plates, shape), shape-only.
+
+    Nothing is computed (``jax.eval_shape``). Latent sites missing from ``params`` (all
+    of them with ``params=None``) are given placeholders of their shape: the structure
+    does not depend on their values, so a model can be checked before it is fitted.
+
+    Raises:
+        EnergyOnlyModelError: as :func:`pointwise_log_likelihood`.
+    """
+    args, kwargs = as_arrays(args, kwargs)
+    box = []
+
+    def f(p):
+        m = substitute(model, data=p) if p else model
+        info = inspect_model(m, *args, **kwargs)
+        if info.unvalued:
+            fill = {n: jnp.zeros(info[n].shape, info[n].dtype) for n in info.unvalued}
+            m = substitute(m, data=fill)  # the roles and shapes stay those of `info`
+        data, struct = log_z(m, args, kwargs, info=info, keep_plates="observed",
+                             score_factors=score_factors, return_structure=True)
+        box.append(struct)
+        return data
+
+    jax.eval_shape(f, dict(params or {}))
+    return box[0]

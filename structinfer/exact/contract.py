@@ -1,0 +1,323 @@
+r"""One contraction: :func:`log_z` sums the enumerated sites out of a model.
+
+$$\log Z = \log \sum_\phi p(x, \phi)$$
+
+is NumPyro's own funsor contraction (``numpyro.contrib.funsor.log_density`` under
+``enum``: variable elimination, plates multiplied out). With ``keep_plates`` the
+plates of the observations are *kept* instead, giving one term per element
+:math:`e` (child, or batch element and child):
+
+$$\ell_e = \log \sum_{\phi_e} \prod_{s \in e} p_s, \qquad
+\textstyle\sum_e \ell_e = \log p(x \mid \theta),$$
+
+the product running over the enumerated, observed and factor sites inside the kept
+plates (plates nested inside them, e.g. heads, are multiplied out first); the prior
+of the valued latent sites :math:`\theta` is left out (it is not per element). This
+is the pointwise log-likelihood of Vehtari, Gelman & Gabry (2017) with the edges
+collapsed; every other function of the engine is a gradient of the scalar form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, NamedTuple
+
+import funsor
+import funsor.optimizer
+import jax
+import jax.numpy as jnp
+from numpyro.contrib.funsor import enum, plate_to_enum_plate
+from numpyro.contrib.funsor import log_density as funsor_log_density
+from numpyro.contrib.funsor import trace as packed_trace
+
+from .._checks import as_arrays, model_name
+from ..handlers import require_values, tilt
+from .inspect import ModelInfo, inspect_model
+
+__all__ = [
+    "log_z",
+    "LikelihoodStructure",
+    "EnergyOnlyModelError",
+]
+
+#: how potentials inside the kept plates are read (see :func:`log_z`)
+ScoreFactors = Literal["error", "normalize"]
+
+
+class EnergyOnlyModelError(ValueError):
+    r"""The model defines an energy, not a normalised density of observed data.
+
+    Leave-one-out and every other predictive-density comparison need
+    $p(x_i \mid \theta)$; a model made of factor potentials only (or whose
+    observation term includes unnormalised potentials) does not define it.
+    """
+
+
+class LikelihoodStructure(NamedTuple):
+    """What :func:`log_z` with kept plates returns one entry for (static facts).
+
+    Attributes:
+        name: variable name in the ``log_likelihood`` group (the observed site, or the
+            observed sites joined with ``"+"`` when several share the edges).
+        observed: the observed sample sites whose densities are collapsed.
+        plates: pointwise dims: the kept plates, outermost first.
+        shape: sizes of those plates.
+        conditional_factors: factor sites treated as conditional potentials
+            (``score_factors="normalize"``).
+    """
+
+    name: str
+    observed: tuple[str, ...]
+    plates: tuple[str, ...]
+    shape: tuple[int, ...]
+    conditional_factors: tuple[str, ...]
+
+
+def log_z(
+    model: Callable,
+    args: tuple = (),
+    kwargs: Mapping | None = None,
+    *,
+    info: ModelInfo | None = None,
+    tilts: Mapping[str, tuple[jax.Array, int]] | None = None,
+    keep_plates: Sequence[str] | Literal["observed"] | None = None,
+    score_factors: ScoreFactors = "error",
+    return_structure: bool = False,
+) -> jax.Array | tuple[jax.Array, LikelihoodStructure | None]:
+    r"""The engine's one contraction: $\log \sum_\phi p(x, \phi)$, or its terms per element.
+
+    Args:
+        model: a NumPyro model; its continuous latent sites must have values
+            (``numpyro.handlers.substitute``).
+        args: the model's positional arguments (NumPy arrays become JAX arrays).
+        kwargs: the model's keyword arguments.
+        info: the model's :class:`~structinfer.exact.ModelInfo` when the caller has it
+            (saves the inspection pass); read from the model otherwise.
+        tilts: ``{site: (t, event_dim)}`` zero tilts (:class:`structinfer.handlers.tilt`):
+            the gradient of the result with respect to ``t`` is a marginal or an
+            expectation. Scalar form only.
+        keep_plates: ``None`` (default): the scalar $\log Z$, NumPyro's
+            ``numpyro.contrib.funsor.log_density``. ``"observed"``: keep the plates every
+            observed site shares (the pointwise log-likelihood); or a sequence of plate
+            names to keep (each must hold every observed and enumerated site). The
+            result then has one entry per element of the kept plates, outermost first:
+            $\ell_e = \log\sum_{\phi_e}\prod_{s\in e} p_s$ over the enumerated, observed
+            and factor sites (valued latent sites are left out).
+        score_factors: with kept plates, what to do with factor potentials
+            $\psi$ inside them (e.g. the ``"<edge>.score"`` normalisers of
+            :func:`structinfer.edge`): ``"error"`` refuses them
+            (:class:`EnergyOnlyModelError`); ``"normalize"`` reads them as a conditional
+            prior over the edges given the inputs,
+            $\ell_e = \log\sum_{\phi_e} p(\phi_e)e^{\psi_e}p(x_e\mid\phi_e) - \log\sum_{\phi_e} p(\phi_e)e^{\psi_e}$.
+        return_structure: also return the :class:`LikelihoodStructure` of the kept
+            terms (``None`` for the scalar form).
+
+    Returns:
+        A scalar, or an array shaped like the kept plates (``(children,)``,
+        ``(batch, children)``); ``(value, structure)`` with ``return_structure``.
+        Jittable and differentiable, float32 and float64.
+
+    Raises:
+        ValueError: a latent site has no value; a tensor dim is left over after the
+            contraction (a factor mixing enumeration and plate dims); with kept plates,
+            a site couples the kept elements (an enumerated site or a factor on the
+            edges outside the kept plates, a ``markov`` dim), or no plate is shared.
+        EnergyOnlyModelError: with kept plates, no normalised observed site, or
+            unnormalised factors and ``score_factors="error"``.
+
+    Reference: NumPyro's funsor ``log_density`` (``contrib/funsor/infer_util.py``);
+    funsor's ``sum_product`` with the kept plates left free for the pointwise terms.
+    """
+    args, kwargs = as_arrays(args, dict(kwargs or {}))
+    if info is None:
+        info = inspect_model(model, *args, **kwargs)
+    if keep_plates is None:
+        lz = _scalar(model, args, kwargs, info, tilts)
+        return (lz, None) if return_structure else lz
+    if tilts:
+        raise ValueError(
+            "log_z: tilts and keep_plates cannot be combined; take marginals from the "
+            "scalar form"
+        )
+    if score_factors not in ("error", "normalize"):
+        raise ValueError(f"score_factors must be 'error' or 'normalize', got {score_factors!r}")
+    data, struct = _kept(model, args, kwargs, info, keep_plates, score_factors)
+    return (data, struct) if return_structure else data
+
+
+def _scalar(model, args, kwargs, info: ModelInfo, tilts) -> jax.Array:
+    m = require_values(model)
+    if tilts:
+        m = tilt(m, tilts=dict(tilts), max_plate_nesting=info.max_plate_nesting)
+    try:
+        lp, _ = funsor_log_density(
+            enum(m, first_available_dim=info.first_available_dim), args, kwargs, {}
+        )
+    except ValueError as e:
+        if "joint log density is a scalar" not in str(e):
+            raise
+        raise ValueError(
+            f"model '{model_name(model)}': after collapsing the edges a tensor dim was left "
+            "over, so some factor or value mixes enumeration dims with plate dims. Typical "
+            "causes: indexing one edge variable with another (follow a chain with "
+            "si.edge(..., child=j) instead), summing over a plate dim inside the model, or "
+            "indexing batched tables without Vindex/si.gather. (funsor: "
+            f"{str(e).splitlines()[0]})"
+        ) from None
+    return lp
+
+
+def _energy_only(model, reason: str) -> EnergyOnlyModelError:
+    return EnergyOnlyModelError(
+        f"model '{model_name(model)}' {reason}, so it defines an energy, not a normalised "
+        "density p(x_i | theta) of observed data, and cannot be compared by predictive "
+        "density (LOO)"
+    )
+
+
+def _frames(site) -> dict[str, tuple[int, int]]:
+    """``{plate name: (dim, size)}`` of the plates around a site of the enumerated trace."""
+    return {
+        f.name: (f.dim, f.size) for f in site.get("cond_indep_stack", []) or [] if f.dim is not None
+    }
+
+
+def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: ScoreFactors):
+    """Per-element log-likelihood over the kept plates and its :class:`LikelihoodStructure`."""
+    em = enum(
+        require_values(model, what="the pointwise log-likelihood"),
+        first_available_dim=info.first_available_dim,
+    )
+    with plate_to_enum_plate():
+        tr = packed_trace(em).get_trace(*args, **kwargs)
+
+    sites = [s for s in tr.values() if s["type"] == "sample"]
+    role = {s["name"]: info[s["name"]].role for s in sites}
+    observed = [s for s in sites if role[s["name"]] == "observed"]
+    factors = [s for s in sites if role[s["name"]] == "factor"]
+    enumerated = [s for s in sites if role[s["name"]] in ("edge", "enumerated")]
+    factor_names = [s["name"] for s in factors]
+    if not observed:
+        raise _energy_only(
+            model,
+            f"has no observed sample site (factor sites: {factor_names or 'none'}); write "
+            "each child's observation as numpyro.sample(name, distribution, obs=data) inside "
+            "the children plate",
+        )
+    shared = set(_frames(observed[0]))
+    for s in observed[1:]:
+        shared &= set(_frames(s))
+    if keep_plates == "observed":
+        keep = shared
+        if not keep:
+            raise ValueError(
+                f"model '{model_name(model)}': the observed site(s) "
+                f"{[s['name'] for s in observed]} share no plate, so there is no pointwise "
+                "log-likelihood; put each child's observation inside the children plate"
+            )
+    else:
+        if isinstance(keep_plates, str):
+            raise TypeError(
+                f"keep_plates must be 'observed' or a sequence of plate names, got {keep_plates!r}"
+            )
+        keep = set(keep_plates)
+        unknown = sorted(keep - set(info.plates))
+        if unknown:
+            raise ValueError(
+                f"model '{model_name(model)}': keep_plates names {unknown}, which are not plates "
+                f"of the model (plates: {sorted(info.plates)})"
+            )
+        if not keep:
+            raise ValueError("keep_plates is empty; pass None for the scalar log Z")
+        for s in observed:
+            missing = keep - set(_frames(s))
+            if missing:
+                raise ValueError(
+                    f"model '{model_name(model)}': observed site '{s['name']}' lies outside "
+                    f"the kept plate(s) {sorted(missing)}, so its density is not one term per "
+                    "kept element"
+                )
+    for s in enumerated:
+        missing = keep - set(_frames(s))
+        if missing:
+            raise ValueError(
+                f"model '{model_name(model)}': enumerated site '{s['name']}' lies outside "
+                f"the plate(s) {sorted(missing)} of the observations, so it couples them "
+                "and the log-likelihood does not split into one term per element"
+            )
+    for s in sites:
+        if any(n.startswith("_time") for n in s["infer"].get("dim_to_name", {}).values()):
+            raise ValueError(
+                f"model '{model_name(model)}': markov (time) dims at site '{s['name']}' are "
+                "not supported by the pointwise log-likelihood"
+            )
+    enum_names = {s["name"] for s in enumerated}
+    local_factors = []
+    for s in factors:
+        inside = keep <= set(_frames(s))
+        touches_edges = bool(enum_names & set(s["infer"].get("dim_to_name", {}).values()))
+        if inside:
+            local_factors.append(s)
+        elif touches_edges:
+            raise ValueError(
+                f"model '{model_name(model)}': factor site '{s['name']}' depends on "
+                "enumerated sites but lies outside the observations' plates"
+            )
+    if local_factors and score_factors == "error":
+        raise _energy_only(
+            model,
+            f"adds factor potentials {[s['name'] for s in local_factors]} to its "
+            "observations' terms (if they are attention scores over given inputs, pass "
+            "score_factors='normalize' to read them as the conditional prior "
+            "p(phi_i | inputs) proportional to prior x exp(score))",
+        )
+
+    def to_funsor(s):
+        lp = s["fn"].log_prob(s["value"])
+        if s["scale"] is not None:
+            lp = s["scale"] * lp
+        return funsor.to_funsor(lp, output=funsor.Real, dim_to_name=s["infer"]["dim_to_name"])
+
+    plate_dims: dict[str, tuple[int, int]] = {}
+    for s in observed + enumerated + local_factors:
+        plate_dims.update(_frames(s))
+    prod_vars = frozenset(plate_dims)
+    eliminate = frozenset(enum_names) | (prod_vars - keep)
+
+    def contract(group):
+        with funsor.interpretations.lazy:
+            lazy = funsor.sum_product.sum_product(
+                funsor.ops.logaddexp,
+                funsor.ops.add,
+                [to_funsor(s) for s in group],
+                eliminate=eliminate,
+                plates=prod_vars,
+            )
+        return funsor.optimizer.apply_optimizer(lazy)
+
+    result = contract(enumerated + local_factors + observed)
+    if local_factors:
+        result = result - contract(enumerated + local_factors)
+    keep_sorted = sorted(keep, key=lambda n: plate_dims[n][0])  # outermost (most negative) first
+    name_to_dim = {n: plate_dims[n][0] for n in keep_sorted}
+    extra = set(result.inputs) - set(keep_sorted)
+    if extra:  # pragma: no cover - guarded by the checks above
+        raise ValueError(f"pointwise log-likelihood left free variables {sorted(extra)}")
+    data = funsor.to_data(result, name_to_dim=name_to_dim)
+    nd = max(-d for d, _ in plate_dims.values())
+    full = [1] * nd
+    for n in keep_sorted:
+        dim, size = plate_dims[n]
+        full[dim] = size
+    shape = tuple(plate_dims[n][1] for n in keep_sorted)
+    data = jnp.broadcast_to(jnp.reshape(data, (1,) * (nd - jnp.ndim(data)) + jnp.shape(data)), full)
+    data = jnp.reshape(data, shape)
+    obs_names = tuple(s["name"] for s in observed)
+    struct = LikelihoodStructure(
+        name="+".join(obs_names),
+        observed=obs_names,
+        plates=tuple(keep_sorted),
+        shape=shape,
+        conditional_factors=tuple(s["name"] for s in local_factors),
+    )
+    return data, struct

@@ -1,0 +1,351 @@
+r"""One model inspection: :func:`inspect_model` reads every site of a model into one
+:class:`ModelInfo`.
+
+The model is run once, blocked and without enumeration (:func:`trace_model`): each
+enumerated site holds zeros of its batch shape, each latent site without a value a
+placeholder inside its support (no sampler is traced), so the pass costs one plain run
+and, under ``jit``, is traced for its shapes only. Every site gets a *role*:
+
+| role | site |
+| --- | --- |
+| ``edge`` | declared with :func:`structinfer.edge` (enumerated; its :class:`~structinfer.primitives.EdgeInfo` attached) |
+| ``enumerated`` | another discrete site marked ``infer={"enumerate": "parallel"}`` |
+| ``latent`` | any other unobserved sample site (continuous parameters): shape, dtype, support, whether it had a value |
+| ``observed`` | a normalised observation (``obs=``, ``handlers.condition``) |
+| ``factor`` | a potential: ``numpyro.factor`` / ``Unit``, including each edge's ``"<edge>.score"`` row normaliser |
+| ``deterministic`` | ``numpyro.deterministic``: shape and event dims (value dims beyond its plates) |
+| ``param`` | ``numpyro.param`` |
+
+and its plates, outermost first. The exact engine reads enumeration dims from it
+(:attr:`ModelInfo.first_available_dim`, :meth:`ModelInfo.probes`), the pointwise
+log-likelihood reads roles from it, and so do the fitting helpers and the lowering.
+
+Reference: the plates and enumeration dims of NumPyro's funsor enumeration
+(``numpyro.contrib.funsor``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.handlers import block, seed, substitute, trace
+
+from .._checks import as_arrays, is_concrete, model_name
+from ..handlers import PLACEHOLDER_KEY, fill_discrete, fill_latent, require_values
+from ..primitives import EDGE_INFO_KEY, EdgeInfo, is_enumerated, is_factor
+from .bounds import IndexOutOfBounds, check_gather_bounds
+
+__all__ = [
+    "MAX_ENUM_DIMS",
+    "SiteInfo",
+    "ModelInfo",
+    "inspect_model",
+    "trace_model",
+]
+
+#: the most tensor dims (plates + one per enumerated site) the engine will build
+MAX_ENUM_DIMS = 32
+
+Role = Literal["edge", "enumerated", "latent", "observed", "factor", "deterministic", "param"]
+
+_SITE_TYPE = {"deterministic": "deterministic", "param": "param"}
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    """One site of a model, as :func:`inspect_model` read it.
+
+    Attributes:
+        name: the site name.
+        role: see the module docstring.
+        shape: ``edge`` / ``enumerated``: the batch shape (one entry per child);
+            ``factor``: the shape of the log-factor; otherwise the value's shape.
+        dtype: the value's dtype (of the placeholder for an unvalued latent site).
+        plates: names of the plates around the site, outermost first.
+        event_dim: event dims of the site's distribution; for a deterministic site the
+            value dims beyond the plates around it.
+        support: the distribution's support (a NumPyro constraint); ``None`` for
+            deterministic and param sites.
+        num_values: ``edge`` / ``enumerated``: the support size (parents); else 0.
+        has_value: ``latent``: ``False`` when the site had no value and holds a
+            placeholder (it is yet to be inferred); ``True`` for every other site.
+        edge: the :class:`~structinfer.primitives.EdgeInfo` recorded by
+            :func:`structinfer.edge` (also on an edge site given a value, role
+            ``observed``); its prior and score belong to the trace the inspection ran in.
+    """
+
+    name: str
+    role: Role
+    shape: tuple[int, ...]
+    dtype: Any
+    plates: tuple[str, ...] = ()
+    event_dim: int = 0
+    support: Any = None
+    num_values: int = 0
+    has_value: bool = True
+    edge: EdgeInfo | None = field(default=None, compare=False)
+
+    @property
+    def site_type(self) -> str:
+        """NumPyro's site type: ``"sample"``, ``"deterministic"`` or ``"param"``."""
+        return _SITE_TYPE.get(self.role, "sample")
+
+
+@dataclass(eq=False)
+class ModelInfo(Mapping[str, SiteInfo]):
+    """Static facts about a model from one inspection pass: a mapping ``name -> SiteInfo``
+    in execution order, plus its plates.
+
+    Attributes:
+        records: ``{name: SiteInfo}`` of every sample, deterministic and param site.
+        plates: ``{plate name: (dim, size)}`` (``size``: the subsample size).
+        max_plate_nesting: the most plate dims around any site.
+        site_types: ``{name: NumPyro site type}`` of every trace entry (plates included),
+            for error messages.
+    """
+
+    records: dict[str, SiteInfo] = field(default_factory=dict)
+    plates: dict[str, tuple[int, int]] = field(default_factory=dict)
+    max_plate_nesting: int = 0
+    site_types: dict[str, str] = field(default_factory=dict)
+
+    # -- the mapping ----------------------------------------------------------------
+    def __getitem__(self, name: str) -> SiteInfo:
+        return self.records[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def of_role(self, *roles: Role) -> dict[str, SiteInfo]:
+        """The sites with one of ``roles``, in execution order."""
+        return {n: s for n, s in self.records.items() if s.role in roles}
+
+    # -- views --------------------------------------------------------------------
+    @property
+    def first_available_dim(self) -> int:
+        """The first dim funsor's enumeration may use: ``-(max_plate_nesting + 1)``."""
+        return -self.max_plate_nesting - 1
+
+    @property
+    def enumerated(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Sites summed out by enumeration (edges first-class): ``name -> (batch_shape, k)``."""
+        return {n: (s.shape, s.num_values) for n, s in self.of_role("edge", "enumerated").items()}
+
+    @property
+    def edges(self) -> list[str]:
+        """The enumerated sites declared with :func:`structinfer.edge`."""
+        return list(self.of_role("edge"))
+
+    @property
+    def deterministic(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """``name -> (shape, event_dim)`` of each deterministic site."""
+        return {n: (s.shape, s.event_dim) for n, s in self.of_role("deterministic").items()}
+
+    @property
+    def latent(self) -> dict[str, SiteInfo]:
+        """The latent (non-enumerated, unobserved) sample sites."""
+        return self.of_role("latent")
+
+    @property
+    def unvalued(self) -> list[str]:
+        """Latent sites that had no value (they hold placeholders)."""
+        return [n for n, s in self.latent.items() if not s.has_value]
+
+    @property
+    def observed(self) -> list[str]:
+        """Observed sample sites that are not potentials."""
+        return list(self.of_role("observed"))
+
+    @property
+    def factors(self) -> list[str]:
+        """Potential (``Unit``) sites."""
+        return list(self.of_role("factor"))
+
+    @property
+    def sites(self) -> dict[str, str]:
+        """``{name: NumPyro site type}`` of every trace entry (plates included)."""
+        return dict(self.site_types)
+
+    def probes(self) -> dict[str, np.ndarray]:
+        """Each enumerated site's whole support ``0..k-1`` on its own enumeration dim,
+        laid out as funsor's enumeration lays it out (site ``i`` at dim
+        ``first_available_dim - i``): NumPy arrays, so they stay concrete under ``jit``.
+        Substituting them runs the model on every structure at once."""
+        return {
+            name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (self.max_plate_nesting + i))
+            for i, (name, (_, k)) in enumerate(self.enumerated.items())
+        }
+
+
+def trace_model(
+    model: Callable,
+    args: tuple = (),
+    kwargs: Mapping | None = None,
+    *,
+    values: Mapping[str, Any] | None = None,
+    placeholders: bool = False,
+    what: str = "the exact engine",
+) -> dict:
+    """Run ``model`` once, blocked and without enumeration, and return its trace.
+
+    Sites in ``values`` take those values (edge probes, posterior draws); every other
+    enumerated site holds zeros of its batch shape; a latent site without a value gets
+    a placeholder inside its support (``placeholders=True``, marked with
+    :data:`~structinfer.handlers.PLACEHOLDER_KEY`) or raises the error of
+    :class:`~structinfer.handlers.require_values` naming ``what``. Nothing is sampled
+    (a ``seed`` only serves ``numpyro.prng_key`` and callable ``numpyro.param`` inits).
+
+    This is the one plain run of a model the engine makes: :func:`inspect_model` reads
+    its sites from it, and callers that need values at given edges (the bounds check,
+    the Laplace expansion, the lowering's probes) run it with ``values``.
+    """
+    m = substitute(model, data=dict(values)) if values else model
+    m = fill_latent(m) if placeholders else require_values(m, what=what)
+    m = seed(fill_discrete(m), 0)
+    with block():
+        return trace(m).get_trace(*args, **dict(kwargs or {}))
+
+
+def _check_unscaled(site) -> None:
+    """Refuse a scaled enumerated site: funsor would scale inside the log-sum-exp."""
+    scale = site.get("scale")
+    if scale is None:
+        return
+    if is_concrete(scale) and np.all(np.asarray(scale) == 1):
+        return
+    raise ValueError(
+        f"edge site '{site['name']}' carries a scale (from numpyro.handlers.scale or a "
+        "subsampled plate): the exact engine would multiply the log-potentials inside "
+        "the log-sum-exp, i.e. temper the edge posterior instead of scaling each "
+        "child's log-likelihood. Collapse the edges without the scale, then scale the "
+        "per-child result (e.g. structinfer.exact.pointwise_log_likelihood)"
+    )
+
+
+def _site_info(name: str, site: dict, plates: tuple[str, ...], nesting: int) -> SiteInfo:
+    kind = site["type"]
+    value = site.get("value")
+    vshape, vdtype = tuple(jnp.shape(value)), jnp.result_type(value)
+    if kind == "param":
+        return SiteInfo(name, "param", vshape, vdtype, plates)
+    if kind == "deterministic":
+        return SiteInfo(name, "deterministic", vshape, vdtype, plates,
+                        event_dim=max(len(vshape) - nesting, 0))
+    fn = site["fn"]
+    edge = (site.get("infer") or {}).get(EDGE_INFO_KEY)
+    common = dict(plates=plates, event_dim=int(fn.event_dim), support=fn.support, edge=edge)
+    if is_factor(site):
+        return SiteInfo(name, "factor", tuple(fn.batch_shape), vdtype, **common)
+    if site["is_observed"]:
+        return SiteInfo(name, "observed", vshape, vdtype, **common)
+    if is_enumerated(site) and fn.has_enumerate_support:
+        _check_unscaled(site)
+        k = int(fn.enumerate_support(expand=False).shape[0])
+        role = "edge" if edge is not None else "enumerated"
+        return SiteInfo(name, role, tuple(fn.batch_shape), vdtype, num_values=k, **common)
+    placeheld = bool((site.get("infer") or {}).get(PLACEHOLDER_KEY))
+    return SiteInfo(name, "latent", vshape, vdtype, has_value=not placeheld, **common)
+
+
+def _read(tr: dict) -> ModelInfo:
+    info = ModelInfo()
+    for name, site in tr.items():
+        info.site_types[name] = site["type"]
+        if site["type"] not in ("sample", "deterministic", "param"):
+            continue
+        frames = sorted(
+            (f for f in site.get("cond_indep_stack", []) or [] if f.dim is not None),
+            key=lambda f: f.dim,
+        )
+        for f in frames:
+            info.plates[f.name] = (f.dim, f.size)
+        nesting = max((-f.dim for f in frames), default=0)
+        info.max_plate_nesting = max(info.max_plate_nesting, nesting)
+        info.records[name] = _site_info(name, site, tuple(f.name for f in frames), nesting)
+    return info
+
+
+def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
+    """Run ``model`` once without enumeration and read every site into a :class:`ModelInfo`.
+
+    Enumerable sites get zeros and latent sites without a value a placeholder inside
+    their support (:func:`trace_model`), so nothing is enumerated or sampled; under
+    ``jit`` this pass is traced only for its shapes and compiled away. Raises a clear
+    error when the model would need more than :data:`MAX_ENUM_DIMS` tensor dims, when an
+    enumerated site carries a scale, and when it reads a table with fewer rows than an
+    edge has parents at that edge's value (a static check of the model's jaxpr, so under
+    ``jit`` too). Latent sites without a value are recorded (``has_value=False``), not
+    refused: the functions that contract the model refuse them.
+
+    Args:
+        model: a NumPyro model.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        The model's :class:`ModelInfo`.
+
+    Raises:
+        TypeError: ``model`` is not callable, or it indexes a NumPy array with an edge
+            variable under a trace.
+        ValueError: too many tensor dims, or a scaled edge site.
+        IndexOutOfBounds: a table read at an edge value has too few rows.
+
+    Reference: the plates and enumeration dims of NumPyro's funsor enumeration
+    (``numpyro.contrib.funsor``); used by every exact-engine call.
+    """
+    if not callable(model):
+        raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
+    args, kwargs = as_arrays(args, kwargs)
+    try:
+        info = _read(trace_model(model, args, kwargs, placeholders=True))
+    except jax.errors.TracerArrayConversionError as e:
+        raise TypeError(
+            f"model '{model_name(model)}' indexes a NumPy array with an edge variable "
+            "inside jit/grad/vmap; convert the array with jnp.asarray first"
+        ) from e
+    n_dims = info.max_plate_nesting + len(info.enumerated)
+    if n_dims > MAX_ENUM_DIMS:
+        raise ValueError(
+            f"model '{model_name(model)}' needs {n_dims} tensor dims ({info.max_plate_nesting} "
+            f"plate dims + {len(info.enumerated)} enumerated sites), more than the budget of "
+            f"{MAX_ENUM_DIMS}: put repeated edge sites under a plate (one site per child "
+            "set, not one per child)"
+        )
+    if info.enumerated:
+        _check_edge_reads(model, args, kwargs, info)
+    return info
+
+
+def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
+    """Every table the model reads at an edge value has a row per parent (static check).
+
+    The model is traced once with each enumerated site given its whole support in its
+    own enumeration dim, as the engine will; :func:`structinfer.exact.bounds.check_gather_bounds`
+    then checks every clamping read indexed directly by an edge value, and raises
+    :class:`~structinfer.exact.bounds.IndexOutOfBounds` naming the site and the array.
+    """
+    probes = info.probes()
+
+    def run(values):
+        tr = trace_model(model, args, kwargs, values=values, placeholders=True)
+        return [
+            s["value"] if s["type"] == "deterministic" else s["fn"].log_prob(s["value"])
+            for name, s in tr.items()
+            if s["type"] == "deterministic" or (s["type"] == "sample" and name not in values)
+        ]
+
+    try:
+        check_gather_bounds(run, probes, f"model '{model_name(model)}'")
+    except IndexOutOfBounds:
+        raise
+    except Exception:  # best effort: the engine's own pass reports the model's errors
+        pass

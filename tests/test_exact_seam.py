@@ -1,0 +1,222 @@
+"""The exact engine's seam: one inspection (ModelInfo roles) and one contraction (log_z).
+
+* ``inspect_model`` on one model with every role (edge, enumerated, latent with and
+  without a value, observed, factor, deterministic, param) inside batched plates:
+  roles, shapes, plates, supports, placeholders — eagerly and under jit;
+* ``log_z`` with kept plates against a per-child log-likelihood written here with
+  scipy (a batch plate and a heads plate inside it), eager and under jit, float32 and
+  float64; the kept terms sum to the scalar form.
+
+Sizes are distinct primes: 2 batch elements, 3 heads, 5 children, 7 parents, 11 values.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.distributions import constraints
+from numpyro.handlers import substitute
+from numpyro.ops.indexing import Vindex
+from scipy.special import log_softmax, logsumexp
+from scipy.stats import norm
+
+import structinfer as si
+from structinfer.exact import EnergyOnlyModelError, ModelInfo, inspect_model, log_z, trace_model
+
+B, H, N, M, K, D = 2, 3, 5, 7, 11, 2
+r = np.random.default_rng(0)
+SCORE = r.normal(size=(B, N, M)).astype(np.float32)
+VALUES = r.normal(size=(B, M, D)).astype(np.float32)
+Y = r.normal(size=(B, N)).astype(np.float32)
+
+
+def every_role(score, values, y):
+    s = numpyro.param("s", jnp.ones(()))  # param
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))  # latent, left without a value
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([D]).to_event(1))  # given a value
+    with numpyro.plate("batch", B, dim=-2):
+        mix = numpyro.sample("mix", dist.Dirichlet(jnp.ones(3)))  # latent simplex, no value
+        with numpyro.plate("children", N, dim=-1):
+            phi = si.edge("phi", si.priors.Uniform(M), s * score)  # edge + "phi.score"
+            z = numpyro.sample("z", dist.Categorical(jnp.ones(K) / K),
+                               infer={"enumerate": "parallel"})  # enumerated
+            v = numpyro.deterministic("v", Vindex(values[:, None])[..., phi, :] @ w)
+            numpyro.factor("f", 0.1 * z)  # factor
+            mu = numpyro.deterministic("mu", v + mix[..., 0])
+            numpyro.sample("y", dist.Normal(mu, sigma), obs=y)  # observed
+
+
+def check_every_role(info: ModelInfo):
+    roles = {n: s.role for n, s in info.items()}
+    assert roles == {
+        "s": "param", "sigma": "latent", "w": "latent", "mix": "latent", "phi": "edge",
+        "phi.score": "factor", "z": "enumerated", "v": "deterministic", "f": "factor",
+        "mu": "deterministic", "y": "observed",
+    }
+    assert info.plates == {"batch": (-2, B), "children": (-1, N)}
+    assert info.max_plate_nesting == 2 and info.first_available_dim == -3
+    both = ("batch", "children")
+    for name in ("phi", "phi.score", "z", "v", "f", "mu", "y"):
+        assert info[name].plates == both, name
+    assert info["mix"].plates == ("batch",) and info["sigma"].plates == ()
+    # enumerated sites: batch shape and support size
+    assert info["phi"].shape == (B, N) and info["phi"].num_values == M
+    assert info["z"].shape == (B, N) and info["z"].num_values == K
+    assert info["phi"].edge is not None and info["phi"].edge.num_parents == M
+    assert info["phi"].edge.children_plate == "children" and info["z"].edge is None
+    assert info.enumerated == {"phi": ((B, N), M), "z": ((B, N), K)}
+    assert info.edges == ["phi"]
+    # latent sites: shapes, supports, whether they had a value
+    assert info["sigma"].shape == () and info["sigma"].support is constraints.positive
+    assert info["mix"].shape == (B, 1, 3) and info["mix"].support is constraints.simplex
+    assert info["w"].shape == (D,) and info["w"].event_dim == 1
+    assert info["w"].support.event_dim == 1  # real_vector: Normal(...).to_event(1)
+    assert info.unvalued == ["sigma", "mix"] and info["w"].has_value
+    assert jnp.issubdtype(info["sigma"].dtype, jnp.floating)
+    # deterministic: shape and event dims beyond the plates
+    assert info.deterministic == {"v": ((B, N), 0), "mu": ((B, N), 0)}
+    # factors and observations
+    assert info["f"].shape == (B, N) and info["phi.score"].shape == (B, N)
+    assert info["y"].shape == (B, N) and info["y"].support is constraints.real
+    assert info.observed == ["y"] and info.factors == ["phi.score", "f"]
+    assert info["s"].shape == () and info["s"].site_type == "param"
+    assert info["y"].site_type == "sample" and info["v"].site_type == "deterministic"
+    assert info.sites["batch"] == "plate" and info.sites["phi"] == "sample"
+    probes = info.probes()
+    assert probes["phi"].shape == (M, 1, 1) and probes["z"].shape == (K, 1, 1, 1)
+
+
+def test_model_info_reads_every_role():
+    model = substitute(every_role, data={"w": jnp.ones(D)})
+    check_every_role(inspect_model(model, SCORE, VALUES, Y))
+
+    box = []
+
+    @jax.jit
+    def traced(score, values, y):
+        box.append(inspect_model(model, score, values, y))
+        return 0.0
+
+    traced(SCORE, VALUES, Y)
+    check_every_role(box[0])
+
+
+def test_placeholders_lie_inside_the_support_and_are_not_draws():
+    model = substitute(every_role, data={"w": jnp.ones(D)})
+    tr = trace_model(model, (SCORE, VALUES, Y), placeholders=True)
+    assert float(tr["sigma"]["value"]) == 1.0  # exp(0): biject_to(positive) at the origin
+    mix = np.asarray(tr["mix"]["value"])
+    np.testing.assert_allclose(mix, np.full((B, 1, 3), 1 / 3), rtol=1e-6)
+    # without placeholders the unvalued site is refused by name
+    with pytest.raises(ValueError, match="sample site 'sigma' is latent and not enumerable"):
+        trace_model(model, (SCORE, VALUES, Y))
+    # the engine functions that contract the model refuse it too
+    with pytest.raises(ValueError, match="sample site 'sigma' is latent and not enumerable"):
+        si.log_marginal(model, SCORE, VALUES, Y)
+
+
+# --------------------------------------------------------------------------------------
+# log Z with kept plates: a batch plate and a heads plate inside it
+# --------------------------------------------------------------------------------------
+
+
+def heads_model(logits, score, values, y):
+    """y[b, h, i] ~ N(values[b, h, phi[b, h, i]], 0.5), phi ~ softmax(logits + score)."""
+    with (
+        numpyro.plate("batch", B, dim=-3),
+        numpyro.plate("heads", H, dim=-2),
+        numpyro.plate("children", N, dim=-1),
+    ):
+        phi = si.edge("phi", si.priors.Categorical(logits), score)
+        mu = si.gather(values[:, :, None, :], phi)
+        numpyro.sample("y", dist.Normal(mu, 0.5), obs=y)
+
+
+def heads_data(dtype):
+    g = np.random.default_rng(1)
+    logits = g.normal(size=(B, H, N, M))
+    score = g.normal(size=(B, H, N, M))
+    values = g.normal(size=(B, H, M))
+    y = g.normal(size=(B, H, N))
+    return tuple(jnp.asarray(a, dtype) for a in (logits, score, values, y))
+
+
+def brute_heads(logits, score, values, y):
+    """ll[b, h, i] = log sum_j softmax_j(log p + score)[b, h, i, j] N(y[b, h, i]; values[b, h, j])."""
+    logits, score, values, y = (np.asarray(a, np.float64) for a in (logits, score, values, y))
+    ll = np.zeros((B, H, N))
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                lp = log_softmax(log_softmax(logits[b, h, i]) + score[b, h, i])
+                ll[b, h, i] = logsumexp(lp + norm.logpdf(y[b, h, i], values[b, h], 0.5))
+    return ll
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_log_z_keeps_plates_per_child(precision, jit, request):
+    if precision == "float64":
+        request.getfixturevalue("x64")
+    dtype = jnp.float32 if precision == "float32" else jnp.float64
+    data = heads_data(dtype)
+    ref = brute_heads(*data)
+
+    def kept(*a):
+        info = inspect_model(heads_model, *a)  # one inspection for the three contractions
+        observed = log_z(heads_model, a, info=info, keep_plates="observed",
+                         score_factors="normalize")
+        if not jit:  # eager funsor is slow: one contraction is enough there
+            return observed, None, None
+        outer = log_z(heads_model, a, info=info, keep_plates=("batch", "children"),
+                      score_factors="normalize")
+        return observed, outer, log_z(heads_model, a, info=info)
+
+    observed, outer, scalar = (jax.jit(kept) if jit else kept)(*data)
+    tol = 2e-5 if precision == "float32" else 1e-12
+    assert observed.shape == (B, H, N) and observed.dtype == dtype
+    np.testing.assert_allclose(observed, ref, rtol=tol, atol=tol)
+    if not jit:
+        return
+    # heads inside the kept (batch, children) plates are multiplied out first
+    assert outer.shape == (B, N)
+    np.testing.assert_allclose(outer, ref.sum(1), rtol=tol, atol=tol)
+    # the scalar form keeps the score normalisers: log Z = sum ll + sum_i lse_j(log p + s)
+    logits, score = (np.asarray(a, np.float64) for a in data[:2])
+    lse = logsumexp(log_softmax(logits, -1) + score, -1).sum()
+    np.testing.assert_allclose(scalar, ref.sum() + lse, rtol=tol, atol=tol * 100)
+
+
+def test_log_z_kept_structure_and_errors():
+    data = heads_data(jnp.float32)
+    value, struct = log_z(heads_model, data, keep_plates=("batch", "children"),
+                          score_factors="normalize", return_structure=True)
+    assert struct.plates == ("batch", "children") and struct.shape == (B, N)
+    assert struct.observed == ("y",) and struct.conditional_factors == ("phi.score",)
+    with pytest.raises(EnergyOnlyModelError, match=r"'phi\.score'.*score_factors='normalize'"):
+        log_z(heads_model, data, keep_plates="observed")
+    with pytest.raises(ValueError, match=r"keep_plates names \['time'\]"):
+        log_z(heads_model, data, keep_plates=("time",), score_factors="normalize")
+    with pytest.raises(ValueError, match="tilts and keep_plates"):
+        log_z(heads_model, data, keep_plates="observed",
+              tilts={"phi": (jnp.zeros((B, H, N, M)), 0)})
+    scalar, none = log_z(heads_model, data, return_structure=True)
+    assert none is None and scalar.shape == ()
+
+
+def test_likelihood_structure_before_fitting():
+    """Latent sites without values get placeholders: the structure is static."""
+
+    def model(values, y):
+        sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+        with numpyro.plate("children", N):
+            phi = si.edge("phi", si.priors.Uniform(M))
+            numpyro.sample("y", dist.Normal(si.gather(values, phi), sigma), obs=y)
+
+    values, y = jnp.asarray(r.normal(size=M)), jnp.asarray(r.normal(size=N))
+    s = si.exact.likelihood_structure(model, None, values, y)
+    assert s.name == "y" and s.plates == ("children",) and s.shape == (N,)
+    with pytest.raises(ValueError, match="sample site 'sigma' is latent"):
+        si.exact.pointwise_log_likelihood(model, None, values, y)
