@@ -396,6 +396,8 @@ def edge(
         score_table = score_obj.dense()
         _check_table(score_table, "score", name, batch, num_parents)
         check_finite(score_table, f"edge site '{name}': score")
+        if prior.parameter_dtype is None:  # uniform / a mask: the score sets the dtype
+            log_prior = log_prior.astype(score_table.dtype)
 
     info = EdgeInfo(name, prior, score_obj, num_children, num_parents, child_plate.name, child)
     site_infer = {"enumerate": "parallel", EDGE_INFO_KEY: info}

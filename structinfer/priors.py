@@ -121,6 +121,18 @@ class StructuralPrior:
     def _log_weights(self, num_children: int) -> jax.Array:  # pragma: no cover
         raise NotImplementedError
 
+    @property
+    def parameter_dtype(self) -> Any:
+        """The floating dtype of the prior's parameters (a geometric $q$, a bias table),
+        or ``None`` for a parameter-free prior (uniform, a mask), whose table has no dtype
+        of its own: [`edge`][structinfer.edge] then gives it the score's dtype, so a
+        float32 model stays float32 when float64 is enabled."""
+        floats = [
+            leaf for leaf in jax.tree.leaves(vars(self))
+            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)
+        ]
+        return jnp.result_type(*floats) if floats else None
+
     def log_table(self, num_children: int) -> jax.Array:
         r"""Normalised log-prior $\log p(\phi_i=j)$, shape ``(..., children, parents)``.
 

@@ -16,6 +16,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from conftest import float64
 from numpyro.distributions import constraints
 from numpyro.handlers import substitute
 from numpyro.ops.indexing import Vindex
@@ -220,3 +221,27 @@ def test_likelihood_structure_before_fitting():
     assert s.name == "y" and s.plates == ("children",) and s.shape == (N,)
     with pytest.raises(ValueError, match="sample site 'sigma' is latent"):
         si.exact.pointwise_log_likelihood(model, None, values, y)
+
+
+def _dtype_model(q, k, v):
+    with numpyro.plate("children", q.shape[0]):
+        phi = si.edge("phi", si.priors.Restricted.causal(q.shape[0], k.shape[0]),
+                      si.scores.Dot(q, k))
+        numpyro.deterministic("out", Vindex(v)[..., phi, :])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_float32_model_gives_float32_answers_with_x64_enabled(x64, jit):
+    """With float64 switched on, a float32 model's marginals and expectations stay float32
+    (the zero tilts take the model's dtype, not the default float)."""
+    r = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(r.normal(size=s), jnp.float32) for s in [(5, 3), (5, 3), (5, 2)])
+    marg = (jax.jit(si.marginals, static_argnums=0) if jit else si.marginals)(_dtype_model, q, k, v)
+    out = (jax.jit(si.expectation, static_argnums=(0, 1)) if jit else si.expectation)(
+        _dtype_model, "out", q, k, v)
+    assert marg["phi"].dtype == jnp.float32 and out.dtype == jnp.float32
+    with float64():  # the same model in float64 answers in float64
+        q64, k64, v64 = (jnp.asarray(a, jnp.float64) for a in (q, k, v))
+        assert si.marginals(_dtype_model, q64, k64, v64)["phi"].dtype == jnp.float64
+        np.testing.assert_allclose(si.expectation(_dtype_model, "out", q64, k64, v64), out,
+                                   rtol=1e-5, atol=1e-6)

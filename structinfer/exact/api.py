@@ -80,10 +80,6 @@ def energy(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
     return -log_marginal(model, *args, **kwargs)
 
 
-def _float_dtype():
-    return jnp.result_type(float)
-
-
 def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
     r"""Exact posterior marginals of every enumerated site, by one backward pass.
 
@@ -102,8 +98,8 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
         raise ValueError(
             f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
-    dtype = _float_dtype()
-    zeros = {name: jnp.zeros(batch + (k,), dtype) for name, (batch, k) in info.enumerated.items()}
+    zeros = {name: jnp.zeros(batch + (k,), info.float_dtype)
+             for name, (batch, k) in info.enumerated.items()}
 
     def f(t):
         return log_z(model, args, kwargs, info=info, tilts={n: (v, 0) for n, v in t.items()})
@@ -153,8 +149,7 @@ def expectation(
                 f"site '{n}' is a {kind} site, not a deterministic one"
                 + ("; use structinfer.marginals for edge sites" if n in info.enumerated else "")
             )
-    dtype = _float_dtype()
-    zeros = {n: jnp.zeros(info.deterministic[n][0], dtype) for n in names}
+    zeros = {n: jnp.zeros(info.deterministic[n][0], info.float_dtype) for n in names}
 
     def f(t):
         return log_z(

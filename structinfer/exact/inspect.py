@@ -113,6 +113,9 @@ class ModelInfo(Mapping[str, SiteInfo]):
     plates: dict[str, tuple[int, int]] = field(default_factory=dict)
     max_plate_nesting: int = 0
     site_types: dict[str, str] = field(default_factory=dict)
+    #: the floating dtype of the model's log-density (of its sample sites' log-probs):
+    #: the dtype zero tilts take, so a float32 model answers in float32 with x64 enabled
+    float_dtype: Any = None
 
     # -- the mapping ----------------------------------------------------------------
     def __getitem__(self, name: str) -> SiteInfo:
@@ -270,7 +273,18 @@ def _read(tr: dict) -> ModelInfo:
         nesting = max((-f.dim for f in frames), default=0)
         info.max_plate_nesting = max(info.max_plate_nesting, nesting)
         info.records[name] = _site_info(name, site, tuple(f.name for f in frames), nesting)
+    dtypes = [_log_prob_dtype(s) for s in tr.values() if s["type"] == "sample"]
+    floats = [d for d in dtypes if d is not None and jnp.issubdtype(d, jnp.floating)]
+    info.float_dtype = jnp.result_type(*floats) if floats else jnp.result_type(float)
     return info
+
+
+def _log_prob_dtype(site: dict) -> Any:
+    """The dtype of a sample site's log-prob, read abstractly (nothing is computed)."""
+    try:
+        return jax.eval_shape(site["fn"].log_prob, site["value"]).dtype
+    except Exception:  # noqa: BLE001 - a site whose log-prob cannot be traced alone
+        return None
 
 
 def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
