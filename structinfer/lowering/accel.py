@@ -1,32 +1,32 @@
 r"""Accelerator kernels: cuDNN fused attention and a Pallas flash kernel, chosen on GPUs.
 
-On a GPU, `structinfer.attention(model, "out")` (``backend="auto"``) sends a recognised
+On a GPU, `structinfer.attention(model, "out")` (`backend="auto"`) sends a recognised
 edge site with logits $\ell_{ij} = q_i^\top k_j + b_{ij}$ on an allowed set of edges to
 the platform's fused kernels instead of the portable blocked kernel
-(:mod:`structinfer.lowering.blocked`), in this order:
+(`structinfer.lowering.blocked`), in this order:
 
 * **cuDNN** flash attention, through
-  ``jax.nn.dot_product_attention(..., implementation="cudnn")``, when the edge is a dot
+  `jax.nn.dot_product_attention(..., implementation="cudnn")`, when the edge is a dot
   product with no mask, a causal mask or a causal sliding window (child $i$ sees parents
   $i - W < j \le i$), plus an optional additive bias $b_{ij}$ (per-parent bias,
   relative-position bias, geometric recency log-prior; materialised as one
-  $(n, m)$ table per head, so only up to :data:`CUDNN_BIAS_MAX` entries), and the inputs
+  $(n, m)$ table per head, so only up to `CUDNN_BIAS_MAX` entries), and the inputs
   are float16 / bfloat16 with query and value head dims equal, a multiple of 8 and at most
   128 (what cuDNN accepts on every GPU it supports).
-* A **Pallas** (Triton) flash-attention kernel, :func:`pallas_forward`, for the rest of
+* A **Pallas** (Triton) flash-attention kernel, `pallas_forward`, for the rest of
   the dot-product family in any floating dtype: it computes on each block the same logits
   the blocked kernel does — dot product, per-parent bias, relative-position bias looked up
   from the distance grid $d_{ij} = i + \text{offset} - j$, geometric log-prior
   $\log q_i + (d_{ij} - d_0)\log(1 - q_i)$ — and skips the blocks outside the distance
   band (causal, windows, truncation), accumulating in float32. Its gradient is the
-  blocked kernel's backward (``blocked_attention(..., forward=pallas_forward)``), which
+  blocked kernel's backward (`blocked_attention(..., forward=pallas_forward)`), which
   needs only the output $y$ and the row log-partition $L$.
 * Everything else (IDW scores, per-edge tables, masks given as arrays, multi-device runs)
   keeps the blocked kernel, which runs on every platform.
 
-:func:`structinfer.explain` names the kernel and, when cuDNN was not used, why. A
-forced ``backend="cudnn"`` or ``"pallas"`` raises :class:`~.api.NotLowerableError` with
-the reason when the edge is outside the kernel's reach; ``backend="pallas"`` on a CPU
+`structinfer.explain` names the kernel and, when cuDNN was not used, why. A
+forced `backend="cudnn"` or `"pallas"` raises `NotLowerableError` with
+the reason when the edge is outside the kernel's reach; `backend="pallas"` on a CPU
 runs the kernel in Pallas' interpreter (slow; for tests).
 
 Reference: Dao et al., "FlashAttention" (2022) and "FlashAttention-2" (2023) for the
@@ -63,8 +63,8 @@ CUDNN_BIAS_MAX = 2**26
 
 
 def platform() -> str:
-    """The platform the kernels are built for: ``jax.default_backend()`` (``"cpu"``,
-    ``"gpu"``, ``"tpu"``). Tests replace this function to exercise the GPU dispatch on a
+    """The platform the kernels are built for: `jax.default_backend()` (`"cpu"`,
+    `"gpu"`, `"tpu"`). Tests replace this function to exercise the GPU dispatch on a
     CPU."""
     return jax.default_backend()
 
@@ -89,9 +89,9 @@ def _dot_only(t: Terms, prob: Problem) -> str | None:
 
 
 def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> str | None:
-    """Why cuDNN's fused attention cannot run this edge, or ``None`` when it can.
+    """Why cuDNN's fused attention cannot run this edge, or `None` when it can.
 
-    Checked statically (shapes, dtypes, the structure in ``terms``); cuDNN's own version
+    Checked statically (shapes, dtypes, the structure in `terms`); cuDNN's own version
     and compute-capability checks run when the call is traced, and a failure there falls
     back to the next kernel.
     """
@@ -124,13 +124,13 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
 
 
 def pallas_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> str | None:
-    """Why the Pallas kernel cannot run this edge, or ``None`` when it can."""
+    """Why the Pallas kernel cannot run this edge, or `None` when it can."""
     return _dot_only(terms, prob)
 
 
 def gpu_kernel(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
                ) -> tuple[str | None, tuple[str, ...]]:
-    """The fused kernel for this edge on a GPU (``"cudnn"``, ``"pallas"`` or ``None``) and
+    """The fused kernel for this edge on a GPU (`"cudnn"`, `"pallas"` or `None`) and
     notes saying why the ones before it were not taken."""
     notes = []
     why = cudnn_unsupported(terms, prob, batch_shape)
@@ -148,7 +148,7 @@ def gpu_kernel(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
 
 
 def _bias_table(terms: Terms, prob: Problem, dtype) -> jax.Array:
-    """The additive part $b_{ij}$ of the logits as a ``(..., n, m)`` table."""
+    """The additive part $b_{ij}$ of the logits as a `(..., n, m)` table."""
     n, m = terms.num_children, terms.num_parents
     d = jnp.arange(n)[:, None] + terms.offset - jnp.arange(m)[None, :]
     b = jnp.zeros((n, m), jnp.float32)
@@ -166,11 +166,11 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
                     ) -> tuple[jax.Array, jax.Array]:
     r"""$y = \mathrm{softmax}(q k^\top + b)\,V$ and $L$ through cuDNN's fused attention.
 
-    Requires :func:`cudnn_unsupported` to return ``None``. The batch dims (heads, batch)
-    become cuDNN's heads; the score's scale is already folded into ``q``.
+    Requires `cudnn_unsupported` to return `None`. The batch dims (heads, batch)
+    become cuDNN's heads; the score's scale is already folded into `q`.
 
     Returns:
-        ``(y, L)``: ``batch + (n, dv)`` and ``batch + (n,)``.
+        `(y, L)`: `batch + (n, dv)` and `batch + (n,)`.
 
     Raises:
         NotImplementedError / ValueError / RuntimeError: from JAX's cuDNN wrapper when the
@@ -208,7 +208,7 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 
 def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int):
-    """First and one-past-last parent block that child block ``a`` (traced) can see."""
+    """First and one-past-last parent block that child block `a` (traced) can see."""
     i_lo = a * bq
     lo = jnp.int32(0)
     hi = jnp.int32(nkb)
@@ -284,13 +284,13 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     (at least 16), lengths to the block sizes.
 
     Args:
-        terms, prob, batch_shape: a lowered edge site with :func:`pallas_unsupported`
-            ``None``.
+        terms, prob, batch_shape: a lowered edge site with `pallas_unsupported`
+            `None`.
         block_q, block_k: block sizes (powers of two, at least 16).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
 
     Returns:
-        ``(y, L)``: ``batch + (n, dv)`` (the value dtype) and ``batch + (n,)`` (float32).
+        `(y, L)`: `batch + (n, dv)` and `batch + (n,)`, in the value dtype.
 
     Cost: $O(\text{live blocks}\cdot b_q b_k (d + d_v))$ time, $O(n d)$ memory.
     """
