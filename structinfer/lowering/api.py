@@ -122,7 +122,7 @@ def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]
 def _blocked(low, prob, batch, block_q: int, block_k: int, forward=None):
     bq, bk = band_blocks(low.terms, block_q, block_k)
     return blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk, mask=low.mask,
-                             forward=forward)
+                             forward=forward, nan_rows=True)
 
 
 def _pallas(low, prob, batch, block_q: int, block_k: int):
@@ -185,7 +185,9 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
             y, lse = _pallas(low, prob, batch, block_q, block_k)
         else:
             y, lse = windowed_kernel(low.terms, prob, batch, block_q=block_q)
-        Y[ep.name] = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+        if runner is not None or kind not in ("blocked", "pallas"):  # the blocked kernel
+            y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)  # writes these NaN itself
+        Y[ep.name] = y
         lses[ep.name] = lse
     out = None
     for ep in plan.edges:

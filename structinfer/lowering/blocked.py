@@ -288,7 +288,8 @@ def _split_tables(sched: Schedule, rows, transpose: bool):
     return tuple(out)
 
 
-def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Problem, starts):
+def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Problem, starts,
+             nan_rows: bool = False):
     bq, bk = sched.block_q, sched.block_k
     nqb, nkb = sched.nqb, sched.nkb
     n_pad, m_pad = nqb * bq, nkb * bk
@@ -345,6 +346,8 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
         pos = l_i > 0
         out = acc / jnp.where(pos, l_i, 1.0)[..., None]
         lse = jnp.where(pos, m_i + jnp.log(jnp.where(pos, l_i, 1.0)), -jnp.inf)
+        if nan_rows:  # the engine's convention, in the same pass as the division
+            out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
         return out, lse
 
     def write(a, bufs):
@@ -369,7 +372,8 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     i_start, j_start = starts
     p = _pad_problem(terms, prob, n_pad, m_pad)
     dtype = p.v.dtype
-    delta = jnp.sum(d_out * out, -1) - d_lse  # (*batch, n)
+    # rows without a finite log-partition contribute nothing (their output may be NaN)
+    delta = jnp.sum(d_out * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), -1) - d_lse
     d_out = _pad_axis(d_out, -2, n_pad)
     delta = _pad_axis(delta, -1, n_pad)
     lse = _pad_axis(lse, -1, n_pad, -jnp.inf)
@@ -454,10 +458,13 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
 
 
 def _run_forward(static, prob: Problem, starts):
-    terms, sched, batch, forward = static.value
+    terms, sched, batch, forward, nan_rows = static.value
     if forward is not None:
-        return forward(terms, prob, batch)
-    return _forward(terms, sched, batch, prob, starts)
+        out, lse = forward(terms, prob, batch)
+        if nan_rows:
+            out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
+        return out, lse
+    return _forward(terms, sched, batch, prob, starts, nan_rows)
 
 
 @jax.custom_vjp
@@ -477,7 +484,7 @@ def _float0(tree):
 
 def _attend_bwd(res, cts):
     static, prob, starts, out, lse = res
-    terms, sched, batch, _ = static.value
+    terms, sched, batch, _, _ = static.value
     d_out, d_lse = cts
     d_row, d_col, d_pair, d_glob, d_v = _backward(
         terms, sched, batch, prob, starts, out, lse, d_out, d_lse
@@ -512,6 +519,7 @@ def blocked_attention(
     schedule: Schedule | None = None,
     starts: tuple | None = None,
     forward: Callable | None = None,
+    nan_rows: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Run the blocked kernel: posterior expectation and row log-partition.
 
@@ -528,6 +536,10 @@ def blocked_attention(
             this kernel's forward pass (an accelerator's fused kernel, e.g.
             :func:`structinfer.lowering.accel.pallas_forward`); the gradient is still this
             kernel's backward, which needs only ``y`` and ``L``.
+        nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
+            logit) are NaN in ``y`` — the exact engine's answer under ``jit`` — instead of
+            0 (what merging partial results, as ring attention does, needs). Written in
+            the kernel's last pass over each block of rows, not as a pass of its own.
 
     Returns:
         ``(y, L)`` with ``y`` of shape ``batch + (n, dv)`` and ``L`` the row
@@ -550,6 +562,6 @@ def blocked_attention(
         schedule = schedule.without_full()
         if forward is not None:
             raise ValueError("blocked_attention: a replacement forward cannot take starts")
-    static = _Static((terms, schedule, tuple(batch_shape), forward))
+    static = _Static((terms, schedule, tuple(batch_shape), forward, bool(nan_rows)))
     starts = tuple(jnp.asarray(s, jnp.int32) for s in starts)
     return _attend(static, prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v, starts)
