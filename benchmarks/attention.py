@@ -627,7 +627,7 @@ SUITE = (
      ["--cpu-devices", "1", "--sizes", "8192", "--modes", "fwd"]),
     ("heads over one JAX CPU device per core, n = 4096 / 8192",
      ["--cpu-devices", "auto", "--sizes", "4096", "8192", "--cases", "dense", "causal",
-      "relpos", "--max-peer-n", "4096"]),
+      "window", "--max-peer-n", "4096"]),
     ("exact engine, one causal head", ["--cpu-devices", "1", "--exact-engine-only"]),
     ("expanding attention (sec. 5.2)", ["--cpu-devices", "1", "--expanding-only"]),
 )
