@@ -1,22 +1,32 @@
 """Attention benchmarks: the lowered engine against XLA, hand-written jnp, the exact
-engine and torch SDPA, side by side in one process.
+engine, torch SDPA and torch FlexAttention, side by side in one process.
 
 Prints, per case, the median time after warm-up of each implementation, the time
 ratio of every peer to ``structinfer`` (>1: structinfer is faster), the attained
 rate as a fraction of a same-FLOP square matmul on this machine, and XLA's
 temporary-buffer size (peak extra memory of the compiled program). No numbers are
-asserted anywhere: timings on a shared machine are noisy; read the ratios.
+asserted anywhere: timings on a shared machine are noisy; read the ratios. The load
+average is printed beside every table.
 
     python benchmarks/attention.py --quick            # seconds (a test runs this)
-    python benchmarks/attention.py                    # the full table (long)
+    python benchmarks/attention.py --suite            # every table of docs/benchmarks.md,
+                                                      # each in its own process (long)
     python benchmarks/attention.py --sizes 1024 4096 --cases dense window
+    python benchmarks/attention.py --cpu-devices 2 --sizes 4096   # heads over 2 devices
     python benchmarks/attention.py --expanding        # sec 5.2 / Figure 3 right
-    python benchmarks/attention.py --exact-engine-only --cpu-devices 1   # exact engine row
+    python benchmarks/attention.py --exact-engine-only   # exact engine row
 
 Implementations take turns in a shuffled order each round (medians reported), so
-machine noise hits them alike. JAX starts with one CPU device per core
-(``--cpu-devices``); with more than one, each row gets a second line: the same model
-with its heads split over the devices (``si.attention(..., mesh=...)``).
+machine noise hits them alike. JAX starts as installed, with one CPU device: the
+single-device rows are what a user gets. ``--cpu-devices N`` starts it with N devices
+and times the same models with their heads split over them (``si.attention(...,
+mesh=...)``) in a table of their own (``--suite`` runs it in a separate process).
+
+Peers (each skipped with a note when missing): ``jax.nn.dot_product_attention``
+(``xla``; on a GPU also ``cudnn``), jnp, the exact engine (n <= 256), torch SDPA and
+torch FlexAttention (``torch.compile(flex_attention)``: ``create_block_mask`` for the
+causal / window masks, ``score_mod`` for the relative-position and geometric biases;
+its compile time is excluded from the timing and printed in its own column).
 
 Cases (float32, batch 1, 8 heads, head dim 64): ``dense``, ``causal``, ``window``
 (sliding window of 128, causal), ``relpos`` (per-head relative-position bias),
@@ -45,7 +55,6 @@ from structinfer.lowering._lower import lower_edge  # noqa: E402
 from structinfer.lowering.blocked import band_blocks, blocked_attention  # noqa: E402
 
 CASES = ("dense", "causal", "window", "relpos", "geometric")
-SHARDED = "structinfer/devices"  # the same model, heads split over the CPU devices
 WINDOW = 128
 GEO_Q = 0.02
 
@@ -114,7 +123,7 @@ def _bias_table(case, bias, n, dtype):
     return jnp.where(d >= 0, w, -jnp.inf).astype(dtype)[None]
 
 
-def xla_fn(case: str, H: int, n: int):
+def xla_fn(case: str, H: int, n: int, implementation: str = "xla"):
     def f(q, k, v, bias):
         t = lambda x: jnp.swapaxes(x, 0, 1)[None]  # (H, n, d) -> (1, n, H, d)  # noqa: E731
         kw = {}
@@ -127,7 +136,8 @@ def xla_fn(case: str, H: int, n: int):
             kw["bias"] = _bias_table(case, bias, n, q.dtype)[None]
         elif case == "geometric":
             kw["bias"] = _bias_table(case, bias, n, q.dtype)[None]
-        out = jax.nn.dot_product_attention(t(q), t(k), t(v), implementation="xla", **kw)
+        out = jax.nn.dot_product_attention(t(q), t(k), t(v), implementation=implementation,
+                                           **kw)
         return jnp.swapaxes(out[0], 0, 1)
 
     return f
@@ -252,6 +262,33 @@ def matmul_rate(flops: float, reps: int) -> float:
 # --------------------------------------------------------------------------- torch
 
 
+def _torch_device() -> str:
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def _to_torch(x, device: str):
+    import torch
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    t = torch.from_numpy(np.array(jnp.asarray(x, jnp.float32)))  # a writable copy
+    return t.to(device=device, dtype=dt[str(jnp.asarray(x).dtype)])
+
+
+def _synced(fn, device: str):
+    if device != "cuda":
+        return fn
+    import torch
+
+    def g(*a):
+        out = fn(*a)
+        torch.cuda.synchronize()
+        return out
+
+    return g
+
+
 def torch_fn(case: str, H: int, n: int):
     try:
         import torch
@@ -259,16 +296,17 @@ def torch_fn(case: str, H: int, n: int):
     except Exception:  # ImportError, or a broken install (missing shared libraries)
         return None
     torch.set_num_threads(os.cpu_count() or 1)
+    device = _torch_device()
 
     def prep(q, k, v, bias):
-        tq, tk, tv = (torch.from_numpy(np.array(x)).unsqueeze(0) for x in (q, k, v))
+        tq, tk, tv = (_to_torch(x, device).unsqueeze(0) for x in (q, k, v))
         mask = None
         if case == "window":
-            i = torch.arange(n)[:, None]
-            j = torch.arange(n)[None, :]
+            i = torch.arange(n, device=device)[:, None]
+            j = torch.arange(n, device=device)[None, :]
             mask = (i - j >= 0) & (i - j < WINDOW)
         elif case in ("relpos", "geometric"):
-            mask = torch.from_numpy(np.array(_bias_table(case, jnp.asarray(bias), n, q.dtype)))
+            mask = _to_torch(_bias_table(case, jnp.asarray(bias), n, q.dtype), device)
         return tq, tk, tv, mask
 
     def fwd(tq, tk, tv, mask):
@@ -283,7 +321,76 @@ def torch_fn(case: str, H: int, n: int):
         (out * tv[..., :1]).sum().backward()
         return tq.grad
 
-    return prep, fwd, fwdbwd
+    return prep, _synced(fwd, device), _synced(fwdbwd, device)
+
+
+def flex_fn(case: str, H: int, n: int):
+    """torch FlexAttention, compiled: ``(prep, fwd, fwdbwd)`` or ``(None, reason)``.
+
+    ``create_block_mask`` gives the causal / window masks (FlexAttention skips the blocks
+    they empty), ``score_mod`` adds the relative-position bias or the geometric
+    log-prior. The first call of each compiled function compiles it (timed separately).
+    """
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as err:  # not installed, or too old for FlexAttention
+        return None, f"torch FlexAttention not importable ({type(err).__name__})"
+    torch.set_num_threads(os.cpu_count() or 1)
+    device = _torch_device()
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+    mask_mod = {"causal": causal, "window": window, "geometric": causal}.get(case)
+    log_q, log_1mq = math.log(GEO_Q), math.log1p(-GEO_Q)
+
+    def prep(q, k, v, bias):
+        tq, tk, tv = (_to_torch(x, device).unsqueeze(0) for x in (q, k, v))
+        tb = _to_torch(bias, device)
+        block_mask = (None if mask_mod is None else
+                      create_block_mask(mask_mod, None, None, n, n, device=device))
+        score_mod = None
+        if case == "relpos":
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + tb[h, q_idx - kv_idx + n - 1]
+        elif case == "geometric":
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + (log_q + (q_idx - kv_idx) * log_1mq)
+        return tq, tk, tv, block_mask, score_mod
+
+    def fwd(tq, tk, tv, block_mask, score_mod):
+        with torch.no_grad():
+            return compiled(tq, tk, tv, score_mod=score_mod, block_mask=block_mask)
+
+    def fwdbwd(tq, tk, tv, block_mask, score_mod):
+        tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
+        out = compiled(tq, tk, tv, score_mod=score_mod, block_mask=block_mask)
+        (out * tv[..., :1]).sum().backward()
+        return tq.grad
+
+    return (prep, _synced(fwd, device), _synced(fwdbwd, device)), None
+
+
+def _compile_seconds(fn, args) -> tuple[float | None, str | None]:
+    """Time of the first call minus the second (the compile), or the error it raised."""
+    try:
+        t0 = time.perf_counter()
+        fn(*args)
+        t1 = time.perf_counter()
+        fn(*args)
+        t2 = time.perf_counter()
+    except Exception as err:  # no C++ compiler, an unsupported mod, ...
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+    return max(0.0, (t1 - t0) - (t2 - t1)), None
+
+
+def _load() -> str:
+    return "load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1/5/15 min)"
 
 
 # --------------------------------------------------------------------------- main table
@@ -291,51 +398,78 @@ def torch_fn(case: str, H: int, n: int):
 
 def run_table(args) -> list[dict]:
     H, d = args.heads, args.head_dim
+    ndev = jax.device_count()
+    sharded = ndev > 1
+    if sharded and H % ndev:
+        raise SystemExit(f"--heads {H} must be divisible by the {ndev} devices")
+    print(f"\n{'heads split over ' + str(ndev) + ' ' + jax.devices()[0].platform.upper() + ' devices (mesh=)' if sharded else 'one device'}"
+          f" -- {_load()} at the start")
     rows = []
-    torch_note = None
+    notes: dict[str, str] = {}
     for n in args.sizes:
         r = np.random.default_rng(n)
-        q, k, v = (jnp.asarray(r.normal(size=(H, n, d)), jnp.float32) for _ in range(3))
-        bias = jnp.asarray(0.1 * r.normal(size=(H, 2 * n - 1)), jnp.float32)
+        q, k, v = (jnp.asarray(r.normal(size=(H, n, d)), args.dtype) for _ in range(3))
+        bias = jnp.asarray(0.1 * r.normal(size=(H, 2 * n - 1)), args.dtype)
         a = (q, k, v, bias)
         for case in args.cases:
-            impls = {
-                "structinfer": si.attention(make_model(case, H, n), "out",
-                                            block_q=args.block_q, block_k=args.block_k),
-                "kernel": kernel_fn(case, H, n, args.block_q, args.block_k),
-                "jax.nn(xla)": xla_fn(case, H, n),
-                "jnp": jnp_fn(case, H, n),
-            }
-            ndev = jax.device_count()
-            if ndev > 1 and H % ndev == 0:  # one head group per CPU device (core)
-                impls[SHARDED] = si.attention(make_model(case, H, n), "out",
-                                              block_q=args.block_q, block_k=args.block_k,
-                                              mesh=jax.make_mesh((ndev,), ("heads",)))
-            if n <= args.max_exact_n:
-                impls["exact"] = exact_fn(case, H, n)
+            ours = si.attention(make_model(case, H, n), "out", block_q=args.block_q,
+                                block_k=args.block_k,
+                                mesh=jax.make_mesh((ndev,), ("heads",)) if sharded else None)
+            impls = {"structinfer": ours}
+            if not sharded:
+                impls["kernel"] = kernel_fn(case, H, n, args.block_q, args.block_k)
+            impls["jax.nn(xla)"] = xla_fn(case, H, n)
+            if jax.default_backend() == "gpu":
+                impls["jax.nn(cudnn)"] = xla_fn(case, H, n, "cudnn")
+            if not sharded:
+                impls["jnp"] = jnp_fn(case, H, n)
+                if n <= args.max_exact_n:
+                    impls["exact"] = exact_fn(case, H, n)
             tfn = None if args.no_torch else torch_fn(case, H, n)
-            if tfn is None and torch_note is None and not args.no_torch:
-                torch_note = "torch not importable: torch SDPA column skipped"
+            if tfn is None and not args.no_torch:
+                notes["torch"] = "torch not importable: torch SDPA column skipped"
+            ffn = None
+            if not (args.no_torch or args.no_flex):
+                ffn, why = flex_fn(case, H, n)
+                if ffn is None:
+                    notes["flex"] = f"{why}: FlexAttention column skipped"
             for mode in args.modes:
-                row = {"n": n, "case": case, "mode": mode, "t": {}, "mem": {}}
+                row = {"n": n, "case": case, "mode": mode, "t": {}, "mem": {},
+                       "sharded": sharded, "compile": {}}
                 calls = {}
                 for name, f in impls.items():
                     if n > args.max_peer_n and name in ("jax.nn(xla)", "jnp"):
                         continue
                     jitted = jax.jit(f if mode == "fwd" else _with_grad(f))
-                    row["mem"][name] = _temp_mib(jitted, a)
+                    try:
+                        row["mem"][name] = _temp_mib(jitted, a)
+                        jax.block_until_ready(jitted(*a))
+                    except Exception as err:  # e.g. cuDNN refusing a shape / dtype
+                        notes[name] = f"{name} failed ({type(err).__name__}): skipped"
+                        continue
                     calls[name] = (jitted, a)
                 if tfn is not None:
                     prep, fwd, fwdbwd = tfn
                     calls["torch"] = (fwd if mode == "fwd" else fwdbwd, prep(*a))
+                if ffn is not None:
+                    prep, fwd, fwdbwd = ffn
+                    targs = prep(*a)
+                    fn = fwd if mode == "fwd" else fwdbwd
+                    sec, err = _compile_seconds(fn, targs)
+                    if err:  # e.g. torch 2.13 has no FlexAttention backward on CPU
+                        notes[f"flex {mode}"] = f"FlexAttention {mode} failed ({err}): skipped"
+                    else:
+                        row["compile"]["flex"] = sec
+                        calls["flex"] = (fn, targs)
                 row["t"] = _interleaved_times(calls, args.reps)
                 flops = _flops(case, H, n, d, mode)
                 row["gflops"] = flops / row["t"]["structinfer"] / 1e9
                 row["matmul"] = matmul_rate(flops, args.reps)
                 rows.append(row)
                 print_row(row)
-    if torch_note:
-        print(f"note: {torch_note}")
+    print(f"{_load()} at the end")
+    for note in notes.values():
+        print(f"note: {note}")
     return rows
 
 
@@ -348,27 +482,22 @@ def print_row(row: dict) -> None:
         print(
             f"{'n':>5} {'case':>9} {'mode':>7} | {'structinfer':>11} | "
             "time ratio peer/structinfer (>1: we are faster)"
-            " | GFLOP/s (x matmul) | temp MiB (structinfer / jax.nn / jnp)"
+            " | GFLOP/s (x matmul) | temp MiB (structinfer / jax.nn / jnp) | flex compile s"
         )
         _HEADER_DONE = True
     t = dict(row["t"])
     ours = t.pop("structinfer")
-    multi = t.pop(SHARDED, None)
     ratios = " ".join(f"{k}={v / ours:.2f}" for k, v in t.items())
     mem = row["mem"]
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+    comp = row["compile"].get("flex")
     print(
         f"{row['n']:>5} {row['case']:>9} {row['mode']:>7} | {ours * 1e3:9.1f}ms | {ratios} | "
         f"{row['gflops']:.1f} ({row['gflops'] / row['matmul']:.2f}) | "
-        f"{fmt(mem.get('structinfer'))} / {fmt(mem.get('jax.nn(xla)'))} / {fmt(mem.get('jnp'))}",
+        f"{fmt(mem.get('structinfer'))} / {fmt(mem.get('jax.nn(xla)'))} / {fmt(mem.get('jnp'))}"
+        f" | {'-' if comp is None else f'{comp:.1f}'}",
         flush=True,
     )
-    if multi is not None:
-        peers = {k: v for k, v in t.items() if k in ("jax.nn(xla)", "torch")}
-        ratios = " ".join(f"{k}={v / multi:.2f}" for k, v in peers.items())
-        print(f"{'':>5} {'':>9} {'':>7} | {multi * 1e3:9.1f}ms | heads over "
-              f"{jax.device_count()} CPU devices: {ratios} single-device={ours / multi:.2f}",
-              flush=True)
 
 
 # --------------------------------------------------------------------------- expanding
@@ -398,7 +527,7 @@ def run_expanding(args) -> None:
     ps = (0.5, 0.1) if args.quick else (0.5, 0.2, 0.1, 0.04)
     dims = (10,) if args.quick else (10, 50, 256)
     print(f"\nexpanding attention: n={n} tokens, batch {B}, alpha0=0.1, beta0=0.9, "
-          "95% horizon (times: median of reps)")
+          f"95% horizon (times: median of reps) -- {_load()} at the start")
     print(f"{'1/p':>5} {'d':>4} | {'window m':>8} {'iters k':>7} | {'ops ratio':>9} | "
           f"{'time ratio':>10} (expanding / dense)")
     for p in ps:
@@ -453,6 +582,7 @@ def run_expanding(args) -> None:
             td = _median_time(jax.jit(dense), (qv, K, V), args.reps)
             print(f"{1 / p:5.0f} {d:4d} | {np.mean(m_win):8.1f} {np.mean(k_iter):7.1f} | "
                   f"{ops:9.3f} | {te / td:10.2f}", flush=True)
+    print(f"{_load()} at the end")
 
 
 def run_exact_engine(args) -> None:
@@ -463,8 +593,7 @@ def run_exact_engine(args) -> None:
     jnp, timed in turns; XLA's temporary buffers for both. The exact engine is the
     reference every other path is checked against; this row says what it costs.
     """
-    print(f"\nexact engine, one causal head (head dim {args.head_dim}), load average "
-          f"{os.getloadavg()[0]:.2f}:")
+    print(f"\nexact engine, one causal head (head dim {args.head_dim}) -- {_load()} at the start")
     print(f"{'n':>6} | {'exact (s)':>9} {'plain (s)':>9} {'exact/plain':>11} | "
           f"{'temp MiB exact / plain':>22} | max |diff|")
     for n in args.exact_sizes:
@@ -487,28 +616,66 @@ def run_exact_engine(args) -> None:
         fmt = lambda x: "?" if x is None else f"{x:.0f}"  # noqa: E731
         print(f"{n:>6} | {t['exact']:>9.3f} {t['plain']:>9.3f} {t['exact'] / t['plain']:>11.2f} | "
               f"{fmt(me) + ' / ' + fmt(mp):>22} | {diff:.1e}")
+    print(f"{_load()} at the end")
+
+
+#: the tables of docs/benchmarks.md: (title, arguments), each run in its own process
+SUITE = (
+    ("single device (JAX as installed), n = 256 / 1024 / 4096, every case",
+     ["--cpu-devices", "1", "--sizes", "256", "1024", "4096"]),
+    ("single device, n = 8192, forward",
+     ["--cpu-devices", "1", "--sizes", "8192", "--modes", "fwd"]),
+    ("heads over one JAX CPU device per core, n = 4096 / 8192",
+     ["--cpu-devices", "auto", "--sizes", "4096", "8192", "--cases", "dense", "causal",
+      "window", "--max-peer-n", "4096"]),
+    ("exact engine, one causal head", ["--cpu-devices", "1", "--exact-engine-only"]),
+    ("expanding attention (sec. 5.2)", ["--cpu-devices", "1", "--expanding-only"]),
+)
+
+
+def run_suite(argv_extra: list[str]) -> None:
+    """Run every table of docs/benchmarks.md, each in a fresh process (so single-device
+    rows come from a default JAX process and multi-device rows from their own), printing
+    the command, the load average before and after, and the wall time of each."""
+    import subprocess
+
+    start = time.perf_counter()
+    for title, extra in SUITE:
+        extra = [str(os.cpu_count() or 1) if x == "auto" else x for x in extra]
+        cmd = [sys.executable, os.path.abspath(__file__), *extra, *argv_extra]
+        print(f"\n=== {title}\n$ python benchmarks/attention.py {' '.join(extra + argv_extra)}"
+              f"\n{_load()} before", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd)
+        print(f"=== {_load()} after; {time.perf_counter() - t0:.0f} s; exit {proc.returncode}",
+              flush=True)
+    print(f"\nsuite: {(time.perf_counter() - start) / 60:.1f} min")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, seconds (smoke test)")
+    ap.add_argument("--suite", action="store_true",
+                    help="every table of docs/benchmarks.md, each in its own process")
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096, 8192])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--cpu-devices", type=int, default=os.cpu_count() or 1,
-                    help="JAX CPU devices (one per core by default); with more than one, "
-                    "a second structinfer row splits the heads over them (mesh=)")
+    ap.add_argument("--cpu-devices", type=int, default=1,
+                    help="JAX CPU devices (default 1, JAX as installed); with more than one "
+                    "the table times the models with their heads split over them (mesh=)")
     ap.add_argument("--block-q", type=int, default=256)
-    ap.add_argument("--block-k", type=int, default=512)
+    ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--max-exact-n", type=int, default=256,
                     help="largest n timed with the exact (funsor) engine")
     ap.add_argument("--max-peer-n", type=int, default=8192,
                     help="largest n for the n x n peers (jax.nn, jnp)")
-    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-torch", action="store_true", help="skip torch SDPA and FlexAttention")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--exact-engine", action="store_true",
                     help="also time the exact engine on one causal head (--exact-sizes)")
     ap.add_argument("--exact-engine-only", action="store_true")
@@ -517,7 +684,12 @@ def main(argv=None) -> None:
     ap.add_argument("--expanding-only", action="store_true")
     ap.add_argument("--expanding-n", type=int, default=1024)
     ap.add_argument("--expanding-batch", type=int, default=256)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.suite:
+        passthrough = [x for x in argv if x in ("--no-torch", "--no-flex")]
+        run_suite(passthrough)
+        return
     if args.quick:
         args.sizes, args.heads, args.head_dim, args.reps = [64], 2, 16, 1
         args.cases = ["window"]
@@ -525,13 +697,15 @@ def main(argv=None) -> None:
         args.expanding_n, args.expanding_batch = 64, 8
         args.cpu_devices = 1
         args.exact_sizes = [64]
+    args.dtype = jnp.dtype(args.dtype)
     try:  # must precede the first use of the backend
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     except RuntimeError as err:  # pragma: no cover - backend already initialised
         print(f"note: --cpu-devices ignored ({err})")
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; "
-          f"heads={args.heads} head_dim={args.head_dim} float32 batch 1; "
-          f"blocks {args.block_q}x{args.block_k}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} "
+          f"device{'s' if jax.device_count() > 1 else ''}), {os.cpu_count()} cores; "
+          f"heads={args.heads} head_dim={args.head_dim} {args.dtype} batch 1; "
+          f"blocks {args.block_q}x{args.block_k}; {_load()}")
     if not (args.expanding_only or args.exact_engine_only):
         run_table(args)
     if args.exact_engine or args.exact_engine_only or args.quick:

@@ -120,6 +120,22 @@ def test_masked_blocks_are_skipped():
         for b in range(sched.nkb):
             any_ok = mask[a * BQ:(a + 1) * BQ, b * BK:(b + 1) * BK].any()
             assert (b in row) == any_ok
+    # brute force: a live block is computed without a mask iff every edge in it is
+    # allowed and none of its parents is padding
+    wide_sym = si.priors.Restricted.window(N, 12, M, causal=False, include_self=False)
+    for name, bq, bk in [("causal", BQ, BK), ("window", BQ, BK), ("relpos_clip", BQ, BK),
+                         ("uniform", BQ, BK), ("wide_sym", 3, 2)]:
+        p = wide_sym if name == "wide_sym" else _priors(N, M, np.float32)[name]
+        low = lower_edge(p, None, np.zeros((M, 1), np.float32), N)
+        sched = make_schedule(low.terms, bq, bk, low.mask)
+        allowed = np.isfinite(np.asarray(p.log_table(N)))
+        for a, row in enumerate(sched.fwd):
+            for b in row:
+                blk = allowed[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
+                want = blk.shape[1] == bk and blk.all()
+                assert ((a, b) in sched.full) == want, (name, a, b)
+        if name in ("causal", "wide_sym"):  # both kinds occur
+            assert sched.full and len(sched.full) < sum(map(len, sched.fwd))
     bs = _priors(N, M, np.float32)["block_sparse"]
     low = lower_edge(bs, None, np.zeros((M, 1), np.float32), N)
     assert low.mask is not None

@@ -24,7 +24,8 @@ def test_benchmark_quick_mode_runs():
 
 
 def test_lowering_public_names_have_docstrings():
-    for mod_name in ("structinfer.lowering", "structinfer.lowering.sharded"):
+    for mod_name in ("structinfer.lowering", "structinfer.lowering.sharded",
+                     "structinfer.lowering.accel"):
         mod = importlib.import_module(mod_name)
         assert mod.__doc__
         for name in mod.__all__:

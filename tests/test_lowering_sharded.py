@@ -2,8 +2,9 @@
 
 XLA's device count is fixed when JAX starts, so the checks run in a subprocess
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` set before JAX is
-imported. The script compares head/batch sharding (bit-exact expected: the
-same kernel runs on each slice) and ring attention (float32, 2e-6: the
+imported. The script compares head/batch sharding (the same kernel on each slice:
+equal to float32 rounding, 1e-6, as XLA may fuse a 1-head program differently from a
+4-head one) and ring attention (float32, 2e-6: the
 partial softmaxes are merged in a different order) with the single-device
 blocked kernel, the ring gradients with the single-device gradients, and
 ``structinfer.attention(model, mesh=...)`` with the exact engine.
@@ -47,8 +48,10 @@ SCRIPT = textwrap.dedent(
         y0, l0 = single(low.problem)
         y1, l1 = heads(low.problem)
         y2, l2 = ring(low.problem)
-        np.testing.assert_array_equal(y1, y0)
-        np.testing.assert_array_equal(l1, l0)
+        # the same kernel on each slice; XLA may fuse a 1-head and a 4-head program
+        # differently (an ulp apart), so equal to float32 rounding rather than bit-exact
+        np.testing.assert_allclose(y1, y0, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(l1, l0, atol=1e-6, rtol=0)
         np.testing.assert_allclose(y2, y0, atol=2e-6)
         np.testing.assert_allclose(l2, l0, atol=2e-6)
         if name == "relpos_causal":

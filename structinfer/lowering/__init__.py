@@ -13,9 +13,10 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
   :func:`windowed_scores`, :func:`geometric_band_log_prior`, :func:`windowed_posterior`,
   :func:`windowed_values` and :func:`windowed_attention` (all four in one).
 
-The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``) and the
-multi-device wrappers (:mod:`.sharded`) read the lowered form of an edge site; they are
-reached through :func:`attention` (``backend=``, ``mesh=``).
+The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``), the GPU
+kernels and their dispatch rules (:mod:`.accel`: cuDNN, Pallas) and the multi-device
+wrappers (:mod:`.sharded`) read the lowered form of an edge site; they are reached
+through :func:`attention` (``backend=``, ``mesh=``).
 """
 
 from . import _rules  # noqa: F401  (registers the built-in rules)

@@ -95,21 +95,27 @@ class Problem(NamedTuple):
     v: jax.Array
 
 
-def relpos_weights(rp: RelPos, bias: jax.Array, d: jax.Array) -> jax.Array:
-    """Relative-position log-weights ``b(d)`` for an int distance grid (no causal mask).
+def relpos_index(rp: RelPos, d: jax.Array) -> jax.Array:
+    """Index into the relative-position bias for an int distance grid ``d``.
 
-    Delegates to :meth:`structinfer.priors.RelativePosition.distance_log_weights` (one
-    implementation of the bucket lookup); the causal mask is the kernels' distance band.
+    Delegates to :meth:`structinfer.priors.RelativePosition.bias_index` (one
+    implementation of the bucket lookup). Padded rows / columns of a block have
+    distances outside the bias; they are clipped into it (the real ones all lie in
+    ``[-(m-1), L-m]``, checked by ``RelativePosition.check_bias_length``).
     """
     if rp.mode != "circulant" and rp.max_distance is None:
-        # padded rows / columns of a block have distances outside the bias; the real
-        # ones all lie in [-(m-1), L-m] (checked by RelativePosition.check_bias_length)
         d = jnp.clip(d, -(rp.num_parents - 1), rp.length - rp.num_parents)
-    prior = RelativePosition(
-        bias, rp.num_parents, max_distance=rp.max_distance, causal=False,
+    lookup = RelativePosition(
+        np.zeros(1, np.float32), rp.num_parents, max_distance=rp.max_distance, causal=False,
         _mode=rp.mode, _period=rp.period,
     )
-    return prior.distance_log_weights(d)
+    return lookup.bias_index(d)
+
+
+def relpos_weights(rp: RelPos, bias: jax.Array, d: jax.Array) -> jax.Array:
+    """Relative-position log-weights ``b(d)`` for an int distance grid ``d`` (no causal mask;
+    the causal mask is the kernels' distance band)."""
+    return jnp.take(bias, relpos_index(rp, d), axis=-1)
 
 
 def band_ok(t: Terms, d: jax.Array) -> jax.Array | None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._checks import is_concrete
 from ..exact import expectation, inspect_model
+from . import accel
 from ._recognise import Fallback, Plan, recognise
 from .blocked import band_blocks, blocked_attention
 from .dense import dense_attention
@@ -35,7 +36,7 @@ from .windowed import windowed_kernel
 __all__ = ["attention", "explain", "Explanation", "NotLowerableError", "BACKENDS"]
 
 #: accepted values of ``backend``
-BACKENDS = ("auto", "exact", "dense", "blocked", "windowed")
+BACKENDS = ("auto", "exact", "dense", "blocked", "windowed", "cudnn", "pallas")
 
 #: ``auto`` uses the dense kernel below this many logits per batch element
 DENSE_MAX = 128 * 128
@@ -52,7 +53,8 @@ class Explanation:
     Attributes:
         path: ``"lowered"`` or ``"exact"``.
         backend: the requested backend.
-        kernels: edge site -> kernel (``"dense"``, ``"blocked"``, ``"windowed"``).
+        kernels: edge site -> kernel (``"dense"``, ``"blocked"``, ``"windowed"``, and on a
+            GPU ``"cudnn"`` or ``"pallas"``).
         follows: edge site -> the edge it follows (multi-hop), or ``None``.
         notes: edge site -> what was recognised in its prior and score.
         fallback: on the exact path, the site and part that was not recognised.
@@ -78,41 +80,84 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _choose(terms, backend: str) -> str:
+def _choose(low, backend: str) -> tuple[str, tuple[str, ...]]:
+    """The kernel for one lowered edge and notes on the choice (for ``explain``)."""
+    terms = low.terms
     if backend in ("dense", "blocked"):
-        return backend
-    band = terms.dmin is not None and terms.dmax is not None
+        return backend, ()
+    if backend in accel.GPU_KERNELS:
+        check = accel.cudnn_unsupported if backend == "cudnn" else accel.pallas_unsupported
+        why = check(terms, low.problem, low.batch_shape)
+        if why:
+            raise NotLowerableError(f"backend '{backend}' cannot run this edge: {why}")
+        return backend, ()
     if backend == "windowed":
-        return "windowed"
-    width = terms.dmax - terms.dmin + 1 if band else None
-    if terms.geometric and band and 2 * width <= terms.num_parents:
-        return "windowed"
-    if terms.num_children * terms.num_parents <= DENSE_MAX:
-        return "dense"
-    return "blocked"
+        return "windowed", ()
+    large = terms.num_children * terms.num_parents > DENSE_MAX
+    notes: tuple[str, ...] = ()
+    if large and accel.platform() == "gpu":
+        kind, notes = accel.gpu_kernel(terms, low.problem, low.batch_shape)
+        if kind is not None:
+            return kind, notes
+    band = terms.dmin is not None and terms.dmax is not None
+    if terms.geometric and band and 2 * (terms.dmax - terms.dmin + 1) <= terms.num_parents:
+        return "windowed", notes
+    return ("blocked" if large else "dense"), notes
 
 
-def _kernels(plan: Plan, backend: str) -> dict[str, str]:
+def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]:
     out = {}
     for ep in plan.edges:
-        k = _choose(ep.lowered.terms, backend)
+        k, notes = _choose(ep.lowered, backend)
         t = ep.lowered.terms
         if k == "windowed" and (t.dmin is None or t.dmax is None):
             raise NotLowerableError(
                 f"backend 'windowed': edge site '{ep.name}' has no finite distance band "
                 "(use a Geometric prior with max_distance or a Restricted.window prior)"
             )
-        out[ep.name] = k
+        out[ep.name] = (k, notes)
     return out
 
 
-def _execute(plan: Plan, kernels: dict[str, str], block_q: int, block_k: int,
-             runner: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _blocked(low, prob, batch, block_q: int, block_k: int, forward=None):
+    bq, bk = band_blocks(low.terms, block_q, block_k)
+    return blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk, mask=low.mask,
+                             forward=forward, nan_rows=True)
+
+
+def _pallas(low, prob, batch, block_q: int, block_k: int):
+    # the Pallas kernel replaces the forward pass; gradients are the blocked kernel's
+    return _blocked(low, prob, batch, block_q, block_k, forward=accel.pallas_forward)
+
+
+def _cudnn(low, prob, batch, block_q: int, block_k: int, forced: bool, site: str, used: dict):
+    """cuDNN, or (when JAX's cuDNN wrapper refuses at trace time) the next kernel."""
+    try:
+        return accel.cudnn_attention(low.terms, prob, batch)
+    except (NotImplementedError, ValueError, RuntimeError, TypeError) as err:
+        if forced:
+            raise NotLowerableError(f"backend 'cudnn': edge site '{site}': cuDNN refused: "
+                                    f"{err}") from err
+        nxt = ("pallas" if accel.pallas_unsupported(low.terms, prob, batch) is None
+               else "blocked")
+        used[site] = (nxt, (f"cuDNN refused at trace time ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''})",))
+        if nxt == "pallas":
+            return _pallas(low, prob, batch, block_q, block_k)
+        return _blocked(low, prob, batch, block_q, block_k)
+
+
+def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
+             runner: Callable | None = None, forced: bool = False,
+             used: dict | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Run the plan's kernels; returns the output and each edge's row log-normaliser.
 
     A row whose log-normaliser is not finite (no allowed parent, a NaN/inf score) is
     NaN in the output, as in the exact engine under ``jit``: never a finite number.
+    ``used`` (optional) receives, per edge, the kernel that ran when it differs from the
+    chosen one (cuDNN refused at trace time) and why.
     """
+    used = {} if used is None else used
     children: dict[str, list[str]] = {ep.name: [] for ep in plan.edges}
     for ep in plan.edges:
         if ep.parent is not None:
@@ -127,18 +172,22 @@ def _execute(plan: Plan, kernels: dict[str, str], block_q: int, block_k: int,
         dtype = jnp.result_type(v.dtype, low.problem.v.dtype)
         prob = low.problem._replace(v=v.astype(dtype))
         batch = tuple(jnp.broadcast_shapes(low.batch_shape, v.shape[:-2]))
-        kind = kernels[ep.name]
+        kind = kernels[ep.name][0]
         if runner is not None:
             y, lse = runner(kind, low, prob, batch)
         elif kind == "dense":
             y, lse = dense_attention(low.terms, prob, batch)
         elif kind == "blocked":
-            bq, bk = band_blocks(low.terms, block_q, block_k)
-            y, lse = blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk,
-                                       mask=low.mask)
+            y, lse = _blocked(low, prob, batch, block_q, block_k)
+        elif kind == "cudnn":
+            y, lse = _cudnn(low, prob, batch, block_q, block_k, forced, ep.name, used)
+        elif kind == "pallas":
+            y, lse = _pallas(low, prob, batch, block_q, block_k)
         else:
             y, lse = windowed_kernel(low.terms, prob, batch, block_q=block_q)
-        Y[ep.name] = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+        if runner is not None or kind not in ("blocked", "pallas"):  # the blocked kernel
+            y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)  # writes these NaN itself
+        Y[ep.name] = y
         lses[ep.name] = lse
     out = None
     for ep in plan.edges:
@@ -201,7 +250,7 @@ def attention(
     backend: str = "auto",
     *,
     block_q: int = 256,
-    block_k: int = 512,
+    block_k: int = 256,
     mesh=None,
     shard: str = "heads",
     axis_name: str | None = None,
@@ -217,9 +266,13 @@ def attention(
         backend: ``"auto"`` (recognise and pick a kernel, else the exact engine),
             ``"exact"`` (:func:`structinfer.expectation`), or force a kernel:
             ``"dense"``, ``"blocked"`` (online softmax over blocks, memory-light
-            custom VJP), ``"windowed"`` (distance band; geometric / window priors).
-            A forced kernel raises :class:`NotLowerableError` when the model has no
-            lowering.
+            custom VJP), ``"windowed"`` (distance band; geometric / window priors),
+            ``"cudnn"`` (cuDNN fused attention on a GPU) or ``"pallas"`` (the Pallas
+            flash kernel; interpreted off a GPU) — see
+            :mod:`structinfer.lowering.accel`. On a GPU, ``"auto"`` tries cuDNN, then
+            Pallas, then the blocked kernel. A forced kernel raises
+            :class:`NotLowerableError` when the model has no lowering or the kernel
+            cannot run it.
         block_q, block_k: block sizes of the blocked (and windowed) kernels.
         mesh: a ``jax.sharding.Mesh`` to run every lowered edge on several devices with
             the blocked kernel: ``shard="heads"`` splits the leading plate (heads /
@@ -263,7 +316,8 @@ def attention(
             if backend == "auto":
                 return expectation(model, value, *args, **kwargs), {}
             raise NotLowerableError(f"backend '{backend}' cannot lower the model: {plan.fallback}")
-        return _execute(plan, _kernels(plan, backend), block_q, block_k, runner)
+        return _execute(plan, _kernels(plan, backend), block_q, block_k, runner,
+                        forced=backend in accel.GPU_KERNELS)
 
     cache: dict = {}
 
@@ -320,22 +374,28 @@ def explain(model: Callable, value: str, *args, backend: str = "auto", **kwargs)
     dyn, key = _split(args, kwargs)
     holder: dict[str, Any] = {}
 
+    used: dict = {}
+
     def f(dyn):
         a, kw = _join(dyn, key)
         plan = recognise(model, value, a, kw)
         holder["plan"] = plan
         if plan.ok:
-            holder["kernels"] = _kernels(plan, backend)
+            kernels = holder["kernels"] = _kernels(plan, backend)
+            if any(k == "cudnn" for k, _ in kernels.values()):
+                # trace the kernels too: JAX's cuDNN wrapper may refuse at trace time
+                _execute(plan, kernels, 256, 256, forced=backend == "cudnn", used=used)
         return 0
 
     jax.eval_shape(f, dyn)
     plan: Plan = holder["plan"]
     if not plan.ok:
         return Explanation("exact", backend, fallback=plan.fallback)
+    kernels = {**holder["kernels"], **used}
     return Explanation(
         "lowered",
         backend,
-        kernels=holder["kernels"],
+        kernels={name: k for name, (k, _) in kernels.items()},
         follows={ep.name: ep.parent for ep in plan.edges},
-        notes={ep.name: ep.lowered.terms.notes for ep in plan.edges},
+        notes={ep.name: ep.lowered.terms.notes + kernels[ep.name][1] for ep in plan.edges},
     )

@@ -36,7 +36,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._spec import Problem, Terms
-from .blocked import blocked_attention, make_schedule
+from .blocked import band_blocks, blocked_attention, make_schedule
 
 __all__ = ["head_sharded_attention", "ring_attention", "head_sharded", "sequence_sharded"]
 
@@ -80,7 +80,7 @@ def head_sharded_attention(
     axis_name: str | None = None,
     *,
     block_q: int = 256,
-    block_k: int = 512,
+    block_k: int = 256,
     mask=None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Blocked attention with the leading batch axis (heads / batch) split over devices.
@@ -141,7 +141,7 @@ def ring_attention(
     axis_name: str | None = None,
     *,
     block_q: int = 256,
-    block_k: int = 512,
+    block_k: int = 256,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Sequence-parallel (ring) attention: children and parents split over devices.
 
@@ -245,18 +245,19 @@ def _full_batch(prob: Problem, batch) -> Problem:
 
 
 def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
-                 block_k: int = 512) -> Callable:
+                 block_k: int = 256) -> Callable:
     """A ``runner`` for :func:`structinfer.attention` that shards heads / batch over ``mesh``."""
 
     def run(kind, lowered, prob, batch):
+        bq, bk = band_blocks(lowered.terms, block_q, block_k)  # as the single-device path
         return head_sharded_attention(lowered.terms, prob, batch, mesh, axis_name,
-                                      block_q=block_q, block_k=block_k, mask=lowered.mask)
+                                      block_q=bq, block_k=bk, mask=lowered.mask)
 
     return run
 
 
 def sequence_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
-                     block_k: int = 512) -> Callable:
+                     block_k: int = 256) -> Callable:
     """A ``runner`` for :func:`structinfer.attention` running ring attention over ``mesh``."""
 
     def run(kind, lowered, prob, batch):

@@ -1,0 +1,220 @@
+"""GPU dispatch of the lowered engine, tested on a CPU.
+
+* Dispatch: ``structinfer.lowering.accel.platform`` is replaced by a function returning
+  ``"gpu"``, and ``explain`` / ``attention`` are checked to pick cuDNN, the Pallas kernel
+  or the blocked kernel by the rules in ``accel`` (dtype, head dims, structure), to name
+  the reason when they do not, and to fall back when JAX's cuDNN wrapper refuses at trace
+  time (it always does here: no cuDNN).
+* cuDNN plumbing (layout, bias table, causal window, log-normaliser): ``jax.nn``'s cuDNN
+  call is redirected to its XLA implementation, which takes the same arguments; results
+  against the dense kernel (float16 inputs; the dense kernel is the naive twin tested
+  against the exact engine in test_lowering.py).
+* The Pallas kernel runs in Pallas' interpreter (``backend="pallas"`` off a GPU) and is
+  compared with the dense kernel and, in one case, the exact engine (values; gradients
+  against the dense kernel's autodiff), and is lowered for CUDA
+  (``lowering_platforms=("cuda",)``) to check it uses only operations Triton takes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+from structinfer.lowering import NotLowerableError, accel, explain
+from structinfer.lowering._lower import lower_edge
+from structinfer.lowering.dense import dense_attention
+
+H, N, D = 2, 131, 16  # 131^2 logits: above the dense kernel's limit
+
+
+def _model(prior_fn, score_fn=None, n=N):
+    def model(q, k, v, extra=None):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            score = (si.scores.Dot(q, k, scale=0.25) if score_fn is None
+                     else score_fn(q, k))
+            j = si.edge("phi", prior_fn(n, extra), score)
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    return model
+
+
+def _inputs(dtype, n=N, d=D, dv=D, seed=0):
+    r = np.random.default_rng(seed)
+    q, k = (jnp.asarray(r.normal(size=(H, n, d)), dtype) for _ in range(2))
+    return q, k, jnp.asarray(r.normal(size=(H, n, dv)), dtype)
+
+
+CAUSAL = lambda n, e: si.priors.Restricted.causal(n)  # noqa: E731
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    monkeypatch.setattr(accel, "platform", lambda: "gpu")
+
+
+@pytest.fixture
+def cudnn_as_xla(monkeypatch):
+    """jax.nn's cuDNN attention replaced by its XLA implementation (same arguments)."""
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def fake(q, k, v, bias=None, *, implementation=None, **kw):
+        assert implementation == "cudnn" and q.dtype == jnp.float16
+        calls.append(kw)
+        up = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
+        y, res = real(up(q), up(k), up(v), up(bias), implementation="xla", **kw)
+        return y.astype(q.dtype), res.astype(q.dtype)  # the XLA path on CPU needs float32
+
+    monkeypatch.setattr(accel.jax.nn, "dot_product_attention", fake)
+    return calls
+
+
+def test_dispatch_rules_on_a_faked_gpu(gpu):
+    h16 = _inputs(jnp.float16)
+    f32 = _inputs(jnp.float32)
+    causal = _model(CAUSAL)
+    # cuDNN's preconditions hold, but JAX's cuDNN wrapper refuses here (no cuDNN): the
+    # Pallas kernel runs instead, and explain says why
+    ex = explain(causal, "out", *h16)
+    assert ex.kernels == {"phi": "pallas"}
+    assert "cuDNN refused at trace time" in str(ex)
+    # float32: cuDNN is not tried
+    ex = explain(causal, "out", *f32)
+    assert ex.kernels == {"phi": "pallas"} and "cuDNN takes float16" in str(ex)
+    # head dims that differ / are not a multiple of 8
+    assert "differs from value head dim" in str(explain(causal, "out", *_inputs(
+        jnp.float16, dv=8)))
+    assert "multiple of 8" in str(explain(causal, "out", *_inputs(jnp.float16, d=12, dv=12)))
+    # a band cuDNN does not express (no self edge) -> Pallas
+    no_self = _model(lambda n, e: si.priors.Restricted.causal(n, include_self=False))
+    assert "causal window" in str(explain(no_self, "out", *h16))
+    # an IDW score: neither fused kernel -> blocked
+    idw = _model(CAUSAL, lambda q, k: si.scores.NegLogDist(q, k))
+    ex = explain(idw, "out", *f32)
+    assert ex.kernels == {"phi": "blocked"} and "not Pallas: an IDW score" in str(ex)
+    # small problems keep the dense kernel; a CPU keeps the blocked one
+    assert explain(_model(CAUSAL, n=64), "out", *_inputs(jnp.float16, n=64)).kernels == {
+        "phi": "dense"}
+
+
+def test_cpu_keeps_the_blocked_kernel():
+    ex = explain(_model(CAUSAL), "out", *_inputs(jnp.float16))
+    assert ex.kernels == {"phi": "blocked"} and "cuDNN" not in str(ex)
+
+
+def test_forced_fused_backends_explain_what_they_cannot_run():
+    q, k, v = _inputs(jnp.float32)
+    with pytest.raises(NotLowerableError, match="cudnn.*float16"):
+        si.attention(_model(CAUSAL), "out", "cudnn")(q, k, v)
+    idw = _model(CAUSAL, lambda q, k: si.scores.NegLogDist(q, k))
+    with pytest.raises(NotLowerableError, match="pallas.*IDW"):
+        si.attention(idw, "out", "pallas")(q, k, v)
+    with pytest.raises(NotLowerableError, match="cuDNN refused"):  # no cuDNN here
+        si.attention(_model(CAUSAL), "out", "cudnn")(*_inputs(jnp.float16))
+
+
+def _dense(model, *args):
+    """The dense kernel (the naive twin, itself tested against the exact engine) on
+    float32 copies of the inputs."""
+    up = [None if x is None else jnp.asarray(x, jnp.float32) for x in args]
+    return np.asarray(si.attention(model, "out", "dense")(*up))
+
+
+CUDNN_CASES = {  # prior, extra argument, score (None: Dot)
+    "causal": (CAUSAL, None, None),
+    "window": (lambda n, e: si.priors.Restricted.window(n, 9), None, None),
+    "relpos": (lambda n, e: si.priors.RelativePosition(e, n, causal=True), "relpos", None),
+    "geometric": (lambda n, e: si.priors.Geometric(e, n, max_distance=20), "geo", None),
+    "parent_bias": (lambda n, e: si.priors.Uniform(n), None,  # -|k_j|^2 / 2: a column bias
+                    lambda q, k: si.scores.NegSqDist(0.5 * q, 0.5 * k)),
+}
+
+
+@pytest.mark.parametrize("case", list(CUDNN_CASES))
+def test_cudnn_plumbing_through_the_xla_implementation(case, gpu, cudnn_as_xla):
+    n = 132  # even lengths: cuDNN's backward with a bias needs them
+    prior_fn, extra, score_fn = CUDNN_CASES[case]
+    r = np.random.default_rng(1)
+    e = {None: None,
+         "relpos": jnp.asarray(0.5 * r.normal(size=(H, 2 * n - 1)), jnp.float16),
+         "geo": jnp.asarray(r.uniform(0.05, 0.5, size=(H, n)), jnp.float16)}[extra]
+    model = _model(prior_fn, score_fn, n=n)
+    args = _inputs(jnp.float16, n=n) + (e,)
+    assert explain(model, "out", *args).kernels == {"phi": "cudnn"}
+    y = si.attention(model, "out")(*args)
+    assert y.dtype == jnp.float32 and cudnn_as_xla
+    np.testing.assert_allclose(y, _dense(model, *args), atol=6e-3)
+    if case == "relpos":  # the row log-normaliser too, against the dense kernel's
+        q, k, v, e = args
+        low = lower_edge(prior_fn(n, e), si.scores.Dot(q, k, scale=0.25), v, n, (H,))
+        _, lse = accel.cudnn_attention(low.terms, low.problem, low.batch_shape)
+        up = jax.tree.map(lambda x: x.astype(jnp.float32), low.problem)
+        _, ref = dense_attention(low.terms, up, (H,))
+        np.testing.assert_allclose(lse.astype(jnp.float32), ref, atol=2e-2)
+
+
+PALLAS_CASES = {  # prior(n, m, extra) on n = 37 children, m = 45 parents
+    "causal_offset": lambda n, m, e: si.priors.Restricted.causal(n, m, offset=m - n),
+    "window_no_self": lambda n, m, e: si.priors.Restricted.window(
+        n, 6, m, causal=False, include_self=False),
+    "relpos_clipped": lambda n, m, e: si.priors.RelativePosition(e[..., :9], m, max_distance=4),
+    "geometric_trunc": lambda n, m, e: si.priors.Geometric(
+        0.05 + 0.5 * jax.nn.sigmoid(e[..., :n]), m, offset=m - n, include_self=False,
+        max_distance=12),
+    "categorical_row": lambda n, m, e: si.priors.Categorical(
+        jnp.where(jnp.arange(m) % 7 == 3, -jnp.inf, e[0, :m])),
+}
+
+
+def _pallas_model(prior_fn, n, m):
+    def model(q, k, v, e):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            j = si.edge("phi", prior_fn(n, m, e), si.scores.Dot(q, k, scale=0.4))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    return model
+
+
+@pytest.mark.parametrize("case", list(PALLAS_CASES))
+def test_pallas_kernel_interpreted_equals_exact(case):
+    n, m, d, dv = 37, 45, 12, 5  # padded features / values / lengths, offsets
+    r = np.random.default_rng(2)
+    q = jnp.asarray(r.normal(size=(H, n, d)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(H, m, d)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(H, m, dv)), jnp.float32)
+    e = jnp.asarray(0.5 * r.normal(size=(H, 2 * m - 1)), jnp.float32)
+    model = _pallas_model(PALLAS_CASES[case], n, m)
+    f = si.attention(model, "out", "pallas", block_q=16, block_k=16)
+    ref = (si.expectation(model, "out", q, k, v, e) if case == "geometric_trunc"
+           else si.attention(model, "out", "dense")(q, k, v, e))
+    np.testing.assert_allclose(f(q, k, v, e), ref, atol=2e-5)
+    if case == "relpos_clipped":  # gradients: the blocked kernel's backward on the
+        # Pallas forward's (y, L), against autodiff of the dense kernel
+        loss = lambda g: lambda q, k, v, e: jnp.sum(jnp.sin(g(q, k, v, e)))  # noqa: E731
+        dense = si.attention(model, "out", "dense")
+        g1 = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, e)
+        g0 = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(q, k, v, e)
+        for a, b in zip(g0, g1):
+            assert np.abs(a).max() > 1e-3
+            np.testing.assert_allclose(b, a, atol=5e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
+    """Lowering (not running) for CUDA on this CPU: every operation of the kernel body
+    must have a Triton lowering (a gather of the relative-position bias included)."""
+    r = np.random.default_rng(3)
+    n = 200
+    q, k, v = (jnp.asarray(r.normal(size=(H, n, 64)), dtype) for _ in range(3))
+    bias = jnp.asarray(r.normal(size=(H, 2 * n - 1)), dtype)
+    priors = [si.priors.RelativePosition(bias, n, causal=True),
+              si.priors.Geometric(jnp.asarray(0.05, dtype), n, max_distance=64)]
+    for prior in priors:
+        low = lower_edge(prior, si.scores.Dot(q, k, scale=0.125), v, n, (H,))
+        f = jax.jit(lambda p, low=low: accel.pallas_forward(low.terms, p, low.batch_shape,
+                                                            interpret=False))
+        text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text
