@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from numpyro.diagnostics import summary
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -59,9 +60,10 @@ def main(argv=None) -> dict:
     batch, draws = a.batch or batch, a.samples or draws
     warm = draws
     x, v, y = simulate(np.random.default_rng(a.seed), batch, a.q, a.beta)
-    mcmc, summ = si.infer.run_nuts(expanding_model, x, v, y, num_warmup=warm, num_samples=draws,
-                                   rng_key=jax.random.PRNGKey(a.seed))
+    mcmc = si.infer.nuts(jax.random.PRNGKey(a.seed), expanding_model, x, v, y, num_warmup=warm,
+                         num_samples=draws, progress_bar=False)
     s = mcmc.get_samples()
+    summ = summary(mcmc.get_samples(group_by_chain=True), group_by_chain=True)
     for name, true in (("q", a.q), ("beta", a.beta)):
         print(f"{name}: true {true:.3f}  posterior mean {float(s[name].mean()):.3f} "
               f"sd {float(s[name].std()):.3f}  r_hat {float(summ[name]['r_hat']):.3f}")

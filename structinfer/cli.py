@@ -443,17 +443,19 @@ def cmd_compare(args) -> int:
     _setup_jax(args)
     import warnings
 
+    import jax
     import matplotlib.pyplot as plt
     from tqdm.auto import tqdm
 
     from . import diagnostics as dg
+    from . import infer
     from .demo import markdown_table
 
     log = _log(args)
     sites = {}
     for name, fn in models.items():
         try:
-            dg.check_comparable(fn, (), bound[name], args.score_factors)
+            dg.check_comparable(fn, score_factors=args.score_factors, **bound[name])
             sites[name] = _edge_sites(fn, bound[name])
         except dg.EnergyOnlyModelError as e:
             raise CLIError(f"model '{name}': {e}") from e
@@ -472,12 +474,13 @@ def cmd_compare(args) -> int:
     bar = tqdm(list(models), desc="fitting models", disable=not args.progress)
     for name in bar:
         bar.set_postfix_str(name)
-        fit = dg.fit_nuts(models[name], num_warmup=nw, num_samples=ns, num_chains=nc,
-                          seed=args.seed, progress_bar=False, **bound[name])
-        idatas[name] = dg.to_inference_data(fit, score_factors=args.score_factors)
+        fit = infer.nuts(jax.random.PRNGKey(args.seed), models[name], num_warmup=nw,
+                         num_samples=ns, num_chains=nc, progress_bar=False, **bound[name])
+        idatas[name] = dg.to_inference_data(fit, score_factors=args.score_factors,
+                                            posterior_predictive=False, **bound[name])
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always", dg.ParetoKWarning)
-        cmp = dg.compare_priors(idatas)
+        cmp = dg.compare(idatas)
     kwarn = [str(w.message) for w in rec if issubclass(w.category, dg.ParetoKWarning)]
     for w in kwarn:
         log(f"warning: {w}")

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -36,6 +37,7 @@ import numpyro.distributions as dist
 from numpyro.ops.indexing import Vindex
 
 from . import diagnostics as dg
+from . import infer
 from . import priors as P
 from .primitives import edge
 
@@ -208,30 +210,34 @@ def run_demo(
         f"(true q = {task.q}, noise = {task.noise}); fitting {len(PRIORS)} priors with NUTS "
         f"({cfg.num_chains} chain(s) x {cfg.num_samples} draws)"
     )
+    w = jnp.asarray(task.weight, x.dtype)
     idatas, fits = {}, {}
     caught: list[str] = []
     bar = tqdm(PRIORS, desc="fitting priors", disable=not progress, leave=True)
     for name in bar:
         bar.set_postfix_str(name)
-        fit = dg.fit_nuts(
+        fit = infer.nuts(
+            jax.random.PRNGKey(seed),
             recency_model(name),
             x,
-            jnp.asarray(task.weight, x.dtype),
+            w,
             num_warmup=cfg.num_warmup,
             num_samples=cfg.num_samples,
             num_chains=cfg.num_chains,
-            seed=seed,
             progress_bar=False,
         )
         fits[name] = fit
-        idatas[name] = dg.to_inference_data(fit, true_edges={"phi": task.parents})
+        # the report reads no posterior predictive: skip its pass over the draws
+        idatas[name] = dg.to_inference_data(
+            fit, x, w, true_edges={"phi": task.parents}, posterior_predictive=False
+        )
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always", dg.ParetoKWarning)
-        cmp = dg.compare_priors(idatas)
-    for w in rec:
-        if issubclass(w.category, dg.ParetoKWarning):
-            caught.append(str(w.message))
-            log(f"warning: {w.message}")
+        cmp = dg.compare(idatas)
+    for record in rec:
+        if issubclass(record.category, dg.ParetoKWarning):
+            caught.append(str(record.message))
+            log(f"warning: {record.message}")
     edges = dg.compare_edges(idatas)
     hyper = dg.hyperparameter_summary(idatas["geometric"], ["q", "sigma"])
 
@@ -271,7 +277,7 @@ def run_demo(
     files.append("trace_geometric.png")
 
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
-    dg.plot_hyperparameter(fits["geometric"], "q", ax=ax, true_value=task.q)
+    dg.plot_hyperparameter(fits["geometric"], "q", x, w, ax=ax, true_value=task.q)
     save(fig, "q_prior_posterior.png")
 
     cmp.to_csv(os.path.join(out, "comparison.csv"))

@@ -51,6 +51,7 @@ MARKDOWN_MODULES = [
     "structinfer.mechanisms",
     "structinfer.testing",
     "structinfer.cli",
+    "structinfer.diagnostics",
 ]
 
 #: public names in ``MARKDOWN_MODULES`` that state no formula (bases, containers, tools);
@@ -217,3 +218,18 @@ def test_the_docs_hook_finds_a_name_without_a_heading(tmp_path):
     without = full - {"structinfer.primitives.EDGE_INFO_KEY", "structinfer.primitives"}
     missing, _ = hook.missing_names(_site(tmp_path, without))
     assert missing == ["structinfer.primitives.EDGE_INFO_KEY"]
+
+
+@pytest.mark.parametrize("module, name, pointer", [
+    ("structinfer.diagnostics", "fit_nuts", "structinfer.infer.nuts"),
+    ("structinfer.diagnostics", "compare_priors", "structinfer.diagnostics.compare"),
+    ("structinfer.diagnostics", "pointwise_log_likelihood", "structinfer.exact"),
+    ("structinfer.infer", "fit_svi", "structinfer.infer.svi"),
+    ("structinfer.infer", "run_nuts", "structinfer.infer.nuts"),
+])
+def test_a_moved_name_says_where_it_went(module, name, pointer):
+    mod = importlib.import_module(module)
+    with pytest.raises(AttributeError, match=pointer.replace(".", r"\.")):
+        getattr(mod, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        getattr(mod, "no_such_" + "name")

@@ -163,7 +163,7 @@ def test_the_checks_can_fail():
         "x._mine\n"
     )
     tree = ast.parse(src)
-    bad = private_uses(PKG / "diagnostics.py", "structinfer.diagnostics", tree)
+    bad = private_uses(PKG / "demo.py", "structinfer.demo", tree)
     found = sorted(b.split(": ", 1)[1] for b in bad)
     assert found == sorted([
         "from structinfer.x import _y",
@@ -177,7 +177,7 @@ def test_the_checks_can_fail():
     tree = ast.parse("from . import _rules\nfrom . import _nope\nfrom ..lowering import _spec\n")
     bad = private_uses(PKG / "lowering" / "__init__.py", "structinfer.lowering", tree)
     assert [b.split(": ", 1)[1] for b in bad] == ["from structinfer.lowering import _nope"], bad
-    bad = private_uses(PKG / "infer" / "svi.py", "structinfer.infer.svi",
+    bad = private_uses(PKG / "infer" / "fit.py", "structinfer.infer.fit",
                        ast.parse("from ..lowering import _spec\n"))
     assert [b.split(": ", 1)[1] for b in bad] == ["from structinfer.lowering import _spec"], bad
     tree = ast.parse("from ..infer import cccp\nimport structinfer.diagnostics\n")

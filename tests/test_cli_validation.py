@@ -1,6 +1,6 @@
 """`structinfer compare` checks every input before the first fit.
 
-Run in-process with ``diagnostics.fit_nuts`` replaced by a stub that raises
+Run in-process with ``structinfer.infer.nuts`` replaced by a stub that raises
 ``REACHED THE FIT``: a bad input must exit 2 with one line on stderr naming the
 argument (the stub is never reached); good inputs reach the stub. No model is
 ever fitted here, so these tests take seconds.
@@ -11,8 +11,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from structinfer import cli
-from structinfer import diagnostics as dg
+from structinfer import cli, infer
 from structinfer.demo import make_task
 
 MODELS = '''
@@ -97,7 +96,7 @@ def work(tmp_path, monkeypatch):
     def stub(*args, **kwargs):
         raise RuntimeError(REACHED)
 
-    monkeypatch.setattr(dg, "fit_nuts", stub)
+    monkeypatch.setattr(infer, "nuts", stub)
     return tmp_path
 
 

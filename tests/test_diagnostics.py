@@ -1,8 +1,10 @@
-"""structinfer.diagnostics against brute force written here with numpy/scipy.
+"""structinfer.diagnostics (and the fits it reads) against brute force written here.
 
 * the pointwise log-likelihood against a per-child logsumexp over parents;
-* NUTS (edges collapsed) against the posterior of the geometric q on a grid;
-* the InferenceData groups against the same formulas at the draws;
+* NUTS (edges collapsed) against the posterior of the geometric q on a grid, SVI's
+  guide against the same;
+* the InferenceData groups against the same formulas at the draws, and ArviZ's own
+  functions (loo, compare, loo_pit, plot_energy, plot_ppc_dist, plot_khat) on it;
 * the edge-posterior summaries against plain loops;
 * PSIS-LOO warnings and comparison tables on constructed log-likelihoods.
 
@@ -27,6 +29,7 @@ from scipy.stats import norm
 import structinfer as si
 from structinfer import diagnostics as dg
 from structinfer.demo import make_task, recency_model
+from structinfer.diagnostics.comparison import _relative_efficiency
 
 matplotlib.use("Agg")
 
@@ -84,7 +87,7 @@ def test_pointwise_matches_per_child_logsumexp(precision, request):
     x, w = jnp.asarray(task.x, dtype), jnp.asarray(task.weight, dtype)
     params = {"sigma": jnp.asarray(0.4, dtype), "q": jnp.asarray(0.3, dtype)}
     model = recency_model("geometric")
-    ll = jax.jit(lambda p, x, w: dg.pointwise_log_likelihood(model, p, x, w))(params, x, w)
+    ll = jax.jit(lambda p, x, w: si.exact.pointwise_log_likelihood(model, p, x, w))(params, x, w)
     ref = brute_pointwise(task.x, task.weight, 0.4, 0.3)
     assert ll.shape == (11,) and ll.dtype == dtype
     tol = 2e-4 if precision == "float32" else 1e-10
@@ -99,7 +102,7 @@ def test_pointwise_matches_per_child_logsumexp(precision, request):
         return lz - log_prior
 
     np.testing.assert_allclose(jnp.sum(ll), log_lik(params, x, w), rtol=tol, atol=tol * 10)
-    s = dg.likelihood_structure(model, params, x, w)
+    s = si.exact.likelihood_structure(model, params, x, w)
     assert s.name == "x" and s.plates == ("children",) and s.shape == (11,)
 
 
@@ -121,7 +124,7 @@ def test_pointwise_batch_plate_and_two_local_sites():
             numpyro.sample("y", dist.Normal(mu, Vindex(jnp.asarray(scales))[z][..., None])
                            .to_event(1), obs=y)
 
-    ll = jax.jit(lambda: dg.pointwise_log_likelihood(model, None, parents, y))()
+    ll = jax.jit(lambda: si.exact.pointwise_log_likelihood(model, None, parents, y))()
     lp = logits - logsumexp(logits, -1, keepdims=True)
     ref = np.zeros((B, n))
     for b in range(B):
@@ -133,7 +136,7 @@ def test_pointwise_batch_plate_and_two_local_sites():
             ]
             ref[b, i] = logsumexp(terms)
     np.testing.assert_allclose(ll, ref, rtol=1e-4, atol=1e-4)
-    s = dg.likelihood_structure(model, None, parents, y)
+    s = si.exact.likelihood_structure(model, None, parents, y)
     assert s.plates == ("batch", "children") and s.shape == (B, n)
 
 
@@ -150,9 +153,9 @@ def test_score_factors_refused_or_normalised():
     xq, xk = r.normal(size=(n, D)), r.normal(size=(m, D))
     v, y = r.normal(size=(m, 2)), r.normal(size=(n, 2))
     with pytest.raises(dg.EnergyOnlyModelError, match=r"'phi\.score'.*score_factors='normalize'"):
-        dg.pointwise_log_likelihood(attention_obs_model, None, xq, xk, v, y)
+        si.exact.pointwise_log_likelihood(attention_obs_model, None, xq, xk, v, y)
     ll = jax.jit(
-        lambda *a: dg.pointwise_log_likelihood(attention_obs_model, None, *a,
+        lambda *a: si.exact.pointwise_log_likelihood(attention_obs_model, None, *a,
                                                score_factors="normalize")
     )(xq, xk, v, y)
     att = softmax(xq @ xk.T, -1)  # the conditional prior p(phi_i = j | inputs)
@@ -175,10 +178,9 @@ def test_energy_only_models_are_refused():
     r = np.random.default_rng(2)
     xq, xk = r.normal(size=(5, D)), r.normal(size=(7, D))
     with pytest.raises(dg.EnergyOnlyModelError, match="no observed sample site"):
-        dg.pointwise_log_likelihood(energy_only_model, None, xq, xk)
+        si.exact.pointwise_log_likelihood(energy_only_model, None, xq, xk)
     with pytest.raises(dg.EnergyOnlyModelError, match="energy_with_param_model"):
-        # refused before any fitting happens
-        dg.compare_priors({"a": energy_with_param_model, "b": energy_with_param_model}, xq, xk)
+        dg.check_comparable(energy_with_param_model, xq, xk)  # shape-only: before fitting
 
 
 def test_enumerated_site_coupling_children_is_refused():
@@ -191,7 +193,7 @@ def test_enumerated_site_coupling_children_is_refused():
             numpyro.sample("y", dist.Normal(z.astype(y.dtype), 1.0), obs=y)
 
     with pytest.raises(ValueError, match="enumerated site 'z' lies outside"):
-        dg.pointwise_log_likelihood(model, None, y)
+        si.exact.pointwise_log_likelihood(model, None, y)
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,52 +217,42 @@ def q_task():
 @pytest.fixture(scope="module")
 def q_fit(q_task):
     task = q_task[0]
-    return dg.fit_nuts(q_model, task.x, task.weight, 0.3, num_warmup=300, num_samples=400,
-                       num_chains=2, seed=1, progress_bar=False)
+    return si.infer.nuts(jax.random.PRNGKey(1), q_model, task.x, task.weight, 0.3,
+                         num_warmup=300, num_samples=400, num_chains=2, progress_bar=False)
 
 
-def test_fit_nuts_matches_grid_posterior_of_q(q_task, q_fit):
+def test_nuts_matches_grid_posterior_of_q(q_task, q_fit):
     _, mean, sd = q_task
-    q = np.asarray(q_fit.samples["q"])
-    assert q.shape == (2, 400) and q_fit.method == "nuts"
+    q = np.asarray(q_fit.get_samples(group_by_chain=True)["q"])
+    assert q.shape == (2, 400)
     # 800 draws (ESS of a few hundred): the error of the mean is ~0.06 sd; allow 0.3 sd.
     # A missing log-Jacobian of the logit transform would shift the mean by ~0.5 sd.
     assert abs(q.mean() - mean) < 0.3 * sd, (q.mean(), mean, sd)
     assert abs(q.std() - sd) < 0.2 * sd, (q.std(), sd)
 
 
-def test_fit_svi_draws_from_guide(q_task):
+def test_svi_guide_draws_in_the_inference_data(q_task):
     task, mean, sd = q_task
-    fit = dg.fit_svi(q_model, task.x, task.weight, 0.3, num_steps=400, learning_rate=0.05,
-                     num_draws=300, seed=0, progress_bar=False)
-    q = np.asarray(fit.samples["q"])
-    assert q.shape == (1, 300) and fit.method == "svi"
-    assert fit.info["losses"].shape == (400,)
-    assert convergence_is_downhill(fit.info["losses"])
+    fit = si.infer.svi(jax.random.PRNGKey(0), q_model, task.x, task.weight, 0.3,
+                       optim=numpyro.optim.Adam(0.05), num_steps=400, progress_bar=False)
+    losses = np.asarray(fit[1].losses)
+    assert losses.shape == (400,) and np.mean(losses[-50:]) < np.mean(losses[:50])
+    dt = dg.to_inference_data(fit, task.x, task.weight, 0.3, num_draws=300,
+                              posterior_predictive=False)
+    q = dt["posterior"]["q"].values
+    assert q.shape == (1, 300) and dt.attrs["inference_method"] == "svi"
+    assert dt["log_likelihood"]["x"].shape == (1, 300, 11)
     # a Gaussian guide on logit(q): the mean is close to the exact posterior mean
     assert abs(q.mean() - mean) < 0.5 * sd, (q.mean(), mean, sd)
 
 
-def convergence_is_downhill(losses):
-    first, last = np.mean(losses[:50]), np.mean(losses[-50:])
-    return last < first
-
-
-def test_fit_from_mcmc_and_bad_fits(q_task):
+def test_bad_fits_are_refused(q_task):
     task = q_task[0]
-
-    class FakeMCMC:
-        def get_samples(self, group_by_chain=False):
-            return {"q": jnp.full((3, 4), 0.5)}
-
-    fit = dg.Fit.from_mcmc(FakeMCMC(), q_model, task.x, task.weight, 0.3)
-    assert fit.samples["q"].shape == (3, 4)
-    with pytest.raises(TypeError, match="Fit"):
-        dg.to_inference_data({"q": 1})
-    with pytest.raises(ValueError, match=r"expected \(chains, draws, ...\)"):
-        dg.log_likelihood_draws(fit._replace(samples={"q": jnp.ones(4)}))
-    with pytest.raises(ValueError, match="num_samples must be a positive int"):
-        dg.fit_nuts(q_model, task.x, task.weight, 0.3, num_samples=0)
+    with pytest.raises(TypeError, match=r"MCMC .* or an \(SVI, SVIRunResult\) pair"):
+        dg.to_inference_data({"q": 1}, task.x, task.weight, 0.3)
+    unrun = numpyro.infer.MCMC(si.infer.NUTS(q_model), num_warmup=1, num_samples=1)
+    with pytest.raises(ValueError, match="no draws"):
+        dg.to_inference_data(unrun, task.x, task.weight, 0.3)
 
 
 # ---------------------------------------------------------------------------------------
@@ -270,30 +262,33 @@ def test_fit_from_mcmc_and_bad_fits(q_task):
 
 @pytest.fixture(scope="module")
 def q_idata(q_task, q_fit):
-    return dg.to_inference_data(q_fit, true_edges={"phi": q_task[0].parents})
+    task = q_task[0]
+    return dg.to_inference_data(q_fit, task.x, task.weight, 0.3, true_edges={"phi": task.parents},
+                                posterior_predictive=False)
 
 
 def test_inference_data_groups_match_brute_force(q_task, q_fit, q_idata):
     task = q_task[0]
     dt = q_idata
-    assert {"posterior", "log_likelihood", "observed_data", "edge_posterior"} <= set(dt.children)
+    assert {"posterior", "sample_stats", "log_likelihood", "observed_data", "constant_data",
+            "edge_posterior"} <= set(dt.children)
     ll = dt["log_likelihood"]["x"]
     assert ll.dims == ("chain", "draw", "children") and ll.shape == (2, 400, 11)
-    q = np.asarray(q_fit.samples["q"], np.float64)
+    q = np.asarray(q_fit.get_samples(group_by_chain=True)["q"], np.float64)
+    np.testing.assert_allclose(dt["posterior"]["q"].values, q)
     for c, s in [(0, 0), (1, 399), (1, 17)]:
         np.testing.assert_allclose(
             ll.values[c, s], brute_pointwise(task.x, task.weight, 0.3, q[c, s]), rtol=2e-4,
             atol=2e-4,
         )
     np.testing.assert_allclose(dt["observed_data"]["x"].values, task.x[1:])
-    # posterior edge marginals: the average over draws of the exact conditional posterior
+    np.testing.assert_allclose(dt["constant_data"]["x"].values, task.x)
+    assert {"energy", "diverging", "lp"} <= set(dt["sample_stats"].data_vars)
+    # posterior edge marginals: the average over the draws of the exact conditional posterior
     lik = gaussian_loglik(task.x, task.weight, 0.3)
-    draws = q.ravel()[::40]
-    ref = np.mean([softmax(geometric_log_prior(11, qq) + lik, -1) for qq in draws], 0)
-    sub = dg.edge_marginal_draws(q_fit._replace(samples={"q": q_fit.samples["q"][:, ::40]}))
-    np.testing.assert_allclose(sub["phi"].mean((0, 1)), ref, atol=2e-4)
+    ref = np.mean([softmax(geometric_log_prior(11, qq) + lik, -1) for qq in q.ravel()], 0)
     ep = dt["edge_posterior"]
-    np.testing.assert_allclose(ep["phi"].values.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(ep["phi"].values, ref, atol=2e-4)
     np.testing.assert_array_equal(ep["phi_true"].values, task.parents)
     assert ep.attrs["phi.offset"] == 1
     prior_ref = np.mean([np.exp(geometric_log_prior(11, qq)) for qq in q.ravel()], 0)
@@ -318,11 +313,11 @@ def test_relative_efficiency_matches_arviz(q_idata):
     helper = pytest.importorskip("arviz_stats.loo.helper_loo")
     if not hasattr(helper, "_get_r_eff"):
         pytest.skip("arviz-stats no longer has _get_r_eff")
-    reff = dg._relative_efficiency(q_idata, 2 * 400)
+    reff = _relative_efficiency(q_idata, 2 * 400)
     assert reff == pytest.approx(float(helper._get_r_eff(q_idata, 2 * 400)), rel=1e-12)
     assert 0.05 < reff < 2.0
     one = azb.from_dict({"posterior": {"q": q_idata["posterior"]["q"].values[:1]}})
-    assert dg._relative_efficiency(one, 400) == 1.0
+    assert _relative_efficiency(one, 400) == 1.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -351,36 +346,86 @@ def test_loo_warns_with_the_badly_approximated_children():
         dg.loo(synthetic_idata(0.0), name="good")  # no warning for a well-behaved one
 
 
-def test_compare_priors_table_ranks_by_elpd():
+def test_compare_table_ranks_by_elpd():
     models = {"worse": synthetic_idata(0.5, seed=1), "better": synthetic_idata(0.0, seed=2)}
-    table = dg.compare_priors(models)
+    table = dg.compare(models)
     assert list(table.index) == ["better", "worse"]
     assert table.loc["worse", "elpd_diff"] == pytest.approx(0.5 * 11, abs=0.3)
     with pytest.raises(ValueError, match="at least two"):
-        dg.compare_priors({"a": synthetic_idata(0.0)})
+        dg.compare({"a": synthetic_idata(0.0)})
     with pytest.raises(ValueError, match="different numbers of observations"):
-        dg.compare_priors({"a": synthetic_idata(0.0), "b": synthetic_idata(0.0, n=7)})
+        dg.compare({"a": synthetic_idata(0.0), "b": synthetic_idata(0.0, n=7)})
 
 
-def window_model(x, w):
-    n = x.shape[0] - 1
-    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
-    with numpyro.plate("children", n):
-        phi = si.edge("phi", si.priors.Restricted.window(n, 2, n, include_self=False, offset=1))
-        mu = x[:-1] @ w.T
-        numpyro.sample("x", dist.Normal(Vindex(mu)[..., phi, :], sigma).to_event(1), obs=x[1:])
+def scalar_model(prior):
+    """Seven scalar children, each copying one of five parents (means) plus noise of
+    unknown scale s; every child's likelihood depends on s (so ArviZ's own PSIS applies)."""
+
+    def model(y, mu):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("children", 7):
+            phi = si.edge("phi", prior)
+            numpyro.sample("y", dist.Normal(Vindex(mu)[phi], s), obs=y)
+
+    return model
 
 
-def test_compare_priors_fits_callables(q_task, q_fit):
-    task = q_task[0]
+MU5 = np.array([-2.0, -1.0, 0.0, 1.0, 2.0], np.float32)
+Y7 = (MU5[[0, 4, 1, 3, 2, 0, 4]] + 0.1 * np.random.default_rng(4).normal(size=7)).astype(
+    np.float32)
+
+
+@pytest.fixture(scope="module")
+def scalar_idatas():
+    out = {}
+    for name, prior in (("uniform", si.priors.Uniform(5)),
+                        ("peaked", si.priors.Categorical(jnp.log(jnp.array(
+                            [0.6, 0.1, 0.1, 0.1, 0.1]))))):
+        model = scalar_model(prior)
+        mcmc = si.infer.nuts(jax.random.PRNGKey(2), model, Y7, MU5, num_warmup=100,
+                             num_samples=200, progress_bar=False)
+        out[name] = (mcmc, dg.to_inference_data(mcmc, Y7, MU5, rng_key=jax.random.PRNGKey(5)))
+    return out
+
+
+def test_arviz_functions_work_on_the_inference_data(scalar_idatas):
+    import arviz_plots as azp
+    import arviz_stats as azs
+    import matplotlib.pyplot as plt
+
+    mcmc, dt = scalar_idatas["uniform"]
+    # the collapsed log-likelihood against a per-child sum over parents, at every draw
+    s = np.asarray(mcmc.get_samples(group_by_chain=True)["s"], np.float64)
+    ref = logsumexp(norm.logpdf(Y7[:, None], MU5[None, :], s[..., None, None]) - np.log(5), -1)
+    np.testing.assert_allclose(dt["log_likelihood"]["y"].values, ref, rtol=1e-4, atol=1e-4)
+    assert {"energy", "diverging"} <= set(dt["sample_stats"].data_vars)
+    assert dt["posterior_predictive"]["y"].shape == (1, 200, 7)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dg.ParetoKWarning)
-        table = dg.compare_priors(
-            {"geometric": q_fit, "window": window_model}, task.x, task.weight,
-            fit_kwargs={"num_warmup": 100, "num_samples": 100, "progress_bar": False},
-        )
-    assert set(table.index) == {"geometric", "window"}
-    assert {"elpd", "elpd_diff", "weight", "se"} <= set(table.columns)
+        warnings.simplefilter("ignore")
+        elpd = azs.loo(dt, pointwise=True)
+        assert np.isfinite(elpd.elpd) and np.isfinite(np.asarray(elpd.pareto_k)).all()
+        table = azs.compare({n: idata for n, (_, idata) in scalar_idatas.items()})
+        assert set(table.index) == {"uniform", "peaked"}
+        pit = azs.loo_pit(dt)
+        assert pit["y"].shape == (7,) and ((pit["y"] >= 0) & (pit["y"] <= 1)).all()
+        azp.plot_energy(dt, backend="matplotlib")
+        azp.plot_ppc_dist(dt, backend="matplotlib")
+        azp.plot_khat(elpd, backend="matplotlib")
+    plt.close("all")
+
+
+def test_posterior_predictive_draws_edges_from_their_posterior(scalar_idatas):
+    """With a small noise the replicated y_i sits at the mean of the parent drawn, so the
+    frequencies of the drawn parents estimate p(phi_i = j | y), the edge_posterior group.
+    (Parents drawn from the prior instead would be uniform.)"""
+    _, dt = scalar_idatas["uniform"]
+    rep = dt["posterior_predictive"]["y"].values.reshape(-1, 7)
+    s = dt["posterior"]["s"].values.ravel()
+    assert np.median(s) < 0.3
+    nearest = np.abs(rep[..., None] - MU5).argmin(-1)  # (draws, children)
+    freq = np.stack([np.bincount(nearest[:, i], minlength=5) for i in range(7)]) / len(rep)
+    # nearest-mean classification errs where |noise| > 0.5: allow for it and MC error
+    np.testing.assert_allclose(freq, dt["edge_posterior"]["phi"].values, atol=0.12)
 
 
 # ---------------------------------------------------------------------------------------
@@ -464,8 +509,8 @@ def test_plots(tmp_path, q_task, q_fit, q_idata):
     np.testing.assert_allclose(line.get_ydata(), np.asarray(post)[ds >= 0])
     ax = dg.plot_convergence({"em": [3.0, 2.0, 1.0], "bad": [3.0, 4.0, 1.0]})
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["em", "bad (non-monotone)"]
-    dg.plot_hyperparameter(q_fit, "q", true_value=task.q)
-    table = dg.compare_priors({"a": synthetic_idata(0.0), "b": synthetic_idata(0.3, seed=4)})
+    dg.plot_hyperparameter(q_fit, "q", task.x, task.weight, 0.3, true_value=task.q)
+    table = dg.compare({"a": synthetic_idata(0.0), "b": synthetic_idata(0.3, seed=4)})
     dg.plot_compare(table, path=tmp_path / "cmp.png")
     dg.plot_trace(q_idata, ["q"], path=tmp_path / "trace.png")
     assert (tmp_path / "cmp.png").stat().st_size > 0 and (tmp_path / "trace.png").stat().st_size > 0

@@ -12,12 +12,16 @@ Sizes: 4 children x 6 parents (cross, offset 2) or 5 x 5 (self attention).
 """
 
 import inspect
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from numpyro.infer import MCMC
+from numpyro.infer.mcmc import MCMCKernel
 from numpyro.ops.indexing import Vindex
 from scipy.special import softmax
 
@@ -168,6 +172,33 @@ def _observed_model(prior, n):
     return model
 
 
+class _Draw(NamedTuple):
+    i: jax.Array
+    z: dict
+
+
+class FixedDraws(MCMCKernel):
+    """A kernel whose chain walks through given draws: an MCMC run without a sampler."""
+
+    def __init__(self, model, draws):
+        self._model, self._draws = model, draws
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def sample_field(self):
+        return "z"
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        return _Draw(jnp.int32(-1), jax.tree.map(lambda v: v[-1], self._draws))
+
+    def sample(self, state, model_args, model_kwargs):
+        i = state.i + 1
+        return _Draw(i, jax.tree.map(lambda v: v[i], self._draws))
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in PIPELINE],
                          ids=[i for i in IDS if i in PIPELINE])
 def test_edge_summary_reads_the_offset_of_every_prior(case):
@@ -176,9 +207,12 @@ def test_edge_summary_reads_the_offset_of_every_prior(case):
     _, build, n, offset, _ = case
     prior = build()
     y = jnp.asarray(np.random.default_rng(1).normal(size=n), jnp.float32)
-    fit = dg.Fit(_observed_model(prior, n), {"s": jnp.asarray([[0.6, 1.1]])}, (y,), {}, "nuts",
-                 {})
-    dt = dg.to_inference_data(fit)
+    model = _observed_model(prior, n)
+    mcmc = MCMC(FixedDraws(model, {"s": jnp.asarray([0.6, 1.1])}), num_warmup=0, num_samples=2,
+                progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0), y)
+    np.testing.assert_allclose(mcmc.get_samples()["s"], [0.6, 1.1])
+    dt = dg.to_inference_data(mcmc, y, posterior_predictive=False)
     ep = dt["edge_posterior"]
     assert ep.attrs["phi.offset"] == offset
     a = np.asarray(ep["phi"].values, np.float64)

@@ -19,7 +19,7 @@ every step, the number of steps and why each element stopped (`info.converged`,
 | `em_slot` | slot-attention EM (`slot_em`; `slot_m_step`) |
 | `em_energy` | the general log-sum-exp EM (`energy_em`) |
 | `expansion` | Bayesian model expansion (`expand`; a scan, not iterative) |
-| `svi`, `mcmc` | NumPyro SVI (`fit_svi`) and NUTS (`run_nuts`) with the edges enumerated |
+| `fit` | NumPyro's NUTS (`nuts`, kernel `NUTS`) and SVI (`svi`) with the edges enumerated, returning NumPyro's `MCMC` / `SVI` objects; `conditional_edge`, `hide_edges` |
 
 The EM algorithms run their E-steps on the catalogue's models
 (`structinfer.mechanisms.gaussian_mixture`, `switching_linear_dynamics`,
@@ -42,15 +42,14 @@ from .em_slot import SlotState
 from .em_slot import m_step as slot_m_step
 from .em_slot import run as slot_em
 from .expansion import ExpansionResult, expand
+from .fit import NUTS, conditional_edge, hide_edges, nuts, svi
 from .gradient import GradientState
 from .gradient import init as gradient_init
 from .gradient import run as gradient_descent
 from .gradient import step as gradient_step
 from .laplace_approx import LaplaceResult, laplace
-from .mcmc import posterior_marginals, run_nuts
 from .mean_field import GeoBetaState, geometric_beta_free_energy, horizon
 from .mean_field import run as geometric_beta
-from .svi import SVIFit, conditional_edge, fit_svi, hide_edges
 
 __all__ = [
     "LoopInfo",
@@ -82,10 +81,23 @@ __all__ = [
     "energy_em",
     "ExpansionResult",
     "expand",
-    "conditional_edge",
+    "nuts",
+    "NUTS",
+    "svi",
     "hide_edges",
-    "SVIFit",
-    "fit_svi",
-    "run_nuts",
-    "posterior_marginals",
+    "conditional_edge",
 ]
+
+
+#: names of the first release that moved: where each went (an AttributeError says so)
+_MOVED = {
+    "fit_svi": "structinfer.infer.svi(rng_key, model, *data) (returns (SVI, SVIRunResult))",
+    "run_nuts": "structinfer.infer.nuts(rng_key, model, *data) (returns NumPyro's MCMC)",
+    "posterior_marginals": "the edge_posterior group of structinfer.diagnostics.to_inference_data",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"structinfer.infer.{name} was removed: use {_MOVED[name]}")
+    raise AttributeError(f"module 'structinfer.infer' has no attribute {name!r}")

@@ -1,0 +1,162 @@
+"""What the diagnostics modules share: reading a fit, checking edge arrays (not user API)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .._checks import model_name
+from ..exact import ModelInfo, inspect_model
+from ..priors import StructuralPrior
+
+__all__ = [
+    "FitParts",
+    "read_fit",
+    "latent_sites",
+    "posterior_draws",
+    "check_marginals",
+    "check_true_edges",
+    "offset_of",
+]
+
+
+class FitParts(NamedTuple):
+    """A fit taken apart.
+
+    Attributes:
+        model: the NumPyro model that was fitted.
+        kind: `"nuts"` for an MCMC run, `"svi"` for an `(SVI, SVIRunResult)` pair.
+        fit: the fit as given.
+    """
+
+    model: Callable
+    kind: str
+    fit: Any
+
+
+def read_fit(fit: Any, what: str) -> FitParts:
+    """The model and kind of a NumPyro `MCMC` (run) or an `(SVI, SVIRunResult)` pair."""
+    from numpyro.infer import MCMC, SVI
+    from numpyro.infer.svi import SVIRunResult
+
+    if isinstance(fit, MCMC):
+        model = getattr(fit.sampler, "model", None)
+        if model is None:
+            raise ValueError(
+                f"{what}: the MCMC kernel has no model (it was built from a potential_fn); "
+                "fit the model with structinfer.infer.nuts or NUTS(model)"
+            )
+        try:
+            fit.get_samples()
+        except Exception as e:  # noqa: BLE001 - NumPyro raises a bare error before run()
+            raise ValueError(f"{what}: the MCMC has no draws; call mcmc.run first") from e
+        return FitParts(model, "nuts", fit)
+    if (isinstance(fit, tuple) and len(fit) == 2 and isinstance(fit[0], SVI)
+            and isinstance(fit[1], SVIRunResult)):
+        return FitParts(fit[0].model, "svi", fit)
+    raise TypeError(
+        f"{what}: expected a numpyro.infer.MCMC (e.g. from structinfer.infer.nuts) or an "
+        f"(SVI, SVIRunResult) pair (from structinfer.infer.svi), got {type(fit).__name__}"
+    )
+
+
+def latent_sites(model: Callable, args: tuple, kwargs: dict, what: str) -> ModelInfo:
+    """The model's inspection; refuses what a posterior over its latent sites cannot hold
+    (`numpyro.param` sites, discrete latent sites that are not enumerated)."""
+    info = inspect_model(model, *args, **kwargs)
+    for name, site in info.items():
+        if site.role == "param":
+            raise ValueError(
+                f"{what}: model '{model_name(model)}' has a numpyro.param site '{name}'; the "
+                "diagnostics read posterior draws of sample sites only: give it a prior with "
+                "numpyro.sample"
+            )
+        if site.role == "latent" and site.support.is_discrete:
+            raise ValueError(
+                f"{what}: model '{model_name(model)}': discrete latent site '{name}' is not "
+                "enumerated; declare edges with structinfer.edge or mark the site with "
+                "infer={'enumerate': 'parallel'}"
+            )
+    return info
+
+
+def posterior_draws(parts: FitParts, args: tuple, kwargs: dict, num_draws: int,
+                    names: list[str]) -> dict[str, np.ndarray]:
+    """`{site: (chain, draw, ...)}` of the sites `names`: the MCMC's draws, or
+    `num_draws` draws of the SVI guide with ArviZ's `from_numpyro_svi` key (`PRNGKey(0)`),
+    so they are the draws of the InferenceData."""
+    if parts.kind == "nuts":
+        draws = parts.fit.get_samples(group_by_chain=True)
+    else:
+        from numpyro.infer import Predictive
+        from numpyro.infer.autoguide import AutoGuide
+
+        fitter, result = parts.fit
+        key = jax.random.PRNGKey(0)
+        if isinstance(fitter.guide, AutoGuide):
+            flat = fitter.guide.sample_posterior(key, result.params, *args,
+                                                 sample_shape=(num_draws,), **kwargs)
+        else:
+            flat = Predictive(fitter.guide, params=result.params, num_samples=num_draws)(
+                key, *args, **kwargs)
+        draws = {n: v[None] for n, v in flat.items()}
+    missing = [n for n in names if n not in draws]
+    if missing:
+        raise ValueError(f"the fit has no draws of the latent site(s) {missing}")
+    return {n: np.asarray(draws[n]) for n in names}
+
+
+def check_marginals(marginals: Any, what: str = "marginals") -> jax.Array:
+    """`marginals` as a JAX array of shape `(..., children, parents)`."""
+    import jax.numpy as jnp
+
+    a = jnp.asarray(marginals)
+    if a.ndim < 2:
+        raise ValueError(f"{what} must have shape (..., children, parents), got {tuple(a.shape)}")
+    return a
+
+
+def check_true_edges(true_edges: Any, marginals: Any, site: str = "edges") -> np.ndarray:
+    """Known parent indices: integers, one per child of `marginals`, inside `[0, parents)`."""
+    t = np.asarray(true_edges)
+    shape = tuple(np.shape(marginals)[:-1])
+    m = np.shape(marginals)[-1]
+    if not np.issubdtype(t.dtype, np.integer):
+        raise TypeError(f"true structure for '{site}' must be integer parent indices, got {t.dtype}")
+    if t.shape != shape:
+        raise ValueError(
+            f"true structure for '{site}' has shape {t.shape}; expected one parent index per "
+            f"child, shape {shape}"
+        )
+    if t.size and (t.min() < 0 or t.max() >= m):
+        raise ValueError(
+            f"true structure for '{site}' has parent indices outside [0, {m}): "
+            f"min {t.min()}, max {t.max()}"
+        )
+    return t
+
+
+def offset_of(offset: Any) -> int:
+    """The positional offset: an int, or the `offset` of a structural prior.
+
+    Every prior of `structinfer.priors` carries its `offset` (0 unless it was built with
+    one), so passing the prior itself is the way to get the convention it was built with.
+
+    Raises:
+        TypeError: for anything else (a float, a bool, None).
+    """
+    if isinstance(offset, StructuralPrior):
+        offset = offset.offset
+    if not isinstance(offset, (bool, np.bool_)):
+        try:
+            return operator.index(offset)
+        except TypeError:
+            pass
+    raise TypeError(
+        "offset must be an int (child i sits at parent position i + offset) or a "
+        f"structural prior carrying one, got {offset!r}"
+    )

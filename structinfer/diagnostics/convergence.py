@@ -1,0 +1,96 @@
+r"""Monotone descent of an iterative algorithm's objective trace $F_0, F_1, \dots$
+
+CCCP, EM and conjugate mean-field updates never increase the collapsed free energy
+$F = -\log\sum_\phi p(x, \phi)$ (Singh & Buckley app. 7.1; Tschantz, log-sum-exp EM); an
+increase is a bug or a numerical problem. `convergence_report` reads the trace from the
+`info` the algorithms of `structinfer.infer` return, or from an SVI loss array.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["ConvergenceReport", "convergence_report", "as_trace"]
+
+
+class ConvergenceReport(NamedTuple):
+    """Facts about an iterative algorithm's objective trace (free energy, loss).
+
+    Attributes:
+        num_iterations: length of the trace.
+        initial: the first value.
+        final: the last value.
+        monotone: the trace never increased by more than the tolerance.
+        max_increase: largest single-step increase.
+        first_increase: index of the first step that increased by more than the
+            tolerance (-1 if none).
+    """
+
+    num_iterations: int
+    initial: float
+    final: float
+    monotone: bool
+    max_increase: float
+    first_increase: int
+
+
+def as_trace(trace: Any) -> np.ndarray:
+    """A 1-d objective trace from an array or an `info` NamedTuple.
+
+    Args:
+        trace: a 1-d array, or a NamedTuple with a `free_energy` / `energy` / `loss` /
+            `losses` / `elbo` / `objective` field.
+
+    Returns:
+        The trace as a float NumPy array.
+
+    Raises:
+        ValueError: no such field, or not a non-empty 1-d array.
+    """
+    if hasattr(trace, "_fields"):
+        for f in ("free_energy", "energy", "loss", "losses", "elbo", "objective"):
+            if f in trace._fields:
+                trace = getattr(trace, f)
+                break
+        else:
+            raise ValueError(
+                f"convergence trace: {type(trace).__name__} has no free_energy/energy/loss "
+                f"field (fields: {trace._fields})"
+            )
+    t = np.asarray(trace, dtype=float)
+    if t.ndim != 1 or t.size == 0:
+        raise ValueError(f"convergence trace must be a non-empty 1-d array, got shape {t.shape}")
+    return t
+
+
+def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
+    r"""Check an objective trace $F_0, F_1, \dots$ (to be minimised) for monotone descent.
+
+    Non-finite entries (NaN after an algorithm stopped) are dropped first.
+
+    Args:
+        trace: a 1-d array, or an `info` NamedTuple with a `free_energy` / `energy` /
+            `loss` field (as returned by the iterative algorithms' `run`).
+        tol: relative tolerance: a step counts as an increase when
+            $F_{t+1} - F_t > \text{tol}\,(1 + |F_t|)$.
+
+    Returns:
+        A [`ConvergenceReport`][structinfer.diagnostics.ConvergenceReport].
+
+    Raises:
+        ValueError: the trace is not a non-empty 1-d array.
+    """
+    t = as_trace(trace)
+    t = t[np.isfinite(t)] if np.isfinite(t).any() else t
+    inc = np.diff(t)
+    bad = np.nonzero(inc > tol * (1 + np.abs(t[:-1])))[0]
+    return ConvergenceReport(
+        num_iterations=int(t.size),
+        initial=float(t[0]),
+        final=float(t[-1]),
+        monotone=bool(bad.size == 0),
+        max_increase=float(inc.max()) if inc.size else 0.0,
+        first_increase=int(bad[0]) if bad.size else -1,
+    )

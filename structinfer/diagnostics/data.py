@@ -1,0 +1,273 @@
+r"""ArviZ's InferenceData of a fitted structural model, with the edges collapsed.
+
+For a model whose child $i$ takes one parent $\phi_i$ under a structural prior and whose
+observation $x_i$ depends on that parent,
+
+$$\log p(x_i \mid \theta) = \log \sum_j p(\phi_i = j \mid \theta)\,
+    p(x_i \mid \phi_i = j, \theta),$$
+
+one term per element of the plates around the observed site
+(`structinfer.exact.pointwise_log_likelihood`). NumPyro's `log_likelihood` (and with it
+ArviZ's `from_numpyro`) neither marginalises nor seeds enumerated sites, so
+[`to_inference_data`][structinfer.diagnostics.to_inference_data] takes ArviZ's groups
+from `arviz_base.from_numpyro` / `from_numpyro_svi` and adds the collapsed
+`log_likelihood`, a `posterior_predictive` with the edges drawn from their posterior,
+the model's `constant_data` and an `edge_posterior` group, the posterior edge marginals
+$p(\phi_i = j \mid x) = \mathbb E_{\theta \mid x}[p(\phi_i = j \mid x, \theta)]$.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from numpyro.handlers import block, seed, substitute, trace, uncondition
+
+from .. import exact
+from .._checks import as_arrays, model_name
+from ..exact import LikelihoodStructure, ScoreFactors
+from ._common import check_true_edges, latent_sites, offset_of, read_fit
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+__all__ = ["to_inference_data"]
+
+
+def _map_draws(f: Callable, samples: Mapping[str, np.ndarray], batch_size: int | None) -> Any:
+    """`f` at every draw of `samples` (`(chain, draw, ...)` leaves), one compilation."""
+    lead = next(iter(samples.values())).shape[:2]
+    flat = {n: v.reshape((-1,) + v.shape[2:]) for n, v in samples.items()}
+    out = jax.jit(lambda s: jax.lax.map(f, s, batch_size=batch_size))(flat)
+    return jax.tree.map(lambda a: np.asarray(a).reshape(lead + a.shape[1:]), out)
+
+
+def _draw_quantities(
+    model: Callable,
+    samples: Mapping[str, np.ndarray],
+    args: tuple,
+    kwargs: dict,
+    edges: Sequence[str],
+    score_factors: ScoreFactors,
+    batch_size: int | None,
+) -> tuple[np.ndarray, LikelihoodStructure, dict, dict]:
+    """Per-draw log-likelihood, edge marginals and prior tables in one jitted pass."""
+    first = {n: v[0, 0] for n, v in samples.items()}
+    struct = exact.likelihood_structure(model, first, *args, score_factors=score_factors,
+                                        **kwargs)
+
+    def f(p):
+        at = substitute(model, data=p)
+        res = {"ll": exact.pointwise_log_likelihood(model, p, *args, score_factors=score_factors,
+                                                    **kwargs)}
+        if edges:
+            marg = exact.marginals(at, *args, **kwargs)
+            res["marg"] = {n: marg[n] for n in edges}
+            info = exact.inspect_model(at, *args, **kwargs)
+            res["prior"] = {n: jax.numpy.exp(info[n].edge.prior.log_table(info[n].edge.num_children))
+                            for n in edges}
+        return res
+
+    out = _map_draws(f, samples, batch_size)
+    return out["ll"], struct, out.get("marg", {}), out.get("prior", {})
+
+
+def _posterior_predictive(
+    model: Callable, samples: Mapping[str, np.ndarray], args: tuple, kwargs: dict,
+    enumerated: list[str], observed: list[str], rng_key: jax.Array,
+) -> dict[str, np.ndarray]:
+    r"""Replicated observations $x^{rep} \sim p(x \mid \phi, \theta)$ with
+    $\phi \sim p(\phi \mid x, \theta)$ (NumPyro's `infer_discrete`) at every draw of
+    $\theta$: the posterior predictive of the same children."""
+    from numpyro.infer import Predictive
+
+    lead = next(iter(samples.values())).shape[:2]
+    flat = {n: v.reshape((-1,) + v.shape[2:]) for n, v in samples.items()}
+
+    def run(key, draws):
+        k_edges, k_obs = jax.random.split(key)
+        if enumerated:  # the edges from their posterior given x and the draw
+            draws = {**draws, **Predictive(model, posterior_samples=draws, infer_discrete=True,
+                                           return_sites=enumerated)(k_edges, *args, **kwargs)}
+        return Predictive(uncondition(model), posterior_samples=draws,
+                          return_sites=observed)(k_obs, *args, **kwargs)
+
+    # under jit: funsor's sampler fails eagerly on forbidden parents (-inf log-weights)
+    out = jax.jit(run)(rng_key, flat)
+    return {n: np.asarray(v).reshape(lead + v.shape[1:]) for n, v in out.items()}
+
+
+def _prior_draws(model: Callable, args: tuple, kwargs: dict, names: list[str], num: int,
+                 rng_key: jax.Array) -> dict[str, np.ndarray]:
+    def one(key):
+        with block():
+            tr = trace(seed(model, key)).get_trace(*args, **kwargs)
+        return {n: tr[n]["value"] for n in names}
+
+    keys = jax.random.split(rng_key, num)
+    return {n: np.asarray(v)[None] for n, v in jax.jit(jax.vmap(one))(keys).items()}
+
+
+def _constant_data(model: Callable, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
+    """The model's array arguments, named as in its signature (`arg<i>` when unnamed)."""
+    try:
+        bound = dict(inspect.signature(model).bind(*args, **kwargs).arguments)
+        params = inspect.signature(model).parameters
+    except (TypeError, ValueError):
+        bound, params = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}, {}
+    named: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = params[name].kind if name in params else None
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"{name}{i}": v for i, v in enumerate(value)})
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    out = {}
+    for name, value in named.items():
+        if isinstance(value, (np.ndarray, jax.Array)) and value.dtype.kind in "biuf":
+            out[name] = np.asarray(value)
+    return out
+
+
+def _as_one_chain(dt: xr.DataTree) -> xr.DataTree:
+    """ArviZ's SVI groups have a `sample` dim; ArviZ's LOO reads `(chain, draw)`: one chain."""
+    import xarray as xr
+
+    groups = {}
+    for name, node in dt.children.items():
+        ds = node.to_dataset()
+        if "sample" in ds.dims:
+            ds = ds.rename({"sample": "draw"}).expand_dims(chain=[0])
+        groups[name] = ds
+    out = xr.DataTree.from_dict(groups)
+    out.attrs.update(dt.attrs)
+    return out
+
+
+def to_inference_data(
+    fit: Any,
+    *model_args: Any,
+    score_factors: ScoreFactors = "error",
+    true_edges: Mapping[str, Any] | None = None,
+    posterior_predictive: bool = True,
+    num_prior_draws: int = 0,
+    num_draws: int = 1000,
+    batch_size: int | None = 64,
+    rng_key: jax.Array | None = None,
+    **model_kwargs: Any,
+) -> xr.DataTree:
+    r"""ArviZ's InferenceData (an `xarray.DataTree`) of a fitted structural model.
+
+    Groups:
+
+    * `posterior`, `sample_stats` (NUTS: `energy`, `lp`, `diverging`, `acceptance_rate`,
+      `n_steps`, `tree_depth`, `step_size`) and `observed_data` — ArviZ's own
+      (`arviz_base.from_numpyro`; for SVI `from_numpyro_svi`, its `num_draws` guide
+      draws kept as one chain, since ArviZ's LOO reads `(chain, draw)`);
+    * `log_likelihood` — the collapsed per-child terms
+      $\log p(x_i \mid \theta^{(s)})$ at every draw (edges summed out), one variable
+      named after the observed site, dims `(chain, draw, <plates>)`;
+    * `posterior_predictive` — replicated observations: at each draw the edges are drawn
+      from $p(\phi \mid x, \theta^{(s)})$ (`Predictive(..., infer_discrete=True)`) and
+      the observed sites from $p(x \mid \phi, \theta^{(s)})$;
+    * `constant_data` — the model's array arguments, named as in its signature;
+    * `prior` (with `num_prior_draws > 0`) — prior draws of the latent sites;
+    * `edge_posterior` — per edge site `<site>`: the posterior marginals
+      $p(\phi_i=j\mid x) = \frac1S\sum_s p(\phi_i=j\mid x,\theta^{(s)})$,
+      `<site>_prior` (the prior table averaged over the draws) and, when given,
+      `<site>_true` (the known parents); the attribute `<site>.offset` holds the
+      child-to-parent position offset used for distances.
+
+    Args:
+        fit: a finished `numpyro.infer.MCMC` (`structinfer.infer.nuts`) or an
+            `(SVI, SVIRunResult)` pair (`structinfer.infer.svi`).
+        *model_args: the model's positional arguments, as given to the fit.
+        score_factors: `"error"` or `"normalize"`: score factors in the likelihood
+            (see `structinfer.exact.pointwise_log_likelihood`).
+        true_edges: `{edge site: the true parent of each child}`, stored as `<site>_true`.
+        posterior_predictive: add the `posterior_predictive` group (one compiled pass of
+            NumPyro's `infer_discrete` over the draws).
+        num_prior_draws: prior draws for the `prior` group (0: no group).
+        num_draws: draws of an SVI guide (ignored for MCMC).
+        batch_size: draws per step of the per-draw passes (`jax.lax.map`).
+        rng_key: key of the posterior predictive and prior draws (default `PRNGKey(0)`).
+        **model_kwargs: the model's keyword arguments, as given to the fit.
+
+    Returns:
+        The DataTree; `attrs["model"]` names the model, `attrs["inference_method"]` is
+        `"nuts"` or `"svi"`.
+
+    Raises:
+        EnergyOnlyModelError: the model has no normalised observation.
+        TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair.
+        ValueError: a `numpyro.param` site, a discrete latent site that is not
+            enumerated, no latent site, or a bad `true_edges`.
+    """
+    import arviz_base as azb
+    import xarray as xr
+
+    parts = read_fit(fit, "to_inference_data")
+    model = parts.model
+    args, kwargs = as_arrays(model_args, model_kwargs)
+    info = latent_sites(model, args, kwargs, "to_inference_data")
+    latent = list(info.latent)
+    if not latent:
+        raise ValueError(
+            f"to_inference_data: model '{model_name(model)}' has no latent sample site; "
+            "there is no posterior to describe"
+        )
+    exact.likelihood_structure(model, None, *args, score_factors=score_factors, **kwargs)
+    key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    key_pp, key_prior = jax.random.split(key)
+
+    if parts.kind == "nuts":
+        dt = azb.from_numpyro(fit, log_likelihood=False)
+    else:
+        dt = _as_one_chain(azb.from_numpyro_svi(
+            fit[0], svi_result=fit[1], model_args=args, model_kwargs=kwargs,
+            num_samples=num_draws))
+    post = dt["posterior"].to_dataset()
+    missing = [n for n in latent if n not in post]
+    if missing:
+        raise ValueError(f"to_inference_data: the fit has no draws of {missing}")
+    samples = {n: post[n].values for n in latent}
+    dims = {n: list(post[n].dims[2:]) for n in latent}
+    edges = info.edges
+    ll, struct, marg, prior_tables = _draw_quantities(
+        model, samples, args, kwargs, edges, score_factors, batch_size)
+
+    dt["log_likelihood"] = xr.DataTree(azb.dict_to_dataset(
+        {struct.name: ll}, dims={struct.name: list(struct.plates)}))
+    obs = dt["observed_data"].to_dataset() if "observed_data" in dt.children else None
+    if posterior_predictive:
+        pp = _posterior_predictive(model, samples, args, kwargs, list(info.enumerated),
+                                   info.observed, key_pp)
+        pp_dims = {n: list(obs[n].dims) for n in pp if obs is not None and n in obs}
+        dt["posterior_predictive"] = xr.DataTree(azb.dict_to_dataset(pp, dims=pp_dims))
+    const = _constant_data(model, args, kwargs)
+    if const:
+        dt["constant_data"] = xr.DataTree(azb.dict_to_dataset(const, sample_dims=[]))
+    if num_prior_draws:
+        prior = _prior_draws(model, args, kwargs, latent, int(num_prior_draws), key_prior)
+        dt["prior"] = xr.DataTree(azb.dict_to_dataset(prior, dims=dims))
+
+    edge_vars, attrs = {}, {}
+    for n in marg:
+        mean = marg[n].mean(axis=(0, 1))
+        edge = info[n].edge
+        bdims = [f"{n}_dim_{k}" for k in range(mean.ndim - 2)] + [edge.children_plate,
+                                                                   f"{n}_parent"]
+        edge_vars[n] = (bdims, mean)
+        edge_vars[f"{n}_prior"] = (bdims, prior_tables[n].mean(axis=(0, 1)))
+        if true_edges is not None and n in true_edges:
+            edge_vars[f"{n}_true"] = (bdims[:-1], check_true_edges(true_edges[n], mean, n))
+        attrs[f"{n}.offset"] = offset_of(edge.prior)
+    dt["edge_posterior"] = xr.DataTree(xr.Dataset(edge_vars, attrs=attrs))
+    dt.attrs["model"] = model_name(model)
+    dt.attrs["inference_method"] = parts.kind
+    return dt

@@ -1,0 +1,283 @@
+r"""Statistics of an edge posterior $A_{ij} = p(\phi_i = j \mid x)$ (the attention matrix).
+
+Entropy per child $H_i = -\sum_j A_{ij}\log A_{ij}$, effective number of parents
+$e^{H_i}$, expected distance $\sum_j A_{ij} d_{ij}$ with $d_{ij} = i + \text{offset} - j$
+(child $i$ sits at parent position $i + \text{offset}$, the convention of
+`structinfer.priors`), the effective window, the edge mass by distance, agreement of the
+MAP edges with a known structure, and summaries of an InferenceData's `edge_posterior`
+group and of the prior's hyper-parameters (e.g. the geometric $q$ of Singh & Buckley
+sec. 5.2). The array functions are pure `jax.numpy` (jittable).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..priors import StructuralPrior
+from ._common import check_marginals, check_true_edges, offset_of
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import xarray as xr
+
+__all__ = [
+    "edge_entropy",
+    "effective_parents",
+    "expected_distance",
+    "effective_window",
+    "distance_posterior",
+    "EdgeAgreement",
+    "edge_agreement",
+    "edge_summary",
+    "compare_edges",
+    "hyperparameter_summary",
+]
+
+
+def _distances(marginals: jax.Array, offset: int) -> jax.Array:
+    """`d[i, j] = i + offset - j` for the `(children, parents)` grid of `marginals`."""
+    n, m = marginals.shape[-2:]
+    return jnp.arange(n)[:, None] + offset - jnp.arange(m)[None, :]
+
+
+def edge_entropy(marginals: jax.Array) -> jax.Array:
+    r"""Entropy of each child's edge posterior, $H_i = -\sum_j A_{ij}\log A_{ij}$ (nats).
+
+    Args:
+        marginals: `(..., children, parents)`, rows summing to one.
+
+    Returns:
+        `(..., children)`; 0 for a certain edge, $\log m$ for a uniform one.
+    """
+    a = check_marginals(marginals)
+    return jnp.sum(jax.scipy.special.entr(a), axis=-1)
+
+
+def effective_parents(marginals: jax.Array) -> jax.Array:
+    r"""Effective number of parents $e^{H_i}$ (1 = one parent, $m$ = uniform).
+
+    Args:
+        marginals: `(..., children, parents)`, rows summing to one.
+
+    Returns:
+        `(..., children)`.
+    """
+    return jnp.exp(edge_entropy(marginals))
+
+
+def expected_distance(marginals: jax.Array, offset: int | StructuralPrior = 0) -> jax.Array:
+    r"""Posterior expected distance to the parent, $\sum_j A_{ij}(i + \text{offset} - j)$.
+
+    Args:
+        marginals: `(..., children, parents)`, rows summing to one.
+        offset: an int, or the structural prior of the edge site (its `offset` is used).
+
+    Returns:
+        `(..., children)`.
+    """
+    a = check_marginals(marginals)
+    return jnp.sum(a * _distances(a, offset_of(offset)).astype(a.dtype), axis=-1)
+
+
+def effective_window(
+    marginals: jax.Array, offset: int | StructuralPrior = 0, mass: float = 0.9
+) -> jax.Array:
+    r"""Smallest window $w$ holding `mass` of each child's edge posterior.
+
+    $$w_i = \min\{w \ge 0 : \textstyle\sum_{j : |d_{ij}| \le w} A_{ij} \ge \text{mass}\}$$
+
+    Args:
+        marginals: `(..., children, parents)`, rows summing to one.
+        offset: an int, or the structural prior of the edge site (its `offset` is used).
+        mass: the posterior mass the window must hold, in `(0, 1]`.
+
+    Returns:
+        An int array `(..., children)`.
+
+    Raises:
+        ValueError: `mass` outside `(0, 1]`.
+    """
+    if not 0.0 < mass <= 1.0:
+        raise ValueError(f"effective_window: mass must lie in (0, 1], got {mass}")
+    offset = offset_of(offset)
+    a = check_marginals(marginals)
+    d = jnp.abs(_distances(a, offset))
+    wmax = int(a.shape[-2] + a.shape[-1] + abs(offset))
+    ws = jnp.arange(wmax + 1)
+    inside = (d[..., None] <= ws).astype(a.dtype)  # (n, m, W)
+    cum = jnp.einsum("...ij,ijw->...iw", a, inside)
+    tol = 1e-6 if a.dtype == jnp.float32 else 1e-12
+    return jnp.argmax(cum >= mass - tol, axis=-1)
+
+
+def distance_posterior(
+    marginals: jax.Array, offset: int | StructuralPrior = 0
+) -> tuple[np.ndarray, jax.Array]:
+    r"""Edge mass by distance, averaged over children: $p(d) = \frac1n\sum_i\sum_j A_{ij}[d_{ij}=d]$.
+
+    Works for prior tables too (pass probabilities).
+
+    Args:
+        marginals: `(..., children, parents)`, rows summing to one.
+        offset: an int, or the structural prior of the edge site (its `offset` is used).
+
+    Returns:
+        `(distances, probs)`: every value of $d_{ij}$ on the grid (ascending) and the
+        mass at each, of shape `(..., len(distances))`.
+    """
+    offset = offset_of(offset)
+    a = check_marginals(marginals)
+    n, m = a.shape[-2:]
+    ds = np.arange(-(m - 1) + offset, n - 1 + offset + 1)
+    onehot = (_distances(a, offset)[..., None] == jnp.asarray(ds)).astype(a.dtype)
+    return ds, jnp.einsum("...ij,ijd->...d", a, onehot) / n
+
+
+class EdgeAgreement(NamedTuple):
+    """Agreement of the posterior edges with a known structure.
+
+    Attributes:
+        accuracy: fraction of children whose MAP parent (argmax of the marginals) is the true one.
+        true_parent_prob: mean posterior probability of the true parent.
+        correct: `(..., children)` bool, MAP parent equals the true one.
+    """
+
+    accuracy: jax.Array
+    true_parent_prob: jax.Array
+    correct: jax.Array
+
+
+def edge_agreement(marginals: jax.Array, true_edges: Any) -> EdgeAgreement:
+    r"""Compare the MAP edges $\hat\phi_i = \arg\max_j A_{ij}$ with the true parents.
+
+    For a model whose children are independent given the parameters, the joint MAP
+    structure is the per-child argmax, so this is the MAP-structure agreement.
+
+    Args:
+        marginals: `(..., children, parents)`.
+        true_edges: int `(..., children)`, the true parent of each child (checked when
+            concrete).
+
+    Returns:
+        An [`EdgeAgreement`][structinfer.diagnostics.EdgeAgreement].
+
+    Raises:
+        TypeError: `true_edges` is not integer.
+        ValueError: `true_edges` has the wrong shape or an index outside the parents.
+    """
+    a = check_marginals(marginals)
+    if not isinstance(true_edges, jax.core.Tracer):
+        true_edges = check_true_edges(true_edges, a)
+    t = jnp.asarray(true_edges)
+    correct = jnp.argmax(a, axis=-1) == t
+    p_true = jnp.take_along_axis(a, t[..., None], axis=-1)[..., 0]
+    return EdgeAgreement(jnp.mean(correct), jnp.mean(p_true), correct)
+
+
+def edge_summary(
+    idata: xr.DataTree, site: str | None = None, true_edges: Any = None, mass: float = 0.9
+) -> dict[str, float]:
+    """Scalar summaries of one edge site's posterior in an InferenceData.
+
+    Args:
+        idata: a DataTree with an `edge_posterior` group (from
+            [`to_inference_data`][structinfer.diagnostics.to_inference_data]).
+        site: the edge site (default: the only one).
+        true_edges: the true parent of each child (default: `<site>_true` when stored).
+        mass: the mass of the effective window.
+
+    Returns:
+        `{name: value}`: mean entropy (nats), mean effective number of parents, mean
+        expected distance, mean effective window and, with a true structure, the MAP
+        accuracy and the mean probability of the true parent.
+
+    Raises:
+        ValueError: no `edge_posterior` group, or several edge sites and no `site`.
+        KeyError: no edge site `site`.
+    """
+    if "edge_posterior" not in getattr(idata, "children", {}):
+        raise ValueError("edge_summary: the InferenceData has no edge_posterior group")
+    ds = idata["edge_posterior"].to_dataset()
+    sites = [v for v in ds.data_vars if not v.endswith(("_prior", "_true"))]
+    if site is None:
+        if len(sites) != 1:
+            raise ValueError(f"edge_summary: several edge sites {sites}; pass site=")
+        site = sites[0]
+    if site not in sites:
+        raise KeyError(f"edge_summary: no edge site '{site}'; edge sites: {sites}")
+    a = jnp.asarray(ds[site].values)
+    offset = int(ds.attrs.get(f"{site}.offset", 0))
+    out = {
+        "entropy": float(jnp.mean(edge_entropy(a))),
+        "effective_parents": float(jnp.mean(effective_parents(a))),
+        "expected_distance": float(jnp.mean(expected_distance(a, offset))),
+        "effective_window": float(jnp.mean(effective_window(a, offset, mass))),
+    }
+    if true_edges is None and f"{site}_true" in ds:
+        true_edges = ds[f"{site}_true"].values
+    if true_edges is not None:
+        agr = edge_agreement(a, true_edges)
+        out["map_accuracy"] = float(agr.accuracy)
+        out["true_parent_prob"] = float(agr.true_parent_prob)
+    return out
+
+
+def compare_edges(
+    idatas: Mapping[str, xr.DataTree], site: str | None = None, true_edges: Any = None
+) -> pd.DataFrame:
+    """[`edge_summary`][structinfer.diagnostics.edge_summary] of several models as a table.
+
+    Args:
+        idatas: `{model name: DataTree}`.
+        site: the edge site (default: the only one of each model).
+        true_edges: the true parent of each child (default: the stored `<site>_true`).
+
+    Returns:
+        A `pandas.DataFrame`, one row per model, sorted by MAP accuracy when a true
+        structure is known.
+    """
+    import pandas as pd
+
+    rows = {n: edge_summary(dt, site=site, true_edges=true_edges) for n, dt in idatas.items()}
+    df = pd.DataFrame.from_dict(rows, orient="index")
+    if "map_accuracy" in df:
+        df = df.sort_values(["map_accuracy", "true_parent_prob"], ascending=False)
+    return df
+
+
+def hyperparameter_summary(
+    idata: xr.DataTree, var_names: Sequence[str], round_to: int | str = "none"
+) -> pd.DataFrame:
+    r"""Posterior summary of the prior's hyper-parameters (e.g. the geometric $q$).
+
+    Wraps `arviz_stats.summary`: mean, sd, interval, ESS and $\hat R$.
+
+    Args:
+        idata: a DataTree with a `posterior` group.
+        var_names: the posterior variables to summarise.
+        round_to: decimals, or `"none"` for raw numbers.
+
+    Returns:
+        ArviZ's summary table (a `pandas.DataFrame`, one row per variable).
+
+    Raises:
+        KeyError: a variable is not in the posterior.
+    """
+    import arviz_stats as azs
+
+    post = idata["posterior"].to_dataset()
+    missing = [v for v in var_names if v not in post]
+    if missing:
+        raise KeyError(
+            f"hyperparameter_summary: {missing} not in the posterior; variables: "
+            f"{list(post.data_vars)}"
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=RuntimeWarning)
+        return azs.summary(idata, var_names=list(var_names), round_to=round_to)

@@ -1,0 +1,386 @@
+r"""NUTS and SVI on NumPyro's own `MCMC` and `SVI`, with the edges summed out exactly.
+
+Every `structinfer.edge` site is marked for parallel enumeration, so NumPyro's samplers
+see the collapsed target
+
+$$\log p(\theta, x) = \log p(\theta) + \log \sum_\phi p(x, \phi \mid \theta)$$
+
+over the continuous sites $\theta$ (a geometric rate $q$, a temperature, $W_Q$, ...):
+NUTS differentiates it (funsor sums the edges inside the potential) and SVI maximises
+`TraceEnum_ELBO`, $\mathbb E_{q_\lambda(\theta)}[\log p(\theta, x) - \log q_\lambda(\theta)]$,
+with a guide over $\theta$ only. Both functions return NumPyro's objects (an `MCMC`, an
+`SVI` and its `SVIRunResult`), which `structinfer.diagnostics.to_inference_data` turns
+into ArviZ's InferenceData.
+
+[`NUTS`][structinfer.infer.NUTS] is NumPyro's kernel with one change: a single chain
+finds its initial point on NumPyro's compiled path (the one it takes for vectorized
+chains) instead of evaluating the funsor potential op by op.
+
+[`conditional_edge`][structinfer.infer.conditional_edge] declares attention as a
+conditional model of outputs given inputs (learning $W_Q, W_K, W_V$ by SVI).
+
+Reference: NumPyro's `MCMC`/`NUTS` and `SVI` with `TraceEnum_ELBO`; the collapsed
+evidence of Singh & Buckley sec. 3 (edges summed out), the geometric rate of
+expanding attention (sec. 5.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+from numpyro.handlers import block, substitute
+from numpyro.infer import MCMC, SVI, TraceEnum_ELBO
+from numpyro.infer import NUTS as NumPyroNUTS
+from numpyro.infer.autoguide import AutoDelta, AutoNormal
+from numpyro.infer.svi import SVIRunResult
+from numpyro.util import is_prng_key
+
+from .._checks import as_arrays, model_name
+from ..exact import ModelInfo, inspect_model
+from ..primitives import edge, is_enumerated
+from ..priors import as_prior
+from ..scores import as_score
+from ._diagnose import bad_leaf, nonfinite_site
+from ._loop import NonFiniteEnergyError
+
+__all__ = [
+    "NUTS",
+    "nuts",
+    "svi",
+    "hide_edges",
+    "conditional_edge",
+    "NORMALIZER_SUFFIX",
+    "EXTRA_FIELDS",
+]
+
+#: suffix of the factor site `conditional_edge` adds
+NORMALIZER_SUFFIX = ".normalizer"
+
+#: the sampler statistics `nuts` collects (ArviZ's `sample_stats`: `lp`, `energy`,
+#: `diverging`, `acceptance_rate`, `n_steps`, `step_size`)
+EXTRA_FIELDS = (
+    "potential_energy",
+    "energy",
+    "diverging",
+    "accept_prob",
+    "num_steps",
+    "adapt_state.step_size",
+)
+
+
+class NUTS(NumPyroNUTS):
+    r"""NumPyro's NUTS kernel whose single-chain initial point is found compiled.
+
+    NumPyro's `initialize_model` looks for a start with a finite potential
+    $U(z) = -\log p(\theta(z), x) - \log|\det J(z)|$ and gradient. For one chain it
+    evaluates $U$ and $\nabla U$ eagerly first (to skip compiling its search loop); for
+    an enumerated model that runs funsor's contraction op by op, hundreds of small XLA
+    compilations. Given a batch of keys it runs the search under `jax.lax.map` instead
+    (compiled once). This kernel hands it a batch of one key and takes the one start
+    out, so the draws are those of `numpyro.infer.NUTS` for the same key (the search
+    consumes the same random numbers); everything else is NumPyro's.
+
+    Use it wherever `numpyro.infer.NUTS(model, ...)` is used, e.g.
+    `MCMC(structinfer.infer.NUTS(model), num_warmup=..., num_samples=...)`.
+
+    Reference: Hoffman & Gelman (2014), the No-U-Turn sampler, as implemented by NumPyro.
+    """
+
+    def _init_state(self, rng_key, model_args, model_kwargs, init_params):
+        if self._model is None or not is_prng_key(rng_key):
+            return super()._init_state(rng_key, model_args, model_kwargs, init_params)
+        found = super()._init_state(rng_key[None], model_args, model_kwargs, init_params)
+        return found if init_params is not None else jax.tree.map(lambda a: a[0], found)
+
+
+def _check_key(rng_key: Any, what: str) -> jax.Array:
+    if not (isinstance(rng_key, jax.Array) and is_prng_key(rng_key)):
+        raise TypeError(
+            f"{what}: rng_key must be one PRNG key (jax.random.key(seed) or "
+            f"jax.random.PRNGKey(seed)), got {type(rng_key).__name__} "
+            f"{getattr(rng_key, 'shape', '')}"
+        )
+    return rng_key
+
+
+def _check_count(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{what} must be a {kind} int, got {value!r}")
+    return int(value)
+
+
+def _sampled_sites(model: Callable, args: tuple, kwargs: dict, what: str) -> ModelInfo:
+    """The model's inspection, refusing what a sampler over its latent sites cannot do."""
+    if not callable(model):
+        raise TypeError(f"{what}: model must be a callable NumPyro model, got {type(model).__name__}")
+    info = inspect_model(model, *args, **kwargs)
+    for name, site in info.items():
+        if site.role == "latent" and site.support.is_discrete:
+            raise ValueError(
+                f"{what}: model '{model_name(model)}' has a discrete latent site '{name}' that "
+                "is not enumerated; declare edges with structinfer.edge or mark the site with "
+                "infer={'enumerate': 'parallel'}"
+            )
+    return info
+
+
+def nuts(
+    rng_key: jax.Array,
+    model: Callable,
+    *model_args: Any,
+    num_warmup: int = 500,
+    num_samples: int = 500,
+    num_chains: int = 1,
+    target_accept_prob: float = 0.8,
+    progress_bar: bool = True,
+    **model_kwargs: Any,
+) -> MCMC:
+    r"""NUTS over a model's continuous latent sites, every edge summed out exactly.
+
+    Samples $p(\theta \mid x) \propto p(\theta)\sum_\phi p(x, \phi \mid \theta)$ with
+    NumPyro's `MCMC` and this module's [`NUTS`][structinfer.infer.NUTS] kernel; several
+    chains run vectorized (one compilation). The sampler statistics ArviZ reads
+    (`structinfer.infer.fit.EXTRA_FIELDS`: energy, potential energy,
+    divergences, acceptance probability, tree size, step size) are collected.
+
+    Args:
+        rng_key: one PRNG key (`jax.random.key(seed)`), as for `MCMC.run`.
+        model: the model; its discrete latent sites must be edges (enumerated), its
+            parameters sample sites with priors.
+        *model_args: the model's positional arguments (the data).
+        num_warmup: warm-up (adaptation) steps per chain.
+        num_samples: draws kept per chain.
+        num_chains: chains (run vectorized when more than one).
+        target_accept_prob: the step-size adaptation's target acceptance probability.
+        progress_bar: show NumPyro's progress bar.
+        **model_kwargs: the model's keyword arguments.
+
+    Returns:
+        The finished `numpyro.infer.MCMC` (`get_samples()`, `get_extra_fields()`,
+        `print_summary()`).
+
+    Raises:
+        TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
+        ValueError: a bad count, a `numpyro.param` site (NUTS would hold it fixed),
+            a discrete latent site that is not enumerated, or no continuous latent
+            site to sample.
+        FloatingPointError: a draw is not finite (naming the site).
+
+    Examples:
+        ```python
+        import jax, numpyro, numpyro.distributions as dist
+        import structinfer as si
+
+        def model(y):
+            s = numpyro.sample("s", dist.HalfNormal(1.0))
+            with numpyro.plate("children", 3):
+                phi = si.edge("phi", si.priors.Uniform(2))
+                numpyro.sample("y", dist.Normal(jax.numpy.array([-1.0, 1.0])[phi], s), obs=y)
+
+        mcmc = si.infer.nuts(jax.random.key(0), model, jax.numpy.array([-1.0, 0.9, 1.1]),
+                             num_warmup=20, num_samples=20, progress_bar=False)
+        assert mcmc.get_samples()["s"].shape == (20,)
+        ```
+
+    Reference: Hoffman & Gelman (2014); NUTS over the hyper-parameters of a structural
+    prior with the edges enumerated, e.g. the geometric $q$ of expanding attention
+    (Singh & Buckley sec. 5.2).
+    """
+    rng_key = _check_key(rng_key, "nuts")
+    num_warmup = _check_count(num_warmup, "nuts: num_warmup", minimum=0)
+    num_samples = _check_count(num_samples, "nuts: num_samples")
+    num_chains = _check_count(num_chains, "nuts: num_chains")
+    args, kwargs = as_arrays(model_args, model_kwargs)
+    info = _sampled_sites(model, args, kwargs, "nuts")
+    params = list(info.of_role("param"))
+    if params:
+        raise ValueError(
+            f"nuts: model '{model_name(model)}' has numpyro.param site(s) {params}; NUTS "
+            "samples sample sites only: give each a prior with numpyro.sample (or fit it "
+            "with structinfer.infer.svi)"
+        )
+    if not info.latent:
+        raise ValueError(
+            f"nuts: model '{model_name(model)}' has no continuous latent site to sample; "
+            "use structinfer.marginals / structinfer.log_marginal directly"
+        )
+    mcmc = MCMC(
+        NUTS(model, target_accept_prob=target_accept_prob),
+        num_warmup=num_warmup,
+        num_samples=num_samples,
+        num_chains=num_chains,
+        chain_method="vectorized" if num_chains > 1 else "sequential",
+        progress_bar=progress_bar,
+    )
+    mcmc.run(rng_key, *args, extra_fields=EXTRA_FIELDS, **kwargs)
+    for name, draws in mcmc.get_samples().items():
+        if not bool(jnp.all(jnp.isfinite(draws))):
+            raise FloatingPointError(
+                f"nuts: site '{name}' has non-finite draws; check the priors' supports and "
+                "the data for NaN/inf"
+            )
+    return mcmc
+
+
+def hide_edges(model: Callable) -> Callable:
+    """The model with its enumerated (edge) sites hidden, for an autoguide of the rest.
+
+    `AutoNormal(hide_edges(model))` is a guide over the continuous latent sites only:
+    the edges stay in the model, where `TraceEnum_ELBO` sums them out.
+
+    Args:
+        model: a NumPyro model.
+
+    Returns:
+        `numpyro.handlers.block(model)` hiding every enumerated site.
+    """
+    return block(model, hide_fn=is_enumerated)
+
+
+def _no_guide(*args: Any, **kwargs: Any) -> None:
+    """The guide of a model without latent sample sites (only `numpyro.param`)."""
+    return None
+
+
+def _guide(guide: str | Callable, model: Callable, info: ModelInfo) -> Callable:
+    if callable(guide):
+        return guide
+    if guide not in ("normal", "delta"):
+        raise ValueError(f"svi: guide must be 'normal', 'delta' or a callable, got {guide!r}")
+    if not info.latent:
+        return _no_guide
+    return (AutoNormal if guide == "normal" else AutoDelta)(hide_edges(model))
+
+
+def svi(
+    rng_key: jax.Array,
+    model: Callable,
+    *model_args: Any,
+    guide: str | Callable = "normal",
+    optim: Any = None,
+    num_steps: int = 1000,
+    progress_bar: bool = True,
+    **model_kwargs: Any,
+) -> tuple[SVI, SVIRunResult]:
+    r"""SVI with the edges enumerated: NumPyro's `SVI` with `TraceEnum_ELBO`.
+
+    Maximises
+    $\mathcal L(\lambda) = \mathbb E_{q_\lambda(\theta)}\big[\log p(\theta)
+    + \log \sum_\phi p(x, \phi \mid \theta) - \log q_\lambda(\theta)\big]$;
+    with a point-mass guide (`"delta"`) or only `numpyro.param` sites this is MAP /
+    maximum likelihood of the parameters with the edges collapsed.
+
+    Args:
+        rng_key: one PRNG key (`jax.random.key(seed)`), as for `SVI.run`.
+        model: the model; parameters as `numpyro.param` or sample sites.
+        *model_args: the model's positional arguments (the data).
+        guide: `"normal"` (`AutoNormal`), `"delta"` (`AutoDelta`), both built on
+            [`hide_edges`][structinfer.infer.hide_edges]`(model)`, or a guide callable
+            that does not sample the edge sites. A model with no latent sample site
+            gets an empty guide.
+        optim: a `numpyro.optim` optimiser or an optax transformation (default
+            `numpyro.optim.Adam(0.01)`).
+        num_steps: optimisation steps.
+        progress_bar: show NumPyro's progress bar.
+        **model_kwargs: the model's keyword arguments.
+
+    Returns:
+        `(svi, result)`: the `numpyro.infer.SVI` object (its `guide`, `get_params`) and
+        its `SVIRunResult` (`params`, `state`, `losses`: the negative ELBO at each step).
+
+    Raises:
+        NonFiniteEnergyError: the loss became NaN or infinite; the message names the
+            step and the parameter or site responsible.
+        ValueError: an unknown guide name or a discrete latent site that is not
+            enumerated.
+
+    Reference: NumPyro's `SVI` with `TraceEnum_ELBO` (edges summed out exactly);
+    learning $W_Q, W_K, W_V$ of Singh & Buckley Table 1 by maximising the collapsed
+    evidence.
+    """
+    rng_key = _check_key(rng_key, "svi")
+    num_steps = _check_count(num_steps, "svi: num_steps")
+    args, kwargs = as_arrays(model_args, model_kwargs)
+    info = _sampled_sites(model, args, kwargs, "svi")
+    guide = _guide(guide, model, info)
+    optim = numpyro.optim.Adam(0.01) if optim is None else optim
+    fitter = SVI(model, guide, optim, TraceEnum_ELBO(max_plate_nesting=info.max_plate_nesting))
+    result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar, **kwargs)
+    losses = np.asarray(result.losses)
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if bad.size:
+        _raise_nonfinite(fitter, rng_key, int(bad[0]), args, kwargs)
+    return fitter, result
+
+
+def _raise_nonfinite(fitter: SVI, rng_key: jax.Array, step: int, args: tuple,
+                     kwargs: dict) -> None:
+    """Name the parameter or site whose loss became non-finite after `step` updates
+    (the run is replayed, compiled, up to that step; then the model runs eagerly)."""
+    if step == 0:
+        state = fitter.init(rng_key, *args, **kwargs)
+    else:
+        state = fitter.run(rng_key, step, *args, progress_bar=False, **kwargs).state
+    params = fitter.get_params(state)
+    site = bad_leaf(params)
+    if site:
+        site = f"parameter {site}"
+    else:
+        values = dict(params)
+        if hasattr(fitter.guide, "median"):
+            values.update(fitter.guide.median(params))
+        site = nonfinite_site(substitute(fitter.model, data=values), *args, **kwargs)
+    where = "at the initial parameters" if step == 0 else f"at step {step}"
+    msg = f"svi: the loss (negative ELBO) became non-finite {where}"
+    if site:
+        msg += f"; responsible site: {site}"
+    msg += (
+        ". Lower the step size, check the data for NaN/inf, or give forbidden edges a "
+        "Restricted prior instead of -inf scores."
+    )
+    raise NonFiniteEnergyError(msg, step, site, ())
+
+
+def conditional_edge(name: str, prior: Any, score: Any, **kwargs: Any) -> jax.Array:
+    r"""An edge distributed as its posterior given the scores (attention as a conditional model).
+
+    $$\log p(\phi_i = j \mid x) = \log p(\phi_i = j) + s_{ij}
+        - \log \sum_{j'} p(\phi_i = j') e^{s_{ij'}}.$$
+
+    It is `structinfer.edge` plus a factor site `name + ".normalizer"`
+    (`structinfer.infer.fit.NORMALIZER_SUFFIX`) holding
+    $-\mathrm{logsumexp}_j(\log p + s)$, which does not depend on the edge, so the exact
+    engine and `TraceEnum_ELBO` see a normalised edge. Use it when the edge feeds an
+    observed site ($y \sim \mathcal N(v_\phi, \sigma)$) and $W_Q, W_K$ are learned:
+    without the normaliser the unnormalised scores make the likelihood unbounded in
+    $W_Q, W_K$.
+
+    Args:
+        name: the edge site's name.
+        prior: the structural prior, as in `structinfer.edge`.
+        score: the score (required), as in `structinfer.edge`.
+        **kwargs: passed to `structinfer.edge`.
+
+    Returns:
+        The edge's value (enumerated under the exact engine and `TraceEnum_ELBO`).
+
+    Raises:
+        ValueError: `score` is None.
+
+    Reference: the edge posterior as attention, Singh & Buckley sec. 3.1 eq. 1:
+    $p(\phi_i = j \mid x) = \mathrm{softmax}_j(\psi_{ij} + \log p_{ij})$.
+    """
+    if score is None:
+        raise ValueError(f"conditional_edge('{name}'): a score is required")
+    phi = edge(name, prior, score, **kwargs)
+    p = as_prior(prior, name)
+    s = as_score(score, name).dense()
+    n = s.shape[-2]
+    numpyro.factor(name + NORMALIZER_SUFFIX, -jax.nn.logsumexp(p.log_table(n) + s, axis=-1))
+    return phi
