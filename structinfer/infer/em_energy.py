@@ -28,7 +28,7 @@ __all__ = ["EMState", "init", "step", "run"]
 
 
 class EMState(NamedTuple):
-    """`structinfer.infer.energy_em` state: `latents` and `params` (pytrees) and the energy."""
+    r"""State of [`energy_em`][structinfer.infer.energy_em]: latents $v$, params $\theta$, $E(v; \theta)$."""
 
     latents: Any
     params: Any
