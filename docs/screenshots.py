@@ -37,6 +37,9 @@ PAGES = {
     "api-priors": "api/priors/",
     "api-scores": "api/scores/",
     "api-mechanisms": "api/mechanisms/",
+    "api-exact": "api/exact/",
+    "api-infer": "api/infer/",
+    "api-nn": "api/nn/",
     "benchmarks": "benchmarks/",
     "numpyro-tools": "numpyro_tools/",
 }

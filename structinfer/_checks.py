@@ -7,31 +7,68 @@ are static).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
+from jax.typing import ArrayLike
 
 
 def as_arrays(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """NumPy arrays among a model's arguments become JAX arrays, so the model may index
-    them with (traced or enumerated) edge variables; other leaves pass through."""
+    """NumPy arrays among a model's arguments become JAX arrays; other leaves pass through.
+
+    So the model may index them with (traced or enumerated) edge variables.
+
+    Args:
+        args: the model's positional arguments.
+        kwargs: the model's keyword arguments.
+
+    Returns:
+        ``(args, kwargs)`` with every NumPy leaf converted.
+    """
     conv = lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a  # noqa: E731
     return jax.tree.map(conv, tuple(args)), jax.tree.map(conv, dict(kwargs))
 
 
-def model_name(model) -> str:
-    """The name error messages use for a model (its ``__name__``, else its type's)."""
+def model_name(model: Any) -> str:
+    """The name error messages use for a model (its ``__name__``, else its type's).
+
+    Args:
+        model: a model (any callable).
+
+    Returns:
+        The name.
+    """
     return getattr(model, "__name__", type(model).__name__)
 
 
-def is_concrete(x) -> bool:
-    """True when ``x`` holds actual values (not a tracer inside jit/grad/vmap)."""
+def is_concrete(x: Any) -> bool:
+    """True when ``x`` holds actual values (not a tracer inside jit/grad/vmap).
+
+    Args:
+        x: an array or any value.
+
+    Returns:
+        ``False`` for a JAX tracer, ``True`` otherwise.
+    """
     return not isinstance(x, jax.core.Tracer)
 
 
-def as_float_array(x, what: str) -> jax.Array:
-    """Convert to a floating JAX array, keeping float64 when x64 is on."""
+def as_float_array(x: ArrayLike, what: str) -> jax.Array:
+    """Convert to a floating JAX array, keeping float64 when x64 is on.
+
+    Args:
+        x: an array-like; integers become the default float.
+        what: the argument's name, for the error message.
+
+    Returns:
+        ``x`` as a floating JAX array.
+
+    Raises:
+        TypeError: ``x`` is not array-like.
+    """
     try:
         arr = jnp.asarray(x)
     except TypeError as e:  # pragma: no cover - message improvement only
@@ -41,8 +78,19 @@ def as_float_array(x, what: str) -> jax.Array:
     return arr
 
 
-def check_finite(x, what: str, allow_neg_inf: bool = False) -> None:
-    """Raise ``ValueError`` naming ``what`` if ``x`` has NaN (or inf) entries."""
+def check_finite(x: ArrayLike, what: str, allow_neg_inf: bool = False) -> None:
+    """Raise ``ValueError`` naming ``what`` if ``x`` has NaN (or inf) entries.
+
+    Skipped when ``x`` is traced.
+
+    Args:
+        x: the array to check.
+        what: the argument's name, for the error message.
+        allow_neg_inf: accept ``-inf`` entries (forbidden edges in a log-table).
+
+    Raises:
+        ValueError: at the first NaN or infinite entry, naming its index.
+    """
     if not is_concrete(x):
         return
     arr = np.asarray(x)
@@ -58,7 +106,18 @@ def check_finite(x, what: str, allow_neg_inf: bool = False) -> None:
         )
 
 
-def check_ndim(x, min_ndim: int, what: str, layout: str) -> None:
+def check_ndim(x: ArrayLike, min_ndim: int, what: str, layout: str) -> None:
+    """Raise ``ValueError`` if ``x`` has fewer than ``min_ndim`` dimensions.
+
+    Args:
+        x: the array to check (its shape is static, so this runs under ``jit`` too).
+        min_ndim: the fewest dimensions ``x`` may have.
+        what: the argument's name, for the error message.
+        layout: the expected layout, e.g. ``"(..., children, parents)"``.
+
+    Raises:
+        ValueError: naming ``what``, the layout and the shape.
+    """
     if jnp.ndim(x) < min_ndim:
         raise ValueError(
             f"{what} must have at least {min_ndim} dimension(s) laid out as {layout}, "
@@ -66,21 +125,36 @@ def check_ndim(x, min_ndim: int, what: str, layout: str) -> None:
         )
 
 
-def all_positive(x) -> bool:
+def all_positive(x: ArrayLike) -> bool:
     """False when ``x`` is concrete and has an entry that is not ``> 0`` (NaN included).
 
     A traced ``x`` (a hyperparameter under ``jax.jit`` / ``jax.grad`` / ``jax.vmap``) passes:
     value checks run eagerly and are skipped under tracing.
+
+    Args:
+        x: the array to check.
+
+    Returns:
+        Whether every entry is positive (``True`` when traced).
     """
     if not is_concrete(x):
         return True
     return bool(np.all(np.asarray(x) > 0))
 
 
-def check_static_int(x, name: str, what: str):
+def check_static_int(x: Any, name: str, what: str) -> Any:
     """Refuse a traced structural int (a size, window or offset that sets a shape).
 
-    Returns ``x`` unchanged; raises ``TypeError`` naming ``name`` when ``x`` is a tracer.
+    Args:
+        x: the value to check.
+        name: the argument's name.
+        what: the object it belongs to, for the error message.
+
+    Returns:
+        ``x`` unchanged.
+
+    Raises:
+        TypeError: ``x`` is a tracer, naming ``name``.
     """
     if not is_concrete(x):
         raise TypeError(
@@ -91,9 +165,17 @@ def check_static_int(x, name: str, what: str):
     return x
 
 
-def is_masked(fn) -> bool:
-    """True when the distribution ``fn`` is (or wraps) a ``MaskedDistribution``
-    (``numpyro.handlers.mask`` does that)."""
+def is_masked(fn: dist.Distribution | None) -> bool:
+    """True when the distribution ``fn`` is (or wraps) a ``MaskedDistribution``.
+
+    ``numpyro.handlers.mask`` does that.
+
+    Args:
+        fn: a site's distribution.
+
+    Returns:
+        Whether some layer of ``fn`` (through ``base_dist``) is masked.
+    """
     for _ in range(32):
         if fn is None:
             return False

@@ -3,16 +3,20 @@ r"""The exact engine's public seam: one inspection, one contraction, the user fu
 $$\log Z = \log \sum_\phi p(x, \phi), \qquad
 p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}$$
 
-* :mod:`~structinfer.exact.inspect` — :func:`inspect_model` reads every site of a
-  model once into a :class:`ModelInfo` (roles, shapes, plates, supports, each edge's
-  prior and score);
-* :mod:`~structinfer.exact.contract` — :func:`log_z`, the one contraction (NumPyro's
-  funsor ``log_density``; with ``keep_plates`` the per-element log-likelihood);
-* :mod:`~structinfer.exact.api` — :func:`log_marginal`, :func:`energy`,
-  :func:`marginals`, :func:`expectation`, :func:`map_edges`, :func:`sample_edges`,
-  :func:`pointwise_log_likelihood`, :func:`likelihood_structure`;
-* :mod:`~structinfer.exact.bounds` — the static index-bounds check
-  (:class:`IndexOutOfBounds`).
+* `structinfer.exact.inspect` — [`inspect_model`][structinfer.exact.inspect_model] reads
+  every site of a model once into a [`ModelInfo`][structinfer.exact.ModelInfo] (roles,
+  shapes, plates, supports, each edge's prior and score);
+* `structinfer.exact.contract` — [`log_z`][structinfer.exact.log_z], the one contraction
+  (NumPyro's funsor ``log_density``; with ``keep_plates`` the per-element
+  log-likelihood);
+* `structinfer.exact.api` — [`log_marginal`][structinfer.exact.log_marginal],
+  [`energy`][structinfer.exact.energy], [`marginals`][structinfer.exact.marginals],
+  [`expectation`][structinfer.exact.expectation], [`map_edges`][structinfer.exact.map_edges],
+  [`sample_edges`][structinfer.exact.sample_edges],
+  [`pointwise_log_likelihood`][structinfer.exact.pointwise_log_likelihood],
+  [`likelihood_structure`][structinfer.exact.likelihood_structure];
+* `structinfer.exact.bounds` — the static index-bounds check
+  ([`IndexOutOfBounds`][structinfer.exact.IndexOutOfBounds]).
 
 Everything above the engine (lowering, inference, diagnostics, the catalogue) uses
 these names only.

@@ -1,17 +1,18 @@
 r"""The exact engine's user functions: collapse every edge site with funsor.
 
-For a model :math:`p(x, \phi)` with discrete edge sites :math:`\phi` (and any
+For a model $p(x, \phi)$ with discrete edge sites $\phi$ (and any
 other sites observed or given values):
 
-.. math::
+$$
+\log Z = \log \sum_\phi p(x, \phi), \qquad
+E = -\log Z, \qquad
+p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}, \qquad
+\mathbb E[v] = \frac{\partial}{\partial t} \log \sum_\phi p(x,\phi)\, e^{t \cdot v(\phi)}\Big|_{t=0}.
+$$
 
-    \log Z = \log \sum_\phi p(x, \phi), \qquad
-    E = -\log Z, \qquad
-    p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}, \qquad
-    \mathbb E[v] = \frac{\partial}{\partial t} \log \sum_\phi p(x,\phi)\, e^{t \cdot v(\phi)}\Big|_{t=0}.
-
-``log Z`` is the engine's one contraction (:func:`structinfer.exact.log_z`, NumPyro's
-``numpyro.contrib.funsor`` variable elimination over the plates); marginals and expectations are one backward pass through it
+$\log Z$ is the engine's one contraction ([`log_z`][structinfer.exact.log_z], NumPyro's
+``numpyro.contrib.funsor`` variable elimination over the plates); marginals and
+expectations are one backward pass through it
 (torch-struct's "marginals are gradients of the log-partition"); MAP and
 posterior samples use funsor's max-product / forward-filter-backward-sample
 (``numpyro.contrib.funsor.infer_discrete``).
@@ -49,33 +50,52 @@ __all__ = [
 
 
 def log_marginal(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
-    r"""Log marginal likelihood with every edge collapsed, :math:`\log \sum_\phi p(x, \phi)`.
+    r"""Log marginal likelihood with every edge collapsed, $\log \sum_\phi p(x, \phi)$.
 
-    For attention with a prior table :math:`\log\pi` and scores :math:`s` this is
-    :math:`\sum_i \mathrm{logsumexp}_j (s_{ij} + \log \pi_{ij})` — the negative of
-    the log-sum-exp energy (Tschantz; Singh & Buckley sec. 3).
+    For attention with a prior table $\log\pi$ and scores $s$ this is
+    $\sum_i \mathrm{logsumexp}_j (s_{ij} + \log \pi_{ij})$ — the negative of
+    the log-sum-exp energy.
 
     Args:
-        model: a NumPyro model using :func:`structinfer.edge` (and/or discrete sites
+        model: a NumPyro model using [`edge`][structinfer.edge] (and/or discrete sites
             marked ``infer={"enumerate": "parallel"}``); continuous latent sites must
             be given values (``numpyro.handlers.substitute``).
         *args: the model's positional arguments.
         **kwargs: the model's keyword arguments.
 
     Returns:
-        A scalar.
+        The scalar $\log Z$; jittable and differentiable, in the model's dtype.
+
+    Raises:
+        ValueError: a latent site has no value, or a tensor dim is left over after the
+            contraction (see [`log_z`][structinfer.exact.log_z]).
+
+    Reference:
+        Tschantz, "Attention via log-sum-exp energy"; Singh & Buckley sec. 3.
     """
     args, kwargs = as_arrays(args, kwargs)
     return log_z(model, args, kwargs)
 
 
 def energy(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
-    r"""The collapsed energy :math:`E(x) = -\log \sum_\phi p(x, \phi)` (see :func:`log_marginal`).
+    r"""The collapsed energy $E(x) = -\log \sum_\phi p(x, \phi)$.
 
-    For independent children this is the log-sum-exp energy
-    :math:`-\sum_i \log \sum_j \exp(\psi_{ij} + \log p_{ij})` of Tschantz
-    ("log-sum-exp energies", v2 eq. 1) and the collapsed free energy of Singh &
-    Buckley sec. 4.1 (eq. 3).
+    The negative of [`log_marginal`][structinfer.exact.log_marginal]. For independent
+    children this is the log-sum-exp energy
+    $-\sum_i \log \sum_j \exp(\psi_{ij} + \log p_{ij})$.
+
+    Args:
+        model: a NumPyro model with edge sites (as for
+            [`log_marginal`][structinfer.exact.log_marginal]).
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
+
+    Returns:
+        The scalar $E = -\log Z$.
+
+    Reference:
+        Tschantz, "log-sum-exp energies" (v2 eq. 1); the collapsed free energy of
+        Singh & Buckley sec. 4.1 (eq. 3).
     """
     return -log_marginal(model, *args, **kwargs)
 
@@ -83,14 +103,24 @@ def energy(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
 def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
     r"""Exact posterior marginals of every enumerated site, by one backward pass.
 
-    .. math:: p(\phi_i = j \mid x) = \partial \log Z / \partial t_{ij} \big|_{t=0}
+    $$p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}$$
+
+    Args:
+        model: a NumPyro model with edge sites (as for
+            [`log_marginal`][structinfer.exact.log_marginal]).
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
 
     Returns:
         ``{site: array (..., children, parents)}`` for each edge site (and each other
-        enumerated discrete site, shape ``batch + (support,)``). Rows sum to one.
+            enumerated discrete site, shape ``batch + (support,)``). Rows sum to one.
 
-    Reference: the attention matrix as the edge posterior, Singh & Buckley sec. 3.1
-    (eq. 1); marginals as gradients of the log-partition (Lemma 7.1 (i), app. 7.1).
+    Raises:
+        ValueError: the model has no edge sites.
+
+    Reference:
+        The attention matrix as the edge posterior, Singh & Buckley sec. 3.1 (eq. 1);
+        marginals as gradients of the log-partition (Lemma 7.1 (i), app. 7.1).
     """
     args, kwargs = as_arrays(args, kwargs)
     info = inspect_model(model, *args, **kwargs)
@@ -112,13 +142,13 @@ def expectation(
 ) -> jax.Array | dict[str, jax.Array]:
     r"""Exact posterior expectation of deterministic site(s), by one backward pass.
 
-    .. math::
-
-        \mathbb E_{\phi \mid x}[v(\phi)]
-        = \frac{\partial}{\partial t} \log \sum_\phi p(x, \phi)\, e^{\langle t, v(\phi)\rangle}\Big|_{t=0}
+    $$
+    \mathbb E_{\phi \mid x}[v(\phi)]
+    = \frac{\partial}{\partial t} \log \sum_\phi p(x, \phi)\, e^{\langle t, v(\phi)\rangle}\Big|_{t=0}
+    $$
 
     Works for any value of the edges, including ones that couple several edge
-    sites (a two-hop chain :math:`V x_{\phi_{\phi_i}}`). The value must be
+    sites (a two-hop chain $V x_{\phi_{\phi_i}}$). The value must be
     recorded with ``numpyro.deterministic`` inside the plates of its children.
 
     Args:
@@ -131,8 +161,13 @@ def expectation(
         The expectation, shaped like the site's value in a plain run; a dict of them
             when ``site`` is a sequence.
 
-    Reference: attention output as :math:`\mathbb E_{\phi|x}[v(x,\phi)]`, Singh &
-    Buckley eq. 1; multi-hop values, app. 7.3.
+    Raises:
+        KeyError: the model has no site of that name.
+        ValueError: the site is not a deterministic site.
+
+    Reference:
+        Attention output as $\mathbb E_{\phi|x}[v(x,\phi)]$, Singh & Buckley eq. 1;
+        multi-hop values, app. 7.3.
     """
     args, kwargs = as_arrays(args, kwargs)
     names = [site] if isinstance(site, str) else list(site)
@@ -191,13 +226,23 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
 
 
 def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
-    r"""Jointly most probable structure :math:`\arg\max_\phi p(\phi \mid x)` (max-product).
+    r"""Jointly most probable structure $\arg\max_\phi p(\phi \mid x)$ (max-product).
+
+    Args:
+        model: a NumPyro model with edge sites (as for
+            [`log_marginal`][structinfer.exact.log_marginal]).
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
 
     Returns:
         ``{site: int array of the site's batch shape (..., children)}``.
 
-    Reference: hard attention as the MAP structure (Singh & Buckley sec. 3.1);
-    computed with funsor's max-product adjoint (``numpyro.contrib.funsor.infer_discrete``).
+    Raises:
+        ValueError: the model has no edge sites.
+
+    Reference:
+        Hard attention as the MAP structure (Singh & Buckley sec. 3.1); computed with
+        funsor's max-product adjoint (``numpyro.contrib.funsor.infer_discrete``).
     """
     return _discrete_posterior(model, args, kwargs, 0, None)
 
@@ -205,15 +250,26 @@ def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
 def sample_edges(
     rng_key: jax.Array, model: Callable, *args: Any, **kwargs: Any
 ) -> dict[str, jax.Array]:
-    r"""One exact joint draw :math:`\phi \sim p(\phi \mid x)` (forward-filter backward-sample).
+    r"""One exact joint draw $\phi \sim p(\phi \mid x)$ (forward-filter backward-sample).
 
     ``jax.vmap`` over keys for many draws.
+
+    Args:
+        rng_key: a JAX PRNG key.
+        model: a NumPyro model with edge sites (as for
+            [`log_marginal`][structinfer.exact.log_marginal]).
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
 
     Returns:
         ``{site: int array of the site's batch shape (..., children)}``.
 
-    Reference: stochastic (sampled) attention as a draw from the edge posterior
-    (Singh & Buckley sec. 2, "latent alignment"); funsor forward-filter backward-sample.
+    Raises:
+        ValueError: the model has no edge sites.
+
+    Reference:
+        Stochastic (sampled) attention as a draw from the edge posterior (Singh &
+        Buckley sec. 2, "latent alignment"); funsor forward-filter backward-sample.
     """
     return _discrete_posterior(model, args, kwargs, 1, rng_key)
 
@@ -231,9 +287,9 @@ def pointwise_log_likelihood(
 
     (all enumerated sites local to element $i$ are summed out; plates nested inside the
     observations' plates, e.g. heads, are multiplied out first). It is
-    :func:`~structinfer.exact.log_z` with ``keep_plates="observed"``. With
+    [`log_z`][structinfer.exact.log_z] with ``keep_plates="observed"``. With
     ``score_factors="normalize"`` factor potentials $\psi$ inside the observations'
-    plates (such as the scores of :func:`structinfer.edge`) are read as a conditional
+    plates (such as the scores of [`edge`][structinfer.edge]) are read as a conditional
     prior over the edges given the inputs,
     $\ell_i = \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}p(x_i\mid\phi_i) - \log\sum_{\phi_i} p(\phi_i)e^{\psi_i}$.
 
@@ -241,20 +297,21 @@ def pointwise_log_likelihood(
         model: a NumPyro model with edge sites and an observed sample site per child.
         params: values of the model's continuous latent sites (one posterior draw).
         *args: the model's positional arguments.
-        **kwargs: the model's keyword arguments.
         score_factors: ``"error"`` (default) refuses factor potentials in the
             observations' terms; ``"normalize"`` normalises them as above.
+        **kwargs: the model's keyword arguments.
 
     Returns:
         An array shaped like the plates around the observed site(s), outermost first
-        (e.g. ``(children,)`` or ``(batch, children)``); its sum is
-        $\log p(x \mid \theta)$. Jittable and differentiable.
+            (e.g. ``(children,)`` or ``(batch, children)``); its sum is
+            $\log p(x \mid \theta)$. Jittable and differentiable.
 
     Raises:
         EnergyOnlyModelError: no normalised observed site, or unnormalised factors.
 
-    Reference: the pointwise log-likelihood of PSIS-LOO (Vehtari, Gelman & Gabry 2017)
-    with the edges of Singh & Buckley (sec. 3.1) collapsed.
+    Reference:
+        The pointwise log-likelihood of PSIS-LOO (Vehtari, Gelman & Gabry 2017) with
+        the edges of Singh & Buckley (sec. 3.1) collapsed.
     """
     args, kwargs = as_arrays(args, kwargs)
     m = substitute(model, data=dict(params)) if params else model
@@ -268,14 +325,29 @@ def likelihood_structure(
     score_factors: ScoreFactors = "error",
     **kwargs: Any,
 ) -> LikelihoodStructure:
-    """The static facts of :func:`pointwise_log_likelihood` (names, plates, shape), shape-only.
+    r"""The static facts of the pointwise log-likelihood $\ell_i$ (names, plates, shape).
 
-    Nothing is computed (``jax.eval_shape``). Latent sites missing from ``params`` (all
-    of them with ``params=None``) are given placeholders of their shape: the structure
-    does not depend on their values, so a model can be checked before it is fitted.
+    Those of [`pointwise_log_likelihood`][structinfer.exact.pointwise_log_likelihood],
+    shape-only: nothing is computed (``jax.eval_shape``). Latent sites missing from
+    ``params`` (all of them with ``params=None``) are given placeholders of their shape:
+    the structure does not depend on their values, so a model can be checked before it
+    is fitted.
+
+    Args:
+        model: a NumPyro model with edge sites and an observed sample site per child.
+        params: values of (some of) the model's continuous latent sites, or ``None``.
+        *args: the model's positional arguments.
+        score_factors: ``"error"`` or ``"normalize"``, as for
+            [`pointwise_log_likelihood`][structinfer.exact.pointwise_log_likelihood].
+        **kwargs: the model's keyword arguments.
+
+    Returns:
+        The [`LikelihoodStructure`][structinfer.exact.LikelihoodStructure] of the
+            pointwise terms.
 
     Raises:
-        EnergyOnlyModelError: as :func:`pointwise_log_likelihood`.
+        EnergyOnlyModelError: as
+            [`pointwise_log_likelihood`][structinfer.exact.pointwise_log_likelihood].
     """
     args, kwargs = as_arrays(args, kwargs)
     box = []

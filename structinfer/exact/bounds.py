@@ -1,12 +1,12 @@
 r"""Static index-bounds check: no table is read past its end at an edge value.
 
-An edge site takes values :math:`\phi_i \in \{0, \dots, m-1\}`. A model that reads a
-table with fewer than :math:`m` rows at :math:`\phi_i` (``V[phi]`` with ``V`` of
+An edge site takes values $\phi_i \in \{0, \dots, m-1\}$. A model that reads a
+table with fewer than $m$ rows at $\phi_i$ (``V[phi]`` with ``V`` of
 ``k < m`` rows) gets a *clamped* row from JAX's indexing — a finite wrong number in
 every engine. This module checks, at trace time, every gather of the model's jaxpr
 whose index *is* an edge value (up to broadcasting, reshaping, concatenation into an
 index vector and JAX's negative-index wrap): each integer array derived from the edge
-values carries a range :math:`[lo, hi]` (one per component of the last axis), and a
+values carries a range $[lo, hi]$ (one per component of the last axis), and a
 clamping read whose edge component can leave the operand's bounds is an error.
 
 Reads the model shaped on purpose are left alone: an index computed with arithmetic
@@ -266,14 +266,21 @@ def _check_gather(eqn, idx: _Range, where: str) -> None:
 def check_gather_bounds(
     fn: Callable[[dict], Any], probes: dict[str, np.ndarray], where: str
 ) -> None:
-    """Raise :class:`IndexOutOfBounds` if ``fn(probes)`` reads past an array's end, with
-    clamping, at an index that is a probe value (see the module docstring).
+    r"""Check that no read of ``fn(probes)`` at an edge value $\phi_i$ passes an array's end.
+
+    Raises [`IndexOutOfBounds`][structinfer.exact.IndexOutOfBounds] if ``fn(probes)``
+    reads past an array's end, with clamping, at an index that is a probe value (see
+    the module docstring).
 
     Args:
         fn: ``fn(values: dict) -> pytree`` (e.g. a model run with the edge values given).
         probes: edge site -> NumPy int array of its values (any layout); its range
             ``0..m-1`` is what is checked.
         where: prefix of the error message (the model's name).
+
+    Raises:
+        IndexOutOfBounds: a clamping read whose index, computed directly from a probe,
+            can leave the array's bounds; the message names the sites and the shape.
     """
     names = list(probes)
     closed = jax.make_jaxpr(lambda *vals: fn(dict(zip(names, vals))))(

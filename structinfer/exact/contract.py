@@ -1,18 +1,18 @@
-r"""One contraction: :func:`log_z` sums the enumerated sites out of a model.
+r"""One contraction: [`log_z`][structinfer.exact.log_z] sums the enumerated sites out of a model.
 
 $$\log Z = \log \sum_\phi p(x, \phi)$$
 
 is NumPyro's own funsor contraction (``numpyro.contrib.funsor.log_density`` under
 ``enum``: variable elimination, plates multiplied out). With ``keep_plates`` the
 plates of the observations are *kept* instead, giving one term per element
-:math:`e` (child, or batch element and child):
+$e$ (child, or batch element and child):
 
 $$\ell_e = \log \sum_{\phi_e} \prod_{s \in e} p_s, \qquad
 \textstyle\sum_e \ell_e = \log p(x \mid \theta),$$
 
 the product running over the enumerated, observed and factor sites inside the kept
 plates (plates nested inside them, e.g. heads, are multiplied out first); the prior
-of the valued latent sites :math:`\theta` is left out (it is not per element). This
+of the valued latent sites $\theta$ is left out (it is not per element). This
 is the pointwise log-likelihood of Vehtari, Gelman & Gabry (2017) with the edges
 collapsed; every other function of the engine is a gradient of the scalar form.
 """
@@ -40,7 +40,7 @@ __all__ = [
     "EnergyOnlyModelError",
 ]
 
-#: how potentials inside the kept plates are read (see :func:`log_z`)
+#: how potentials inside the kept plates are read (see `log_z`)
 ScoreFactors = Literal["error", "normalize"]
 
 
@@ -54,7 +54,7 @@ class EnergyOnlyModelError(ValueError):
 
 
 class LikelihoodStructure(NamedTuple):
-    """What :func:`log_z` with kept plates returns one entry for (static facts).
+    """What [`log_z`][structinfer.exact.log_z] with kept plates returns one entry for (static facts).
 
     Attributes:
         name: variable name in the ``log_likelihood`` group (the observed site, or the
@@ -91,9 +91,9 @@ def log_z(
             (``numpyro.handlers.substitute``).
         args: the model's positional arguments (NumPy arrays become JAX arrays).
         kwargs: the model's keyword arguments.
-        info: the model's :class:`~structinfer.exact.ModelInfo` when the caller has it
-            (saves the inspection pass); read from the model otherwise.
-        tilts: ``{site: (t, event_dim)}`` zero tilts (:class:`structinfer.handlers.tilt`):
+        info: the model's [`ModelInfo`][structinfer.exact.ModelInfo] when the caller has
+            it (saves the inspection pass); read from the model otherwise.
+        tilts: ``{site: (t, event_dim)}`` zero tilts ([`tilt`][structinfer.handlers.tilt]):
             the gradient of the result with respect to ``t`` is a marginal or an
             expectation. Scalar form only.
         keep_plates: ``None`` (default): the scalar $\log Z$, NumPyro's
@@ -105,17 +105,19 @@ def log_z(
             and factor sites (valued latent sites are left out).
         score_factors: with kept plates, what to do with factor potentials
             $\psi$ inside them (e.g. the ``"<edge>.score"`` normalisers of
-            :func:`structinfer.edge`): ``"error"`` refuses them
-            (:class:`EnergyOnlyModelError`); ``"normalize"`` reads them as a conditional
+            [`edge`][structinfer.edge]): ``"error"`` refuses them
+            ([`EnergyOnlyModelError`][structinfer.exact.EnergyOnlyModelError]);
+            ``"normalize"`` reads them as a conditional
             prior over the edges given the inputs,
             $\ell_e = \log\sum_{\phi_e} p(\phi_e)e^{\psi_e}p(x_e\mid\phi_e) - \log\sum_{\phi_e} p(\phi_e)e^{\psi_e}$.
-        return_structure: also return the :class:`LikelihoodStructure` of the kept
+        return_structure: also return the
+            [`LikelihoodStructure`][structinfer.exact.LikelihoodStructure] of the kept
             terms (``None`` for the scalar form).
 
     Returns:
         A scalar, or an array shaped like the kept plates (``(children,)``,
-        ``(batch, children)``); ``(value, structure)`` with ``return_structure``.
-        Jittable and differentiable, float32 and float64.
+            ``(batch, children)``); ``(value, structure)`` with ``return_structure``.
+            Jittable and differentiable, float32 and float64.
 
     Raises:
         ValueError: a latent site has no value; a tensor dim is left over after the
@@ -125,8 +127,9 @@ def log_z(
         EnergyOnlyModelError: with kept plates, no normalised observed site, or
             unnormalised factors and ``score_factors="error"``.
 
-    Reference: NumPyro's funsor ``log_density`` (``contrib/funsor/infer_util.py``);
-    funsor's ``sum_product`` with the kept plates left free for the pointwise terms.
+    Reference:
+        NumPyro's funsor ``log_density`` (``contrib/funsor/infer_util.py``); funsor's
+        ``sum_product`` with the kept plates left free for the pointwise terms.
     """
     args, kwargs = as_arrays(args, dict(kwargs or {}))
     if info is None:
@@ -183,7 +186,7 @@ def _frames(site) -> dict[str, tuple[int, int]]:
 
 
 def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: ScoreFactors):
-    """Per-element log-likelihood over the kept plates and its :class:`LikelihoodStructure`."""
+    """Per-element log-likelihood over the kept plates and its `LikelihoodStructure`."""
     em = enum(
         require_values(model, what="the pointwise log-likelihood"),
         first_available_dim=info.first_available_dim,

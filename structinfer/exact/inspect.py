@@ -1,14 +1,14 @@
-r"""One model inspection: :func:`inspect_model` reads every site of a model into one
-:class:`ModelInfo`.
+r"""One model inspection: `inspect_model` reads every site of a model into one `ModelInfo`.
 
-The model is run once, blocked and without enumeration (:func:`trace_model`): each
+The model is run once, blocked and without enumeration
+([`trace_model`][structinfer.exact.trace_model]): each
 enumerated site holds zeros of its batch shape, each latent site without a value a
 placeholder inside its support (no sampler is traced), so the pass costs one plain run
 and, under ``jit``, is traced for its shapes only. Every site gets a *role*:
 
 | role | site |
 | --- | --- |
-| ``edge`` | declared with :func:`structinfer.edge` (enumerated; its :class:`~structinfer.primitives.EdgeInfo` attached) |
+| ``edge`` | declared with [`edge`][structinfer.edge] (enumerated; its [`EdgeInfo`][structinfer.primitives.EdgeInfo] attached) |
 | ``enumerated`` | another discrete site marked ``infer={"enumerate": "parallel"}`` |
 | ``latent`` | any other unobserved sample site (continuous parameters): shape, dtype, support, whether it had a value |
 | ``observed`` | a normalised observation (``obs=``, ``handlers.condition``) |
@@ -17,11 +17,13 @@ and, under ``jit``, is traced for its shapes only. Every site gets a *role*:
 | ``param`` | ``numpyro.param`` |
 
 and its plates, outermost first. The exact engine reads enumeration dims from it
-(:attr:`ModelInfo.first_available_dim`, :meth:`ModelInfo.probes`), the pointwise
+([`ModelInfo.first_available_dim`][structinfer.exact.ModelInfo.first_available_dim],
+[`ModelInfo.probes`][structinfer.exact.ModelInfo.probes]), the pointwise
 log-likelihood reads roles from it, and so do the fitting helpers and the lowering.
 
-Reference: the plates and enumeration dims of NumPyro's funsor enumeration
-(``numpyro.contrib.funsor``).
+Reference:
+    The plates and enumeration dims of NumPyro's funsor enumeration
+    (``numpyro.contrib.funsor``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ _SITE_TYPE = {"deterministic": "deterministic", "param": "param"}
 
 @dataclass(frozen=True)
 class SiteInfo:
-    """One site of a model, as :func:`inspect_model` read it.
+    """One site of a model, as [`inspect_model`][structinfer.exact.inspect_model] read it.
 
     Attributes:
         name: the site name.
@@ -74,8 +76,8 @@ class SiteInfo:
         num_values: ``edge`` / ``enumerated``: the support size (parents); else 0.
         has_value: ``latent``: ``False`` when the site had no value and holds a
             placeholder (it is yet to be inferred); ``True`` for every other site.
-        edge: the :class:`~structinfer.primitives.EdgeInfo` recorded by
-            :func:`structinfer.edge` (also on an edge site given a value, role
+        edge: the [`EdgeInfo`][structinfer.primitives.EdgeInfo] recorded by
+            [`edge`][structinfer.edge] (also on an edge site given a value, role
             ``observed``); its prior and score belong to the trace the inspection ran in.
     """
 
@@ -98,8 +100,10 @@ class SiteInfo:
 
 @dataclass(eq=False)
 class ModelInfo(Mapping[str, SiteInfo]):
-    """Static facts about a model from one inspection pass: a mapping ``name -> SiteInfo``
-    in execution order, plus its plates.
+    """Static facts about a model from one inspection pass: its sites and plates.
+
+    A mapping ``name -> SiteInfo`` ([`SiteInfo`][structinfer.exact.SiteInfo]) in
+    execution order, plus the model's plates.
 
     Attributes:
         records: ``{name: SiteInfo}`` of every sample, deterministic and param site.
@@ -107,6 +111,9 @@ class ModelInfo(Mapping[str, SiteInfo]):
         max_plate_nesting: the most plate dims around any site.
         site_types: ``{name: NumPyro site type}`` of every trace entry (plates included),
             for error messages.
+        float_dtype: the floating dtype of the model's log-density (of its sample sites'
+            log-probs): the dtype zero tilts take, so a float32 model answers in float32
+            with x64 enabled.
     """
 
     records: dict[str, SiteInfo] = field(default_factory=dict)
@@ -128,7 +135,14 @@ class ModelInfo(Mapping[str, SiteInfo]):
         return len(self.records)
 
     def of_role(self, *roles: Role) -> dict[str, SiteInfo]:
-        """The sites with one of ``roles``, in execution order."""
+        """The sites with one of ``roles``, in execution order.
+
+        Args:
+            *roles: role names (``"edge"``, ``"latent"``, ...; see the module docstring).
+
+        Returns:
+            ``{name: SiteInfo}`` of the sites with one of those roles.
+        """
         return {n: s for n, s in self.records.items() if s.role in roles}
 
     # -- views --------------------------------------------------------------------
@@ -144,7 +158,7 @@ class ModelInfo(Mapping[str, SiteInfo]):
 
     @property
     def edges(self) -> list[str]:
-        """The enumerated sites declared with :func:`structinfer.edge`."""
+        """The enumerated sites declared with [`edge`][structinfer.edge]."""
         return list(self.of_role("edge"))
 
     @property
@@ -178,10 +192,15 @@ class ModelInfo(Mapping[str, SiteInfo]):
         return dict(self.site_types)
 
     def probes(self) -> dict[str, np.ndarray]:
-        """Each enumerated site's whole support ``0..k-1`` on its own enumeration dim,
-        laid out as funsor's enumeration lays it out (site ``i`` at dim
+        """Each enumerated site's whole support ``0..k-1`` on its own enumeration dim.
+
+        Laid out as funsor's enumeration lays it out (site ``i`` at dim
         ``first_available_dim - i``): NumPy arrays, so they stay concrete under ``jit``.
-        Substituting them runs the model on every structure at once."""
+        Substituting them runs the model on every structure at once.
+
+        Returns:
+            ``{site: int32 array}``, the support of each enumerated site.
+        """
         return {
             name: np.arange(k, dtype=np.int32).reshape((k,) + (1,) * (self.max_plate_nesting + i))
             for i, (name, (_, k)) in enumerate(self.enumerated.items())
@@ -202,13 +221,30 @@ def trace_model(
     Sites in ``values`` take those values (edge probes, posterior draws); every other
     enumerated site holds zeros of its batch shape; a latent site without a value gets
     a placeholder inside its support (``placeholders=True``, marked with
-    :data:`~structinfer.handlers.PLACEHOLDER_KEY`) or raises the error of
-    :class:`~structinfer.handlers.require_values` naming ``what``. Nothing is sampled
-    (a ``seed`` only serves ``numpyro.prng_key`` and callable ``numpyro.param`` inits).
+    [`PLACEHOLDER_KEY`][structinfer.handlers.PLACEHOLDER_KEY]) or raises the error of
+    [`require_values`][structinfer.handlers.require_values] naming ``what``. Nothing is
+    sampled (a ``seed`` only serves ``numpyro.prng_key`` and callable ``numpyro.param``
+    inits).
 
-    This is the one plain run of a model the engine makes: :func:`inspect_model` reads
-    its sites from it, and callers that need values at given edges (the bounds check,
-    the Laplace expansion, the lowering's probes) run it with ``values``.
+    This is the one plain run of a model the engine makes:
+    [`inspect_model`][structinfer.exact.inspect_model] reads its sites from it, and
+    callers that need values at given edges (the bounds check, the Laplace expansion,
+    the lowering's probes) run it with ``values``.
+
+    Args:
+        model: a NumPyro model.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        values: ``{site: value}`` to substitute (edge probes, posterior draws).
+        placeholders: give latent sites without a value a placeholder instead of
+            raising.
+        what: what needs the values, named in the error of a missing value.
+
+    Returns:
+        The model's trace (NumPyro's ``OrderedDict`` of sites).
+
+    Raises:
+        ValueError: a latent site without a value, unless ``placeholders``.
     """
     m = substitute(model, data=dict(values)) if values else model
     m = fill_latent(m) if placeholders else require_values(m, what=what)
@@ -288,12 +324,13 @@ def _log_prob_dtype(site: dict) -> Any:
 
 
 def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
-    """Run ``model`` once without enumeration and read every site into a :class:`ModelInfo`.
+    """Run ``model`` once without enumeration and read every site into a `ModelInfo`.
 
     Enumerable sites get zeros and latent sites without a value a placeholder inside
-    their support (:func:`trace_model`), so nothing is enumerated or sampled; under
-    ``jit`` this pass is traced only for its shapes and compiled away. Raises a clear
-    error when the model would need more than :data:`MAX_ENUM_DIMS` tensor dims, when an
+    their support ([`trace_model`][structinfer.exact.trace_model]), so nothing is
+    enumerated or sampled; under ``jit`` this pass is traced only for its shapes and
+    compiled away. Raises a clear error when the model would need more than
+    `MAX_ENUM_DIMS` (32) tensor dims, when an
     enumerated site carries a scale, and when it reads a table with fewer rows than an
     edge has parents at that edge's value (a static check of the model's jaxpr, so under
     ``jit`` too). Latent sites without a value are recorded (``has_value=False``), not
@@ -305,7 +342,7 @@ def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
         **kwargs: its keyword arguments.
 
     Returns:
-        The model's :class:`ModelInfo`.
+        The model's [`ModelInfo`][structinfer.exact.ModelInfo].
 
     Raises:
         TypeError: ``model`` is not callable, or it indexes a NumPy array with an edge
@@ -313,8 +350,9 @@ def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
         ValueError: too many tensor dims, or a scaled edge site.
         IndexOutOfBounds: a table read at an edge value has too few rows.
 
-    Reference: the plates and enumeration dims of NumPyro's funsor enumeration
-    (``numpyro.contrib.funsor``); used by every exact-engine call.
+    Reference:
+        The plates and enumeration dims of NumPyro's funsor enumeration
+        (``numpyro.contrib.funsor``); used by every exact-engine call.
     """
     if not callable(model):
         raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
@@ -343,9 +381,9 @@ def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
     """Every table the model reads at an edge value has a row per parent (static check).
 
     The model is traced once with each enumerated site given its whole support in its
-    own enumeration dim, as the engine will; :func:`structinfer.exact.bounds.check_gather_bounds`
-    then checks every clamping read indexed directly by an edge value, and raises
-    :class:`~structinfer.exact.bounds.IndexOutOfBounds` naming the site and the array.
+    own enumeration dim, as the engine will; `check_gather_bounds` then checks every
+    clamping read indexed directly by an edge value, and raises `IndexOutOfBounds`
+    naming the site and the array.
     """
     probes = info.probes()
 

@@ -54,16 +54,21 @@ def as_float_tree(mu: Any) -> Any:
 
 
 def like_tree(value: Any, mu: Any) -> Any:
-    """`value` as a pytree like `mu`: itself if it has `mu`'s structure, else repeated
-    at every leaf (a scalar step size or precision)."""
+    """`value` as a pytree like `mu`.
+
+    Itself if it has `mu`'s structure, else repeated at every leaf (a scalar step size
+    or precision).
+    """
     if jax.tree.structure(value) == jax.tree.structure(mu):
         return value
     return jax.tree.map(lambda _: value, mu)
 
 
 def site_finder(fn: Any, mu_of_failure: Any) -> Any:
-    """For a model-based energy (`model_energy` / `model_log_z`), a function of the failing
-    batch index that names the responsible site; otherwise None."""
+    """A function of the failing batch index that names the responsible site, or None.
+
+    Only for a model-based energy (`model_energy` / `model_log_z`); None otherwise.
+    """
     if isinstance(fn, ModelFunction):
         return lambda idx: fn.site(mu_of_failure(idx))
     return None

@@ -16,8 +16,14 @@ from ..handlers import require_values
 
 
 def bad_leaf(tree: Any) -> str | None:
-    """The path and kind (`NaN` / `inf`) of the first floating leaf of `tree` that is not
-    finite, or None."""
+    """The path and kind (`NaN` / `inf`) of the first floating leaf of `tree` that is not finite.
+
+    Args:
+        tree: any pytree.
+
+    Returns:
+        ``"<path> contains NaN"`` (or ``inf``), or ``None`` when every leaf is finite.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     for path, leaf in leaves:
         try:
@@ -30,11 +36,20 @@ def bad_leaf(tree: Any) -> str | None:
     return None
 
 
-def nonfinite_site(model: Callable, *args, **kwargs) -> str | None:
-    """Name the first argument or site whose value / log-density is NaN or +inf, or
-    whose log-density is -inf under every structure (so that ``log Z = -inf``).
+def nonfinite_site(model: Callable, *args: Any, **kwargs: Any) -> str | None:
+    r"""Name the first argument or site that makes $\log Z$ non-finite.
 
+    That is the first argument or site whose value / log-density is NaN or +inf, or
+    whose log-density is -inf under every structure (so that $\log Z = -\infty$).
     Runs the model eagerly under funsor enumeration; meant for error messages only.
+
+    Args:
+        model: a NumPyro model with edge sites.
+        *args: the model's positional arguments.
+        **kwargs: the model's keyword arguments.
+
+    Returns:
+        A description of the argument or site, or ``None`` when none was found.
     """
     for i, a in enumerate(args):
         bad = bad_leaf(a)

@@ -46,13 +46,13 @@ _STATUS_NAMES = {RUNNING: "running", CONVERGED: "converged", MAX_ITERS: "max_ite
 
 
 class LoopInfo(NamedTuple):
-    """What an iterative algorithm reports besides its result.
+    r"""What an iterative algorithm reports besides its result: the energy trace $F(\mu^t)$.
 
     Every element stops for exactly one reason: `converged`, `max_iters_reached` or
     `nonfinite` (the properties below) is True for it.
 
     Attributes:
-        energy: `(*batch, max_iters + 1)` free energy before the first step
+        energy: `(*batch, max_iters + 1)` free energy $F(\mu^t)$ before the first step
             (index 0) and after each step; entries after an element stopped are NaN.
         num_steps: `(*batch,)` int32, steps taken by each element.
         converged: `(*batch,)` bool, True where the tolerance was met.
@@ -72,20 +72,26 @@ class LoopInfo(NamedTuple):
 
     @property
     def nonfinite(self) -> jax.Array:
-        """`(*batch,)` bool: stopped on a NaN or infinite energy (the state returned is
-        the element's last one with a finite energy)."""
+        """`(*batch,)` bool: stopped on a NaN or infinite energy.
+
+        The state returned is the element's last one with a finite energy.
+        """
         return jnp.asarray(self.status) == NONFINITE
 
     def final_energy(self) -> jax.Array:
-        """The energy after the last step taken, `(*batch,)`."""
+        """The energy after the last step taken.
+
+        Returns:
+            `(*batch,)`, `energy[..., num_steps]`.
+        """
         idx = jnp.asarray(self.num_steps)[..., None]
         return jnp.take_along_axis(self.energy, idx, axis=-1)[..., 0]
 
     def raise_on_nonfinite(self, algorithm: str = "iterative inference") -> None:
-        """Raise `NonFiniteEnergyError` (naming the step and batch element) if some
-        element stopped on a non-finite energy.
+        """Raise if some element stopped on a non-finite energy.
 
-        Every algorithm does this itself on a concrete result; under `jax.jit` it
+        The [`NonFiniteEnergyError`][structinfer.infer.NonFiniteEnergyError] names the
+        step and the batch element. Every algorithm does this itself on a concrete result; under `jax.jit` it
         returns the status instead, so call this on the concrete `info` afterwards.
         Does nothing while traced.
 
@@ -127,7 +133,7 @@ def run_loop(
     energy0: jax.Array,
     max_iters: int,
 ) -> tuple[Any, LoopInfo]:
-    """Iterate ``step`` under :func:`jax.lax.while_loop` with per-element stopping.
+    """Iterate ``step`` under `jax.lax.while_loop` with per-element stopping.
 
     Args:
         step: ``state -> (new_state, energy, converged)``; ``energy`` and
@@ -138,7 +144,10 @@ def run_loop(
 
     Returns:
         ``(state, info)``: the final state (each element's last finite one) and a
-        :class:`LoopInfo`.
+            `LoopInfo`.
+
+    Raises:
+        ValueError: ``max_iters`` is not a positive int.
     """
     if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)) or max_iters < 1:
         raise ValueError(f"max_iters must be a positive int, got {max_iters!r}")
@@ -179,17 +188,20 @@ def check(
     algorithm: str = "iterative inference",
     site: str | Callable[[tuple], str | None] | None = None,
 ) -> None:
-    """Raise :class:`NonFiniteEnergyError` if some element stopped on a non-finite energy.
+    """Raise `NonFiniteEnergyError` if some element stopped on a non-finite energy.
 
     Call it on a concrete result (after ``jax.jit`` returns); under tracing it does
-    nothing. Every ``run`` in :mod:`structinfer.infer` calls it itself when its
+    nothing. Every ``run`` in `structinfer.infer` calls it itself when its
     result is concrete (``raise_on_nonfinite=True``).
 
     Args:
-        info: the loop's :class:`LoopInfo`.
+        info: the loop's `LoopInfo`.
         algorithm: name used in the message.
         site: the responsible site, or a function of the failing batch index that
             finds it (evaluated only on failure).
+
+    Raises:
+        NonFiniteEnergyError: naming the step, the batch element and the site.
     """
     status = info.status
     if not is_concrete(status):

@@ -32,7 +32,7 @@ __all__ = ["CCCPState", "init", "step", "run"]
 
 
 class CCCPState(NamedTuple):
-    """State of `structinfer.infer.cccp`: the means `mu` (any pytree) and `F(mu)`."""
+    r"""State of [`cccp`][structinfer.infer.cccp]: the means $\mu$ (`mu`, any pytree) and $F(\mu)$."""
 
     mu: Any
     energy: jax.Array

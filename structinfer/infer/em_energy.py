@@ -28,7 +28,7 @@ __all__ = ["EMState", "init", "step", "run"]
 
 
 class EMState(NamedTuple):
-    """`structinfer.infer.energy_em` state: `latents` and `params` (pytrees) and the energy."""
+    r"""State of [`energy_em`][structinfer.infer.energy_em]: latents $v$, params $\theta$, $E(v; \theta)$."""
 
     latents: Any
     params: Any
@@ -50,7 +50,15 @@ def init(
     e_iters: int = 100,
     e_tol: float = 1e-6,
 ) -> EMState:
-    r"""The first E-step: gradient descent on the latents at `params` (arguments as in `run`).
+    r"""The first E-step $v^*_0 = \arg\min_v E(v; \theta_0)$, by gradient descent on the latents.
+
+    Args:
+        energy_fn: `(latents, params) -> E`.
+        latents: initial latents (pytree).
+        params: initial parameters (pytree).
+        e_step_size: step size of the inner gradient descent.
+        e_iters: its most steps.
+        e_tol: its gradient tolerance.
 
     Returns:
         The `EMState` with $v^*_0$, `params` and $E(v^*_0; \theta_0)$.
@@ -69,8 +77,19 @@ def step(
     m_step_size: Any = 0.01,
     tol: float = 1e-8,
 ) -> tuple[EMState, jax.Array]:
-    r"""One iteration: a gradient step on the parameters at the current latents, then the
-    E-step from them (arguments as in `run`).
+    r"""One iteration: $\theta \leftarrow \theta - \eta_\theta\,\partial_\theta E$, then the E-step.
+
+    The gradient step on the parameters is taken at the current latents; the E-step
+    starts from them.
+
+    Args:
+        energy_fn: `(latents, params) -> E`.
+        state: the current `EMState`.
+        e_step_size: step size of the inner gradient descent.
+        e_iters: its most steps.
+        e_tol: its gradient tolerance.
+        m_step_size: $\eta_\theta$ (scalar or pytree like `params`).
+        tol: the convergence tolerance.
 
     Returns:
         `(new_state, converged)`: $E$ changed by at most `tol * max(1, |E|)`.
@@ -96,8 +115,10 @@ def run(
     max_iters: int = 200,
     raise_on_nonfinite: bool = True,
 ) -> tuple[EMState, LoopInfo]:
-    r"""The general log-sum-exp EM (Tschantz): E-step = gradient descent on the latents
-    to a minimum of the energy, M-step = one gradient step on the parameters.
+    r"""The general log-sum-exp EM (Tschantz): gradient E-step on the latents, gradient M-step.
+
+    The E-step is gradient descent on the latents to a minimum of the energy, the M-step
+    one gradient step on the parameters:
 
     $$v^* = \arg\min_v E(v; \theta) \;\;(\text{gradient descent from the previous } v),
     \qquad \theta \leftarrow \theta - \eta_\theta\, \partial_\theta E(v^*; \theta).$$
@@ -116,8 +137,11 @@ def run(
             result is concrete.
 
     Returns:
-        `(EMState, LoopInfo)`; `info.energy[t]` is $E(v^*_t; \theta_t)$ after the E-step of
-        iteration `t` at the parameters of iteration `t`.
+        `(EMState, LoopInfo)`; `info.energy[t]` is $E(v^*_t; \theta_t)$ after the E-step
+            of iteration `t` at the parameters of iteration `t`.
+
+    Reference:
+        Tschantz, "log-sum-exp expectation maximisation".
     """
     kw = dict(e_step_size=e_step_size, e_iters=e_iters, e_tol=e_tol)
     state = init(energy_fn, latents, params, **kw)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from .._checks import as_float_array, check_ndim
 from ..exact import log_marginal, marginals
@@ -29,8 +30,15 @@ __all__ = ["GMMState", "init", "step", "run"]
 
 
 class GMMState(NamedTuple):
-    """`structinfer.infer.gmm_em` state: parameters, responsibilities `(points, K)` and
-    the log-likelihood."""
+    r"""[`gmm_em`][structinfer.infer.gmm_em] state: parameters, responsibilities $r_{ik}$, log-likelihood.
+
+    Attributes:
+        means: `(K, d)` component means $\mu_k$.
+        covariances: `(K, d, d)` component covariances $\Sigma_k$.
+        weights: `(K,)` mixture weights $w_k$.
+        responsibilities: `(points, K)` $r_{ik} = p(\phi_i = k \mid x)$.
+        log_likelihood: $\log p(x) = \sum_i \log\sum_k w_k \mathcal N(x_i; \mu_k, \Sigma_k)$.
+    """
 
     means: jax.Array
     covariances: jax.Array
@@ -79,8 +87,18 @@ def _init(x, means, covs, w) -> GMMState:
     return GMMState(means, covs, w, resp, ll)
 
 
-def init(x, means, covariances, weights=None) -> GMMState:
-    r"""Check and cast the arguments (as in `run`) and run the first E-step.
+def init(
+    x: ArrayLike, means: ArrayLike, covariances: ArrayLike, weights: ArrayLike | None = None
+) -> GMMState:
+    r"""Check and cast the arguments and run the first E-step.
+
+    The E-step gives the responsibilities $r_{ik} \propto w_k\mathcal N(x_i;\mu_k,\Sigma_k)$.
+
+    Args:
+        x: `(points, d)` data.
+        means: `(K, d)`.
+        covariances: `(K, d, d)`.
+        weights: `(K,)` (default uniform).
 
     Returns:
         The `GMMState` at the initial parameters.
@@ -91,8 +109,12 @@ def init(x, means, covariances, weights=None) -> GMMState:
     return _init(*_prepare(x, means, covariances, weights))
 
 
-def step(x, state: GMMState, *, reg: float = 0.0, tol: float = 1e-8) -> tuple[GMMState, jax.Array]:
-    r"""One EM iteration: the M-step of `run` at `state.responsibilities`, then the E-step.
+def step(
+    x: jax.Array, state: GMMState, *, reg: float = 0.0, tol: float = 1e-8
+) -> tuple[GMMState, jax.Array]:
+    r"""One EM iteration: the closed-form M-step at `state.responsibilities`, then the E-step.
+
+    The M-step is that of [`gmm_em`][structinfer.infer.gmm_em].
 
     Args:
         x: `(points, d)` data (as cast by `init`).
@@ -102,7 +124,7 @@ def step(x, state: GMMState, *, reg: float = 0.0, tol: float = 1e-8) -> tuple[GM
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
-        `tol * max(1, |ll|)`.
+            `tol * max(1, |ll|)`.
     """
     mu, cov, wt = _m_step(x, state.responsibilities, state.means, state.covariances, reg)
     ll, resp = _e_step(x, mu, cov, wt)
@@ -110,10 +132,10 @@ def step(x, state: GMMState, *, reg: float = 0.0, tol: float = 1e-8) -> tuple[GM
 
 
 def run(
-    x,
-    means,
-    covariances,
-    weights=None,
+    x: ArrayLike,
+    means: ArrayLike,
+    covariances: ArrayLike,
+    weights: ArrayLike | None = None,
     *,
     reg: float = 0.0,
     tol: float = 1e-8,
@@ -143,10 +165,14 @@ def run(
 
     Returns:
         `(GMMState, LoopInfo)`; `info.energy[t]` is $-\log p(x)$ after `t` iterations
-        (non-increasing).
+            (non-increasing).
 
     Raises:
-        ValueError: see `init`.
+        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`.
+
+    Reference:
+        Tschantz, "log-sum-exp expectation maximisation", sec. 2; Dempster et al.
+        (1977).
     """
     x, means, covs, w = _prepare(x, means, covariances, weights)
     state = _init(x, means, covs, w)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from .._checks import as_float_array, check_ndim
 from ..exact import log_marginal, marginals
@@ -29,9 +30,16 @@ __all__ = ["LinearMixtureState", "init", "step", "run"]
 
 
 class LinearMixtureState(NamedTuple):
-    """`structinfer.infer.linear_mixture_em` state: `A (K, d_y, d_u)`, `b (K, d_y)`,
-    `covariances (K, d_y, d_y)`, `weights (K,)`, responsibilities `(T, K)`,
-    log-likelihood."""
+    r"""State of [`linear_mixture_em`][structinfer.infer.linear_mixture_em]: modes and responsibilities.
+
+    Attributes:
+        A: `(K, d_y, d_u)` the modes' linear maps $A_k$.
+        b: `(K, d_y)` their offsets $b_k$.
+        covariances: `(K, d_y, d_y)` their noise covariances $\Sigma_k$.
+        weights: `(K,)` mode weights $w_k$.
+        responsibilities: `(T, K)` $r_{tk} = p(\phi_t = k \mid u, y)$.
+        log_likelihood: $\log p(y \mid u)$.
+    """
 
     A: jax.Array
     b: jax.Array
@@ -73,14 +81,32 @@ def _init(u, y, A, b, covs, w) -> LinearMixtureState:
     return LinearMixtureState(A, b, covs, w, resp, ll)
 
 
-def init(inputs, targets, A, b, covariances, weights=None) -> LinearMixtureState:
-    r"""Check and cast the arguments (as in `run`) and run the first E-step.
+def init(
+    inputs: ArrayLike,
+    targets: ArrayLike,
+    A: ArrayLike,
+    b: ArrayLike,
+    covariances: ArrayLike,
+    weights: ArrayLike | None = None,
+) -> LinearMixtureState:
+    r"""Check and cast the arguments and run the first E-step.
+
+    The E-step gives the responsibilities
+    $r_{tk} \propto w_k \mathcal N(y_t; A_k u_t + b_k, \Sigma_k)$.
+
+    Args:
+        inputs: `(T, d_u)`.
+        targets: `(T, d_y)`.
+        A: `(K, d_y, d_u)`.
+        b: `(K, d_y)`.
+        covariances: `(K, d_y, d_y)`.
+        weights: `(K,)` (default uniform).
 
     Returns:
         The `LinearMixtureState` at the initial parameters.
 
     Raises:
-        ValueError: shapes other than those listed in `run`.
+        ValueError: shapes other than those above.
     """
     return _init(*_prepare(inputs, targets, A, b, covariances, weights))
 
@@ -100,20 +126,27 @@ def _m_step(u, y, st: LinearMixtureState, reg):
 
 
 def step(
-    inputs, targets, state: LinearMixtureState, *, reg: float = 0.0, tol: float = 1e-8
+    inputs: jax.Array,
+    targets: jax.Array,
+    state: LinearMixtureState,
+    *,
+    reg: float = 0.0,
+    tol: float = 1e-8,
 ) -> tuple[LinearMixtureState, jax.Array]:
-    r"""One EM iteration: the weighted least squares of `run` at
-    `state.responsibilities`, then the E-step.
+    r"""One EM iteration: weighted least squares at `state.responsibilities`, then the E-step.
+
+    The M-step is that of [`linear_mixture_em`][structinfer.infer.linear_mixture_em].
 
     Args:
-        inputs: `(T, d_u)`; targets: `(T, d_y)` (as cast by `init`).
+        inputs: `(T, d_u)` (as cast by `init`).
+        targets: `(T, d_y)` (as cast by `init`).
         state: the current `LinearMixtureState`.
         reg: ridge added to every covariance.
         tol: the convergence tolerance.
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
-        `tol * max(1, |ll|)`.
+            `tol * max(1, |ll|)`.
     """
     A, b, cov, w = _m_step(inputs, targets, state, reg)
     ll, resp = _e_step(inputs, targets, A, b, cov, w)
@@ -122,12 +155,12 @@ def step(
 
 
 def run(
-    inputs,
-    targets,
-    A,
-    b,
-    covariances,
-    weights=None,
+    inputs: ArrayLike,
+    targets: ArrayLike,
+    A: ArrayLike,
+    b: ArrayLike,
+    covariances: ArrayLike,
+    weights: ArrayLike | None = None,
     *,
     reg: float = 0.0,
     tol: float = 1e-8,
@@ -165,10 +198,14 @@ def run(
 
     Returns:
         `(LinearMixtureState, LoopInfo)`; `info.energy` is $-\log p(y \mid u)$
-        (non-increasing for `reg = 0`).
+            (non-increasing for `reg = 0`).
 
     Raises:
         ValueError: shapes other than those above.
+
+    Reference:
+        Tschantz, "Attention via log-sum-exp energy" v2 sec. 10 and the slides' linear
+        mixture.
     """
     u, y, A, b, covs, w = _prepare(inputs, targets, A, b, covariances, weights)
     state = _init(u, y, A, b, covs, w)

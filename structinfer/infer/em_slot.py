@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from numpyro.handlers import substitute
 
 from .._checks import as_float_array
@@ -42,12 +43,12 @@ def _slot_rank(x, slots, wk, wq) -> int:
 
 
 def _pinv_sqrt_psd(c, rank: int, rtol: float):
-    r""":math:`C^{+1/2} = \sum_{\lambda_a > \tau} \lambda_a^{-1/2} v_a v_a^\top` for p.s.d. :math:`C`.
+    r"""$C^{+1/2} = \sum_{\lambda_a > \tau} \lambda_a^{-1/2} v_a v_a^\top$ for p.s.d. $C$.
 
     Only the ``rank`` largest eigenvalues (a static bound from the shapes) that exceed
-    :math:`\tau = \mathrm{rtol}\cdot\lambda_{\max}` are inverted; the rest, exact zeros
-    that rounding turned into :math:`\pm\varepsilon\lambda_{\max}`, are set to 0, so
-    :math:`C^{+1/2} C\, C^{+1/2}` is the orthogonal projector onto the range of :math:`C`.
+    $\tau = \mathrm{rtol}\cdot\lambda_{\max}$ are inverted; the rest, exact zeros
+    that rounding turned into $\pm\varepsilon\lambda_{\max}$, are set to 0, so
+    $C^{+1/2} C\, C^{+1/2}$ is the orthogonal projector onto the range of $C$.
     """
     evals, evecs = jnp.linalg.eigh(0.5 * (c + jnp.swapaxes(c, -1, -2)))  # ascending
     d = c.shape[-1]
@@ -57,38 +58,50 @@ def _pinv_sqrt_psd(c, rank: int, rtol: float):
 
 
 def _polar(m):
-    r"""Orthogonal polar factor :math:`U V^\top` of :math:`m = U \Sigma V^\top`: the
-    :math:`O` with orthonormal rows (or columns) maximising :math:`\mathrm{tr}(O^\top m)`."""
+    r"""Orthogonal polar factor $U V^\top$ of $m = U \Sigma V^\top$.
+
+    The $O$ with orthonormal rows (or columns) maximising $\mathrm{tr}(O^\top m)$.
+    """
     u, _, vt = jnp.linalg.svd(m, full_matrices=False)
     return u @ vt
 
 
-def m_step(x, slots, attention, wk, wq, *, whiten: bool = True, ridge: float = 0.0,
-           rtol: float | None = None):
-    r"""Weighted least squares for :math:`W_Q` then :math:`W_K` (Tschantz, "coordinate ascent"):
+def m_step(
+    x: jax.Array,
+    slots: jax.Array,
+    attention: jax.Array,
+    wk: jax.Array,
+    wq: jax.Array,
+    *,
+    whiten: bool = True,
+    ridge: float = 0.0,
+    rtol: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Weighted least squares for $W_Q$ then $W_K$ (Tschantz, "coordinate ascent").
 
-    .. math::
-
-        \min \sum_{j,i} A_{ji} \|W_K x_j - W_Q \mu_i\|^2: \quad
-        W_Q = \Big(\sum A_{ji} W_K x_j \mu_i^\top\Big)\Big(\sum A_{ji}\mu_i\mu_i^\top\Big)^{+},\quad
-        W_K = \Big(\sum A_{ji} W_Q \mu_i x_j^\top\Big)\Big(\sum A_{ji} x_j x_j^\top\Big)^{+}.
+    $$
+    \min \sum_{j,i} A_{ji} \|W_K x_j - W_Q \mu_i\|^2: \quad
+    W_Q = \Big(\sum A_{ji} W_K x_j \mu_i^\top\Big)\Big(\sum A_{ji}\mu_i\mu_i^\top\Big)^{+},\quad
+    W_K = \Big(\sum A_{ji} W_Q \mu_i x_j^\top\Big)\Big(\sum A_{ji} x_j x_j^\top\Big)^{+}.
+    $$
 
     Gram matrices are pseudo-inverted (minimum-norm solutions when they are singular,
     e.g. fewer slots than slot dimensions). The objective is minimised jointly by
-    :math:`W_K = W_Q = 0`, and alternating the two solves shrinks both towards it (each
+    $W_K = W_Q = 0$, and alternating the two solves shrinks both towards it (each
     is a regression; their product has the squared canonical correlations as
     eigenvalues). ``whiten=True`` adds the scale constraint
-    :math:`W_K C_{xx} W_K^\top = \Pi` (:math:`C_{xx} = \sum A x x^\top / \sum A`) after
-    the :math:`W_K` solve, :math:`W_K \leftarrow (W_K C_{xx} W_K^\top)^{+1/2} W_K`,
+    $W_K C_{xx} W_K^\top = \Pi$ ($C_{xx} = \sum A x x^\top / \sum A$) after
+    the $W_K$ solve, $W_K \leftarrow (W_K C_{xx} W_K^\top)^{+1/2} W_K$,
     which turns the alternation into the power iteration of weighted canonical
-    correlation analysis between tokens and their slots. :math:`\Pi` is the orthogonal
-    projector onto the range of :math:`W_K C_{xx} W_K^\top`: :math:`I` when it has full
-    rank, rank :math:`\le \min(S, d_\mu, d_x)` otherwise (e.g. more key dimensions than
+    correlation analysis between tokens and their slots. $\Pi$ is the orthogonal
+    projector onto the range of $W_K C_{xx} W_K^\top$: $I$ when it has full
+    rank, rank $\le \min(S, d_\mu, d_x)$ otherwise (e.g. more key dimensions than
     slots) — the whitening acts on that range only, so it is continuous in the data.
 
-    This single step leaves the gauge :math:`(\mu, W_Q) \to (c\mu, W_Q/c)` free (it
-    changes no score, but the E-step fixes :math:`|\mu| \propto |W_Q|`); ``slot_em``
-    uses the well-posed variant described there (:func:`tied_m_step`).
+    This single step leaves the gauge $(\mu, W_Q) \to (c\mu, W_Q/c)$ free (it
+    changes no score, but the E-step fixes $|\mu| \propto |W_Q|$);
+    [`slot_em`][structinfer.infer.slot_em] uses the well-posed variant described there
+    (`tied_m_step`).
 
     Args:
         x: ``(tokens, d_x)``.
@@ -102,10 +115,11 @@ def m_step(x, slots, attention, wk, wq, *, whiten: bool = True, ridge: float = 0
             pseudo-inverses and the whitening; default ``10 * max(shape) * eps(dtype)``.
 
     Returns:
-        ``(wk, wq)``.
+        ``(wk, wq)``, the new $W_K$ and $W_Q$.
 
-    Reference: Singh & Buckley sec. 4.3 (the score :math:`\mu_i^\top W_Q^\top W_K x_j`);
-    Tschantz, coordinate ascent for ``W_K, W_Q``.
+    Reference:
+        Singh & Buckley sec. 4.3 (the score $\mu_i^\top W_Q^\top W_K x_j$); Tschantz,
+        coordinate ascent for $W_K, W_Q$.
     """
     A = attention
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
@@ -123,9 +137,21 @@ def m_step(x, slots, attention, wk, wq, *, whiten: bool = True, ridge: float = 0
     return wk_new, wq_new
 
 
-def tied_m_step(x, slots, attention, wk, wq, *, whiten: bool, ridge: float, rtol: float):
-    r"""The M-step of `structinfer.infer.slot_em` (steps 1–4 of `run`), with the slots tied
-    to the E-step's fixed point.
+def tied_m_step(
+    x: jax.Array,
+    slots: jax.Array,
+    attention: jax.Array,
+    wk: jax.Array,
+    wq: jax.Array,
+    *,
+    whiten: bool,
+    ridge: float,
+    rtol: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    r"""The M-step of [`slot_em`][structinfer.infer.slot_em], slots tied to the E-step's fixed point.
+
+    Steps 1–4 of [`slot_em`][structinfer.infer.slot_em]; the slots are tied to the
+    E-step's fixed point $\mu_i = W_Q^\top m_i$.
 
     Args:
         x: `(tokens, d_x)`.
@@ -139,7 +165,7 @@ def tied_m_step(x, slots, attention, wk, wq, *, whiten: bool, ridge: float, rtol
 
     Returns:
         `(wk, wq, slots)`: the new projections and the slots $\mu_i = W_Q^\top m_i$ the
-        next E-step starts from.
+            next E-step starts from.
     """
     A = attention
     n = jnp.sum(A, 0)  # N_i, the slots' masses
@@ -181,8 +207,15 @@ def tied_m_step(x, slots, attention, wk, wq, *, whiten: bool, ridge: float, rtol
 
 
 class SlotState(NamedTuple):
-    """`structinfer.infer.slot_em` state: slots `(S, d_mu)`, `wk`, `wq`, attention
-    `(tokens, S)` and the free energy."""
+    r"""[`slot_em`][structinfer.infer.slot_em] state: slots, projections, attention and free energy.
+
+    Attributes:
+        slots: `(S, d_mu)` slot means $\mu_i$.
+        wk: `(d_k, d_x)` key projection $W_K$.
+        wq: `(d_k, d_mu)` query projection $W_Q$.
+        attention: `(tokens, S)` $A_{ji} = p(\phi_j = i \mid x)$ at the slots.
+        energy: the collapsed free energy $F = \tfrac12\|\mu\|^2 - \log Z(\mu; W)$.
+    """
 
     slots: jax.Array
     wk: jax.Array
@@ -220,8 +253,17 @@ def _e_step(x, slots, wk, wq, e_iters):
     return SlotState(st.mu, wk, wq, att, st.energy.astype(x.dtype))
 
 
-def init(x, slots, wk, wq, *, e_iters: int = 20) -> SlotState:
-    r"""Check and cast the arguments (as in `run`) and run the first E-step.
+def init(
+    x: ArrayLike, slots: ArrayLike, wk: ArrayLike, wq: ArrayLike, *, e_iters: int = 20
+) -> SlotState:
+    r"""Check and cast the arguments and run the first E-step (CCCP on the slots $\mu$).
+
+    Args:
+        x: `(tokens, d_x)`.
+        slots: `(S, d_mu)` initial slots.
+        wk: `(d_k, d_x)`.
+        wq: `(d_k, d_mu)`.
+        e_iters: CCCP steps of the E-step.
 
     Returns:
         The `SlotState` after `e_iters` CCCP steps from `slots` at `wk`, `wq`.
@@ -233,7 +275,7 @@ def init(x, slots, wk, wq, *, e_iters: int = 20) -> SlotState:
 
 
 def step(
-    x,
+    x: jax.Array,
     state: SlotState,
     *,
     e_iters: int = 20,
@@ -242,12 +284,21 @@ def step(
     tol: float = 1e-6,
     rtol: float | None = None,
 ) -> tuple[SlotState, jax.Array]:
-    r"""One EM iteration: `tied_m_step` at `state`, then the E-step from the slots it
-    returns (arguments as in `run`).
+    r"""One EM iteration: `tied_m_step` at `state`, then the E-step from the slots it returns.
+
+    Args:
+        x: `(tokens, d_x)` (as cast by `init`).
+        state: the current `SlotState`.
+        e_iters: CCCP steps per E-step.
+        whiten: steps 2–3 of [`slot_em`][structinfer.infer.slot_em].
+        ridge: added to $\sum A x x^\top$ and to the within-slot scatter.
+        tol: relative tolerance of the convergence test.
+        rtol: eigenvalue cut-off relative to the largest eigenvalue; default
+            ``10 * max(shape) * eps(dtype)``.
 
     Returns:
         `(new_state, converged)`: the energy, $W_K$, $W_Q$ and the slots all changed
-        by at most `tol` relatively.
+            by at most `tol` relatively.
     """
     if rtol is None:
         rtol = _default_rtol(x.dtype, *state.wk.shape, *state.wq.shape, *state.slots.shape)
@@ -260,10 +311,10 @@ def step(
 
 
 def run(
-    x,
-    slots,
-    wk,
-    wq,
+    x: ArrayLike,
+    slots: ArrayLike,
+    wk: ArrayLike,
+    wq: ArrayLike,
     *,
     e_iters: int = 20,
     whiten: bool = True,
@@ -273,66 +324,67 @@ def run(
     raise_on_nonfinite: bool = True,
     rtol: float | None = None,
 ) -> tuple[SlotState, LoopInfo]:
-    r"""Slot attention with learned :math:`W_K, W_Q`: E-step on the slots, WLS M-step.
+    r"""Slot attention with learned $W_K, W_Q$: E-step on the slots, WLS M-step.
 
     E-step: ``e_iters`` CCCP steps on the slots of
-    :func:`structinfer.mechanisms.slot_attention` (without its node potential),
+    [`slot_attention`][structinfer.mechanisms.slot_attention] (without its node
+    potential),
 
-    .. math::
+    $$
+    \mu_i \leftarrow W_Q^\top m_i,\qquad m_i = \sum_j A_{ji} k_j,\quad
+    A_{ji} = \mathrm{softmax}_i(k_j^\top W_Q \mu_i),\quad k_j = W_K x_j
+    $$
 
-        \mu_i \leftarrow W_Q^\top m_i,\qquad m_i = \sum_j A_{ji} k_j,\quad
-        A_{ji} = \mathrm{softmax}_i(k_j^\top W_Q \mu_i),\quad k_j = W_K x_j
+    (Singh & Buckley eq. 8, node potential $\tfrac12\|\mu\|^2$), and the attention
+    $A$ at the result. M-step, at that attention, with $N_i = \sum_j A_{ji}$:
 
-    (Singh & Buckley eq. 8, node potential :math:`\tfrac12\|\mu\|^2`), and the attention
-    :math:`A` at the result. M-step, at that attention, with :math:`N_i = \sum_j A_{ji}`:
+    1. $W_K$ by weighted least squares given the queries $q_i = W_Q\mu_i$,
+        $W_K = (\sum A_{ji} q_i x_j^\top)(\sum A_{ji} x_j x_j^\top)^{+}$.
+    2. (``whiten``) $W_K \leftarrow (W_K \Sigma_w W_K^\top)^{+1/2} W_K$,
+        $\Sigma_w = \sum_{ji} A_{ji}(x_j-\bar x_i)(x_j-\bar x_i)^\top / \sum A$,
+        $\bar x_i = \sum_j A_{ji}x_j / N_i$: unit within-slot key covariance, i.e.
+        the residual covariance of $\sum A\|k_j - q_i\|^2$ read as a Gaussian
+        likelihood, at its best $q_i = \bar k_i$, absorbed into $W_K$ (this
+        sets the scale of the scores, hence how sharp the attention is). The
+        pseudo-inverse square root acts on the range only: $W_K$ has rank
+        $\le \min(S, d_\mu, d_x)$, which can be below $d_k$.
+    3. (``whiten``) $W_K \leftarrow R W_K$ with $R$ the orthogonal matrix
+        closest to the previous $W_K$ (Procrustes): 2. leaves a rotation of the key
+        space free, which changes no score.
+    4. $W_Q$ with the slots tied to the E-step's fixed point
+        $\mu_i = W_Q^\top m_i$: the weighted least squares
+        $\sum A_{ji}\|k_j - W_Q\mu_i\|^2$ then depends on $W_Q$ only through
+        $P = W_Q W_Q^\top$,
 
-    1. :math:`W_K` by weighted least squares given the queries :math:`q_i = W_Q\mu_i`,
-       :math:`W_K = (\sum A_{ji} q_i x_j^\top)(\sum A_{ji} x_j x_j^\top)^{+}`.
-    2. (``whiten``) :math:`W_K \leftarrow (W_K \Sigma_w W_K^\top)^{+1/2} W_K`,
-       :math:`\Sigma_w = \sum_{ji} A_{ji}(x_j-\bar x_i)(x_j-\bar x_i)^\top / \sum A`,
-       :math:`\bar x_i = \sum_j A_{ji}x_j / N_i`: unit within-slot key covariance, i.e.
-       the residual covariance of :math:`\sum A\|k_j - q_i\|^2` read as a Gaussian
-       likelihood, at its best :math:`q_i = \bar k_i`, absorbed into :math:`W_K` (this
-       sets the scale of the scores, hence how sharp the attention is). The
-       pseudo-inverse square root acts on the range only: :math:`W_K` has rank
-       :math:`\le \min(S, d_\mu, d_x)`, which can be below :math:`d_k`.
-    3. (``whiten``) :math:`W_K \leftarrow R W_K` with :math:`R` the orthogonal matrix
-       closest to the previous :math:`W_K` (Procrustes): 2. leaves a rotation of the key
-       space free, which changes no score.
-    4. :math:`W_Q` with the slots tied to the E-step's fixed point
-       :math:`\mu_i = W_Q^\top m_i`: the weighted least squares
-       :math:`\sum A_{ji}\|k_j - W_Q\mu_i\|^2` then depends on :math:`W_Q` only through
-       :math:`P = W_Q W_Q^\top`,
+        $$
+        \min_P \sum_i N_i m_i^\top P^2 m_i - 2\, m_i^\top P m_i
+        \iff PD + DP = 2B,\quad D = \textstyle\sum_i N_i m_i m_i^\top,\
+        B = \textstyle\sum_i m_i m_i^\top,
+        $$
 
-       .. math::
+        a strictly convex quadratic on the range of $D$, solved in $D$'s
+        eigenbasis ($\tilde P_{ab} = 2\tilde B_{ab}/(d_a + d_b)$; $P \succeq 0$).
+        $W_Q$ is the factor $W_Q W_Q^\top = P$ closest to the previous
+        $W_Q$ (exact when $\mathrm{rank}\,P \le d_\mu$, else the
+        $d_\mu$ largest eigenvalues of $P$), and the next E-step starts from
+        $\mu_i = W_Q^\top m_i$.
 
-          \min_P \sum_i N_i m_i^\top P^2 m_i - 2\, m_i^\top P m_i
-          \iff PD + DP = 2B,\quad D = \textstyle\sum_i N_i m_i m_i^\top,\
-          B = \textstyle\sum_i m_i m_i^\top,
-
-       a strictly convex quadratic on the range of :math:`D`, solved in :math:`D`'s
-       eigenbasis (:math:`\tilde P_{ab} = 2\tilde B_{ab}/(d_a + d_b)`; :math:`P \succeq 0`).
-       :math:`W_Q` is the factor :math:`W_Q W_Q^\top = P` closest to the previous
-       :math:`W_Q` (exact when :math:`\mathrm{rank}\,P \le d_\mu`, else the
-       :math:`d_\mu` largest eigenvalues of :math:`P`), and the next E-step starts from
-       :math:`\mu_i = W_Q^\top m_i`.
-
-    Solving :math:`W_Q` against the previous E-step's slots instead (as
-    :func:`m_step` does) is ill-posed: the WLS :math:`W_Q` scales as
-    :math:`1/|\mu|` and the E-step's :math:`\mu` as :math:`|W_Q|`, so :math:`|W_Q|`
+    Solving $W_Q$ against the previous E-step's slots instead (as
+    [`slot_m_step`][structinfer.infer.slot_m_step] does) is ill-posed: the WLS $W_Q$
+    scales as $1/|\mu|$ and the E-step's $\mu$ as $|W_Q|$, so $|W_Q|$
     alternates between two values forever; step 4 removes that gauge
-    (:math:`|W_Q|^2 \approx 1/N_i`, queries :math:`q_i \approx \bar k_i`).
+    ($|W_Q|^2 \approx 1/N_i$, queries $q_i \approx \bar k_i$).
 
-    Converged when the energy, :math:`W_K`, :math:`W_Q` and the slots all changed by at
+    Converged when the energy, $W_K$, $W_Q$ and the slots all changed by at
     most ``tol`` relatively in the last iteration
-    (:math:`|\Delta F| \le \mathrm{tol}\max(1,|F|)`,
-    :math:`\|\Delta\theta\|_F \le \mathrm{tol}\,\|\theta\|_F`). ``info.energy`` is the
-    collapsed free energy :math:`F = \tfrac12\|\mu\|^2 - \log Z(\mu; W)` after each
-    iteration; the WLS M-step is a surrogate (:math:`F` is unbounded below in the scale
-    of :math:`W`), so :math:`F` is reported, not guaranteed to decrease.
+    ($|\Delta F| \le \mathrm{tol}\max(1,|F|)$,
+    $\|\Delta\theta\|_F \le \mathrm{tol}\,\|\theta\|_F$). ``info.energy`` is the
+    collapsed free energy $F = \tfrac12\|\mu\|^2 - \log Z(\mu; W)$ after each
+    iteration; the WLS M-step is a surrogate ($F$ is unbounded below in the scale
+    of $W$), so $F$ is reported, not guaranteed to decrease.
 
     The dot-product score prefers the slot with the largest projection, not the nearest
-    one: clusters must differ in direction (after :math:`W_K`), and slots that lose all
+    one: clusters must differ in direction (after $W_K$), and slots that lose all
     their tokens in the first E-step (eq. 8 sums over a slot's tokens, so attention is
     rich-get-richer) stay empty — initialise the slots near distinct tokens.
 
@@ -342,18 +394,18 @@ def run(
         wk: ``(d_k, d_x)``; any ``d_k`` (also ``d_k > S``).
         wq: ``(d_k, d_mu)``.
         e_iters: CCCP steps per E-step.
-        whiten: steps 2–3; without them the scale of :math:`W_K` is not fixed (the WLS
-            objective is minimised by :math:`W = 0`).
-        ridge: added to :math:`\sum A x x^\top` and to the within-slot scatter
-            :math:`\sum A (x-\bar x)(x-\bar x)^\top`; use it when a slot's tokens can
+        whiten: steps 2–3; without them the scale of $W_K$ is not fixed (the WLS
+            objective is minimised by $W = 0$).
+        ridge: added to $\sum A x x^\top$ and to the within-slot scatter
+            $\sum A (x-\bar x)(x-\bar x)^\top$; use it when a slot's tokens can
             coincide (zero within-slot spread makes the attention arbitrarily sharp).
         tol: relative tolerance for the convergence test above.
         max_iters: the most EM iterations; stopping there is reported in
             ``info.max_iters_reached``.
-        raise_on_nonfinite: raise ``NonFiniteEnergyError`` when
-            the result is concrete and an energy was not finite.
+        raise_on_nonfinite: raise [`NonFiniteEnergyError`][structinfer.infer.NonFiniteEnergyError]
+            when the result is concrete and an energy was not finite.
         rtol: eigenvalue cut-off relative to the largest eigenvalue (pseudo-inverses,
-            whitening, :math:`P`); default ``10 * max(shape) * eps(dtype)``.
+            whitening, $P$); default ``10 * max(shape) * eps(dtype)``.
 
     Returns:
         ``(SlotState, LoopInfo)``.
@@ -361,8 +413,9 @@ def run(
     Raises:
         ValueError: ``wk``, ``wq`` that do not fit ``x`` and ``slots``.
 
-    Reference: Singh & Buckley sec. 4.3 and Table 1 (slot attention, eq. 8 E-step);
-    Tschantz, coordinate ascent for ``W_K, W_Q``.
+    Reference:
+        Singh & Buckley sec. 4.3 and Table 1 (slot attention, eq. 8 E-step);
+        Tschantz, coordinate ascent for $W_K, W_Q$.
     """
     x, slots, wk, wq = _prepare(x, slots, wk, wq)
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol

@@ -25,7 +25,7 @@ __all__ = ["GradientState", "init", "step", "run"]
 
 
 class GradientState(NamedTuple):
-    """State of `structinfer.infer.gradient_descent`: `mu`, `F(mu)` and `∇F(mu)`."""
+    r"""State of [`gradient_descent`][structinfer.infer.gradient_descent]: $\mu$, $F(\mu)$, $\nabla F(\mu)$."""
 
     mu: Any
     energy: jax.Array
@@ -33,7 +33,7 @@ class GradientState(NamedTuple):
 
 
 def init(energy_fn: Callable[[Any], jax.Array], mu0: Any) -> GradientState:
-    """Initial `GradientState` (one value-and-gradient evaluation).
+    r"""Initial `GradientState`: $F(\mu_0)$ and $\nabla F(\mu_0)$ (one value-and-gradient evaluation).
 
     Args:
         energy_fn: `mu -> F(mu)`.

@@ -30,19 +30,19 @@ __all__ = ["LaplaceResult", "laplace"]
 
 
 class LaplaceResult(NamedTuple):
-    r"""Second-order (Laplace) approximation at :math:`\mu` (appendix 7.1).
+    r"""Second-order (Laplace) approximation at $\mu$ (appendix 7.1).
 
     Matrices act on the flattened latent (``jax.flatten_util.ravel_pytree(mu)``).
 
     Attributes:
-        mean: :math:`\mu`.
-        var_term: :math:`\sum_i \mathrm{Var}_{\phi_i\mid\mu,x}[\partial_\mu f_i]`.
-        expectation_term: :math:`\mathbb E_{\phi\mid\mu,x}[\partial^2_\mu E_\phi]`
+        mean: $\mu$.
+        var_term: $\sum_i \mathrm{Var}_{\phi_i\mid\mu,x}[\partial_\mu f_i]$.
+        expectation_term: $\mathbb E_{\phi\mid\mu,x}[\partial^2_\mu E_\phi]$
             (node potentials included).
-        hessian: ``var_term + expectation_term`` :math:`= \nabla^2_\mu \log p(x,\mu)`.
-        precision: :math:`-\nabla^2_\mu \log p(x, \mu) = \nabla^2 F`.
+        hessian: ``var_term + expectation_term`` $= \nabla^2_\mu \log p(x,\mu)$.
+        precision: $-\nabla^2_\mu \log p(x, \mu) = \nabla^2 F$.
         covariance: the inverse of ``precision`` (the Laplace covariance; NaN if
-            ``precision`` is not positive definite, i.e. :math:`\mu` is not a minimum).
+            ``precision`` is not positive definite, i.e. $\mu$ is not a minimum).
     """
 
     mean: Any
@@ -54,22 +54,24 @@ class LaplaceResult(NamedTuple):
 
 
 def _edge_terms(model, args, kwargs, edges):
-    r"""Trace once: the per-edge logit tables :math:`f_{ij}` and the node term :math:`A`.
+    r"""Trace once: the per-edge logit tables $f_{ij}$ and the node term $A$.
 
-    .. math::
-
-        \log p(x, \mu, \phi) = A(\mu) + \sum_i f_{i, \phi_i}(\mu), \qquad
-        f_{ij} = \log p(\phi_i = j) + \psi_{ij}
+    $$
+    \log p(x, \mu, \phi) = A(\mu) + \sum_i f_{i, \phi_i}(\mu), \qquad
+    f_{ij} = \log p(\phi_i = j) + \psi_{ij}
+    $$
 
     Args:
-        model, args, kwargs: the model and its arguments.
+        model: the model.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
         edges: the enumerated (collapsed) edge sites. An edge site given a value
             (``handlers.condition``) is not collapsed: its log-prob at the value and
-            its ``".score"`` factor are part of :math:`A`, like any observed site.
+            its ``".score"`` factor are part of $A$, like any observed site.
 
     Returns:
         ``(tables, rest)``: ``{edge: (..., children, parents) table}`` and the sum of
-        every other site's (scaled) log-density at the model's values.
+            every other site's (scaled) log-density at the model's values.
     """
     tr = trace_model(model, args, kwargs)
     logits, rest = {}, 0.0
@@ -107,7 +109,7 @@ def _inner_jaxpr(eqn):
 def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
     r"""Data dependence of a jaxpr's outputs on its inputs.
 
-    .. math:: \mathrm{deps}(y) = \bigcup_{x \,\in\, \mathrm{operands}(y)} \mathrm{deps}(x)
+    $$\mathrm{deps}(y) = \bigcup_{x \,\in\, \mathrm{operands}(y)} \mathrm{deps}(x)$$
 
     propagated forwards through the equations; calls (``jit``, ``custom_jvp``, ...)
     are entered, loops and branches count every operand. It over-approximates: an
@@ -131,20 +133,20 @@ def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
 
 
 def _check_separable(model, args, kwargs, info) -> None:
-    r"""Raise unless :math:`\log p(x, \mu, \phi) = A(\mu) + \sum_i f_{i,\phi_i}(\mu)` structurally.
+    r"""Raise unless $\log p(x, \mu, \phi) = A(\mu) + \sum_i f_{i,\phi_i}(\mu)$ structurally.
 
-    The model is traced once (:func:`jax.make_jaxpr`, so the same under ``jit`` and
-    eagerly) with edge :math:`k` set to a probe ``arange(m_k)`` on its own leading
+    The model is traced once (`jax.make_jaxpr`, so the same under ``jit`` and
+    eagerly) with edge $k$ set to a probe ``arange(m_k)`` on its own leading
     dim, where enumeration would put it. From the jaxpr's data dependence:
 
     * a site that is not a collapsed edge (observations, factors, node potentials,
       the edges' ``".score"`` normalisers) must not read any edge value;
-    * edge site :math:`i` may read only its own value (no ``child=`` chain, no score
+    * edge site $i$ may read only its own value (no ``child=`` chain, no score
       or prior built from another edge);
 
     and edge / score sites must be unmasked plain edges (no ``child=``), so that
-    their terms are exactly :math:`\mathrm{lse}_j f_{ij}` with :math:`f` the
-    ``EdgeInfo`` tables :func:`_edge_terms` reads.
+    their terms are exactly $\mathrm{lse}_j f_{ij}$ with $f$ the
+    ``EdgeInfo`` tables `_edge_terms` reads.
 
     Raises:
         ValueError: naming the first site that depends on an edge (or is masked).
@@ -200,26 +202,33 @@ def _check_separable(model, args, kwargs, info) -> None:
             )
 
 
-def laplace(model: Callable, argname: str, mu: Any, *args, rtol: float = 1e-4, **kwargs) -> LaplaceResult:
+def laplace(
+    model: Callable,
+    argname: str,
+    mu: Any,
+    *args: Any,
+    rtol: float = 1e-4,
+    **kwargs: Any,
+) -> LaplaceResult:
     r"""Laplace covariance of the latent means from the edge posterior (Lemma 7.1, app. 7.1).
 
-    With :math:`E_\phi(\mu) = \log p(x, \mu, \phi) = A(\mu) + \sum_i f_{i,\phi_i}(\mu)`
-    (:math:`A` the node potentials, :math:`f_{i,j}` = log-prior + score of edge
-    :math:`\phi_i = j`):
+    With $E_\phi(\mu) = \log p(x, \mu, \phi) = A(\mu) + \sum_i f_{i,\phi_i}(\mu)$
+    ($A$ the node potentials, $f_{i,j}$ = log-prior + score of edge
+    $\phi_i = j$):
 
-    .. math::
-
-        \nabla^2_\mu \log \sum_\phi e^{E_\phi}
-        = \sum_i \mathrm{Var}_{\phi_i \mid \mu, x}\!\left[\partial_\mu f_{i,\phi_i}\right]
-        + \mathbb E_{\phi \mid \mu, x}\!\left[\partial^2_\mu E_\phi\right],
-        \qquad \Sigma = \big(-\nabla^2_\mu \log p(x, \mu)\big)^{-1}.
+    $$
+    \nabla^2_\mu \log \sum_\phi e^{E_\phi}
+    = \sum_i \mathrm{Var}_{\phi_i \mid \mu, x}\!\left[\partial_\mu f_{i,\phi_i}\right]
+    + \mathbb E_{\phi \mid \mu, x}\!\left[\partial^2_\mu E_\phi\right],
+    \qquad \Sigma = \big(-\nabla^2_\mu \log p(x, \mu)\big)^{-1}.
+    $$
 
     The variance term is built from the Jacobian of the score tables and the edge
-    posterior :math:`p_{ij} = \mathrm{softmax}_j f_{ij}`; the expectation term from
-    the Hessian of :math:`A + \sum_{ij} p_{ij} f_{ij}` with :math:`p` held fixed —
-    not from the Hessian of :math:`\log Z` (which the tests compare it with).
+    posterior $p_{ij} = \mathrm{softmax}_j f_{ij}$; the expectation term from
+    the Hessian of $A + \sum_{ij} p_{ij} f_{ij}$ with $p$ held fixed —
+    not from the Hessian of $\log Z$ (which the tests compare it with).
 
-    The split of :math:`E_\phi` is decided from the model's structure — one trace
+    The split of $E_\phi$ is decided from the model's structure — one trace
     with a probe on each edge's enumeration dim, read for data dependence — so it
     holds, or raises, identically eagerly and under ``jit``.
 
@@ -230,19 +239,22 @@ def laplace(model: Callable, argname: str, mu: Any, *args, rtol: float = 1e-4, *
             another edge); no other enumerated sites. Edge sites given a value
             (``handlers.condition``) count as node potentials.
         argname: the keyword argument holding the latent means.
-        mu: where to expand (usually a fixed point of :func:`cccp` or
-            :func:`gradient_descent`).
+        mu: where to expand (usually a fixed point of [`cccp`][structinfer.infer.cccp] or
+            [`gradient_descent`][structinfer.infer.gradient_descent]).
+        *args: the model's positional arguments.
         rtol: tolerance of the eager consistency assertion
-            :math:`\log Z = A + \sum_i \mathrm{lse}_j f_{ij}` against the exact
+            $\log Z = A + \sum_i \mathrm{lse}_j f_{ij}$ against the exact
             engine (redundant with the structural check; skipped under ``jit``).
+        **kwargs: the model's other keyword arguments.
 
     Returns:
-        :class:`LaplaceResult`.
+        The [`LaplaceResult`][structinfer.infer.LaplaceResult] at ``mu``.
 
     Raises:
         ValueError: when a site's log-density depends on an edge (naming both), an
             edge or its score is masked or follows ``child=``, or the model has
             enumerated sites that are not edges — eagerly and under ``jit`` alike.
+        TypeError: the model indexes a NumPy array with an edge variable.
 
     Cost: a Jacobian of the ``(children, parents)`` score tables (``D`` forward
     passes, ``D`` = latent size) and a ``D × D`` Hessian.

@@ -1,50 +1,50 @@
 r"""Mean-field inference for the geometric × Beta prior — expanding attention
 (Singh & Buckley sec. 5.2, appendix 7.3, Algorithm 3).
 
-The model, for each query (child) :math:`i` with parents at step
-:math:`k_{ij} = d_{ij} - d_0 \in \{0, 1, \dots\}` back from its first allowed parent
-(:math:`d_{ij} = i + \text{offset} - j`, :math:`d_0 = 0` with the self-edge, 1 without):
+The model, for each query (child) $i$ with parents at step
+$k_{ij} = d_{ij} - d_0 \in \{0, 1, \dots\}$ back from its first allowed parent
+($d_{ij} = i + \text{offset} - j$, $d_0 = 0$ with the self-edge, 1 without):
 
-.. math::
-
-    q_i \sim \mathrm{Beta}(\alpha_0, \beta_0), \qquad
-    p(\phi_i = j \mid q_i) = q_i (1 - q_i)^{k_{ij}}, \qquad
-    p(x \mid \phi_i = j) \propto e^{s_{ij}}.
+$$
+q_i \sim \mathrm{Beta}(\alpha_0, \beta_0), \qquad
+p(\phi_i = j \mid q_i) = q_i (1 - q_i)^{k_{ij}}, \qquad
+p(x \mid \phi_i = j) \propto e^{s_{ij}}.
+$$
 
 The geometric is the untruncated one (parents that do not exist have zero
 likelihood), which is what makes the Beta conjugate. The exact posterior is
-:math:`p(\phi_i = j \mid x) \propto e^{s_{ij}}\, B(\alpha_0 + 1, \beta_0 + k_{ij})`.
-Two iterative approximations with factors :math:`r(\phi_i)\,\mathrm{Beta}(q_i; \alpha, \beta)`:
+$p(\phi_i = j \mid x) \propto e^{s_{ij}}\, B(\alpha_0 + 1, \beta_0 + k_{ij})$.
+Two iterative approximations with factors $r(\phi_i)\,\mathrm{Beta}(q_i; \alpha, \beta)$:
 
 **exact conjugate mean field** (coordinate ascent on the ELBO, monotone):
 
-.. math::
-
-    r_{ij} \propto \exp\!\big(s_{ij} + k_{ij}\,\mathbb E[\ln(1-q)]\big), \quad
-    \mathbb E[\ln(1-q)] = \psi(\beta) - \psi(\alpha + \beta), \qquad
-    \alpha = \alpha_0 + 1, \quad \beta = \beta_0 + \textstyle\sum_j r_{ij} k_{ij};
+$$
+r_{ij} \propto \exp\!\big(s_{ij} + k_{ij}\,\mathbb E[\ln(1-q)]\big), \quad
+\mathbb E[\ln(1-q)] = \psi(\beta) - \psi(\alpha + \beta), \qquad
+\alpha = \alpha_0 + 1, \quad \beta = \beta_0 + \textstyle\sum_j r_{ij} k_{ij};
+$$
 
 **plug-in** (the paper's Algorithm 3):
 
-.. math::
+$$
+q_t = \frac{\alpha_t}{\alpha_t + \beta_t}, \quad
+H_t = \Big\lceil \frac{\ln 0.05}{\ln(1 - q_t)} \Big\rceil, \quad
+r_{ij} \propto e^{s_{ij} + k_{ij} \ln(1 - q_t)} [k_{ij} < H_t], \quad
+\alpha_{t+1} = \alpha_t + 1, \quad \beta_{t+1} = \beta_t + \textstyle\sum_{k < H_t} r_{ij} k_{ij}.
+$$
 
-    q_t = \frac{\alpha_t}{\alpha_t + \beta_t}, \quad
-    H_t = \Big\lceil \frac{\ln 0.05}{\ln(1 - q_t)} \Big\rceil, \quad
-    r_{ij} \propto e^{s_{ij} + k_{ij} \ln(1 - q_t)} [k_{ij} < H_t], \quad
-    \alpha_{t+1} = \alpha_t + 1, \quad \beta_{t+1} = \beta_t + \textstyle\sum_{k < H_t} r_{ij} k_{ij}.
-
-(Sec. 5.2 prints :math:`q_t = \beta_t/(\alpha_t+\beta_t)`; the Beta mean of the
-success probability, and Algorithm 3, use :math:`\alpha_t/(\alpha_t+\beta_t)`.
-Algorithm 3 prints the log-prior as :math:`-k/H_t`; we use appendix 7.3's
-:math:`k \ln(1-q_t)`, "the posterior given :math:`q_t`".) The plug-in accumulates
+(Sec. 5.2 prints $q_t = \beta_t/(\alpha_t+\beta_t)$; the Beta mean of the
+success probability, and Algorithm 3, use $\alpha_t/(\alpha_t+\beta_t)$.
+Algorithm 3 prints the log-prior as $-k/H_t$; we use appendix 7.3's
+$k \ln(1-q_t)$, "the posterior given $q_t$".) The plug-in accumulates
 pseudo-counts every iteration, so it is not coordinate ascent on any fixed
-objective; its reported energy is the collapsed energy at :math:`q_t`.
+objective; its reported energy is the collapsed energy at $q_t$.
 
 Both run batched over any leading dims (batch, heads) and the queries, each
-query stopping on its own; the final window :math:`H` of each query is returned.
+query stopping on its own; the final window $H$ of each query is returned.
 
 ``init``, ``step`` and ``run`` (exported as ``structinfer.infer.geometric_beta``) are
-pure functions of a :class:`GeoBetaState`.
+pure functions of a `GeoBetaState`.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import betaln, digamma
+from jax.typing import ArrayLike
 
 from .._checks import as_float_array, check_ndim, is_concrete
 from ..scores import Score
@@ -64,14 +65,18 @@ __all__ = ["GeoBetaState", "horizon", "geometric_beta_free_energy", "init", "ste
 
 
 class GeoBetaState(NamedTuple):
-    r"""State of `structinfer.infer.geometric_beta` (batch shape `(..., children)`).
+    r"""State of [`geometric_beta`][structinfer.infer.geometric_beta]: the mean-field factors.
+
+    The factors are $r(\phi_i)\,\mathrm{Beta}(q_i; \alpha, \beta)$, batch shape
+    `(..., children)`.
 
     Attributes:
-        attention: ``(..., children, parents)`` :math:`r(\phi_i = j)`.
-        alpha, beta: ``(..., children)`` parameters of the Beta factor of :math:`q_i`.
-        window: ``(..., children)`` int32, the horizon :math:`H` (number of parents,
+        attention: ``(..., children, parents)`` $r(\phi_i = j)$.
+        alpha: ``(..., children)`` parameter $\alpha$ of the Beta factor of $q_i$.
+        beta: ``(..., children)`` parameter $\beta$ of the Beta factor of $q_i$.
+        window: ``(..., children)`` int32, the horizon $H$ (number of parents,
             counted back from the first allowed one) — the window each query used
-            (plug-in) or would use at its final :math:`\mathbb E[q]` (exact).
+            (plug-in) or would use at its final $\mathbb E[q]$ (exact).
         energy: ``(..., children)`` free energy of the current factors.
     """
 
@@ -83,13 +88,25 @@ class GeoBetaState(NamedTuple):
 
     @property
     def mean_q(self) -> jax.Array:
-        r""":math:`\mathbb E[q_i] = \alpha / (\alpha + \beta)`."""
+        r"""The mean rate $\mathbb E[q_i] = \alpha / (\alpha + \beta)$ under the Beta factor."""
         return self.alpha / (self.alpha + self.beta)
 
 
-def horizon(q: jax.Array, mass: float = 0.95) -> jax.Array:
-    r"""Truncation horizon :math:`H(q) = \lceil \ln(1 - \text{mass}) / \ln(1 - q) \rceil \ge 1`:
-    the number of geometric steps holding ``mass`` of the prior (Singh & Buckley app. 7.3)."""
+def horizon(q: ArrayLike, mass: float = 0.95) -> jax.Array:
+    r"""Truncation horizon $H(q) = \lceil \ln(1 - \text{mass}) / \ln(1 - q) \rceil \ge 1$.
+
+    The number of geometric steps holding ``mass`` of the prior.
+
+    Args:
+        q: the geometric rate(s) in $(0, 1)$.
+        mass: the prior mass to hold, in $(0, 1)$.
+
+    Returns:
+        $H(q)$, shaped like ``q`` (a float array of integer values).
+
+    Reference:
+        Singh & Buckley app. 7.3 (expanding attention).
+    """
     q = jnp.asarray(q)
     h = jnp.ceil(jnp.log1p(-mass) / jnp.log1p(-q))
     return jnp.maximum(h, 1.0)
@@ -109,15 +126,40 @@ def _beta_entropy(a, b):
             + (a + b - 2) * digamma(a + b))
 
 
-def geometric_beta_free_energy(scores, attention, alpha, beta, alpha0, beta0, steps, allowed):
-    r"""Mean-field free energy :math:`-\mathrm{ELBO}` per query,
+def geometric_beta_free_energy(
+    scores: ArrayLike,
+    attention: ArrayLike,
+    alpha: ArrayLike,
+    beta: ArrayLike,
+    alpha0: ArrayLike,
+    beta0: ArrayLike,
+    steps: ArrayLike,
+    allowed: ArrayLike,
+) -> jax.Array:
+    r"""Mean-field free energy $-\mathrm{ELBO}$ per query.
 
-    .. math::
+    $$
+    F = -\sum_j r_j\big(s_j + \mathbb E\ln q + k_j \mathbb E\ln(1-q)\big)
+        - \mathbb E\ln \mathrm{Beta}(q;\alpha_0,\beta_0) + \sum_j r_j \ln r_j
+        - \mathrm H[\mathrm{Beta}(\alpha,\beta)]
+    \;\ge\; -\ln \sum_j e^{s_j} \frac{B(\alpha_0+1, \beta_0+k_j)}{B(\alpha_0,\beta_0)}.
+    $$
 
-        F = -\sum_j r_j\big(s_j + \mathbb E\ln q + k_j \mathbb E\ln(1-q)\big)
-            - \mathbb E\ln \mathrm{Beta}(q;\alpha_0,\beta_0) + \sum_j r_j \ln r_j
-            - \mathrm H[\mathrm{Beta}(\alpha,\beta)]
-        \;\ge\; -\ln \sum_j e^{s_j} \frac{B(\alpha_0+1, \beta_0+k_j)}{B(\alpha_0,\beta_0)}.
+    Args:
+        scores: ``(..., children, parents)`` log-potentials $s_{ij}$.
+        attention: ``(..., children, parents)`` $r(\phi_i = j)$.
+        alpha: ``(..., children)`` parameter $\alpha$ of the Beta factor.
+        beta: ``(..., children)`` parameter $\beta$ of the Beta factor.
+        alpha0: the Beta hyper-prior's $\alpha_0$, broadcasting against ``alpha``.
+        beta0: the Beta hyper-prior's $\beta_0$, likewise.
+        steps: ``(children, parents)`` steps $k_{ij}$ back from the first allowed parent.
+        allowed: ``(children, parents)`` bool, the parents each query may take.
+
+    Returns:
+        $F$, ``(..., children)``.
+
+    Reference:
+        Singh & Buckley sec. 5.2 and appendix 7.3.
     """
     elq = digamma(alpha) - digamma(alpha + beta)
     el1q = digamma(beta) - digamma(alpha + beta)
@@ -204,9 +246,9 @@ def _step(p: _Problem, st: GeoBetaState, method: str, mass: float, tol: float):
 
 
 def init(
-    scores,
-    alpha0=0.1,
-    beta0=0.9,
+    scores: ArrayLike | Score,
+    alpha0: ArrayLike = 0.1,
+    beta0: ArrayLike = 0.9,
     *,
     method: str = "exact",
     include_self: bool = True,
@@ -214,21 +256,35 @@ def init(
     max_distance: int | None = None,
     mass: float = 0.95,
 ) -> GeoBetaState:
-    r"""The initial factors: $\mathrm{Beta}(\alpha_0, \beta_0)$ for $q$ and the attention
-    it implies (arguments as in `run`).
+    r"""The initial factors: $\mathrm{Beta}(\alpha_0, \beta_0)$ for $q$ and the attention it implies.
+
+    Args:
+        scores: `(..., children, parents)` log-potentials $s_{ij}$ or a
+            [`Score`][structinfer.scores.Score].
+        alpha0: the Beta hyper-prior's $\alpha_0$, broadcasting against
+            `(..., children)`.
+        beta0: the Beta hyper-prior's $\beta_0$, likewise.
+        method: `"exact"` (conjugate coordinate ascent) or `"plugin"` (Algorithm 3).
+        include_self: the query's own position is a parent ($d_0 = 0$).
+        offset: child $i$ sits at parent position $i + \text{offset}$.
+        max_distance: optional largest distance $d_{ij}$ allowed.
+        mass: prior mass kept by the horizon $H(q)$.
 
     Returns:
         The `GeoBetaState` before the first iteration.
+
+    Raises:
+        ValueError: as [`geometric_beta`][structinfer.infer.geometric_beta].
     """
     p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
     return _factors(p, p.alpha0, p.beta0, method, mass)
 
 
 def step(
-    scores,
+    scores: ArrayLike | Score,
     state: GeoBetaState,
-    alpha0=0.1,
-    beta0=0.9,
+    alpha0: ArrayLike = 0.1,
+    beta0: ArrayLike = 0.9,
     *,
     method: str = "exact",
     include_self: bool = True,
@@ -237,25 +293,38 @@ def step(
     mass: float = 0.95,
     tol: float | None = None,
 ) -> tuple[GeoBetaState, jax.Array]:
-    r"""One mean-field iteration (module docstring; arguments as in `run`).
+    r"""One mean-field iteration: the Beta factor given $r$, then $r$ given the Beta factor.
 
     Exact: $\alpha = \alpha_0 + 1$, $\beta = \beta_0 + \sum_j r_{ij}k_{ij}$, then the
     attention given the new factor. Plug-in (Algorithm 3): $\alpha \leftarrow \alpha + 1$,
     $\beta \leftarrow \beta + \sum_{k<H} r_{ij}k_{ij}$, then the windowed attention at
-    $q = \alpha/(\alpha+\beta)$.
+    $q = \alpha/(\alpha+\beta)$ (see the module docstring).
+
+    Args:
+        scores: `(..., children, parents)` log-potentials $s_{ij}$ or a
+            [`Score`][structinfer.scores.Score].
+        state: the current `GeoBetaState`.
+        alpha0: the Beta hyper-prior's $\alpha_0$.
+        beta0: the Beta hyper-prior's $\beta_0$.
+        method: `"exact"` or `"plugin"`.
+        include_self: the query's own position is a parent ($d_0 = 0$).
+        offset: child $i$ sits at parent position $i + \text{offset}$.
+        max_distance: optional largest distance $d_{ij}$ allowed.
+        mass: prior mass kept by the horizon $H(q)$.
+        tol: the attention tolerance (default `1e-6` exact, `1e-3` plug-in).
 
     Returns:
         `(new_state, converged)`, `converged` `(..., children)`: the attention moved by
-        at most `tol` and the window stayed put.
+            at most `tol` and the window stayed put.
     """
     p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
     return _step(p, state, method, mass, _default_tol(method, tol))
 
 
 def run(
-    scores,
-    alpha0=0.1,
-    beta0=0.9,
+    scores: ArrayLike | Score,
+    alpha0: ArrayLike = 0.1,
+    beta0: ArrayLike = 0.9,
     *,
     method: str = "exact",
     include_self: bool = True,
@@ -272,12 +341,17 @@ def run(
 
     Args:
         scores: `(..., children, parents)` log-potentials $s_{ij}$ (e.g.
-            `q k^T / sqrt(d)`) or a `structinfer.scores.Score`.
-        alpha0, beta0: Beta hyper-prior, broadcasting against `(..., children)`
-            (the paper uses 0.1, 0.9).
+            `q k^T / sqrt(d)`) or a [`Score`][structinfer.scores.Score].
+        alpha0: the Beta hyper-prior's $\alpha_0$, broadcasting against
+            `(..., children)` (the paper uses 0.1).
+        beta0: the Beta hyper-prior's $\beta_0$, likewise (the paper uses 0.9).
         method: `"exact"` (conjugate coordinate ascent) or `"plugin"` (Algorithm 3).
-        include_self, offset, max_distance: the parent layout, as in
-            `structinfer.priors.Geometric`.
+        include_self: the query's own position is a parent ($d_0 = 0$; without it
+            $d_0 = 1$), as in [`Geometric`][structinfer.priors.Geometric].
+        offset: child $i$ sits at parent position $i + \text{offset}$, as in
+            [`Geometric`][structinfer.priors.Geometric].
+        max_distance: optional largest distance $d_{ij}$ allowed, as in
+            [`Geometric`][structinfer.priors.Geometric].
         mass: prior mass kept by the horizon $H(q)$ (0.95 in the paper).
         tol: a query has converged when its attention moves by at most `tol` and its
             window stays put (default `1e-6` exact; `1e-3` plug-in, whose accumulating
@@ -288,16 +362,19 @@ def run(
 
     Returns:
         `(GeoBetaState, LoopInfo)`, both with batch shape `(..., children)`.
-        `info.energy[..., t]` is the free energy after iteration `t` (`t = 0`: the
-        prior factor $\mathrm{Beta}(\alpha_0, \beta_0)$) (exact: the mean-field
-        $-\mathrm{ELBO}$, non-increasing; plug-in: the collapsed energy
-        $-\ln\sum_{k<H_t} e^{s + \ln q_t + k\ln(1-q_t)}$).
+            `info.energy[..., t]` is the free energy after iteration `t` (`t = 0`: the
+            prior factor $\mathrm{Beta}(\alpha_0, \beta_0)$) (exact: the mean-field
+            $-\mathrm{ELBO}$, non-increasing; plug-in: the collapsed energy
+            $-\ln\sum_{k<H_t} e^{s + \ln q_t + k\ln(1-q_t)}$).
 
     Raises:
         ValueError: an unknown `method`, `mass` outside (0, 1), non-positive
             `alpha0`/`beta0` (concrete values), or a child with no allowed parent.
 
     Cost: $O(n m)$ per iteration on the cached scores.
+
+    Reference:
+        Singh & Buckley sec. 5.2, appendix 7.3 and Algorithm 3.
     """
     p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
     tol = _default_tol(method, tol)

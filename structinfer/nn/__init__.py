@@ -6,7 +6,7 @@ per-head projected queries, keys and values ``q, k, v`` of shapes
 query under a structural prior and a score, and a deterministic value site
 (``"out"``, shape ``(heads, n, d)``) read at the edge. Its learnable hyperparameters
 (a geometric $q$, a relative-position bias, a temperature) are ``numpyro.param``
-sites. `Attention` wraps it as a multi-head attention layer with the
+sites. [`Attention`][structinfer.nn.Attention] wraps it as a multi-head attention layer with the
 arguments of ``flax.nnx.MultiHeadAttention``:
 
 $$
@@ -14,13 +14,15 @@ y_i = W_O \big[\,\mathbb E_{p(\phi^h_i \mid x)}[v^h_{\phi^h_i}]\,\big]_{h=1}^{H}
 p(\phi^h_i = j \mid x) = \mathrm{softmax}_j\big(\psi(q^h_i, k^h_j) + \log p_\theta(\phi^h_i = j)\big),
 $$
 
-run through `structinfer.attention` (a lowered, memory-light kernel when the
+run through [`attention`][structinfer.attention] (a lowered, memory-light kernel when the
 model is recognised, the exact engine otherwise). `structinfer.nn.heads` holds
-ready-made mechanisms (uniform, causal, sliding window, relative position,
-geometric, geometric × Beta).
+ready-made mechanisms ([`uniform`][structinfer.nn.uniform], [`causal`][structinfer.nn.causal],
+[`window`][structinfer.nn.window], [`relative_position`][structinfer.nn.relative_position],
+[`geometric`][structinfer.nn.geometric], [`geometric_beta`][structinfer.nn.geometric_beta]).
 
-Reference: Singh & Buckley, "Attention as implicit structural inference" (sec. 3,
-Table 1; sec. 5.2 for the geometric prior).
+Reference:
+    Singh & Buckley, "Attention as implicit structural inference" (sec. 3, Table 1;
+    sec. 5.2 for the geometric prior).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-r"""Ready-made mechanisms for `structinfer.nn.Attention`: one model per prior.
+r"""Ready-made mechanisms for [`Attention`][structinfer.nn.Attention]: one model per prior.
 
 Each factory returns a NumPyro model ``mechanism(q, k, v)`` of all the heads of one
 sequence: ``q`` is ``(heads, n, d)``, ``k`` and ``v`` are ``(heads, m, d)``; the
@@ -26,8 +26,9 @@ own mechanism: it is the whole of what the layer needs.
 | `geometric` | $\propto q_h (1-q_h)^{d}$, $d \ge 0$ | ``q`` $(H, 1)$ in $(0, 1)$ |
 | `geometric_beta` | $\propto B(\alpha_h + 1, \beta_h + d)$, $d \ge 0$ | ``alpha``, ``beta`` $(H, 1)$ |
 
-Reference: Singh & Buckley, "Attention as implicit structural inference", Table 1
-(rows 2-4 and 12), appendix 8.2 (relative position) and sec. 5.2 (geometric).
+Reference:
+    Singh & Buckley, "Attention as implicit structural inference", Table 1
+    (rows 2-4 and 12), appendix 8.2 (relative position) and sec. 5.2 (geometric).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def uniform(*, temperature: bool = False) -> Mechanism:
 
     Returns:
         ``mechanism(q, k, v)``; the layer built from it equals
-        ``flax.nnx.MultiHeadAttention`` with the same weights.
+            ``flax.nnx.MultiHeadAttention`` with the same weights.
     """
 
     def mechanism(q, k, v):
@@ -114,11 +115,11 @@ def causal(*, temperature: bool = False) -> Mechanism:
     r"""Causal prior: uniform over the keys at or before the query, $d \ge 0$.
 
     Args:
-        temperature: learn a per-head temperature (see `uniform`).
+        temperature: learn a per-head temperature (see [`uniform`][structinfer.nn.uniform]).
 
     Returns:
         ``mechanism(q, k, v)``; the layer equals ``flax.nnx.MultiHeadAttention`` with a
-        causal mask.
+            causal mask.
     """
 
     def mechanism(q, k, v):
@@ -136,7 +137,13 @@ def window(size: int, *, temperature: bool = False) -> Mechanism:
 
     Args:
         size: the window $w \ge 1$, counting the query's own position.
-        temperature: learn a per-head temperature (see `uniform`).
+        temperature: learn a per-head temperature (see [`uniform`][structinfer.nn.uniform]).
+
+    Returns:
+        ``mechanism(q, k, v)``, named ``window_<size>``.
+
+    Raises:
+        ValueError: ``size`` is not an int $\ge 1$.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"window: size must be an int >= 1, got {size!r}")
@@ -161,7 +168,16 @@ def relative_position(
         max_distance: $D \ge 0$; ``numpyro.param`` ``"bias"`` has shape ``(heads, 2D + 1)``
             (index ``clip(d, -D, D) + D``), initialised to 0 (uniform).
         causal: forbid later keys ($d < 0$); their buckets are then unused.
-        temperature: learn a per-head temperature (see `uniform`).
+        temperature: learn a per-head temperature (see [`uniform`][structinfer.nn.uniform]).
+
+    Returns:
+        ``mechanism(q, k, v)`` with the ``numpyro.param`` ``"bias"``.
+
+    Raises:
+        ValueError: ``max_distance`` is not an int $\ge 0$.
+
+    Reference:
+        Singh & Buckley appendix 8.2 (relative position).
     """
     if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
         raise ValueError(f"relative_position: max_distance must be an int >= 0, got {max_distance!r}")
@@ -182,9 +198,10 @@ def relative_position(
 def geometric(
     q: float = 0.1, *, max_distance: int | None = None, temperature: bool = False
 ) -> Mechanism:
-    r"""Geometric (recency) prior with a learnable rate per head:
-    $p(\phi_i = j) \propto q_h (1 - q_h)^{d}$ over $d \ge 0$, renormalised over the
-    keys that exist (`structinfer.priors.Geometric`; S&B sec. 5.2).
+    r"""Geometric (recency) prior with a learnable rate per head, $p(\phi_i = j) \propto q_h (1 - q_h)^{d}$.
+
+    Over $d \ge 0$, renormalised over the keys that exist
+    ([`Geometric`][structinfer.priors.Geometric]; S&B sec. 5.2).
 
     The expected distance is $(1-q)/q$; the window holding 95 % of the prior mass is
     $\lceil \ln 0.05 / \ln(1-q) \rceil$.
@@ -194,7 +211,13 @@ def geometric(
             the ``numpyro.param`` ``"q"`` (constraint ``unit_interval``: the layer
             learns its logit).
         max_distance: optional static truncation $d \le D$ (the windowed kernel's band).
-        temperature: learn a per-head temperature (see `uniform`).
+        temperature: learn a per-head temperature (see [`uniform`][structinfer.nn.uniform]).
+
+    Returns:
+        ``mechanism(q, k, v)`` with the ``numpyro.param`` ``"q"``.
+
+    Reference:
+        Singh & Buckley sec. 5.2 (expanding attention).
     """
 
     def mechanism(qq, k, v):
@@ -211,9 +234,9 @@ def geometric(
 
 
 def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.Array:
-    r"""$\log p(d) = \log B(\alpha+1, \beta+d) - \log B(\alpha, \beta)$ for $d = 0, \dots,$ ``size - 1``.
+    r"""The beta-geometric log-pmf $\log p(d) = \log B(\alpha+1, \beta+d) - \log B(\alpha, \beta)$.
 
-    By the ratio $p(d)/p(d-1) = 1 - (\alpha+1)/(\alpha+\beta+d)$ and $p(0) = \alpha/(\alpha+\beta)$,
+    For $d = 0, \dots,$ ``size - 1``, by the ratio $p(d)/p(d-1) = 1 - (\alpha+1)/(\alpha+\beta+d)$ and $p(0) = \alpha/(\alpha+\beta)$,
     a cumulative sum of small terms: no difference of large log-gammas (which loses
     float32 precision at long distances; ``jax.scipy.special.betaln`` is also off by
     ~1e-6 in float64 for some arguments above 8).
@@ -224,7 +247,7 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
         size: number of distances.
 
     Returns:
-        ``(..., size)``.
+        ``(..., size)``, $\log p(0), \dots, \log p(\text{size} - 1)$.
     """
     t = jnp.arange(1, size, dtype=jnp.result_type(alpha, beta))
     steps = jnp.log1p(-(alpha + 1.0) / (alpha + beta + t))
@@ -235,7 +258,7 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
 def geometric_beta(
     alpha: float = 1.0, beta: float = 1.0, *, temperature: bool = False
 ) -> Mechanism:
-    r"""Geometric × Beta, with each query's rate integrated out (collapsed):
+    r"""Geometric × Beta prior, with each query's rate $q_i$ integrated out (collapsed).
 
     $$
     q_i \sim \mathrm{Beta}(\alpha_h, \beta_h),\quad p(\phi_i = j \mid q_i) = q_i (1-q_i)^{d_{ij}}
@@ -247,9 +270,10 @@ def geometric_beta(
     the beta-geometric distribution (renormalised over the keys that exist). The
     geometric is the untruncated one, so the Beta is conjugate and the edge posterior
     $p(\phi_i = j \mid x) \propto e^{\psi_{ij}} B(\alpha+1, \beta+d_{ij})$ is exact — the
-    fixed point that `structinfer.infer.geometric_beta` approaches by mean field.
+    fixed point that [`structinfer.infer.geometric_beta`][structinfer.infer.geometric_beta]
+    approaches by mean field.
     Its tail decays like $d^{-(\alpha+1)}$, heavier than any geometric. Written as a
-    `structinfer.priors.RelativePosition` bias, so it lowers like one;
+    [`RelativePosition`][structinfer.priors.RelativePosition] bias, so it lowers like one;
     $(\alpha_h, \beta_h)$ are learned (type-II maximum likelihood, ``numpyro.param``
     ``"alpha"``, ``"beta"``, positive).
 
@@ -260,9 +284,13 @@ def geometric_beta(
         alpha: initial Beta parameter $\alpha > 0$ (a float or an array broadcasting to
             ``(heads, 1)``). The prior mean rate is $\alpha/(\alpha+\beta)$.
         beta: initial Beta parameter $\beta > 0$, likewise.
-        temperature: learn a per-head temperature (see `uniform`).
+        temperature: learn a per-head temperature (see [`uniform`][structinfer.nn.uniform]).
 
-    Reference: Singh & Buckley sec. 5.2 and appendix 7.3 (expanding attention).
+    Returns:
+        ``mechanism(q, k, v)`` with the ``numpyro.param`` sites ``"alpha"``, ``"beta"``.
+
+    Reference:
+        Singh & Buckley sec. 5.2 and appendix 7.3 (expanding attention).
     """
 
     def mechanism(q, k, v):

@@ -1,4 +1,4 @@
-r"""`Attention`: a multi-head attention layer whose heads are a structinfer model.
+r"""[`Attention`][structinfer.nn.Attention]: multi-head attention whose heads are a structinfer model.
 
 For inputs $x^Q \in \mathbb R^{n \times F}$, $x^K, x^V \in \mathbb R^{m \times F'}$ the
 layer projects per head, $q^h = x^Q W_Q^h$, $k^h = x^K W_K^h$, $v^h = x^V W_V^h$
@@ -10,13 +10,13 @@ o^h_i = \mathbb E_{p_\theta(\phi^h_i \mid q, k)}\big[\mathrm{out}^h_i(\phi)\big]
       = \sum_j \mathrm{softmax}_j\big(\psi(q^h_i, k^h_j) + \log p_\theta(\phi^h_i = j)\big)\, v^h_j
 $$
 
-through `structinfer.attention` (the second equality when
+through [`attention`][structinfer.attention] (the second equality when
 the value is the parent's value), and projects back, $y_i = \sum_h o^h_i W_O^h$.
 The prior's hyperparameters $\theta$ are the mechanism's ``numpyro.param`` sites,
 stored unconstrained as ``nnx.Param`` under ``layer.hyper``.
 
-Reference: Singh & Buckley, "Attention as implicit structural inference", sec. 3
-and Table 1.
+Reference:
+    Singh & Buckley, "Attention as implicit structural inference", sec. 3 and Table 1.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Hyperparameter:
 
 @dataclass(frozen=True)
 class MechanismInfo:
-    """What `describe_mechanism` reads from one trace of a mechanism.
+    """What [`describe_mechanism`][structinfer.nn.describe_mechanism] reads from one trace of a mechanism.
 
     Attributes:
         hyperparameters: the ``numpyro.param`` sites, by name.
@@ -100,11 +100,14 @@ def describe_mechanism(
     length: int = _PROBE_LENGTH,
     dtype: Any = jnp.float32,
 ) -> MechanismInfo:
-    """Trace ``mechanism`` once (under ``jit``) on zero ``(num_heads, length, head_dim)``
-    queries, keys and values and read its hyperparameters, edges and value site.
+    """Trace ``mechanism`` once and read its hyperparameters, edges and value site.
+
+    The trace runs under ``jit`` on zero ``(num_heads, length, head_dim)`` queries,
+    keys and values.
 
     Args:
-        mechanism: a NumPyro model ``mechanism(q, k, v)`` (see `Attention`).
+        mechanism: a NumPyro model ``mechanism(q, k, v)`` (see
+            [`Attention`][structinfer.nn.Attention]).
         num_heads: the number of heads the layer will call it with.
         head_dim: the per-head feature size the layer will call it with.
         value: the name of its deterministic value site.
@@ -112,7 +115,7 @@ def describe_mechanism(
         dtype: floating dtype of the dummy inputs (and of the initial values).
 
     Returns:
-        A `MechanismInfo`.
+        A [`MechanismInfo`][structinfer.nn.MechanismInfo].
 
     Raises:
         ValueError: a latent (unobserved, not enumerated) sample site, no edge site,
@@ -231,16 +234,17 @@ class Attention(nnx.Module):
     The mechanism is an ordinary structinfer model of all the heads of one sequence:
     ``mechanism(q, k, v)`` with ``q`` of shape ``(heads, n, head_dim)`` and ``k``, ``v``
     of shape ``(heads, m, head_dim)`` (the queries are the last ``n`` of the ``m``
-    positions); it declares edge sites (`structinfer.edge`) and a
+    positions); it declares edge sites ([`edge`][structinfer.edge]) and a
     deterministic value site ``value`` of shape ``(heads, n, head_dim)``. Its
     ``numpyro.param`` sites are the prior's hyperparameters: each becomes an
     ``nnx.Param`` under ``layer.hyper``, stored unconstrained (the logit of a ``q``
     constrained to the unit interval), so an optimiser may move it freely. The ready-made
     mechanisms are in `structinfer.nn.heads`; the layer built from
-    ``structinfer.nn.uniform()`` (or ``causal()``) equals ``flax.nnx.MultiHeadAttention``
+    [`uniform()`][structinfer.nn.uniform] (or [`causal()`][structinfer.nn.causal]) equals
+    ``flax.nnx.MultiHeadAttention``
     (with a causal mask) given the same weights, whose names and shapes it shares.
 
-    Forward and backward run through `structinfer.attention`: a lowered kernel
+    Forward and backward run through [`attention`][structinfer.attention]: a lowered kernel
     when the model is recognised (blocked online softmax with a memory-light custom
     VJP that also differentiates the hyperparameters), the exact engine otherwise —
     ``layer.explain(x)`` says which. The batch dims of the inputs are mapped over with
@@ -262,7 +266,7 @@ class Attention(nnx.Module):
             each key/value head is shared by ``num_heads / num_kv_heads`` query heads).
         in_kv_features: features of ``inputs_k`` / ``inputs_v`` (default ``in_features``).
         value: the mechanism's value site.
-        backend: `structinfer.attention`'s backend (``"auto"``, ``"exact"``,
+        backend: [`attention`][structinfer.attention]'s backend (``"auto"``, ``"exact"``,
             ``"dense"``, ``"blocked"``, ``"windowed"``).
         block_q: query block size of the blocked and windowed kernels.
         block_k: key block size of the blocked kernel.
@@ -279,15 +283,18 @@ class Attention(nnx.Module):
         out_bias_init: initialiser of the output bias (default ``bias_init``).
         use_bias: give the projections biases.
         normalize_qk: LayerNorm the queries and keys of each head (as flax).
-        decode: default for ``__call__``'s ``decode`` (see `init_cache`).
+        decode: default for ``__call__``'s ``decode`` (see
+            [`init_cache`][structinfer.nn.Attention.init_cache]).
         rngs: ``nnx.Rngs`` for the projections' initialisers and dropout.
 
     Raises:
-        ValueError: a bad size, backend or mechanism (see `describe_mechanism`).
+        ValueError: a bad size, backend or mechanism (see
+            [`describe_mechanism`][structinfer.nn.describe_mechanism]).
         TypeError: ``mechanism`` is not callable.
 
-    Reference: Singh & Buckley, "Attention as implicit structural inference" (sec. 3,
-    Table 1); the layer's parameters follow ``flax.nnx.MultiHeadAttention``.
+    Reference:
+        Singh & Buckley, "Attention as implicit structural inference" (sec. 3,
+        Table 1); the layer's parameters follow ``flax.nnx.MultiHeadAttention``.
     """
 
     def __init__(
@@ -411,7 +418,11 @@ class Attention(nnx.Module):
 
     # ------------------------------------------------------------------ hyperparameters
     def hyperparameters(self) -> dict[str, jax.Array]:
-        """The hyperparameters as the mechanism sees them (constrained), by site name."""
+        r"""The hyperparameters $\theta$ as the mechanism sees them (constrained), by site name.
+
+        Returns:
+            ``{site: value}``, $\theta = T(u)$ of each stored unconstrained $u$.
+        """
         return {
             name: biject_to(c)(self.hyper[name][...])
             for name, c in self.hyperparameter_constraints
@@ -448,11 +459,17 @@ class Attention(nnx.Module):
         return out
 
     def prior_tables(self, length: int) -> dict[str, jax.Array]:
-        r"""The learned structural prior of every head: $\log p_\theta(\phi^h_i = j)$ of each
-        edge site for self attention over ``length`` positions, ``(heads, length, length)``.
+        r"""The learned structural prior of every head, $\log p_\theta(\phi^h_i = j)$.
 
-        Read from the edge sites' priors with the current hyperparameters (one jitted trace
+        The table of each edge site for self attention over ``length`` positions, read
+        from the edge sites' priors with the current hyperparameters (one jitted trace
         of the mechanism on zero inputs; nothing is enumerated).
+
+        Args:
+            length: the sequence length.
+
+        Returns:
+            ``{edge site: (heads, length, length) log-prior table}``.
         """
         length = _check_int(length, "length")
         dtype = self.hyper[next(iter(self.hyper))][...].dtype if len(self.hyper) else (
@@ -475,8 +492,9 @@ class Attention(nnx.Module):
 
     # ------------------------------------------------------------------ the forward pass
     def _per_head(self, query, key, value):
-        """(..., len, H, d) projections -> the mechanism's inputs (..., H, len, d) in one
-        dtype, key/value heads repeated for grouped-query attention, and the
+        """(..., len, H, d) projections -> the mechanism's inputs (..., H, len, d).
+
+        In one dtype, key/value heads repeated for grouped-query attention, and the
         hyperparameters; checks the shapes the mechanism gives for this length."""
         H, Hkv = self.num_heads, self.num_kv_heads
         if Hkv != H:
@@ -570,13 +588,18 @@ class Attention(nnx.Module):
             inputs_k: keys ``(..., m, in_kv_features)`` (default ``inputs_q``).
             inputs_v: values ``(..., m, in_kv_features)`` (default ``inputs_k``).
             mask: not supported — which keys a query may take is the mechanism's prior
-                (e.g. `structinfer.nn.causal`); a mask raises ``ValueError``.
+                (e.g. [`causal`][structinfer.nn.causal]); a mask raises ``ValueError``.
             deterministic: turn dropout off (default: the constructor's).
             rngs: dropout randomness (default: the layer's own stream).
-            decode: one step of autoregressive decoding (see `init_cache`).
+            decode: one step of autoregressive decoding (see
+                [`init_cache`][structinfer.nn.Attention.init_cache]).
 
         Returns:
             ``(..., n, out_features)``.
+
+        Raises:
+            ValueError: a ``mask``, inputs of the wrong shape, or dropout without
+                ``deterministic``.
         """
         if mask is not None:
             raise ValueError(
@@ -602,8 +625,18 @@ class Attention(nnx.Module):
 
     def explain(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                 inputs_v: jax.Array | None = None) -> Explanation:
-        """Which path (kernel, or the exact engine and why) the heads take on these inputs:
-        `structinfer.explain` for one sequence of the batch."""
+        """Which path (kernel, or the exact engine and why) the heads take on these inputs.
+
+        [`explain`][structinfer.explain] for one sequence of the batch.
+
+        Args:
+            inputs_q: queries ``(..., n, in_features)``.
+            inputs_k: keys ``(..., m, in_kv_features)`` (default ``inputs_q``).
+            inputs_v: values ``(..., m, in_kv_features)`` (default ``inputs_k``).
+
+        Returns:
+            The [`Explanation`][structinfer.lowering.Explanation] of the first sequence.
+        """
         query, key, value = self._project(inputs_q, inputs_k, inputs_v)
         q, k, v, hyper = self._per_head(query, key, value)
         first = lambda a: a.reshape((-1,) + a.shape[-3:])[0]  # noqa: E731

@@ -53,9 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import optax
+from jax.typing import ArrayLike
 
 import structinfer as si
-from structinfer.infer import geometric_beta, horizon
+from structinfer.infer import GeoBetaState, LoopInfo, geometric_beta, horizon
 
 N_TOKENS, SIGMA2, ALPHA0, BETA0 = 50, 0.1, 0.1, 0.9
 NP = N_TOKENS - 1  # parents of the query: the 49 earlier tokens
@@ -63,7 +64,8 @@ MODELS = ("self_attention", "expanding")
 
 
 # --------------------------------------------------------------------------- data
-def make_task(key, d: int, wr_norm: float, rank: int = 2):
+def make_task(key: jax.Array, d: int, wr_norm: float, rank: int = 2) -> tuple[jax.Array, jax.Array]:
+    """``W_r``, a rank-``rank`` product rescaled to spectral norm ``wr_norm``, and a unit-norm ``W_y``."""
     k1, k2, k3 = jax.random.split(key, 3)
     wr = jax.random.uniform(k1, (d, rank)) @ jax.random.uniform(k2, (rank, d))
     wr = wr * (wr_norm / jnp.linalg.norm(wr, ord=2))
@@ -71,7 +73,9 @@ def make_task(key, d: int, wr_norm: float, rank: int = 2):
     return wr, wy / jnp.linalg.norm(wy)
 
 
-def sample_sequences(key, wr, wy, num: int, p: float):
+def sample_sequences(
+    key: jax.Array, wr: jax.Array, wy: jax.Array, num: int, p: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(num, n, d)`` sequences, targets ``(num,)`` and the distance of x_1 from the query."""
     d = wr.shape[0]
     kx, k1, k2, kd = jax.random.split(key, 4)
@@ -89,20 +93,22 @@ def sample_sequences(key, wr, wy, num: int, p: float):
 
 
 # --------------------------------------------------------------------------- models
-def query_scores(seq, params):
+def query_scores(seq: jax.Array, params: dict[str, jax.Array]) -> si.scores.Bilinear:
     """Bilinear scores of the query (final token) against the 49 earlier tokens, ``(1, 49)``."""
     xq, xk = seq[-1:], seq[:-1]
     return si.scores.Bilinear(xq, xk, params["wq"], params["wk"], scale=params["wq"].shape[0] ** -0.5)
 
 
-def self_attention_model(seq, params):
+def self_attention_model(seq: jax.Array, params: dict[str, jax.Array]) -> None:
     """The query's edge over the 49 earlier tokens, uniform prior."""
     with numpyro.plate("query", 1):
         j = si.edge("phi", si.priors.Uniform(NP), query_scores(seq, params))
         numpyro.deterministic("out", (seq[:-1] @ params["wv"].T)[j])
 
 
-def expanding_model(seq, params, q, window):
+def expanding_model(
+    seq: jax.Array, params: dict[str, jax.Array], q: jax.Array, window: jax.Array
+) -> None:
     r"""The query's edge with the geometric prior at rate ``q``, truncated to ``window`` steps.
 
     ``p(φ = j | q) ∝ q (1-q)^{d_j - 1}`` for distance ``d_j = 49 - j + 1 ≥ 1`` and ``d_j ≤ H``.
@@ -120,7 +126,7 @@ def expanding_model(seq, params, q, window):
         numpyro.deterministic("out", (seq[:-1] @ params["wv"].T)[j])
 
 
-def infer_rate(scores, max_iters: int):
+def infer_rate(scores: jax.Array, max_iters: int) -> tuple[GeoBetaState, LoopInfo]:
     """Algorithm 3 (plug-in mean field) on the query's cached scores ``(1, 49)``."""
     state, info = geometric_beta(
         jax.lax.stop_gradient(scores), ALPHA0, BETA0, method="plugin",
@@ -129,7 +135,9 @@ def infer_rate(scores, max_iters: int):
     return state, info
 
 
-def predict(name: str, params, seq, max_iters: int):
+def predict(
+    name: str, params: dict[str, jax.Array], seq: jax.Array, max_iters: int
+) -> tuple[jax.Array, tuple[GeoBetaState, LoopInfo] | None]:
     """Prediction at the query, plus (expanding) the mean-field state and loop info."""
     if name == "self_attention":
         return si.expectation(self_attention_model, "out", seq, params)[0, 0], None
@@ -139,7 +147,9 @@ def predict(name: str, params, seq, max_iters: int):
     return y, (state, info)
 
 
-def replay_windows(scores, num_steps, max_iters: int):
+def replay_windows(
+    scores: jax.Array, num_steps: jax.Array, max_iters: int
+) -> tuple[jax.Array, jax.Array]:
     """Windows ``H_0 .. H_T`` of the plug-in recurrence, replayed for ``num_steps`` steps.
 
     Returns the windows ``(max_iters + 1,)`` (0 after the last step) and the final
@@ -168,14 +178,16 @@ def replay_windows(scores, num_steps, max_iters: int):
     return jnp.concatenate([h0[None], hs]), att
 
 
-def init_params(key, d: int):
+def init_params(key: jax.Array, d: int) -> dict[str, jax.Array]:
+    """``W_Q``, ``W_K`` ``(d, d)`` and ``W_V`` ``(1, d)``, normal with variance ``1/d``."""
     ks = jax.random.split(key, 3)
     nrm = lambda k, shape: jax.random.normal(k, shape) / d**0.5
     return {"wq": nrm(ks[0], (d, d)), "wk": nrm(ks[1], (d, d)), "wv": nrm(ks[2], (1, d))}
 
 
 # --------------------------------------------------------------------------- experiment
-def run_setting(d: int, p: float, cfg, seed: int) -> dict:
+def run_setting(d: int, p: float, cfg: argparse.Namespace, seed: int) -> dict:
+    """Train and evaluate both models on one setting ``(d, p)``."""
     key = jax.random.PRNGKey(seed)
     k_task, k_train, k_test, k_init = jax.random.split(key, 4)
     wr, wy = jax.jit(make_task, static_argnums=(1, 2))(k_task, d, cfg.wr_norm)
@@ -265,14 +277,15 @@ def check_model_matches_library(seed: int = 3) -> float:
     return float(diff(seq[0], params))
 
 
-def block_means(x, w):
+def block_means(x: ArrayLike, w: int) -> np.ndarray:
     """Means over consecutive blocks of ``w`` steps (the last partial block dropped)."""
     x = np.asarray(x, float)
     w = max(1, min(w, len(x)))
     return x[: len(x) // w * w].reshape(-1, w).mean(1)
 
 
-def plot(results, out: Path) -> None:
+def plot(results: dict, out: Path) -> None:
+    """Training curves and relative operation counts, as PNGs in ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,7 +326,8 @@ def plot(results, out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run: one setting, few steps")
     ap.add_argument("--seed", type=int, default=0)

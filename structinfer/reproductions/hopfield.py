@@ -40,25 +40,28 @@ from pathlib import Path
 import jax
 import numpy as np
 import numpyro
+from jax.typing import ArrayLike
 
 import structinfer as si
 
 
-def hopfield_model(xi, patterns, beta):
-    """Each query state ``ξ_i`` takes one stored pattern as parent: ``φ_i ~ Uniform(N)``,
-    ``ψ(ξ_i, x_j) = β ξ_iᵀ x_j``; the value is the pattern ``x_{φ_i}``."""
+def hopfield_model(xi: jax.Array, patterns: jax.Array, beta: float | jax.Array) -> None:
+    """Each query state ``ξ_i`` takes one stored pattern as parent: ``φ_i ~ Uniform(N)``.
+
+    The score is ``ψ(ξ_i, x_j) = β ξ_iᵀ x_j``; the value is the pattern ``x_{φ_i}``.
+    """
     with numpyro.plate("queries", xi.shape[-2]):
         j = si.edge("phi", si.priors.Uniform(patterns.shape[-2]), si.scores.Dot(xi, patterns, scale=beta))
         numpyro.deterministic("out", patterns[j])
 
 
 @jax.jit
-def one_step(xi, patterns, beta):
+def one_step(xi: ArrayLike, patterns: ArrayLike, beta: float | jax.Array) -> jax.Array:
     """The one-step update ``E[x_φ | ξ]`` for every query, by the exact engine."""
     return si.expectation(hopfield_model, "out", xi, patterns, beta)
 
 
-def formula(xi, patterns, beta):
+def formula(xi: ArrayLike, patterns: ArrayLike, beta: float) -> np.ndarray:
     """``softmax(β ξ Xᵀ) X`` in float64 numpy (independent reference)."""
     s = beta * np.asarray(xi, np.float64) @ np.asarray(patterns, np.float64).T
     s -= s.max(-1, keepdims=True)
@@ -66,7 +69,7 @@ def formula(xi, patterns, beta):
     return (w / w.sum(-1, keepdims=True)) @ np.asarray(patterns, np.float64)
 
 
-def classical_one_step(xi, patterns):
+def classical_one_step(xi: ArrayLike, patterns: ArrayLike) -> np.ndarray:
     """Classical Hopfield: ``sign(W ξ)``, ``W = Σ x xᵀ`` with zero diagonal."""
     X = np.asarray(patterns, np.float64)
     W = X.T @ X
@@ -75,7 +78,10 @@ def classical_one_step(xi, patterns):
     return np.where(h >= 0, 1.0, -1.0)
 
 
-def make_queries(rng, patterns, rho: float, num: int):
+def make_queries(
+    rng: np.random.Generator, patterns: np.ndarray, rho: float, num: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``num`` queries: random stored patterns with a fraction ``rho`` of their signs flipped."""
     idx = rng.integers(0, patterns.shape[0], num)
     target = patterns[idx]
     d = patterns.shape[1]
@@ -86,7 +92,8 @@ def make_queries(rng, patterns, rho: float, num: int):
     return np.where(flips, -target, target).astype(np.float32), target
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run")
     ap.add_argument("--seed", type=int, default=0)

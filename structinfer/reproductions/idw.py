@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import optax
+from jax.typing import ArrayLike
 
 import structinfer as si
 from structinfer.mechanisms import augment_special_case, idw_attention, special_case_eta
@@ -63,7 +64,7 @@ PAPER_MNIST = {"fc_relu": 95.99, "dot": 93.15, "neg_sq": 83.63, "gaussian": 11.3
 
 
 # --------------------------------------------------------------------------- models
-def dot_attention(q, keys, values):
+def dot_attention(q: jax.Array, keys: jax.Array, values: jax.Array) -> None:
     """Scaled dot-product attention over prototypes: ``φ ~ Uniform(P)``, ``ψ = qᵀk/√d``."""
     with numpyro.plate("queries", q.shape[-2]):
         j = si.edge("phi", si.priors.Uniform(keys.shape[-2]),
@@ -71,7 +72,7 @@ def dot_attention(q, keys, values):
         numpyro.deterministic("out", values[j])
 
 
-def logits_fn(method: str, params, x):
+def logits_fn(method: str, params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """Class logits ``(n, C)`` for inputs ``x`` ``(n, d)``."""
     if method == "fc_relu":
         return jax.nn.relu(x @ params["keys"].T + params["bias"]) @ params["values"]
@@ -81,14 +82,17 @@ def logits_fn(method: str, params, x):
                           score=method, p=P_EXP, eps=EPS, sigma=SIGMA)
 
 
-def idw_formula(x, keys, values):
+def idw_formula(x: ArrayLike, keys: ArrayLike, values: ArrayLike) -> np.ndarray:
     """McCarter eq. 5 written directly (independent of structinfer)."""
     d2 = np.sum((np.asarray(x, np.float64)[:, None] - np.asarray(keys, np.float64)[None]) ** 2, -1)
     w = 1.0 / (EPS + d2 ** (P_EXP / 2))
     return (w / w.sum(-1, keepdims=True)) @ np.asarray(values, np.float64)
 
 
-def init_params(key, method: str, xtr, num_protos: int, num_classes: int):
+def init_params(
+    key: jax.Array, method: str, xtr: jax.Array, num_protos: int, num_classes: int
+) -> dict[str, jax.Array]:
+    """Prototype keys near the data mean, zero values (and zero biases for ``fc_relu``)."""
     mean, sd = xtr.mean(0), xtr.std(0)
     keys = mean + 0.1 * sd * jax.random.normal(key, (num_protos, xtr.shape[1]))
     p = {"keys": keys, "values": jnp.zeros((num_protos, num_classes))}
@@ -97,7 +101,18 @@ def init_params(key, method: str, xtr, num_protos: int, num_classes: int):
     return p
 
 
-def train(method, xtr, ytr, num_protos, num_classes, *, epochs, batch, lr, seed):
+def train(
+    method: str,
+    xtr: ArrayLike,
+    ytr: ArrayLike,
+    num_protos: int,
+    num_classes: int,
+    *,
+    epochs: int,
+    batch: int,
+    lr: float,
+    seed: int,
+) -> tuple[dict[str, jax.Array], np.ndarray]:
     """AMSGrad + cosine annealing, shuffled mini-batches; the whole run is one ``scan``."""
     key = jax.random.PRNGKey(seed)
     k_init, k_perm = jax.random.split(key)
@@ -128,20 +143,30 @@ def train(method, xtr, ytr, num_protos, num_classes, *, epochs, batch, lr, seed)
 predict_logits = jax.jit(logits_fn, static_argnums=0)
 
 
-def accuracy(method, params, x, y) -> float:
+def accuracy(method: str, params: dict[str, jax.Array], x: ArrayLike, y: ArrayLike) -> float:
+    """The fraction of ``x`` whose predicted class is ``y``."""
     pred = jnp.argmax(predict_logits(method, params, jnp.asarray(x, jnp.float32)), -1)
     return float(jnp.mean(pred == jnp.asarray(y)))
 
 
 # --------------------------------------------------------------------------- experiments
-def moons_data(seed: int, noise: float):
+def moons_data(seed: int, noise: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Two moons: 100 training and 20 test points, ``(xtr, ytr, xte, yte)``."""
     from sklearn.datasets import make_moons
 
     x, y = make_moons(n_samples=120, noise=noise, random_state=seed)
     return x[:100].astype(np.float32), y[:100], x[100:].astype(np.float32), y[100:]
 
 
-def special_case(params, q, c, xtr, ytr, xte, yte) -> dict:
+def special_case(
+    params: dict[str, jax.Array],
+    q: tuple[float, ...],
+    c: int,
+    xtr: ArrayLike,
+    ytr: ArrayLike,
+    xte: ArrayLike,
+    yte: ArrayLike,
+) -> dict:
     """Eq. 7 augmentation of a trained IDW network so that it predicts ``c`` at ``q``."""
     keys, values = params["keys"], params["values"]
     qj = jnp.asarray(q, jnp.float32)
@@ -169,7 +194,8 @@ def special_case(params, q, c, xtr, ytr, xte, yte) -> dict:
     return rec
 
 
-def run_moons(cfg) -> dict:
+def run_moons(cfg: argparse.Namespace) -> dict:
+    """Every method and prototype count on two moons, with the special-case augmentation."""
     xtr, ytr, xte, yte = moons_data(cfg.seed, cfg.noise)
     res = {"accuracy": {}, "keys": {}, "special_cases": [], "data": {
         "xtr": xtr.tolist(), "ytr": ytr.tolist(), "xte": xte.tolist(), "yte": yte.tolist()}}
@@ -196,7 +222,8 @@ def run_moons(cfg) -> dict:
     return res
 
 
-def run_digits(cfg) -> dict:
+def run_digits(cfg: argparse.Namespace) -> dict:
+    """Every method with 20 prototypes on scikit-learn's digits."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -225,7 +252,8 @@ def run_digits(cfg) -> dict:
 
 
 # --------------------------------------------------------------------------- figures
-def plot_moons(res, cfg, out: Path) -> None:
+def plot_moons(res: dict, cfg: argparse.Namespace, out: Path) -> None:
+    """The learned keys on two moons, one panel per method and prototype count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,7 +280,8 @@ def plot_moons(res, cfg, out: Path) -> None:
     plt.close(fig)
 
 
-def plot_digit_keys(res, cfg, out: Path) -> None:
+def plot_digit_keys(res: dict, cfg: argparse.Namespace, out: Path) -> None:
+    """The learned digit prototypes, one row per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,7 +300,8 @@ def plot_digit_keys(res, cfg, out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run")
     ap.add_argument("--seed", type=int, default=0)

@@ -52,6 +52,7 @@ import sys
 import sysconfig
 import time
 import zlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -96,7 +97,8 @@ def eval_windows(data: np.ndarray, context: int, count: int) -> np.ndarray:
     return np.stack([data[s : s + context + 1] for s in starts])
 
 
-def train_batches(data: np.ndarray, context: int, batch: int, seed: int):
+def train_batches(data: np.ndarray, context: int, batch: int, seed: int) -> Iterator[np.ndarray]:
+    """Endless random batches of ``context + 1``-byte windows, ``(batch, context + 1)``."""
     rng = np.random.default_rng(seed)
     while True:
         starts = rng.integers(0, data.size - context - 1, batch)
@@ -104,7 +106,7 @@ def train_batches(data: np.ndarray, context: int, batch: int, seed: int):
 
 
 # --------------------------------------------------------------------------- model
-def mechanism(prior: str, cfg) -> callable:
+def mechanism(prior: str, cfg: argparse.Namespace) -> Callable:
     """The attention mechanism of each prior; each head starts at its own recency scale."""
     H = cfg.heads
     if prior == "uniform-causal":
@@ -124,7 +126,9 @@ def mechanism(prior: str, cfg) -> callable:
 
 
 class Block(nnx.Module):
-    def __init__(self, mech, cfg, rngs: nnx.Rngs):
+    """Pre-norm transformer block: structinfer attention, then a GELU MLP."""
+
+    def __init__(self, mech: Callable, cfg: argparse.Namespace, rngs: nnx.Rngs):
         d = cfg.d_model
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
         self.attn = sinn.Attention(mech, num_heads=cfg.heads, in_features=d, rngs=rngs)
@@ -132,7 +136,7 @@ class Block(nnx.Module):
         self.up = nnx.Linear(d, 4 * d, rngs=rngs)
         self.down = nnx.Linear(4 * d, d, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln1(x))
         return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
 
@@ -140,36 +144,40 @@ class Block(nnx.Module):
 class CharLM(nnx.Module):
     """Byte-level transformer; position information comes only from the attention prior."""
 
-    def __init__(self, mech, cfg, rngs: nnx.Rngs):
+    def __init__(self, mech: Callable, cfg: argparse.Namespace, rngs: nnx.Rngs):
         self.embed = nnx.Embed(VOCAB, cfg.d_model, rngs=rngs)
         self.blocks = nnx.List([Block(mech, cfg, rngs) for _ in range(cfg.layers)])
         self.ln = nnx.LayerNorm(cfg.d_model, rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
         return self.embed.attend(self.ln(x))  # (..., n, 256) logits
 
 
-def loss_fn(model, window):
+def loss_fn(model: CharLM, window: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy (nats) over ``(batch, context + 1)`` windows."""
     logits = model(window[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, window[:, 1:]).mean()
 
 
 @nnx.jit
-def train_step(model, opt, window):
+def train_step(model: CharLM, opt: nnx.Optimizer, window: jax.Array) -> jax.Array:
+    """One optimiser step on a batch of windows; returns the loss before it."""
     loss, grads = nnx.value_and_grad(loss_fn)(model, window)
     opt.update(model, grads)
     return loss
 
 
 @nnx.jit
-def eval_loss(model, windows):
+def eval_loss(model: CharLM, windows: jax.Array) -> jax.Array:
+    """The mean next-byte loss of ``windows`` (jitted)."""
     return loss_fn(model, windows)
 
 
-def bits_per_char(model, windows: np.ndarray, batch: int) -> float:
+def bits_per_char(model: CharLM, windows: np.ndarray, batch: int) -> float:
+    """Mean next-byte loss over ``windows`` in bits per character."""
     losses = [float(eval_loss(model, jnp.asarray(windows[i : i + batch], jnp.int32)))
               * len(windows[i : i + batch]) for i in range(0, len(windows), batch)]
     return sum(losses) / len(windows) / math.log(2)
@@ -184,6 +192,7 @@ def head_priors(layer: sinn.Attention, context: int) -> np.ndarray:
 
 
 def summarise_heads(model: CharLM, prior: str, context: int) -> list[list[dict]]:
+    """Each head's 95 % window, mean distance and hyperparameters, per layer."""
     out = []
     for block in model.blocks:
         pmf = head_priors(block.attn, context)
@@ -203,7 +212,10 @@ def summarise_heads(model: CharLM, prior: str, context: int) -> list[list[dict]]
 
 
 # --------------------------------------------------------------------------- one run
-def run(prior: str, seed: int, data, cfg, quiet: bool) -> dict:
+def run(
+    prior: str, seed: int, data: dict[str, np.ndarray], cfg: argparse.Namespace, quiet: bool
+) -> dict:
+    """Train one model (one prior, one seed) and evaluate it on the validation and test splits."""
     model = CharLM(mechanism(prior, cfg), cfg, nnx.Rngs(seed))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, max(cfg.steps // 10, 1), max(cfg.steps, 2), cfg.lr / 10)
@@ -233,7 +245,8 @@ def run(prior: str, seed: int, data, cfg, quiet: bool) -> dict:
 
 
 # --------------------------------------------------------------------------- report
-def aggregate(runs: list[dict], priors) -> dict:
+def aggregate(runs: list[dict], priors: Sequence[str]) -> dict:
+    """Mean and sd over seeds of each prior's metrics."""
     table = {}
     for p in priors:
         rs = [r for r in runs if r["prior"] == p]
@@ -251,7 +264,8 @@ def aggregate(runs: list[dict], priors) -> dict:
     return table
 
 
-def markdown(table: dict, cfg, info: dict, seconds: float) -> str:
+def markdown(table: dict, cfg: argparse.Namespace, info: dict, seconds: float) -> str:
+    """The results table as Markdown."""
     n = cfg.seeds
     lines = [
         f"Held-out bits per character, mean ± sd over {n} seed{'s' if n > 1 else ''} "
@@ -275,6 +289,7 @@ def markdown(table: dict, cfg, info: dict, seconds: float) -> str:
 
 
 def plot(table: dict, runs: list[dict], out: Path) -> None:
+    """Bits per character and head windows per prior, as ``out/lm.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,7 +322,8 @@ def plot(table: dict, runs: list[dict], out: Path) -> None:
 
 
 # --------------------------------------------------------------------------- main
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="tiny network, few steps; writes nothing unless --out is given")

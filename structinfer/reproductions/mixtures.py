@@ -48,12 +48,15 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
+from jax.typing import ArrayLike
 from numpyro.handlers import substitute
 
 from structinfer import edge, log_marginal, marginals
@@ -63,7 +66,8 @@ from structinfer.priors import Uniform
 from structinfer.scores import NegSqDist
 
 
-def best_permutation_accuracy(true, pred, k: int) -> float:
+def best_permutation_accuracy(true: np.ndarray, pred: np.ndarray, k: int) -> float:
+    """Label accuracy under the best of the ``k!`` relabellings of ``pred``."""
     best = 0.0
     for perm in itertools.permutations(range(k)):
         best = max(best, float(np.mean(np.asarray(perm)[pred] == true)))
@@ -71,6 +75,7 @@ def best_permutation_accuracy(true, pred, k: int) -> float:
 
 
 def run_gmm(seed: int) -> dict:
+    """Gaussian-mixture EM on three 2-D components, against scikit-learn's ``GaussianMixture``."""
     from scipy.optimize import linear_sum_assignment
     from sklearn.mixture import GaussianMixture
 
@@ -105,9 +110,12 @@ def run_gmm(seed: int) -> dict:
     }
 
 
-def make_scene(seed: int):
-    """The synthetic scene: 4 objects x 40 "pixels" with standardised features (x, y, r, g, b),
-    the true object labels, the initial slots (data points + noise) and ``W_K, W_Q ≈ I``."""
+def make_scene(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The synthetic scene: 4 objects x 40 "pixels" with features (x, y, r, g, b).
+
+    Returns the standardised features, the true object labels, the initial slots (data
+    points + noise) and ``W_K, W_Q ≈ I``.
+    """
     rng = np.random.default_rng(seed)
     k, per = 4, 40
     centres = rng.uniform(-1, 1, (k, 2)) * 2.0
@@ -124,17 +132,26 @@ def make_scene(seed: int):
     return x, labels, slots0, wk, wq
 
 
-def paper_slot_model(x, slots, wk, wq):
-    r"""The paper's slot attention (``structinfer.mechanisms.slot_attention``, Dot potentials)
-    at the slot values ``slots``, without its node potential (CCCP adds ½‖μ‖²)."""
+def paper_slot_model(x: jax.Array, slots: jax.Array, wk: jax.Array, wq: jax.Array) -> None:
+    r"""The paper's slot attention at the slot values ``slots``, without its node potential.
+
+    ``structinfer.mechanisms.slot_attention`` with Dot potentials; CCCP adds ½‖μ‖².
+    """
     model = substitute(slot_attention, data={"slots": slots})
     return model(x, wq, wk, slots.shape[-2], node_potential=False, slot_dim=slots.shape[-1])
 
 
-def iterate(step, state, energy0, max_iters):
-    """Iterate ``step(state) -> (state, energy, converged)`` under ``jax.lax.while_loop``
-    until it converges or ``max_iters``: ``(state, energies, num_steps)``, ``energies[t]``
-    the energy after ``t`` steps (NaN past the last)."""
+def iterate(
+    step: Callable[[Any], tuple[Any, jax.Array, jax.Array]],
+    state: Any,
+    energy0: jax.Array,
+    max_iters: int,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """Iterate ``step(state) -> (state, energy, converged)`` under ``jax.lax.while_loop``.
+
+    Until it converges or ``max_iters``: ``(state, energies, num_steps)``, ``energies[t]``
+    the energy after ``t`` steps (NaN past the last).
+    """
     trace = jnp.full(max_iters + 1, jnp.nan, jnp.result_type(energy0)).at[0].set(energy0)
 
     def cond(c):
@@ -150,8 +167,12 @@ def iterate(step, state, energy0, max_iters):
     return state, trace, k
 
 
-def gaussian_slot_model(x, slots, wk, wq, precision):
-    r"""Slot attention with **Gaussian** edge potentials — the one edit to the paper's
+def gaussian_slot_model(
+    x: jax.Array, slots: jax.Array, wk: jax.Array, wq: jax.Array, precision: ArrayLike
+) -> None:
+    r"""Slot attention with **Gaussian** edge potentials $\log\mathcal N(W_K x_j;\, W_Q\mu_i,\, \sigma^2 I)$.
+
+    The one edit to the paper's
     ``slot_attention`` (Dot -> NegSqDist): token $j$ takes slot $\phi_j$ uniformly, score
     $\log\mathcal N(W_K x_j;\, W_Q\mu_i,\, \sigma^2 I)$, ``precision`` = $1/\sigma^2$.
 
@@ -164,14 +185,32 @@ def gaussian_slot_model(x, slots, wk, wq, precision):
              NegSqDist(x @ wk.T, slots @ wq.T, precision=precision, normalize=True))
 
 
-def gaussian_slot_free_energy(x, mu, wk, wq, precision, lam=1.0):
+def gaussian_slot_free_energy(
+    x: jax.Array,
+    mu: jax.Array,
+    wk: jax.Array,
+    wq: jax.Array,
+    precision: ArrayLike,
+    lam: float = 1.0,
+) -> jax.Array:
     r"""$F(\mu) = \tfrac\lambda2\|\mu\|^2 - \log Z(\mu)$ (the paper's unit node potential)."""
     return 0.5 * lam * jnp.sum(mu * mu) - log_marginal(gaussian_slot_model, x, mu, wk, wq, precision)
 
 
-def gaussian_slot_e_step(x, mu, wk, wq, precision, *, lam=1.0, iters=20, tol=1e-8):
-    r"""CCCP / majorise-minimise on the slots of `gaussian_slot_model`. At the current
-    attention $A$ (the engine's edge marginals) minimise the bound
+def gaussian_slot_e_step(
+    x: jax.Array,
+    mu: jax.Array,
+    wk: jax.Array,
+    wq: jax.Array,
+    precision: ArrayLike,
+    *,
+    lam: float = 1.0,
+    iters: int = 20,
+    tol: float = 1e-8,
+) -> tuple[jax.Array, jax.Array]:
+    r"""CCCP / majorise-minimise on the slots of `gaussian_slot_model`.
+
+    At the current attention $A$ (the engine's edge marginals) minimise the bound
     $\tfrac\lambda2\|\mu\|^2 - \sum_{ji} A_{ji}\psi_{ji}(\mu)$:
 
     $$
@@ -198,9 +237,20 @@ def gaussian_slot_e_step(x, mu, wk, wq, precision, *, lam=1.0, iters=20, tol=1e-
     return mu, marginals(gaussian_slot_model, x, mu, wk, wq, precision)["slot"]
 
 
-def gaussian_slot_em(x, slots, wk, wq, *, lam=1.0, e_iters=20, max_iters=30, tol=1e-6):
-    r"""EM for `gaussian_slot_model`: E-step `gaussian_slot_e_step`; M-step the
-    closed-form maximiser of $\sum_{ji} A_{ji}\log\mathcal N(k_j; W_Q\mu_i, \sigma^2 I)$:
+def gaussian_slot_em(
+    x: jax.Array,
+    slots: jax.Array,
+    wk: jax.Array,
+    wq: jax.Array,
+    *,
+    lam: float = 1.0,
+    e_iters: int = 20,
+    max_iters: int = 30,
+    tol: float = 1e-6,
+) -> tuple[Any, jax.Array, jax.Array]:
+    r"""EM for `gaussian_slot_model`: E-step `gaussian_slot_e_step`, closed-form M-step.
+
+    The M-step is the closed-form maximiser of $\sum_{ji} A_{ji}\log\mathcal N(k_j; W_Q\mu_i, \sigma^2 I)$:
     $W_Q$ by weighted least squares (``slot_m_step``'s W_Q solve) and
     $\sigma^2 = \sum A_{ji}\|k_j - W_Q\mu_i\|^2 / (d_k\sum A)$. ``W_K`` stays fixed (with
     square ``W_K`` it only sets the metric). Every step lowers
@@ -222,7 +272,7 @@ def gaussian_slot_em(x, slots, wk, wq, *, lam=1.0, e_iters=20, max_iters=30, tol
     return iterate(step, state, gaussian_slot_free_energy(x, mu, wk, wq, prec, lam), max_iters)
 
 
-def _entropy(att) -> float:
+def _entropy(att: np.ndarray) -> float:
     return float(-np.sum(att * np.log(np.where(att > 0, att, 1.0)), -1).mean())
 
 
@@ -234,6 +284,7 @@ _gauss_slot_em = jax.jit(gaussian_slot_em)
 
 
 def run_slots(seed: int) -> dict:
+    """Slot EM (paper, and with Gaussian potentials) on one synthetic scene, against k-means."""
     from sklearn.cluster import KMeans
     from sklearn.metrics import adjusted_rand_score
 
@@ -289,6 +340,7 @@ def run_slots(seed: int) -> dict:
 
 
 def run_slds(seed: int) -> dict:
+    """Linear-mixture EM on a two-mode switching linear dynamical system."""
     rng = np.random.default_rng(seed)
     T, k = 600, 2
     th = 0.15
@@ -315,7 +367,8 @@ def run_slds(seed: int) -> dict:
             "num_switches": int(np.sum(np.diff(z) != 0))}
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run: one seed")
     ap.add_argument("--seed", type=int, default=0)

@@ -64,7 +64,7 @@ MODELS = ("one_layer", "two_layer", "multihop")
 
 
 # --------------------------------------------------------------------------- data
-def make_task(key, d: int, rank: int, wr_norm: float):
+def make_task(key: jax.Array, d: int, rank: int, wr_norm: float) -> tuple[jax.Array, jax.Array]:
     """Draw the relation ``W_r`` (low rank) and the read-out ``W_y`` of one seed."""
     k1, k2, k3 = jax.random.split(key, 3)
     wr = jax.random.uniform(k1, (d, rank)) @ jax.random.uniform(k2, (rank, d))
@@ -73,7 +73,14 @@ def make_task(key, d: int, rank: int, wr_norm: float):
     return wr, wy / jnp.linalg.norm(wy)
 
 
-def sample_sequences(key, wr, wy, num: int, n: int = N_TOKENS, sigma2: float = SIGMA2):
+def sample_sequences(
+    key: jax.Array,
+    wr: jax.Array,
+    wy: jax.Array,
+    num: int,
+    n: int = N_TOKENS,
+    sigma2: float = SIGMA2,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``num`` sequences ``(num, n, d)``, targets ``(num,)`` and the positions of x_0, x_1.
 
     Positions 0..n-2 hold x_0, x_1 and the noise tokens in a random order; position
@@ -110,7 +117,7 @@ def parent_mask(n: int, self_edges: bool | None = None) -> np.ndarray:
     return mask
 
 
-def bilinear_score(x, wq, wk, mask):
+def bilinear_score(x: jax.Array, wq: jax.Array, wk: jax.Array, mask: np.ndarray) -> si.scores.Custom:
     r"""``ψ_ij = x_iᵀ W_Qᵀ W_K x_j / √d_k`` with forbidden edges set to the row minimum.
 
     The prior already gives forbidden edges probability zero, so their score value
@@ -123,7 +130,7 @@ def bilinear_score(x, wq, wk, mask):
     return si.scores.Custom(jnp.where(mask, s, floor))
 
 
-def attention_layer(x, wq, wk, wv):
+def attention_layer(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array) -> None:
     """One self-attention layer as a structinfer model (site ``phi``, value ``out``)."""
     n = x.shape[0]
     mask = parent_mask(n)
@@ -132,7 +139,9 @@ def attention_layer(x, wq, wk, wv):
         numpyro.deterministic("out", (x @ wv.T)[j])
 
 
-def multihop_model(x, wq, wk, wv, hops: int = 2):
+def multihop_model(
+    x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, hops: int = 2
+) -> None:
     """Multi-hop attention: hop ``h+1`` is the edge of the node hop ``h`` reached."""
     n = x.shape[0]
     mask = parent_mask(n)
@@ -148,7 +157,8 @@ def multihop_model(x, wq, wk, wv, hops: int = 2):
         numpyro.deterministic("out", out)
 
 
-def init_params(key, name: str, d: int):
+def init_params(key: jax.Array, name: str, d: int) -> dict[str, jax.Array]:
+    """The projections of model ``name``, normal with variance ``1/d``."""
     ks = jax.random.split(key, 6)
     nrm = lambda k, shape: jax.random.normal(k, shape) / d**0.5
     if name == "two_layer":
@@ -159,7 +169,9 @@ def init_params(key, name: str, d: int):
     return {"wq": nrm(ks[0], (d, d)), "wk": nrm(ks[1], (d, d)), "wv": nrm(ks[2], (1, d))}
 
 
-def predict_one(name: str, params, x):
+def predict_one(
+    name: str, params: dict[str, jax.Array], x: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Prediction at the query (final token) and the query's attention rows."""
     if name == "one_layer":
         a = (x, params["wq"], params["wk"], params["wv"])
@@ -180,7 +192,7 @@ def predict_one(name: str, params, x):
     }
 
 
-def predict_y(name, params, x):
+def predict_y(name: str, params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """Only the prediction (what the training loss needs: no marginals)."""
     if name == "one_layer":
         return si.expectation(attention_layer, "out", x, params["wq"], params["wk"], params["wv"])[-1, 0]
@@ -191,7 +203,7 @@ def predict_y(name, params, x):
 
 
 # --------------------------------------------------------------------------- training
-def seed_data(seed: int, cfg):
+def seed_data(seed: int, cfg: argparse.Namespace) -> dict:
     """One seed's task, training set ``(batches, batch, n, d)`` and test set."""
     k_task, k_train, k_test, k_init = jax.random.split(jax.random.PRNGKey(seed), 4)
     wr, wy = make_task(k_task, DIM, cfg.rank, cfg.wr_norm)
@@ -204,7 +216,7 @@ def seed_data(seed: int, cfg):
     }
 
 
-def train_all_seeds(name: str, data: dict, cfg) -> list[dict]:
+def train_all_seeds(name: str, data: dict, cfg: argparse.Namespace) -> list[dict]:
     """Train one model on every seed at once (``vmap`` over seeds, ``scan`` over batches)."""
     params = jax.vmap(lambda k: init_params(k, name, DIM))(data["k_init"])
     opt = optax.adam(cfg.lr)
@@ -266,6 +278,7 @@ def train_all_seeds(name: str, data: dict, cfg) -> list[dict]:
 
 
 def summarise(runs: list[dict]) -> dict:
+    """Mean, sd and median test errors and attention masses over seeds."""
     mse = np.array([r["test_mse"] for r in runs])
     rel = np.array([r["test_rel_mse"] for r in runs])
     m0 = np.array([r["attention_mass"]["x0"] for r in runs])
@@ -293,7 +306,8 @@ def check_multihop_equals_formula() -> float:
     return float(jnp.max(jnp.abs(out - ref)))
 
 
-def plot(results, cfg, out: Path) -> None:
+def plot(results: dict, cfg: argparse.Namespace, out: Path) -> None:
+    """Training curves and attention masses, as ``out/multihop.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,7 +338,8 @@ def plot(results, cfg, out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 seeds, few epochs")
     ap.add_argument("--seed", type=int, default=0, help="first seed")
