@@ -1,22 +1,22 @@
 r"""The demo task: which structural prior does the data support?
 
-A sequence of nodes is generated with a known structure: node :math:`i \ge 1`
+A sequence of nodes is generated with a known structure: node $i \ge 1$
 copies a recent parent through a linear map plus noise,
 
-.. math::
+$$
+d_i \sim \mathrm{Geometric}(q^\star) \text{ truncated to } \{1,\dots,i\}, \qquad
+\phi_i = i - d_i, \qquad
+x_i \sim \mathcal N(W^\star x_{\phi_i}, \sigma^{\star 2} I).
+$$
 
-    d_i \sim \mathrm{Geometric}(q^\star) \text{ truncated to } \{1,\dots,i\}, \qquad
-    \phi_i = i - d_i, \qquad
-    x_i \sim \mathcal N(W^\star x_{\phi_i}, \sigma^{\star 2} I).
-
-The same model — :math:`x_i \mid \phi_i \sim \mathcal N(W x_{\phi_i}, \sigma^2 I)`
-with the map :math:`W = W^\star` given and :math:`\sigma \sim \mathrm{HalfNormal}(1)` —
+The same model — $x_i \mid \phi_i \sim \mathcal N(W x_{\phi_i}, \sigma^2 I)$
+with the map $W = W^\star$ given and $\sigma \sim \mathrm{HalfNormal}(1)$ —
 is fitted under four structural priors over the earlier nodes (Singh & Buckley,
 Table 1): uniform (causal attention), a sliding window, a relative-position
 prior with a learned bias per distance, and a geometric recency prior with
-:math:`q \sim \mathrm{Beta}(1, 1)` (expanding attention, sec. 5.2). The edges
-are summed out exactly; NUTS samples :math:`\sigma` and the prior's parameters.
-(With :math:`W` learned too the posterior is multimodal — rotations of the map trade
+$q \sim \mathrm{Beta}(1, 1)$ (expanding attention, sec. 5.2). The edges
+are summed out exactly; NUTS samples $\sigma$ and the prior's parameters.
+(With $W$ learned too the posterior is multimodal — rotations of the map trade
 off against rewirings of the structure — and short chains do not mix.) PSIS-LOO over the children says which prior predicts held-out
 nodes best; the edge posteriors say which recovers the true parents.
 """
@@ -103,10 +103,10 @@ def recency_model(prior: str, window: int = 4, buckets: int = 6) -> Callable:
 
     Children are nodes ``1 .. T-1``; the parents of child ``c`` (node ``c + 1``) are
     nodes ``0 .. c``, so every prior uses ``offset=1`` and excludes the self-edge:
-    the distance :math:`d = c + 1 - j` is the node distance.
+    the distance $d = c + 1 - j$ is the node distance.
 
     Args:
-        prior: one of :data:`PRIORS`.
+        prior: one of `PRIORS`.
         window: size of the sliding window (``"window"``).
         buckets: distances ``1 .. buckets`` get their own learned log-weight, farther
             ones share the last (``"relative"``).
@@ -155,7 +155,7 @@ class DemoConfig:
 
 @dataclass
 class DemoResult:
-    """What :func:`run_demo` computed and wrote."""
+    """What `run_demo` computed and wrote."""
 
     comparison: Any
     edges: Any

@@ -59,6 +59,9 @@ MARKDOWN_MODULES = [
     "structinfer.nn",
     "structinfer._checks",
     "structinfer.infer",
+    "structinfer.lowering",
+    "structinfer.demo",
+    "structinfer.reproductions",
 ]
 
 #: public names in ``MARKDOWN_MODULES`` that state no formula (bases, containers, tools);

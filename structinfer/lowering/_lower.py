@@ -6,15 +6,15 @@ $$\ell_{ij} = \psi(x_i, x_j) + \log \tilde p(\phi_i = j),$$
 
 kept up to a per-child constant (the softmax over parents ignores it). A *rule* for a
 prior or score type turns one instance into terms of $\ell$ that the kernels compute
-blockwise, by calling the methods of a :class:`TermBuilder`: a dot product
+blockwise, by calling the methods of a `TermBuilder`: a dot product
 $q_i^\top k_j$, a per-parent bias, a per-edge table, an IDW term, a relative-position
 bias or a geometric log-prior read off the distance grid $d_{ij} = i + \text{offset} - j$,
 a distance band, a mask. Rules live in three tables keyed by type
-(:func:`register_prior_rule`, :func:`register_score_rule`,
-:func:`register_pattern_rule`); lookup walks the type's MRO, so a subclass uses its
+(`register_prior_rule`, `register_score_rule`,
+`register_pattern_rule`); lookup walks the type's MRO, so a subclass uses its
 base's rule unless it registers its own (or overrides the methods that define its
-numbers, see :class:`RuleTable`). A type with no rule raises :class:`NotLowered` naming
-it, and :func:`structinfer.attention` takes the exact engine.
+numbers, see `RuleTable`). A type with no rule raises `NotLowered` naming
+it, and `structinfer.attention` takes the exact engine.
 
 ```python
 import jax.numpy as jnp
@@ -32,10 +32,10 @@ def _(prior, terms):
     terms.note("prior Recency (distance table)")
 ```
 
-The built-in rules are in :mod:`structinfer.lowering._rules` (registered when
-:mod:`structinfer.lowering` is imported). :func:`lower_edge` runs the rules of an edge's
+The built-in rules are in `structinfer.lowering._rules` (registered when
+`structinfer.lowering` is imported). `lower_edge` runs the rules of an edge's
 ``(prior, score)`` and packs what they added, with the value table, into a
-:class:`~._spec.Terms` / :class:`~._spec.Problem` pair for the kernels.
+`Terms` / `Problem` pair for the kernels.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from ..priors import RestrictionPattern, StructuralPrior
 from ..scores import Score
@@ -71,10 +72,11 @@ __all__ = [
 class NotLowered(Exception):
     """A part of the model that no kernel implements (``part`` says which, ``reason`` why).
 
-    Raised by :func:`lower_edge` when a prior / score type has no rule, and by a rule that
+    Raised by `lower_edge` when a prior / score type has no rule, and by a rule that
     cannot lower a particular instance (e.g. a parameter that is traced but must be static);
-    :func:`structinfer.attention` then takes the exact engine and
-    :func:`structinfer.explain` reports ``"site '<edge>': <part>: <reason>"``.
+    [`structinfer.attention`][structinfer.attention] then takes the exact engine and
+    [`structinfer.explain`][structinfer.explain] reports
+    ``"site '<edge>': <part>: <reason>"``.
 
     Args:
         part: what is not lowered, e.g. ``"prior MyPrior"`` or ``"score InvDist"``.
@@ -89,13 +91,19 @@ class NotLowered(Exception):
 
 @dataclass(frozen=True)
 class DistanceBand:
-    r"""Allowed distances $d_{\min} \le d_{ij} \le d_{\max}$ (optionally $d_{ij} \ne 0$),
-    $d_{ij} = i + \text{offset} - j$: what a pattern rule says a mask is.
+    r"""The distance band a pattern rule says a mask is: $d_{\min} \le d_{ij} \le d_{\max}$.
+
+    Child $i$ may take parent $j$ when its distance $d_{ij} = i + \text{offset} - j$ lies
+    in $[d_{\min}, d_{\max}]$ (and, with ``exclude_zero``, $d_{ij} \ne 0$). Returned by a
+    rule registered with
+    [`register_pattern_rule`][structinfer.lowering.register_pattern_rule]; the kernels
+    then skip the blocks outside the band.
 
     Args:
-        dmin, dmax: the bounds (``None``: unbounded on that side).
+        dmin: the smallest allowed distance $d_{\min}$ (``None``: unbounded below).
+        dmax: the largest allowed distance $d_{\max}$ (``None``: unbounded above).
         exclude_zero: also forbid $d = 0$ (the self-edge).
-        offset: child ``i`` sits at parent position ``i + offset``.
+        offset: child $i$ sits at parent position $i + \text{offset}$.
     """
 
     dmin: int | None = None
@@ -104,7 +112,15 @@ class DistanceBand:
     offset: int = 0
 
     def mask(self, num_children: int, num_parents: int) -> np.ndarray:
-        """The band as a NumPy boolean ``(children, parents)`` mask."""
+        """The band as a NumPy boolean ``(children, parents)`` mask.
+
+        Args:
+            num_children: $n$, the number of children (rows).
+            num_parents: $m$, the number of parents (columns).
+
+        Returns:
+            ``(n, m)`` boolean array, ``True`` on the allowed edges.
+        """
         t = Terms(int(num_children), int(num_parents), dmin=self.dmin, dmax=self.dmax,
                   exclude_zero=self.exclude_zero, offset=self.offset)
         ok = band_mask_np(t, t.num_children, t.num_parents)
@@ -158,7 +174,7 @@ class TermBuilder:
         SCORE_RULES.lookup(score)(score, self)
 
     def note(self, text: str) -> None:
-        """Record what was recognised (shown by :func:`structinfer.explain`)."""
+        """Record what was recognised (shown by [`structinfer.explain`][structinfer.explain])."""
         self._notes.append(str(text))
 
     # --- additive terms --------------------------------------------------------------
@@ -168,7 +184,8 @@ class TermBuilder:
         self._dot_q.append(q)
         self._dot_k.append(k)
 
-    def add_inverse_distance(self, q: jax.Array, k: jax.Array, p, eps) -> None:
+    def add_inverse_distance(self, q: jax.Array, k: jax.Array, p: ArrayLike,
+                             eps: ArrayLike) -> None:
         r"""$\ell_{ij} \mathrel{+}= -\log(\epsilon + \|q_i - k_j\|^p)$ (IDW), computed per block.
 
         ``q``: ``(..., n, f)``, ``k``: ``(..., m, f)``; ``p``, ``eps`` may be traced.
@@ -180,25 +197,45 @@ class TermBuilder:
         self._col_bias.append(bias)
 
     def add_pair_logits(self, logits: jax.Array) -> None:
-        r"""$\ell_{ij} \mathrel{+}= L_{ij}$; ``logits``: ``(..., n, m)`` (or ``(..., 1, m)``),
-        finite (forbid edges with :meth:`restrict_pairs`), sliced per block."""
+        r"""$\ell_{ij} \mathrel{+}= L_{ij}$, a per-edge table sliced per block.
+
+        ``logits``: ``(..., n, m)`` (or ``(..., 1, m)``), finite (forbid edges with
+        [`restrict_pairs`][structinfer.lowering.TermBuilder.restrict_pairs]).
+        """
         self._pair.append(logits)
 
     def add_relative_position(self, bias: jax.Array, *, mode: str = "linear",
                               max_distance: int | None = None, period: int | None = None,
                               offset: int = 0) -> None:
-        r"""$\ell_{ij} \mathrel{+}= b(d_{ij})$ with $b$ looked up as
-        :meth:`structinfer.priors.RelativePosition.bias_index` does (``mode`` ``"linear"``
-        or ``"circulant"`` with ``period``; ``max_distance`` clips). ``bias``: ``(..., L)``."""
+        r"""$\ell_{ij} \mathrel{+}= b(d_{ij})$, a bias looked up from the distance $d_{ij}$.
+
+        $b$ is looked up as
+        [`RelativePosition.bias_index`][structinfer.priors.RelativePosition.bias_index]
+        does, with $d_{ij} = i + \text{offset} - j$.
+
+        Args:
+            bias: ``(..., L)`` bias table.
+            mode: ``"linear"`` or ``"circulant"`` (with ``period``).
+            max_distance: $D$: distances are clipped to $[-D, D]$ (``None``: no
+                clipping).
+            period: the period of the ``"circulant"`` mode.
+            offset: child $i$ sits at parent position $i + \text{offset}$.
+        """
         self._set_offset(offset)
         self._glob["relpos"] = bias
         self._kw["relpos"] = RelPos(mode, self.num_parents, max_distance, period,
                                     int(bias.shape[-1]))
 
     def add_geometric(self, q: jax.Array, min_distance: int, offset: int = 0) -> None:
-        r"""$\ell_{ij} \mathrel{+}= \log q_i + (d_{ij} - d_0)\log(1 - q_i)$ on $d_{ij} \ge d_0$
-        (``min_distance``; nearer parents are forbidden); ``q``: scalar or ``(..., n)`` in
-        $(0, 1)$."""
+        r"""$\ell_{ij} \mathrel{+}= \log q_i + (d_{ij} - d_0)\log(1 - q_i)$ on $d_{ij} \ge d_0$.
+
+        The geometric (recency) log-prior; parents nearer than $d_0$ are forbidden.
+
+        Args:
+            q: success probability in $(0, 1)$, scalar or ``(..., n)``.
+            min_distance: $d_0$.
+            offset: child $i$ sits at parent position $i + \text{offset}$.
+        """
         self.restrict_band(dmin=min_distance, offset=offset)
         n = self.num_children
         qc = q[..., None] if q.ndim else jnp.reshape(q, (1, 1))
@@ -211,9 +248,17 @@ class TermBuilder:
 
     def restrict_band(self, dmin: int | None = None, dmax: int | None = None, *,
                       exclude_zero: bool = False, offset: int = 0) -> None:
-        r"""Allow only $d_{\min} \le d_{ij} \le d_{\max}$ (and $d_{ij} \ne 0$ with
-        ``exclude_zero``), $d_{ij} = i + \text{offset} - j$. Blocks outside the band are
-        skipped, not masked. Several bands intersect."""
+        r"""Allow only the edges with $d_{\min} \le d_{ij} \le d_{\max}$.
+
+        $d_{ij} = i + \text{offset} - j$. Blocks outside the band are skipped, not masked.
+        Several bands intersect.
+
+        Args:
+            dmin: $d_{\min}$ (``None``: unbounded below).
+            dmax: $d_{\max}$ (``None``: unbounded above).
+            exclude_zero: also forbid $d_{ij} = 0$ (the self-edge).
+            offset: child $i$ sits at parent position $i + \text{offset}$.
+        """
         kw = self._kw
         self._set_offset(offset)
         if dmin is not None:
@@ -264,7 +309,7 @@ class RuleTable:
     A subclass uses its nearest registered base's rule, unless it (or a class between it
     and that base) overrides one of ``defining``: the methods that give the object its
     numbers (``log_table`` for priors, ``dense`` for scores). A rule written for the base
-    would then lower different numbers, so lookup refuses with :class:`NotLowered`.
+    would then lower different numbers, so lookup refuses with `NotLowered`.
 
     Args:
         what: ``"prior"``, ``"score"`` or ``"pattern"`` (for messages).
@@ -342,14 +387,16 @@ def register_prior_rule(*prior_types: type) -> Callable[[Rule], Rule]:
     r"""Register ``rule(prior, terms)`` as the lowering of these prior types (a decorator).
 
     The rule adds the prior's $\log\tilde p(\phi_i = j)$ (up to a per-child constant) to
-    the :class:`TermBuilder` ``terms``, and may raise :class:`NotLowered` for an instance
-    it cannot lower. Subclasses use the rule too unless they register their own or
-    override ``log_table`` / ``_log_weights`` / ``distribution``. Registering again
-    replaces the rule. Check a new rule against the exact engine
-    (:func:`structinfer.expectation`).
+    the [`TermBuilder`][structinfer.lowering.TermBuilder] ``terms``, and may raise
+    [`NotLowered`][structinfer.lowering.NotLowered] for an instance it cannot lower.
+    Subclasses use the rule too unless they register their own or override
+    ``log_table`` / ``_log_weights`` / ``distribution``. Registering again replaces the
+    rule. Check a new rule against the exact engine
+    ([`structinfer.expectation`][structinfer.expectation]).
 
     Args:
-        *prior_types: subclasses of :class:`structinfer.priors.StructuralPrior`.
+        *prior_types: subclasses of
+            [`StructuralPrior`][structinfer.priors.StructuralPrior].
 
     Returns:
         A decorator that registers the rule and returns it unchanged.
@@ -365,12 +412,13 @@ def register_score_rule(*score_types: type) -> Callable[[Rule], Rule]:
     r"""Register ``rule(score, terms)`` as the lowering of these score types (a decorator).
 
     The rule adds the score's $\psi(x_i, x_j)$ (up to a per-child constant) to the
-    :class:`TermBuilder` ``terms``, and may raise :class:`NotLowered` for an instance it
-    cannot lower. Subclasses use the rule too unless they register their own or override
-    ``dense``. Registering again replaces the rule.
+    [`TermBuilder`][structinfer.lowering.TermBuilder] ``terms``, and may raise
+    [`NotLowered`][structinfer.lowering.NotLowered] for an instance it cannot lower.
+    Subclasses use the rule too unless they register their own or override ``dense``.
+    Registering again replaces the rule.
 
     Args:
-        *score_types: subclasses of :class:`structinfer.scores.Score`.
+        *score_types: subclasses of [`Score`][structinfer.scores.Score].
 
     Returns:
         A decorator that registers the rule and returns it unchanged.
@@ -384,15 +432,16 @@ def register_score_rule(*score_types: type) -> Callable[[Rule], Rule]:
 def register_pattern_rule(*pattern_types: type) -> Callable[[Rule], Rule]:
     r"""Register ``rule(pattern) -> DistanceBand | None`` for these restriction patterns.
 
-    A :class:`structinfer.priors.Restricted` prior is lowered from its mask; its pattern's
-    rule may return the :class:`DistanceBand` the mask is, so the kernels skip the blocks
-    outside it. The claim is checked against the mask whenever the mask is known at trace
-    time (the mask is used when they differ, or when it is traced), so a rule cannot make
-    the result wrong. ``None``: use the mask (the rule of the base
-    :class:`~structinfer.priors.RestrictionPattern`, inherited by patterns without one).
+    A [`Restricted`][structinfer.priors.Restricted] prior is lowered from its mask; its
+    pattern's rule may return the [`DistanceBand`][structinfer.lowering.DistanceBand]
+    the mask is, so the kernels skip the blocks outside it. The claim is checked against
+    the mask whenever the mask is known at trace time (the mask is used when they differ,
+    or when it is traced), so a rule cannot make the result wrong. ``None``: use the mask
+    (the rule of the base `RestrictionPattern`, inherited by patterns without one).
 
     Args:
-        *pattern_types: subclasses of :class:`structinfer.priors.RestrictionPattern`.
+        *pattern_types: subclasses of
+            [`RestrictionPattern`][structinfer.priors.RestrictionPattern].
 
     Returns:
         A decorator that registers the rule and returns it unchanged.

@@ -12,21 +12,21 @@ plates, exactly where funsor's enumeration would put it. From that one run:
   along any probe dimension (otherwise it is a likelihood term on the edge,
   which the kernels do not model);
 * the value site, evaluated on the probe, is the table
-  :math:`F[j] = f(\phi_i = j)`. The rule for "linear in the parent": the probe
-  output must not vary along the children dimension — then :math:`f` depends on
+  $F[j] = f(\phi_i = j)$. The rule for "linear in the parent": the probe
+  output must not vary along the children dimension — then $f$ depends on
   the child only through the parent it picks, and
-  :math:`\mathbb E[f(\phi_i)] = \sum_j p(\phi_i = j\mid x)\,F[j]` exactly, for *any*
-  :math:`f` (a gather ``V[\phi_i]``, ``sin(V[\phi_i])``, the index itself).
+  $\mathbb E[f(\phi_i)] = \sum_j p(\phi_i = j\mid x)\,F[j]$ exactly, for *any*
+  $f$ (a gather ``V[\phi_i]``, ``sin(V[\phi_i])``, the index itself).
 
 With several edge sites (multi-hop chains, independent heads) the value must be
-a sum of per-edge terms :math:`f = c + \sum_k g_k(\phi_k)`; this is checked on the
+a sum of per-edge terms $f = c + \sum_k g_k(\phi_k)$; this is checked on the
 value's jaxpr (every path from two different edges meets only at
 ``add``/``sub`` or through linear maps with edge-independent operands). Then
-:math:`G_0 = F(j, 0, \dots)`, :math:`G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)` and
-a chain :math:`\phi_1 \leftarrow \phi_0` gives
-:math:`\mathbb E[f] = P_0 (G_0 + P_1 G_1)`: one kernel per edge.
+$G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ and
+a chain $\phi_1 \leftarrow \phi_0$ gives
+$\mathbb E[f] = P_0 (G_0 + P_1 G_1)$: one kernel per edge.
 
-Anything else is reported as a :class:`Fallback` naming the site and the part.
+Anything else is reported as a `Fallback` naming the site and the part.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _value_table(model, args, kwargs, values: dict, value: str, plain):
     the gather indices it produces would not fold at trace time.
 
     Under a trace (jit / grad) the value is re-read through
-    :func:`~structinfer.lowering._views.eval_with_views`, which turns the probe's
+    `eval_with_views`, which turns the probe's
     constant-index gathers (``Vindex(v)[..., phi, :]``) into views of the value matrix
     instead of element-wise gathers. Concrete values are returned as they are.
     """
@@ -332,7 +332,7 @@ def _check_unscaled(name: str, site: dict) -> None:
 
 
 def recognise(model, value: str, args: tuple, kwargs: dict) -> Plan:
-    """Probe ``model`` and build a :class:`Plan` (or one with a ``fallback``).
+    """Probe ``model`` and build a `Plan` (or one with a ``fallback``).
 
     Raises the exact engine's errors for a missing / non-deterministic ``value``
     site and for latent continuous sites without a value.

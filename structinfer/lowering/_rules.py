@@ -1,7 +1,7 @@
 r"""The built-in lowering rules: one small function per prior, score and pattern type.
 
 Each rule rewrites the log-potential up to a per-child constant (which the softmax
-ignores) into :class:`~._lower.TermBuilder` terms:
+ignores) into `TermBuilder` terms:
 
 * ``Dot(q, k, s)``, ``Bilinear`` — $s\,q_i^\top k_j$; ``Cosine`` — a dot product of
   normalised features.

@@ -1,8 +1,8 @@
 r"""The lowered form of one edge site: block-computable logits plus a value table.
 
-A recognised edge site becomes a :class:`Problem`: a *static* description of the
-terms of its logits (:class:`Terms`, hashable, no arrays) and the arrays those
-terms read, split by how a block of children :math:`I` and parents :math:`J`
+A recognised edge site becomes a `Problem`: a *static* description of the
+terms of its logits (`Terms`, hashable, no arrays) and the arrays those
+terms read, split by how a block of children $I$ and parents $J$
 slices them:
 
 * ``row``   — per-child arrays ``(..., n, f)`` (query features, geometric ``log q``),
@@ -11,13 +11,13 @@ slices them:
 * ``glob``  — arrays read whole (relative-position bias over distances),
 * ``const`` — non-differentiable boolean masks (``(..., n, m)`` or ``(..., m)``),
 * ``v``     — the value table ``(..., m, dv)``: the output is
-  :math:`y_i = \sum_j p(\phi_i = j \mid x)\, V_j`.
+  $y_i = \sum_j p(\phi_i = j \mid x)\, V_j$.
 
-:func:`block_logits` evaluates the unnormalised log-posterior
-:math:`\ell_{ij} = \psi_{ij} + \log \tilde p(\phi_i = j)` on one block from the
-index grids of that block (distances :math:`d_{ij} = i + \text{offset} - j`), so
+`block_logits` evaluates the unnormalised log-posterior
+$\ell_{ij} = \psi_{ij} + \log \tilde p(\phi_i = j)$ on one block from the
+index grids of that block (distances $d_{ij} = i + \text{offset} - j$), so
 no kernel ever needs the ``(n, m)`` table. Row-constant terms (the prior's
-normaliser, a Gaussian's :math:`-\tfrac12 x_i^\top\Lambda x_i`) cancel in the
+normaliser, a Gaussian's $-\tfrac12 x_i^\top\Lambda x_i$) cancel in the
 softmax and are left out.
 """
 
@@ -98,7 +98,7 @@ class Problem(NamedTuple):
 def relpos_index(rp: RelPos, d: jax.Array) -> jax.Array:
     """Index into the relative-position bias for an int distance grid ``d``.
 
-    Delegates to :meth:`structinfer.priors.RelativePosition.bias_index` (one
+    Delegates to `structinfer.priors.RelativePosition.bias_index` (one
     implementation of the bucket lookup). Padded rows / columns of a block have
     distances outside the bias; they are clipped into it (the real ones all lie in
     ``[-(m-1), L-m]``, checked by ``RelativePosition.check_bias_length``).
@@ -159,7 +159,7 @@ def block_logits(
     dtype,
     col_valid: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    r"""Logits :math:`\ell_{ij}` (finite part) and the allowed-edge mask on one block.
+    r"""Logits $\ell_{ij}$ (finite part) and the allowed-edge mask on one block.
 
     Args:
         t: the static terms.

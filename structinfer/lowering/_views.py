@@ -1,23 +1,24 @@
 r"""Evaluate a function with its constant-index gathers turned into layout ops.
 
 The recogniser reads a value table by running the model on a probe
-(:math:`\phi = 0, \dots, m-1`). The probe is a constant, so in a model such as
+($\phi = 0, \dots, m-1$). The probe is a constant, so in a model such as
 ``Vindex(v)[..., phi, :]`` every index of the resulting ``gather`` is known at
 trace time — yet XLA keeps it as an element-wise gather (one index tuple per
-output element) followed by a transpose: an :math:`O(n d)` pass over the value
+output element) followed by a transpose: an $O(n d)$ pass over the value
 matrix that the kernel called directly does not pay. Next to the cheap windowed
 kernel that pass was 20% of the run time.
 
-:func:`eval_with_views` traces ``fn`` to a jaxpr and replays it. A ``gather``
+`eval_with_views` traces ``fn`` to a jaxpr and replays it. A ``gather``
 whose indices do not depend on ``fn``'s inputs is evaluated once, at trace time,
-on the integer source map :math:`s = 0, \dots, |x| - 1` (shaped like its operand
+on the integer source map $s = 0, \dots, |x| - 1$ (shaped like its operand
 ``x``); that gives, for every output element, the flat position it reads. When
 that map is affine in the output coordinates,
 
-.. math::
-    M[o] = b + \sum_a t_a\, o_a,
+$$
+M[o] = b + \sum_a t_a\, o_a,
+$$
 
-with every non-zero step :math:`t_a` equal to the row-major stride of a distinct
+with every non-zero step $t_a$ equal to the row-major stride of a distinct
 operand axis and the whole box in bounds, the gather *is* a view of ``x``:
 ``slice`` → ``reshape`` → ``transpose`` → ``broadcast_in_dim``, all of which XLA
 fuses or folds away. The check compares the reconstructed map with the gather's

@@ -169,12 +169,18 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     Requires `cudnn_unsupported` to return `None`. The batch dims (heads, batch)
     become cuDNN's heads; the score's scale is already folded into `q`.
 
+    Args:
+        terms: the static terms of a lowered edge site.
+        prob: the arrays those terms read.
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
+
     Returns:
         `(y, L)`: `batch + (n, dv)` and `batch + (n,)`.
 
     Raises:
-        NotImplementedError / ValueError / RuntimeError: from JAX's cuDNN wrapper when the
-        installed cuDNN or the GPU cannot run it (the caller falls back).
+        NotImplementedError: from JAX's cuDNN wrapper when the installed cuDNN or the GPU
+            cannot run it (the caller falls back); so can ``ValueError`` and
+            ``RuntimeError``.
     """
     batch = tuple(batch_shape)
     n, m = terms.num_children, terms.num_parents
@@ -284,13 +290,20 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     (at least 16), lengths to the block sizes.
 
     Args:
-        terms, prob, batch_shape: a lowered edge site with `pallas_unsupported`
-            `None`.
-        block_q, block_k: block sizes (powers of two, at least 16).
+        terms: the static terms of a lowered edge site with `pallas_unsupported` `None`.
+        prob: the arrays those terms read.
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
+        block_q: children per block (rounded up to a power of two, at least 16, at most
+            that of ``n``).
+        block_k: parents per block (rounded up to a power of two, at least 16, at most
+            that of ``m``).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
 
     Returns:
         `(y, L)`: `batch + (n, dv)` and `batch + (n,)`, in the value dtype.
+
+    Raises:
+        ValueError: `pallas_unsupported` names a reason the kernel cannot run the edge.
 
     Cost: $O(\text{live blocks}\cdot b_q b_k (d + d_v))$ time, $O(n d)$ memory.
     """

@@ -1,15 +1,15 @@
 r"""``structinfer.attention`` and ``structinfer.explain``: the same model, lowered.
 
-.. math::
-
-    y_i = \mathbb E_{p(\phi \mid x)}[\,v(\phi)\,]_i
-        = \sum_j \mathrm{softmax}_j\big(\psi_{ij} + \log p(\phi_i = j)\big)\, V_j
+$$
+y_i = \mathbb E_{p(\phi \mid x)}[\,v(\phi)\,]_i
+    = \sum_j \mathrm{softmax}_j\big(\psi_{ij} + \log p(\phi_i = j)\big)\, V_j
+$$
 
 ``attention(model, "out")`` returns a function with the model's signature that
 computes the posterior expectation of the deterministic site ``"out"`` — the
-same number :func:`structinfer.expectation` returns — through a fused JAX
+same number `structinfer.expectation` returns — through a fused JAX
 kernel when the model's structure is recognised (see
-:mod:`structinfer.lowering._recognise` for the rule), and through the exact
+`structinfer.lowering._recognise` for the rule), and through the exact
 engine otherwise (``backend="auto"``). ``explain`` reports the path taken and,
 on fallback, the site and the part that was not recognised.
 """
@@ -43,12 +43,22 @@ DENSE_MAX = 128 * 128
 
 
 class NotLowerableError(ValueError):
-    """A kernel backend was requested for a model that has no lowering."""
+    """A kernel backend was requested for a model that has no lowering.
+
+    Raised by [`attention`][structinfer.lowering.attention] when ``backend`` forces a
+    kernel (``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``) and
+    the model is not recognised, or the kernel cannot run the recognised edge; the
+    message names the site and the reason. A subclass of ``ValueError``.
+    """
 
 
 @dataclass
 class Explanation:
-    """Which path :func:`attention` takes for a model.
+    """Which path [`attention`][structinfer.lowering.attention] takes for a model.
+
+    Returned by [`explain`][structinfer.lowering.explain]; ``str()`` of it reads as a
+    sentence naming the kernel of every edge site, or the part that sent the model to the
+    exact engine.
 
     Attributes:
         path: ``"lowered"`` or ``"exact"``.
@@ -251,49 +261,68 @@ def attention(
     *,
     block_q: int = 256,
     block_k: int = 256,
-    mesh=None,
+    mesh: jax.sharding.Mesh | None = None,
     shard: str = "heads",
     axis_name: str | None = None,
     runner: Callable | None = None,
 ) -> Callable:
     r"""The posterior expectation of ``value`` as a fused, jittable function of the model's args.
 
-    .. math:: f(*args) = \mathbb E_{p(\phi \mid x)}[\text{value}]
+    $$
+    f(\text{args}) = \mathbb E_{p(\phi \mid x)}[\text{value}(\phi)], \qquad
+    y_i = \sum_j \mathrm{softmax}_j\big(\psi_{ij} + \log p(\phi_i = j)\big)\, V_j
+    $$
+
+    for a value that is linear in the parent an edge picks (a gather $V_{\phi_i}$, or any
+    $f(\phi_i)$ read off a table $F_j = f(\phi_i = j)$). The model's structure (edge sites,
+    their priors $p(\phi_i = j)$ and scores $\psi_{ij}$) is recognised by probing it once;
+    a recognised model runs through a fused kernel that gives the number
+    [`structinfer.expectation`][structinfer.expectation] gives, anything else takes that
+    exact engine.
 
     Args:
-        model: a NumPyro model with :func:`structinfer.edge` sites.
+        model: a NumPyro model with [`structinfer.edge`][structinfer.edge] sites.
         value: name of a ``numpyro.deterministic`` site.
         backend: ``"auto"`` (recognise and pick a kernel, else the exact engine),
-            ``"exact"`` (:func:`structinfer.expectation`), or force a kernel:
-            ``"dense"``, ``"blocked"`` (online softmax over blocks, memory-light
-            custom VJP), ``"windowed"`` (distance band; geometric / window priors),
-            ``"cudnn"`` (cuDNN fused attention on a GPU) or ``"pallas"`` (the Pallas
-            flash kernel; interpreted off a GPU) — see
-            :mod:`structinfer.lowering.accel`. On a GPU, ``"auto"`` tries cuDNN, then
-            Pallas, then the blocked kernel. A forced kernel raises
-            :class:`NotLowerableError` when the model has no lowering or the kernel
-            cannot run it.
-        block_q, block_k: block sizes of the blocked (and windowed) kernels.
+            ``"exact"`` ([`structinfer.expectation`][structinfer.expectation]), or force
+            a kernel: ``"dense"``, ``"blocked"`` (online softmax over blocks,
+            memory-light custom VJP), ``"windowed"`` (distance band; geometric / window
+            priors), ``"cudnn"`` (cuDNN fused attention on a GPU) or ``"pallas"`` (the
+            Pallas flash kernel; interpreted off a GPU) — see
+            [`structinfer.lowering.accel`][structinfer.lowering.accel]. On a GPU,
+            ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A forced kernel
+            raises [`NotLowerableError`][structinfer.lowering.NotLowerableError] when the
+            model has no lowering or the kernel cannot run it.
+        block_q: children per block of the blocked (and windowed) kernels.
+        block_k: parents per block of the blocked kernel.
         mesh: a ``jax.sharding.Mesh`` to run every lowered edge on several devices with
-            the blocked kernel: ``shard="heads"`` splits the leading plate (heads /
-            batch), ``shard="sequence"`` runs ring attention over children and parents
-            (:mod:`structinfer.lowering.sharded`). ``axis_name``: the mesh axis.
+            the blocked kernel (``None``: one device); see ``shard``.
+        shard: with ``mesh``, ``"heads"`` splits the leading plate (heads / batch) over
+            the devices, ``"sequence"`` runs ring attention over children and parents
+            (`structinfer.lowering.sharded`).
+        axis_name: the mesh axis to shard over (``None``: the mesh's only axis).
         runner: advanced — ``runner(kind, lowered, problem, batch_shape) -> (y, lse)``
-            (output and row log-normaliser) replaces the kernel call (used by
-            :mod:`structinfer.lowering.sharded`).
+            (output and row log-normaliser) replaces the kernel call (``mesh`` builds
+            one, from `structinfer.lowering.sharded`).
 
     Returns:
         ``f(*args, **kwargs)`` returning the expectation, shaped like the site's value.
-        Array (and float) arguments are traced; other arguments (ints, strings) are
-        static. Called on concrete arrays, a child with no allowed parent or a NaN/inf
-        score raises the exact engine's error (found from the kernel's per-row
-        log-normaliser, no second pass); under an outer ``jit`` that row is NaN.
-        ``f`` is jitted internally and can be jitted, vmapped and differentiated
-        again. ``f.explain(*args)`` describes the path.
+            Array (and float) arguments are traced; other arguments (ints, strings) are
+            static. Called on concrete arrays, a child with no allowed parent or a
+            NaN/inf score raises the exact engine's error (found from the kernel's
+            per-row log-normaliser, no second pass); under an outer ``jit`` that row is
+            NaN. ``f`` is jitted internally and can be jitted, vmapped and
+            differentiated again. ``f.explain(*args)`` describes the path.
 
-    Reference: Singh & Buckley, "Attention as implicit structural inference"
-    (sec. 3 and Table 1); the kernels follow the online softmax of Milakov &
-    Gimelshein (2018) / flash attention.
+    Raises:
+        ValueError: ``backend`` is not one of `BACKENDS`, or ``shard`` is not
+            ``"heads"`` / ``"sequence"``.
+        TypeError: ``model`` is not callable, or ``value`` is not a site name.
+
+    Reference:
+        Singh & Buckley, "Attention as implicit structural inference" (sec. 3 and
+        Table 1); the kernels follow the online softmax of Milakov & Gimelshein (2018) /
+        flash attention.
     """
     _check_backend(backend)
     if not callable(model):
@@ -356,17 +385,40 @@ def attention(
     return fn
 
 
-def explain(model: Callable, value: str, *args, backend: str = "auto", **kwargs) -> Explanation:
-    """Say which path :func:`attention` takes for ``model`` on these arguments, and why.
+def explain(
+    model: Callable, value: str, *args: Any, backend: str = "auto", **kwargs: Any
+) -> Explanation:
+    r"""Say which path `attention` takes for ``model`` on these arguments, and why.
 
-    Runs only a shape-level trace (nothing is computed). On fallback the
-    :class:`Explanation` names the site and the part (prior, score, value,
-    likelihood, child, ...) that was not recognised; ``str()`` of it reads as a
-    sentence. A model that *no* path can run (one the exact engine itself refuses,
-    e.g. an edge site under ``numpyro.handlers.scale`` or a subsampled plate) raises
-    the same error here as :func:`attention` would, naming the site.
+    Runs only a shape-level trace (nothing is computed). Lowering is exact for the
+    patterns whose value is linear in the parent, $\mathbb E[f(\phi_i)] = \sum_j
+    p(\phi_i = j \mid x)\, F_j$ ($\mathbb E[f] = P F$); anything else takes the exact
+    engine. A model that *no* path can run (one the exact engine itself refuses, e.g. an
+    edge site under ``numpyro.handlers.scale`` or a subsampled plate) raises the same
+    error here as [`attention`][structinfer.lowering.attention] would, naming the site.
 
-    Reference: lowering is exact for the patterns of Singh & Buckley Table 1 whose value is linear in the parent (``E[f] = P F``, sec. 3.1 eq. 2); anything else takes the exact engine.
+    Args:
+        model: a NumPyro model with [`structinfer.edge`][structinfer.edge] sites.
+        value: name of a ``numpyro.deterministic`` site.
+        *args: the model's positional arguments (only their shapes and dtypes are used).
+        backend: as for [`attention`][structinfer.lowering.attention]; ``"exact"``
+            explains the exact path without tracing.
+        **kwargs: the model's keyword arguments.
+
+    Returns:
+        The [`Explanation`][structinfer.lowering.Explanation]: on the lowered path the
+            kernel of every edge site and what was recognised in its prior and score; on
+            fallback the site and the part (prior, score, value, likelihood, child, ...)
+            that was not recognised. ``str()`` of it reads as a sentence.
+
+    Raises:
+        ValueError: ``backend`` is not one of `BACKENDS`, or the exact engine refuses
+            the model.
+        NotLowerableError: a forced kernel cannot run a recognised edge.
+
+    Reference:
+        Singh & Buckley, "Attention as implicit structural inference", Table 1 and
+        sec. 3.1 eq. 2 ($\mathbb E[f] = P F$ for a value linear in the parent).
     """
     _check_backend(backend)
     if backend == "exact":

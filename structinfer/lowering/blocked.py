@@ -1,33 +1,33 @@
 r"""Blocked online-softmax attention that never builds the children x parents matrix.
 
-For one edge site with logits :math:`\ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i=j)`
-(see :mod:`structinfer.lowering._spec`) and a value table :math:`V`,
+For one edge site with logits $\ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i=j)$
+(see `structinfer.lowering._spec`) and a value table $V$,
 
-.. math::
-
-    y_i = \sum_j \frac{e^{\ell_{ij}}}{\sum_{j'} e^{\ell_{ij'}}} V_j, \qquad
-    L_i = \log \sum_j e^{\ell_{ij}},
+$$
+y_i = \sum_j \frac{e^{\ell_{ij}}}{\sum_{j'} e^{\ell_{ij'}}} V_j, \qquad
+L_i = \log \sum_j e^{\ell_{ij}},
+$$
 
 computed over blocks of ``bq`` children and ``bk`` parents with the running
 maximum / running sum recursion of the online softmax (Milakov & Gimelshein
 2018; the "flash attention" schedule). Per block the logits are recomputed from
-their factors and index grids, so memory is :math:`O(n\,d + b_q b_k)`.
+their factors and index grids, so memory is $O(n\,d + b_q b_k)$.
 Blocks that the structure forbids entirely (causal triangle, sliding window,
 geometric truncation, block-sparse masks known at trace time) are *skipped*:
 each child block loops only over its list of live parent blocks.
 
-Gradients use a custom VJP that stores only :math:`y` and :math:`L` and
+Gradients use a custom VJP that stores only $y$ and $L$ and
 recomputes every block's logits in the backward pass:
 
-.. math::
+$$
+P_{ij} = e^{\ell_{ij} - L_i},\quad
+\bar V_j = \sum_i P_{ij} \bar y_i,\quad
+\bar\ell_{ij} = P_{ij}\big(\bar y_i^\top V_j - \bar y_i^\top y_i + \bar L_i\big),
+$$
 
-    P_{ij} = e^{\ell_{ij} - L_i},\quad
-    \bar V_j = \sum_i P_{ij} \bar y_i,\quad
-    \bar\ell_{ij} = P_{ij}\big(\bar y_i^\top V_j - \bar y_i^\top y_i + \bar L_i\big),
-
-and :math:`\bar\ell` is pulled back to the factors: to queries and keys of the
-dot-product term by hand (:math:`\bar Q = \bar\ell K`, :math:`\bar K = \bar\ell^\top Q`,
-with :math:`P^\top` and :math:`\bar\ell^\top` materialised so every dot is in a form
+and $\bar\ell$ is pulled back to the factors: to queries and keys of the
+dot-product term by hand ($\bar Q = \bar\ell K$, $\bar K = \bar\ell^\top Q$,
+with $P^\top$ and $\bar\ell^\top$ materialised so every dot is in a form
 XLA:CPU runs fast), to everything else (prior parameters, biases, IDW features,
 tables) by the VJP of the block-logit function itself.
 """
@@ -524,17 +524,17 @@ def blocked_attention(
     r"""Run the blocked kernel: posterior expectation and row log-partition.
 
     Args:
-        terms, prob: a lowered edge site (:mod:`structinfer.lowering._spec`).
+        terms, prob: a lowered edge site (`structinfer.lowering._spec`).
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         block_q, block_k: block sizes (any lengths; the last block is padded).
         mask: optional concrete NumPy mask used to skip empty blocks.
-        schedule: a precomputed :class:`Schedule` (overrides the three above).
+        schedule: a precomputed `Schedule` (overrides the three above).
         starts: optional traced ``(i_start, j_start)`` global indices of the first
             child / parent of these arrays (a shard of a longer sequence); distances
             are computed from global indices. Use a dense schedule with them.
         forward: optional ``forward(terms, prob, batch_shape) -> (y, L)`` that replaces
             this kernel's forward pass (an accelerator's fused kernel, e.g.
-            :func:`structinfer.lowering.accel.pallas_forward`); the gradient is still this
+            `structinfer.lowering.accel.pallas_forward`); the gradient is still this
             kernel's backward, which needs only ``y`` and ``L``.
         nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
             logit) are NaN in ``y`` — the exact engine's answer under ``jit`` — instead of
@@ -544,10 +544,10 @@ def blocked_attention(
     Returns:
         ``(y, L)`` with ``y`` of shape ``batch + (n, dv)`` and ``L`` the row
         log-sum-exp of the (unnormalised) logits, ``batch + (n,)``. Both are
-        differentiable (custom VJP, memory :math:`O(n d)`).
+        differentiable (custom VJP, memory $O(n d)$).
 
-    Cost: :math:`O(\text{live blocks} \cdot b_q b_k (d + d_v))` time,
-    :math:`O(b_q b_k)` extra memory per step.
+    Cost: $O(\text{live blocks} \cdot b_q b_k (d + d_v))$ time,
+    $O(b_q b_k)$ extra memory per step.
     """
     if schedule is None:
         bq = max(1, min(int(block_q), terms.num_children))

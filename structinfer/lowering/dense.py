@@ -1,13 +1,13 @@
 r"""Dense kernel: materialise the ``(..., n, m)`` logits once, softmax, contract.
 
-.. math::
+$$
+y = \mathrm{softmax}(\ell)\, V, \qquad \ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i = j)
+$$
 
-    y = \mathrm{softmax}(\ell)\, V, \qquad \ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i = j)
-
-This is the naive twin of :mod:`structinfer.lowering.blocked` (same logits,
-from :func:`~structinfer.lowering._spec.block_logits` over the whole index
+This is the naive twin of `structinfer.lowering.blocked` (same logits,
+from `block_logits` over the whole index
 range) and the fastest path for small ``n m``. Gradients are plain autodiff
-(memory :math:`O(n m)`).
+(memory $O(n m)$).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def dense_attention(
     Returns:
         ``(y, L)``: ``batch + (n, dv)`` and ``batch + (n,)``.
 
-    Cost: :math:`O(n m (d + d_v))` time, :math:`O(n m)` memory.
+    Cost: $O(n m (d + d_v))$ time, $O(n m)$ memory.
     """
     logits = dense_logits(terms, prob, batch_shape)
     lse = jax.nn.logsumexp(logits, axis=-1)

@@ -5,20 +5,20 @@ a mesh axis; each device runs the blocked kernel on its slice. Arrays that are
 broadcast along that axis (a key shared by all heads) are replicated.
 
 **Sequence parallelism (ring attention).** Children and parents are split into
-:math:`D` contiguous chunks, one per device. Device :math:`r` keeps its
-children and, over :math:`D` steps, sees every parent chunk as the parent
+$D$ contiguous chunks, one per device. Device $r$ keeps its
+children and, over $D$ steps, sees every parent chunk as the parent
 arrays travel round the ring (``lax.ppermute``). Each step runs the blocked
 kernel on the chunk pair with *global* indices (so relative-position,
 geometric and band priors are computed exactly) and the partial results are
 merged with the log-sum-exp rule
 
-.. math::
-
-    L = \log(e^{L_a} + e^{L_b}), \qquad
-    y = e^{L_a - L} y_a + e^{L_b - L} y_b.
+$$
+L = \log(e^{L_a} + e^{L_b}), \qquad
+y = e^{L_a - L} y_a + e^{L_b - L} y_b.
+$$
 
 Chunk pairs that a distance band forbids entirely are skipped (``lax.cond``).
-Memory per device is :math:`O((n + m) d / D)` plus the kernel's block. Both are
+Memory per device is $O((n + m) d / D)$ plus the kernel's block. Both are
 differentiable (the ring by autodiff through ``ppermute``; each chunk by the
 kernel's custom VJP). Liu et al., "Ring attention with blockwise transformers"
 (2023).
@@ -86,12 +86,12 @@ def head_sharded_attention(
     r"""Blocked attention with the leading batch axis (heads / batch) split over devices.
 
     Args:
-        terms, prob, batch_shape: a lowered edge site (see :func:`blocked_attention`).
+        terms, prob, batch_shape: a lowered edge site (see `blocked_attention`).
         mesh: a ``jax.sharding.Mesh``; ``axis_name`` the axis to shard over (default: the
             only one). ``batch_shape[0]`` must be divisible by its size.
 
     Returns:
-        ``(y, L)`` as :func:`blocked_attention`, sharded along the leading axis.
+        ``(y, L)`` as `blocked_attention`, sharded along the leading axis.
     """
     ax = _axis(mesh, axis_name)
     ndev = mesh.shape[ax]
@@ -146,12 +146,12 @@ def ring_attention(
     r"""Sequence-parallel (ring) attention: children and parents split over devices.
 
     Args:
-        terms, prob, batch_shape: a lowered edge site (see :func:`blocked_attention`).
+        terms, prob, batch_shape: a lowered edge site (see `blocked_attention`).
         mesh, axis_name: the mesh and the axis of ``D`` devices; ``n`` and ``m`` must be
             divisible by ``D``.
 
     Returns:
-        ``(y, L)`` as :func:`blocked_attention`, sharded along the children axis.
+        ``(y, L)`` as `blocked_attention`, sharded along the children axis.
     """
     ax = _axis(mesh, axis_name)
     ndev = mesh.shape[ax]
@@ -246,7 +246,7 @@ def _full_batch(prob: Problem, batch) -> Problem:
 
 def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
                  block_k: int = 256) -> Callable:
-    """A ``runner`` for :func:`structinfer.attention` that shards heads / batch over ``mesh``."""
+    """A ``runner`` for `structinfer.attention` that shards heads / batch over ``mesh``."""
 
     def run(kind, lowered, prob, batch):
         bq, bk = band_blocks(lowered.terms, block_q, block_k)  # as the single-device path
@@ -258,7 +258,7 @@ def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256
 
 def sequence_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
                      block_k: int = 256) -> Callable:
-    """A ``runner`` for :func:`structinfer.attention` running ring attention over ``mesh``."""
+    """A ``runner`` for `structinfer.attention` running ring attention over ``mesh``."""
 
     def run(kind, lowered, prob, batch):
         return ring_attention(lowered.terms, _full_batch(prob, batch), batch, mesh, axis_name,

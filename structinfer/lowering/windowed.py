@@ -1,31 +1,31 @@
 r"""Windowed kernel: attention restricted to a band of distances, stored as ``(n, W)``.
 
-Child :math:`i` may only take parents at distance
-:math:`d = i + \text{offset} - j \in \{d_0, \dots, d_0 + W - 1\}`. The band is
-stored with :math:`t = d - d_0` as its last axis, so for the geometric (recency)
+Child $i$ may only take parents at distance
+$d = i + \text{offset} - j \in \{d_0, \dots, d_0 + W - 1\}$. The band is
+stored with $t = d - d_0$ as its last axis, so for the geometric (recency)
 prior of expanding attention (Singh & Buckley sec. 5.2, Table 1 row 12)
 
-.. math::
+$$
+\ell_{it} = \psi_{i,\, i+\text{offset}-d_0-t} + \log q_i + t \log(1 - q_i),
+\qquad p(\phi_i = t \mid x) = \mathrm{softmax}_t(\ell_{it}),
+\qquad y_i = \sum_t p(\phi_i = t\mid x)\, V_{i+\text{offset}-d_0-t}.
+$$
 
-    \ell_{it} = \psi_{i,\, i+\text{offset}-d_0-t} + \log q_i + t \log(1 - q_i),
-    \qquad p(\phi_i = t \mid x) = \mathrm{softmax}_t(\ell_{it}),
-    \qquad y_i = \sum_t p(\phi_i = t\mid x)\, V_{i+\text{offset}-d_0-t}.
-
-The window :math:`W` is the truncation horizon: cost :math:`O(n (W + b) d)` time
-and :math:`O(n W)` memory for the scores (computed per block of ``b`` children as a
+The window $W$ is the truncation horizon: cost $O(n (W + b) d)$ time
+and $O(n W)$ memory for the scores (computed per block of ``b`` children as a
 dense ``b x (b + W - 1)`` slab, then read off its diagonals). The scores do not
-depend on :math:`q`, so the mean-field loop of expanding attention computes them
-once (:func:`windowed_scores`) and each iteration only re-normalises
-(:func:`windowed_posterior`, :math:`O(nW)`); the values are read once at the end
-(:func:`windowed_values`).
+depend on $q$, so the mean-field loop of expanding attention computes them
+once (`windowed_scores`) and each iteration only re-normalises
+(`windowed_posterior`, $O(nW)$); the values are read once at the end
+(`windowed_values`).
 
-Truncation: if the untruncated posterior puts mass :math:`\tau_i` beyond the
+Truncation: if the untruncated posterior puts mass $\tau_i$ beyond the
 window, the truncated output differs by
-:math:`\|y_i - y_i^{W}\| = \tau_i\, \|\bar V_{\text{tail}} - \bar V_{\text{window}}\|
-\le \tau_i \max_{j,j'}\|V_j - V_{j'}\|`, and
-:math:`\tau_i \le \rho_i e^{\Delta_i} / (\rho_i e^{\Delta_i} + 1 - \rho_i)` with
-:math:`\rho_i = (1-q)^{W}` the prior mass left out and :math:`\Delta_i` the spread of
-the scores (``= \rho_i`` for equal scores).
+$\|y_i - y_i^{W}\| = \tau_i\, \|\bar V_{\text{tail}} - \bar V_{\text{window}}\|
+\le \tau_i \max_{j,j'}\|V_j - V_{j'}\|$, and
+$\tau_i \le \rho_i e^{\Delta_i} / (\rho_i e^{\Delta_i} + 1 - \rho_i)$ with
+$\rho_i = (1-q)^{W}$ the prior mass left out and $\Delta_i$ the spread of
+the scores ($\tau_i = \rho_i$ for equal scores).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from ._spec import Problem, Terms, block_logits
 
@@ -74,7 +75,7 @@ def band_logits(
 ) -> tuple[jax.Array, jax.Array]:
     r"""Logits on the band: ``(..., n, W)`` with ``-inf`` off the allowed edges.
 
-    ``out[..., i, t]`` is :math:`\ell_{ij}` for :math:`j = i + \text{offset} - d_{\min} - t`.
+    ``out[..., i, t]`` is $\ell_{ij}$ for $j = i + \text{offset} - d_{\min} - t$.
     """
     W = _window(terms)
     n, m = terms.num_children, terms.num_parents
@@ -177,24 +178,41 @@ def windowed_scores(
     *,
     offset: int = 0,
     min_distance: int = 0,
-    scale=None,
+    scale: ArrayLike | None = None,
     block_size: int = 128,
 ) -> jax.Array:
     r"""Dot-product scores on the band, computed once and reused by the mean-field loop.
 
-    .. math:: S_{it} = s\, q_i^\top k_{i + \text{offset} - d_0 - t}, \quad t = 0..W-1
+    $$
+    S_{it} = s\, q_i^\top k_{i + \text{offset} - d_0 - t}, \qquad t = 0, \dots, W-1,
+    $$
+
+    the score of child $i$ for the parent at distance $d = d_0 + t$. The scores do not
+    depend on the geometric prior's $q$, so expanding attention's mean-field loop computes
+    them once and only re-normalises
+    ([`windowed_posterior`][structinfer.lowering.windowed_posterior]) per iteration.
 
     Args:
-        q: child features ``(..., n, d)``; k: parent features ``(..., m, d)``.
-        window: ``W``, the number of distances kept (the truncation horizon).
-        offset: child ``i`` sits at parent position ``i + offset``.
-        min_distance: ``d_0`` (0 with the self-edge, 1 without).
-        scale: optional scalar multiplier ``s``.
-        block_size: children per block.
+        q: child features ``(..., n, d)``.
+        k: parent features ``(..., m, d)``; batch dims broadcast against ``q``'s.
+        window: $W$, the number of distances kept (the truncation horizon), at least 1.
+        offset: child $i$ sits at parent position $i + \text{offset}$.
+        min_distance: $d_0$, the nearest distance kept (0 with the self-edge, 1
+            without).
+        scale: optional scalar multiplier $s$ (``None``: 1).
+        block_size: children per block $b$.
 
     Returns:
         ``(..., n, W)`` scores; ``-inf`` where the parent index is outside ``[0, m)``.
-        Cost :math:`O(n (W + b) d)`.
+            Cost $O(n (W + b) d)$ time, $O(n W)$ memory.
+
+    Raises:
+        ValueError: ``q`` and ``k`` are not ``(..., n, d)`` and ``(..., m, d)`` with the
+            same ``d``, or ``window < 1``.
+
+    Reference:
+        Singh & Buckley, "Attention as implicit structural inference", sec. 5.2
+        (expanding attention).
     """
     q = jnp.asarray(q)
     k = jnp.asarray(k)
@@ -215,18 +233,35 @@ def windowed_scores(
     return s
 
 
-def geometric_band_log_prior(q, window: int, horizon=None) -> jax.Array:
-    r"""Unnormalised geometric log-prior on the band, :math:`\log q + t\log(1-q)`.
+def geometric_band_log_prior(
+    q: ArrayLike, window: int, horizon: ArrayLike | None = None
+) -> jax.Array:
+    r"""Unnormalised geometric log-prior on the band, $\log q + t\log(1-q)$.
+
+    $$
+    \log p_{it} = \log q_i + t \log(1 - q_i) \quad (t < H_i), \qquad
+    \log p_{it} = -\infty \quad (t \ge H_i),
+    $$
+
+    the geometric (recency) prior of expanding attention on the band distances
+    $d = d_0 + t$, $t = 0, \dots, W-1$, unnormalised over the band (the softmax of
+    [`windowed_posterior`][structinfer.lowering.windowed_posterior] normalises it).
 
     Args:
-        q: success probability, any shape broadcasting against ``(..., n)`` (scalar,
-            per child, per head ``(..., 1)``).
-        window: ``W``.
-        horizon: optional (traced) truncation ``H``: distances ``t >= H`` get ``-inf``
-            (the mean-field loop's :math:`H(q_t)`), scalar or broadcasting like ``q``.
+        q: success probability in $(0, 1)$, any shape broadcasting against ``(..., n)``
+            (scalar, per child, per head ``(..., 1)``); an integer array is cast to the
+            default float dtype.
+        window: $W$, the number of band distances.
+        horizon: optional (traced) truncation $H$: distances $t \ge H$ get ``-inf``
+            (the mean-field loop's $H(q_t)$), scalar or broadcasting like ``q``
+            (``None``: no truncation inside the band).
 
     Returns:
-        ``(..., n or 1, W)``.
+        ``(..., n or 1, W)`` log-prior, in ``q``'s floating dtype.
+
+    Reference:
+        Singh & Buckley, "Attention as implicit structural inference", sec. 5.2 and
+        Table 1 (geometric prior of expanding attention).
     """
     q = jnp.asarray(q)
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -242,9 +277,22 @@ def geometric_band_log_prior(q, window: int, horizon=None) -> jax.Array:
 
 
 def windowed_posterior(scores: jax.Array, log_prior: jax.Array) -> jax.Array:
-    r"""Posterior over the band, :math:`\mathrm{softmax}_t(S_{it} + \log p_{it})`, ``(..., n, W)``.
+    r"""Posterior over the band, $\mathrm{softmax}_t(S_{it} + \log p_{it})$.
 
-    Rows with no allowed distance are all zero. Cost :math:`O(nW)`.
+    $$
+    p(\phi_i = t \mid x) = \frac{\exp(S_{it} + \log p_{it})}
+        {\sum_{t'} \exp(S_{it'} + \log p_{it'})}
+    $$
+
+    Args:
+        scores: ``(..., n, W)`` band scores $S$
+            ([`windowed_scores`][structinfer.lowering.windowed_scores]).
+        log_prior: band log-prior $\log p$ broadcasting against ``scores``
+            ([`geometric_band_log_prior`][structinfer.lowering.geometric_band_log_prior]).
+
+    Returns:
+        ``(..., n, W)`` posterior; rows with no allowed distance (all ``-inf``) are all
+            zero. Cost $O(nW)$.
     """
     logits = scores + log_prior
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
@@ -256,13 +304,20 @@ def windowed_values(
     probs: jax.Array, v: jax.Array, *, offset: int = 0, min_distance: int = 0,
     block_size: int = 128,
 ) -> jax.Array:
-    r"""Read the values off the band: :math:`y_i = \sum_t p_{it} V_{i+\text{offset}-d_0-t}`.
+    r"""Read the values off the band: $y_i = \sum_t p_{it} V_{i+\text{offset}-d_0-t}$.
+
+    A parent index outside ``[0, m)`` contributes nothing.
 
     Args:
-        probs: ``(..., n, W)`` band posterior; v: ``(..., m, dv)`` values.
+        probs: ``(..., n, W)`` band posterior $p$
+            ([`windowed_posterior`][structinfer.lowering.windowed_posterior]).
+        v: ``(..., m, dv)`` parent values $V$.
+        offset: child $i$ sits at parent position $i + \text{offset}$.
+        min_distance: $d_0$, the distance of band position $t = 0$.
+        block_size: children per block.
 
     Returns:
-        ``(..., n, dv)``. Cost :math:`O(n W d_v)`.
+        ``(..., n, dv)``. Cost $O(n W d_v)$.
     """
     probs = jnp.asarray(probs)
     v = jnp.asarray(v)
@@ -275,23 +330,56 @@ def windowed_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    geometric_q,
+    geometric_q: ArrayLike,
     window: int,
     *,
     offset: int = 0,
     min_distance: int = 0,
-    scale=None,
-    horizon=None,
+    scale: ArrayLike | None = None,
+    horizon: ArrayLike | None = None,
     block_size: int = 128,
 ) -> jax.Array:
     r"""Expanding-attention output with a geometric prior truncated to ``window`` distances.
 
-    Equal to the exact engine on a ``Geometric(q, m, max_distance=d0 + W - 1)`` prior
-    (and ``horizon`` cuts further); see the module docstring for the truncation bound
-    against the untruncated prior.
+    $$
+    y_i = \sum_{t=0}^{W-1} \mathrm{softmax}_t\big(S_{it} + \log q_i + t\log(1-q_i)\big)\,
+        V_{i+\text{offset}-d_0-t},
+    $$
+
+    [`windowed_scores`][structinfer.lowering.windowed_scores],
+    [`geometric_band_log_prior`][structinfer.lowering.geometric_band_log_prior],
+    [`windowed_posterior`][structinfer.lowering.windowed_posterior] and
+    [`windowed_values`][structinfer.lowering.windowed_values] in one. Equal to the exact
+    engine on a ``Geometric(q, m, max_distance=d0 + W - 1)`` prior (and ``horizon`` cuts
+    further). Against the untruncated prior, a child whose posterior puts mass $\tau_i$
+    beyond the window moves by at most $\tau_i \max_{j,j'}\|V_j - V_{j'}\|$, with
+    $\tau_i \le \rho_i e^{\Delta_i} / (\rho_i e^{\Delta_i} + 1 - \rho_i)$,
+    $\rho_i = (1-q_i)^W$ the prior mass left out and $\Delta_i$ the spread of the scores.
+
+    Args:
+        q: child features ``(..., n, d)``.
+        k: parent features ``(..., m, d)``.
+        v: parent values ``(..., m, dv)``.
+        geometric_q: the geometric prior's success probability in $(0, 1)$: scalar, per
+            child ``(..., n)`` or per head ``(..., 1)``.
+        window: $W$, the number of distances kept.
+        offset: child $i$ sits at parent position $i + \text{offset}$.
+        min_distance: $d_0$, the nearest distance kept (0 with the self-edge, 1
+            without).
+        scale: optional scalar multiplier of the scores (``None``: 1).
+        horizon: optional (traced) truncation $H$ inside the band: distances
+            $t \ge H$ are forbidden.
+        block_size: children per block.
 
     Returns:
         ``(..., n, dv)``.
+
+    Raises:
+        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores].
+
+    Reference:
+        Singh & Buckley, "Attention as implicit structural inference", sec. 5.2 and
+        Table 1 row 12 (expanding attention).
     """
     s = windowed_scores(q, k, window, offset=offset, min_distance=min_distance, scale=scale,
                         block_size=block_size)
