@@ -255,6 +255,38 @@ def test_bad_fits_are_refused(q_task):
         dg.to_inference_data(unrun, task.x, task.weight, 0.3)
 
 
+def test_the_data_must_be_the_fits_own(q_task, q_fit, q_idata):
+    """Regression: other data than the fit's gave a DataTree whose observed_data (the
+    fit's) and log_likelihood (the caller's) described two datasets."""
+    task = q_task[0]
+    with pytest.raises(ValueError, match="'x'.*differ from the data the fit ran on"):
+        dg.to_inference_data(q_fit, task.x + 1.0, task.weight, 0.3, posterior_predictive=False)
+    # without data: the fit's own
+    dt = dg.to_inference_data(q_fit, posterior_predictive=False)
+    np.testing.assert_array_equal(dt["log_likelihood"]["x"].values,
+                                  q_idata["log_likelihood"]["x"].values)
+    with pytest.raises(ValueError, match="true_edges.*'ph'.*edge sites.*'phi'"):
+        dg.to_inference_data(q_fit, true_edges={"ph": task.parents}, posterior_predictive=False)
+
+
+def test_lp_is_the_log_density_of_the_draws(q_fit, q_idata):
+    """Regression: ArviZ's `from_numpyro` stored NumPyro's potential energy (-log p) as
+    `lp`; `lp` is the log density, +log p, of each draw."""
+    pe = np.asarray(q_fit.get_extra_fields(group_by_chain=True)["potential_energy"])
+    np.testing.assert_allclose(q_idata["sample_stats"]["lp"].values, -pe)
+
+
+def test_loo_refuses_point_estimates(q_task):
+    """A delta guide has no posterior spread: its "LOO" would be the in-sample fit."""
+    task = q_task[0]
+    fit = si.infer.svi(jax.random.PRNGKey(0), q_model, task.x, task.weight, 0.3, guide="delta",
+                       optim=numpyro.optim.Adam(0.05), num_steps=50, progress_bar=False)
+    dt = dg.to_inference_data(fit, task.x, task.weight, 0.3, num_draws=20,
+                              posterior_predictive=False)
+    with pytest.raises(ValueError, match="point estimate"):
+        dg.loo(dt)
+
+
 # ---------------------------------------------------------------------------------------
 # InferenceData
 # ---------------------------------------------------------------------------------------

@@ -42,6 +42,34 @@ def test_conditional_edge_is_the_normalised_posterior(x64):
                                rtol=1e-12)
 
 
+@pytest.mark.parametrize("case", ["broadcast-score", "causal", "child"])
+def test_conditional_edge_normalises_every_prior_and_form(case, x64):
+    """Regression: the normaliser was recomputed from the score's row count (a (1, m)
+    score broadcast over the children took ``log_table(1)`` for every child) and was
+    added again on the ``child=`` form, whose rows are already normalised."""
+    n, m = 4, 4
+    r = np.random.default_rng(1)
+    S = r.normal(size=(1, m)) if case == "broadcast-score" else r.normal(size=(n, m))
+    y = r.normal(size=n)
+    v = r.normal(size=m)
+    prior = (si.priors.Restricted.causal(n) if case == "causal"
+             else si.priors.Geometric(0.5, m))
+    log_p = np.asarray(prior.log_table(n), np.float64)
+
+    def model(S, y):
+        with numpyro.plate("q", n):
+            kw = {"child": jnp.arange(n)} if case == "child" else {}
+            j = si.infer.conditional_edge("phi", prior, si.scores.Custom(S), **kw)
+            numpyro.sample("y", dist.Normal(jnp.asarray(v)[j], 0.5), obs=y)
+
+    logits = log_p + np.broadcast_to(S, (n, m))
+    P = np.exp(logits - logits.max(1, keepdims=True))
+    P /= P.sum(1, keepdims=True)
+    lik = np.exp(-0.5 * ((y[:, None] - v[None]) / 0.5) ** 2) / (0.5 * np.sqrt(2 * np.pi))
+    np.testing.assert_allclose(si.log_marginal(model, S, y), np.log((P * lik).sum(1)).sum(),
+                               rtol=1e-12)
+
+
 def test_svi_recovers_attention_weights():
     ex = load("infer_svi_attention")
     out = ex.main(["--quick"])

@@ -57,3 +57,21 @@ def test_quick_run_reports_every_prior(lm, tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert all(f"| {p} |" in md for p in lm.PRIORS)
     assert (tmp_path / "lm.png").stat().st_size > 10_000
+
+
+def test_resume_keeps_finished_runs_and_refuses_other_settings(lm, tmp_path, capsys):
+    """An interrupted experiment resumes: results.json is written after every run and
+    ``--resume`` trains only the missing (prior, seed) pairs."""
+    out = ["--quick", "--quiet", "--out", str(tmp_path)]
+    assert lm.main([*out, "--priors", "window"]) == 0
+    path = tmp_path / "results.json"
+    res = json.loads(path.read_text())
+    res["runs"][0]["test_bpc"] = 7.25  # a marker: a kept run is read, not retrained
+    path.write_text(json.dumps(res))
+    assert lm.main([*out, "--resume", "--priors", "uniform-causal", "window"]) == 0
+    assert "window seed 0: test 7.250 bpc" in capsys.readouterr().out
+    res = json.loads(path.read_text())
+    assert [(r["prior"], r["seed"]) for r in res["runs"]] == [("uniform-causal", 0), ("window", 0)]
+    assert res["table"]["window"]["test_bpc"]["mean"] == 7.25
+    with pytest.raises(SystemExit, match="other settings.*'lr'"):
+        lm.main([*out, "--resume", "--lr", "0.1"])

@@ -77,7 +77,10 @@ def loo(
     `arviz_stats.loo` on the collapsed per-child log-likelihood. An observation whose
     log-likelihood is the same at every draw (it depends on no sampled parameter) gets
     uniform importance weights and $\hat k = 0$: its leave-one-out density is exactly
-    its likelihood, where ArviZ's tail fit would fail.
+    its likelihood, where ArviZ's tail fit would fail. For an SVI fit the draws are the
+    guide's, used as posterior draws without an importance correction for $q \ne p$:
+    an approximation as good as the guide; a point estimate (every draw the same) is
+    refused.
 
     Args:
         idata: a DataTree with `posterior` and `log_likelihood` groups.
@@ -90,7 +93,8 @@ def loo(
         ArviZ's `ELPDData` (pointwise).
 
     Raises:
-        ValueError: the InferenceData has no `log_likelihood` group.
+        ValueError: the InferenceData has no `log_likelihood` group, or its posterior
+            is a single point.
     """
     import arviz_stats as azs
 
@@ -99,6 +103,16 @@ def loo(
             f"model '{name}': the InferenceData has no log_likelihood group; build it with "
             "structinfer.diagnostics.to_inference_data"
         )
+    if "posterior" in idata.children:
+        post = idata["posterior"].to_dataset()
+        if post.data_vars and all(
+            float(post[v].max()) == float(post[v].min()) for v in post.data_vars
+        ):
+            raise ValueError(
+                f"model '{name}': every posterior draw is the same point (a point estimate, "
+                "e.g. an SVI fit with guide='delta'): leave-one-out needs draws from a "
+                "posterior; fit with structinfer.infer.nuts or an SVI guide with spread"
+            )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")
         warnings.filterwarnings("ignore", category=RuntimeWarning)

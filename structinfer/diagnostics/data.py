@@ -149,6 +149,26 @@ def _as_one_chain(dt: xr.DataTree) -> xr.DataTree:
     return out
 
 
+def _check_same_data(dt: Any, model: Callable, args: tuple, kwargs: dict) -> None:
+    """Refuse data other than the fit's: `observed_data` (ArviZ's, from the fit) and the
+    groups computed here must describe one dataset."""
+    if "observed_data" not in dt.children:
+        return
+    obs = dt["observed_data"].to_dataset()
+    tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
+    differ = [
+        n for n, site in tr.items()
+        if site["type"] == "sample" and site.get("is_observed") and n in obs
+        and not np.array_equal(np.asarray(site["value"]), obs[n].values)
+    ]
+    if differ:
+        raise ValueError(
+            f"to_inference_data: the observed site(s) {differ} given here differ from the "
+            "data the fit ran on; pass the fit's own data (or none, for an MCMC: its own "
+            "is used)"
+        )
+
+
 def to_inference_data(
     fit: Any,
     *model_args: Any,
@@ -186,7 +206,8 @@ def to_inference_data(
     Args:
         fit: a finished `numpyro.infer.MCMC` (`structinfer.infer.nuts`) or an
             `(SVI, SVIRunResult)` pair (`structinfer.infer.svi`).
-        *model_args: the model's positional arguments, as given to the fit.
+        *model_args: the model's positional arguments, as given to the fit (for an
+            MCMC they may be left out: the data `MCMC.run` was given is used).
         score_factors: `"error"` or `"normalize"`: score factors in the likelihood
             (see `structinfer.exact.pointwise_log_likelihood`).
         true_edges: `{edge site: the true parent of each child}`, stored as `<site>_true`.
@@ -206,13 +227,18 @@ def to_inference_data(
         EnergyOnlyModelError: the model has no normalised observation.
         TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair.
         ValueError: a `numpyro.param` site, a discrete latent site that is not
-            enumerated, no latent site, or a bad `true_edges`.
+            enumerated, no latent site, a bad `true_edges`, or observations other than
+            those the MCMC ran on.
     """
     import arviz_base as azb
     import xarray as xr
 
     parts = read_fit(fit, "to_inference_data")
     model = parts.model
+    if parts.kind == "nuts" and not model_args and not model_kwargs:
+        # the data `MCMC.run` was given (where NumPyro keeps it; ArviZ's from_numpyro
+        # reads the same attributes)
+        model_args, model_kwargs = tuple(fit._args), dict(fit._kwargs)
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = latent_sites(model, args, kwargs, "to_inference_data")
     latent = list(info.latent)
@@ -227,6 +253,13 @@ def to_inference_data(
 
     if parts.kind == "nuts":
         dt = azb.from_numpyro(fit, log_likelihood=False)
+        _check_same_data(dt, model, args, kwargs)
+        extra = fit.get_extra_fields(group_by_chain=True)
+        if "potential_energy" in extra and "sample_stats" in dt.children:
+            # `lp` is the log density of each draw, -U (ArviZ stored U itself)
+            ss = dt["sample_stats"].to_dataset()
+            ss["lp"] = (("chain", "draw"), -np.asarray(extra["potential_energy"]))
+            dt["sample_stats"] = xr.DataTree(ss)
     else:
         dt = _as_one_chain(azb.from_numpyro_svi(
             fit[0], svi_result=fit[1], model_args=args, model_kwargs=kwargs,
@@ -238,6 +271,12 @@ def to_inference_data(
     samples = {n: post[n].values for n in latent}
     dims = {n: list(post[n].dims[2:]) for n in latent}
     edges = info.edges
+    unknown = sorted(set(true_edges or {}) - set(edges))
+    if unknown:
+        raise ValueError(
+            f"to_inference_data: true_edges names {unknown}, which are not edge sites of "
+            f"model '{model_name(model)}'; its edge sites are {sorted(edges)}"
+        )
     ll, struct, marg, prior_tables = _draw_quantities(
         model, samples, args, kwargs, edges, score_factors, batch_size)
 

@@ -108,7 +108,9 @@ class NonFiniteEnergyError(FloatingPointError):
     """An iterative algorithm met a NaN or infinite free energy.
 
     Attributes:
-        step: the step (1-based) whose energy was not finite.
+        step: the step whose energy was not finite (the iterative loops count from 1;
+            `structinfer.infer.svi` gives the number of updates made before the
+            non-finite loss, 0 at the initial parameters).
         site: the model site or term responsible, when it could be found.
         index: the batch index of the first failing element (``()`` if unbatched).
     """

@@ -42,9 +42,7 @@ from numpyro.util import is_prng_key
 
 from .._checks import as_arrays, model_name
 from ..exact import ModelInfo, inspect_model
-from ..primitives import edge, is_enumerated
-from ..priors import as_prior
-from ..scores import as_score
+from ..primitives import SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site
 from ._loop import NonFiniteEnergyError
 
@@ -54,12 +52,8 @@ __all__ = [
     "svi",
     "hide_edges",
     "conditional_edge",
-    "NORMALIZER_SUFFIX",
     "EXTRA_FIELDS",
 ]
-
-#: suffix of the factor site `conditional_edge` adds
-NORMALIZER_SUFFIX = ".normalizer"
 
 #: the sampler statistics `nuts` collects (ArviZ's `sample_stats`: `lp`, `energy`,
 #: `diverging`, `acceptance_rate`, `n_steps`, `step_size`)
@@ -353,10 +347,11 @@ def conditional_edge(name: str, prior: Any, score: Any, **kwargs: Any) -> jax.Ar
     $$\log p(\phi_i = j \mid x) = \log p(\phi_i = j) + s_{ij}
         - \log \sum_{j'} p(\phi_i = j') e^{s_{ij'}}.$$
 
-    It is `structinfer.edge` plus a factor site `name + ".normalizer"`
-    (`structinfer.infer.fit.NORMALIZER_SUFFIX`) holding
-    $-\mathrm{logsumexp}_j(\log p + s)$, which does not depend on the edge, so the exact
-    engine and `TraceEnum_ELBO` see a normalised edge. Use it when the edge feeds an
+    It is `structinfer.edge` without the row-normaliser factor
+    `name + ".score"` ($\mathrm{logsumexp}_j(\log p + s)$, which `edge` adds beside its
+    normalised distribution; `numpyro.handlers.block` hides it), so the exact engine and
+    `TraceEnum_ELBO` see the edge's normalised posterior table, computed once by `edge`
+    for every prior, plate and `child=` form. Use it when the edge feeds an
     observed site ($y \sim \mathcal N(v_\phi, \sigma)$) and $W_Q, W_K$ are learned:
     without the normaliser the unnormalised scores make the likelihood unbounded in
     $W_Q, W_K$.
@@ -378,9 +373,5 @@ def conditional_edge(name: str, prior: Any, score: Any, **kwargs: Any) -> jax.Ar
     """
     if score is None:
         raise ValueError(f"conditional_edge('{name}'): a score is required")
-    phi = edge(name, prior, score, **kwargs)
-    p = as_prior(prior, name)
-    s = as_score(score, name).dense()
-    n = s.shape[-2]
-    numpyro.factor(name + NORMALIZER_SUFFIX, -jax.nn.logsumexp(p.log_table(n) + s, axis=-1))
-    return phi
+    with block(hide=[name + SCORE_SUFFIX]):
+        return edge(name, prior, score, **kwargs)

@@ -342,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-windows", type=int, default=512)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs already in OUT/results.json (written after every "
+                         "run) and train only the missing (prior, seed) pairs; the file "
+                         "must come from the same settings")
     cfg = ap.parse_args(argv)
     write = cfg.out is not None or not cfg.quick
     cfg.out = cfg.out or Path("results/lm")
@@ -352,16 +356,25 @@ def main(argv: list[str] | None = None) -> int:
     data, info = stdlib_corpus()
     print(f"corpus: {info['stdlib']} (Python {info['python']}): files {info['files']}, "
           f"bytes {info['bytes']}", flush=True)
+    done, before = _previous_runs(cfg) if cfg.resume else ({}, 0.0)
+    pending = dict(done)  # kept in results.json until this run reaches them
     t0 = time.time()
     runs = []
     for prior in cfg.priors:
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-            r = run(prior, seed, data, cfg, cfg.quiet)
+            r = pending.pop((prior, seed), None)
+            if r is None:
+                r = run(prior, seed, data, cfg, cfg.quiet)
+                seconds = before + time.time() - t0
+                if write:  # an interrupted experiment resumes from here (--resume)
+                    cfg.out.mkdir(parents=True, exist_ok=True)
+                    _write_json(cfg, info, [*runs, r, *pending.values()], None, seconds)
             runs.append(r)
             print(f"  {prior:>14s} seed {seed}: test {r['test_bpc']:.3f} bpc, val "
                   f"{r['val_bpc']:.3f}, {r['step_seconds'] * 1e3:.0f} ms/step "
-                  f"({time.time() - t0:.0f} s)", flush=True)
-    seconds = time.time() - t0
+                  f"({'from results.json' if (prior, seed) in done else f'{time.time() - t0:.0f} s'})",
+                  flush=True)
+    seconds = before + time.time() - t0
     table = aggregate(runs, cfg.priors)
     md = markdown(table, cfg, info, seconds)
     print("\n" + md)
@@ -370,14 +383,38 @@ def main(argv: list[str] | None = None) -> int:
     if not write:
         return 0
     cfg.out.mkdir(parents=True, exist_ok=True)
-    res = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
-           "corpus": info, "runs": runs, "table": table, "seconds": seconds,
-           "load_average": list(np.round(np.array(_loadavg()), 2))}
-    (cfg.out / "results.json").write_text(json.dumps(res, indent=1))
+    _write_json(cfg, info, runs, table, seconds)
     (cfg.out / "results.md").write_text(md)
     plot(table, runs, cfg.out)
     print(f"wrote {cfg.out}/results.json, results.md, lm.png")
     return 0
+
+
+#: the settings a resumed run must share with the runs it keeps
+SETTINGS = ("steps", "batch", "context", "window", "layers", "heads", "d_model", "lr",
+            "eval_windows", "quick")
+
+
+def _write_json(cfg: argparse.Namespace, info: dict, runs: list[dict], table: dict | None,
+                seconds: float) -> None:
+    res = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
+           "corpus": info, "runs": runs, "table": table, "seconds": seconds,
+           "load_average": list(np.round(np.array(_loadavg()), 2))}
+    (cfg.out / "results.json").write_text(json.dumps(res, indent=1))
+
+
+def _previous_runs(cfg: argparse.Namespace) -> tuple[dict, float]:
+    """The runs of ``OUT/results.json`` by ``(prior, seed)`` and the seconds they took."""
+    path = cfg.out / "results.json"
+    if not path.exists():
+        return {}, 0.0
+    old = json.loads(path.read_text())
+    differ = {k: (old["config"].get(k), getattr(cfg, k)) for k in SETTINGS
+              if old["config"].get(k) != getattr(cfg, k)}
+    if differ:
+        raise SystemExit(f"--resume: {path} was made with other settings "
+                         f"(setting: file's, this run's): {differ}")
+    return {(r["prior"], r["seed"]): r for r in old["runs"]}, float(old["seconds"])
 
 
 def _loadavg() -> tuple[float, float, float]:
