@@ -8,6 +8,7 @@ expectations of a non-linear value and the joint MAP with the exact engine.
 """
 
 import itertools
+import os
 
 import numpy as np
 import numpyro
@@ -136,7 +137,7 @@ def brute_force(spec):
 
 
 @settings(
-    max_examples=25,
+    max_examples=int(os.environ.get("STRUCTINFER_BRUTEFORCE_EXAMPLES", "15")),  # ~3 s each
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
