@@ -164,8 +164,7 @@ def _check_same_data(dt: Any, model: Callable, args: tuple, kwargs: dict) -> Non
     if differ:
         raise ValueError(
             f"to_inference_data: the observed site(s) {differ} given here differ from the "
-            "data the fit ran on; pass the fit's own data (or none, for an MCMC: its own "
-            "is used)"
+            "data the fit ran on; pass the fit's own data"
         )
 
 
@@ -206,8 +205,7 @@ def to_inference_data(
     Args:
         fit: a finished `numpyro.infer.MCMC` (`structinfer.infer.nuts`) or an
             `(SVI, SVIRunResult)` pair (`structinfer.infer.svi`).
-        *model_args: the model's positional arguments, as given to the fit (for an
-            MCMC they may be left out: the data `MCMC.run` was given is used).
+        *model_args: the model's positional arguments, as given to the fit.
         score_factors: `"error"` or `"normalize"`: score factors in the likelihood
             (see `structinfer.exact.pointwise_log_likelihood`).
         true_edges: `{edge site: the true parent of each child}`, stored as `<site>_true`.
@@ -235,10 +233,6 @@ def to_inference_data(
 
     parts = read_fit(fit, "to_inference_data")
     model = parts.model
-    if parts.kind == "nuts" and not model_args and not model_kwargs:
-        # the data `MCMC.run` was given (where NumPyro keeps it; ArviZ's from_numpyro
-        # reads the same attributes)
-        model_args, model_kwargs = tuple(fit._args), dict(fit._kwargs)
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = latent_sites(model, args, kwargs, "to_inference_data")
     latent = list(info.latent)
