@@ -40,6 +40,8 @@ PAGES = {
     "api-exact": "api/exact/",
     "api-infer": "api/infer/",
     "api-nn": "api/nn/",
+    "api-lowering": "api/lowering/",
+    "api-diagnostics": "api/diagnostics/",
     "benchmarks": "benchmarks/",
     "numpyro-tools": "numpyro_tools/",
 }
