@@ -42,6 +42,7 @@ PAGES = {
     "api-nn": "api/nn/",
     "api-lowering": "api/lowering/",
     "api-diagnostics": "api/diagnostics/",
+    "nn": "nn/",
     "benchmarks": "benchmarks/",
     "numpyro-tools": "numpyro_tools/",
 }
