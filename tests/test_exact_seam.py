@@ -245,3 +245,31 @@ def test_float32_model_gives_float32_answers_with_x64_enabled(x64, jit):
         assert si.marginals(_dtype_model, q64, k64, v64)["phi"].dtype == jnp.float64
         np.testing.assert_allclose(si.expectation(_dtype_model, "out", q64, k64, v64), out,
                                    rtol=1e-5, atol=1e-6)
+
+
+def _scoreless_model(y, mu):
+    with numpyro.plate("children", y.shape[0]):
+        phi = si.edge("phi", si.priors.Uniform(mu.shape[0]))
+        # a float32 scale: NumPyro's Normal with a Python float scale is float64 under x64
+        numpyro.sample("y", dist.Normal(mu[phi], jnp.ones((), mu.dtype)), obs=y)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_scoreless_float32_model_gives_float32_answers_with_x64_enabled(x64, jit):
+    """Regression: an edge with a parameter-free prior and no score (its table in the
+    default float) made a float32 model answer in float64; the answers equal float64's."""
+    y = jnp.asarray([0.1, 1.2, 1.9, -0.3], jnp.float32)
+    mu = jnp.asarray([0.0, 1.0, 2.0], jnp.float32)
+    wrap = (lambda f: jax.jit(f, static_argnums=0)) if jit else (lambda f: f)  # noqa: E731
+    lz = wrap(si.log_marginal)(_scoreless_model, y, mu)
+    marg = wrap(si.marginals)(_scoreless_model, y, mu)["phi"]
+    ll = (jax.jit(si.exact.pointwise_log_likelihood, static_argnums=0) if jit
+          else si.exact.pointwise_log_likelihood)(_scoreless_model, None, y, mu)
+    assert lz.dtype == marg.dtype == ll.dtype == jnp.float32
+    y64, mu64 = (jnp.asarray(a, jnp.float64) for a in (y, mu))
+    # brute force: sum_i log sum_j (1/3) N(y_i | mu_j, 1)
+    ref = np.log((np.exp(-0.5 * (np.asarray(y64)[:, None] - np.asarray(mu64)) ** 2)
+                  / np.sqrt(2 * np.pi) / 3).sum(1))
+    np.testing.assert_allclose(ll, ref, rtol=1e-6)
+    np.testing.assert_allclose(lz, ref.sum(), rtol=1e-6)
+    assert si.log_marginal(_scoreless_model, y64, mu64).dtype == jnp.float64

@@ -135,7 +135,7 @@ def log_z(
     if info is None:
         info = inspect_model(model, *args, **kwargs)
     if keep_plates is None:
-        lz = _scalar(model, args, kwargs, info, tilts)
+        lz = _scalar(model, args, kwargs, info, tilts).astype(info.float_dtype)
         return (lz, None) if return_structure else lz
     if tilts:
         raise ValueError(
@@ -145,6 +145,7 @@ def log_z(
     if score_factors not in ("error", "normalize"):
         raise ValueError(f"score_factors must be 'error' or 'normalize', got {score_factors!r}")
     data, struct = _kept(model, args, kwargs, info, keep_plates, score_factors)
+    data = data.astype(info.float_dtype)  # the model's dtype (see ModelInfo.float_dtype)
     return (data, struct) if return_structure else data
 
 

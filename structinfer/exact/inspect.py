@@ -309,10 +309,19 @@ def _read(tr: dict) -> ModelInfo:
         nesting = max((-f.dim for f in frames), default=0)
         info.max_plate_nesting = max(info.max_plate_nesting, nesting)
         info.records[name] = _site_info(name, site, tuple(f.name for f in frames), nesting)
-    dtypes = [_log_prob_dtype(s) for s in tr.values() if s["type"] == "sample"]
+    # an edge whose table holds no parameter (a uniform or masked prior, no score) takes
+    # the default float dtype: it says nothing about the model's own
+    dtypes = [_log_prob_dtype(s) for s in tr.values()
+              if s["type"] == "sample" and not _dtype_free_edge(s)]
     floats = [d for d in dtypes if d is not None and jnp.issubdtype(d, jnp.floating)]
     info.float_dtype = jnp.result_type(*floats) if floats else jnp.result_type(float)
     return info
+
+
+def _dtype_free_edge(site: dict) -> bool:
+    """An edge site with no score and a parameter-free prior (uniform, a mask)."""
+    edge = (site.get("infer") or {}).get(EDGE_INFO_KEY)
+    return edge is not None and edge.score is None and edge.prior.parameter_dtype is None
 
 
 def _log_prob_dtype(site: dict) -> Any:
