@@ -291,8 +291,9 @@ def svi(
     Raises:
         NonFiniteEnergyError: the loss became NaN or infinite; the message names the
             step and the parameter or site responsible.
-        ValueError: an unknown guide name or a discrete latent site that is not
-            enumerated.
+        TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
+        ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
+            that is not enumerated.
 
     Reference: NumPyro's `SVI` with `TraceEnum_ELBO` (edges summed out exactly);
     learning $W_Q, W_K, W_V$ of Singh & Buckley Table 1 by maximising the collapsed
