@@ -137,7 +137,7 @@ def brute_force(spec):
 
 
 @settings(
-    max_examples=int(os.environ.get("STRUCTINFER_BRUTEFORCE_EXAMPLES", "15")),  # ~3 s each
+    max_examples=int(os.environ.get("STRUCTINFER_BRUTEFORCE_EXAMPLES", "12")),  # ~3 s each
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

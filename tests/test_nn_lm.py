@@ -29,7 +29,7 @@ def test_corpus_is_split_by_file(lm):
     assert w.shape == (5, 17) and w.dtype == np.uint8
 
 
-def test_quick_run_reports_every_prior(lm, tmp_path):
+def test_quick_run_reports_every_prior(lm, tmp_path, capsys):
     assert lm.main(["--quick", "--quiet", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["table"]) == set(lm.PRIORS)
@@ -57,21 +57,25 @@ def test_quick_run_reports_every_prior(lm, tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert all(f"| {p} |" in md for p in lm.PRIORS)
     assert (tmp_path / "lm.png").stat().st_size > 10_000
+    _check_resume(lm, tmp_path, capsys)
 
 
-def test_resume_keeps_finished_runs_and_refuses_other_settings(lm, tmp_path, capsys):
-    """An interrupted experiment resumes: results.json is written after every run and
-    ``--resume`` trains only the missing (prior, seed) pairs."""
-    out = ["--quick", "--quiet", "--out", str(tmp_path)]
-    assert lm.main([*out, "--priors", "window"]) == 0
-    path = tmp_path / "results.json"
+
+def _check_resume(lm, out, capsys):
+    """An interrupted experiment resumes: ``--resume`` keeps the runs of results.json
+    (written after every run) and trains only missing ones (here: none), and refuses a
+    file made with other settings."""
+    path = out / "results.json"
     res = json.loads(path.read_text())
-    res["runs"][0]["test_bpc"] = 7.25  # a marker: a kept run is read, not retrained
+    assert len(res["runs"]) == len(lm.PRIORS)
+    res["runs"][1]["test_bpc"] = 7.25  # a marker: a kept run is read, not retrained
     path.write_text(json.dumps(res))
-    assert lm.main([*out, "--resume", "--priors", "uniform-causal", "window"]) == 0
-    assert "window seed 0: test 7.250 bpc" in capsys.readouterr().out
+    capsys.readouterr()
+    args = ["--quick", "--quiet", "--out", str(out), "--resume"]
+    assert lm.main([*args, "--priors", "uniform-causal", res["runs"][1]["prior"]]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("from results.json") == 2 and "test 7.250 bpc" in printed
     res = json.loads(path.read_text())
-    assert [(r["prior"], r["seed"]) for r in res["runs"]] == [("uniform-causal", 0), ("window", 0)]
-    assert res["table"]["window"]["test_bpc"]["mean"] == 7.25
+    assert res["table"][res["runs"][1]["prior"]]["test_bpc"]["mean"] == 7.25
     with pytest.raises(SystemExit, match="other settings.*'lr'"):
-        lm.main([*out, "--resume", "--lr", "0.1"])
+        lm.main([*args, "--lr", "0.1"])
