@@ -183,3 +183,23 @@ def is_masked(fn: dist.Distribution | None) -> bool:
             return True
         fn = getattr(fn, "base_dist", None)
     return True  # pragma: no cover - absurdly deep wrapping: be conservative
+
+
+def moved_names(module: str, moved: dict[str, str]) -> Any:
+    """A module `__getattr__` for names that moved: each raises an AttributeError saying
+    where it went (`moved`: name -> its replacement, in words).
+
+    Args:
+        module: the module's dotted name, for the messages.
+        moved: `{old name: what to use instead}`.
+
+    Returns:
+        The `__getattr__(name)` function to assign in the module.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in moved:
+            raise AttributeError(f"{module}.{name} was removed: use {moved[name]}")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

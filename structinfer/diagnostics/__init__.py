@@ -22,6 +22,7 @@ The diagnostics take a fit and never fit: fit with `structinfer.infer.nuts` (a N
 * `plots` — matplotlib / `arviz_plots` figures of the above.
 """
 
+from .._checks import moved_names
 from ..exact import EnergyOnlyModelError
 from .comparison import ParetoKWarning, check_comparable, compare, loo
 from .convergence import ConvergenceReport, convergence_report
@@ -94,7 +95,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"structinfer.diagnostics.{name} was removed: use {_MOVED[name]}")
-    raise AttributeError(f"module 'structinfer.diagnostics' has no attribute {name!r}")
+__getattr__ = moved_names("structinfer.diagnostics", _MOVED)

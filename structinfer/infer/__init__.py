@@ -26,6 +26,7 @@ The EM algorithms run their E-steps on the catalogue's models
 `slot_attention`) through the exact engine.
 """
 
+from .._checks import moved_names
 from ._loop import LoopInfo, NonFiniteEnergyError
 from ._model_fn import model_energy, model_log_z
 from .convex_concave import CCCPState
@@ -97,7 +98,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"structinfer.infer.{name} was removed: use {_MOVED[name]}")
-    raise AttributeError(f"module 'structinfer.infer' has no attribute {name!r}")
+__getattr__ = moved_names("structinfer.infer", _MOVED)
