@@ -143,6 +143,70 @@ def test_masked_blocks_are_skipped():
     assert sched.live_fraction < 1.0
 
 
+@pytest.mark.parametrize("bq,bk", [(4, 4), (6, 4), (4, 8)])
+def test_cut_blocks_cover_exactly_the_allowed_edges(bq, bk):
+    """Brute force over every prior: the rectangles of a cut block (`Schedule.pieces`,
+    here cut from halves of 2 or more) cover every allowed edge of the block, and a
+    rectangle computed without the mask holds only allowed edges and no padded parent.
+    A causal diagonal block is cut to three quarters."""
+    for name, prior in _priors(N, M, np.float32).items():
+        low = lower_edge(prior, None, np.zeros((M, 1), np.float32), N)
+        sched = make_schedule(low.terms, bq, bk, low.mask, min_piece=2)
+        allowed = np.isfinite(np.asarray(prior.log_table(N)))
+        pad = np.zeros((sched.nqb * bq, sched.nkb * bk), bool)
+        pad[:N, :M] = allowed
+        for a, row in enumerate(sched.fwd):
+            for b in row:
+                blk = pad[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
+                covered = np.zeros_like(blk)
+                for r0, rn, c0, cn, masked in sched.pattern(a, b):
+                    covered[r0:r0 + rn, c0:c0 + cn] = True
+                    if not masked:
+                        real = max(N - a * bq - r0, 0)  # rows past n are padding
+                        assert blk[r0:r0 + rn, c0:c0 + cn][:real].all(), (name, a, b)
+                        assert (b * bk + c0 + cn) <= M, (name, a, b)
+                assert covered[blk].all(), (name, a, b)
+    if bq == bk:  # square causal: each diagonal block is cut to three quarters
+        low = lower_edge(si.priors.Restricted.causal(4 * bq), None, np.zeros((4 * bq, 1)), 4 * bq)
+        sched = make_schedule(low.terms, bq, bk, None, min_piece=2)
+        h = bq // 2
+        cut = ((0, h, 0, h, True), (h, h, 0, bq, True))
+        assert sched.pieces == tuple(((a, a), cut) for a in range(4))
+        assert make_schedule(low.terms, bq, bk, None, min_piece=h + 1).pieces == ()
+
+
+@pytest.mark.parametrize("name", PRIORS)
+def test_cut_blocks_values_and_gradients(x64, name):
+    """The kernel on a schedule with cut blocks (halves of 2, 3 or 4: every prior's
+    partial blocks are cut) against the NumPy softmax and against dense autodiff."""
+    H = 2
+    r = np.random.default_rng(11)
+    q, k = r.normal(size=(H, N, D)), r.normal(size=(H, M, D))
+    v = r.normal(size=(H, M, DV))
+    prior = _priors(N, M, np.float64)[name]
+    for bq, bk in [(4, 4), (6, 8)]:
+        def f(kernel, q, k, v, bq=bq, bk=bk):
+            low = lower_edge(prior, si.scores.Dot(q, k, scale=0.5), v, N, (H,))
+            if kernel == "dense":
+                return dense_attention(low.terms, low.problem, (H,))
+            sched = make_schedule(low.terms, bq, bk, low.mask, min_piece=2)
+            return blocked_attention(low.terms, low.problem, (H,), schedule=sched)
+
+        y, lse = jax.jit(lambda *a: f("blocked", *a))(q, k, v)
+        want = np.stack([np_reference(prior, si.scores.Dot(q[h], k[h], scale=0.5), v[h], N)
+                         for h in range(H)])
+        np.testing.assert_allclose(y, want, atol=1e-11, rtol=0)
+
+        def loss(kernel, *a):
+            y, lse = f(kernel, *a)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0))
+
+        gd = jax.jit(jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2)))(q, k, v)
+        gb = jax.jit(jax.grad(lambda *a: loss("blocked", *a), argnums=(0, 1, 2)))(q, k, v)
+        for a, b in zip(gd, gb):
+            np.testing.assert_allclose(b, a, atol=1e-11, rtol=1e-9)
+
+
 def _scores(xq, xk, dtype):
     r = np.random.default_rng(2)
     mu = xk

@@ -158,6 +158,7 @@ def block_logits(
     j_idx: jax.Array,
     dtype,
     col_valid: jax.Array | None = None,
+    transposed: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     r"""Logits $\ell_{ij}$ (finite part) and the allowed-edge mask on one block.
 
@@ -168,11 +169,15 @@ def block_logits(
         i_idx: ``(bq,)`` global child indices; ``j_idx``: ``(bk,)`` parent indices.
         dtype: floating dtype of the result.
         col_valid: optional ``(bk,)`` boolean, False for padded parents.
+        transposed: build the block parents x children, ``(..., bk, bq)`` (the blocked
+            kernel's backward works on it so): each term is built in that layout from
+            its factors rather than transposed afterwards (a strided pass).
 
     Returns:
-        ``(s, ok)``: ``s`` of shape ``(..., bq, bk)`` is finite everywhere (so its
-        vjp never meets ``0 * inf``); ``ok`` is a boolean mask or ``None`` when
-        every edge of the block is allowed. Forbidden edges have logit ``-inf``.
+        ``(s, ok)``: ``s`` of shape ``(..., bq, bk)`` (``(..., bk, bq)`` transposed) is
+        finite everywhere (so its vjp never meets ``0 * inf``); ``ok`` is a boolean mask
+        or ``None`` when every edge of the block is allowed. Forbidden edges have logit
+        ``-inf``.
     """
     s = None
 
@@ -180,36 +185,50 @@ def block_logits(
         nonlocal s
         s = a if s is None else s + a
 
+    # where a per-child / per-parent vector goes: children along the rows of the block
+    # and parents along its columns, or the other way round
+    def per_child(x):
+        return x[..., None, :] if transposed else x[..., :, None]
+
+    def per_parent(x):
+        return x[..., :, None] if transposed else x[..., None, :]
+
+    def per_edge(x):  # a (..., bq, bk) array
+        return jnp.swapaxes(x, -1, -2) if transposed else x
+
     if t.dot:
-        add(jnp.einsum("...if,...jf->...ij", row["q"], col["k"]))
+        spec = "...jf,...if->...ji" if transposed else "...if,...jf->...ij"
+        add(jnp.einsum(spec, row["q"], col["k"]))
     for r in range(t.idw):
         x, y = row[f"idw{r}"], col[f"idw{r}"]
         p, eps = glob[f"idw{r}_p"], glob[f"idw{r}_eps"]
-        diff = x[..., :, None, :] - y[..., None, :, :]
+        diff = (x[..., None, :, :] - y[..., :, None, :] if transposed
+                else x[..., :, None, :] - y[..., None, :, :])
         add(-jnp.log(eps + safe_pow_dist(jnp.sum(diff * diff, -1), p)))
     if t.col_bias:
-        add(col["bias"][..., 0][..., None, :])
+        add(per_parent(col["bias"][..., 0]))
     if t.pair_logits:
-        add(pair["logits"])
+        add(per_edge(pair["logits"]))
     d = None
     if t.relpos is not None or t.geometric or t.has_band:
-        d = (i_idx[:, None] + t.offset) - j_idx[None, :]
+        d = per_child(i_idx + t.offset) - per_parent(j_idx)
     if t.relpos is not None:
         add(relpos_weights(t.relpos, glob["relpos"], d).astype(dtype))
     if t.geometric:
         g = row["geo"]
-        add(g[..., 0:1] + (d - t.geo_d0).astype(dtype) * g[..., 1:2])
+        add(per_child(g[..., 0]) + (d - t.geo_d0).astype(dtype) * per_child(g[..., 1]))
     if s is None:
-        s = jnp.zeros((i_idx.shape[0], j_idx.shape[0]), dtype)
+        shape = (j_idx.shape[0], i_idx.shape[0]) if transposed else (i_idx.shape[0], j_idx.shape[0])
+        s = jnp.zeros(shape, dtype)
     ok = band_ok(t, d) if d is not None else None
 
     def conj(a, b):
         return b if a is None else a & b
 
     if col_valid is not None:
-        ok = conj(ok, col_valid[None, :])
+        ok = conj(ok, per_parent(col_valid))
     if t.col_ok:
-        ok = conj(ok, const["col_ok"][..., None, :])
+        ok = conj(ok, per_parent(const["col_ok"]))
     if t.pair_ok:
-        ok = conj(ok, const["pair_ok"])
+        ok = conj(ok, per_edge(const["pair_ok"]))
     return s.astype(dtype), ok

@@ -48,15 +48,24 @@ from ._spec import Problem, Terms, block_logits
 __all__ = ["Schedule", "make_schedule", "blocked_attention", "band_blocks"]
 
 
+#: one rectangle of a block that a kernel computes: ``(r0, rn, c0, cn, masked)`` — rows
+#: ``r0 : r0 + rn`` and columns ``c0 : c0 + cn`` of the block, with or without the mask
+Piece = tuple[int, int, int, int, bool]
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """Which parent blocks each child block visits (static, hashable).
+    """Which parent blocks each child block visits, and what of each block (static, hashable).
 
     ``fwd[a]`` lists the live parent blocks of child block ``a``; ``bwd[b]`` the
     live child blocks of parent block ``b``. ``full`` holds the live blocks
     ``(a, b)`` whose every edge is allowed (inside the distance band, no padded
     parent, no mask): the kernels compute those without building a mask, and the
-    others (the band's edges, the diagonal of a causal mask) with it.
+    others (the band's edges, the diagonal of a causal mask) with it. ``pieces`` maps
+    some of those others to the rectangles worth computing (`Piece`): a causal
+    diagonal block is its top half rows against the left half columns and its bottom
+    half rows against all columns, three quarters of the work; a block not listed is
+    computed whole, masked.
     """
 
     block_q: int
@@ -66,6 +75,7 @@ class Schedule:
     fwd: tuple[tuple[int, ...], ...]
     bwd: tuple[tuple[int, ...], ...]
     full: frozenset[tuple[int, int]] = frozenset()
+    pieces: tuple[tuple[tuple[int, int], tuple[Piece, ...]], ...] = ()
 
     @property
     def nqb(self) -> int:
@@ -79,18 +89,28 @@ class Schedule:
     def live_fraction(self) -> float:
         return sum(len(r) for r in self.fwd) / max(self.nqb * self.nkb, 1)
 
-    def split(self, rows: tuple[tuple[int, ...], ...], transpose: bool = False):
-        """``(full, partial)`` block lists of ``rows`` (``fwd``, or ``bwd`` with
-        ``transpose``), each list in the order of ``rows``."""
-        key = (lambda r, c: (c, r)) if transpose else (lambda r, c: (r, c))
-        full = tuple(tuple(c for c in row if key(r, c) in self.full) for r, row in enumerate(rows))
-        part = tuple(tuple(c for c in row if key(r, c) not in self.full)
-                     for r, row in enumerate(rows))
-        return full, part
+    def pattern(self, a: int, b: int) -> tuple[Piece, ...]:
+        """The rectangles computed of live block ``(a, b)``."""
+        if (a, b) in self.full:
+            return ((0, self.block_q, 0, self.block_k, False),)
+        return dict(self.pieces).get((a, b), ((0, self.block_q, 0, self.block_k, True),))
+
+    def groups(self, rows: tuple[tuple[int, ...], ...], transpose: bool = False):
+        """``[(pattern, lists), ...]``: the blocks of ``rows`` (``fwd``, or ``bwd`` with
+        ``transpose``) grouped by the rectangles computed of them, each list in the
+        order of ``rows``; the unmasked whole blocks first."""
+        out: dict = {}
+        for r, row in enumerate(rows):
+            for c in row:
+                pat = self.pattern(*((c, r) if transpose else (r, c)))
+                out.setdefault(pat, [[] for _ in rows])[r].append(c)
+        return sorted(((pat, tuple(map(tuple, lists))) for pat, lists in out.items()),
+                      key=lambda g: (any(piece[4] for piece in g[0]), g[0]))
 
     def without_full(self) -> Schedule:
-        """The same schedule with every block computed masked (for shifted index grids)."""
-        return dataclasses.replace(self, full=frozenset())
+        """The same schedule with every block computed whole and masked (for shifted
+        index grids)."""
+        return dataclasses.replace(self, full=frozenset(), pieces=())
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -102,6 +122,7 @@ def make_schedule(
     block_q: int,
     block_k: int,
     mask: np.ndarray | None = None,
+    min_piece: int = 64,
 ) -> Schedule:
     """Live blocks from the distance band of ``terms`` and an optional concrete mask.
 
@@ -110,18 +131,33 @@ def make_schedule(
         block_q, block_k: block sizes.
         mask: optional NumPy boolean ``(..., n, m)`` mask of allowed edges known at
             trace time (block-sparse / graph priors); batch dims are OR-ed.
+        min_piece: a partial block is cut into rectangles (`Schedule.pieces`) only when
+            halves of it are at least this long on both sides (smaller matmuls than
+            that cost more than the skipped work saves).
     """
     n, m = terms.num_children, terms.num_parents
     bq, bk = int(block_q), int(block_k)
     nqb, nkb = _cdiv(n, bq), _cdiv(m, bk)
+    live, full = _live_full(terms, bq, bk, nqb, nkb, mask)
+    fwd = tuple(tuple(int(x) for x in np.flatnonzero(live[i])) for i in range(nqb))
+    bwd = tuple(tuple(int(x) for x in np.flatnonzero(live[:, j])) for j in range(nkb))
+    blocks = frozenset((int(i), int(j)) for i, j in zip(*np.nonzero(full)))
+    pieces = _pieces(terms, bq, bk, nqb, nkb, mask, live & ~full, min_piece)
+    return Schedule(bq, bk, n, m, fwd, bwd, blocks, pieces)
+
+
+def _live_full(terms: Terms, bq: int, bk: int, nqb: int, nkb: int, mask) -> tuple:
+    """``(live, full)`` boolean ``(nqb, nkb)`` grids of blocks of ``bq x bk``: some edge
+    allowed / every (unpadded) edge allowed and no padded parent. A block wholly in the
+    padding past ``n`` or ``m`` is dead."""
+    n, m = terms.num_children, terms.num_parents
     a = np.arange(nqb)[:, None]
     b = np.arange(nkb)[None, :]
     i_lo, i_hi = a * bq, np.minimum((a + 1) * bq, n) - 1
     j_lo, j_hi = b * bk, np.minimum((b + 1) * bk, m) - 1
     d_lo = i_lo + terms.offset - j_hi  # smallest distance in the block
     d_hi = i_hi + terms.offset - j_lo
-    live = np.ones((nqb, nkb), bool)
-    # full: every (unpadded) edge of the block allowed and no padded parent in it
+    live = (i_lo < n) & (j_lo < m)
     full = np.broadcast_to((b + 1) * bk <= m, (nqb, nkb)).copy()
     if terms.dmin is not None:
         live &= d_hi >= terms.dmin
@@ -139,11 +175,55 @@ def make_schedule(
         pad = np.zeros((nqb * bq, nkb * bk), bool)
         pad[:n, :m] = mk
         live &= pad.reshape(nqb, bq, nkb, bk).any(axis=(1, 3))
-    full &= live
-    fwd = tuple(tuple(int(x) for x in np.flatnonzero(live[i])) for i in range(nqb))
-    bwd = tuple(tuple(int(x) for x in np.flatnonzero(live[:, j])) for j in range(nkb))
-    blocks = frozenset((int(i), int(j)) for i, j in zip(*np.nonzero(full)))
-    return Schedule(bq, bk, n, m, fwd, bwd, blocks)
+    return live, full & live
+
+
+#: at most this many distinct cuts (each is a loop of its own in the program)
+_MAX_PATTERNS = 4
+
+
+def _pieces(terms: Terms, bq: int, bk: int, nqb: int, nkb: int, mask, partial: np.ndarray,
+            min_piece: int):
+    """The rectangles worth computing of each partial block (see `Schedule`).
+
+    Each half of a block's rows computes the span of its live half-columns, masked
+    unless every half-block in it is full; halves with nothing live are skipped and
+    neighbouring halves with the same span merge. A cut that computes the whole block
+    is left out (the default), and only the ``_MAX_PATTERNS`` most common cuts are
+    kept.
+    """
+    if bq % 2 or bk % 2 or min(bq, bk) // 2 < max(min_piece, 1) or not partial.any():
+        return ()
+    hq, hk = bq // 2, bk // 2
+    live, full = _live_full(terms, hq, hk, 2 * nqb, 2 * nkb, mask)
+    whole = ((0, bq, 0, bk, True),)
+    cuts: dict = {}
+    for a, b in zip(*np.nonzero(partial)):
+        rows = []
+        for r in range(2):
+            cols = np.flatnonzero(live[2 * a + r, 2 * b: 2 * b + 2])
+            if not len(cols):
+                continue
+            lo, hi = int(cols[0]), int(cols[-1]) + 1
+            masked = not bool(full[2 * a + r, 2 * b + lo: 2 * b + hi].all())
+            rows.append((r, lo, hi, masked))
+        pat = _merge(rows, hq, hk)
+        if pat != whole:
+            cuts.setdefault(pat, []).append((int(a), int(b)))
+    keep = sorted(cuts, key=lambda p: -len(cuts[p]))[:_MAX_PATTERNS]
+    return tuple(sorted((blk, pat) for pat in keep for blk in cuts[pat]))
+
+
+def _merge(rows, hq: int, hk: int) -> tuple[Piece, ...]:
+    """Row halves ``(r, lo, hi, masked)`` as rectangles, equal neighbours merged."""
+    out: list = []
+    for r, lo, hi, masked in rows:
+        piece = (r * hq, hq, lo * hk, (hi - lo) * hk, masked)
+        if out and out[-1][0] + out[-1][1] == piece[0] and out[-1][2:] == piece[2:]:
+            prev = out.pop()
+            piece = (prev[0], prev[1] + hq) + piece[2:]
+        out.append(piece)
+    return tuple(out)
 
 
 def band_blocks(terms: Terms, block_q: int, block_k: int) -> tuple[int, int]:
@@ -264,28 +344,50 @@ def _unbanded(terms: Terms) -> Terms:
     return dataclasses.replace(terms, dmin=None, dmax=None, exclude_zero=False)
 
 
-def _two_loops(rows, tables, lo: int, body_of, carry):
-    """Run ``body_of(masked)`` over the full, then the partial, blocks of row ``lo``.
-
-    ``tables`` is ``((tab, cnt) full, (tab, cnt) partial)``; a kind with no block in any
-    row is left out of the program.
-    """
-    for masked, (tab, cnt) in zip((False, True), tables):
-        if tab is None:
-            continue
-        carry = lax.fori_loop(0, cnt[lo], body_of(masked, tab), carry)
+def _loops(tables, lo: int, body_of, carry):
+    """Run ``body_of(pattern, tab)`` over each group of blocks of row ``lo`` in turn
+    (``tables`` from `_group_tables`: the unmasked whole blocks first)."""
+    for pattern, tab, cnt in tables:
+        carry = lax.fori_loop(0, cnt[lo], body_of(pattern, tab), carry)
     return carry
 
 
-def _split_tables(sched: Schedule, rows, transpose: bool):
+def _group_tables(sched: Schedule, rows, transpose: bool):
+    """``[(pattern, tab, cnt), ...]``: each group of `Schedule.groups` as an index table."""
     out = []
-    for lists in sched.split(rows, transpose):
-        if not any(lists):
-            out.append((None, None))
-            continue
+    for pattern, lists in sched.groups(rows, transpose):
         tab, cnt = _table(lists)
-        out.append((jnp.asarray(tab), jnp.asarray(cnt)))
-    return tuple(out)
+        out.append((pattern, jnp.asarray(tab), jnp.asarray(cnt)))
+    return out
+
+
+def _sub(x: jax.Array, start: int, size: int, axis: int) -> jax.Array:
+    """A static slice (the array itself when it is the whole axis)."""
+    axis = axis % x.ndim
+    if start == 0 and size == x.shape[axis]:
+        return x
+    return lax.slice_in_dim(x, start, start + size, axis=axis)
+
+
+def _piece_arrays(rect, row_b, col_b, pair_b, const_b, i_idx, j_loc):
+    """The block's arrays cut to one rectangle ``(r0, rn, c0, cn, masked)``."""
+    r0, rn, c0, cn, _ = rect
+    row = {k: _sub(x, r0, rn, -2) for k, x in row_b.items()}
+    col = {k: _sub(x, c0, cn, -2) for k, x in col_b.items()}
+    pair = {k: _sub(_sub(x, r0, rn, -2), c0, cn, -1) for k, x in pair_b.items()}
+    const = {k: (_sub(x, c0, cn, -1) if k == "col_ok" else _sub(_sub(x, r0, rn, -2), c0, cn, -1))
+             for k, x in const_b.items()}
+    return row, col, pair, const, _sub(i_idx, r0, rn, 0), _sub(j_loc, c0, cn, 0)
+
+
+def _add_at(buf: jax.Array, delta: jax.Array, start: int, axis: int) -> jax.Array:
+    """``buf`` plus ``delta`` on ``start : start + len`` of ``axis`` (static)."""
+    axis = axis % buf.ndim
+    if delta.shape[axis] == buf.shape[axis]:
+        return buf + delta
+    idx = [slice(None)] * buf.ndim
+    idx[axis] = slice(start, start + delta.shape[axis])
+    return buf.at[tuple(idx)].add(delta)
 
 
 def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Problem, starts,
@@ -298,42 +400,51 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
     p = _pad_problem(terms, prob, n_pad, m_pad)
     dtype = p.v.dtype
     dv = p.v.shape[-1]
-    tables = _split_tables(sched, sched.fwd, False)
+    tables = _group_tables(sched, sched.fwd, False)
     free = _unbanded(terms)
-    pair_const = {k: x for k, x in p.const.items() if k != "col_ok"}
-    col_const = {k: x for k, x in p.const.items() if k == "col_ok"}
+
+    def update(carry, s, ok, v_c):
+        """One online-softmax step of the rows in ``carry`` over logits ``s``."""
+        m_i, l_i, acc = carry
+        s = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
+        m_new = jnp.maximum(m_i, jnp.max(s, -1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new).astype(dtype)
+        pr = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(m_i - m_safe)
+        l_new = l_i * corr + jnp.sum(pr, -1)
+        acc = acc * corr[..., None] + jnp.einsum("...ij,...jd->...id", pr, v_c)
+        return m_new, l_new, acc
 
     def q_block(a):
         i0 = a * bq
         row_b = _rows(p.row, i0, bq)
         pair_r = {k: _slice(x, i0, bq, -2) for k, x in p.pair.items()}
-        pconst_r = {k: _slice(x, i0, bq, -2) for k, x in pair_const.items()}
+        const_r = {k: (x if k == "col_ok" else _slice(x, i0, bq, -2))
+                   for k, x in p.const.items()}
         i_idx = i_start + i0 + jnp.arange(bq)
 
-        def body_of(masked, tab):
-            t_use = terms if masked else free
-
+        def body_of(pattern, tab):
             def body(t, carry):
-                m_i, l_i, acc = carry
                 j0 = tab[a, t] * bk
                 col_b = _rows(p.col, j0, bk)
                 v_b = _slice(p.v, j0, bk, -2)
                 pair_b = {k: _slice(x, j0, bk, -1) for k, x in pair_r.items()}
-                const_b = {k: _slice(x, j0, bk, -1) for k, x in pconst_r.items()}
-                const_b.update({k: _slice(x, j0, bk, -1) for k, x in col_const.items()})
+                const_b = {k: _slice(x, j0, bk, -1) for k, x in const_r.items()}
                 j_loc = j0 + jnp.arange(bk)
-                s, ok = block_logits(
-                    t_use, row_b, col_b, pair_b, p.glob, const_b, i_idx, j_start + j_loc,
-                    dtype, (j_loc < terms.num_parents) if (check_cols and masked) else None,
-                )
-                s = jnp.broadcast_to(_masked(s, ok), batch + (bq, bk))
-                m_new = jnp.maximum(m_i, jnp.max(s, -1))
-                m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new).astype(dtype)
-                pr = jnp.exp(s - m_safe[..., None])
-                corr = jnp.exp(m_i - m_safe)
-                l_new = l_i * corr + jnp.sum(pr, -1)
-                acc = acc * corr[..., None] + jnp.einsum("...ij,...jd->...id", pr, v_b)
-                return m_new, l_new, acc
+                # each rectangle updates its own rows; rows of no rectangle keep the carry
+                rows = [None] * len(pattern)
+                for n_rect, rect in enumerate(pattern):
+                    r0, rn, c0, cn, masked = rect
+                    row, col, pair, const, i_r, j_r = _piece_arrays(
+                        rect, row_b, col_b, pair_b, const_b, i_idx, j_loc)
+                    s, ok = block_logits(
+                        terms if masked else free, row, col, pair, p.glob, const, i_r,
+                        j_start + j_r, dtype,
+                        (j_r < terms.num_parents) if (check_cols and masked) else None,
+                    )
+                    mine = tuple(_sub(x, r0, rn, ax) for x, ax in zip(carry, (-1, -1, -2)))
+                    rows[n_rect] = (r0, rn, update(mine, s, ok, _sub(v_b, c0, cn, -2)))
+                return _merge_rows(carry, rows, bq)
 
             return body
 
@@ -342,7 +453,7 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
             jnp.zeros(batch + (bq,), dtype),
             jnp.zeros(batch + (bq, dv), dtype),
         )
-        m_i, l_i, acc = _two_loops(sched.fwd, tables, a, body_of, init)
+        m_i, l_i, acc = _loops(tables, a, body_of, init)
         pos = l_i > 0
         out = acc / jnp.where(pos, l_i, 1.0)[..., None]
         lse = jnp.where(pos, m_i + jnp.log(jnp.where(pos, l_i, 1.0)), -jnp.inf)
@@ -364,6 +475,21 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
     return out[..., :n, :], lse[..., :n]
 
 
+def _merge_rows(carry, rows, bq: int):
+    """The carry ``(m, l, acc)`` with the rows of each ``(r0, rn, new)`` replaced."""
+    if len(rows) == 1 and rows[0][1] == bq:
+        return rows[0][2]
+    parts, at = [], 0
+    for r0, rn, new in sorted(rows, key=lambda r: r[0]):
+        if r0 > at:
+            parts.append(tuple(_sub(x, at, r0 - at, ax) for x, ax in zip(carry, (-1, -1, -2))))
+        parts.append(new)
+        at = r0 + rn
+    if at < bq:
+        parts.append(tuple(_sub(x, at, bq - at, ax) for x, ax in zip(carry, (-1, -1, -2))))
+    return tuple(jnp.concatenate([q[i] for q in parts], axis=(-1, -1, -2)[i]) for i in range(3))
+
+
 def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse):
     bq, bk = sched.block_q, sched.block_k
     nqb, nkb = sched.nqb, sched.nkb
@@ -377,9 +503,63 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     d_out = _pad_axis(d_out, -2, n_pad)
     delta = _pad_axis(delta, -1, n_pad)
     lse = _pad_axis(lse, -1, n_pad, -jnp.inf)
-    tables = _split_tables(sched, sched.bwd, True)
+    lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    tables = _group_tables(sched, sched.bwd, True)
     rest = dataclasses.replace(terms, dot=False)
+    has_rest = bool(terms.idw or terms.col_bias or terms.pair_logits or terms.geometric
+                    or terms.relpos is not None)
     rest_free = _unbanded(rest)
+
+    def rect_grads(rect, row, col, pair, const, i_r, j_r, glob, v_c, do_r, lse_r, delta_r):
+        """Gradients of one rectangle: to its rows, columns, pairs, globals and values.
+
+        Without terms besides the dot product and the mask, the rectangle is worked on
+        transposed, parents x children (`block_logits(transposed=True)`): every dot but
+        dQ then reads its operands in a fast form without a copy (see `_transposed`), so
+        one block is materialised instead of two. With other terms it is worked on
+        children x parents: their VJPs reduce along the block's rows (a geometric
+        prior's over each row's distances), which XLA:CPU runs several times faster
+        along the minor axis."""
+        masked = rect[4]
+        col_valid = (j_r < terms.num_parents) if (check_cols and masked) else None
+        tr = not has_rest
+
+        def f(r, c, pp, g):
+            return block_logits(rest if masked else rest_free, r, c, pp, g, const, i_r,
+                                j_start + j_r, dtype, col_valid, transposed=tr)
+
+        # the dot term is differentiated by hand below; the rest through its VJP
+        s_rest, vjp_fn, ok = jax.vjp(f, row, col, pair, glob, has_aux=True)
+        s = s_rest
+        if terms.dot:
+            spec = "...jf,...if->...ji" if tr else "...if,...jf->...ij"
+            s_dot = jnp.einsum(spec, col["k"], row["q"]) if tr else jnp.einsum(
+                spec, row["q"], col["k"])
+            s = s_dot + s_rest
+        sm = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
+        if tr:  # pt, dpt, dst: (..., cn, rn)
+            pt = jnp.exp(sm - lse_r[..., None, :])
+            d_v = jnp.einsum("...ji,...id->...jd", pt, do_r)
+            dpt = jnp.einsum("...jd,...id->...ji", v_c, do_r)
+            ds_t = pt * (dpt - delta_r[..., None, :])
+            ds = _transposed(ds_t) if terms.dot else None
+        else:  # pr, dp, ds: (..., rn, cn)
+            pr = jnp.exp(sm - lse_r[..., :, None])
+            d_v = jnp.einsum("...ji,...id->...jd", _transposed(pr), do_r)
+            dp = jnp.einsum("...id,...jd->...ij", do_r, v_c)
+            ds = pr * (dp - delta_r[..., :, None])
+            ds_t = _transposed(ds) if terms.dot else None
+        dr, dc, dpp, dg = vjp_fn(_sum_to(ds_t if tr else ds, s_rest.shape))
+        if terms.dot:
+            q_r, k_c = row["q"], col["k"]
+            shape_t = jnp.broadcast_shapes(q_r.shape[:-2], k_c.shape[:-2]) + (
+                k_c.shape[-2], q_r.shape[-2])
+            dq = jnp.einsum("...ij,...jf->...if",
+                            _sum_to(ds, shape_t[:-2] + shape_t[-1:] + shape_t[-2:-1]), k_c)
+            dk = jnp.einsum("...ji,...if->...jf", _sum_to(ds_t, shape_t), q_r)
+            dr = {**dr, "q": dr["q"] + _sum_to(dq, q_r.shape)}
+            dc = {**dc, "k": dc["k"] + _sum_to(dk, k_c.shape)}
+        return dr, dc, dpp, dg, d_v
 
     def k_block(carry, b):
         d_row, d_pair, d_glob = carry
@@ -387,12 +567,8 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
         col_b = _rows(p.col, j0, bk)
         v_b = _slice(p.v, j0, bk, -2)
         j_loc = j0 + jnp.arange(bk)
-        j_idx = j_start + j_loc
 
-        def body_of(masked, tab):
-            t_use = rest if masked else rest_free
-            col_valid = (j_loc < terms.num_parents) if (check_cols and masked) else None
-
+        def body_of(pattern, tab):
             def body(t, inner):
                 d_row, d_pair, d_glob, d_col, d_v = inner
                 i0 = tab[b, t] * bq
@@ -400,44 +576,31 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
                 row_b = _rows(p.row, i0, bq)
                 pair_b = _pair_block(p.pair, i0, j0, bq, bk)
                 const_b = _const_block(p.const, i0, j0, bq, bk)
-
-                def f(r, c, pp, g):
-                    return block_logits(t_use, r, c, pp, g, const_b, i_idx, j_idx, dtype, col_valid)
-
-                # the dot term is differentiated by hand below; the rest through its VJP
-                s_rest, vjp_fn, ok = jax.vjp(f, row_b, col_b, pair_b, p.glob, has_aux=True)
-                s = s_rest
-                if terms.dot:
-                    s_dot = jnp.einsum("...if,...jf->...ij", row_b["q"], col_b["k"])
-                    s = s_dot + s_rest
-                lse_b = _slice(lse, i0, bq, -1)
-                sm = jnp.broadcast_to(_masked(s, ok), batch + (bq, bk))
-                lse_safe = jnp.where(jnp.isneginf(lse_b), 0.0, lse_b)
-                pr = jnp.exp(sm - lse_safe[..., None])
                 do_b = _slice(d_out, i0, bq, -2)
-                d_v = d_v + jnp.einsum("...ji,...id->...jd", _transposed(pr), do_b)
-                dp = jnp.einsum("...id,...jd->...ij", do_b, v_b)
-                ds = pr * (dp - _slice(delta, i0, bq, -1)[..., None])
-                dr, dc, dpp, dg = vjp_fn(_sum_to(ds, s_rest.shape))
-                if terms.dot:
-                    q_b, k_b = row_b["q"], col_b["k"]
-                    ds_dot = _sum_to(ds, s_dot.shape)
-                    dq = jnp.einsum("...ij,...jf->...if", ds_dot, k_b)
-                    dk = jnp.einsum("...ji,...if->...jf", _transposed(ds_dot), q_b)
-                    dr = {**dr, "q": dr["q"] + _sum_to(dq, q_b.shape)}
-                    dc = {**dc, "k": dc["k"] + _sum_to(dk, k_b.shape)}
-                d_row = {k: _update(d_row[k], dr[k], {-2: i0}) for k in d_row}
-                d_pair = {k: _update(d_pair[k], dpp[k], {-2: i0, -1: j0}) for k in d_pair}
-                d_glob = jax.tree.map(jnp.add, d_glob, dg)
-                d_col = jax.tree.map(jnp.add, d_col, dc)
+                lse_b = _slice(lse_safe, i0, bq, -1)
+                delta_b = _slice(delta, i0, bq, -1)
+                for rect in pattern:
+                    r0, rn, c0, cn, _ = rect
+                    row, col, pair, const, i_r, j_r = _piece_arrays(
+                        rect, row_b, col_b, pair_b, const_b, i_idx, j_loc)
+                    dr, dc, dpp, dg, dv = rect_grads(
+                        rect, row, col, pair, const, i_r, j_r, p.glob, _sub(v_b, c0, cn, -2),
+                        _sub(do_b, r0, rn, -2), _sub(lse_b, r0, rn, -1),
+                        _sub(delta_b, r0, rn, -1))
+                    d_row = {k: _update(d_row[k], dr[k], {-2: i0 + r0}) for k in d_row}
+                    d_pair = {k: _update(d_pair[k], dpp[k], {-2: i0 + r0, -1: j0 + c0})
+                              for k in d_pair}
+                    d_glob = jax.tree.map(jnp.add, d_glob, dg)
+                    d_col = {k: _add_at(d_col[k], dc[k], c0, -2) for k in d_col}
+                    d_v = _add_at(d_v, dv, c0, -2)
                 return d_row, d_pair, d_glob, d_col, d_v
 
             return body
 
         d_col0 = jax.tree.map(jnp.zeros_like, col_b)
         d_v0 = jnp.zeros(batch + v_b.shape[-2:], dtype)
-        d_row, d_pair, d_glob, d_col, d_v = _two_loops(
-            sched.bwd, tables, b, body_of, (d_row, d_pair, d_glob, d_col0, d_v0)
+        d_row, d_pair, d_glob, d_col, d_v = _loops(
+            tables, b, body_of, (d_row, d_pair, d_glob, d_col0, d_v0)
         )
         return (d_row, d_pair, d_glob), (d_col, _sum_to(d_v, v_b.shape))
 
