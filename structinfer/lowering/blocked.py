@@ -14,7 +14,9 @@ maximum / running sum recursion of the online softmax (Milakov & Gimelshein
 their factors and index grids, so memory is $O(n\,d + b_q b_k)$.
 Blocks that the structure forbids entirely (causal triangle, sliding window,
 geometric truncation, block-sparse masks known at trace time) are *skipped*:
-each child block loops only over its list of live parent blocks.
+each child block loops only over its list of live parent blocks. Blocks inside the
+distance band are computed without a mask, and those the band's edge crosses are cut
+into the rectangles that hold their allowed edges (`Schedule`).
 
 Gradients use a custom VJP that stores only $y$ and $L$ and
 recomputes every block's logits in the backward pass:
@@ -26,10 +28,11 @@ P_{ij} = e^{\ell_{ij} - L_i},\quad
 $$
 
 and $\bar\ell$ is pulled back to the factors: to queries and keys of the
-dot-product term by hand ($\bar Q = \bar\ell K$, $\bar K = \bar\ell^\top Q$,
-with $P^\top$ and $\bar\ell^\top$ materialised so every dot is in a form
-XLA:CPU runs fast), to everything else (prior parameters, biases, IDW features,
-tables) by the VJP of the block-logit function itself.
+dot-product term by hand ($\bar Q = \bar\ell K$, $\bar K = \bar\ell^\top Q$;
+the block is built parents x children when the logits are a dot product and a mask,
+so that only $\bar\ell$ is copied transposed and every dot is in a form XLA:CPU runs
+fast), to everything else (prior parameters, biases, IDW features, tables) by the
+VJP of the block-logit function itself.
 """
 
 from __future__ import annotations
