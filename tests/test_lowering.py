@@ -177,14 +177,14 @@ def test_cut_blocks_cover_exactly_the_allowed_edges(bq, bk):
 
 @pytest.mark.parametrize("name", PRIORS)
 def test_cut_blocks_values_and_gradients(x64, name):
-    """The kernel on a schedule with cut blocks (halves of 2, 3 or 4: every prior's
+    """The kernel on a schedule with cut blocks (halves of 2, or 3 x 4: every prior's
     partial blocks are cut) against the NumPy softmax and against dense autodiff."""
     H = 2
     r = np.random.default_rng(11)
     q, k = r.normal(size=(H, N, D)), r.normal(size=(H, M, D))
     v = r.normal(size=(H, M, DV))
     prior = _priors(N, M, np.float64)[name]
-    for bq, bk in [(4, 4), (6, 8)]:
+    for bq, bk in [[(4, 4), (6, 8)][PRIORS.index(name) % 2]]:  # square and not, in turn
         def f(kernel, q, k, v, bq=bq, bk=bk):
             low = lower_edge(prior, si.scores.Dot(q, k, scale=0.5), v, N, (H,))
             if kernel == "dense":
@@ -205,6 +205,45 @@ def test_cut_blocks_values_and_gradients(x64, name):
         gb = jax.jit(jax.grad(lambda *a: loss("blocked", *a), argnums=(0, 1, 2)))(q, k, v)
         for a, b in zip(gd, gb):
             np.testing.assert_allclose(b, a, atol=1e-11, rtol=1e-9)
+
+
+def test_default_blocks_cut_float32_user_path():
+    """The user's path at the default 256 x 256 blocks, float32, under jit: a causal model
+    of 384 children (a cut diagonal block and a padded half block) equals jax.nn's
+    attention in value and gradient; a geometric prior (cut blocks, backward built
+    children x parents) equals the dense kernel."""
+    H, n, d = 2, 384, 16
+    r = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(r.normal(size=(H, n, d)), jnp.float32) for _ in range(3))
+
+    def model_of(prior):
+        def model(q, k, v):
+            with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+                j = si.edge("phi", prior, si.scores.Dot(q, k, scale=d**-0.5))
+                numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+        return model
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)))(q, k, v)
+
+    causal = attention(model_of(si.priors.Restricted.causal(n)), "out")
+    assert explain(model_of(si.priors.Restricted.causal(n)), "out", q, k, v).kernels == {
+        "phi": "blocked"}
+
+    def ref(q, k, v):
+        t = lambda x: jnp.swapaxes(x, 0, 1)[None]  # noqa: E731  (1, n, H, d)
+        return jnp.swapaxes(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=True)[0],
+                            0, 1)
+
+    np.testing.assert_allclose(jax.jit(causal)(q, k, v), ref(q, k, v), atol=2e-6)
+    for a, b in zip(grads(causal), grads(ref)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    geo = model_of(si.priors.Geometric(0.05, n))
+    assert explain(geo, "out", q, k, v).kernels == {"phi": "blocked"}
+    fast, dense = attention(geo, "out"), attention(geo, "out", backend="dense")
+    np.testing.assert_allclose(jax.jit(fast)(q, k, v), jax.jit(dense)(q, k, v), atol=2e-6)
+    for a, b in zip(grads(fast), grads(dense)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
 
 
 def _scores(xq, xk, dtype):
