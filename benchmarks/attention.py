@@ -324,6 +324,23 @@ def torch_fn(case: str, H: int, n: int):
     return prep, _synced(fwd, device), _synced(fwdbwd, device)
 
 
+#: static FlexAttention compiles one table may need (sizes x cases)
+FLEX_COMPILES = 256
+
+
+def flex_recompile_budget(torch) -> None:
+    """Let torch.compile keep one static FlexAttention kernel per (size, case) of a table.
+
+    Each row is a compile of its own; past dynamo's recompile limit (8 by default)
+    torch.compile runs FlexAttention *eagerly* without saying so — unfused, 10-60x slower
+    — and the later rows of a table (the n = 4096 ones after n = 256 and 1024) timed that.
+    """
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # new name, old name
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), FLEX_COMPILES))
+
+
 def flex_fn(case: str, H: int, n: int):
     """torch FlexAttention, compiled: ``(prep, fwd, fwdbwd)`` or ``(None, reason)``.
 
@@ -338,6 +355,7 @@ def flex_fn(case: str, H: int, n: int):
         return None, f"torch FlexAttention not importable ({type(err).__name__})"
     torch.set_num_threads(os.cpu_count() or 1)
     device = _torch_device()
+    flex_recompile_budget(torch)
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def causal(b, h, q_idx, kv_idx):

@@ -33,3 +33,24 @@ def test_lowering_public_names_have_docstrings():
             if isinstance(obj, (str, tuple)):
                 continue
             assert obj.__doc__, f"{mod_name}.{name} has no docstring"
+
+
+def test_flex_rows_get_a_compile_each():
+    """Regression: a whole table compiles FlexAttention once per (size, case), more than
+    dynamo's default recompile limit of 8, past which torch.compile silently ran it
+    eagerly (the n = 4096 FlexAttention column read 10-60x slow). The benchmark raises the
+    limit (checked on a stand-in for torch's config: torch is optional)."""
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import attention as bench
+    finally:
+        sys.path.pop(0)
+    cfg = types.SimpleNamespace(recompile_limit=8, cache_size_limit=8)
+    bench.flex_recompile_budget(types.SimpleNamespace(_dynamo=types.SimpleNamespace(config=cfg)))
+    rows = 3 * 5 * 2  # sizes x cases x (fwd, fwd+bwd) of the suite's biggest table
+    assert cfg.recompile_limit >= rows and cfg.cache_size_limit >= rows
+    old = types.SimpleNamespace(cache_size_limit=8)  # an older torch: only the old name
+    bench.flex_recompile_budget(types.SimpleNamespace(_dynamo=types.SimpleNamespace(config=old)))
+    assert old.cache_size_limit >= rows and not hasattr(old, "recompile_limit")
