@@ -143,29 +143,37 @@ def test_masked_blocks_are_skipped():
     assert sched.live_fraction < 1.0
 
 
+#: priors whose partial blocks a cut shrinks at the block sizes of the tests below
+CUT_PRIORS = ("causal", "window", "window_1", "window_sym", "relpos_clip", "geometric",
+              "geometric_trunc")
+
+
 @pytest.mark.parametrize("bq,bk", [(4, 4), (6, 4), (4, 8)])
-def test_cut_blocks_cover_exactly_the_allowed_edges(bq, bk):
-    """Brute force over every prior: the rectangles of a cut block (`Schedule.pieces`,
-    here cut from halves of 2 or more) cover every allowed edge of the block, and a
-    rectangle computed without the mask holds only allowed edges and no padded parent.
-    A causal diagonal block is cut to three quarters."""
+def test_cut_blocks_cover_the_allowed_edges(bq, bk):
+    """Brute force over every prior: the rectangles of a block (`Schedule.pattern`, here
+    cut from halves of 2 or more) lie inside it and do not overlap, cover every allowed
+    edge of the block, and a rectangle computed without the mask holds only allowed edges
+    and no padded parent. A causal diagonal block is cut to three quarters."""
     for name, prior in _priors(N, M, np.float32).items():
         low = lower_edge(prior, None, np.zeros((M, 1), np.float32), N)
         sched = make_schedule(low.terms, bq, bk, low.mask, min_piece=2)
+        if name in CUT_PRIORS:
+            assert sched.pieces, name
         allowed = np.isfinite(np.asarray(prior.log_table(N)))
         pad = np.zeros((sched.nqb * bq, sched.nkb * bk), bool)
         pad[:N, :M] = allowed
         for a, row in enumerate(sched.fwd):
             for b in row:
                 blk = pad[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
-                covered = np.zeros_like(blk)
+                covered = np.zeros(blk.shape, int)
                 for r0, rn, c0, cn, masked in sched.pattern(a, b):
-                    covered[r0:r0 + rn, c0:c0 + cn] = True
+                    assert 0 <= r0 and r0 + rn <= bq and 0 <= c0 and c0 + cn <= bk
+                    covered[r0:r0 + rn, c0:c0 + cn] += 1
                     if not masked:
                         real = max(N - a * bq - r0, 0)  # rows past n are padding
                         assert blk[r0:r0 + rn, c0:c0 + cn][:real].all(), (name, a, b)
                         assert (b * bk + c0 + cn) <= M, (name, a, b)
-                assert covered[blk].all(), (name, a, b)
+                assert covered.max() <= 1 and (covered[blk] == 1).all(), (name, a, b)
     if bq == bk:  # square causal: each diagonal block is cut to three quarters
         low = lower_edge(si.priors.Restricted.causal(4 * bq), None, np.zeros((4 * bq, 1)), 4 * bq)
         sched = make_schedule(low.terms, bq, bk, None, min_piece=2)
@@ -175,36 +183,73 @@ def test_cut_blocks_cover_exactly_the_allowed_edges(bq, bk):
         assert make_schedule(low.terms, bq, bk, None, min_piece=h + 1).pieces == ()
 
 
-@pytest.mark.parametrize("name", PRIORS)
+@pytest.mark.parametrize("name", CUT_PRIORS + ("block_sparse", "categorical"))
 def test_cut_blocks_values_and_gradients(x64, name):
-    """The kernel on a schedule with cut blocks (halves of 2, or 3 x 4: every prior's
-    partial blocks are cut) against the NumPy softmax and against dense autodiff."""
+    """The kernel on a schedule with cut blocks (halves of 2, or 3 x 4, in turn; the band
+    priors' partial blocks are cut) against the NumPy softmax and against dense autodiff;
+    every other prior shares its keys across the heads (their cotangent sums over heads)."""
     H = 2
     r = np.random.default_rng(11)
     q, k = r.normal(size=(H, N, D)), r.normal(size=(H, M, D))
     v = r.normal(size=(H, M, DV))
     prior = _priors(N, M, np.float64)[name]
-    for bq, bk in [[(4, 4), (6, 8)][PRIORS.index(name) % 2]]:  # square and not, in turn
-        def f(kernel, q, k, v, bq=bq, bk=bk):
-            low = lower_edge(prior, si.scores.Dot(q, k, scale=0.5), v, N, (H,))
-            if kernel == "dense":
-                return dense_attention(low.terms, low.problem, (H,))
-            sched = make_schedule(low.terms, bq, bk, low.mask, min_piece=2)
-            return blocked_attention(low.terms, low.problem, (H,), schedule=sched)
+    odd = PRIORS.index(name) % 2
+    if odd:
+        k = k[0]
+    bq, bk = [(4, 4), (6, 8)][odd]
 
-        y, lse = jax.jit(lambda *a: f("blocked", *a))(q, k, v)
-        want = np.stack([np_reference(prior, si.scores.Dot(q[h], k[h], scale=0.5), v[h], N)
-                         for h in range(H)])
-        np.testing.assert_allclose(y, want, atol=1e-11, rtol=0)
+    def f(kernel, q, k, v):
+        low = lower_edge(prior, si.scores.Dot(q, k, scale=0.5), v, N, (H,))
+        if kernel == "dense":
+            return dense_attention(low.terms, low.problem, (H,))
+        sched = make_schedule(low.terms, bq, bk, low.mask, min_piece=2)
+        if name in CUT_PRIORS:
+            assert sched.pieces
+        return blocked_attention(low.terms, low.problem, (H,), schedule=sched)
 
-        def loss(kernel, *a):
-            y, lse = f(kernel, *a)
-            return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0))
+    y, lse = jax.jit(lambda *a: f("blocked", *a))(q, k, v)
+    kh = np.broadcast_to(k, (H, M, D))
+    want = np.stack([np_reference(prior, si.scores.Dot(q[h], kh[h], scale=0.5), v[h], N)
+                     for h in range(H)])
+    np.testing.assert_allclose(y, want, atol=1e-11, rtol=0)
 
-        gd = jax.jit(jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2)))(q, k, v)
-        gb = jax.jit(jax.grad(lambda *a: loss("blocked", *a), argnums=(0, 1, 2)))(q, k, v)
-        for a, b in zip(gd, gb):
-            np.testing.assert_allclose(b, a, atol=1e-11, rtol=1e-9)
+    def loss(kernel, *a):
+        y, lse = f(kernel, *a)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0))
+
+    gd = jax.jit(jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2)))(q, k, v)
+    gb = jax.jit(jax.grad(lambda *a: loss("blocked", *a), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(gd, gb):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(b, a, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["relpos_clip", "geometric_trunc", "block_sparse",
+                                  "categorical", "window_sym"])
+def test_block_logits_transposed_is_the_transpose(x64, name):
+    """`block_logits(transposed=True)` builds every term (dot, IDW, per-edge table,
+    relative position, geometric, band, masks, padded parents) parents x children: equal
+    to the transpose of the children x parents block, on a block that is not square."""
+    from structinfer.lowering._spec import block_logits
+
+    xq, xk, v = _feats(9, np.float64)
+    score = si.scores.Sum(si.scores.Dot(xq, xk), si.scores.NegLogDist(xq, xk),
+                          si.scores.Custom(np.random.default_rng(3).normal(size=(N, M))))
+    low = lower_edge(_priors(N, M, np.float64)[name], score, v, N)
+    t, p = low.terms, low.problem
+    i0, bq, j0, bk = 5, 7, 11, 4
+    rows = {k: x[..., i0:i0 + bq, :] for k, x in p.row.items()}
+    cols = {k: x[..., j0:j0 + bk, :] for k, x in p.col.items()}
+    pair = {k: x[..., i0:i0 + bq, j0:j0 + bk] for k, x in p.pair.items()}
+    const = {k: (x[..., j0:j0 + bk] if k == "col_ok" else x[..., i0:i0 + bq, j0:j0 + bk])
+             for k, x in p.const.items()}
+    args = (t, rows, cols, pair, p.glob, const, jnp.arange(i0, i0 + bq),
+            jnp.arange(j0, j0 + bk), jnp.float64, jnp.arange(bk) < 3)
+    s, ok = block_logits(*args)
+    st, ok_t = block_logits(*args, transposed=True)
+    assert st.shape == s.shape[:-2] + (bk, bq)
+    np.testing.assert_array_equal(st, jnp.swapaxes(s, -1, -2))
+    np.testing.assert_array_equal(ok_t, jnp.swapaxes(ok, -1, -2))
 
 
 def test_default_blocks_cut_float32_user_path():

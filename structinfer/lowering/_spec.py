@@ -197,8 +197,8 @@ def block_logits(
         return jnp.swapaxes(x, -1, -2) if transposed else x
 
     if t.dot:
-        spec = "...jf,...if->...ji" if transposed else "...if,...jf->...ij"
-        add(jnp.einsum(spec, row["q"], col["k"]))
+        add(jnp.einsum("...jf,...if->...ji", col["k"], row["q"]) if transposed
+            else jnp.einsum("...if,...jf->...ij", row["q"], col["k"]))
     for r in range(t.idw):
         x, y = row[f"idw{r}"], col[f"idw{r}"]
         p, eps = glob[f"idw{r}_p"], glob[f"idw{r}_eps"]

@@ -101,7 +101,7 @@ class Schedule:
     def groups(self, rows: tuple[tuple[int, ...], ...], transpose: bool = False):
         """``[(pattern, lists), ...]``: the blocks of ``rows`` (``fwd``, or ``bwd`` with
         ``transpose``) grouped by the rectangles computed of them, each list in the
-        order of ``rows``; the unmasked whole blocks first."""
+        order of ``rows``; the groups computed without a mask first."""
         out: dict = {}
         for r, row in enumerate(rows):
             for c in row:
@@ -349,7 +349,7 @@ def _unbanded(terms: Terms) -> Terms:
 
 def _loops(tables, lo: int, body_of, carry):
     """Run ``body_of(pattern, tab)`` over each group of blocks of row ``lo`` in turn
-    (``tables`` from `_group_tables`: the unmasked whole blocks first)."""
+    (``tables`` from `_group_tables`)."""
     for pattern, tab, cnt in tables:
         carry = lax.fori_loop(0, cnt[lo], body_of(pattern, tab), carry)
     return carry
