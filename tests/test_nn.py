@@ -22,6 +22,7 @@ from scipy.special import roots_sh_jacobi
 
 import structinfer as si
 from structinfer import nn as sinn
+from structinfer.nn.heads import beta_geometric_log_pmf
 
 B, N, M, F, H, D, OUT = 2, 7, 5, 11, 3, 5, 13
 
@@ -359,3 +360,35 @@ def test_bad_input_errors_name_the_argument(build, call, match):
 def test_hyperprior_unknown_name():
     with pytest.raises(KeyError, match="'rate' is not a hyperparameter"):
         layer_for(sinn.geometric()).hyperprior({"rate": dist.Beta(1.0, 1.0)})
+
+
+# --------------------------------------------------------------------------- head arguments
+@pytest.mark.parametrize("make, match", [
+    (lambda: sinn.geometric_beta(-1.0, 1.0), r"geometric_beta: alpha must be positive"),
+    (lambda: sinn.geometric_beta(0.0, 1.0), r"geometric_beta: alpha must be positive"),
+    (lambda: sinn.geometric_beta(1.0, 0.0), r"geometric_beta: beta must be positive"),
+    (lambda: sinn.geometric_beta(1.0, jnp.array([[1.0], [jnp.nan]])),
+     r"geometric_beta: beta must be positive"),
+    (lambda: sinn.geometric(0.0), r"geometric: q must lie in \(0, 1\)"),
+    (lambda: sinn.geometric(1.5), r"geometric: q must lie in \(0, 1\)"),
+    (lambda: sinn.geometric(0.3, max_distance=-1), r"geometric: max_distance must be"),
+    (lambda: sinn.geometric(0.3, max_distance=2.5), r"geometric: max_distance must be"),
+    (lambda: beta_geometric_log_pmf(jnp.ones(1), -jnp.ones(1), 4),
+     r"beta_geometric_log_pmf: beta must be positive"),
+    (lambda: beta_geometric_log_pmf(jnp.ones(1), jnp.ones(1), 0),
+     r"beta_geometric_log_pmf: size must be an int >= 1"),
+])
+def test_head_arguments_are_validated(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_head_arguments_stay_traceable():
+    """The checks read concrete values only: traced arguments still work under jit."""
+    f = jax.jit(lambda a, b: beta_geometric_log_pmf(a, b, 4))
+    np.testing.assert_allclose(f(jnp.ones(1), jnp.ones(1)),
+                               beta_geometric_log_pmf(jnp.ones(1), jnp.ones(1), 4))
+    x = inputs((H, N, D), jnp.float32)
+    g = jax.jit(lambda a: si.expectation(sinn.geometric_beta(a, 2.0), "out", x, x, x))
+    np.testing.assert_allclose(g(jnp.asarray(2.0)), si.expectation(
+        sinn.geometric_beta(2.0, 2.0), "out", x, x, x), rtol=1e-5, atol=1e-6)

@@ -37,11 +37,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 from numpyro.distributions import constraints
 from numpyro.ops.indexing import Vindex
 
 from .. import priors, scores
+from .._checks import is_concrete
 from ..primitives import edge
 
 __all__ = [
@@ -55,6 +57,30 @@ __all__ = [
 ]
 
 Mechanism = Callable[[jax.Array, jax.Array, jax.Array], None]
+
+
+def _check_values(x, who: str, what: str, ok: Callable[[np.ndarray], np.ndarray],
+                  expected: str) -> None:
+    """Raise when a concrete ``x`` has an element outside its domain (NaN included).
+
+    Traced values (a factory called under ``jit``) are not checked, so the factories
+    stay traceable."""
+    if x is None or not is_concrete(x):
+        return
+    try:
+        a = np.asarray(x, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError(f"{who}: {what} {expected}, got {x!r}") from None
+    if not np.all(ok(a)):
+        raise ValueError(f"{who}: {what} {expected}, got {a.tolist()}")
+
+
+def _positive(a: np.ndarray) -> np.ndarray:
+    return np.isfinite(a) & (a > 0)
+
+
+def _rate(a: np.ndarray) -> np.ndarray:
+    return np.isfinite(a) & (a > 0) & (a < 1)
 
 
 def _heads(q: jax.Array, k: jax.Array, v: jax.Array, who: str) -> tuple[int, int, int]:
@@ -216,9 +242,18 @@ def geometric(
     Returns:
         ``mechanism(q, k, v)`` with the ``numpyro.param`` ``"q"``.
 
+    Raises:
+        ValueError: a concrete ``q`` outside (0, 1), or ``max_distance`` not ``None`` or
+            an int $\ge 0$.
+
     Reference:
         Singh & Buckley sec. 5.2 (expanding attention).
     """
+    _check_values(q, "geometric", "q", _rate, "must lie in (0, 1)")
+    if max_distance is not None and (isinstance(max_distance, bool) or not isinstance(
+            max_distance, (int, np.integer)) or max_distance < 0):
+        raise ValueError(f"geometric: max_distance must be None or an int >= 0, got "
+                         f"{max_distance!r}")
 
     def mechanism(qq, k, v):
         H, n, m = _heads(qq, k, v, "geometric")
@@ -248,7 +283,16 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
 
     Returns:
         ``(..., size)``, $\log p(0), \dots, \log p(\text{size} - 1)$.
+
+    Raises:
+        ValueError: a concrete ``alpha`` or ``beta`` that is not positive (checked
+            only outside ``jit``), or ``size`` not an int $\ge 1$.
     """
+    who = "beta_geometric_log_pmf"
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"{who}: size must be an int >= 1, got {size!r}")
+    _check_values(alpha, who, "alpha", _positive, "must be positive and finite")
+    _check_values(beta, who, "beta", _positive, "must be positive and finite")
     t = jnp.arange(1, size, dtype=jnp.result_type(alpha, beta))
     steps = jnp.log1p(-(alpha + 1.0) / (alpha + beta + t))
     first = jnp.log(alpha) - jnp.log(alpha + beta)
@@ -289,9 +333,15 @@ def geometric_beta(
     Returns:
         ``mechanism(q, k, v)`` with the ``numpyro.param`` sites ``"alpha"``, ``"beta"``.
 
+    Raises:
+        ValueError: a concrete ``alpha`` or ``beta`` that is not positive and finite
+            (traced values, e.g. under ``jit``, are not checked).
+
     Reference:
         Singh & Buckley sec. 5.2 and appendix 7.3 (expanding attention).
     """
+    _check_values(alpha, "geometric_beta", "alpha", _positive, "must be positive and finite")
+    _check_values(beta, "geometric_beta", "beta", _positive, "must be positive and finite")
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "geometric_beta")
