@@ -359,6 +359,32 @@ def test_attention_row_with_no_allowed_parent(backend):
     np.testing.assert_allclose(out[ok], np.asarray(want)[ok], rtol=1e-5, atol=1e-6)
 
 
+def two_masked_edges(q, k, v, good, bad):
+    with numpyro.plate("queries", q.shape[0]):
+        a = si.edge("a", si.priors.Restricted(good), si.scores.Dot(q, k))
+        b = si.edge("b", si.priors.Restricted(bad), si.scores.Dot(q, k))
+        numpyro.deterministic("out", Vindex(v)[a] + Vindex(v)[b])
+
+
+@pytest.mark.parametrize("backend", ["auto", "dense", "blocked"])
+def test_attention_empty_mask_row_names_the_edge_site(backend):
+    """A Restricted mask (an argument: traced inside attention's jit) with an empty row:
+    the eager error names the edge site, as the exact engine's own checks do."""
+    q, k, v = _qkv()
+    good = np.ones((N, M), bool)
+    bad = good.copy()
+    bad[4] = False
+    f = si.attention(masked_attention, "out", backend=backend, block_q=2, block_k=4)
+    with pytest.raises(ValueError, match=r"^edge site 'phi': Restricted prior allows no "
+                                         r"parent for child 4"):
+        f(q, k, v, bad)
+    assert np.isnan(np.asarray(jax.jit(f)(q, k, v, bad))[4]).all()
+    g = si.attention(two_masked_edges, "out", backend=backend, block_q=2, block_k=4)
+    with pytest.raises(ValueError, match=r"^edge site 'b': Restricted prior allows no "
+                                         r"parent for child 4"):
+        g(q, k, v, good, bad)
+
+
 @pytest.mark.parametrize("backend", ["auto", "blocked", "exact"])
 def test_attention_nan_score_raises_eagerly(backend):
     q, k, v = _qkv()

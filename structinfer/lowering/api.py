@@ -207,14 +207,26 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
     ev = len(plan.event_shape)
     lead = shape[: len(shape) - ev]
     out = jnp.broadcast_to(out, lead + out.shape[-1:]).reshape(shape)
-    return out.astype(jnp.result_type(float)), lses
+    # in the model's order of the edge sites (the eager error names the first bad one)
+    return out.astype(jnp.result_type(float)), {ep.name: lses[ep.name] for ep in plan.edges}
 
 
 def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
     """Called eagerly when a row's log-normaliser is not finite (or the exact path gave
     NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
-    error naming the site and the row; if they pass, name the site and row here."""
-    inspect_model(model, *args, **kwargs)
+    error naming the site and the row; if they pass, name the site and row here.
+
+    A check that ran before the edge site existed (a prior's constructor in the model
+    body, e.g. a ``Restricted`` mask with an empty row, traced under our jit) does not
+    know the site: its error is prefixed with the first edge site, in the model's order,
+    whose log-normaliser is not finite."""
+    bad = [site for site, lse in lses.items() if not np.all(np.isfinite(np.asarray(lse)))]
+    try:
+        inspect_model(model, *args, **kwargs)
+    except ValueError as err:
+        if type(err) is not ValueError or not bad or str(err).startswith("edge site '"):
+            raise
+        raise ValueError(f"edge site '{bad[0]}': {err}") from None
     for site, lse in lses.items():
         bad = np.argwhere(~np.isfinite(np.asarray(lse)))
         if bad.size:
