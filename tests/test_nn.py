@@ -362,6 +362,37 @@ def test_hyperprior_unknown_name():
         layer_for(sinn.geometric()).hyperprior({"rate": dist.Beta(1.0, 1.0)})
 
 
+# --------------------------------------------------------------------------- bad rows, batched
+def _bad_row_cases():
+    """(mechanism, inputs_q, inputs_k, text the error names) with a row that has no parent."""
+    nan = inputs((B, N, F), jnp.float32).at[1, 4, 2].set(jnp.nan)
+    return {
+        # more queries than keys: the first queries of a causal cross attention see no key
+        "causal_cross": (sinn.causal(), inputs((B, N, F), jnp.float32),
+                         inputs((B, M, F), jnp.float32), r"no parent for child 0"),
+        "nan_input": (sinn.uniform(), nan, None, r"score contains NaN"),
+    }
+
+
+@pytest.mark.parametrize("case", ["causal_cross", "nan_input"])
+def test_batched_bad_rows_raise_like_unbatched(case):
+    """The unbatched call raises the documented error; the batched call (vmapped heads)
+    raises it too, naming the edge site and the batch element, never NaN rows."""
+    mech, xq, xk, text = _bad_row_cases()[case]
+    layer = layer_for(mech)
+    first = 1 if case == "nan_input" else 0  # the first batch element with a bad row
+    with pytest.raises(ValueError, match=text):
+        layer(xq[first], None if xk is None else xk[first])
+    with pytest.raises(ValueError, match=rf"edge site 'phi'.*{text}|{text}.*edge site 'phi'") as e:
+        layer(xq, xk)
+    assert f"batch index ({first},)" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match=rf"batch index \(0, {first}\)"):  # two batch dims
+        layer(xq[None], None if xk is None else xk[None])
+    # under jit the rows are NaN, as the README says (no error, never a finite number)
+    out = nnx.jit(lambda m, a, b: m(a, b))(layer, xq, xk)
+    assert np.isnan(np.asarray(out[first])).any()
+
+
 # --------------------------------------------------------------------------- head arguments
 @pytest.mark.parametrize("make, match", [
     (lambda: sinn.geometric_beta(-1.0, 1.0), r"geometric_beta: alpha must be positive"),

@@ -385,6 +385,21 @@ def test_attention_empty_mask_row_names_the_edge_site(backend):
         g(q, k, v, good, bad)
 
 
+def test_check_rows_after_a_vmapped_call():
+    """f.with_log_normalisers under jax.vmap, then one check_rows on the bad element."""
+    q, k, v = _qkv()
+    logits = np.zeros((2, N, M), np.float32)
+    logits[1, 3] = -np.inf  # element 1, child 3: no allowed parent
+    f = si.attention(categorical_attention, "out")
+    out, lses = jax.vmap(f.with_log_normalisers, in_axes=(None, None, None, 0))(q, k, v, logits)
+    assert set(lses) == {"phi"} and lses["phi"].shape == (2, N)
+    assert np.isnan(np.asarray(out[1, 3])).all() and np.isfinite(np.asarray(out[0])).all()
+    si.lowering.check_rows(categorical_attention, {"phi": lses["phi"][0]}, q, k, v, logits[0])
+    with pytest.raises(ValueError, match=r"no parent for child 3"):
+        si.lowering.check_rows(categorical_attention, {"phi": lses["phi"][1]}, q, k, v,
+                               logits[1])
+
+
 @pytest.mark.parametrize("backend", ["auto", "blocked", "exact"])
 def test_attention_nan_score_raises_eagerly(backend):
     q, k, v = _qkv()

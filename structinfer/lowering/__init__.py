@@ -3,6 +3,8 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
 * [`attention`][structinfer.lowering.attention] /
   [`explain`][structinfer.lowering.explain] — recognise a model's structure and run it
   through a kernel (or the exact engine when not recognised); `BACKENDS`,
+  [`check_rows`][structinfer.lowering.check_rows] (the eager check of rows with no
+  finite log-normaliser, for callers that map the function themselves),
   [`Explanation`][structinfer.lowering.Explanation],
   [`NotLowerableError`][structinfer.lowering.NotLowerableError].
 * Extending it: [`register_prior_rule`][structinfer.lowering.register_prior_rule],
@@ -37,7 +39,7 @@ from ._lower import (
     register_prior_rule,
     register_score_rule,
 )
-from .api import BACKENDS, Explanation, NotLowerableError, attention, explain
+from .api import BACKENDS, Explanation, NotLowerableError, attention, check_rows, explain
 from .windowed import (
     geometric_band_log_prior,
     windowed_attention,
@@ -49,6 +51,7 @@ from .windowed import (
 __all__ = [
     "attention",
     "explain",
+    "check_rows",
     "Explanation",
     "NotLowerableError",
     "BACKENDS",

@@ -17,7 +17,7 @@ on fallback, the site and the part that was not recognised.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from .blocked import band_blocks, blocked_attention
 from .dense import dense_attention
 from .windowed import windowed_kernel
 
-__all__ = ["attention", "explain", "Explanation", "NotLowerableError", "BACKENDS"]
+__all__ = ["attention", "explain", "check_rows", "Explanation", "NotLowerableError", "BACKENDS"]
 
 #: accepted values of ``backend``
 BACKENDS = ("auto", "exact", "dense", "blocked", "windowed", "cudnn", "pallas")
@@ -240,6 +240,36 @@ def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
             )
 
 
+def check_rows(model: Callable, log_normalisers: Mapping[str, Any], /, *args: Any,
+               **kwargs: Any) -> None:
+    r"""Raise the error of a row with no finite log-normaliser, as `attention` does eagerly.
+
+    For callers that run ``f.with_log_normalisers`` of
+    [`attention`][structinfer.lowering.attention] under their own transformation (e.g.
+    ``jax.vmap`` over a batch, where ``f``'s own check is skipped): after the call,
+    on concrete results, pick the batch element with a bad row and call this with its
+    arguments and its slice of the log-normalisers $\log Z_i = \log \sum_j p(\phi_i = j)
+    e^{\psi_{ij}}$. Nothing happens when every row is finite.
+
+    Args:
+        model: the model given to `attention`.
+        log_normalisers: ``{edge site: row log-normaliser}`` of one call (as
+            ``f.with_log_normalisers`` returns them); empty on the exact path, where the
+            exact engine's checks alone are run.
+        *args: the model's positional arguments of that call (concrete arrays).
+        **kwargs: the model's keyword arguments of that call.
+
+    Raises:
+        ValueError: the exact engine's error on these inputs (it names the edge site and
+            the row: no allowed parent, a NaN/inf score, ...), or else the first edge
+            site and row whose log-normaliser is not finite.
+    """
+    if log_normalisers and all(bool(np.all(np.isfinite(np.asarray(lse))))
+                               for lse in log_normalisers.values()):
+        return
+    _raise_bad_rows(model, args, kwargs, dict(log_normalisers))
+
+
 def _is_dynamic(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, float, complex)) and not isinstance(
         x, bool
@@ -324,7 +354,11 @@ def attention(
             NaN/inf score raises the exact engine's error (found from the kernel's
             per-row log-normaliser, no second pass); under an outer ``jit`` that row is
             NaN. ``f`` is jitted internally and can be jitted, vmapped and
-            differentiated again. ``f.explain(*args)`` describes the path.
+            differentiated again. ``f.explain(*args)`` describes the path;
+            ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
+            log-normaliser})`` without the eager check (empty on the exact path), for a
+            caller that maps ``f`` itself and checks once with
+            [`check_rows`][structinfer.lowering.check_rows].
 
     Raises:
         ValueError: ``backend`` is not one of `BACKENDS`, or ``shard`` is not
@@ -373,13 +407,12 @@ def attention(
             _raise_bad_rows(model, args, kwargs, lses)
         return out
 
-    @functools.wraps(model)
-    def fn(*args, **kwargs):
+    def with_log_normalisers(*args, **kwargs):
         dyn, key = _split(args, kwargs)
         try:
             hash(key)
         except TypeError:
-            return checked(args, kwargs, dyn, impl(*args, **kwargs))
+            return impl(*args, **kwargs)
         jitted = cache.get(key)
         if jitted is None:
             def run(dyn, key=key):
@@ -387,9 +420,15 @@ def attention(
                 return impl(*a, **kw)
 
             jitted = cache[key] = jax.jit(run)
-        return checked(args, kwargs, dyn, jitted(dyn))
+        return jitted(dyn)
+
+    @functools.wraps(model)
+    def fn(*args, **kwargs):
+        dyn, _ = _split(args, kwargs)
+        return checked(args, kwargs, dyn, with_log_normalisers(*args, **kwargs))
 
     fn.explain = lambda *a, **k: explain(model, value, *a, backend=backend, **k)  # type: ignore[attr-defined]
+    fn.with_log_normalisers = with_log_normalisers  # type: ignore[attr-defined]
     fn.__doc__ = (
         f"Posterior expectation of site '{value}' of {getattr(model, '__name__', 'model')} "
         f"(structinfer.attention, backend={backend!r}).\n\n" + (model.__doc__ or "")

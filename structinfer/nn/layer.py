@@ -38,7 +38,7 @@ from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
 from .._checks import is_concrete, model_name
-from ..lowering import BACKENDS, Explanation, attention
+from ..lowering import BACKENDS, Explanation, attention, check_rows
 from ..primitives import EDGE_INFO_KEY, is_enumerated
 
 __all__ = ["Attention", "Hyperparameter", "MechanismInfo", "describe_mechanism"]
@@ -382,7 +382,8 @@ class Attention(nnx.Module):
             h.name: nnx.Param(jnp.asarray(biject_to(h.constraint).inv(h.init), param_dtype))
             for h in info.hyperparameters.values()
         })
-        self._attend_fn = attention(_bind(mechanism), value, backend, block_q=block_q,
+        self._bound = _bind(mechanism)
+        self._attend_fn = attention(self._bound, value, backend, block_q=block_q,
                                     block_k=block_k)
 
         linear = functools.partial(
@@ -529,10 +530,29 @@ class Attention(nnx.Module):
             o = self._attend_fn(q, k, v, hyper)
         else:
             flat = lambda a: a.reshape((-1,) + a.shape[-3:])  # noqa: E731
-            o = jax.vmap(self._attend_fn, in_axes=(0, 0, 0, None))(flat(q), flat(k), flat(v),
-                                                                   hyper)
+            q, k, v = flat(q), flat(k), flat(v)
+            o, lses = jax.vmap(self._attend_fn.with_log_normalisers,
+                               in_axes=(0, 0, 0, None))(q, k, v, hyper)
+            self._check_rows(o, lses, batch, q, k, v, hyper)
             o = o.reshape(batch + o.shape[-3:])
         return jnp.moveaxis(o, -3, -2)
+
+    def _check_rows(self, o, lses, batch, q, k, v, hyper):
+        """Concrete inputs: the error of the unbatched call for the first batch element
+        with a row whose log-normaliser is not finite (or, on the exact path, a NaN
+        output), naming its batch index. Under a trace (jit) the rows stay NaN."""
+        if not all(is_concrete(a) for a in (o, *lses.values())):
+            return
+        rows = [~np.isfinite(np.asarray(a)) for a in lses.values()] or [np.isnan(np.asarray(o))]
+        bad = np.any([r.reshape(len(r), -1).any(-1) for r in rows], axis=0)
+        if not bad.any():
+            return
+        b = int(np.argmax(bad))
+        at = tuple(int(i) for i in np.unravel_index(b, batch))
+        try:
+            check_rows(self._bound, {s: a[b] for s, a in lses.items()}, q[b], k[b], v[b], hyper)
+        except ValueError as err:
+            raise ValueError(f"structinfer.nn.Attention: batch index {at}: {err}") from err
 
     def _project(self, inputs_q, inputs_k, inputs_v):
         if inputs_k is None:
@@ -599,7 +619,10 @@ class Attention(nnx.Module):
 
         Raises:
             ValueError: a ``mask``, inputs of the wrong shape, or dropout without
-                ``deterministic``.
+                ``deterministic``; on concrete inputs, a query with no allowed key or a
+                NaN/inf score: the error of [`attention`][structinfer.attention], naming
+                the edge site, the row and (batched inputs) the batch index. Under
+                ``jit`` such a row comes out NaN.
         """
         if mask is not None:
             raise ValueError(
