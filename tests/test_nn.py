@@ -393,6 +393,36 @@ def test_batched_bad_rows_raise_like_unbatched(case):
     assert np.isnan(np.asarray(out[first])).any()
 
 
+# --------------------------------------------------------------------------- empty inputs
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_zero_queries_give_an_empty_output_like_flax(dtype):
+    with maybe64(dtype):
+        layer = layer_for(sinn.causal(), dtype=dtype)
+        mha = nnx.MultiHeadAttention(H, F, qkv_features=H * D, out_features=OUT,
+                                     param_dtype=dtype, decode=False, rngs=nnx.Rngs(0))
+        for shape in [(B, 0, F), (0, F), (B, 3, 0, F)]:
+            x = jnp.ones(shape, dtype)
+            out = layer(x)
+            want = mha(x)
+            assert out.shape == want.shape == shape[:-1] + (OUT,), (out.shape, want.shape)
+            assert out.dtype == want.dtype == dtype
+        # zero queries and some keys (cross attention): empty as well
+        out = layer(jnp.ones((B, 0, F), dtype), jnp.ones((B, M, F), dtype))
+        assert out.shape == (B, 0, OUT) and out.dtype == dtype
+        out = jax.jit(lambda x: layer(x))(jnp.ones((B, 0, F), dtype))
+        assert out.shape == (B, 0, OUT)
+
+
+def test_zero_keys_are_an_error_naming_the_argument():
+    layer = layer_for(sinn.uniform())
+    with pytest.raises(ValueError, match=r"inputs_k has no positions.*every query"):
+        layer(inputs((B, N, F), jnp.float32), jnp.ones((B, 0, F)))
+    with pytest.raises(ValueError, match=r"inputs_k has no positions"):
+        layer.explain(inputs((B, N, F), jnp.float32), jnp.ones((B, 0, F)))
+    with pytest.raises(ValueError, match=r"no query to explain"):
+        layer.explain(jnp.ones((B, 0, F)))
+
+
 # --------------------------------------------------------------------------- head arguments
 @pytest.mark.parametrize("make, match", [
     (lambda: sinn.geometric_beta(-1.0, 1.0), r"geometric_beta: alpha must be positive"),

@@ -217,6 +217,15 @@ def _bind(mechanism: Callable) -> Callable:
     return bound
 
 
+def _check_keys(query: jax.Array, key: jax.Array) -> None:
+    """Zero keys with some queries: every query would have no parent to attend to."""
+    if key.shape[-3] == 0 and query.shape[-3] > 0:
+        raise ValueError(
+            f"structinfer.nn.Attention: inputs_k has no positions (length 0) but inputs_q "
+            f"has {query.shape[-3]}: every query needs at least one key to attend to"
+        )
+
+
 def _check_int(x, what: str, minimum: int = 1) -> int:
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < minimum:
         raise ValueError(f"structinfer.nn.Attention: {what} must be an int >= {minimum}, got {x!r}")
@@ -497,6 +506,7 @@ class Attention(nnx.Module):
 
         In one dtype, key/value heads repeated for grouped-query attention, and the
         hyperparameters; checks the shapes the mechanism gives for this length."""
+        _check_keys(query, key)
         H, Hkv = self.num_heads, self.num_kv_heads
         if Hkv != H:
             key = jnp.repeat(key, H // Hkv, axis=-2)
@@ -524,6 +534,9 @@ class Attention(nnx.Module):
 
     def _heads(self, query, key, value):
         """(..., len, H, d) projections -> the mechanism's output, (..., n, H, d)."""
+        if query.size == 0:  # no queries (or an empty batch): nothing to attend, as flax
+            _check_keys(query, key)
+            return jnp.zeros(query.shape, jnp.result_type(query, key, value))
         q, k, v, hyper = self._per_head(query, key, value)
         batch = q.shape[:-3]
         if not batch:
@@ -615,10 +628,12 @@ class Attention(nnx.Module):
                 [`init_cache`][structinfer.nn.Attention.init_cache]).
 
         Returns:
-            ``(..., n, out_features)``.
+            ``(..., n, out_features)``; empty (as ``flax.nnx.MultiHeadAttention``) when
+                there are no queries.
 
         Raises:
-            ValueError: a ``mask``, inputs of the wrong shape, or dropout without
+            ValueError: a ``mask``, inputs of the wrong shape, keys of length 0 with
+                some queries, or dropout without
                 ``deterministic``; on concrete inputs, a query with no allowed key or a
                 NaN/inf score: the error of [`attention`][structinfer.attention], naming
                 the edge site, the row and (batched inputs) the batch index. Under
@@ -661,6 +676,11 @@ class Attention(nnx.Module):
             The [`Explanation`][structinfer.lowering.Explanation] of the first sequence.
         """
         query, key, value = self._project(inputs_q, inputs_k, inputs_v)
+        if query.size == 0:
+            raise ValueError(
+                "structinfer.nn.Attention.explain: inputs_q has no positions (or an empty "
+                f"batch), shape {tuple(jnp.shape(inputs_q))}: there is no query to explain"
+            )
         q, k, v, hyper = self._per_head(query, key, value)
         first = lambda a: a.reshape((-1,) + a.shape[-3:])[0]  # noqa: E731
         return self._attend_fn.explain(first(q), first(k), first(v), hyper)
