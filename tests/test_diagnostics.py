@@ -546,3 +546,40 @@ def test_plots(tmp_path, q_task, q_fit, q_idata):
     with pytest.raises(ValueError, match="no prior group"):
         dg.plot_prior_posterior(q_idata, ["q"])
     plt.close("all")
+
+
+def batched_q_model(x, w, sigma):
+    """Two sequences (a batch plate) sharing one Geometric prior (one q, no batch dims)."""
+    b, n = x.shape[0], x.shape[1] - 1
+    q = numpyro.sample("q", dist.Beta(2.0, 2.0))
+    with numpyro.plate("batch", b, dim=-2), numpyro.plate("children", n, dim=-1):
+        phi = si.edge("phi", si.priors.Geometric(q, n, include_self=False, offset=1))
+        mu = x[:, :-1] @ w.T
+        numpyro.sample("x", dist.Normal(Vindex(mu[:, None])[..., phi, :], sigma).to_event(1),
+                       obs=x[:, 1:])
+
+
+@pytest.mark.parametrize("method", ["nuts", "svi"])
+def test_batch_plate_with_a_shared_prior(method):
+    """The prior table has no batch dims; `phi_prior` is stored beside `phi` all the same."""
+    tasks = [make_task(8, dim=D, q=0.35, noise=0.3, seed=s) for s in (5, 6)]
+    x = np.stack([t.x for t in tasks])
+    w = tasks[0].weight
+    if method == "nuts":
+        fit = si.infer.nuts(jax.random.PRNGKey(1), batched_q_model, x, w, 0.3, num_warmup=5,
+                            num_samples=5, progress_bar=False)
+    else:
+        fit = si.infer.svi(jax.random.PRNGKey(0), batched_q_model, x, w, 0.3,
+                           optim=numpyro.optim.Adam(0.05), num_steps=5, progress_bar=False)
+    dt = dg.to_inference_data(fit, x, w, 0.3, num_draws=5, posterior_predictive=False)
+    n = x.shape[1] - 1
+    draws = 5
+    assert dt["log_likelihood"]["x"].shape == (1, draws, 2, n)
+    ep = dt["edge_posterior"]
+    assert ep["phi"].shape == ep["phi_prior"].shape == (2, n, n)
+    assert ep["phi"].dims == ep["phi_prior"].dims
+    q = dt["posterior"]["q"].values
+    want = np.mean([np.exp(geometric_log_prior(n, qq)) for qq in q.ravel()], axis=0)
+    np.testing.assert_allclose(ep["phi_prior"].values, np.broadcast_to(want, (2, n, n)),
+                               atol=1e-5)
+    np.testing.assert_allclose(ep["phi"].values.sum(-1), 1.0, atol=1e-5)

@@ -198,7 +198,8 @@ def to_inference_data(
     * `prior` (with `num_prior_draws > 0`) — prior draws of the latent sites;
     * `edge_posterior` — per edge site `<site>`: the posterior marginals
       $p(\phi_i=j\mid x) = \frac1S\sum_s p(\phi_i=j\mid x,\theta^{(s)})$,
-      `<site>_prior` (the prior table averaged over the draws) and, when given,
+      `<site>_prior` (the prior table averaged over the draws, broadcast to the
+      marginals' dims when the prior is shared across batch plates) and, when given,
       `<site>_true` (the known parents); the attribute `<site>.offset` holds the
       child-to-parent position offset used for distances.
 
@@ -296,7 +297,10 @@ def to_inference_data(
         bdims = [f"{n}_dim_{k}" for k in range(mean.ndim - 2)] + [edge.children_plate,
                                                                    f"{n}_parent"]
         edge_vars[n] = (bdims, mean)
-        edge_vars[f"{n}_prior"] = (bdims, prior_tables[n].mean(axis=(0, 1)))
+        # a prior shared across batch plates has fewer dims than the marginals: stored
+        # broadcast, so `<site>_prior` and `<site>` share their dims
+        edge_vars[f"{n}_prior"] = (bdims, np.broadcast_to(prior_tables[n].mean(axis=(0, 1)),
+                                                          mean.shape))
         if true_edges is not None and n in true_edges:
             edge_vars[f"{n}_true"] = (bdims[:-1], check_true_edges(true_edges[n], mean, n))
         attrs[f"{n}.offset"] = offset_of(edge.prior)
