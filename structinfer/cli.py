@@ -126,7 +126,9 @@ def load_models(path: Path) -> dict[str, Callable]:
     """Model functions from a Python file (``structinfer compare``).
 
     Its ``MODELS`` dict ``{name: function}`` if it defines one, else every function named
-    ``model_<name>`` (in file order).
+    ``model_<name>`` (in file order). While the file runs, its folder is first on the
+    import path (``sys.path``, restored afterwards), so it may import a module beside it
+    (``from helpers import ...``) from any working directory.
 
     Args:
         path: the Python file.
@@ -141,12 +143,16 @@ def load_models(path: Path) -> dict[str, Callable]:
     if spec is None or spec.loader is None:
         raise CLIError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    sys.path.insert(0, str(Path(path).resolve().parent))
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
         raise CLIError(f"{path}:{e.lineno}: syntax error: {e.msg}") from e
     except Exception as e:  # the user's code failed at import time
         raise CLIError(f"{path}: importing it failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.path[:] = saved
     if hasattr(module, "MODELS"):
         models = module.MODELS
         if not isinstance(models, dict) or not all(

@@ -299,6 +299,62 @@ def test_compare_user_models(files):
     assert (out / "attention_window.png").stat().st_size > 0
 
 
+SIBLING_HELPER = """
+import numpyro
+import numpyro.distributions as dist
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+
+
+def observe(x, w, sigma, prior):
+    n = x.shape[0] - 1
+    with numpyro.plate("children", n):
+        phi = si.edge("phi", prior)
+        mu = x[:-1] @ w.T
+        numpyro.sample("x", dist.Normal(Vindex(mu)[..., phi, :], sigma).to_event(1), obs=x[1:])
+"""
+
+SIBLING_MODELS = """
+import numpyro
+import numpyro.distributions as dist
+
+import structinfer as si
+from si_test_sibling_helper import observe
+
+
+def model_geometric(x, w):
+    q = numpyro.sample("q", dist.Beta(2.0, 2.0))
+    observe(x, w, 0.3, si.priors.Geometric(q, x.shape[0] - 1, include_self=False, offset=1))
+
+
+def model_window(x, w):
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    n = x.shape[0] - 1
+    observe(x, w, sigma, si.priors.Restricted.window(n, 3, n, include_self=False, offset=1))
+"""
+
+
+def test_compare_models_file_imports_a_module_beside_it(files):
+    """`from <module beside the models file> import ...` works from any working directory:
+    the file's folder is on the import path while it loads (checked up to the data
+    check, which runs after the models are loaded and before any fit)."""
+    sub = files / "sibling"
+    sub.mkdir(exist_ok=True)
+    (sub / "si_test_sibling_helper.py").write_text(SIBLING_HELPER)
+    (sub / "models.py").write_text(SIBLING_MODELS)
+    script = Path(sys.executable).with_name("structinfer")  # the console script, if installed
+    for cwd, path in ((files, "sibling/models.py"), (sub, "models.py")):
+        cmd = _cmd("compare", path, files / "wrongkeys.npz")
+        if cwd == sub and script.exists():  # its sys.path[0] is its own folder, not the cwd
+            cmd = [str(script), *cmd[3:]]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(files),
+                           timeout=600)
+        assert r.returncode == 1, r.stderr
+        assert "importing it failed" not in r.stderr, r.stderr
+        assert "model 'geometric' needs argument 'x'" in r.stderr, r.stderr
+
+
 def test_demo_quick(files):
     out = files / "demo-out"
     r = run(files, "demo", "--quick", "--out", out, "--seed", "1", "--no-progress")

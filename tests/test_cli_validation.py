@@ -220,3 +220,20 @@ def test_paths_are_checked_before_anything_runs(work, capsys):
 ])
 def test_argparse_errors_are_one_line(work, capsys, argv, expected):
     _usage_error(capsys, argv, expected, "--help")
+
+
+def test_models_file_imports_a_module_beside_it_and_sys_path_is_restored(work, capsys):
+    import sys
+
+    sub = work / "sub"
+    sub.mkdir()
+    (sub / "si_test_validation_helper.py").write_text("import structinfer as si\nPRIOR = si\n")
+    (sub / "models.py").write_text("from si_test_validation_helper import PRIOR  # noqa\n"
+                                   + MODELS)
+    before = list(sys.path)
+    try:
+        rc, lines = _run(capsys, "compare", "sub/models.py", "data.npz", "--quick")
+        assert rc == 1 and REACHED in lines[-1], lines
+        assert sys.path == before
+    finally:
+        sys.modules.pop("si_test_validation_helper", None)
