@@ -1,10 +1,40 @@
-"""Shared test helpers. Sizes use distinct primes so a swapped axis fails."""
+"""Shared test helpers. Sizes use distinct primes so a swapped axis fails.
+
+The suite knows its platform. On a GPU:
+
+* float32 matrix products run at ``"highest"`` precision for the whole session (JAX's
+  ``jax_default_matmul_precision``; a GPU's default TF32 products miss the float32
+  tolerances the tests compare at); tests of TF32 itself set ``precision=`` explicitly;
+* tests marked ``cpu_only`` (they assume this machine has no cuDNN, or the CPU's kernel
+  choice) are skipped;
+* ``pytest -m gpu`` runs the subset worth a device machine's time (lowering, kernels,
+  layers).
+
+The platform is read after collection, so a test module may still set ``XLA_FLAGS``
+before JAX starts its backends (``test_lowering_sharded.py``).
+"""
 
 import contextlib
 
 import jax
 import numpy as np
 import pytest
+
+
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (starts JAX's backends: call it from a test
+    or a hook, not at import)."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not on_gpu():
+        return
+    jax.config.update("jax_default_matmul_precision", "highest")
+    skip = pytest.mark.skip(reason="assumes a CPU (no cuDNN, the CPU's kernel choice)")
+    for item in items:
+        if item.get_closest_marker("cpu_only") is not None:
+            item.add_marker(skip)
 
 
 @contextlib.contextmanager
