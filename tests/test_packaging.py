@@ -196,3 +196,69 @@ def test_bench_runs_the_script_of_the_checkout_holding_the_package(planted, caps
     rc, _, err = _main(capsys, "bench", "--quick", "--out", "o4")
     assert rc == 0, err
     assert mark.read_text().startswith("--quick") and not planted.exists()
+
+
+# ------------------------------------------------------- the oldest supported versions
+
+FLOOR = REPO / ".ci" / "floor.txt"
+
+
+def _floor_pins(text):
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, ver = line.partition("==")
+            assert sep and ver.strip(), f".ci/floor.txt: not a '==' pin: {line!r}"
+            pins[name.strip().lower()] = ver.strip()
+    return pins
+
+
+def _floors(reqs):
+    """{name: version} of every plain `name>=version` requirement (markers ignored)."""
+    out = {}
+    for req in reqs:
+        spec = req.split(";")[0].replace(" ", "")
+        if ">=" in spec:
+            name, _, ver = spec.partition(">=")
+            out[name.split("[")[0].lower()] = ver.split(",")[0]
+    return out
+
+
+def _check_floor(pins, deps, ci, readme):
+    """Every inconsistency between the floor pins, pyproject, .ci/run and the README."""
+    floors, problems = _floors(deps), []
+    for name in ("jax", "jaxlib", "numpyro", "funsor"):
+        if name not in pins:
+            problems.append(f"{name} is not pinned in .ci/floor.txt")
+    for name, ver in pins.items():
+        want = pins.get("jax") if name == "jaxlib" else floors.get(name)  # jax brings jaxlib
+        if ver != want:
+            problems.append(f"{name}=={ver} in .ci/floor.txt but pyproject's floor is {want}")
+        if f"{name} {ver}" not in readme:
+            problems.append(f"README's 'Supported versions' does not name {name} {ver}")
+    if "floor=.ci/floor.txt" not in ci or '-c "$floor"' not in ci:
+        problems.append(".ci/run does not install under the constraints of .ci/floor.txt")
+    if "-n 2" not in ci.split("floor=", 1)[-1]:
+        problems.append(".ci/run's floor leg does not run pytest with -n 2")
+    return problems
+
+
+def test_floor_versions_are_the_pyproject_floors_and_ci_tests_them():
+    """.ci/floor.txt pins jax, jaxlib, numpyro and funsor at exactly pyproject's `>=`
+    floors (jaxlib at jax's), README names them, and .ci/run's floor leg installs under
+    those pins and runs its test files, which exist."""
+    pins, ci = _floor_pins(FLOOR.read_text()), (REPO / ".ci" / "run").read_text()
+    readme = (REPO / "README.md").read_text()
+    deps = _pyproject()["project"]["dependencies"]
+    assert _check_floor(pins, deps, ci, readme) == []
+    leg = ci.split("floor_tests=(", 1)[1].split(")", 1)[0].split()
+    assert leg and all((REPO / t.split("::")[0]).is_file() for t in leg), leg
+    assert '"${floor_tests[@]}"' in ci
+    # and the check bites: a floor raised in pyproject alone, a pin missing, a leg that
+    # ignores the file
+    raised = [d.replace("jax>=", "jax>=9") if d.startswith("jax>=") else d for d in deps]
+    assert any("jax==" in p for p in _check_floor(pins, raised, ci, readme))
+    assert any("funsor is not" in p for p in _check_floor(
+        {k: v for k, v in pins.items() if k != "funsor"}, deps, ci, readme))
+    assert _check_floor(pins, deps, ci.replace('-c "$floor"', ""), readme)

@@ -24,7 +24,26 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from numpyro.handlers import block, seed, substitute, trace, uncondition
+import numpyro
+from numpyro.handlers import block, seed, substitute, trace
+
+try:
+    from numpyro.handlers import uncondition
+except ImportError:  # numpyro < 0.20 (needed for JAX < 0.7): numpyro 0.20's handler, verbatim
+    from numpyro.primitives import Messenger
+
+    class uncondition(Messenger):  # noqa: N801
+        """Sample observed sites from their distribution, ignoring the observation."""
+
+        def process_message(self, msg):
+            if msg["type"] != "sample" or not msg["is_observed"]:
+                return
+            msg["is_observed"] = False
+            msg["infer"]["was_observed"] = True
+            msg["infer"]["obs"] = msg["value"]
+            msg["value"] = None
+            if msg["kwargs"]["rng_key"] is None:  # seed skipped the observed site
+                msg["kwargs"]["rng_key"] = numpyro.prng_key()
 
 from .. import exact
 from .._checks import as_arrays, model_name
