@@ -24,26 +24,23 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import numpyro
 from numpyro.handlers import block, seed, substitute, trace
 
 try:
     from numpyro.handlers import uncondition
-except ImportError:  # numpyro < 0.20 (needed for JAX < 0.7): numpyro 0.20's handler, verbatim
+except ImportError:  # NumPyro < 0.20 (the releases for JAX < 0.7) has no uncondition
     from numpyro.primitives import Messenger
 
     class uncondition(Messenger):  # noqa: N801
-        """Sample observed sites from their distribution, ignoring the observation."""
+        """Forget the observations: an observed site is drawn from its distribution.
+
+        Innermost under ``Predictive``'s ``seed``, which then sees an unobserved site
+        and gives it a key.
+        """
 
         def process_message(self, msg):
-            if msg["type"] != "sample" or not msg["is_observed"]:
-                return
-            msg["is_observed"] = False
-            msg["infer"]["was_observed"] = True
-            msg["infer"]["obs"] = msg["value"]
-            msg["value"] = None
-            if msg["kwargs"]["rng_key"] is None:  # seed skipped the observed site
-                msg["kwargs"]["rng_key"] = numpyro.prng_key()
+            if msg["type"] == "sample" and msg["is_observed"]:
+                msg["is_observed"], msg["value"] = False, None
 
 from .. import exact
 from .._checks import as_arrays, model_name
