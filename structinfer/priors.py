@@ -407,6 +407,26 @@ def _as_pattern(pattern) -> RestrictionPattern:
     )
 
 
+def _pattern_mask(pattern: RestrictionPattern, num_children: int, num_parents: int,
+                  xp: Any = jnp) -> Any:
+    """The ``(children, parents)`` mask a distance pattern defines, or ``None``.
+
+    [`Causal`][structinfer.priors.Causal] and [`Window`][structinfer.priors.Window] masks
+    are functions of the distance $d_{ij} = i + \text{offset} - j$ alone; ``xp`` is
+    ``jax.numpy`` (built from ``iota`` inside a trace) or ``numpy``.
+    """
+    if not isinstance(pattern, (Causal, Window)):
+        return None
+    d = (xp.arange(num_children)[:, None] + pattern.offset) - xp.arange(num_parents)[None, :]
+    lo = 0 if pattern.include_self else 1
+    if isinstance(pattern, Causal):
+        return d >= lo
+    if pattern.causal:
+        return (d >= lo) & (d < lo + pattern.size)
+    mask = xp.abs(d) < pattern.size
+    return mask if pattern.include_self else mask & (d != 0)
+
+
 class Restricted(StructuralPrior):
     r"""Uniform prior restricted to a set of allowed edges (graph / sparse attention).
 
@@ -468,10 +488,21 @@ class Restricted(StructuralPrior):
             raise ValueError(
                 f"Restricted prior: offset={offset} contradicts the pattern's offset {own}"
             )
-        _check_rows_nonempty(jnp.where(mask, 0.0, -jnp.inf), "Restricted")
+        if self.concrete_mask is not None:  # numpy: jnp would stage the (n, m) mask in a trace
+            _check_rows_nonempty(np.where(self.concrete_mask, 0.0, -np.inf), "Restricted")
+        # a known mask that is exactly its pattern's (Restricted.causal / window) is
+        # rebuilt from iota in the table: a constant (n, m) mask would be folded by XLA at
+        # compile time (tens of seconds for n in the thousands)
+        c = self.concrete_mask
+        want = (None if c is None or c.ndim != 2
+                else _pattern_mask(self.pattern, c.shape[0], c.shape[1], xp=np))
+        self._mask_is_pattern = want is not None and np.array_equal(c, want)
 
     def _log_weights(self, num_children: int) -> jax.Array:
-        return jnp.where(self.mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
+        mask = self.mask
+        if self._mask_is_pattern:
+            mask = _pattern_mask(self.pattern, mask.shape[0], mask.shape[1])
+        return jnp.where(mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
 
     def describe(self) -> dict[str, Any]:
         """The prior's description with its pattern's entries (``type`` and fields)."""
