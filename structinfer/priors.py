@@ -488,8 +488,6 @@ class Restricted(StructuralPrior):
             raise ValueError(
                 f"Restricted prior: offset={offset} contradicts the pattern's offset {own}"
             )
-        if self.concrete_mask is not None:  # numpy: jnp would stage the (n, m) mask in a trace
-            _check_rows_nonempty(np.where(self.concrete_mask, 0.0, -np.inf), "Restricted")
         # a known mask that is exactly its pattern's (Restricted.causal / window) is
         # rebuilt from iota in the table: a constant (n, m) mask would be folded by XLA at
         # compile time (tens of seconds for n in the thousands)
@@ -499,6 +497,10 @@ class Restricted(StructuralPrior):
         self._mask_is_pattern = want is not None and np.array_equal(c, want)
 
     def _log_weights(self, num_children: int) -> jax.Array:
+        # checked here, not when the prior is built, so that the edge site using the
+        # prior names itself in the error; numpy: jnp would stage the mask in a trace
+        if self.concrete_mask is not None:
+            _check_rows_nonempty(np.where(self.concrete_mask, 0.0, -np.inf), "Restricted")
         mask = self.mask
         if self._mask_is_pattern:
             mask = _pattern_mask(self.pattern, mask.shape[0], mask.shape[1])

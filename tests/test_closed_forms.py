@@ -116,8 +116,9 @@ def test_causal_attention(x64, include_self):
     lo = 0 if include_self else 1
     mask = (np.arange(N)[:, None] - np.arange(N)[None, :]) >= lo
     if not include_self:  # first child has no earlier parent: drop it
-        with pytest.raises(ValueError, match="allows no parent for child 0"):
-            si.priors.Restricted.causal(N, include_self=False)
+        no_self = attention_model(lambda n, m: si.priors.Restricted.causal(n, include_self=False))
+        with pytest.raises(ValueError, match="edge site 'phi': .*allows no parent for child 0"):
+            si.log_marginal(no_self, x, x, v)
         return
     model = attention_model(lambda n, m: si.priors.Restricted.causal(n, include_self=include_self))
     log_prior = np.where(mask, -np.log(np.maximum(mask.sum(-1, keepdims=True), 1)), -np.inf)

@@ -64,8 +64,17 @@ def test_extra_batch_dims_without_plate():
 def test_child_with_no_parent():
     mask = np.ones((N, M), bool)
     mask[3] = False
-    with pytest.raises(ValueError, match="allows no parent for child 3"):
-        si.priors.Restricted(mask)
+    restricted = si.priors.Restricted(mask)  # checked where an edge uses it: named there
+
+    def masked():
+        with numpyro.plate("queries", N):
+            si.edge("phi", restricted, si.scores.Dot(XQ, XK))
+
+    for run in (si.log_marginal, jax.jit(si.log_marginal, static_argnums=0)):
+        with pytest.raises(
+            ValueError, match="edge site 'phi': Restricted prior allows no parent for child 3"
+        ):
+            run(masked)
 
     def model():
         with numpyro.plate("queries", N):
