@@ -267,7 +267,17 @@ def _scanned(A, B):  # a scan with a scanned input: B read row by row, A[0] carr
     return jax.lax.scan(lambda c, row: (c + row, 2.0 * c), A[0], B)[1] + A
 
 
+def _while(stop):  # A + B added until the counter (or, with stop, A's sum) says stop
+    def value(A, B):
+        def cond(c):
+            return (c[0] < 2) & ((jnp.sum(c[2]) < 1e9) if stop else True)
+        return jax.lax.while_loop(cond, lambda c: (c[0] + 1, c[1] + A + B, c[2] + A),
+                                  (0, 0 * A, 0 * A))[1]
+    return value
+
+
 LOOP_VALUES = {"product": (_fori(_product), "exact"), "summed": (_fori(_summed, 3), "lowered"),
+               "while": (_while(False), "lowered"), "while_stops_on_edge": (_while(True), "exact"),
                "jit": (jax.jit(lambda A, B: 2.0 * A - B), "lowered"),
                "cond": (lambda A, B: jax.lax.cond(True, lambda u, v: u + v,
                                                   lambda u, v: u * v, A, B), "exact")}

@@ -142,7 +142,8 @@ def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
             outs = _loop_deps(kind, get)
         elif isinstance(kind, Branch):
             picked = get(kind.index)
-            per_branch = [_jaxpr_deps(b.jaxpr, ins[1:]) for b in kind.branches]
+            operands = [get(x) for x in kind.operands]
+            per_branch = [_jaxpr_deps(b.jaxpr, operands) for b in kind.branches]
             outs = [_union(ds) | picked for ds in zip(*per_branch)]
         else:
             outs = [_union(ins)] * len(eqn.outvars)

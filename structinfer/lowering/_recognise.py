@@ -21,7 +21,9 @@ plates, exactly where funsor's enumeration would put it. From that one run:
 With several edge sites (multi-hop chains, independent heads) the value must be
 a sum of per-edge terms $f = c + \sum_k g_k(\phi_k)$; this is checked on the
 value's jaxpr (every path from two different edges meets only at
-``add``/``sub`` or through linear maps with edge-independent operands). Then
+``add``/``sub`` or through linear maps with edge-independent operands; calls and
+conditionals are entered and loops iterated to a fixed point, and a body that
+``structinfer._jaxpr`` cannot read makes the model fall back). Then
 $G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ and
 a chain $\phi_1 \leftarrow \phi_0$ gives
 $\mathbb E[f] = P_0 (G_0 + P_1 G_1)$: one kernel per edge.
