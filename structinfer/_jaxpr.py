@@ -51,8 +51,9 @@ __all__ = [
 ]
 
 #: plain function calls: the body runs once on the operands, nothing else attached
-_PLAIN_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "eval_jaxpr",
-                          "xla_call", "named_call"})
+_PLAIN_CALLS = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "eval_jaxpr", "xla_call", "named_call"}
+)
 #: calls whose body gives the values but that carry their own derivative rule
 _CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 #: calls whose body gives the values and that are rematerialised when differentiated
@@ -192,8 +193,9 @@ def classify(eqn: Any) -> Call | Loop | Branch | Unknown | None:
         name = str(eqn.primitive.name)
         params = dict(eqn.params)
     except Exception:  # not an equation we can read at all
-        return Unknown(str(getattr(getattr(eqn, "primitive", None), "name", eqn)),
-                       "not a jaxpr equation")
+        return Unknown(
+            str(getattr(getattr(eqn, "primitive", None), "name", eqn)), "not a jaxpr equation"
+        )
     if not any(_is_jaxpr_like(v) for v in _param_values(params)):
         return None
     try:
@@ -230,8 +232,7 @@ def _call(eqn, name: str, params: dict) -> Call | Unknown:
     body = _body_param(params, _BODY_KEYS)
     if body is None:
         return Unknown(name, "its body has constants without values")
-    if (len(body.jaxpr.invars) != len(eqn.invars)
-            or len(body.jaxpr.outvars) != len(eqn.outvars)):
+    if len(body.jaxpr.invars) != len(eqn.invars) or len(body.jaxpr.outvars) != len(eqn.outvars):
         return Unknown(name, "its body's inputs / outputs do not match its operands / results")
     kind = "call" if name in _PLAIN_CALLS else "custom" if name in _CUSTOM_CALLS else "remat"
     return Call(name, kind, body)
@@ -294,10 +295,11 @@ def _scan_split_ok(eqn, body: Body, nc: int, ncar: int, length) -> bool:
         return False
     if not all(_same_type(o, i) for o, i in zip(ins[: nc + ncar], bins[: nc + ncar])):
         return False
-    if not all(_same_type(bouts[i], bins[nc + i]) and _same_type(outs[i], ins[nc + i])
-               for i in range(ncar)):
+    if not all(
+        _same_type(bouts[i], bins[nc + i]) and _same_type(outs[i], ins[nc + i]) for i in range(ncar)
+    ):
         return False
-    if not all(_stacked(o, i, length) for o, i in zip(ins[nc + ncar:], bins[nc + ncar:])):
+    if not all(_stacked(o, i, length) for o, i in zip(ins[nc + ncar :], bins[nc + ncar :])):
         return False
     return all(_stacked(o, i, length) for o, i in zip(outs[ncar:], bouts[ncar:]))
 
@@ -305,8 +307,12 @@ def _scan_split_ok(eqn, body: Body, nc: int, ncar: int, length) -> bool:
 def _scan_split_from_types(eqn, body: Body, length) -> tuple[int, int] | None:
     """The only ``(num_consts, num_carry)`` the types allow, or None."""
     n_in, n_out = len(eqn.invars), len(eqn.outvars)
-    found = [(nc, ncar) for ncar in range(n_out + 1) for nc in range(n_in - ncar + 1)
-             if _scan_split_ok(eqn, body, nc, ncar, length)]
+    found = [
+        (nc, ncar)
+        for ncar in range(n_out + 1)
+        for nc in range(n_in - ncar + 1)
+        if _scan_split_ok(eqn, body, nc, ncar, length)
+    ]
     return found[0] if len(found) == 1 else None
 
 
@@ -330,8 +336,16 @@ def _scan(eqn, params: dict) -> Loop | Unknown:
         return Unknown("scan", "its operands do not split into consts, carry and xs")
     nc, ncar = split
     ins, outs = tuple(eqn.invars), tuple(eqn.outvars)
-    return Loop("scan", body, ins[:nc], ins[nc: nc + ncar], ins[nc + ncar:],
-                outs[:ncar], outs[ncar:], length=length)
+    return Loop(
+        "scan",
+        body,
+        ins[:nc],
+        ins[nc : nc + ncar],
+        ins[nc + ncar :],
+        outs[:ncar],
+        outs[ncar:],
+        length=length,
+    )
 
 
 def _while(eqn, params: dict) -> Loop | Unknown:
@@ -345,18 +359,32 @@ def _while(eqn, params: dict) -> Loop | Unknown:
     if not (isinstance(nb, int) and isinstance(ncc, int)):
         nb, ncc = len(body.jaxpr.invars) - ncar, len(cond.jaxpr.invars) - ncar
     bins, cins = list(body.jaxpr.invars), list(cond.jaxpr.invars)
-    ok = (min(nb, ncc) >= 0 and ncc + nb + ncar == len(ins)
-          and len(bins) == nb + ncar and len(cins) == ncc + ncar
-          and len(body.jaxpr.outvars) == ncar and len(cond.jaxpr.outvars) == 1
-          and all(_same_type(a, b) for a, b in zip(ins[ncc:], bins))
-          and all(_same_type(a, b) for a, b in zip(ins[:ncc], cins[:ncc]))
-          and all(_same_type(a, b) for a, b in zip(ins[ncc + nb:], cins[ncc:]))
-          and all(_same_type(a, b) for a, b in zip(body.jaxpr.outvars, bins[nb:]))
-          and all(_same_type(a, b) for a, b in zip(outs, bins[nb:])))
+    ok = (
+        min(nb, ncc) >= 0
+        and ncc + nb + ncar == len(ins)
+        and len(bins) == nb + ncar
+        and len(cins) == ncc + ncar
+        and len(body.jaxpr.outvars) == ncar
+        and len(cond.jaxpr.outvars) == 1
+        and all(_same_type(a, b) for a, b in zip(ins[ncc:], bins))
+        and all(_same_type(a, b) for a, b in zip(ins[:ncc], cins[:ncc]))
+        and all(_same_type(a, b) for a, b in zip(ins[ncc + nb :], cins[ncc:]))
+        and all(_same_type(a, b) for a, b in zip(body.jaxpr.outvars, bins[nb:]))
+        and all(_same_type(a, b) for a, b in zip(outs, bins[nb:]))
+    )
     if not ok:
         return Unknown("while", "its operands do not split into consts and carry")
-    return Loop("while", body, ins[ncc: ncc + nb], ins[ncc + nb:], (), outs, (),
-                cond=cond, cond_consts=ins[:ncc])
+    return Loop(
+        "while",
+        body,
+        ins[ncc : ncc + nb],
+        ins[ncc + nb :],
+        (),
+        outs,
+        (),
+        cond=cond,
+        cond_consts=ins[:ncc],
+    )
 
 
 def _cond(eqn, params: dict) -> Branch | Unknown:
@@ -365,7 +393,9 @@ def _cond(eqn, params: dict) -> Branch | Unknown:
         return Unknown("cond", "its branches could not be read")
     branches = tuple(open_jaxpr(b) for b in raw)
     ops = tuple(eqn.invars[1:])
-    if any(b is None or len(b.jaxpr.invars) != len(ops)
-           or len(b.jaxpr.outvars) != len(eqn.outvars) for b in branches):
+    if any(
+        b is None or len(b.jaxpr.invars) != len(ops) or len(b.jaxpr.outvars) != len(eqn.outvars)
+        for b in branches
+    ):
         return Unknown("cond", "its branches do not match its operands / results")
     return Branch(eqn.invars[0], ops, branches)

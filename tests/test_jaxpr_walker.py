@@ -115,8 +115,12 @@ def to_layout(closed, layout):
 
 def _eqn_to_layout(eqn, layout):
     name, p = eqn.primitive.name, dict(eqn.params)
-    if not any(hasattr(getattr(v, "jaxpr", v), "eqns") or isinstance(v, tuple)
-               and any(hasattr(getattr(b, "jaxpr", b), "eqns") for b in v) for v in p.values()):
+    if not any(
+        hasattr(getattr(v, "jaxpr", v), "eqns")
+        or isinstance(v, tuple)
+        and any(hasattr(getattr(b, "jaxpr", b), "eqns") for b in v)
+        for v in p.values()
+    ):
         return eqn
     for k, v in p.items():
         if hasattr(getattr(v, "jaxpr", v), "eqns"):
@@ -181,8 +185,17 @@ def _summary(eqn):
     if c is None or isinstance(c, _jaxpr.Unknown):
         return c
     if isinstance(c, _jaxpr.Loop):
-        return (c.name, c.consts, c.carry, c.xs, c.carry_out, c.ys, c.length,
-                len(c.body.jaxpr.eqns), c.cond_consts)
+        return (
+            c.name,
+            c.consts,
+            c.carry,
+            c.xs,
+            c.carry_out,
+            c.ys,
+            c.length,
+            len(c.body.jaxpr.eqns),
+            c.cond_consts,
+        )
     if isinstance(c, _jaxpr.Call):
         return (c.kind, len(c.body.jaxpr.invars), len(c.body.jaxpr.eqns), len(c.body.consts))
     return (c.index, c.operands, len(c.branches))
@@ -198,7 +211,9 @@ def test_the_split_is_the_same_on_every_layout(layout):
     scans = [s for s in real if s and s[0] == "scan"]
     # fori_loop: b moved to a const, (i, a) carried; the scan: one carry, one xs, one ys
     assert [(len(s[1]), len(s[2]), len(s[3]), len(s[4]), len(s[5])) for s in scans] == [
-        (1, 2, 0, 2, 0), (0, 1, 1, 1, 1)]
+        (1, 2, 0, 2, 0),
+        (0, 1, 1, 1, 1),
+    ]
     assert [len(x) for x in loops["while"][1:6]] == [1, 2, 0, 2, 0]
     assert any(s and s[0] == "call" for s in real)
     assert any(s and len(s) == 3 and s[2] == 2 for s in real)  # the cond's two branches
@@ -218,10 +233,12 @@ def test_bodies_that_cannot_be_read_are_unknown():
     closed = jax.make_jaxpr(_loops)(*_args())
     scan = next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan")
     other = jax.make_jaxpr(lambda u: (u,))(jnp.ones(2))  # a body of the wrong arity
-    for eqn in (Eqn("scan", dict(scan.params, jaxpr=other), scan),
-                Eqn("jit", {"jaxpr": other}, scan),
-                Eqn("shard_map", {"jaxpr": scan.params["jaxpr"]}, scan),
-                Eqn("while", {"body_jaxpr": other}, scan)):
+    for eqn in (
+        Eqn("scan", dict(scan.params, jaxpr=other), scan),
+        Eqn("jit", {"jaxpr": other}, scan),
+        Eqn("shard_map", {"jaxpr": scan.params["jaxpr"]}, scan),
+        Eqn("while", {"body_jaxpr": other}, scan),
+    ):
         assert isinstance(_jaxpr.classify(eqn), _jaxpr.Unknown), eqn.primitive.name
     add = jax.make_jaxpr(lambda u: u + 1.0)(jnp.ones(2)).jaxpr.eqns[0]
     assert _jaxpr.classify(add) is None
@@ -232,8 +249,11 @@ def test_bodies_that_cannot_be_read_are_unknown():
 
 def _small(seed=0, n=3, m=4, d=2, dv=2):
     r = np.random.default_rng(seed)
-    return (jnp.asarray(r.normal(size=(n, d))), jnp.asarray(r.normal(size=(m, d))),
-            jnp.asarray(r.normal(size=(m, dv))))
+    return (
+        jnp.asarray(r.normal(size=(n, d))),
+        jnp.asarray(r.normal(size=(m, d))),
+        jnp.asarray(r.normal(size=(m, dv))),
+    )
 
 
 def _two_edges(value):
@@ -271,16 +291,25 @@ def _while(stop):  # A + B added until the counter (or, with stop, A's sum) says
     def value(A, B):
         def cond(c):
             return (c[0] < 2) & ((jnp.sum(c[2]) < 1e9) if stop else True)
-        return jax.lax.while_loop(cond, lambda c: (c[0] + 1, c[1] + A + B, c[2] + A),
-                                  (0, 0 * A, 0 * A))[1]
+
+        return jax.lax.while_loop(
+            cond, lambda c: (c[0] + 1, c[1] + A + B, c[2] + A), (0, 0 * A, 0 * A)
+        )[1]
+
     return value
 
 
-LOOP_VALUES = {"product": (_fori(_product), "exact"), "summed": (_fori(_summed, 3), "lowered"),
-               "while": (_while(False), "lowered"), "while_stops_on_edge": (_while(True), "exact"),
-               "jit": (jax.jit(lambda A, B: 2.0 * A - B), "lowered"),
-               "cond": (lambda A, B: jax.lax.cond(True, lambda u, v: u + v,
-                                                  lambda u, v: u * v, A, B), "exact")}
+LOOP_VALUES = {
+    "product": (_fori(_product), "exact"),
+    "summed": (_fori(_summed, 3), "lowered"),
+    "while": (_while(False), "lowered"),
+    "while_stops_on_edge": (_while(True), "exact"),
+    "jit": (jax.jit(lambda A, B: 2.0 * A - B), "lowered"),
+    "cond": (
+        lambda A, B: jax.lax.cond(True, lambda u, v: u + v, lambda u, v: u * v, A, B),
+        "exact",
+    ),
+}
 
 
 @pytest.mark.parametrize("layout", ("jax-0.10",) + LAYOUTS)
@@ -330,8 +359,9 @@ def test_bounds_check_enters_calls_on_every_layout(monkeypatch, layout):
         bounds.check_gather_bounds(lambda d: short(v[:6], d["phi"]), probes, "bad")
     bounds.check_gather_bounds(lambda d: short(v, d["phi"]), probes, "ok")
     # loops and conditionals are not followed: their reads are not checked (no error)
-    looped = lambda d: jax.lax.fori_loop(0, 2, lambda i, c: c + v[:6][d["phi"]],
-                                         jnp.zeros((7, 1, 2)))
+    looped = lambda d: jax.lax.fori_loop(
+        0, 2, lambda i, c: c + v[:6][d["phi"]], jnp.zeros((7, 1, 2))
+    )
     branched = lambda d: jax.lax.cond(True, lambda p: v[:6][p], lambda p: v[:6][0 * p], d["phi"])
     for f in (looped, branched):
         bounds.check_gather_bounds(f, probes, "unchecked")
@@ -375,8 +405,9 @@ opaque_p = Primitive("opaque_call")
 opaque_p.multiple_results = True
 opaque_p.def_impl(lambda *args, jaxpr: jaxpr_as_fun(jaxpr)(*args))
 opaque_p.def_abstract_eval(lambda *avals, jaxpr: [v.aval for v in jaxpr.jaxpr.outvars])
-mlir.register_lowering(opaque_p, mlir.lower_fun(
-    lambda *args, jaxpr: jaxpr_as_fun(jaxpr)(*args), multiple_results=True))
+mlir.register_lowering(
+    opaque_p, mlir.lower_fun(lambda *args, jaxpr: jaxpr_as_fun(jaxpr)(*args), multiple_results=True)
+)
 
 
 def opaque(f, *args):
@@ -421,8 +452,11 @@ def test_unknown_primitive_in_bounds_and_laplace_is_conservative(x64):
         numpyro.factor("node", -0.5 * jnp.sum(mu**2))
         with numpyro.plate("queries", mu.shape[0]):
             phi = si.edge("memory", si.priors.Uniform(X.shape[0]), si.scores.Dot(mu, X))
-            numpyro.sample("y", dist.Normal(opaque(lambda p: jnp.asarray(X)[p, 0], phi), 1.0),
-                           obs=jnp.zeros(mu.shape[0]))
+            numpyro.sample(
+                "y",
+                dist.Normal(opaque(lambda p: jnp.asarray(X)[p, 0], phi), 1.0),
+                obs=jnp.zeros(mu.shape[0]),
+            )
 
     H = jax.hessian(lambda u: si.log_marginal(node_in_opaque, X, mu=u))(jnp.asarray(mu))
     lap = laplace(node_in_opaque, "mu", mu, X)
