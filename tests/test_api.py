@@ -58,6 +58,7 @@ MARKDOWN_MODULES = [
     "structinfer.exact",
     "structinfer.nn",
     "structinfer._checks",
+    "structinfer._jaxpr",
     "structinfer.infer",
     "structinfer.lowering",
     "structinfer.demo",

@@ -23,7 +23,7 @@ PKG = Path(importlib.util.find_spec("structinfer").origin).resolve().parent
 NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make", "_field_defaults"}
 
 #: the engine's floors and what they must never import
-LOWER = ("_checks", "priors", "scores", "primitives", "handlers", "exact")
+LOWER = ("_checks", "_jaxpr", "priors", "scores", "primitives", "handlers", "exact")
 UPPER = ("infer", "diagnostics", "lowering", "mechanisms", "testing", "nn", "cli", "demo")
 
 

@@ -11,8 +11,11 @@ clamping read whose edge component can leave the operand's bounds is an error.
 
 Reads the model shaped on purpose are left alone: an index computed with arithmetic
 (``where(phi < k, phi, 0)``, ``clip``, an offset) and ``jnp.take(..., mode="clip" |
-"fill")`` (explicit clipping, or NaN past the end). Primitives it does not follow
-(loops, conditionals) are not checked. Shapes are static, so eager and ``jit`` agree.
+"fill")`` (explicit clipping, or NaN past the end). Calls (``jit``, ``custom_jvp``,
+``checkpoint``) are entered; the bodies it does not follow — loops, conditionals (whose
+branch may be the model's own guard) and primitives it does not know — cannot be proved
+in bounds and are left unchecked, as are their results. Shapes are static, so eager and
+``jit`` agree.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jcore
+
+from .._jaxpr import Call, classify, is_literal, open_jaxpr
 
 __all__ = ["IndexOutOfBounds", "check_gather_bounds"]
 
@@ -115,16 +119,6 @@ def _binop(name, a: _Range, b: _Range) -> _Range | None:
 
 _SHAPE_OPS = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
               "convert_element_type", "copy", "copy_p", "slice", "rev"}
-_CALLS = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "remat", "checkpoint"}
-
-
-def _sub_jaxpr(eqn):
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if j is not None:
-            return j
-    return None
 
 
 def _keeps_last_axis(eqn, r: _Range) -> bool:
@@ -142,7 +136,7 @@ def _keeps_last_axis(eqn, r: _Range) -> bool:
 
 def _walk(jaxpr, env: dict, where: str) -> None:
     def read(v):
-        if isinstance(v, jcore.Literal):
+        if is_literal(v):
             return _const_range(v.val)
         return env.get(v)
 
@@ -155,17 +149,18 @@ def _walk(jaxpr, env: dict, where: str) -> None:
         if name == "gather" and len(ins) > 1 and ins[1] is not None and ins[1].sites:
             _check_gather(eqn, ins[1], where)
             continue
-        sub = _sub_jaxpr(eqn) if name in _CALLS else None
-        if sub is not None:
-            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-            consts = getattr(sub, "consts", ())
-            sub_env = {v: _const_range(c) for v, c in zip(inner.constvars, consts)}
+        kind = classify(eqn)
+        if isinstance(kind, Call):  # jit, custom_jvp, checkpoint: the body runs once
+            inner = kind.body.jaxpr
+            sub_env = {v: _const_range(c) for v, c in zip(inner.constvars, kind.body.consts)}
             sub_env.update({v: r for v, r in zip(inner.invars, ins) if r is not None})
             _walk(inner, sub_env, where)
             for o, io in zip(eqn.outvars, inner.outvars):
-                r = sub_env.get(io) if not isinstance(io, jcore.Literal) else _const_range(io.val)
+                r = _const_range(io.val) if is_literal(io) else sub_env.get(io)
                 if r is not None:
                     env[o] = r
+            continue
+        if kind is not None:  # loops, conditionals, unknown bodies: not followed
             continue
         if not eqn.outvars or not _is_int(eqn.outvars[0].aval):
             continue
@@ -223,7 +218,7 @@ def _walk(jaxpr, env: dict, where: str) -> None:
 
 
 def _literal(v):
-    return v.val if isinstance(v, jcore.Literal) else None
+    return v.val if is_literal(v) else None
 
 
 def _negative_index_wrap(eqn, defs) -> int | None:
@@ -285,8 +280,11 @@ def check_gather_bounds(
     names = list(probes)
     closed = jax.make_jaxpr(lambda *vals: fn(dict(zip(names, vals))))(
         *[probes[n] for n in names])
-    env = {v: _const_range(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
-    for v, n in zip(closed.jaxpr.invars, names):
+    top = open_jaxpr(closed)
+    if top is None:  # pragma: no cover - make_jaxpr always gives its constants' values
+        return
+    env = {v: _const_range(c) for v, c in zip(top.jaxpr.constvars, top.consts)}
+    for v, n in zip(top.jaxpr.invars, names):
         p = probes[n]
         env[v] = _Range.of(p.min(), p.max(), {n}, direct=True)
-    _walk(closed.jaxpr, {k: r for k, r in env.items() if r is not None}, where)
+    _walk(top.jaxpr, {k: r for k, r in env.items() if r is not None}, where)

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 from jax.flatten_util import ravel_pytree
 
 from .._checks import as_arrays, is_concrete, is_masked
+from .._jaxpr import Branch, Call, Loop, classify, is_literal, open_jaxpr
 from ..exact import inspect_model, log_marginal, trace_model
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
 from ._common import as_float_tree
@@ -93,17 +93,28 @@ def _edge_terms(model, args, kwargs, edges):
     return logits, rest
 
 
-#: loop primitives: one pass over their body misses the dependence carried between
-#: iterations, so their outputs conservatively depend on all their inputs
-_LOOPS = frozenset({"scan", "while"})
+def _union(deps) -> frozenset:
+    return frozenset().union(*deps) if deps else frozenset()
 
 
-def _inner_jaxpr(eqn):
-    for key in ("jaxpr", "call_jaxpr"):
-        j = eqn.params.get(key)
-        if j is not None:
-            return getattr(j, "jaxpr", j)
-    return None
+def _loop_deps(loop: Loop, get) -> list[frozenset]:
+    """Dependence of a loop's results: its body iterated until the carried dependence stops
+    growing (a finite lattice: terminates); a ``while`` condition's dependence (the trip
+    count) joins every result."""
+    consts, xs = [get(x) for x in loop.consts], [get(x) for x in loop.xs]
+    carry = [get(x) for x in loop.carry]
+    for _ in range(len(carry) * (len(_union(consts + carry + xs)) + 1) + 1):
+        outs = _jaxpr_deps(loop.body.jaxpr, consts + carry + xs)
+        grown = [c | o for c, o in zip(carry, outs)]
+        if grown == carry:
+            break
+        carry = grown
+    else:  # pragma: no cover - cannot happen: every round grows a finite set
+        return [_union(consts + carry + xs)] * (len(loop.carry) + len(loop.ys))
+    trips = frozenset()
+    if loop.cond is not None:
+        trips = _union(_jaxpr_deps(loop.cond.jaxpr, [get(x) for x in loop.cond_consts] + carry))
+    return [d | trips for d in carry + outs[len(carry):]]
 
 
 def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
@@ -111,23 +122,31 @@ def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
 
     $$\mathrm{deps}(y) = \bigcup_{x \,\in\, \mathrm{operands}(y)} \mathrm{deps}(x)$$
 
-    propagated forwards through the equations; calls (``jit``, ``custom_jvp``, ...)
-    are entered, loops and branches count every operand. It over-approximates: an
-    output not listed as depending on an input is computed without reading it.
+    propagated forwards through the equations; calls (``jit``, ``custom_jvp``, ...) and
+    the branches of a conditional are entered, loops are iterated to a fixed point, and
+    any other primitive — a body the jaxpr walker does not know included — counts every
+    operand. It over-approximates: an output not listed as depending on an input is
+    computed without reading it.
     """
     deps = dict(zip(jaxpr.invars, in_deps))
 
     def get(x):
-        return frozenset() if isinstance(x, jex_core.Literal) else deps.get(x, frozenset())
+        return frozenset() if is_literal(x) else deps.get(x, frozenset())
 
     for eqn in jaxpr.eqns:
         ins = [get(x) for x in eqn.invars]
-        inner = _inner_jaxpr(eqn)
-        if (inner is not None and eqn.primitive.name not in _LOOPS
-                and len(inner.invars) == len(ins) and len(inner.outvars) == len(eqn.outvars)):
-            outs = _jaxpr_deps(inner, ins)
+        kind = classify(eqn)
+        if isinstance(kind, Call):
+            outs = _jaxpr_deps(kind.body.jaxpr, ins)
+        elif isinstance(kind, Loop):
+            outs = _loop_deps(kind, get)
+        elif isinstance(kind, Branch):
+            picked = get(kind.index)
+            operands = [get(x) for x in kind.operands]
+            per_branch = [_jaxpr_deps(b.jaxpr, operands) for b in kind.branches]
+            outs = [_union(ds) | picked for ds in zip(*per_branch)]
         else:
-            outs = [frozenset().union(*ins)] * len(eqn.outvars)
+            outs = [_union(ins)] * len(eqn.outvars)
         deps.update(zip(eqn.outvars, outs))
     return [get(x) for x in jaxpr.outvars]
 
@@ -174,7 +193,11 @@ def _check_separable(model, args, kwargs, info) -> None:
             "laplace: the model indexes a NumPy array with an edge variable; convert "
             "the array with jnp.asarray first"
         ) from e
-    deps = _jaxpr_deps(closed.jaxpr, [frozenset([k]) for k in range(len(names))])
+    top = open_jaxpr(closed)
+    if top is None:  # pragma: no cover - make_jaxpr always gives its constants' values
+        deps = [frozenset(range(len(names)))] * len(sites)
+    else:
+        deps = _jaxpr_deps(top.jaxpr, [frozenset([k]) for k in range(len(names))])
     hint = ("use jax.hessian of structinfer.log_marginal instead (it handles any "
             "dependence on the edges)")
     edges = set(names)

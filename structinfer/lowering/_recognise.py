@@ -21,7 +21,9 @@ plates, exactly where funsor's enumeration would put it. From that one run:
 With several edge sites (multi-hop chains, independent heads) the value must be
 a sum of per-edge terms $f = c + \sum_k g_k(\phi_k)$; this is checked on the
 value's jaxpr (every path from two different edges meets only at
-``add``/``sub`` or through linear maps with edge-independent operands). Then
+``add``/``sub`` or through linear maps with edge-independent operands; calls and
+conditionals are entered and loops iterated to a fixed point, and a body that
+``structinfer._jaxpr`` cannot read makes the model fall back). Then
 $G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ and
 a chain $\phi_1 \leftarrow \phi_0$ gives
 $\mathbb E[f] = P_0 (G_0 + P_1 G_1)$: one kernel per edge.
@@ -36,10 +38,10 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 from numpyro.handlers import block, substitute, trace
 
 from .._checks import is_concrete, is_masked
+from .._jaxpr import Branch, Call, Loop, Unknown, classify, is_literal, open_jaxpr
 from ..exact import inspect_model
 from ..handlers import require_values
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
@@ -122,9 +124,6 @@ _UNARY_LINEAR = {
     "copy", "copy_p", "reduce_sum", "reduce_precision", "real", "slice", "rev",
 }
 
-#: loops: their bodies run many times, so a one-pass analysis of the body is unsound
-_LOOPS = {"scan", "while", "fori_loop"}
-
 
 def _is_float(x) -> bool:
     aval = getattr(x, "aval", None)
@@ -140,38 +139,61 @@ def _cast_is_linear(eqn) -> bool:
             and _is_float(eqn.invars[0]))
 
 
-def _scan_fixed_point(eqn, ideps, isep):
-    """Deps / separability of a ``scan``'s outputs by iterating its body to a fixed point.
+class _NotFollowed(Exception):
+    """The value is computed by a primitive whose body the analysis cannot read."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+        super().__init__(f"{name}: {reason}")
+
+
+def _union(deps) -> frozenset:
+    return frozenset().union(*deps) if deps else frozenset()
+
+
+def _loop_fixed_point(loop: Loop, get):
+    """Deps / separability of a loop's results by iterating its body to a fixed point.
 
     The body's carry outputs are fed back into its carry inputs (deps union, separability
     conjunction) until nothing changes, so effects that need several iterations to appear
     (``c <- a`` then ``d <- d + c * b``) are seen. Monotone in a finite lattice: terminates.
+    A ``while`` whose condition reads an edge runs a number of times that depends on it:
+    every result then depends on that edge too.
     """
-    body = eqn.params["jaxpr"]
-    body = body.jaxpr if hasattr(body, "jaxpr") else body
-    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
-    deps, sep = list(ideps), list(isep)
-    for _ in range(4 * (len(ideps) + 1) * (ncar + 1)):
-        odeps, osep = _analyse(body, deps, sep)
-        changed = False
-        for i in range(ncar):
-            d = deps[nc + i] | odeps[i]
-            s = sep[nc + i] and osep[i]
-            if d != deps[nc + i] or s != sep[nc + i]:
-                deps[nc + i], sep[nc + i], changed = d, s, True
-        if not changed:
-            return odeps, osep
-    n = len(eqn.outvars)  # pragma: no cover - no fixed point: be conservative
-    d = frozenset().union(*ideps) if ideps else frozenset()
-    return [d] * n, [len(d) <= 1] * n
+    part = lambda atoms: ([get(x)[0] for x in atoms], [get(x)[1] for x in atoms])  # noqa: E731
+    (cdeps, csep), (deps, sep), (xdeps, xsep) = part(loop.consts), part(loop.carry), part(loop.xs)
+    ncar, everything = len(deps), _union(cdeps + deps + xdeps)
+    for _ in range(4 * (len(everything) + 1) * (ncar + 1)):
+        odeps, osep = _analyse(loop.body.jaxpr, cdeps + deps + xdeps, csep + sep + xsep)
+        new_deps = [d | o for d, o in zip(deps, odeps)]
+        new_sep = [s and o for s, o in zip(sep, osep)]
+        if new_deps == deps and new_sep == sep:
+            break
+        deps, sep = new_deps, new_sep
+    else:  # pragma: no cover - no fixed point: be conservative
+        n = ncar + len(loop.ys)
+        return [everything] * n, [len(everything) <= 1] * n
+    if loop.length is None or loop.length < 1:  # may run zero times: the carry as given
+        odeps[:ncar], osep[:ncar] = deps, sep
+    if loop.cond is not None:
+        qdeps, qsep = part(loop.cond_consts)
+        trips = _union(_analyse(loop.cond.jaxpr, qdeps + deps, qsep + sep)[0])
+        if trips:
+            odeps = [d | trips for d in odeps]
+            osep = [s and len(d) <= 1 for s, d in zip(osep, odeps)]
+    return odeps, osep
 
 
-def _inner_jaxpr(eqn):
-    for key in ("jaxpr", "call_jaxpr"):
-        j = eqn.params.get(key)
-        if j is not None:
-            return j.jaxpr if hasattr(j, "jaxpr") else j
-    return None
+def _branch(branch: Branch, get):
+    """Deps / separability of a conditional's results: each branch analysed; an edge that
+    picks the branch joins every result."""
+    index = get(branch.index)[0]
+    ins = [get(x) for x in branch.operands]
+    outs = [_analyse(b.jaxpr, [d for d, _ in ins], [s for _, s in ins]) for b in branch.branches]
+    odeps = [_union(ds) | index for ds in zip(*(d for d, _ in outs))]
+    osep = [all(ss) and (not index or len(d) <= 1)
+            for ss, d in zip(zip(*(s for _, s in outs)), odeps)]
+    return odeps, osep
 
 
 def _analyse(jaxpr, in_deps, in_sep):
@@ -180,7 +202,7 @@ def _analyse(jaxpr, in_deps, in_sep):
         deps[v], sep[v] = d, s
 
     def get(x):
-        if isinstance(x, jex_core.Literal):
+        if is_literal(x):
             return frozenset(), True
         return deps.get(x, frozenset()), sep.get(x, True)
 
@@ -189,16 +211,19 @@ def _analyse(jaxpr, in_deps, in_sep):
         ideps = [a for a, _ in ins]
         isep = [b for _, b in ins]
         name = eqn.primitive.name
-        inner = _inner_jaxpr(eqn)
-        if name == "scan" and len(inner.invars) == len(eqn.invars):
-            odeps, osep = _scan_fixed_point(eqn, ideps, isep)
-        elif name in _LOOPS:  # while: trip count may depend on the edges
-            d = frozenset().union(*ideps) if ideps else frozenset()
-            odeps, osep = [d] * len(eqn.outvars), [len(d) <= 1] * len(eqn.outvars)
-        elif inner is not None and len(inner.invars) == len(eqn.invars):
-            odeps, osep = _analyse(inner, ideps, isep)
+        kind = classify(eqn)
+        if isinstance(kind, Call):
+            odeps, osep = _analyse(kind.body.jaxpr, ideps, isep)
+        elif isinstance(kind, Loop):
+            odeps, osep = _loop_fixed_point(kind, get)
+        elif isinstance(kind, Branch):
+            odeps, osep = _branch(kind, get)
+        elif isinstance(kind, Unknown):
+            if _union(ideps):
+                raise _NotFollowed(kind.name, kind.reason)
+            odeps, osep = [frozenset()] * len(eqn.outvars), [True] * len(eqn.outvars)
         else:
-            d = frozenset().union(*ideps) if ideps else frozenset()
+            d = _union(ideps)
             if len(d) <= 1:
                 s = True
             elif name in ("add", "sub", "add_any", "concatenate"):
@@ -224,10 +249,15 @@ def _is_separable(model, args, kwargs, value, names, probes) -> bool:
     def f(*phis):
         return _run(model, args, kwargs, dict(zip(names, phis)))[value]["value"]
 
-    closed = jax.make_jaxpr(f)(*[probes[e] for e in names])
-    jaxpr = closed.jaxpr
+    top = open_jaxpr(jax.make_jaxpr(f)(*[probes[e] for e in names]))
+    if top is None:  # pragma: no cover - make_jaxpr always gives its constants' values
+        return False
     in_deps = [frozenset([k]) for k in range(len(names))]
-    _, sep = _analyse(jaxpr, in_deps, [True] * len(names))
+    try:
+        _, sep = _analyse(top.jaxpr, in_deps, [True] * len(names))
+    except _NotFollowed as err:
+        raise _Fail(value, "value", f"is computed inside '{err.name}' ({err.reason}), so "
+                    "whether it is a sum of per-edge terms is not known") from None
     return all(sep)
 
 

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
 from jax.extend.core import primitives as prims
+
+from .._jaxpr import Call, classify, is_literal, open_jaxpr
 
 __all__ = ["eval_with_views", "gather_as_view"]
 
@@ -126,11 +127,11 @@ def eval_with_views(fn, *args):
 
     dyn_vals = [leaves[i] for i in dyn]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
-    res = _replay(closed.jaxpr, closed.consts, dyn_vals, [None] * len(dyn_vals))[0]
+    top = open_jaxpr(closed)
+    if top is None:  # pragma: no cover - make_jaxpr always gives its constants' values
+        return fn(*args)
+    res = _replay(top.jaxpr, top.consts, dyn_vals, [None] * len(dyn_vals))[0]
     return jax.tree.unflatten(jax.tree.structure(out_shape), res)
-
-
-_CALLS = ("jit", "pjit")  # call primitives whose body is params["jaxpr"]
 
 
 def _fold(eqn, thunks):
@@ -151,7 +152,9 @@ def _replay(jaxpr, consts, vals, thunks):
     """Evaluate ``jaxpr``; ``thunks[i]`` (or None) yields input ``i`` as a concrete value.
 
     Returns the outputs and, for each, a thunk when it does not depend on traced inputs.
-    Calls (nested ``jit``) are replayed inline so the gathers inside them are seen.
+    Plain calls (nested ``jit``) are replayed inline so the gathers inside them are seen;
+    every other equation (loops, ``custom_jvp`` functions, bodies the jaxpr walker does
+    not know) is bound as it is.
     """
     env, thunk = {}, {}
     for v, c in zip(jaxpr.constvars, consts):
@@ -164,21 +167,20 @@ def _replay(jaxpr, consts, vals, thunks):
             thunk[v] = t
 
     def read(x):
-        return x.val if isinstance(x, jex_core.Literal) else env[x]
+        return x.val if is_literal(x) else env[x]
 
     def known(x):
-        if isinstance(x, jex_core.Literal):
+        if is_literal(x):
             return lambda: x.val
         return thunk.get(x)
 
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
         tins = [known(x) for x in eqn.invars]
-        name = eqn.primitive.name
-        inner = eqn.params.get("jaxpr") if name in _CALLS else None
+        call = classify(eqn)
         outs, touts = None, None
-        if inner is not None and hasattr(inner, "jaxpr") and not eqn.effects:
-            outs, touts = _replay(inner.jaxpr, inner.consts, ins, tins)
+        if isinstance(call, Call) and call.kind == "call" and not eqn.effects:
+            outs, touts = _replay(call.body.jaxpr, call.body.consts, ins, tins)
         elif (eqn.primitive is prims.gather_p and tins[0] is None and tins[1] is not None
               and eqn.invars[1].aval.size <= _MAX_ELEMENTS
               and eqn.invars[0].aval.size <= _MAX_ELEMENTS):
