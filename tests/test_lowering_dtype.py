@@ -195,12 +195,24 @@ def test_bfloat16_with_float32_prior_parameters_reaches_cudnn(prior, gpu, cudnn_
 # --- precision ------------------------------------------------------------------------
 
 
+KERNEL_FILES = tuple(f"structinfer/lowering/{f}.py" for f in (
+    "_spec", "dense", "blocked", "windowed", "accel", "sharded"))
+
+
+def _in_kernel(eqn) -> bool:
+    """The equation was traced by a kernel (not by the model's own dense score, traced
+    while it is recognised and dead in the compiled program)."""
+    frames = eqn.source_info.traceback.frames if eqn.source_info.traceback else []
+    return any(f.file_name.replace("\\", "/").endswith(KERNEL_FILES) for f in frames)
+
+
 def _dot_precisions(jaxpr):
+    """The precision of every dot_general a kernel traced (sub-jaxprs included)."""
     out = []
 
     def walk(jx):
         for eqn in jx.eqns:
-            if eqn.primitive.name == "dot_general":
+            if eqn.primitive.name == "dot_general" and _in_kernel(eqn):
                 out.append(eqn.params["precision"])
             for sub in jaxprs_in_params(eqn.params):
                 walk(sub)
@@ -293,4 +305,4 @@ def test_layer_precision_reaches_the_attention():
     graphdef, state = nnx.split(layer)
     precs = _dot_precisions(jax.make_jaxpr(
         lambda s, x: nnx.merge(graphdef, s)(x))(state, x))
-    assert len(precs) > 4 and all(p == HIGHEST for p in precs), precs
+    assert len(precs) >= 2 and all(p == HIGHEST for p in precs), precs  # q·k, p·v
