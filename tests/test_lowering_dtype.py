@@ -247,6 +247,27 @@ def test_precision_reaches_every_matmul(backend):
     assert precs and all(p is None for p in precs), (backend, precs)
 
 
+@pytest.mark.parametrize("precision", ["highest", jax.lax.Precision.HIGHEST,
+                                       ("highest", "default")])
+def test_precision_reaches_the_exact_engine(precision):
+    n = 7
+    model = _model(PRIORS["geometric_float_q"], n)
+    q, k, v, e = _inputs(jnp.float32, n)
+    f = si.attention(model, "out", "exact", precision=precision)
+    jx = jax.make_jaxpr(lambda q: f(q, k, v, e))(q)
+    dots = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append(eqn.params["precision"])
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jx.jaxpr)
+    assert dots and all(p == HIGHEST for p in dots), dots
+
+
 def test_attention_refuses_a_bad_precision():
     with pytest.raises(ValueError, match="precision"):
         si.attention(_model(PRIORS["causal"], 5), "out", precision="very high")

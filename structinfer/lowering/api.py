@@ -278,16 +278,22 @@ def _check_precision(precision) -> None:
 
 def _matmul_precision(precision):
     """``jax.default_matmul_precision`` set to ``precision`` for the exact engine's
-    contractions (which take no ``precision`` argument); nothing for ``None``."""
-    if precision is None:
-        return contextlib.nullcontext()
+    contractions (which take no ``precision`` argument); nothing for ``None``, JAX's
+    default or a custom ``jax.lax.DotAlgorithm``."""
     if isinstance(precision, (tuple, list)):  # a pair: the more precise of the two
         precision = max((jax.lax.Precision(p) for p in precision), key=lambda p: p.value)
+    if isinstance(precision, str):
+        try:
+            precision = jax.lax.Precision(precision)  # "highest", "float32", ...
+        except ValueError:
+            precision = jax.lax.DotAlgorithmPreset[precision]  # checked: a preset's name
+    name = None
     if isinstance(precision, jax.lax.Precision):
-        precision = precision.name.lower()
-    elif isinstance(precision, jax.lax.DotAlgorithmPreset):
-        precision = precision.name
-    return jax.default_matmul_precision(str(precision))
+        name = precision.name.lower()
+    elif (isinstance(precision, jax.lax.DotAlgorithmPreset)
+          and precision != jax.lax.DotAlgorithmPreset.DEFAULT):
+        name = precision.name
+    return contextlib.nullcontext() if name is None else jax.default_matmul_precision(name)
 
 
 def attention(

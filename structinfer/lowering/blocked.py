@@ -643,7 +643,8 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
 def _run_forward(static, prob: Problem, starts):
     terms, sched, batch, forward, nan_rows, precision, out_dtype = static.value
     if forward is not None:
-        out, lse = forward(terms, prob, batch, precision=precision)
+        out, lse = (forward(terms, prob, batch) if precision is None
+                    else forward(terms, prob, batch, precision=precision))
         if nan_rows:
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
         return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
@@ -717,10 +718,11 @@ def blocked_attention(
         starts: optional traced ``(i_start, j_start)`` global indices of the first
             child / parent of these arrays (a shard of a longer sequence); distances
             are computed from global indices. Use a dense schedule with them.
-        forward: optional ``forward(terms, prob, batch_shape, precision=...) -> (y, L)``
-            that replaces this kernel's forward pass (an accelerator's fused kernel, e.g.
-            `structinfer.lowering.accel.pallas_forward`); the gradient is still this
-            kernel's backward, which needs only ``y`` and ``L``.
+        forward: optional ``forward(terms, prob, batch_shape) -> (y, L)`` that replaces
+            this kernel's forward pass (an accelerator's fused kernel, e.g.
+            `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
+            too when one is given; the gradient is still this kernel's backward, which
+            needs only ``y`` and ``L``.
         nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
             logit) are NaN in ``y`` — the exact engine's answer under ``jit`` — instead of
             0 (what merging partial results, as ring attention does, needs). Written in
