@@ -290,7 +290,7 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
 
 def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    block_q: int = 64, block_k: int = 64, interpret: bool | None = None,
-                   precision=None) -> tuple[jax.Array, jax.Array]:
+                   precision: lax.PrecisionLike = None) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent

@@ -307,7 +307,7 @@ def attention(
     shard: str = "heads",
     axis_name: str | None = None,
     runner: Callable | None = None,
-    precision: Any = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Callable:
     r"""The posterior expectation of ``value`` as a fused, jittable function of the model's args.
 

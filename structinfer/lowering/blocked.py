@@ -704,7 +704,7 @@ def blocked_attention(
     starts: tuple | None = None,
     forward: Callable | None = None,
     nan_rows: bool = False,
-    precision=None,
+    precision: lax.PrecisionLike = None,
     out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Run the blocked kernel: posterior expectation and row log-partition.

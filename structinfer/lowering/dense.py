@@ -37,7 +37,8 @@ def dense_logits(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
 
 
 def dense_attention(
-    terms: Terms, prob: Problem, batch_shape: tuple[int, ...], precision=None
+    terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+    precision: jax.lax.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Posterior expectation ``y = softmax(l) V`` and row log-partition ``L`` (dense).
 

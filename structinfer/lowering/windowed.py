@@ -163,7 +163,7 @@ def _band_values(probs: jax.Array, v: jax.Array, offset: int, dmin: int, block_q
 
 def windowed_kernel(
     terms: Terms, prob: Problem, batch_shape: tuple[int, ...], block_q: int = 128,
-    precision=None,
+    precision: lax.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Posterior expectation on the distance band of ``terms`` (exact for that band).
 
