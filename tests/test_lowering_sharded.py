@@ -7,7 +7,8 @@ equal to float32 rounding, 1e-6, as XLA may fuse a 1-head program differently fr
 4-head one) and ring attention (float32, 2e-6: the
 partial softmaxes are merged in a different order) with the single-device
 blocked kernel, the ring gradients with the single-device gradients, and
-``structinfer.attention(model, mesh=...)`` with the exact engine.
+``structinfer.attention(model, mesh=...)`` with the exact engine (and, in bfloat16,
+that it answers in bfloat16).
 """
 
 import os
@@ -74,6 +75,17 @@ SCRIPT = textwrap.dedent(
         f = si.attention(mha, "out", "blocked", mesh=mesh, shard=shard, block_q=4, block_k=8)
         np.testing.assert_allclose(f(q, k, v), ref, atol=2e-5)
         print("ok model", shard)
+
+    # bfloat16 in, bfloat16 out (ring attention merges its chunks in float32), with the
+    # precision argument passed to every device's kernel
+    qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    for shard in ("heads", "sequence"):
+        f = si.attention(mha, "out", "blocked", mesh=mesh, shard=shard, block_q=4, block_k=8,
+                         precision="highest")
+        yb = f(qb, kb, vb)
+        assert yb.dtype == jnp.bfloat16, yb.dtype
+        np.testing.assert_allclose(np.asarray(yb, np.float32), ref, atol=3e-2)
+        print("ok bfloat16", shard)
     """
 )
 
@@ -84,4 +96,4 @@ def test_sharded_and_ring_attention_on_four_simulated_devices():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok") == 4, proc.stdout
+    assert proc.stdout.count("ok") == 6, proc.stdout

@@ -158,7 +158,8 @@ def expectation(
         **kwargs: the model's keyword arguments.
 
     Returns:
-        The expectation, shaped like the site's value in a plain run; a dict of them
+        The expectation, shaped like the site's value in a plain run and in its dtype
+            when that is floating (the model's floating dtype otherwise); a dict of them
             when ``site`` is a sequence.
 
     Raises:
@@ -193,6 +194,10 @@ def expectation(
         )
 
     out = jax.grad(f)(zeros)
+    # in the value's dtype (a bfloat16 value of a model with float32 parameters is
+    # contracted in float32 and answered in bfloat16); integer values in the model's
+    out = {n: x.astype(info[n].dtype) if jnp.issubdtype(info[n].dtype, jnp.floating) else x
+           for n, x in out.items()}
     return out[site] if isinstance(site, str) else out
 
 

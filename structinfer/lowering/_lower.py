@@ -51,7 +51,7 @@ from jax.typing import ArrayLike
 
 from ..priors import RestrictionPattern, StructuralPrior
 from ..scores import Score
-from ._spec import Problem, RelPos, Terms, band_mask_np
+from ._spec import Problem, RelPos, Terms, accum_dtype, band_mask_np
 
 __all__ = [
     "NotLowered",
@@ -496,6 +496,12 @@ def lower_edge(
         plate_batch: batch shape of the plates around the edge, without the
             children plate (heads, batch).
 
+    Returns:
+        The `Lowered` edge. The dot product's features
+        and the value table are in their common dtype (the kernels' operands); every
+        other array (the prior's parameters, biases, tables, IDW features) is in the
+        dtype the kernels accumulate in: float32, or float64 for float64 operands.
+
     Raises:
         NotLowered: naming the part (``"prior ..."``/``"score ..."``) with no lowering.
     """
@@ -528,11 +534,19 @@ def lower_edge(
         pair["logits"] = t
         kw["pair_logits"] = True
     v = jnp.asarray(value_table)
-    # common floating dtype
-    floats = [x for d in (row, col, pair, glob) for x in d.values()] + [v]
-    dtype = jnp.result_type(*[x.dtype for x in floats if jnp.issubdtype(x.dtype, jnp.floating)]
-                            or [jnp.result_type(float)])
-    cast = lambda d: {k: x.astype(dtype) for k, x in d.items()}  # noqa: E731
+    # dtypes: the score's features and the values are the kernels' operands, in their
+    # common dtype; the prior's parameters (and every other term) are added to logits
+    # accumulated in float32 (float64 for float64 operands), so a float32 prior parameter
+    # never promotes bfloat16 operands
+    inputs = [x for d in (row, col) for key, x in d.items() if key in ("q", "k")] + [v]
+    floats = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
+    dtype = jnp.result_type(*floats) if floats else jnp.result_type(float)
+    acc_dtype = accum_dtype(dtype)
+
+    def cast(d):
+        return {key: x.astype(dtype if key in ("q", "k") else acc_dtype)
+                for key, x in d.items()}
+
     row, col, pair, glob = cast(row), cast(col), cast(pair), cast(glob)
     v = v.astype(dtype)
     # shape checks and the batch shape

@@ -33,7 +33,14 @@ import numpy as np
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
-__all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np"]
+__all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np", "accum_dtype"]
+
+
+def accum_dtype(dtype) -> jnp.dtype:
+    """The dtype the kernels accumulate in for operands of ``dtype``: float32 for
+    bfloat16 / float16 / float32 operands, float64 for float64 (as flash-attention
+    kernels do: logits, running maximum, exp-sum and the p·v product)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,7 @@ def block_logits(
     dtype,
     col_valid: jax.Array | None = None,
     transposed: bool = False,
+    precision=None,
 ) -> tuple[jax.Array, jax.Array | None]:
     r"""Logits $\ell_{ij}$ (finite part) and the allowed-edge mask on one block.
 
@@ -167,11 +175,15 @@ def block_logits(
         row, col, pair, glob, const: the arrays, already sliced to the block
             (row ``(..., bq, f)``, col ``(..., bk, f)``, pair/const ``(..., bq, bk)``).
         i_idx: ``(bq,)`` global child indices; ``j_idx``: ``(bk,)`` parent indices.
-        dtype: floating dtype of the result.
+        dtype: floating dtype of the result, the kernel's accumulation dtype
+            (`accum_dtype`): the dot product multiplies the operands in their own dtype
+            and accumulates in this one, the other terms are computed in it.
         col_valid: optional ``(bk,)`` boolean, False for padded parents.
         transposed: build the block parents x children, ``(..., bk, bq)`` (the blocked
             kernel's backward works on it so): each term is built in that layout from
             its factors rather than transposed afterwards (a strided pass).
+        precision: the dot product's ``precision`` (``None``: JAX's default, which
+            follows ``jax.default_matmul_precision``).
 
     Returns:
         ``(s, ok)``: ``s`` of shape ``(..., bq, bk)`` (``(..., bk, bq)`` transposed) is
@@ -197,25 +209,26 @@ def block_logits(
         return jnp.swapaxes(x, -1, -2) if transposed else x
 
     if t.dot:
-        add(jnp.einsum("...jf,...if->...ji", col["k"], row["q"]) if transposed
-            else jnp.einsum("...if,...jf->...ij", row["q"], col["k"]))
+        mm = dict(preferred_element_type=dtype, precision=precision)
+        add(jnp.einsum("...jf,...if->...ji", col["k"], row["q"], **mm) if transposed
+            else jnp.einsum("...if,...jf->...ij", row["q"], col["k"], **mm))
     for r in range(t.idw):
-        x, y = row[f"idw{r}"], col[f"idw{r}"]
+        x, y = row[f"idw{r}"].astype(dtype), col[f"idw{r}"].astype(dtype)
         p, eps = glob[f"idw{r}_p"], glob[f"idw{r}_eps"]
         diff = (x[..., None, :, :] - y[..., :, None, :] if transposed
                 else x[..., :, None, :] - y[..., None, :, :])
         add(-jnp.log(eps + safe_pow_dist(jnp.sum(diff * diff, -1), p)))
     if t.col_bias:
-        add(per_parent(col["bias"][..., 0]))
+        add(per_parent(col["bias"][..., 0].astype(dtype)))
     if t.pair_logits:
-        add(per_edge(pair["logits"]))
+        add(per_edge(pair["logits"].astype(dtype)))
     d = None
     if t.relpos is not None or t.geometric or t.has_band:
         d = per_child(i_idx + t.offset) - per_parent(j_idx)
     if t.relpos is not None:
         add(relpos_weights(t.relpos, glob["relpos"], d).astype(dtype))
     if t.geometric:
-        g = row["geo"]
+        g = row["geo"].astype(dtype)
         add(per_child(g[..., 0]) + (d - t.geo_d0).astype(dtype) * per_child(g[..., 1]))
     if s is None:
         shape = (j_idx.shape[0], i_idx.shape[0]) if transposed else (i_idx.shape[0], j_idx.shape[0])

@@ -10,19 +10,27 @@ the platform's fused kernels instead of the portable blocked kernel
   product with no mask, a causal mask or a causal sliding window (child $i$ sees parents
   $i - W < j \le i$), plus an optional additive bias $b_{ij}$ (per-parent bias,
   relative-position bias, geometric recency log-prior; materialised as one
-  $(n, m)$ table per head, so only up to `CUDNN_BIAS_MAX` entries), and the inputs
-  are float16 / bfloat16 with query and value head dims equal, a multiple of 8 and at most
+  $(n, m)$ table per head, so only up to `CUDNN_BIAS_MAX` entries), and the queries,
+  keys and values are float16 / bfloat16 (the prior's parameters may be float32: they
+  never promote them) with query and value head dims equal, a multiple of 8 and at most
   128 (what cuDNN accepts on every GPU it supports).
 * A **Pallas** (Triton) flash-attention kernel, `pallas_forward`, for the rest of
   the dot-product family in any floating dtype: it computes on each block the same logits
   the blocked kernel does — dot product, per-parent bias, relative-position bias looked up
   from the distance grid $d_{ij} = i + \text{offset} - j$, geometric log-prior
   $\log q_i + (d_{ij} - d_0)\log(1 - q_i)$ — and skips the blocks outside the distance
-  band (causal, windows, truncation), accumulating in float32. Its gradient is the
+  band (causal, windows, truncation), multiplying in the inputs' dtype and accumulating
+  in float32 (the prior's terms are added in float32). Its gradient is the
   blocked kernel's backward (`blocked_attention(..., forward=pallas_forward)`), which
   needs only the output $y$ and the row log-partition $L$.
 * Everything else (IDW scores, per-edge tables, masks given as arrays, multi-device runs)
   keeps the blocked kernel, which runs on every platform.
+
+Every kernel answers in the value's dtype (bfloat16 in, bfloat16 out). Float32 inputs
+through the Pallas kernel follow JAX's matmul precision: ``precision=None`` is JAX's
+default (TF32 tensor cores on recent NVIDIA GPUs, relative errors ~1e-3), which
+``jax.default_matmul_precision("highest")`` or ``structinfer.attention(...,
+precision="highest")`` raises to full float32.
 
 `structinfer.explain` names the kernel and, when cuDNN was not used, why. A
 forced `backend="cudnn"` or `"pallas"` raises `NotLowerableError` with
@@ -42,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._spec import Problem, Terms, band_ok, relpos_index, relpos_weights
+from ._spec import Problem, Terms, accum_dtype, band_ok, relpos_index, relpos_weights
 
 __all__ = [
     "GPU_KERNELS",
@@ -175,7 +183,7 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
         batch_shape: the broadcast batch shape (heads, batch) of the result.
 
     Returns:
-        `(y, L)`: `batch + (n, dv)` and `batch + (n,)`.
+        `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32.
 
     Raises:
         NotImplementedError: from JAX's cuDNN wrapper when the installed cuDNN or the GPU
@@ -203,7 +211,7 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     )
     y = jnp.swapaxes(y[0], 0, 1).reshape(batch + (n, v.shape[-1]))
     lse = jnp.swapaxes(res[0], 0, 1).reshape(batch + (n,))
-    return y, lse
+    return y.astype(v.dtype), lse.astype(accum_dtype(v.dtype))
 
 
 # --- Pallas ----------------------------------------------------------------------------
@@ -226,7 +234,8 @@ def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int):
     return lo, jnp.maximum(hi, lo)
 
 
-def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...]):
+def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
+                   acc_dtype, precision):
     """One child block of one batch element: online softmax over its live parent blocks."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -237,8 +246,8 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
     q = named["q"][...]
     i_idx = a * bq + jnp.arange(bq)
     if terms.geometric:
-        g0 = named["geo0"][...].astype(jnp.float32)
-        g1 = named["geo1"][...].astype(jnp.float32)
+        g0 = named["geo0"][...].astype(acc_dtype)
+        g1 = named["geo1"][...].astype(acc_dtype)
     m = terms.num_parents
     lo, hi = _live_range(terms, a, bq, bk, nkb)
 
@@ -246,15 +255,15 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
         m_i, l_i, acc = carry
         j0 = pl.multiple_of(t * bk, bk)
         k = named["k"][pl.ds(j0, bk), :]
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(acc_dtype)
         j_idx = j0 + jnp.arange(bk)
         d = i_idx[:, None] + terms.offset - j_idx[None, :]
         if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
-            s = s + named["bias"][pl.ds(j0, bk)][None, :]
+            s = s + named["bias"][pl.ds(j0, bk)][None, :].astype(acc_dtype)
         if terms.relpos is not None:
-            s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(jnp.float32)
+            s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
         if terms.geometric:
-            s = s + g0[:, None] + (d - terms.geo_d0).astype(jnp.float32) * g1[:, None]
+            s = s + g0[:, None] + (d - terms.geo_d0).astype(acc_dtype) * g1[:, None]
         ok = (j_idx < m)[None, :]
         band = band_ok(terms, d)
         if band is not None:
@@ -265,12 +274,13 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
         p = jnp.exp(s - m_safe[:, None])
         corr = jnp.exp(m_i - m_safe)
         v = named["v"][pl.ds(j0, bk), :]
-        acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v,
+                                              precision=precision).astype(acc_dtype)
         return m_new, l_i * corr + jnp.sum(p, axis=-1), acc
 
     dvp = o_ref.shape[-1]
-    init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
-            jnp.zeros((bq, dvp), jnp.float32))
+    init = (jnp.full((bq,), -jnp.inf, acc_dtype), jnp.zeros((bq,), acc_dtype),
+            jnp.zeros((bq, dvp), acc_dtype))
     m_i, l_i, acc = lax.fori_loop(lo, hi, body, init)
     pos = l_i > 0
     l_safe = jnp.where(pos, l_i, 1.0)
@@ -279,14 +289,15 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
 
 
 def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
-                   block_q: int = 64, block_k: int = 64, interpret: bool | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
+                   block_q: int = 64, block_k: int = 64, interpret: bool | None = None,
+                   precision: lax.PrecisionLike = None) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
     blocks its distance band allows, computing the block logits (dot product, per-parent
     bias, relative-position bias, geometric log-prior, band and padding masks) and the
-    online softmax in float32. Feature and value dims are zero-padded to a power of two
+    online softmax in float32: the matmuls multiply in the inputs' dtype and accumulate
+    in float32, the prior's terms are added in float32. Feature and value dims are zero-padded to a power of two
     (at least 16), lengths to the block sizes.
 
     Args:
@@ -298,9 +309,13 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         block_k: parents per block (rounded up to a power of two, at least 16, at most
             that of ``m``).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
+        precision: the matmuls' ``precision`` (``None``: JAX's default, which follows
+            ``jax.default_matmul_precision``; for float32 inputs on a GPU that default is
+            TF32, ``"highest"`` is full float32).
 
     Returns:
-        `(y, L)`: `batch + (n, dv)` and `batch + (n,)`, in the value dtype.
+        `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
+        (float64 for float64 inputs).
 
     Raises:
         ValueError: `pallas_unsupported` names a reason the kernel cannot run the edge.
@@ -323,6 +338,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     nqb, nkb = -(-n // bq), -(-m // bk)
     n_pad, m_pad = nqb * bq, nkb * bk
     q, k, v = prob.row["q"], prob.col["k"], prob.v
+    acc = accum_dtype(v.dtype)
     fp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
 
     def flat(x, core: int):
@@ -340,9 +356,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         "v": pl.BlockSpec((None, m_pad, dvp), lambda i, b: (b, 0, 0)),
     }
     if terms.col_bias or terms.col_ok:
-        cb = jnp.zeros((m,), jnp.float32)
+        cb = jnp.zeros((m,), acc)
         if terms.col_bias:
-            cb = cb + prob.col["bias"][..., 0].astype(jnp.float32)
+            cb = cb + prob.col["bias"][..., 0].astype(acc)
         if terms.col_ok:
             cb = jnp.where(prob.const["col_ok"], cb, -jnp.inf)
         arrays["bias"] = pad(flat(cb, 1), m_pad)
@@ -357,7 +373,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         arrays["relpos"] = rb
         specs["relpos"] = pl.BlockSpec((None, rb.shape[-1]), lambda i, b: (b, 0))
     keys = tuple(arrays)
-    kernel = functools.partial(_pallas_kernel, terms=terms, bq=bq, bk=bk, nkb=nkb, keys=keys)
+    kernel = functools.partial(_pallas_kernel, terms=terms, bq=bq, bk=bk, nkb=nkb, keys=keys,
+                               acc_dtype=acc, precision=precision)
     out, lse = pl.pallas_call(
         kernel,
         grid=(nqb, B),
@@ -365,12 +382,12 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         out_specs=[pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0)),
                    pl.BlockSpec((None, bq), lambda i, b: (b, i))],
         out_shape=[jax.ShapeDtypeStruct((B, n_pad, dvp), v.dtype),
-                   jax.ShapeDtypeStruct((B, n_pad), jnp.float32)],
+                   jax.ShapeDtypeStruct((B, n_pad), acc)],
         compiler_params=plgpu.CompilerParams(num_warps=4 if fp <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="structinfer_attention",
     )(*[arrays[x] for x in keys])
     y = out[:, :n, : v.shape[-1]].reshape(batch + (n, v.shape[-1]))
     lse = lse[:, :n].reshape(batch + (n,))
-    return y, lse.astype(v.dtype)
+    return y, lse
 

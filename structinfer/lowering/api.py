@@ -16,6 +16,7 @@ on fallback, the site and the part that was not recognised.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -129,18 +130,20 @@ def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]
     return out
 
 
-def _blocked(low, prob, batch, block_q: int, block_k: int, forward=None):
+def _blocked(low, prob, batch, block_q: int, block_k: int, forward=None, precision=None):
     bq, bk = band_blocks(low.terms, block_q, block_k)
     return blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk, mask=low.mask,
-                             forward=forward, nan_rows=True)
+                             forward=forward, nan_rows=True, precision=precision)
 
 
-def _pallas(low, prob, batch, block_q: int, block_k: int):
+def _pallas(low, prob, batch, block_q: int, block_k: int, precision=None):
     # the Pallas kernel replaces the forward pass; gradients are the blocked kernel's
-    return _blocked(low, prob, batch, block_q, block_k, forward=accel.pallas_forward)
+    return _blocked(low, prob, batch, block_q, block_k, forward=accel.pallas_forward,
+                    precision=precision)
 
 
-def _cudnn(low, prob, batch, block_q: int, block_k: int, forced: bool, site: str, used: dict):
+def _cudnn(low, prob, batch, block_q: int, block_k: int, forced: bool, site: str, used: dict,
+           precision=None):
     """cuDNN, or (when JAX's cuDNN wrapper refuses at trace time) the next kernel."""
     try:
         return accel.cudnn_attention(low.terms, prob, batch)
@@ -153,14 +156,18 @@ def _cudnn(low, prob, batch, block_q: int, block_k: int, forced: bool, site: str
         used[site] = (nxt, (f"cuDNN refused at trace time ({type(err).__name__}: "
                             f"{str(err).splitlines()[0] if str(err) else ''})",))
         if nxt == "pallas":
-            return _pallas(low, prob, batch, block_q, block_k)
-        return _blocked(low, prob, batch, block_q, block_k)
+            return _pallas(low, prob, batch, block_q, block_k, precision)
+        return _blocked(low, prob, batch, block_q, block_k, precision=precision)
 
 
 def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
              runner: Callable | None = None, forced: bool = False,
-             used: dict | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+             used: dict | None = None, precision=None
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Run the plan's kernels; returns the output and each edge's row log-normaliser.
+
+    The output is in the value's dtype (the common dtype of the edges' value tables);
+    each kernel multiplies in its operands' dtype and accumulates in float32 (float64).
 
     A row whose log-normaliser is not finite (no allowed parent, a NaN/inf score) is
     NaN in the output, as in the exact engine under ``jit``: never a finite number.
@@ -186,15 +193,17 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
         if runner is not None:
             y, lse = runner(kind, low, prob, batch)
         elif kind == "dense":
-            y, lse = dense_attention(low.terms, prob, batch)
+            y, lse = dense_attention(low.terms, prob, batch, precision)
         elif kind == "blocked":
-            y, lse = _blocked(low, prob, batch, block_q, block_k)
+            y, lse = _blocked(low, prob, batch, block_q, block_k, precision=precision)
         elif kind == "cudnn":
-            y, lse = _cudnn(low, prob, batch, block_q, block_k, forced, ep.name, used)
+            y, lse = _cudnn(low, prob, batch, block_q, block_k, forced, ep.name, used,
+                            precision)
         elif kind == "pallas":
-            y, lse = _pallas(low, prob, batch, block_q, block_k)
+            y, lse = _pallas(low, prob, batch, block_q, block_k, precision)
         else:
-            y, lse = windowed_kernel(low.terms, prob, batch, block_q=block_q)
+            y, lse = windowed_kernel(low.terms, prob, batch, block_q=block_q,
+                                     precision=precision)
         if runner is not None or kind not in ("blocked", "pallas"):  # the blocked kernel
             y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)  # writes these NaN itself
         Y[ep.name] = y
@@ -208,7 +217,8 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
     lead = shape[: len(shape) - ev]
     out = jnp.broadcast_to(out, lead + out.shape[-1:]).reshape(shape)
     # in the model's order of the edge sites (the eager error names the first bad one)
-    return out.astype(jnp.result_type(float)), {ep.name: lses[ep.name] for ep in plan.edges}
+    dtype = jnp.result_type(*(ep.table.dtype for ep in plan.edges))
+    return out.astype(dtype), {ep.name: lses[ep.name] for ep in plan.edges}
 
 
 def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
@@ -296,6 +306,39 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def _check_precision(precision) -> None:
+    """Refuse what ``jax.lax.dot_general`` would refuse, when ``attention`` is built."""
+    if precision is None:
+        return
+    try:
+        jax.eval_shape(lambda a: jnp.matmul(a, a, precision=precision),
+                       jax.ShapeDtypeStruct((2, 2), jnp.float32))
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"attention: precision {precision!r} is not a JAX matmul precision "
+                         f"(None, 'default', 'high', 'highest', a jax.lax.Precision, a pair "
+                         f"of them, or a jax.lax.DotAlgorithmPreset): {err}") from None
+
+
+def _matmul_precision(precision):
+    """``jax.default_matmul_precision`` set to ``precision`` for the exact engine's
+    contractions (which take no ``precision`` argument); nothing for ``None``, JAX's
+    default or a custom ``jax.lax.DotAlgorithm``."""
+    if isinstance(precision, (tuple, list)):  # a pair: the more precise of the two
+        precision = max((jax.lax.Precision(p) for p in precision), key=lambda p: p.value)
+    if isinstance(precision, str):
+        try:
+            precision = jax.lax.Precision(precision)  # "highest", "float32", ...
+        except ValueError:
+            precision = jax.lax.DotAlgorithmPreset[precision]  # checked: a preset's name
+    name = None
+    if isinstance(precision, jax.lax.Precision):
+        name = precision.name.lower()
+    elif (isinstance(precision, jax.lax.DotAlgorithmPreset)
+          and precision != jax.lax.DotAlgorithmPreset.DEFAULT):
+        name = precision.name
+    return contextlib.nullcontext() if name is None else jax.default_matmul_precision(name)
+
+
 def attention(
     model: Callable,
     value: str,
@@ -307,6 +350,7 @@ def attention(
     shard: str = "heads",
     axis_name: str | None = None,
     runner: Callable | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Callable:
     r"""The posterior expectation of ``value`` as a fused, jittable function of the model's args.
 
@@ -346,9 +390,21 @@ def attention(
         runner: advanced — ``runner(kind, lowered, problem, batch_shape) -> (y, lse)``
             (output and row log-normaliser) replaces the kernel call (``mesh`` builds
             one, from `structinfer.lowering.sharded`).
+        precision: the precision of the kernels' matmuls, as JAX's matmuls take it
+            (``jax.lax.dot_general``): ``None`` (JAX's default, which follows
+            ``jax.default_matmul_precision`` — on a GPU, float32 matmuls may then run in
+            TF32), ``"default"``, ``"high"``, ``"highest"`` (full float32), a
+            ``jax.lax.Precision``, a pair of them or a ``jax.lax.DotAlgorithmPreset``.
+            It reaches every matmul of the forward and backward passes; the exact engine
+            runs under ``jax.default_matmul_precision`` set to it.
 
     Returns:
-        ``f(*args, **kwargs)`` returning the expectation, shaped like the site's value.
+        ``f(*args, **kwargs)`` returning the expectation, shaped like the site's value
+            and in its dtype (bfloat16 values give a bfloat16 answer; a float32 model
+            answers in float32 with x64 enabled). Every kernel multiplies in the
+            dtype of the queries, keys and values and accumulates in float32 (the
+            logits, the prior's terms, the softmax and the p·v product; float64 for
+            float64 inputs), as flash-attention kernels do.
             Array (and float) arguments are traced; other arguments (ints, strings) are
             static. Called on concrete arrays, a child with no allowed parent or a
             NaN/inf score raises the exact engine's error (found from the kernel's
@@ -361,8 +417,8 @@ def attention(
             [`check_rows`][structinfer.lowering.check_rows].
 
     Raises:
-        ValueError: ``backend`` is not one of `BACKENDS`, or ``shard`` is not
-            ``"heads"`` / ``"sequence"``.
+        ValueError: ``backend`` is not one of `BACKENDS`, ``shard`` is not
+            ``"heads"`` / ``"sequence"``, or ``precision`` is not a matmul precision.
         TypeError: ``model`` is not callable, or ``value`` is not a site name.
 
     Reference:
@@ -371,6 +427,7 @@ def attention(
         flash attention.
     """
     _check_backend(backend)
+    _check_precision(precision)
     if not callable(model):
         raise TypeError(f"attention: model must be callable, got {type(model).__name__}")
     if mesh is not None:
@@ -379,20 +436,24 @@ def attention(
         if shard not in ("heads", "sequence"):
             raise ValueError(f"attention: shard must be 'heads' or 'sequence', got {shard!r}")
         make = head_sharded if shard == "heads" else sequence_sharded
-        runner = make(mesh, axis_name, block_q=block_q, block_k=block_k)
+        runner = make(mesh, axis_name, block_q=block_q, block_k=block_k, precision=precision)
     if not isinstance(value, str):
         raise TypeError(f"attention: value must be a site name (str), got {value!r}")
 
+    def exact(args, kwargs):
+        with _matmul_precision(precision):
+            return expectation(model, value, *args, **kwargs), {}
+
     def impl(*args, **kwargs):
         if backend == "exact":
-            return expectation(model, value, *args, **kwargs), {}
+            return exact(args, kwargs)
         plan = recognise(model, value, args, kwargs)
         if not plan.ok:
             if backend == "auto":
-                return expectation(model, value, *args, **kwargs), {}
+                return exact(args, kwargs)
             raise NotLowerableError(f"backend '{backend}' cannot lower the model: {plan.fallback}")
         return _execute(plan, _kernels(plan, backend), block_q, block_k, runner,
-                        forced=backend in accel.GPU_KERNELS)
+                        forced=backend in accel.GPU_KERNELS, precision=precision)
 
     cache: dict = {}
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._spec import Problem, Terms, block_logits
+from ._spec import Problem, Terms, accum_dtype, block_logits
 
 __all__ = ["Schedule", "make_schedule", "blocked_attention", "band_blocks"]
 
@@ -394,14 +394,15 @@ def _add_at(buf: jax.Array, delta: jax.Array, start: int, axis: int) -> jax.Arra
 
 
 def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Problem, starts,
-             nan_rows: bool = False):
+             nan_rows: bool = False, precision=None, out_dtype=None):
     bq, bk = sched.block_q, sched.block_k
     nqb, nkb = sched.nqb, sched.nkb
     n_pad, m_pad = nqb * bq, nkb * bk
     check_cols = m_pad != terms.num_parents
     i_start, j_start = starts
     p = _pad_problem(terms, prob, n_pad, m_pad)
-    dtype = p.v.dtype
+    dtype = accum_dtype(p.v.dtype)  # logits, running max / sum and p·v accumulate in it
+    out_dtype = p.v.dtype if out_dtype is None else out_dtype
     dv = p.v.shape[-1]
     tables = _group_tables(sched, sched.fwd, False)
     free = _unbanded(terms)
@@ -415,7 +416,9 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
         pr = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(m_i - m_safe)
         l_new = l_i * corr + jnp.sum(pr, -1)
-        acc = acc * corr[..., None] + jnp.einsum("...ij,...jd->...id", pr, v_c)
+        acc = acc * corr[..., None] + jnp.einsum(
+            "...ij,...jd->...id", pr.astype(v_c.dtype), v_c, preferred_element_type=dtype,
+            precision=precision)
         return m_new, l_new, acc
 
     def q_block(a):
@@ -444,6 +447,7 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
                         terms if masked else free, row, col, pair, p.glob, const, i_r,
                         j_start + j_r, dtype,
                         (j_r < terms.num_parents) if (check_cols and masked) else None,
+                        precision=precision,
                     )
                     mine = tuple(_sub(x, r0, rn, ax) for x, ax in zip(carry, (-1, -1, -2)))
                     rows[n_rect] = (r0, rn, update(mine, s, ok, _sub(v_b, c0, cn, -2)))
@@ -462,7 +466,7 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
         lse = jnp.where(pos, m_i + jnp.log(jnp.where(pos, l_i, 1.0)), -jnp.inf)
         if nan_rows:  # the engine's convention, in the same pass as the division
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
-        return out, lse
+        return out.astype(out_dtype), lse
 
     def write(a, bufs):
         # each child block's rows go straight to their place in the output (no stacked
@@ -472,7 +476,7 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
         return (lax.dynamic_update_slice_in_dim(bufs[0], out, i0, axis=len(batch)),
                 lax.dynamic_update_slice_in_dim(bufs[1], lse, i0, axis=len(batch)))
 
-    out, lse = lax.fori_loop(0, nqb, write, (jnp.zeros(batch + (n_pad, dv), dtype),
+    out, lse = lax.fori_loop(0, nqb, write, (jnp.zeros(batch + (n_pad, dv), out_dtype),
                                              jnp.zeros(batch + (n_pad,), dtype)))
     n = terms.num_children
     return out[..., :n, :], lse[..., :n]
@@ -493,21 +497,30 @@ def _merge_rows(carry, rows, bq: int):
     return tuple(jnp.concatenate([q[i] for q in parts], axis=(-1, -1, -2)[i]) for i in range(3))
 
 
-def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse):
+def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse,
+              precision=None):
     bq, bk = sched.block_q, sched.block_k
     nqb, nkb = sched.nqb, sched.nkb
     n_pad, m_pad = nqb * bq, nkb * bk
     check_cols = m_pad != terms.num_parents
     i_start, j_start = starts
     p = _pad_problem(terms, prob, n_pad, m_pad)
-    dtype = p.v.dtype
+    # the matmuls multiply in the operands' dtype and accumulate in `dtype`, as the
+    # gradients do across blocks; each gradient is cast to its input's dtype at the end
+    dtype = accum_dtype(p.v.dtype)
+    mm = dict(preferred_element_type=dtype, precision=precision)
     # rows without a finite log-partition contribute nothing (their output may be NaN)
-    delta = jnp.sum(d_out * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), -1) - d_lse
-    d_out = _pad_axis(d_out, -2, n_pad)
+    delta = jnp.sum(d_out.astype(dtype) * jnp.where(jnp.isfinite(lse)[..., None],
+                                                    out.astype(dtype), 0.0), -1) - d_lse
+    d_out = _pad_axis(d_out.astype(p.v.dtype), -2, n_pad)
     delta = _pad_axis(delta, -1, n_pad)
     lse = _pad_axis(lse, -1, n_pad, -jnp.inf)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     tables = _group_tables(sched, sched.bwd, True)
+
+    def zeros(tree):  # gradient accumulators, in the accumulation dtype
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), tree)
+
     rest = dataclasses.replace(terms, dot=False)
     has_rest = bool(terms.idw or terms.col_bias or terms.pair_logits or terms.geometric
                     or terms.relpos is not None)
@@ -529,27 +542,29 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
 
         def f(r, c, pp, g):
             return block_logits(rest if masked else rest_free, r, c, pp, g, const, i_r,
-                                j_start + j_r, dtype, col_valid, transposed=tr)
+                                j_start + j_r, dtype, col_valid, transposed=tr,
+                                precision=precision)
 
         # the dot term is differentiated by hand below; the rest through its VJP
         s_rest, vjp_fn, ok = jax.vjp(f, row, col, pair, glob, has_aux=True)
         s = s_rest
         if terms.dot:
             spec = "...jf,...if->...ji" if tr else "...if,...jf->...ij"
-            s_dot = jnp.einsum(spec, col["k"], row["q"]) if tr else jnp.einsum(
-                spec, row["q"], col["k"])
+            s_dot = jnp.einsum(spec, col["k"], row["q"], **mm) if tr else jnp.einsum(
+                spec, row["q"], col["k"], **mm)
             s = s_dot + s_rest
         sm = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
         if tr:  # pt, dpt, dst: (..., cn, rn)
             pt = jnp.exp(sm - lse_r[..., None, :])
-            d_v = jnp.einsum("...ji,...id->...jd", pt, do_r)
-            dpt = jnp.einsum("...jd,...id->...ji", v_c, do_r)
+            d_v = jnp.einsum("...ji,...id->...jd", pt.astype(do_r.dtype), do_r, **mm)
+            dpt = jnp.einsum("...jd,...id->...ji", v_c, do_r, **mm)
             ds_t = pt * (dpt - delta_r[..., None, :])
             ds = _transposed(ds_t) if terms.dot else None
         else:  # pr, dp, ds: (..., rn, cn)
             pr = jnp.exp(sm - lse_r[..., :, None])
-            d_v = jnp.einsum("...ji,...id->...jd", _transposed(pr), do_r)
-            dp = jnp.einsum("...id,...jd->...ij", do_r, v_c)
+            d_v = jnp.einsum("...ji,...id->...jd", _transposed(pr.astype(do_r.dtype)), do_r,
+                             **mm)
+            dp = jnp.einsum("...id,...jd->...ij", do_r, v_c, **mm)
             ds = pr * (dp - delta_r[..., :, None])
             ds_t = _transposed(ds) if terms.dot else None
         dr, dc, dpp, dg = vjp_fn(_sum_to(ds_t if tr else ds, s_rest.shape))
@@ -558,8 +573,10 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
             shape_t = jnp.broadcast_shapes(q_r.shape[:-2], k_c.shape[:-2]) + (
                 k_c.shape[-2], q_r.shape[-2])
             dq = jnp.einsum("...ij,...jf->...if",
-                            _sum_to(ds, shape_t[:-2] + shape_t[-1:] + shape_t[-2:-1]), k_c)
-            dk = jnp.einsum("...ji,...if->...jf", _sum_to(ds_t, shape_t), q_r)
+                            _sum_to(ds, shape_t[:-2] + shape_t[-1:] + shape_t[-2:-1]).astype(
+                                k_c.dtype), k_c, **mm)
+            dk = jnp.einsum("...ji,...if->...jf", _sum_to(ds_t, shape_t).astype(q_r.dtype),
+                            q_r, **mm)
             dr = {**dr, "q": dr["q"] + _sum_to(dq, q_r.shape)}
             dc = {**dc, "k": dc["k"] + _sum_to(dk, k_c.shape)}
         return dr, dc, dpp, dg, d_v
@@ -600,14 +617,13 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
 
             return body
 
-        d_col0 = jax.tree.map(jnp.zeros_like, col_b)
+        d_col0 = zeros(col_b)
         d_v0 = jnp.zeros(batch + v_b.shape[-2:], dtype)
         d_row, d_pair, d_glob, d_col, d_v = _loops(
             tables, b, body_of, (d_row, d_pair, d_glob, d_col0, d_v0)
         )
         return (d_row, d_pair, d_glob), (d_col, _sum_to(d_v, v_b.shape))
 
-    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
     (d_row, d_pair, d_glob), (d_col, d_v) = lax.scan(
         k_block, (zeros(p.row), zeros(p.pair), zeros(p.glob)), jnp.arange(nkb)
     )
@@ -617,20 +633,22 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
         x = jnp.moveaxis(x, 0, -3)
         return x.reshape(x.shape[:-3] + (m_pad, x.shape[-1]))[..., :m, :]
 
-    d_row = {k: x[..., :n, :] for k, x in d_row.items()}
-    d_pair = {k: x[..., :n, :m] for k, x in d_pair.items()}
-    d_col = {k: unblock(x) for k, x in d_col.items()}
-    return d_row, d_col, d_pair, d_glob, unblock(d_v)
+    d_row = {k: x[..., :n, :].astype(prob.row[k].dtype) for k, x in d_row.items()}
+    d_pair = {k: x[..., :n, :m].astype(prob.pair[k].dtype) for k, x in d_pair.items()}
+    d_col = {k: unblock(x).astype(prob.col[k].dtype) for k, x in d_col.items()}
+    d_glob = {k: x.astype(prob.glob[k].dtype) for k, x in d_glob.items()}
+    return d_row, d_col, d_pair, d_glob, unblock(d_v).astype(prob.v.dtype)
 
 
 def _run_forward(static, prob: Problem, starts):
-    terms, sched, batch, forward, nan_rows = static.value
+    terms, sched, batch, forward, nan_rows, precision, out_dtype = static.value
     if forward is not None:
-        out, lse = forward(terms, prob, batch)
+        out, lse = (forward(terms, prob, batch) if precision is None
+                    else forward(terms, prob, batch, precision=precision))
         if nan_rows:
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
-        return out, lse
-    return _forward(terms, sched, batch, prob, starts, nan_rows)
+        return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
+    return _forward(terms, sched, batch, prob, starts, nan_rows, precision, out_dtype)
 
 
 @jax.custom_vjp
@@ -650,10 +668,10 @@ def _float0(tree):
 
 def _attend_bwd(res, cts):
     static, prob, starts, out, lse = res
-    terms, sched, batch, _, _ = static.value
+    terms, sched, batch, _, _, precision, _ = static.value
     d_out, d_lse = cts
     d_row, d_col, d_pair, d_glob, d_v = _backward(
-        terms, sched, batch, prob, starts, out, lse, d_out, d_lse
+        terms, sched, batch, prob, starts, out, lse, d_out, d_lse, precision
     )
     return (None, d_row, d_col, d_pair, d_glob, _float0(prob.const), d_v, _float0(starts))
 
@@ -686,6 +704,8 @@ def blocked_attention(
     starts: tuple | None = None,
     forward: Callable | None = None,
     nan_rows: bool = False,
+    precision: lax.PrecisionLike = None,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Run the blocked kernel: posterior expectation and row log-partition.
 
@@ -700,17 +720,25 @@ def blocked_attention(
             are computed from global indices. Use a dense schedule with them.
         forward: optional ``forward(terms, prob, batch_shape) -> (y, L)`` that replaces
             this kernel's forward pass (an accelerator's fused kernel, e.g.
-            `structinfer.lowering.accel.pallas_forward`); the gradient is still this
-            kernel's backward, which needs only ``y`` and ``L``.
+            `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
+            too when one is given; the gradient is still this kernel's backward, which
+            needs only ``y`` and ``L``.
         nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
             logit) are NaN in ``y`` — the exact engine's answer under ``jit`` — instead of
             0 (what merging partial results, as ring attention does, needs). Written in
             the kernel's last pass over each block of rows, not as a pass of its own.
+        precision: the ``precision`` of every matmul, forward and backward (``None``:
+            JAX's default, which follows ``jax.default_matmul_precision``).
+        out_dtype: dtype of ``y`` (``None``: the value table's; ring attention merges
+            partial results in the accumulation dtype).
 
     Returns:
         ``(y, L)`` with ``y`` of shape ``batch + (n, dv)`` and ``L`` the row
         log-sum-exp of the (unnormalised) logits, ``batch + (n,)``. Both are
-        differentiable (custom VJP, memory $O(n d)$).
+        differentiable (custom VJP, memory $O(n d)$). The matmuls multiply in the
+        operands' dtype and accumulate in float32 (float64 for float64 operands), as do
+        the online softmax's running maximum and sum, ``L`` and the gradients across
+        blocks; ``y`` is in ``out_dtype`` and each gradient in its input's dtype.
 
     Cost: $O(\text{live blocks} \cdot b_q b_k (d + d_v))$ time,
     $O(b_q b_k)$ extra memory per step.
@@ -728,6 +756,7 @@ def blocked_attention(
         schedule = schedule.without_full()
         if forward is not None:
             raise ValueError("blocked_attention: a replacement forward cannot take starts")
-    static = _Static((terms, schedule, tuple(batch_shape), forward, bool(nan_rows)))
+    static = _Static((terms, schedule, tuple(batch_shape), forward, bool(nan_rows), precision,
+                      None if out_dtype is None else jnp.dtype(out_dtype)))
     starts = tuple(jnp.asarray(s, jnp.int32) for s in starts)
     return _attend(static, prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v, starts)

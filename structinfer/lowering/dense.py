@@ -7,7 +7,9 @@ $$
 This is the naive twin of `structinfer.lowering.blocked` (same logits,
 from `block_logits` over the whole index
 range) and the fastest path for small ``n m``. Gradients are plain autodiff
-(memory $O(n m)$).
+(memory $O(n m)$). The matmuls multiply in the operands' dtype and accumulate in
+float32 (`_spec.accum_dtype`), the softmax is computed in float32, and the output is in
+the value table's dtype, as flash-attention kernels do.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._spec import Problem, Terms, block_logits
+from ._spec import Problem, Terms, accum_dtype, block_logits
 
 __all__ = ["dense_attention", "dense_logits"]
 
 
-def dense_logits(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> jax.Array:
-    """The full ``batch + (n, m)`` table of logits, ``-inf`` on forbidden edges."""
+def dense_logits(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                 precision=None) -> jax.Array:
+    """The full ``batch + (n, m)`` table of logits, ``-inf`` on forbidden edges, in the
+    accumulation dtype (float32, or float64 for float64 operands)."""
     n, m = terms.num_children, terms.num_parents
     s, ok = block_logits(
         terms, prob.row, prob.col, prob.pair, prob.glob, prob.const,
-        jnp.arange(n), jnp.arange(m), prob.v.dtype,
+        jnp.arange(n), jnp.arange(m), accum_dtype(prob.v.dtype), precision=precision,
     )
     if ok is not None:
         s = jnp.where(ok, s, -jnp.inf)
@@ -33,18 +37,28 @@ def dense_logits(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> j
 
 
 def dense_attention(
-    terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
+    terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+    precision: jax.lax.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Posterior expectation ``y = softmax(l) V`` and row log-partition ``L`` (dense).
 
+    Args:
+        terms, prob: a lowered edge site (`structinfer.lowering._spec`).
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
+        precision: the matmuls' ``precision`` (``None``: JAX's default, which follows
+            ``jax.default_matmul_precision``).
+
     Returns:
-        ``(y, L)``: ``batch + (n, dv)`` and ``batch + (n,)``.
+        ``(y, L)``: ``batch + (n, dv)`` in the value table's dtype and ``batch + (n,)``
+        in the accumulation dtype.
 
     Cost: $O(n m (d + d_v))$ time, $O(n m)$ memory.
     """
-    logits = dense_logits(terms, prob, batch_shape)
+    v = prob.v
+    logits = dense_logits(terms, prob, batch_shape, precision)
     lse = jax.nn.logsumexp(logits, axis=-1)
     safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     probs = jnp.exp(logits - safe[..., None])
-    out = jnp.einsum("...ij,...jd->...id", probs, prob.v)
-    return out, lse
+    out = jnp.einsum("...ij,...jd->...id", probs.astype(v.dtype), v,
+                     preferred_element_type=logits.dtype, precision=precision)
+    return out.astype(v.dtype), lse

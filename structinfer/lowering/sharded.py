@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._spec import Problem, Terms
+from ._spec import Problem, Terms, accum_dtype
 from .blocked import band_blocks, blocked_attention, make_schedule
 
 __all__ = ["head_sharded_attention", "ring_attention", "head_sharded", "sequence_sharded"]
@@ -82,6 +82,7 @@ def head_sharded_attention(
     block_q: int = 256,
     block_k: int = 256,
     mask=None,
+    precision=None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Blocked attention with the leading batch axis (heads / batch) split over devices.
 
@@ -89,6 +90,7 @@ def head_sharded_attention(
         terms, prob, batch_shape: a lowered edge site (see `blocked_attention`).
         mesh: a ``jax.sharding.Mesh``; ``axis_name`` the axis to shard over (default: the
             only one). ``batch_shape[0]`` must be divisible by its size.
+        block_q, block_k, mask, precision: as `blocked_attention`'s.
 
     Returns:
         ``(y, L)`` as `blocked_attention`, sharded along the leading axis.
@@ -115,7 +117,8 @@ def head_sharded_attention(
 
     def body(row, col, pair, glob, const, v):
         return blocked_attention(terms, Problem(row, col, pair, glob, const, v), local,
-                                 block_q=block_q, block_k=block_k, mask=mask)
+                                 block_q=block_q, block_k=block_k, mask=mask,
+                                 precision=precision)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)),
                       check_vma=False)
@@ -142,6 +145,7 @@ def ring_attention(
     *,
     block_q: int = 256,
     block_k: int = 256,
+    precision=None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Sequence-parallel (ring) attention: children and parents split over devices.
 
@@ -149,9 +153,12 @@ def ring_attention(
         terms, prob, batch_shape: a lowered edge site (see `blocked_attention`).
         mesh, axis_name: the mesh and the axis of ``D`` devices; ``n`` and ``m`` must be
             divisible by ``D``.
+        block_q, block_k, precision: as `blocked_attention`'s.
 
     Returns:
-        ``(y, L)`` as `blocked_attention`, sharded along the children axis.
+        ``(y, L)`` as `blocked_attention`, sharded along the children axis. The partial
+        results are merged in the accumulation dtype (float32 for bfloat16 inputs) and
+        ``y`` is cast to the value dtype once, at the end.
     """
     ax = _axis(mesh, axis_name)
     ndev = mesh.shape[ax]
@@ -185,7 +192,7 @@ def ring_attention(
     def body(row, col, pair, glob, const, v):
         me = lax.axis_index(ax)
         i_start = me * nl
-        dtype, dv = v.dtype, v.shape[-1]
+        dtype, dv = accum_dtype(v.dtype), v.shape[-1]
         y = jnp.zeros(batch + (nl, dv), dtype)
         lse = jnp.full(batch + (nl,), -jnp.inf, dtype)
         for step in range(ndev):
@@ -199,7 +206,8 @@ def ring_attention(
 
             def compute(chunk, j_start=j_start):
                 return blocked_attention(local, chunk, batch, schedule=sched,
-                                         starts=(i_start, j_start))
+                                         starts=(i_start, j_start), precision=precision,
+                                         out_dtype=dtype)
 
             def empty(chunk):
                 return (jnp.zeros(batch + (nl, dv), dtype),
@@ -216,7 +224,7 @@ def ring_attention(
             y, lse = _merge(y, lse, yc, lc)
             if step < ndev - 1:
                 col, v = lax.ppermute((col, v), ax, perm)
-        return y, lse
+        return y.astype(v.dtype), lse
 
     nb = len(batch)
     out_specs = (P(*([None] * nb), ax, None), P(*([None] * nb), ax))
@@ -245,23 +253,24 @@ def _full_batch(prob: Problem, batch) -> Problem:
 
 
 def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
-                 block_k: int = 256) -> Callable:
+                 block_k: int = 256, precision=None) -> Callable:
     """A ``runner`` for `structinfer.attention` that shards heads / batch over ``mesh``."""
 
     def run(kind, lowered, prob, batch):
         bq, bk = band_blocks(lowered.terms, block_q, block_k)  # as the single-device path
         return head_sharded_attention(lowered.terms, prob, batch, mesh, axis_name,
-                                      block_q=bq, block_k=bk, mask=lowered.mask)
+                                      block_q=bq, block_k=bk, mask=lowered.mask,
+                                      precision=precision)
 
     return run
 
 
 def sequence_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
-                     block_k: int = 256) -> Callable:
+                     block_k: int = 256, precision=None) -> Callable:
     """A ``runner`` for `structinfer.attention` running ring attention over ``mesh``."""
 
     def run(kind, lowered, prob, batch):
         return ring_attention(lowered.terms, _full_batch(prob, batch), batch, mesh, axis_name,
-                              block_q=block_q, block_k=block_k)
+                              block_q=block_q, block_k=block_k, precision=precision)
 
     return run

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from ._spec import Problem, Terms, block_logits
+from ._spec import Problem, Terms, accum_dtype, block_logits
 
 __all__ = [
     "band_logits",
@@ -71,11 +71,13 @@ def _window(terms: Terms) -> int:
 
 
 def band_logits(
-    terms: Terms, prob: Problem, batch_shape: tuple[int, ...], block_q: int = 128
+    terms: Terms, prob: Problem, batch_shape: tuple[int, ...], block_q: int = 128,
+    precision=None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Logits on the band: ``(..., n, W)`` with ``-inf`` off the allowed edges.
 
-    ``out[..., i, t]`` is $\ell_{ij}$ for $j = i + \text{offset} - d_{\min} - t$.
+    ``out[..., i, t]`` is $\ell_{ij}$ for $j = i + \text{offset} - d_{\min} - t$, in the
+    accumulation dtype (float32, or float64 for float64 operands).
     """
     W = _window(terms)
     n, m = terms.num_children, terms.num_parents
@@ -85,7 +87,7 @@ def band_logits(
     width = bq + W - 1
     left = max(0, terms.dmax - terms.offset)
     right = max(0, n_pad + terms.offset - terms.dmin - m)
-    dtype = prob.v.dtype
+    dtype = accum_dtype(prob.v.dtype)
     row = {k: _pad2(x, -2, 0, n_pad - n) for k, x in prob.row.items()}
     col = {k: _pad2(x, -2, left, right) for k, x in prob.col.items()}
     pair = {k: _pad2(_pad2(x, -2, 0, n_pad - n), -1, left, right) for k, x in prob.pair.items()}
@@ -111,7 +113,7 @@ def band_logits(
         i_idx = i0 + jnp.arange(bq)
         j_idx = j_start + jnp.arange(width)
         s, ok = block_logits(terms, row_b, col_b, pair_b, prob.glob, const_b, i_idx, j_idx,
-                             dtype, (j_idx >= 0) & (j_idx < m))
+                             dtype, (j_idx >= 0) & (j_idx < m), precision=precision)
         s = jnp.broadcast_to(s, batch_shape + (bq, width))
         ok = jnp.broadcast_to(ok, batch_shape + (bq, width))
         idx = jnp.broadcast_to(skew, batch_shape + (bq, W))
@@ -125,8 +127,10 @@ def band_logits(
     return s, ok
 
 
-def _band_values(probs: jax.Array, v: jax.Array, offset: int, dmin: int, block_q: int):
-    """``y_i = sum_t probs[i, t] v[i + offset - dmin - t]`` blockwise (zero outside [0, m))."""
+def _band_values(probs: jax.Array, v: jax.Array, offset: int, dmin: int, block_q: int,
+                 precision=None):
+    """``y_i = sum_t probs[i, t] v[i + offset - dmin - t]`` blockwise (zero outside [0, m)),
+    multiplied in ``v``'s dtype, accumulated in float32 (float64), returned in ``v``'s."""
     n, W = probs.shape[-2], probs.shape[-1]
     m = v.shape[-2]
     dmax = dmin + W - 1
@@ -147,7 +151,9 @@ def _band_values(probs: jax.Array, v: jax.Array, offset: int, dmin: int, block_q
         vs = lax.dynamic_slice_in_dim(vp, p0, width, axis=vp.ndim - 2)  # (..., width, dv)
         pb = lax.dynamic_slice_in_dim(pp, i0, bq, axis=pp.ndim - 2)  # (..., bq, W)
         vband = jnp.take(vs, skew, axis=-2)  # (..., bq, W, dv)
-        return jnp.einsum("...rt,...rtd->...rd", pb, vband)
+        return jnp.einsum("...rt,...rtd->...rd", pb.astype(v.dtype), vband,
+                          preferred_element_type=accum_dtype(v.dtype),
+                          precision=precision).astype(v.dtype)
 
     y = lax.map(q_block, jnp.arange(nqb))
     y = jnp.moveaxis(y, 0, -3)
@@ -156,18 +162,29 @@ def _band_values(probs: jax.Array, v: jax.Array, offset: int, dmin: int, block_q
 
 
 def windowed_kernel(
-    terms: Terms, prob: Problem, batch_shape: tuple[int, ...], block_q: int = 128
+    terms: Terms, prob: Problem, batch_shape: tuple[int, ...], block_q: int = 128,
+    precision: lax.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Posterior expectation on the distance band of ``terms`` (exact for that band).
 
+    Args:
+        terms, prob: a lowered edge site (`structinfer.lowering._spec`) with a finite
+            distance band.
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
+        block_q: children per block.
+        precision: the matmuls' ``precision`` (``None``: JAX's default, which follows
+            ``jax.default_matmul_precision``).
+
     Returns:
-        ``(y, L)``: ``batch + (n, dv)`` and the row log-partition ``batch + (n,)``.
+        ``(y, L)``: ``batch + (n, dv)`` in the value table's dtype and the row
+        log-partition ``batch + (n,)`` in the accumulation dtype (the logits, the
+        softmax and the p·v product accumulate in float32, or float64).
     """
-    s, _ = band_logits(terms, prob, batch_shape, block_q)
+    s, _ = band_logits(terms, prob, batch_shape, block_q, precision)
     lse = jax.nn.logsumexp(s, axis=-1)
     safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     probs = jnp.exp(s - safe[..., None])
-    y = _band_values(probs, prob.v, terms.offset, terms.dmin, block_q)
+    y = _band_values(probs, prob.v, terms.offset, terms.dmin, block_q, precision)
     return y, lse
 
 
@@ -204,7 +221,8 @@ def windowed_scores(
 
     Returns:
         ``(..., n, W)`` scores; ``-inf`` where the parent index is outside ``[0, m)``.
-            Cost $O(n (W + b) d)$ time, $O(n W)$ memory.
+            Accumulated in float32 for bfloat16 / float16 features (float64 for
+            float64). Cost $O(n (W + b) d)$ time, $O(n W)$ memory.
 
     Raises:
         ValueError: ``q`` and ``k`` are not ``(..., n, d)`` and ``(..., m, d)`` with the
@@ -372,7 +390,8 @@ def windowed_attention(
         block_size: children per block.
 
     Returns:
-        ``(..., n, dv)``.
+        ``(..., n, dv)``, in ``v``'s floating dtype (the scores and the posterior are
+            computed in float32 for bfloat16 / float16 inputs).
 
     Raises:
         ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores].
@@ -384,5 +403,7 @@ def windowed_attention(
     s = windowed_scores(q, k, window, offset=offset, min_distance=min_distance, scale=scale,
                         block_size=block_size)
     lp = geometric_band_log_prior(geometric_q, window, horizon)
-    return windowed_values(windowed_posterior(s, lp), v, offset=offset,
-                           min_distance=min_distance, block_size=block_size)
+    v = jnp.asarray(v)
+    y = windowed_values(windowed_posterior(s, lp), v, offset=offset,
+                        min_distance=min_distance, block_size=block_size)
+    return y.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else y

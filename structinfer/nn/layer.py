@@ -279,13 +279,23 @@ class Attention(nnx.Module):
             ``"dense"``, ``"blocked"``, ``"windowed"``).
         block_q: query block size of the blocked and windowed kernels.
         block_k: key block size of the blocked kernel.
-        dtype: computation dtype (default: inferred from inputs and parameters).
-        param_dtype: dtype of the parameters.
+        dtype: computation dtype, as in ``flax.nnx.MultiHeadAttention``: the
+            projections, the queries, keys and values of the heads and the output are
+            in it (default: inferred from the inputs and the parameters). The heads
+            multiply in it and accumulate in float32, with the prior's hyperparameters
+            in float32 (float64 for a float64 computation): ``dtype=jnp.bfloat16``
+            with float32 parameters runs bfloat16 kernels (cuDNN on a GPU when the
+            mechanism allows) and answers in bfloat16.
+        param_dtype: dtype of the parameters (projections, LayerNorm scales and the
+            hyperparameters under ``layer.hyper``).
         dropout_rate: dropout on each head's output $o^h$ while training. (Unlike
             ``flax.nnx.MultiHeadAttention`` it does not drop attention weights: they
             are never materialised.)
         deterministic: default for ``__call__``'s ``deterministic`` (dropout off).
-        precision: as in ``flax.nnx.MultiHeadAttention``.
+        precision: the matmuls' precision, as in ``flax.nnx.MultiHeadAttention``: of the
+            projections and of the heads' kernels
+            ([`attention`][structinfer.attention]'s ``precision``). ``None`` is JAX's
+            default, which follows ``jax.default_matmul_precision``.
         kernel_init: initialiser of the query, key and value kernels.
         out_kernel_init: initialiser of the output kernel (default ``kernel_init``).
         bias_init: initialiser of the query, key and value biases.
@@ -393,7 +403,7 @@ class Attention(nnx.Module):
         })
         self._bound = _bind(mechanism)
         self._attend_fn = attention(self._bound, value, backend, block_q=block_q,
-                                    block_k=block_k)
+                                    block_k=block_k, precision=precision)
 
         linear = functools.partial(
             nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
@@ -513,7 +523,10 @@ class Attention(nnx.Module):
             value = jnp.repeat(value, H // Hkv, axis=-2)
         dtype = jnp.result_type(query, key, value)
         q, k, v = (jnp.moveaxis(a, -2, -3).astype(dtype) for a in (query, key, value))
-        hyper = {name: a.astype(dtype) for name, a in self.hyperparameters().items()}
+        # the prior's terms are added to logits accumulated in float32: bfloat16 heads
+        # keep float32 hyperparameters (which never promote the queries, keys, values)
+        hyper_dtype = jnp.promote_types(dtype, jnp.float32)
+        hyper = {name: a.astype(hyper_dtype) for name, a in self.hyperparameters().items()}
         shape, params = _value_and_param_shapes(
             self.mechanism, self.value_site, q.shape[-3:], k.shape[-3:], v.shape[-3:],
             jnp.dtype(dtype))
