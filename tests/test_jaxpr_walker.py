@@ -32,6 +32,8 @@ from structinfer.exact import IndexOutOfBounds, bounds
 from structinfer.infer import laplace, laplace_approx
 from structinfer.lowering import _recognise, _views, attention, explain
 
+pytestmark = pytest.mark.gpu  # the GPU subset: pytest -m gpu
+
 LAYOUTS = ("jax-0.11", "jax-0.11-flattree", "types-only")
 
 

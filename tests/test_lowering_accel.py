@@ -47,6 +47,8 @@ def _inputs(dtype, n=N, d=D, dv=D, seed=0):
     return q, k, jnp.asarray(r.normal(size=(H, n, dv)), dtype)
 
 
+pytestmark = pytest.mark.gpu
+
 CAUSAL = lambda n, e: si.priors.Restricted.causal(n)  # noqa: E731
 
 
@@ -72,15 +74,21 @@ def cudnn_as_xla(monkeypatch):
     return calls
 
 
+@pytest.mark.cpu_only
+def test_a_refusing_cudnn_falls_back_to_pallas(gpu):
+    # cuDNN's preconditions hold, but JAX's cuDNN wrapper refuses here (no cuDNN): the
+    # Pallas kernel runs instead, and explain says why
+    ex = explain(_model(CAUSAL), "out", *_inputs(jnp.float16))
+    assert ex.kernels == {"phi": "pallas"}
+    assert "cuDNN refused at trace time" in str(ex)
+    with pytest.raises(NotLowerableError, match="cuDNN refused"):
+        si.attention(_model(CAUSAL), "out", "cudnn")(*_inputs(jnp.float16))
+
+
 def test_dispatch_rules_on_a_faked_gpu(gpu):
     h16 = _inputs(jnp.float16)
     f32 = _inputs(jnp.float32)
     causal = _model(CAUSAL)
-    # cuDNN's preconditions hold, but JAX's cuDNN wrapper refuses here (no cuDNN): the
-    # Pallas kernel runs instead, and explain says why
-    ex = explain(causal, "out", *h16)
-    assert ex.kernels == {"phi": "pallas"}
-    assert "cuDNN refused at trace time" in str(ex)
     # float32: cuDNN is not tried
     ex = explain(causal, "out", *f32)
     assert ex.kernels == {"phi": "pallas"} and "cuDNN takes float16" in str(ex)
@@ -100,6 +108,7 @@ def test_dispatch_rules_on_a_faked_gpu(gpu):
         "phi": "dense"}
 
 
+@pytest.mark.cpu_only
 def test_cpu_keeps_the_blocked_kernel():
     ex = explain(_model(CAUSAL), "out", *_inputs(jnp.float16))
     assert ex.kernels == {"phi": "blocked"} and "cuDNN" not in str(ex)
@@ -112,8 +121,6 @@ def test_forced_fused_backends_explain_what_they_cannot_run():
     idw = _model(CAUSAL, lambda q, k: si.scores.NegLogDist(q, k))
     with pytest.raises(NotLowerableError, match="pallas.*IDW"):
         si.attention(idw, "out", "pallas")(q, k, v)
-    with pytest.raises(NotLowerableError, match="cuDNN refused"):  # no cuDNN here
-        si.attention(_model(CAUSAL), "out", "cudnn")(*_inputs(jnp.float16))
 
 
 def _dense(model, *args):

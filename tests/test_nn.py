@@ -24,6 +24,8 @@ import structinfer as si
 from structinfer import nn as sinn
 from structinfer.nn.heads import beta_geometric_log_pmf
 
+pytestmark = pytest.mark.gpu  # the GPU subset: pytest -m gpu
+
 B, N, M, F, H, D, OUT = 2, 7, 5, 11, 3, 5, 13
 
 MECHANISMS = {

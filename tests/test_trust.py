@@ -28,6 +28,8 @@ from numpyro.ops.indexing import Vindex
 import structinfer as si
 from structinfer import priors as P
 
+pytestmark = pytest.mark.gpu  # the GPU subset: pytest -m gpu
+
 N, M, H, D = 5, 7, 3, 2  # children, parents, heads, value dim (distinct primes)
 OFF = M - N  # children are the last N of M positions
 
