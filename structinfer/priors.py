@@ -409,7 +409,7 @@ def _as_pattern(pattern) -> RestrictionPattern:
 
 def _pattern_mask(pattern: RestrictionPattern, num_children: int, num_parents: int,
                   xp: Any = jnp) -> Any:
-    """The ``(children, parents)`` mask a distance pattern defines, or ``None``.
+    r"""The ``(children, parents)`` mask a distance pattern defines, or ``None``.
 
     [`Causal`][structinfer.priors.Causal] and [`Window`][structinfer.priors.Window] masks
     are functions of the distance $d_{ij} = i + \text{offset} - j$ alone; ``xp`` is
@@ -452,7 +452,8 @@ class Restricted(StructuralPrior):
     Raises:
         TypeError: if ``pattern`` is not a
             [`RestrictionPattern`][structinfer.priors.RestrictionPattern] (e.g. a dict).
-        ValueError: if some child has no allowed parent (checked on concrete masks).
+        ValueError: if some child has no allowed parent (checked on concrete masks
+            where an edge site uses the prior, and named after that site).
 
     Use the constructors [`causal`][structinfer.priors.Restricted.causal],
     [`window`][structinfer.priors.Restricted.window],

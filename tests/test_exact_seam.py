@@ -303,6 +303,33 @@ def test_causal_expectation_is_right_at_4097_under_jit():
         np.testing.assert_allclose(out, ref, atol=2e-5)
 
 
+def test_a_non_finite_value_is_never_a_finite_wrong_number():
+    """An infinite entry in one head's values makes that head's expectation non-finite,
+    never a finite wrong number; a value with no event entries is an empty expectation
+    (eager and under jit)."""
+    h, n, d = 2, 5, 3
+    r = np.random.default_rng(6)
+    q, k = (r.normal(size=(h, n, d)).astype(np.float32) for _ in range(2))
+    v = r.normal(size=(h, n, d)).astype(np.float32)
+    v[0, 2, 1] = np.inf
+
+    def heads(q, k, v):
+        with numpyro.plate("heads", h, dim=-2), numpyro.plate("queries", n, dim=-1):
+            phi = si.edge("phi", si.priors.Uniform(n), si.scores.Dot(q, k))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., phi, :])
+
+    s = np.einsum("hid,hjd->hij", q.astype(np.float64), k.astype(np.float64))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hij,hjd->hid", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    for run in (si.expectation, jax.jit(si.expectation, static_argnums=(0, 1))):
+        out = np.asarray(run(heads, "out", q, k, v))
+        assert not np.isfinite(out[0]).all()
+        fin = np.isfinite(out)
+        np.testing.assert_allclose(out[fin], want[fin], rtol=1e-5, atol=1e-6)
+        empty = np.asarray(run(heads, "out", q, k, v[..., :0]))
+        assert empty.shape == (h, n, 0)
+
+
 def test_a_nonzero_tilt_on_a_value_is_the_tilted_log_z():
     """``log_z`` with a non-zero tilt $t$ on a value adds $\\langle t, v(\\phi)\\rangle$ to
     every structure's log-weight (the forward pass skips that dot only at $t = 0$)."""

@@ -224,19 +224,8 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
 def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
     """Called eagerly when a row's log-normaliser is not finite (or the exact path gave
     NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
-    error naming the site and the row; if they pass, name the site and row here.
-
-    A check that ran before the edge site existed (a prior's constructor in the model
-    body, e.g. a ``Restricted`` mask with an empty row, traced under our jit) does not
-    know the site: its error is prefixed with the first edge site, in the model's order,
-    whose log-normaliser is not finite."""
-    bad = [site for site, lse in lses.items() if not np.all(np.isfinite(np.asarray(lse)))]
-    try:
-        inspect_model(model, *args, **kwargs)
-    except ValueError as err:
-        if type(err) is not ValueError or not bad or str(err).startswith("edge site '"):
-            raise
-        raise ValueError(f"edge site '{bad[0]}': {err}") from None
+    error naming the site and the row; if they pass, name the site and row here."""
+    inspect_model(model, *args, **kwargs)
     for site, lse in lses.items():
         bad = np.argwhere(~np.isfinite(np.asarray(lse)))
         if bad.size:
@@ -323,18 +312,22 @@ def _matmul_precision(precision):
     """``jax.default_matmul_precision`` set to ``precision`` for the exact engine's
     contractions (which take no ``precision`` argument); nothing for ``None``, JAX's
     default or a custom ``jax.lax.DotAlgorithm``."""
+    if precision is None:
+        return contextlib.nullcontext()
+    preset = getattr(jax.lax, "DotAlgorithmPreset", None)  # JAX >= 0.4.36
     if isinstance(precision, (tuple, list)):  # a pair: the more precise of the two
         precision = max((jax.lax.Precision(p) for p in precision), key=lambda p: p.value)
     if isinstance(precision, str):
         try:
             precision = jax.lax.Precision(precision)  # "highest", "float32", ...
         except ValueError:
-            precision = jax.lax.DotAlgorithmPreset[precision]  # checked: a preset's name
+            if preset is None:
+                return contextlib.nullcontext()
+            precision = preset[precision]  # checked: a preset's name
     name = None
     if isinstance(precision, jax.lax.Precision):
         name = precision.name.lower()
-    elif (isinstance(precision, jax.lax.DotAlgorithmPreset)
-          and precision != jax.lax.DotAlgorithmPreset.DEFAULT):
+    elif preset is not None and isinstance(precision, preset) and precision != preset.DEFAULT:
         name = precision.name
     return contextlib.nullcontext() if name is None else jax.default_matmul_precision(name)
 
