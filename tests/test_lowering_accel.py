@@ -97,7 +97,7 @@ def test_dispatch_rules_on_a_faked_gpu(gpu):
         jnp.float16, dv=8)))
     assert "multiple of 8" in str(explain(causal, "out", *_inputs(jnp.float16, d=12, dv=12)))
     # a band cuDNN does not express (no self edge) -> Pallas
-    no_self = _model(lambda n, e: si.priors.Restricted.causal(n, include_self=False))
+    no_self = _model(lambda n, e: si.priors.Restricted.causal(n, include_self=False, offset=1))
     assert "causal window" in str(explain(no_self, "out", *h16))
     # an IDW score: neither fused kernel -> blocked
     idw = _model(CAUSAL, lambda q, k: si.scores.NegLogDist(q, k))
