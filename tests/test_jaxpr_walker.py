@@ -205,6 +205,9 @@ def _summary(eqn):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_split_is_the_same_on_every_layout(layout):
+    if jax.__version_info__ < (0, 7):
+        pytest.skip("the emulated layouts are built from a newer JAX's trace (an older "
+                    "fori_loop closes over its constants in the body's ClosedJaxpr)")
     closed = jax.make_jaxpr(_loops)(*_args())
     real = [_summary(e) for e in closed.jaxpr.eqns]
     other = [_summary(e) for e in to_layout(closed, layout).eqns]

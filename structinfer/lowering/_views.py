@@ -42,7 +42,11 @@ _MAX_ELEMENTS = 1 << 26  # larger operands / index maps are left to XLA's gather
 
 
 def _bind(eqn, ins):
-    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # older JAX: (sub-functions bound first, params)
+        subfuns, params = params
+        return eqn.primitive.bind(*subfuns, *ins, **params)
+    return eqn.primitive.bind(*ins, **params)
 
 
 def _is_array_leaf(x) -> bool:
