@@ -37,6 +37,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def gpu(monkeypatch):
+    """The lowering's dispatch sees a GPU (``structinfer.lowering.accel.platform``)."""
+    from structinfer.lowering import accel
+
+    monkeypatch.setattr(accel, "platform", lambda: "gpu")
+
+
+@pytest.fixture
+def cudnn_as_xla(monkeypatch):
+    """jax.nn's cuDNN attention replaced by its XLA implementation (same arguments), run
+    in float32 (the XLA path on a CPU needs it) and answered in the query's dtype.
+    Yields the list of calls: the (q, k, v, bias) dtypes of each."""
+    from structinfer.lowering import accel
+
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def fake(q, k, v, bias=None, *, implementation=None, **kw):
+        assert implementation == "cudnn"
+        calls.append((q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype))
+        up = lambda x: None if x is None else x.astype(jax.numpy.float32)  # noqa: E731
+        y, res = real(up(q), up(k), up(v), up(bias), implementation="xla", **kw)
+        return y.astype(q.dtype), res
+
+    monkeypatch.setattr(accel.jax.nn, "dot_product_attention", fake)
+    return calls
+
+
 @contextlib.contextmanager
 def float64():
     """Enable float64 inside the block, restoring the previous setting after."""

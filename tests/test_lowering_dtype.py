@@ -26,7 +26,7 @@ from numpyro.ops.indexing import Vindex
 
 import structinfer as si
 import structinfer.nn as sinn
-from structinfer.lowering import accel, explain
+from structinfer.lowering import explain
 
 pytestmark = pytest.mark.gpu  # the GPU subset: pytest -m gpu
 
@@ -153,28 +153,6 @@ def test_bfloat16_windowed_accumulates_in_float32():
 
 
 # --- cuDNN is chosen for a bfloat16 model with float32 prior parameters ----------------
-
-
-@pytest.fixture
-def gpu(monkeypatch):
-    monkeypatch.setattr(accel, "platform", lambda: "gpu")
-
-
-@pytest.fixture
-def cudnn_as_xla(monkeypatch):
-    """jax.nn's cuDNN attention replaced by its XLA implementation (same arguments)."""
-    real = jax.nn.dot_product_attention
-    seen = []
-
-    def fake(q, k, v, bias=None, *, implementation=None, **kw):
-        assert implementation == "cudnn"
-        seen.append((q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype))
-        up = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
-        y, res = real(up(q), up(k), up(v), up(bias), implementation="xla", **kw)
-        return y.astype(q.dtype), res
-
-    monkeypatch.setattr(accel.jax.nn, "dot_product_attention", fake)
-    return seen
 
 
 @pytest.mark.parametrize("prior", ["geometric_float_q", "relpos_f32"])
