@@ -130,7 +130,13 @@ def _eqn_to_layout(eqn, layout):
         elif isinstance(v, tuple) and v and all(hasattr(getattr(b, "jaxpr", b), "eqns") for b in v):
             p[k] = tuple(to_layout(b, layout) for b in v)
     if name == "scan":
-        nc, ncar = p.pop("num_consts"), p.pop("num_carry")
+        if "num_consts" in p:  # the installed JAX keeps counts (up to 0.10)
+            nc, ncar = p.pop("num_consts"), p.pop("num_carry")
+        else:  # the installed JAX is 0.11 or later: its own groups, read here by hand
+            ft = p.pop("ft_in")
+            groups = ft.unpack() if callable(getattr(ft, "unpack", None)) else ft
+            nc, ncar = (_native_group_size(g) for g in tuple(groups)[:2])
+            p.pop("ft_out", None)
         nxs, nys = len(eqn.invars) - nc - ncar, len(eqn.outvars) - ncar
         if layout == "jax-0.11":
             p["ft_in"] = ((None,) * nc, (None,) * ncar, (None,) * nxs)
@@ -142,6 +148,13 @@ def _eqn_to_layout(eqn, layout):
     if name in ("jit", "pjit"):
         name, p["inline"] = "jit", Inline.NEVER
     return Eqn(name, p, eqn)
+
+
+def _native_group_size(group):
+    """Leaves in one group of a real JAX 0.11 ``ft_in`` (nested tuples of leaves)."""
+    if isinstance(group, (tuple, list)):
+        return sum(_native_group_size(g) for g in group)
+    return len(group) if hasattr(group, "unpack") else 1
 
 
 class JaxOn:

@@ -277,7 +277,24 @@ def test_numpyro_log_density_under_enum_is_float32_safe():
     np.testing.assert_allclose(lp, want, rtol=1e-5)
 
 
+def numpyro_provenance_works() -> bool:
+    """NumPyro's eval_provenance (run by TraceEnum_ELBO) on a function closing over an array:
+    it fails on NumPyro 0.21 and older with JAX 0.11.1 and newer (fixed in NumPyro 0.22)."""
+    from numpyro.ops.provenance import eval_provenance
+
+    c = jnp.arange(2.0)
+    try:
+        eval_provenance(lambda z: jnp.sum(c * z), z=jnp.ones(()))
+    except AssertionError:
+        return False
+    return True
+
+
 def test_trace_enum_elbo_is_float32_safe():
+    if not numpyro_provenance_works():
+        pytest.skip("NumPyro <= 0.21 on JAX >= 0.11.1: TraceEnum_ELBO fails on any model "
+                    "with array arguments (upstream, fixed in NumPyro 0.22)")
+
     def guide(scale_loc, y):
         numpyro.sample("w", dist.Delta(jnp.float32(0.5)))
 
@@ -486,12 +503,31 @@ def test_exact_causal_head_under_jit_equals_jax_nn():
 
 def test_structinfer_svi_and_nuts_are_float32_safe():
     """Regression: the wrappers saw the unfolded model and raised NonFiniteEnergyError."""
-    _, result = si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, guide="delta",
-                             num_steps=20, progress_bar=False)
-    assert np.isfinite(np.asarray(result.losses)).all()
+    if numpyro_provenance_works():
+        _, result = si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, guide="delta",
+                                 num_steps=20, progress_bar=False)
+        assert np.isfinite(np.asarray(result.losses)).all()
+    else:  # NumPyro <= 0.21 on JAX >= 0.11.1: a clear error, not NumPyro's AssertionError
+        with pytest.raises(RuntimeError, match="upgrade NumPyro"):
+            si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, num_steps=2,
+                         progress_bar=False)
     mcmc = si.infer.nuts(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, num_warmup=10,
                          num_samples=10, progress_bar=False)
     assert np.isfinite(np.asarray(mcmc.get_samples()["w"])).all()
+
+
+def test_svi_names_the_numpyro_upgrade_when_provenance_is_broken(monkeypatch):
+    """Regression (GPU machine, JAX 0.11.2 + NumPyro 0.21): si.infer.svi raised NumPyro's
+    ``AssertionError: length mismatch`` from TraceEnum_ELBO's dependency tracing."""
+    from numpyro.ops import provenance
+
+    def broken(fn, **kwargs):
+        raise AssertionError("length mismatch: [2, 1]")
+
+    monkeypatch.setattr(provenance, "eval_provenance", broken)
+    with pytest.raises(RuntimeError, match=r"svi: NumPyro .* upgrade NumPyro to 0.22"):
+        si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, num_steps=2,
+                     progress_bar=False)
 
 
 def test_sink_parent_model_is_not_a_false_alarm():

@@ -294,6 +294,8 @@ def svi(
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
         ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
             that is not enumerated.
+        RuntimeError: the installed NumPyro cannot trace a model's dependencies on the
+            installed JAX (NumPyro 0.21 or older on JAX 0.11.1 or newer: upgrade NumPyro).
 
     Reference: NumPyro's `SVI` with `TraceEnum_ELBO` (edges summed out exactly);
     learning $W_Q, W_K, W_V$ of Singh & Buckley Table 1 by maximising the collapsed
@@ -301,6 +303,7 @@ def svi(
     """
     rng_key = _check_key(rng_key, "svi")
     num_steps = _check_count(num_steps, "svi: num_steps")
+    _check_numpyro_provenance("svi")
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = _sampled_sites(model, args, kwargs, "svi")
     guide = _guide(guide, model, info)
@@ -312,6 +315,25 @@ def svi(
     if bad.size:
         _raise_nonfinite(fitter, rng_key, int(bad[0]), args, kwargs)
     return fitter, result
+
+
+def _check_numpyro_provenance(where: str) -> None:
+    """Raise a clear error where NumPyro's `eval_provenance` (which `TraceEnum_ELBO` runs on
+    every model) cannot trace a function that closes over an array: NumPyro 0.21 and older
+    on JAX 0.11.1 and newer, which moved closed-over constants into the jaxpr's inputs
+    (fixed in NumPyro 0.22). Without this check the user meets an ``AssertionError:
+    length mismatch`` from inside NumPyro."""
+    from numpyro.ops import provenance
+
+    closed_over = jnp.arange(2.0)
+    try:
+        provenance.eval_provenance(lambda z: jnp.sum(closed_over * z), z=jnp.ones(()))
+    except AssertionError as err:
+        raise RuntimeError(
+            f"{where}: NumPyro {numpyro.__version__} cannot trace a model's dependencies on "
+            f"JAX {jax.__version__} (its eval_provenance, which TraceEnum_ELBO runs, fails "
+            f"with {err!s:.60}); upgrade NumPyro to 0.22 or newer, or use JAX 0.11.0 or older"
+        ) from err
 
 
 def _raise_nonfinite(fitter: SVI, rng_key: jax.Array, step: int, args: tuple,

@@ -290,7 +290,8 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
 
 def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    block_q: int = 64, block_k: int = 64, interpret: bool | None = None,
-                   precision: lax.PrecisionLike = None) -> tuple[jax.Array, jax.Array]:
+                   precision: lax.PrecisionLike = None, num_warps: int | None = None,
+                   num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -312,6 +313,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         precision: the matmuls' ``precision`` (``None``: JAX's default, which follows
             ``jax.default_matmul_precision``; for float32 inputs on a GPU that default is
             TF32, ``"highest"`` is full float32).
+        num_warps: Triton warps per program (default: 4 for head dims up to 64, else 8).
+        num_stages: Triton software-pipelining stages of the parent-block loop.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
@@ -383,7 +386,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    pl.BlockSpec((None, bq), lambda i, b: (b, i))],
         out_shape=[jax.ShapeDtypeStruct((B, n_pad, dvp), v.dtype),
                    jax.ShapeDtypeStruct((B, n_pad), acc)],
-        compiler_params=plgpu.CompilerParams(num_warps=4 if fp <= 64 else 8, num_stages=2),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or (4 if fp <= 64 else 8), num_stages=num_stages),
         interpret=interpret,
         name="structinfer_attention",
     )(*[arrays[x] for x in keys])
