@@ -33,7 +33,8 @@ import numpy as np
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
-__all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np", "accum_dtype"]
+__all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np", "accum_dtype",
+           "sum_to"]
 
 
 def accum_dtype(dtype) -> jnp.dtype:
@@ -41,6 +42,17 @@ def accum_dtype(dtype) -> jnp.dtype:
     bfloat16 / float16 / float32 operands, float64 for float64 (as flash-attention
     kernels do: logits, running maximum, exp-sum and the p·v product)."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sum the broadcast dims of ``x`` so that it has ``shape`` (a gradient computed on the
+    broadcast batch, returned to an input that was broadcast to it)."""
+    if x.shape == tuple(shape):
+        return x
+    lead = x.ndim - len(shape)
+    x = jnp.sum(x, axis=tuple(range(lead))) if lead > 0 else x
+    axes = tuple(i for i, (s, t) in enumerate(zip(x.shape, shape)) if t == 1 and s != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 @dataclass(frozen=True)

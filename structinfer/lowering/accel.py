@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._spec import Problem, Terms, accum_dtype, band_ok, relpos_index, relpos_weights
+from ._spec import Problem, Terms, accum_dtype, band_ok, relpos_index, relpos_weights, sum_to
 
 __all__ = [
     "GPU_KERNELS",
@@ -61,6 +61,7 @@ __all__ = [
     "gpu_kernel",
     "cudnn_attention",
     "pallas_forward",
+    "pallas_backward",
 ]
 
 #: the fused kernels tried on a GPU, in order
@@ -234,48 +235,74 @@ def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int):
     return lo, jnp.maximum(hi, lo)
 
 
+def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int):
+    r"""First and one-past-last child block that can see parent block `t` (traced): the
+    children $i$ with $d_{\min} \le i + \text{offset} - j \le d_{\max}$ for a $j$ of it."""
+    j_lo = t * bk
+    lo = jnp.int32(0)
+    hi = jnp.int32(nqb)
+    if terms.dmin is not None:
+        lo = lax.div(jnp.maximum(j_lo + terms.dmin - terms.offset, 0), bq)
+    if terms.dmax is not None:
+        top = j_lo + bk - 1 + terms.dmax - terms.offset
+        hi = jnp.where(top < 0, 0, jnp.minimum(lax.div(jnp.maximum(top, 0), bq) + 1, nqb))
+    return lo, jnp.maximum(hi, lo)
+
+
+def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision):
+    """Logits of one (child block, parent block) tile, the allowed-edge mask and the
+    distance grid: $q k^\top$ plus the per-parent bias, the relative-position bias and the
+    geometric log-prior, computed from the index grids (shared by every Pallas pass)."""
+    i_idx = i0 + jnp.arange(q.shape[0])
+    j_idx = j0 + jnp.arange(k.shape[0])
+    s = _dot(q, k, precision, acc_dtype, trans_b=True)
+    d = i_idx[:, None] + terms.offset - j_idx[None, :]
+    if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
+        s = s + named["bias"][pl_ds(j0, k.shape[0])][None, :].astype(acc_dtype)
+    if terms.relpos is not None:
+        s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
+    if terms.geometric:
+        s = s + g0[:, None] + (d - terms.geo_d0).astype(acc_dtype) * g1[:, None]
+    ok = (j_idx < terms.num_parents)[None, :]
+    band = band_ok(terms, d)
+    if band is not None:
+        ok = ok & band
+    return jnp.where(ok, s, -jnp.inf), ok, d
+
+
+def pl_ds(start, size: int):
+    from jax.experimental import pallas as pl
+
+    return pl.ds(pl.multiple_of(start, size), size)
+
+
 def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
                    acc_dtype, precision):
-    """One child block of one batch element: online softmax over its live parent blocks."""
+    """Forward: one child block of one batch element, online softmax over its live parent
+    blocks; writes $y$ and the row log-normaliser $L$."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     named = dict(zip(keys, refs[: len(keys)]))
     o_ref, lse_ref = refs[len(keys):]
     a = pl.program_id(0)
     q = named["q"][...]
-    i_idx = a * bq + jnp.arange(bq)
+    g0 = g1 = None
     if terms.geometric:
         g0 = named["geo0"][...].astype(acc_dtype)
         g1 = named["geo1"][...].astype(acc_dtype)
-    m = terms.num_parents
     lo, hi = _live_range(terms, a, bq, bk, nkb)
 
     def body(t, carry):
         m_i, l_i, acc = carry
-        j0 = pl.multiple_of(t * bk, bk)
-        k = named["k"][pl.ds(j0, bk), :]
-        s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(acc_dtype)
-        j_idx = j0 + jnp.arange(bk)
-        d = i_idx[:, None] + terms.offset - j_idx[None, :]
-        if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
-            s = s + named["bias"][pl.ds(j0, bk)][None, :].astype(acc_dtype)
-        if terms.relpos is not None:
-            s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
-        if terms.geometric:
-            s = s + g0[:, None] + (d - terms.geo_d0).astype(acc_dtype) * g1[:, None]
-        ok = (j_idx < m)[None, :]
-        band = band_ok(terms, d)
-        if band is not None:
-            ok = ok & band
-        s = jnp.where(ok, s, -jnp.inf)
+        j0 = t * bk
+        k = named["k"][pl_ds(j0, bk), :]
+        s, _, _ = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(s - m_safe[:, None])
         corr = jnp.exp(m_i - m_safe)
-        v = named["v"][pl.ds(j0, bk), :]
-        acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v,
-                                              precision=precision).astype(acc_dtype)
+        v = named["v"][pl_ds(j0, bk), :]
+        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, precision, acc_dtype)
         return m_new, l_i * corr + jnp.sum(p, axis=-1), acc
 
     dvp = o_ref.shape[-1]
@@ -288,18 +315,100 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
     lse_ref[...] = jnp.where(pos, m_i + jnp.log(l_safe), -jnp.inf)
 
 
+def _dot(a, b, precision, acc_dtype, trans_a: bool = False, trans_b: bool = False):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b,
+                     precision=precision).astype(acc_dtype)
+
+
+class _Layout:
+    """Block sizes and padded shapes of one Pallas launch, and the operands it reads."""
+
+    def __init__(self, terms: Terms, prob: Problem, batch_shape, block_q: int, block_k: int):
+        self.batch = tuple(batch_shape)
+        self.B = _prod(self.batch)
+        n, m = terms.num_children, terms.num_parents
+        self.bq = min(_pow2(block_q), _pow2(n))
+        self.bk = min(_pow2(block_k), _pow2(m))
+        self.nqb, self.nkb = -(-n // self.bq), -(-m // self.bk)
+        self.n_pad, self.m_pad = self.nqb * self.bq, self.nkb * self.bk
+        q, v = prob.row["q"], prob.v
+        self.fp, self.dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+        self.acc = accum_dtype(v.dtype)
+
+    def flat(self, x, core: int):
+        """``x`` broadcast to the batch and flattened to ``(B,) + core dims``."""
+        return jnp.broadcast_to(x, self.batch + x.shape[x.ndim - core:]).reshape(
+            (self.B,) + x.shape[x.ndim - core:])
+
+    @staticmethod
+    def pad(x, *sizes, value=0):
+        return jnp.pad(x, [(0, 0)] + [(0, s - x.shape[i + 1]) for i, s in enumerate(sizes)],
+                       constant_values=value)
+
+    def operands(self, terms: Terms, prob: Problem, whole_rows: bool):
+        """The kernels' inputs and block specs: q / k / v and the prior's terms. With
+        ``whole_rows`` the per-child arrays are passed whole (a pass over parent blocks
+        that loops over child blocks), else one child block per program."""
+        from jax.experimental import pallas as pl
+
+        bq, n_pad, m_pad, fp, dvp = self.bq, self.n_pad, self.m_pad, self.fp, self.dvp
+        arrays = {"q": self.pad(self.flat(prob.row["q"], 2), n_pad, fp),
+                  "k": self.pad(self.flat(prob.col["k"], 2), m_pad, fp),
+                  "v": self.pad(self.flat(prob.v, 2), m_pad, dvp)}
+        rows = ((lambda i, b: (b, 0, 0)), (None, n_pad)) if whole_rows else (
+            (lambda i, b: (b, i, 0)), (None, bq))
+        row_vec = (lambda i, b: (b, 0)) if whole_rows else (lambda i, b: (b, i))
+        specs = {
+            "q": pl.BlockSpec(rows[1] + (fp,), rows[0]),
+            "k": pl.BlockSpec((None, m_pad, fp), lambda i, b: (b, 0, 0)),
+            "v": pl.BlockSpec((None, m_pad, dvp), lambda i, b: (b, 0, 0)),
+        }
+        if terms.col_bias or terms.col_ok:
+            cb = jnp.zeros((terms.num_parents,), self.acc)
+            if terms.col_bias:
+                cb = cb + prob.col["bias"][..., 0].astype(self.acc)
+            if terms.col_ok:
+                cb = jnp.where(prob.const["col_ok"], cb, -jnp.inf)
+            arrays["bias"] = self.pad(self.flat(cb, 1), m_pad)
+            specs["bias"] = pl.BlockSpec((None, m_pad), lambda i, b: (b, 0))
+        if terms.geometric:
+            geo = self.flat(prob.row["geo"], 2)
+            for r in (0, 1):
+                arrays[f"geo{r}"] = self.pad(geo[..., r], n_pad)
+                specs[f"geo{r}"] = pl.BlockSpec(rows[1], row_vec)
+        if terms.relpos is not None:
+            rb = self.flat(prob.glob["relpos"], 1)
+            arrays["relpos"] = rb
+            specs["relpos"] = pl.BlockSpec((None, rb.shape[-1]), lambda i, b: (b, 0))
+        return arrays, specs
+
+
+def _compiler_params(fp: int, num_warps: int | None, num_stages: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps or (4 if fp <= 64 else 8),
+                                num_stages=num_stages)
+
+
+def _interpret(interpret: bool | None) -> bool:
+    # the real backend, not platform(): tests fake that one
+    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+
+
 def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
-                   block_q: int = 64, block_k: int = 64, interpret: bool | None = None,
+                   block_q: int = 128, block_k: int = 64, interpret: bool | None = None,
                    precision: lax.PrecisionLike = None, num_warps: int | None = None,
-                   num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+                   num_stages: int = 3) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
     blocks its distance band allows, computing the block logits (dot product, per-parent
     bias, relative-position bias, geometric log-prior, band and padding masks) and the
     online softmax in float32: the matmuls multiply in the inputs' dtype and accumulate
-    in float32, the prior's terms are added in float32. Feature and value dims are zero-padded to a power of two
-    (at least 16), lengths to the block sizes.
+    in float32, the prior's terms are added in float32. Feature and value dims are
+    zero-padded to a power of two (at least 16), lengths to the block sizes.
 
     Args:
         terms: the static terms of a lowered edge site with `pallas_unsupported` `None`.
@@ -326,72 +435,282 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     Cost: $O(\text{live blocks}\cdot b_q b_k (d + d_v))$ time, $O(n d)$ memory.
     """
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     why = pallas_unsupported(terms, prob, batch_shape)
     if why:
         raise ValueError(f"pallas_forward: {why}")
-    if interpret is None:  # the real backend, not platform(): tests fake that one
-        interpret = jax.default_backend() != "gpu"
-    batch = tuple(batch_shape)
-    B = _prod(batch)
-    n, m = terms.num_children, terms.num_parents
-    bq = min(_pow2(block_q), _pow2(n))
-    bk = min(_pow2(block_k), _pow2(m))
-    nqb, nkb = -(-n // bq), -(-m // bk)
-    n_pad, m_pad = nqb * bq, nkb * bk
-    q, k, v = prob.row["q"], prob.col["k"], prob.v
-    acc = accum_dtype(v.dtype)
-    fp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-
-    def flat(x, core: int):
-        return jnp.broadcast_to(x, batch + x.shape[x.ndim - core:]).reshape(
-            (B,) + x.shape[x.ndim - core:])
-
-    def pad(x, *sizes):
-        return jnp.pad(x, [(0, 0)] + [(0, s - x.shape[i + 1]) for i, s in enumerate(sizes)])
-
-    arrays = {"q": pad(flat(q, 2), n_pad, fp), "k": pad(flat(k, 2), m_pad, fp),
-              "v": pad(flat(v, 2), m_pad, dvp)}
-    specs = {
-        "q": pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0)),
-        "k": pl.BlockSpec((None, m_pad, fp), lambda i, b: (b, 0, 0)),
-        "v": pl.BlockSpec((None, m_pad, dvp), lambda i, b: (b, 0, 0)),
-    }
-    if terms.col_bias or terms.col_ok:
-        cb = jnp.zeros((m,), acc)
-        if terms.col_bias:
-            cb = cb + prob.col["bias"][..., 0].astype(acc)
-        if terms.col_ok:
-            cb = jnp.where(prob.const["col_ok"], cb, -jnp.inf)
-        arrays["bias"] = pad(flat(cb, 1), m_pad)
-        specs["bias"] = pl.BlockSpec((None, m_pad), lambda i, b: (b, 0))
-    if terms.geometric:
-        geo = flat(prob.row["geo"], 2)
-        for r in (0, 1):
-            arrays[f"geo{r}"] = pad(geo[..., r], n_pad)
-            specs[f"geo{r}"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
-    if terms.relpos is not None:
-        rb = flat(prob.glob["relpos"], 1)
-        arrays["relpos"] = rb
-        specs["relpos"] = pl.BlockSpec((None, rb.shape[-1]), lambda i, b: (b, 0))
+    lay = _Layout(terms, prob, batch_shape, block_q, block_k)
+    arrays, specs = lay.operands(terms, prob, whole_rows=False)
     keys = tuple(arrays)
-    kernel = functools.partial(_pallas_kernel, terms=terms, bq=bq, bk=bk, nkb=nkb, keys=keys,
-                               acc_dtype=acc, precision=precision)
+    kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
+                               keys=keys, acc_dtype=lay.acc, precision=precision)
+    v = prob.v
     out, lse = pl.pallas_call(
         kernel,
-        grid=(nqb, B),
+        grid=(lay.nqb, lay.B),
         in_specs=[specs[x] for x in keys],
-        out_specs=[pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0)),
-                   pl.BlockSpec((None, bq), lambda i, b: (b, i))],
-        out_shape=[jax.ShapeDtypeStruct((B, n_pad, dvp), v.dtype),
-                   jax.ShapeDtypeStruct((B, n_pad), acc)],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or (4 if fp <= 64 else 8), num_stages=num_stages),
-        interpret=interpret,
+        out_specs=[pl.BlockSpec((None, lay.bq, lay.dvp), lambda i, b: (b, i, 0)),
+                   pl.BlockSpec((None, lay.bq), lambda i, b: (b, i))],
+        out_shape=[jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), v.dtype),
+                   jax.ShapeDtypeStruct((lay.B, lay.n_pad), lay.acc)],
+        compiler_params=_compiler_params(lay.fp, num_warps, num_stages),
+        interpret=_interpret(interpret),
         name="structinfer_attention",
     )(*[arrays[x] for x in keys])
-    y = out[:, :n, : v.shape[-1]].reshape(batch + (n, v.shape[-1]))
-    lse = lse[:, :n].reshape(batch + (n,))
-    return y, lse
+    n = terms.num_children
+    y = out[:, :n, : v.shape[-1]].reshape(lay.batch + (n, v.shape[-1]))
+    return y, lse[:, :n].reshape(lay.batch + (n,))
 
+
+# --- Pallas backward ---------------------------------------------------------------------
+
+
+def _probs(s, lse, acc_dtype):
+    r"""$p_{ij} = e^{\ell_{ij} - L_i}$ (0 on forbidden edges and on rows with no edge)."""
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    return jnp.exp(s - lse_safe[:, None]).astype(acc_dtype)
+
+
+def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[str, ...],
+                 acc_dtype, precision, col_grad: bool):
+    """dK, dV (and the per-parent bias' gradient) of one parent block: a loop over the
+    child blocks that see it, recomputing $p$ from $L$ (FlashAttention-2's first pass)."""
+    from jax.experimental import pallas as pl
+
+    named = dict(zip(keys, refs[: len(keys)]))
+    outs = refs[len(keys):]
+    dk_ref, dv_ref = outs[0], outs[1]
+    t = pl.program_id(0)
+    k = named["k"][pl_ds(t * bk, bk), :]
+    v = named["v"][pl_ds(t * bk, bk), :]
+    lo, hi = _live_children(terms, t, bq, bk, nqb)
+
+    def body(a, carry):
+        dk, dv, db = carry
+        i0 = a * bq
+        q = named["q"][pl_ds(i0, bq), :]
+        do = named["do"][pl_ds(i0, bq), :]
+        lse = named["lse"][pl_ds(i0, bq)]
+        delta = named["delta"][pl_ds(i0, bq)]
+        g0 = g1 = None
+        if terms.geometric:
+            g0 = named["geo0"][pl_ds(i0, bq)].astype(acc_dtype)
+            g1 = named["geo1"][pl_ds(i0, bq)].astype(acc_dtype)
+        s, _, _ = _tile(terms, named, q, k, i0, t * bk, g0, g1, acc_dtype, precision)
+        p = _probs(s, lse, acc_dtype)
+        dv = dv + _dot(p.astype(do.dtype), do, precision, acc_dtype, trans_a=True)
+        dp = _dot(do, v, precision, acc_dtype, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, precision, acc_dtype, trans_a=True)
+        if col_grad:
+            db = db + jnp.sum(ds, axis=0)
+        return dk, dv, db
+
+    init = (jnp.zeros((bk, k.shape[-1]), acc_dtype), jnp.zeros((bk, v.shape[-1]), acc_dtype),
+            jnp.zeros((bk,), acc_dtype))
+    dk, dv, db = lax.fori_loop(lo, hi, body, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+    if col_grad:
+        outs[2][...] = db
+
+
+def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
+               acc_dtype, precision, want_dq: bool, want_relpos: bool, interpret: bool):
+    r"""dQ and the geometric prior's gradients of one child block (a loop over its live
+    parent blocks: FlashAttention-2's second pass), or the relative-position bias'
+    gradient $\partial/\partial b_r = \sum_{ij:\,r(d_{ij}) = r} \mathrm{d}s_{ij}$, added
+    into its table with atomics."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    named = dict(zip(keys, refs[: len(keys)]))
+    outs = list(refs[len(keys):])
+    a = pl.program_id(0)
+    q = named["q"][...]
+    do = named["do"][...]
+    lse = named["lse"][...]
+    delta = named["delta"][...]
+    g0 = g1 = None
+    if terms.geometric:
+        g0 = named["geo0"][...].astype(acc_dtype)
+        g1 = named["geo1"][...].astype(acc_dtype)
+    geo_grad = want_dq and terms.geometric
+    lo, hi = _live_range(terms, a, bq, bk, nkb)
+
+    def body(t, carry):
+        dq, dg0, dg1 = carry
+        j0 = t * bk
+        k = named["k"][pl_ds(j0, bk), :]
+        v = named["v"][pl_ds(j0, bk), :]
+        s, ok, d = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision)
+        p = _probs(s, lse, acc_dtype)
+        dp = _dot(do, v, precision, acc_dtype, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        if want_dq:
+            dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
+        if geo_grad:
+            dg0 = dg0 + jnp.sum(ds, axis=-1)
+            dg1 = dg1 + jnp.sum(ds * (d - terms.geo_d0).astype(acc_dtype), axis=-1)
+        if want_relpos:
+            idx = relpos_index(terms.relpos, d)
+            if interpret:  # the interpreter's atomics drop repeated indices: a scatter-add
+                table = outs[-1]
+                table[...] = table[...] + jnp.zeros(table.shape, acc_dtype).at[idx].add(
+                    jnp.where(ok, ds, 0.0))
+            else:
+                plgpu.atomic_add(outs[-1], (idx,), ds, mask=ok)
+        return dq, dg0, dg1
+
+    init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), jnp.zeros((bq,), acc_dtype),
+            jnp.zeros((bq,), acc_dtype))
+    dq, dg0, dg1 = lax.fori_loop(lo, hi, body, init)
+    if want_dq:
+        outs[0][...] = dq.astype(outs[0].dtype)
+    if geo_grad:
+        outs[1][...] = dg0
+        outs[2][...] = dg1
+
+
+def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], out: jax.Array,
+                    lse: jax.Array, d_out: jax.Array, d_lse: jax.Array, *,
+                    block_q: int = 64, block_k: int = 64, interpret: bool | None = None,
+                    precision: lax.PrecisionLike = None, num_warps: int | None = None,
+                    num_stages: int = 2, need_glob: frozenset[str] | None = None
+                    ) -> tuple[dict, dict, dict, dict, jax.Array]:
+    r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
+
+    FlashAttention-2's schedule on the forward's $y$ and $L$ alone: with
+    $\delta_i = \sum_c \mathrm{d}y_{ic}\, y_{ic} - \mathrm{d}L_i$ and, recomputed per tile,
+    $p_{ij} = e^{\ell_{ij} - L_i}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j -
+    \delta_i)$, one pass over parent blocks gives
+    $\mathrm{d}V_j = \sum_i p_{ij}\,\mathrm{d}y_i$, $\mathrm{d}K_j = \sum_i
+    \mathrm{d}s_{ij}\, q_i$ and the per-parent bias' gradient $\sum_i \mathrm{d}s_{ij}$;
+    one pass over child blocks gives $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and the
+    geometric prior's $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} - d_0)$;
+    a third pass (its own launch, dropped by XLA when the bias is not differentiated)
+    adds $\mathrm{d}s_{ij}$ into the relative-position table at $r(d_{ij})$ with atomics.
+    Every pass skips the blocks outside the distance band; memory is $O(n d)$.
+
+    Args:
+        terms, prob, batch_shape: as for `pallas_forward`.
+        out, lse: the forward's $y$ and $L$.
+        d_out, d_lse: their cotangents.
+        block_q, block_k: block sizes of both passes (powers of two, at least 16).
+        interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
+        precision: the matmuls' ``precision`` (as for `pallas_forward`).
+        num_warps, num_stages: Triton launch parameters of both passes.
+        need_glob: the ``glob`` arrays whose gradients are wanted (default: all); the
+            relative-position table's pass runs only when it is among them.
+
+    Returns:
+        ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
+        problem's ``row``, ``col``, ``pair`` and ``glob`` dicts and its value table.
+
+    Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
+    """
+    from jax.experimental import pallas as pl
+
+    why = pallas_unsupported(terms, prob, batch_shape)
+    if why:
+        raise ValueError(f"pallas_backward: {why}")
+    lay = _Layout(terms, prob, batch_shape, block_q, block_k)
+    acc, n, m, B = lay.acc, terms.num_children, terms.num_parents, lay.B
+    bq, bk, n_pad, m_pad, fp, dvp = lay.bq, lay.bk, lay.n_pad, lay.m_pad, lay.fp, lay.dvp
+    finite = jnp.isfinite(lse)
+    delta = jnp.sum(d_out.astype(acc) * jnp.where(finite[..., None], out.astype(acc), 0.0),
+                    -1) - d_lse.astype(acc)
+    v_dt = prob.v.dtype
+    shared = {
+        "do": lay.pad(lay.flat(d_out.astype(v_dt), 2), n_pad, dvp),
+        "lse": lay.pad(lay.flat(lse.astype(acc), 1), n_pad, value=-jnp.inf),
+        "delta": lay.pad(lay.flat(delta, 1), n_pad),
+    }
+    params = _compiler_params(fp, num_warps, num_stages)
+    interp = _interpret(interpret)
+
+    # pass 1: parent blocks (dK, dV, per-parent bias)
+    arrays, specs = lay.operands(terms, prob, whole_rows=True)
+    arrays.update(shared)
+    specs["do"] = pl.BlockSpec((None, n_pad, dvp), lambda i, b: (b, 0, 0))
+    specs["lse"] = specs["delta"] = pl.BlockSpec((None, n_pad), lambda i, b: (b, 0))
+    keys = tuple(arrays)
+    col_grad = bool(terms.col_bias)
+    out_specs = [pl.BlockSpec((None, bk, fp), lambda i, b: (b, i, 0)),
+                 pl.BlockSpec((None, bk, dvp), lambda i, b: (b, i, 0))]
+    out_shape = [jax.ShapeDtypeStruct((B, m_pad, fp), acc),
+                 jax.ShapeDtypeStruct((B, m_pad, dvp), acc)]
+    if col_grad:
+        out_specs.append(pl.BlockSpec((None, bk), lambda i, b: (b, i)))
+        out_shape.append(jax.ShapeDtypeStruct((B, m_pad), acc))
+    res1 = pl.pallas_call(
+        functools.partial(_dkdv_kernel, terms=terms, bq=bq, bk=bk, nqb=lay.nqb, keys=keys,
+                          acc_dtype=acc, precision=precision, col_grad=col_grad),
+        grid=(lay.nkb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
+        out_shape=out_shape, compiler_params=params, interpret=interp,
+        name="structinfer_attention_dkdv",
+    )(*[arrays[x] for x in keys])
+    dk, dv = res1[0], res1[1]
+
+    # pass 2: child blocks (dQ, geometric prior); pass 3: the relative-position table
+    arrays, specs = lay.operands(terms, prob, whole_rows=False)
+    arrays.update(shared)
+    specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
+    specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
+    keys = tuple(arrays)
+
+    def dq_pass(want_dq: bool, want_relpos: bool):
+        out_specs, out_shape, extra, aliases = [], [], [], {}
+        if want_dq:
+            out_specs.append(pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((B, n_pad, fp), acc))
+            if terms.geometric:
+                for _ in range(2):
+                    out_specs.append(pl.BlockSpec((None, bq), lambda i, b: (b, i)))
+                    out_shape.append(jax.ShapeDtypeStruct((B, n_pad), acc))
+        if want_relpos:  # accumulated across programs: starts from zeros (aliased)
+            L = arrays["relpos"].shape[-1]
+            extra.append(jnp.zeros((B, L), acc))
+            aliases[len(keys)] = len(out_shape)
+            out_specs.append(pl.BlockSpec((None, L), lambda i, b: (b, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((B, L), acc))
+        in_specs = [specs[x] for x in keys] + [pl.BlockSpec((None, L), lambda i, b: (b, 0))
+                                                for _ in extra]
+        return pl.pallas_call(
+            functools.partial(_dq_kernel, terms=terms, bq=bq, bk=bk, nkb=lay.nkb, keys=keys,
+                              acc_dtype=acc, precision=precision, want_dq=want_dq,
+                              want_relpos=want_relpos, interpret=interp),
+            grid=(lay.nqb, B), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+            input_output_aliases=aliases, compiler_params=params, interpret=interp,
+            name="structinfer_attention_dq" if want_dq else "structinfer_attention_drelpos",
+        )(*[arrays[x] for x in keys], *extra)
+
+    res = dq_pass(True, False)
+    dq = res[0]
+
+    def unflat(x, length: int, core: int, like):
+        x = x[:, :length, :core] if x.ndim == 3 else x[:, :length]
+        x = x.reshape(lay.batch + x.shape[1:])
+        return sum_to(x, like.shape).astype(like.dtype)
+
+    def zeros(d):  # a cotangent for every array of the problem (the kernels fill theirs)
+        return {key: jnp.zeros_like(x) for key, x in d.items()}
+
+    d_row, d_col, d_pair, d_glob = (zeros(prob.row), zeros(prob.col), zeros(prob.pair),
+                                    zeros(prob.glob))
+    d_row["q"] = unflat(dq, n, prob.row["q"].shape[-1], prob.row["q"])
+    if terms.geometric:
+        geo = jnp.stack([res[1][:, :n], res[2][:, :n]], -1).reshape(lay.batch + (n, 2))
+        d_row["geo"] = sum_to(geo, prob.row["geo"].shape).astype(prob.row["geo"].dtype)
+    d_col["k"] = unflat(dk, m, prob.col["k"].shape[-1], prob.col["k"])
+    if col_grad:
+        bias = prob.col["bias"]
+        db = res1[2][:, :m].reshape(lay.batch + (m,))[..., None]
+        d_col["bias"] = sum_to(db, bias.shape).astype(bias.dtype)
+    d_v = unflat(dv, m, prob.v.shape[-1], prob.v)
+    if terms.relpos is not None and (need_glob is None or "relpos" in need_glob):
+        drel = dq_pass(False, True)[0]
+        rel = prob.glob["relpos"]
+        d_glob["relpos"] = sum_to(drel.reshape(lay.batch + drel.shape[-1:]),
+                                  rel.shape).astype(rel.dtype)
+    return d_row, d_col, d_pair, d_glob, d_v

@@ -130,16 +130,18 @@ def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]
     return out
 
 
-def _blocked(low, prob, batch, block_q: int, block_k: int, forward=None, precision=None):
+def _blocked(low, prob, batch, block_q: int, block_k: int, forward=None, backward=None,
+             precision=None):
     bq, bk = band_blocks(low.terms, block_q, block_k)
     return blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk, mask=low.mask,
-                             forward=forward, nan_rows=True, precision=precision)
+                             forward=forward, backward=backward, nan_rows=True,
+                             precision=precision)
 
 
 def _pallas(low, prob, batch, block_q: int, block_k: int, precision=None):
-    # the Pallas kernel replaces the forward pass; gradients are the blocked kernel's
+    # the Pallas kernels replace both passes of the blocked kernel
     return _blocked(low, prob, batch, block_q, block_k, forward=accel.pallas_forward,
-                    precision=precision)
+                    backward=accel.pallas_backward, precision=precision)
 
 
 def _cudnn(low, prob, batch, block_q: int, block_k: int, forced: bool, site: str, used: dict,

@@ -45,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from ._spec import Problem, Terms, accum_dtype, block_logits
+from ._spec import Problem, Terms, accum_dtype, block_logits, sum_to
 
 __all__ = ["Schedule", "make_schedule", "blocked_attention", "band_blocks"]
 
@@ -274,16 +275,6 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 
 def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
-
-
-def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sum the broadcast dims of ``x`` so that it has ``shape``."""
-    if x.shape == tuple(shape):
-        return x
-    lead = x.ndim - len(shape)
-    x = jnp.sum(x, axis=tuple(range(lead))) if lead > 0 else x
-    axes = tuple(i for i, (s, t) in enumerate(zip(x.shape, shape)) if t == 1 and s != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 def _update(buf: jax.Array, delta: jax.Array, starts: dict[int, jax.Array]) -> jax.Array:
@@ -567,18 +558,18 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
             dp = jnp.einsum("...id,...jd->...ij", do_r, v_c, **mm)
             ds = pr * (dp - delta_r[..., :, None])
             ds_t = _transposed(ds) if terms.dot else None
-        dr, dc, dpp, dg = vjp_fn(_sum_to(ds_t if tr else ds, s_rest.shape))
+        dr, dc, dpp, dg = vjp_fn(sum_to(ds_t if tr else ds, s_rest.shape))
         if terms.dot:
             q_r, k_c = row["q"], col["k"]
             shape_t = jnp.broadcast_shapes(q_r.shape[:-2], k_c.shape[:-2]) + (
                 k_c.shape[-2], q_r.shape[-2])
             dq = jnp.einsum("...ij,...jf->...if",
-                            _sum_to(ds, shape_t[:-2] + shape_t[-1:] + shape_t[-2:-1]).astype(
+                            sum_to(ds, shape_t[:-2] + shape_t[-1:] + shape_t[-2:-1]).astype(
                                 k_c.dtype), k_c, **mm)
-            dk = jnp.einsum("...ji,...if->...jf", _sum_to(ds_t, shape_t).astype(q_r.dtype),
+            dk = jnp.einsum("...ji,...if->...jf", sum_to(ds_t, shape_t).astype(q_r.dtype),
                             q_r, **mm)
-            dr = {**dr, "q": dr["q"] + _sum_to(dq, q_r.shape)}
-            dc = {**dc, "k": dc["k"] + _sum_to(dk, k_c.shape)}
+            dr = {**dr, "q": dr["q"] + sum_to(dq, q_r.shape)}
+            dc = {**dc, "k": dc["k"] + sum_to(dk, k_c.shape)}
         return dr, dc, dpp, dg, d_v
 
     def k_block(carry, b):
@@ -622,7 +613,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
         d_row, d_pair, d_glob, d_col, d_v = _loops(
             tables, b, body_of, (d_row, d_pair, d_glob, d_col0, d_v0)
         )
-        return (d_row, d_pair, d_glob), (d_col, _sum_to(d_v, v_b.shape))
+        return (d_row, d_pair, d_glob), (d_col, sum_to(d_v, v_b.shape))
 
     (d_row, d_pair, d_glob), (d_col, d_v) = lax.scan(
         k_block, (zeros(p.row), zeros(p.pair), zeros(p.glob)), jnp.arange(nkb)
@@ -641,7 +632,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
 
 
 def _run_forward(static, prob: Problem, starts):
-    terms, sched, batch, forward, nan_rows, precision, out_dtype = static.value
+    terms, sched, batch, forward, _, nan_rows, precision, out_dtype = static.value
     if forward is not None:
         out, lse = (forward(terms, prob, batch) if precision is None
                     else forward(terms, prob, batch, precision=precision))
@@ -656,10 +647,21 @@ def _attend(static, row, col, pair, glob, const, v, starts):
     return _run_forward(static, Problem(row, col, pair, glob, const, v), starts)
 
 
+def _is_primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
 def _attend_fwd(static, row, col, pair, glob, const, v, starts):
+    # symbolic zeros: each array comes with whether it is differentiated (`perturbed`); a
+    # replacement backward skips the gradients nobody asked for (the relative-position
+    # table's takes a pass of its own)
+    need = tuple(sorted(k for k, x in glob.items() if _is_primal(x) and x.perturbed))
+    row, col, pair, glob, const, v, starts = jax.tree.map(
+        lambda x: x.value if _is_primal(x) else x, (row, col, pair, glob, const, v, starts),
+        is_leaf=_is_primal)
     prob = Problem(row, col, pair, glob, const, v)
     out, lse = _run_forward(static, prob, starts)
-    return (out, lse), (static, prob, starts, out, lse)
+    return (out, lse), (static, _Static(frozenset(need)), prob, starts, out, lse)
 
 
 def _float0(tree):
@@ -667,16 +669,22 @@ def _float0(tree):
 
 
 def _attend_bwd(res, cts):
-    static, prob, starts, out, lse = res
-    terms, sched, batch, _, _, precision, _ = static.value
-    d_out, d_lse = cts
-    d_row, d_col, d_pair, d_glob, d_v = _backward(
-        terms, sched, batch, prob, starts, out, lse, d_out, d_lse, precision
-    )
+    static, need, prob, starts, out, lse = res
+    terms, sched, batch, _, backward, _, precision, _ = static.value
+    d_out, d_lse = (jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c
+                    for c in cts)
+    if backward is not None:
+        kw = {} if precision is None else {"precision": precision}
+        d_row, d_col, d_pair, d_glob, d_v = backward(terms, prob, batch, out, lse, d_out,
+                                                     d_lse, need_glob=need.value, **kw)
+    else:
+        d_row, d_col, d_pair, d_glob, d_v = _backward(
+            terms, sched, batch, prob, starts, out, lse, d_out, d_lse, precision
+        )
     return (None, d_row, d_col, d_pair, d_glob, _float0(prob.const), d_v, _float0(starts))
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
 
 class _Static:
@@ -703,6 +711,7 @@ def blocked_attention(
     schedule: Schedule | None = None,
     starts: tuple | None = None,
     forward: Callable | None = None,
+    backward: Callable | None = None,
     nan_rows: bool = False,
     precision: lax.PrecisionLike = None,
     out_dtype=None,
@@ -721,8 +730,13 @@ def blocked_attention(
         forward: optional ``forward(terms, prob, batch_shape) -> (y, L)`` that replaces
             this kernel's forward pass (an accelerator's fused kernel, e.g.
             `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
-            too when one is given; the gradient is still this kernel's backward, which
-            needs only ``y`` and ``L``.
+            too when one is given; the gradient is still this kernel's backward (which
+            needs only ``y`` and ``L``) unless ``backward`` is given too.
+        backward: optional ``backward(terms, prob, batch_shape, y, L, dy, dL, *,
+            need_glob) -> (d_row, d_col, d_pair, d_glob, d_v)`` that replaces this
+            kernel's backward pass (e.g. `structinfer.lowering.accel.pallas_backward`);
+            ``need_glob`` names the ``glob`` arrays being differentiated (the others'
+            gradients may be zeros); called with ``precision=`` too when one is given.
         nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
             logit) are NaN in ``y`` — the exact engine's answer under ``jit`` — instead of
             0 (what merging partial results, as ring attention does, needs). Written in
@@ -754,9 +768,10 @@ def blocked_attention(
         starts = (0, 0)
     else:  # distances come from shifted (traced) indices: mask every block
         schedule = schedule.without_full()
-        if forward is not None:
-            raise ValueError("blocked_attention: a replacement forward cannot take starts")
-    static = _Static((terms, schedule, tuple(batch_shape), forward, bool(nan_rows), precision,
+        if forward is not None or backward is not None:
+            raise ValueError("blocked_attention: a replacement pass cannot take starts")
+    static = _Static((terms, schedule, tuple(batch_shape), forward, backward, bool(nan_rows),
+                      precision,
                       None if out_dtype is None else jnp.dtype(out_dtype)))
     starts = tuple(jnp.asarray(s, jnp.int32) for s in starts)
     return _attend(static, prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v, starts)
