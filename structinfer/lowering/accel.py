@@ -20,9 +20,11 @@ the platform's fused kernels instead of the portable blocked kernel
   from the distance grid $d_{ij} = i + \text{offset} - j$, geometric log-prior
   $\log q_i + (d_{ij} - d_0)\log(1 - q_i)$ — and skips the blocks outside the distance
   band (causal, windows, truncation), multiplying in the inputs' dtype and accumulating
-  in float32 (the prior's terms are added in float32). Its gradient is the
-  blocked kernel's backward (`blocked_attention(..., forward=pallas_forward)`), which
-  needs only the output $y$ and the row log-partition $L$.
+  in float32 (the prior's terms are added in float32). Its gradient, `pallas_backward`,
+  is fused too (FlashAttention-2's two passes on the output $y$ and the row
+  log-partition $L$, with the prior's parameters' gradients; the relative-position
+  table's, summed with atomics, only when the table is differentiated); both enter
+  through `blocked_attention(..., forward=pallas_forward, backward=pallas_backward)`.
 * Everything else (IDW scores, per-edge tables, masks given as arrays, multi-device runs)
   keeps the blocked kernel, which runs on every platform.
 
