@@ -1,0 +1,46 @@
+"""The GPU comparison script's --quick mode runs on a CPU (no timing is asserted): it writes
+the Markdown table and the JSON, and every structinfer row passes its correctness check."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_path):
+    # one case keeps it short (the per-parent bias: the model this script adds, the rest
+    # come from benchmarks/attention.py); the peers a CPU lacks are skipped with a note
+    cases = ["bias"]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--quick",
+         "--out", str(tmp_path), "--cases", *cases,
+         "--impls", "structinfer", "structinfer-pallas", "cudnn", "tokamax-triton"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    mds, jsons = sorted(tmp_path.glob("*.md")), sorted(tmp_path.glob("*.json"))
+    assert len(mds) == 1 and len(jsons) == 1, os.listdir(tmp_path)
+    assert mds[0].stem == jsons[0].stem and mds[0].stem.startswith("cpu_")
+    data = json.loads(jsons[0].read_text())
+    assert data["device"] and data["versions"]["jax"] and data["versions"]["numpyro"]
+    assert "--quick" in data["command"] and data["budget_hit"] is False
+
+    ours = [r for r in data["rows"] if r["impl"] in ("structinfer", "structinfer-pallas")]
+    assert {(r["case"], r["mode"], r["impl"]) for r in ours} == {
+        (c, m, i) for c in cases for m in ("fwd", "fwd+bwd")
+        for i in ("structinfer", "structinfer-pallas")}
+    for r in ours:
+        assert r["status"] == "ok", r
+        assert r["check"]["passed"], r
+        assert r["ms"] > 0 and r["tflops"] > 0
+        assert ("out" in r["check"]) == (r["mode"] == "fwd")
+    assert all(r["kernel"] == "pallas" for r in ours if r["impl"] == "structinfer-pallas")
+    assert all(r["status"] == "skipped" for r in data["rows"] if r["impl"] == "cudnn")
+
+    md = mds[0].read_text()
+    assert "## n = 128, 2 heads, head dim 32" in md and "## n = 128" in proc.stdout  # printed
+    for text in ("| bias", "structinfer (auto)", "structinfer (pallas)",
+                 "## Correctness", "cuDNN needs a GPU"):
+        assert text in md, text
