@@ -81,6 +81,17 @@ def test_bfloat16_in_bfloat16_out(prior, backend):
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in g)
 
 
+def test_accum_dtype_is_one_public_rule():
+    """float32 for half and single precision, float64 for double; the layer's
+    hyperparameters follow the same rule (one definition, `lowering.accum_dtype`)."""
+    import structinfer.nn.layer as layer_module
+    from structinfer.lowering import accum_dtype
+
+    assert [accum_dtype(t) for t in (BF16, jnp.float16, jnp.float32, jnp.float64)] == [
+        jnp.float32, jnp.float32, jnp.float32, jnp.float64]
+    assert layer_module.accum_dtype is accum_dtype
+
+
 def test_exact_engine_answers_in_the_value_dtype():
     n = 11
     model = _model(PRIORS["geometric_float_q"], n)

@@ -37,9 +37,20 @@ __all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np", "accum_
 
 
 def accum_dtype(dtype) -> jnp.dtype:
-    """The dtype the kernels accumulate in for operands of ``dtype``: float32 for
-    bfloat16 / float16 / float32 operands, float64 for float64 (as flash-attention
-    kernels do: logits, running maximum, exp-sum and the p·v product)."""
+    """The dtype the lowered engine accumulates in for operands of `dtype`.
+
+    float32 for bfloat16 / float16 / float32 operands, float64 for float64 (as
+    flash-attention kernels do: logits, running maximum, exp-sum and the p·v product).
+    The prior's terms (its parameters, tables, masks' biases) are added to the logits in
+    this dtype, so a float32 prior parameter never promotes bfloat16 queries, keys and
+    values; `structinfer.nn.Attention` keeps its hyperparameters in it.
+
+    Args:
+        dtype: the dtype of the queries, keys and values (anything `jnp.dtype` reads).
+
+    Returns:
+        `jnp.promote_types(dtype, jnp.float32)`.
+    """
     return jnp.promote_types(dtype, jnp.float32)
 
 
