@@ -33,7 +33,7 @@ import numpy as np
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
-__all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np", "accum_dtype"]
+__all__ = ["Terms", "RelPos", "Problem", "block_logits", "accum_dtype"]
 
 
 def accum_dtype(dtype) -> jnp.dtype:
@@ -149,19 +149,6 @@ def band_ok(t: Terms, d: jax.Array) -> jax.Array | None:
         ok = conj(ok, d <= t.dmax)
     if t.exclude_zero:
         ok = conj(ok, d != 0)
-    return ok
-
-
-def band_mask_np(t: Terms, n: int, m: int) -> np.ndarray | None:
-    """The distance constraints as a NumPy ``(n, m)`` mask (for schedules and checks)."""
-    d = np.arange(n)[:, None] + t.offset - np.arange(m)[None, :]
-    ok = None
-    if t.dmin is not None:
-        ok = d >= t.dmin
-    if t.dmax is not None:
-        ok = (d <= t.dmax) if ok is None else ok & (d <= t.dmax)
-    if t.exclude_zero:
-        ok = (d != 0) if ok is None else ok & (d != 0)
     return ok
 
 
