@@ -275,8 +275,11 @@ def _is_separable(model, args, kwargs, value, names, probes) -> bool:
 # --- value tables --------------------------------------------------------------------
 
 
-def _extract(F, k: int, nesting: int, K: int, ev: int, m_k: int, value: str):
-    """Probe output -> (plate batch without children, m_k, dv) table."""
+def _extract(F, k: int, nesting: int, K: int, ev: int, m_k: int, value: str, float_dtype):
+    """Probe output -> (plate batch without children, m_k, dv) table.
+
+    A value that is not floating (integer token ids, counts, booleans) is averaged in the
+    model's floating dtype ``float_dtype``, the dtype the exact engine answers it in."""
     F = jnp.asarray(F)
     shape = F.shape
     nb = len(shape) - ev
@@ -307,7 +310,7 @@ def _extract(F, k: int, nesting: int, K: int, ev: int, m_k: int, value: str):
     F = F.reshape(lead + (F.shape[nesting - 1], dv))
     F = jnp.broadcast_to(F, lead + (m_k, dv))
     if not jnp.issubdtype(F.dtype, jnp.floating):
-        F = F.astype(jnp.result_type(float))
+        F = F.astype(float_dtype)
     return F, ev_shape
 
 
@@ -330,8 +333,6 @@ def _diagonal_table(tables, model, args, kwargs, value, e, inf, nesting, ev) -> 
         return
     dv = old.shape[-1]
     F = F.reshape(F.shape[:nb] + (dv,))
-    if not jnp.issubdtype(F.dtype, jnp.floating):
-        F = F.astype(jnp.result_type(float))
     lead = F.shape[: nb - 1]
     try:
         jnp.broadcast_shapes(lead, old.shape[:-2])
@@ -478,7 +479,7 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         ax = N + 1 + k
         if nb >= ax and Fe.shape[nb - ax] != 1:
             depends = True
-        tables[e], ev_shape = _extract(Fe, k, N, K, ev, sizes[e], value)
+        tables[e], ev_shape = _extract(Fe, k, N, K, ev, sizes[e], value, info.float_dtype)
     if not depends:
         raise _Fail(value, "value", "does not depend on any edge site")
     if K == 1:
