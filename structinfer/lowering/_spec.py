@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
@@ -36,7 +37,7 @@ from ..scores import safe_pow_dist
 __all__ = ["Terms", "RelPos", "Problem", "block_logits", "accum_dtype"]
 
 
-def accum_dtype(dtype) -> jnp.dtype:
+def accum_dtype(dtype: DTypeLike) -> jnp.dtype:
     """The dtype the lowered engine accumulates in for operands of `dtype`.
 
     float32 for bfloat16 / float16 / float32 operands, float64 for float64 (as
