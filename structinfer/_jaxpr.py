@@ -29,11 +29,15 @@ known one whose layout does not check — is reported as `Unknown`, so that each
 can be conservative (the lowering falls back to the exact engine, the bounds check
 leaves the read unchecked, the Laplace check counts every operand as a dependence)
 instead of failing inside its analysis.
+
+The analyses that follow values through a loop share its iteration to a fixed point
+(`loop_fixed_point`) and the join of dependence sets (`union`); each keeps its own
+abstract values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +48,13 @@ __all__ = [
     "Branch",
     "Call",
     "Loop",
+    "LoopFixedPoint",
     "Unknown",
     "classify",
     "is_literal",
+    "loop_fixed_point",
     "open_jaxpr",
+    "union",
 ]
 
 #: plain function calls: the body runs once on the operands, nothing else attached
@@ -176,6 +183,76 @@ class Unknown:
 
     name: str
     reason: str
+
+
+def union(sets: Iterable[frozenset]) -> frozenset:
+    """The union of some sets, as a frozenset (empty for none): the join of dependences."""
+    return frozenset().union(*sets)
+
+
+@dataclass(frozen=True)
+class LoopFixedPoint:
+    """A loop's body analysed at the fixed point of its carried values.
+
+    Attributes:
+        carry: each carry's abstract value at the fixed point: the initial carry joined
+            with everything the body makes of it (what the final state can be, after any
+            number of iterations, none included).
+        outputs: the body's outputs (``carry_out + ys``) analysed at ``carry`` (what one
+            more iteration gives).
+        cond: a ``while`` condition's outputs analysed at ``cond_consts + carry``; None
+            for a ``scan``.
+    """
+
+    carry: tuple
+    outputs: tuple
+    cond: tuple | None
+
+
+def loop_fixed_point(
+    loop: Loop,
+    get: Callable[[Any], Any],
+    analyse: Callable[[Any, list], list],
+    join: Callable[[Any, Any], Any],
+    rounds: int,
+) -> LoopFixedPoint | None:
+    r"""Iterate an abstract interpretation of a loop's body until its carry stops changing.
+
+    With $a$ the abstract values of the body's inputs (``get`` of the loop's operands),
+    the carry is updated as
+
+    $$h^{(t+1)} = h^{(t)} \sqcup \mathrm{body}(c, h^{(t)}, x)_{\text{carry}}$$
+
+    (``join`` is $\sqcup$) until $h^{(t+1)} = h^{(t)}$, so effects that take several
+    iterations to appear (``c <- a`` then ``d <- d + c * b``) are seen. The values form
+    a finite lattice, so a monotone analysis stops; ``rounds`` bounds the iterations.
+
+    Args:
+        loop: the loop (from `classify`).
+        get: an operand's abstract value (literals included) in the enclosing jaxpr.
+        analyse: ``analyse(jaxpr, inputs) -> outputs``, the caller's analysis of an open
+            jaxpr, one abstract value per input and per output.
+        join: the join of two abstract values of one carry.
+        rounds: the most iterations to run.
+
+    Returns:
+        A `LoopFixedPoint`, or None when ``rounds`` iterations did not reach one (the
+        caller is then conservative).
+    """
+    consts, xs = [get(x) for x in loop.consts], [get(x) for x in loop.xs]
+    carry = [get(x) for x in loop.carry]
+    for _ in range(rounds):
+        outs = analyse(loop.body.jaxpr, consts + carry + xs)
+        grown = [join(c, o) for c, o in zip(carry, outs)]
+        if grown == carry:
+            break
+        carry = grown
+    else:
+        return None
+    cond = None
+    if loop.cond is not None:
+        cond = tuple(analyse(loop.cond.jaxpr, [get(x) for x in loop.cond_consts] + carry))
+    return LoopFixedPoint(tuple(carry), tuple(outs), cond)
 
 
 def classify(eqn: Any) -> Call | Loop | Branch | Unknown | None:

@@ -54,6 +54,7 @@ __all__ = [
     "Window",
     "Graph",
     "BlockSparse",
+    "band_mask",
     "Categorical",
     "RelativePosition",
     "Geometric",
@@ -407,24 +408,67 @@ def _as_pattern(pattern) -> RestrictionPattern:
     )
 
 
+def band_mask(
+    num_children: int,
+    num_parents: int,
+    *,
+    dmin: int | None = None,
+    dmax: int | None = None,
+    exclude_zero: bool = False,
+    offset: int = 0,
+    xp: Any = jnp,
+) -> Any:
+    r"""The edges of a distance band: $M_{ij} = [d_{\min} \le d_{ij} \le d_{\max}]$.
+
+    $d_{ij} = i + \text{offset} - j$ is the distance from child $i$ to parent $j$;
+    with ``exclude_zero`` the self-edge $d_{ij} = 0$ is left out too. A causal mask is
+    the band $d_{ij} \ge d_0$ ($d_0 = 0$ with the self-edge, 1 without), a causal window
+    of ``size`` parents $d_0 \le d_{ij} \le d_0 + \text{size} - 1$, a two-sided one
+    $|d_{ij}| \le \text{size} - 1$. This is the one place such masks are built: the
+    [`Restricted`][structinfer.priors.Restricted] constructors, the prior's table and the
+    lowered engine's distance bands all call it.
+
+    Args:
+        num_children: $n$, the number of children (rows).
+        num_parents: $m$, the number of parents (columns).
+        dmin: the smallest allowed distance (``None``: unbounded below).
+        dmax: the largest allowed distance (``None``: unbounded above).
+        exclude_zero: also forbid the self-edge, $d_{ij} = 0$.
+        offset: child $i$ sits at parent position $i + \text{offset}$.
+        xp: ``jax.numpy`` (the mask built from ``iota`` inside a trace, never an
+            ``(n, m)`` constant) or ``numpy`` (a concrete mask).
+
+    Returns:
+        ``(n, m)`` boolean array, ``True`` on the allowed edges.
+    """
+    d = (xp.arange(num_children)[:, None] + offset) - xp.arange(num_parents)[None, :]
+    ok = None
+    for bound in (None if dmin is None else d >= dmin, None if dmax is None else d <= dmax,
+                  d != 0 if exclude_zero else None):
+        if bound is not None:
+            ok = bound if ok is None else ok & bound
+    return xp.ones(d.shape, bool) if ok is None else ok
+
+
 def _pattern_mask(pattern: RestrictionPattern, num_children: int, num_parents: int,
                   xp: Any = jnp) -> Any:
     r"""The ``(children, parents)`` mask a distance pattern defines, or ``None``.
 
     [`Causal`][structinfer.priors.Causal] and [`Window`][structinfer.priors.Window] masks
-    are functions of the distance $d_{ij} = i + \text{offset} - j$ alone; ``xp`` is
-    ``jax.numpy`` (built from ``iota`` inside a trace) or ``numpy``.
+    are distance bands (`band_mask`); ``xp`` is ``jax.numpy`` (built from ``iota`` inside
+    a trace) or ``numpy``.
     """
     if not isinstance(pattern, (Causal, Window)):
         return None
-    d = (xp.arange(num_children)[:, None] + pattern.offset) - xp.arange(num_parents)[None, :]
     lo = 0 if pattern.include_self else 1
     if isinstance(pattern, Causal):
-        return d >= lo
-    if pattern.causal:
-        return (d >= lo) & (d < lo + pattern.size)
-    mask = xp.abs(d) < pattern.size
-    return mask if pattern.include_self else mask & (d != 0)
+        band = dict(dmin=lo)
+    elif pattern.causal:
+        band = dict(dmin=lo, dmax=lo + pattern.size - 1)
+    else:
+        band = dict(dmin=1 - pattern.size, dmax=pattern.size - 1,
+                    exclude_zero=not pattern.include_self)
+    return band_mask(num_children, num_parents, offset=pattern.offset, xp=xp, **band)
 
 
 class Restricted(StructuralPrior):
@@ -538,9 +582,8 @@ class Restricted(StructuralPrior):
         check_static_int(num_parents, "num_parents", "Restricted.causal")
         check_static_int(offset, "offset", "Restricted.causal")
         m = num_children if num_parents is None else num_parents
-        d = np.arange(num_children)[:, None] + offset - np.arange(m)[None, :]
-        lo = 0 if include_self else 1
-        return cls(d >= lo, pattern=Causal(include_self=include_self, offset=offset))
+        pattern = Causal(include_self=include_self, offset=offset)
+        return cls(_pattern_mask(pattern, num_children, m, xp=np), pattern=pattern)
 
     @classmethod
     def window(
@@ -579,18 +622,8 @@ class Restricted(StructuralPrior):
         if size < 1:
             raise ValueError(f"Restricted.window: size must be >= 1, got {size}")
         m = num_children if num_parents is None else num_parents
-        d = np.arange(num_children)[:, None] + offset - np.arange(m)[None, :]
-        if causal:
-            lo = 0 if include_self else 1
-            mask = (d >= lo) & (d < lo + size)
-        else:
-            mask = np.abs(d) < size
-            if not include_self:
-                mask &= d != 0
-        return cls(
-            mask,
-            pattern=Window(size=size, causal=causal, include_self=include_self, offset=offset),
-        )
+        pattern = Window(size=size, causal=causal, include_self=include_self, offset=offset)
+        return cls(_pattern_mask(pattern, num_children, m, xp=np), pattern=pattern)
 
     @classmethod
     def from_graph(cls, adjacency: ArrayLike, self_loops: bool = False) -> Restricted:

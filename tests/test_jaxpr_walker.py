@@ -262,6 +262,52 @@ def test_bodies_that_cannot_be_read_are_unknown():
     assert _jaxpr.classify(add) is None
 
 
+# --- the shared fixed point of a loop -------------------------------------------------
+
+
+def _flat_deps(jaxpr, ins):
+    """Data dependence through a body without nested bodies: every operand counts."""
+    deps = dict(zip(jaxpr.invars, ins))
+
+    def get(x):
+        return frozenset() if _jaxpr.is_literal(x) else deps.get(x, frozenset())
+
+    for eqn in jaxpr.eqns:
+        assert _jaxpr.classify(eqn) is None, eqn.primitive.name
+        deps.update((v, _jaxpr.union(get(x) for x in eqn.invars)) for v in eqn.outvars)
+    return [get(x) for x in jaxpr.outvars]
+
+
+def _two_step(a, b, c0, d0, lim):
+    """A scan whose carry reaches ``b``'s and ``a``'s dependence only on its second trip
+    (``c <- a``, then ``d <- d + c * b``), and a while whose trip count reads ``lim``."""
+    (c, d), _ = jax.lax.scan(lambda cd, _: ((a, cd[1] + cd[0] * b), None), (c0, d0), None,
+                             length=3)
+    w = jax.lax.while_loop(lambda s: s[0][0] < lim, lambda s: (s[0] + 1.0, s[1] * b), (c0, d0))
+    return c, d, w[1]
+
+
+@pytest.mark.parametrize("layout", ("jax-0.10",) + LAYOUTS)
+def test_loop_fixed_point_joins_the_carry_until_it_stops_growing(layout):
+    args = [jnp.ones(2)] * 4 + [jnp.float32(3.0)]
+    closed = jax.make_jaxpr(_two_step)(*args)
+    jaxpr = closed.jaxpr if layout == "jax-0.10" else to_layout(closed, layout)
+    deps = dict(zip(jaxpr.invars, [frozenset([k]) for k in range(5)]))
+    get = lambda x: frozenset() if _jaxpr.is_literal(x) else deps.get(x, frozenset())  # noqa: E731
+    scan, wh = (_jaxpr.classify(e) for e in jaxpr.eqns
+                if e.primitive.name in ("scan", "while"))
+    point = _jaxpr.loop_fixed_point(scan, get, _flat_deps, frozenset.union, rounds=10)
+    assert point.carry == (frozenset({0, 2}), frozenset({0, 1, 2, 3}))
+    assert point.outputs == (frozenset({0}), frozenset({0, 1, 2, 3}))
+    assert point.cond is None
+    # one round sees only the first trip: no fixed point yet, the caller is conservative
+    assert _jaxpr.loop_fixed_point(scan, get, _flat_deps, frozenset.union, rounds=1) is None
+    point = _jaxpr.loop_fixed_point(wh, get, _flat_deps, frozenset.union, rounds=10)
+    assert point.carry == (frozenset({2}), frozenset({1, 3}))
+    assert point.cond == (frozenset({2, 4}),)
+    assert _jaxpr.union([]) == frozenset()
+
+
 # --- the lowering's separability analysis --------------------------------------------
 
 

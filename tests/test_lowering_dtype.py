@@ -14,6 +14,8 @@
   kernel's backward), and ``precision=None`` follows ``jax.default_matmul_precision``.
 """
 
+import contextlib
+
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
@@ -81,11 +83,44 @@ def test_bfloat16_in_bfloat16_out(prior, backend):
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in g)
 
 
+def test_accum_dtype_is_one_public_rule():
+    """float32 for half and single precision, float64 for double; the layer's
+    hyperparameters follow the same rule (one definition, `lowering.accum_dtype`)."""
+    import structinfer.nn.layer as layer_module
+    from structinfer.lowering import accum_dtype
+
+    assert [accum_dtype(t) for t in (BF16, jnp.float16, jnp.float32, jnp.float64)] == [
+        jnp.float32, jnp.float32, jnp.float32, jnp.float64]
+    assert layer_module.accum_dtype is accum_dtype
+
+
 def test_exact_engine_answers_in_the_value_dtype():
     n = 11
     model = _model(PRIORS["geometric_float_q"], n)
     q, k, v, _ = _inputs(BF16, n)
     assert si.expectation(model, "out", q, k, v).dtype == BF16
+
+
+@pytest.mark.parametrize("prior", ["causal", "relpos_f32"])
+@pytest.mark.parametrize("backend", ["dense", "blocked"])
+def test_integer_value_table_answers_in_the_exact_engines_dtype(prior, backend):
+    """An integer value table (token ids, counts) is averaged in the model's floating
+    dtype, as the exact engine answers it: float32 for a float32 model under x64,
+    bfloat16 for a bfloat16 one, float32 for a bfloat16 one whose prior holds a float32
+    table (the kernels cast the table to the default float)."""
+    n = 24
+    model = _model(PRIORS[prior], n)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 50, (H, n, 3)), jnp.int32)
+    for dtype, x64 in ((jnp.float32, True), (BF16, False)):
+        with float64() if x64 else contextlib.nullcontext():
+            q, k, _, e = _inputs(dtype, n)
+            want = si.expectation(model, "out", q, k, ids, e)
+            assert want.dtype == (dtype if prior == "causal" else jnp.float32)
+            f = si.attention(model, "out", backend, block_q=16, block_k=16)
+            for y in (f(q, k, ids, e), jax.jit(f)(q, k, ids, e)):
+                assert y.dtype == want.dtype, (backend, y.dtype)
+                np.testing.assert_allclose(np.asarray(y, np.float32),
+                                           np.asarray(want, np.float32), rtol=2e-2)
 
 
 @pytest.mark.parametrize("backend", ["auto", "exact", "dense", "blocked", "windowed"])

@@ -228,7 +228,7 @@ def _floors(reqs):
 def _check_floor(pins, deps, ci, readme):
     """Every inconsistency between the floor pins, pyproject, .ci/run and the README."""
     floors, problems = _floors(deps), []
-    for name in ("jax", "jaxlib", "numpyro", "funsor"):
+    for name in ("jax", "jaxlib", "numpyro", "funsor", "numpy"):
         if name not in pins:
             problems.append(f"{name} is not pinned in .ci/floor.txt")
     for name, ver in pins.items():
@@ -245,9 +245,11 @@ def _check_floor(pins, deps, ci, readme):
 
 
 def test_floor_versions_are_the_pyproject_floors_and_ci_tests_them():
-    """.ci/floor.txt pins jax, jaxlib, numpyro and funsor at exactly pyproject's `>=`
-    floors (jaxlib at jax's), README names them, and .ci/run's floor leg installs under
-    those pins and runs its test files, which exist."""
+    """.ci/floor.txt pins jax, jaxlib, numpyro, funsor and numpy at exactly pyproject's
+    `>=` floors (jaxlib at jax's), README names them, and .ci/run's floor leg installs
+    under those pins and runs its test files, which exist. numpy is pinned too: unpinned,
+    the floor leg resolved the newest numpy next to the oldest jax, and numpy's floor was
+    never run."""
     pins, ci = _floor_pins(FLOOR.read_text()), (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()
     deps = _pyproject()["project"]["dependencies"]
@@ -259,6 +261,7 @@ def test_floor_versions_are_the_pyproject_floors_and_ci_tests_them():
     # ignores the file
     raised = [d.replace("jax>=", "jax>=9") if d.startswith("jax>=") else d for d in deps]
     assert any("jax==" in p for p in _check_floor(pins, raised, ci, readme))
-    assert any("funsor is not" in p for p in _check_floor(
-        {k: v for k, v in pins.items() if k != "funsor"}, deps, ci, readme))
+    for name in ("funsor", "numpy"):
+        assert any(f"{name} is not" in p for p in _check_floor(
+            {k: v for k, v in pins.items() if k != name}, deps, ci, readme))
     assert _check_floor(pins, deps, ci.replace('-c "$floor"', ""), readme)

@@ -209,6 +209,39 @@ _DISTANCE_PRIORS = [
 ]
 
 
+@pytest.mark.parametrize("offset", [-2, 0, 3])
+def test_band_mask_is_the_one_distance_mask(offset):
+    """`priors.band_mask` against a loop over every (child, parent); the constructors'
+    masks and the lowering's `DistanceBand` are that function's bands."""
+    from structinfer.lowering import DistanceBand
+
+    bands = [dict(), dict(dmin=0), dict(dmin=1), dict(dmax=2), dict(dmin=-1, dmax=2),
+             dict(dmin=-2, dmax=2, exclude_zero=True), dict(exclude_zero=True)]
+    for band in bands:
+        want = np.array([[(band.get("dmin") is None or i + offset - j >= band["dmin"])
+                          and (band.get("dmax") is None or i + offset - j <= band["dmax"])
+                          and not (band.get("exclude_zero") and i + offset - j == 0)
+                          for j in range(M)] for i in range(N)])
+        got = si.priors.band_mask(N, M, offset=offset, xp=np, **band)
+        assert isinstance(got, np.ndarray) and got.dtype == bool, band
+        np.testing.assert_array_equal(got, want, err_msg=str(band))
+        np.testing.assert_array_equal(jax.jit(lambda: si.priors.band_mask(
+            N, M, offset=offset, **band))(), want, err_msg=str(band))
+        np.testing.assert_array_equal(DistanceBand(offset=offset, **band).mask(N, M), want)
+    R = si.priors.Restricted
+    for prior, band in [
+        (R.causal(N, M, offset=offset), dict(dmin=0)),
+        (R.causal(N, M, include_self=False, offset=offset), dict(dmin=1)),
+        (R.window(N, 3, M, offset=offset), dict(dmin=0, dmax=2)),
+        (R.window(N, 3, M, include_self=False, offset=offset), dict(dmin=1, dmax=3)),
+        (R.window(N, 2, M, causal=False, offset=offset), dict(dmin=-1, dmax=1)),
+        (R.window(N, 2, M, causal=False, include_self=False, offset=offset),
+         dict(dmin=-1, dmax=1, exclude_zero=True)),
+    ]:
+        want = si.priors.band_mask(N, M, offset=offset, xp=np, **band)
+        np.testing.assert_array_equal(prior.concrete_mask, want, err_msg=str(prior.pattern))
+
+
 @pytest.mark.parametrize("make", [f for _, f in _DISTANCE_PRIORS],
                          ids=[i for i, _ in _DISTANCE_PRIORS])
 def test_a_distance_mask_is_built_in_the_trace(make):

@@ -86,7 +86,7 @@ class NUTS(NumPyroNUTS):
     """
 
     def _init_state(self, rng_key, model_args, model_kwargs, init_params):
-        if self._model is None or not is_prng_key(rng_key):
+        if self.model is None or not is_prng_key(rng_key):
             return super()._init_state(rng_key, model_args, model_kwargs, init_params)
         found = super()._init_state(rng_key[None], model_args, model_kwargs, init_params)
         return found if init_params is not None else jax.tree.map(lambda a: a[0], found)

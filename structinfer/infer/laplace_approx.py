@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from .._checks import as_arrays, is_concrete, is_masked
-from .._jaxpr import Branch, Call, Loop, classify, is_literal, open_jaxpr
+from .._jaxpr import Branch, Call, Loop, classify, is_literal, loop_fixed_point, open_jaxpr, union
 from ..exact import inspect_model, log_marginal, trace_model
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
 from ._common import as_float_tree
@@ -93,28 +93,17 @@ def _edge_terms(model, args, kwargs, edges):
     return logits, rest
 
 
-def _union(deps) -> frozenset:
-    return frozenset().union(*deps) if deps else frozenset()
-
-
 def _loop_deps(loop: Loop, get) -> list[frozenset]:
     """Dependence of a loop's results: its body iterated until the carried dependence stops
-    growing (a finite lattice: terminates); a ``while`` condition's dependence (the trip
-    count) joins every result."""
-    consts, xs = [get(x) for x in loop.consts], [get(x) for x in loop.xs]
-    carry = [get(x) for x in loop.carry]
-    for _ in range(len(carry) * (len(_union(consts + carry + xs)) + 1) + 1):
-        outs = _jaxpr_deps(loop.body.jaxpr, consts + carry + xs)
-        grown = [c | o for c, o in zip(carry, outs)]
-        if grown == carry:
-            break
-        carry = grown
-    else:  # pragma: no cover - cannot happen: every round grows a finite set
-        return [_union(consts + carry + xs)] * (len(loop.carry) + len(loop.ys))
-    trips = frozenset()
-    if loop.cond is not None:
-        trips = _union(_jaxpr_deps(loop.cond.jaxpr, [get(x) for x in loop.cond_consts] + carry))
-    return [d | trips for d in carry + outs[len(carry):]]
+    growing (`structinfer._jaxpr.loop_fixed_point`); a ``while`` condition's dependence
+    (the trip count) joins every result."""
+    everything = union(get(x) for x in loop.consts + loop.carry + loop.xs)
+    point = loop_fixed_point(loop, get, _jaxpr_deps, frozenset.union,
+                             rounds=len(loop.carry) * (len(everything) + 1) + 1)
+    if point is None:  # pragma: no cover - cannot happen: every round grows a finite set
+        return [everything] * (len(loop.carry) + len(loop.ys))
+    trips = union(point.cond) if point.cond is not None else frozenset()
+    return [d | trips for d in point.carry + point.outputs[len(point.carry):]]
 
 
 def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
@@ -144,9 +133,9 @@ def _jaxpr_deps(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
             picked = get(kind.index)
             operands = [get(x) for x in kind.operands]
             per_branch = [_jaxpr_deps(b.jaxpr, operands) for b in kind.branches]
-            outs = [_union(ds) | picked for ds in zip(*per_branch)]
+            outs = [union(ds) | picked for ds in zip(*per_branch)]
         else:
-            outs = [_union(ins)] * len(eqn.outvars)
+            outs = [union(ins)] * len(eqn.outvars)
         deps.update(zip(eqn.outvars, outs))
     return [get(x) for x in jaxpr.outvars]
 

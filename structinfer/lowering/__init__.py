@@ -22,6 +22,8 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
   [`windowed_posterior`][structinfer.lowering.windowed_posterior],
   [`windowed_values`][structinfer.lowering.windowed_values] and
   [`windowed_attention`][structinfer.lowering.windowed_attention] (all four in one).
+* Dtypes: [`accum_dtype`][structinfer.lowering.accum_dtype], the dtype every kernel
+  accumulates in (and adds the prior's terms in) for inputs of a given dtype.
 
 The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``), the GPU
 kernels and their dispatch rules ([`accel`][structinfer.lowering.accel]: cuDNN, Pallas)
@@ -39,6 +41,7 @@ from ._lower import (
     register_prior_rule,
     register_score_rule,
 )
+from ._spec import accum_dtype
 from .api import BACKENDS, Explanation, NotLowerableError, attention, check_rows, explain
 from .windowed import (
     geometric_band_log_prior,
@@ -66,4 +69,5 @@ __all__ = [
     "windowed_posterior",
     "windowed_values",
     "windowed_attention",
+    "accum_dtype",
 ]

@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from ..priors import RestrictionPattern, StructuralPrior
+from ..priors import RestrictionPattern, StructuralPrior, band_mask
 from ..scores import Score
-from ._spec import Problem, RelPos, Terms, accum_dtype, band_mask_np
+from ._spec import Problem, RelPos, Terms, accum_dtype
 
 __all__ = [
     "NotLowered",
@@ -121,10 +121,8 @@ class DistanceBand:
         Returns:
             ``(n, m)`` boolean array, ``True`` on the allowed edges.
         """
-        t = Terms(int(num_children), int(num_parents), dmin=self.dmin, dmax=self.dmax,
-                  exclude_zero=self.exclude_zero, offset=self.offset)
-        ok = band_mask_np(t, t.num_children, t.num_parents)
-        return np.ones((t.num_children, t.num_parents), bool) if ok is None else ok
+        return band_mask(int(num_children), int(num_parents), dmin=self.dmin, dmax=self.dmax,
+                         exclude_zero=self.exclude_zero, offset=self.offset, xp=np)
 
 
 class TermBuilder:

@@ -41,7 +41,17 @@ import numpy as np
 from numpyro.handlers import block, substitute, trace
 
 from .._checks import is_concrete, is_masked
-from .._jaxpr import Branch, Call, Loop, Unknown, classify, is_literal, open_jaxpr
+from .._jaxpr import (
+    Branch,
+    Call,
+    Loop,
+    Unknown,
+    classify,
+    is_literal,
+    loop_fixed_point,
+    open_jaxpr,
+    union,
+)
 from ..exact import inspect_model
 from ..handlers import require_values
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
@@ -147,37 +157,38 @@ class _NotFollowed(Exception):
         super().__init__(f"{name}: {reason}")
 
 
-def _union(deps) -> frozenset:
-    return frozenset().union(*deps) if deps else frozenset()
+def _analyse_pairs(jaxpr, ins):
+    """`_analyse` on ``(deps, separable)`` pairs, one per input and per output."""
+    deps, sep = _analyse(jaxpr, [d for d, _ in ins], [s for _, s in ins])
+    return list(zip(deps, sep))
+
+
+def _join(a, b):
+    """Join of two ``(deps, separable)`` values: deps union, separability conjunction."""
+    return a[0] | b[0], a[1] and b[1]
 
 
 def _loop_fixed_point(loop: Loop, get):
     """Deps / separability of a loop's results by iterating its body to a fixed point.
 
     The body's carry outputs are fed back into its carry inputs (deps union, separability
-    conjunction) until nothing changes, so effects that need several iterations to appear
-    (``c <- a`` then ``d <- d + c * b``) are seen. Monotone in a finite lattice: terminates.
+    conjunction) until nothing changes (`structinfer._jaxpr.loop_fixed_point`).
     A ``while`` whose condition reads an edge runs a number of times that depends on it:
     every result then depends on that edge too.
     """
-    part = lambda atoms: ([get(x)[0] for x in atoms], [get(x)[1] for x in atoms])  # noqa: E731
-    (cdeps, csep), (deps, sep), (xdeps, xsep) = part(loop.consts), part(loop.carry), part(loop.xs)
-    ncar, everything = len(deps), _union(cdeps + deps + xdeps)
-    for _ in range(4 * (len(everything) + 1) * (ncar + 1)):
-        odeps, osep = _analyse(loop.body.jaxpr, cdeps + deps + xdeps, csep + sep + xsep)
-        new_deps = [d | o for d, o in zip(deps, odeps)]
-        new_sep = [s and o for s, o in zip(sep, osep)]
-        if new_deps == deps and new_sep == sep:
-            break
-        deps, sep = new_deps, new_sep
-    else:  # pragma: no cover - no fixed point: be conservative
+    ncar = len(loop.carry)
+    everything = union(get(x)[0] for x in loop.consts + loop.carry + loop.xs)
+    point = loop_fixed_point(loop, get, _analyse_pairs, _join,
+                             rounds=4 * (len(everything) + 1) * (ncar + 1))
+    if point is None:  # pragma: no cover - no fixed point: be conservative
         n = ncar + len(loop.ys)
         return [everything] * n, [len(everything) <= 1] * n
+    outs = list(point.outputs)
     if loop.length is None or loop.length < 1:  # may run zero times: the carry as given
-        odeps[:ncar], osep[:ncar] = deps, sep
-    if loop.cond is not None:
-        qdeps, qsep = part(loop.cond_consts)
-        trips = _union(_analyse(loop.cond.jaxpr, qdeps + deps, qsep + sep)[0])
+        outs[:ncar] = point.carry
+    odeps, osep = [d for d, _ in outs], [s for _, s in outs]
+    if point.cond is not None:
+        trips = union(d for d, _ in point.cond)
         if trips:
             odeps = [d | trips for d in odeps]
             osep = [s and len(d) <= 1 for s, d in zip(osep, odeps)]
@@ -190,7 +201,7 @@ def _branch(branch: Branch, get):
     index = get(branch.index)[0]
     ins = [get(x) for x in branch.operands]
     outs = [_analyse(b.jaxpr, [d for d, _ in ins], [s for _, s in ins]) for b in branch.branches]
-    odeps = [_union(ds) | index for ds in zip(*(d for d, _ in outs))]
+    odeps = [union(ds) | index for ds in zip(*(d for d, _ in outs))]
     osep = [all(ss) and (not index or len(d) <= 1)
             for ss, d in zip(zip(*(s for _, s in outs)), odeps)]
     return odeps, osep
@@ -219,11 +230,11 @@ def _analyse(jaxpr, in_deps, in_sep):
         elif isinstance(kind, Branch):
             odeps, osep = _branch(kind, get)
         elif isinstance(kind, Unknown):
-            if _union(ideps):
+            if union(ideps):
                 raise _NotFollowed(kind.name, kind.reason)
             odeps, osep = [frozenset()] * len(eqn.outvars), [True] * len(eqn.outvars)
         else:
-            d = _union(ideps)
+            d = union(ideps)
             if len(d) <= 1:
                 s = True
             elif name in ("add", "sub", "add_any", "concatenate"):
@@ -264,8 +275,11 @@ def _is_separable(model, args, kwargs, value, names, probes) -> bool:
 # --- value tables --------------------------------------------------------------------
 
 
-def _extract(F, k: int, nesting: int, K: int, ev: int, m_k: int, value: str):
-    """Probe output -> (plate batch without children, m_k, dv) table."""
+def _extract(F, k: int, nesting: int, K: int, ev: int, m_k: int, value: str, float_dtype):
+    """Probe output -> (plate batch without children, m_k, dv) table.
+
+    A value that is not floating (integer token ids, counts, booleans) is averaged in the
+    model's floating dtype ``float_dtype``, the dtype the exact engine answers it in."""
     F = jnp.asarray(F)
     shape = F.shape
     nb = len(shape) - ev
@@ -296,7 +310,7 @@ def _extract(F, k: int, nesting: int, K: int, ev: int, m_k: int, value: str):
     F = F.reshape(lead + (F.shape[nesting - 1], dv))
     F = jnp.broadcast_to(F, lead + (m_k, dv))
     if not jnp.issubdtype(F.dtype, jnp.floating):
-        F = F.astype(jnp.result_type(float))
+        F = F.astype(float_dtype)
     return F, ev_shape
 
 
@@ -319,8 +333,6 @@ def _diagonal_table(tables, model, args, kwargs, value, e, inf, nesting, ev) -> 
         return
     dv = old.shape[-1]
     F = F.reshape(F.shape[:nb] + (dv,))
-    if not jnp.issubdtype(F.dtype, jnp.floating):
-        F = F.astype(jnp.result_type(float))
     lead = F.shape[: nb - 1]
     try:
         jnp.broadcast_shapes(lead, old.shape[:-2])
@@ -467,7 +479,7 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         ax = N + 1 + k
         if nb >= ax and Fe.shape[nb - ax] != 1:
             depends = True
-        tables[e], ev_shape = _extract(Fe, k, N, K, ev, sizes[e], value)
+        tables[e], ev_shape = _extract(Fe, k, N, K, ev, sizes[e], value, info.float_dtype)
     if not depends:
         raise _Fail(value, "value", "does not depend on any edge site")
     if K == 1:

@@ -29,18 +29,29 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
-__all__ = ["Terms", "RelPos", "Problem", "block_logits", "band_mask_np", "accum_dtype",
-           "sum_to"]
+__all__ = ["Terms", "RelPos", "Problem", "block_logits", "accum_dtype", "sum_to"]
 
 
-def accum_dtype(dtype) -> jnp.dtype:
-    """The dtype the kernels accumulate in for operands of ``dtype``: float32 for
-    bfloat16 / float16 / float32 operands, float64 for float64 (as flash-attention
-    kernels do: logits, running maximum, exp-sum and the p·v product)."""
+def accum_dtype(dtype: DTypeLike) -> jnp.dtype:
+    """The dtype the lowered engine accumulates in for operands of `dtype`.
+
+    float32 for bfloat16 / float16 / float32 operands, float64 for float64 (as
+    flash-attention kernels do: logits, running maximum, exp-sum and the p·v product).
+    The prior's terms (its parameters, tables, masks' biases) are added to the logits in
+    this dtype, so a float32 prior parameter never promotes bfloat16 queries, keys and
+    values; `structinfer.nn.Attention` keeps its hyperparameters in it.
+
+    Args:
+        dtype: the dtype of the queries, keys and values (anything `jnp.dtype` reads).
+
+    Returns:
+        `jnp.promote_types(dtype, jnp.float32)`.
+    """
     return jnp.promote_types(dtype, jnp.float32)
 
 
@@ -150,19 +161,6 @@ def band_ok(t: Terms, d: jax.Array) -> jax.Array | None:
         ok = conj(ok, d <= t.dmax)
     if t.exclude_zero:
         ok = conj(ok, d != 0)
-    return ok
-
-
-def band_mask_np(t: Terms, n: int, m: int) -> np.ndarray | None:
-    """The distance constraints as a NumPy ``(n, m)`` mask (for schedules and checks)."""
-    d = np.arange(n)[:, None] + t.offset - np.arange(m)[None, :]
-    ok = None
-    if t.dmin is not None:
-        ok = d >= t.dmin
-    if t.dmax is not None:
-        ok = (d <= t.dmax) if ok is None else ok & (d <= t.dmax)
-    if t.exclude_zero:
-        ok = (d != 0) if ok is None else ok & (d != 0)
     return ok
 
 

@@ -8,7 +8,7 @@ This is the naive twin of `structinfer.lowering.blocked` (same logits,
 from `block_logits` over the whole index
 range) and the fastest path for small ``n m``. Gradients are plain autodiff
 (memory $O(n m)$). The matmuls multiply in the operands' dtype and accumulate in
-float32 (`_spec.accum_dtype`), the softmax is computed in float32, and the output is in
+float32 (`lowering.accum_dtype`), the softmax is computed in float32, and the output is in
 the value table's dtype, as flash-attention kernels do.
 """
 

@@ -38,7 +38,7 @@ from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
 from .._checks import is_concrete, model_name
-from ..lowering import BACKENDS, Explanation, attention, check_rows
+from ..lowering import BACKENDS, Explanation, accum_dtype, attention, check_rows
 from ..primitives import EDGE_INFO_KEY, is_enumerated
 
 __all__ = ["Attention", "Hyperparameter", "MechanismInfo", "describe_mechanism"]
@@ -525,7 +525,7 @@ class Attention(nnx.Module):
         q, k, v = (jnp.moveaxis(a, -2, -3).astype(dtype) for a in (query, key, value))
         # the prior's terms are added to logits accumulated in float32: bfloat16 heads
         # keep float32 hyperparameters (which never promote the queries, keys, values)
-        hyper_dtype = jnp.promote_types(dtype, jnp.float32)
+        hyper_dtype = accum_dtype(dtype)
         hyper = {name: a.astype(hyper_dtype) for name, a in self.hyperparameters().items()}
         shape, params = _value_and_param_shapes(
             self.mechanism, self.value_site, q.shape[-3:], k.shape[-3:], v.shape[-3:],
