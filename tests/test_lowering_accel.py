@@ -237,6 +237,43 @@ def test_pallas_bfloat16_values_and_gradients_within_bfloat16_tolerance():
             np.testing.assert_allclose(np.asarray(b, np.float32), a, atol=3e-2 * scale)
 
 
+def _kernel_eqns(jaxpr, name):
+    """Equations named ``name`` inside the kernels of every pallas_call of ``jaxpr``."""
+    out = []
+    for eqn in jaxpr.eqns:
+        for p in eqn.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                out += _kernel_eqns(inner, name)
+        if eqn.primitive.name == name:
+            out.append(eqn)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pallas_relative_position_atomics_mask_every_value(causal):
+    """Regression (H200, JAX 0.11.2): Triton refused the relative-position table's atomic
+    add ('tt.atomic_rmw' op failed to verify that mask type matches value type) when the
+    edge had no distance band: the mask was one row, broadcast, not the tile's shape."""
+    n = 40
+    r = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(r.normal(size=(H, n, 16)), jnp.bfloat16) for _ in range(3))
+    bias = jnp.asarray(r.normal(size=(H, 2 * n - 1)), jnp.float32)
+    low = lower_edge(si.priors.RelativePosition(bias, n, causal=causal),
+                     si.scores.Dot(q, k, scale=0.25), v, n, (H,))
+
+    def grads(p):
+        y, lse = accel.pallas_forward(low.terms, p, low.batch_shape, interpret=False)
+        return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse, jnp.ones_like(y),
+                                     jnp.zeros_like(lse), interpret=False)[3]
+
+    eqns = _kernel_eqns(jax.make_jaxpr(grads)(low.problem).jaxpr, "atomic_rmw")
+    assert eqns
+    for eqn in eqns:
+        _, _, val, mask = eqn.params["args_tree"].unflatten(eqn.invars)
+        assert mask.aval.shape == val.aval.shape
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
     """Lowering (not running) for CUDA on this CPU: every operation of the kernel body

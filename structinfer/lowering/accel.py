@@ -560,8 +560,8 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
                 table = outs[-1]
                 table[...] = table[...] + jnp.zeros(table.shape, acc_dtype).at[idx].add(
                     jnp.where(ok, ds, 0.0))
-            else:
-                plgpu.atomic_add(outs[-1], (idx,), ds, mask=ok)
+            else:  # Triton wants the mask in the values' shape (ok may be one row)
+                plgpu.atomic_add(outs[-1], (idx,), ds, mask=jnp.broadcast_to(ok, ds.shape))
         return dq, dg0, dg1
 
     init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), jnp.zeros((bq,), acc_dtype),
