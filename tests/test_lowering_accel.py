@@ -209,6 +209,29 @@ def test_pallas_relative_position_pass_runs_only_for_its_gradient():
     assert passes((0, 3)) == (True, True)
 
 
+def test_pallas_backward_padding_rows_do_not_overflow_into_nan():
+    """Regression (review): padding rows (n = 37 in blocks of 16) have finite logits and no
+    log-normaliser; a large relative-position bias overflowed their e^s to inf, and the
+    backward's zero cotangent there became inf * 0 = NaN in dK and the bias' gradient."""
+    n, m = 37, 45
+    r = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(r.normal(size=(H, s, 8)), jnp.float32) for s in (n, m, m))
+    e = jnp.asarray(100.0 + r.normal(size=(H, 2 * m - 1)), jnp.float32)  # e^100 = inf
+    prior = lambda n, m, e: si.priors.RelativePosition(e, m)  # noqa: E731
+    model = _pallas_model(prior, n, m)
+
+    def loss(g):
+        return lambda q, k, v, e: jnp.sum(jnp.sin(g(q, k, v, e)))
+
+    f = si.attention(model, "out", "pallas", block_q=16, block_k=16)
+    g1 = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, e)
+    g0 = jax.jit(jax.grad(loss(si.attention(model, "out", "dense")), argnums=(0, 1, 2, 3)))(
+        q, k, v, e)
+    for a, b in zip(g0, g1):
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, atol=5e-5)
+
+
 def test_pallas_bfloat16_values_and_gradients_within_bfloat16_tolerance():
     """bfloat16 in: the kernels multiply in bfloat16 and accumulate in float32; values and
     gradients match a float32 reference to bfloat16's precision."""

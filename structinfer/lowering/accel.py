@@ -468,9 +468,11 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
 
 
 def _probs(s, lse, acc_dtype):
-    r"""$p_{ij} = e^{\ell_{ij} - L_i}$ (0 on forbidden edges and on rows with no edge)."""
-    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    return jnp.exp(s - lse_safe[:, None]).astype(acc_dtype)
+    r"""$p_{ij} = e^{\ell_{ij} - L_i}$, 0 on forbidden edges and on rows with no edge
+    (padding rows included: their logits are finite, and their $e^{\ell}$ could overflow
+    to ``inf`` and turn a zero gradient into ``inf * 0 = NaN``)."""
+    none = (lse == -jnp.inf)[:, None]
+    return jnp.where(none, 0.0, jnp.exp(s - jnp.where(none, 0.0, lse[:, None]))).astype(acc_dtype)
 
 
 def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[str, ...],
