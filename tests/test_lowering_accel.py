@@ -209,10 +209,12 @@ def test_pallas_relative_position_pass_runs_only_for_its_gradient():
     assert passes((0, 3)) == (True, True)
 
 
-def test_pallas_backward_padding_rows_do_not_overflow_into_nan():
+@pytest.mark.parametrize("backend", ["pallas", "blocked"])
+def test_backward_padding_rows_do_not_overflow_into_nan(backend):
     """Regression (review): padding rows (n = 37 in blocks of 16) have finite logits and no
     log-normaliser; a large relative-position bias overflowed their e^s to inf, and the
-    backward's zero cotangent there became inf * 0 = NaN in dK and the bias' gradient."""
+    backward's zero cotangent there became inf * 0 = NaN in dK, dV and the bias' gradient
+    (both the Pallas and the portable blocked kernel's backward)."""
     n, m = 37, 45
     r = np.random.default_rng(7)
     q, k, v = (jnp.asarray(r.normal(size=(H, s, 8)), jnp.float32) for s in (n, m, m))
@@ -223,7 +225,7 @@ def test_pallas_backward_padding_rows_do_not_overflow_into_nan():
     def loss(g):
         return lambda q, k, v, e: jnp.sum(jnp.sin(g(q, k, v, e)))
 
-    f = si.attention(model, "out", "pallas", block_q=16, block_k=16)
+    f = si.attention(model, "out", backend, block_q=16, block_k=16)
     g1 = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, e)
     g0 = jax.jit(jax.grad(loss(si.attention(model, "out", "dense")), argnums=(0, 1, 2, 3)))(
         q, k, v, e)

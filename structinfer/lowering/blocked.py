@@ -506,7 +506,9 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     d_out = _pad_axis(d_out.astype(p.v.dtype), -2, n_pad)
     delta = _pad_axis(delta, -1, n_pad)
     lse = _pad_axis(lse, -1, n_pad, -jnp.inf)
-    lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    # rows with no edge (padding rows too, whose logits are finite) get p = e^{s - inf} = 0:
+    # not e^s, which a large bias overflows to inf (and a zero cotangent to inf * 0 = NaN)
+    lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
     tables = _group_tables(sched, sched.bwd, True)
 
     def zeros(tree):  # gradient accumulators, in the accumulation dtype
