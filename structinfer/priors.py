@@ -956,6 +956,13 @@ class Markov(StructuralPrior):
     advances its parent; Singh & Buckley's priors over edges, sec. 3, coupling
     consecutive children).
 
+    A ``-inf`` entry forbids a move. Values and MAP are exact with any pattern of
+    forbidden moves, but gradients (marginals) are NaN when the products of the
+    transition matrices leave some pair of states unconnected (a banded, monotone
+    matrix): funsor's log-space products meet $\log 0$. Give such moves a finite,
+    very negative log-weight instead (as
+    [`monotonic_alignment`][structinfer.mechanisms.monotonic_alignment] does).
+
     Args:
         log_transition: ``(K, K)`` unnormalised log-weights $L$, rows = the previous
             edge, columns = the next; ``-inf`` forbids a move. Each row is normalised.
