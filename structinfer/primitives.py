@@ -555,4 +555,4 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
         )
     if lse is not None:
         potential(name + SCORE_SUFFIX, lse)
-    return phi
+    return phi.astype(previous.dtype)  # the scan's carry keeps its type (int32 / int64)

@@ -94,7 +94,7 @@ def markov_switching_dynamics(
         numpyro.sample("x", dist.Normal(loc, scale[z]).to_event(1), obs=x_next)
         return z, None
 
-    scan(step, jnp.asarray(-1, jnp.int32), (x[:-1], x[1:]))
+    scan(step, jnp.asarray(-1), (x[:-1], x[1:]))
 
 
 def monotonic_alignment(
@@ -182,4 +182,4 @@ def monotonic_alignment(
         numpyro.deterministic("out", v[z])
         return z, None
 
-    scan(step, jnp.asarray(-1, jnp.int32), (scores, last))
+    scan(step, jnp.asarray(-1), (scores, last))
