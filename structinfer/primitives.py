@@ -301,7 +301,11 @@ class Potential(dist.Unit):
 
     Args:
         log_factor: the log-potential $\log\psi$, any batch shape.
+        validate_args: NumPyro's argument validation.
     """
+
+    def __init__(self, log_factor: ArrayLike, *, validate_args: bool = False):
+        super().__init__(log_factor, validate_args=validate_args)
 
 
 @promote_batch_shape.register
