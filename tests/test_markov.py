@@ -203,3 +203,10 @@ def test_errors_name_the_site():
         si.mechanisms.markov_switching_dynamics(
             jnp.zeros((4, 2)), jnp.zeros((K, 2, 2)), jnp.zeros((K, 2)), jnp.ones((K, 2)),
             jnp.zeros((K, K + 1)), jnp.zeros(K))
+
+
+def test_explain_says_the_chain_runs_on_the_exact_engine():
+    rng = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(rng.normal(size=s)) for s in ((5, 2), (3, 2), (3, 7)))
+    text = si.explain(si.mechanisms.monotonic_alignment, "out", q, k, v)
+    assert "exact engine" in text and "Markov prior" in text and "'align'" in text

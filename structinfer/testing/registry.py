@@ -924,25 +924,27 @@ def _ex_alignment(rng, dtype):
     return Example(
         dict(q=g.normal(5, 2), k=g.normal(3, 2), v=g.normal(3, 7),
              log_stay=jnp.asarray(0.3, dtype), log_advance=jnp.asarray(-0.2, dtype)),
-        {},
+        dict(log_skip=-1.3),
         batch="q",
     )
 
 
-def _ref_monotonic_alignment(q, k, v, log_stay, log_advance):
+def _ref_monotonic_alignment(q, k, v, log_stay, log_advance, log_skip):
     r"""Forward-backward over the parents with a stay / advance transition matrix;
     $-\partial E/\partial q = \partial \log Z/\partial q$ by autodiff of it."""
-    out = _ref_alignment_chain(q, k, v, log_stay, log_advance)
-    gq, gk = jax.grad(lambda q, k: -_ref_alignment_chain(q, k, v, log_stay, log_advance)["energy"],
-                      argnums=(0, 1))(q, k)
+    out = _ref_alignment_chain(q, k, v, log_stay, log_advance, log_skip)
+    gq, gk = jax.grad(
+        lambda q, k: -_ref_alignment_chain(q, k, v, log_stay, log_advance, log_skip)["energy"],
+        argnums=(0, 1))(q, k)
     return {**out, "-grad:q": gq, "-grad:k": gk}
 
 
-def _ref_alignment_chain(q, k, v, log_stay, log_advance):
+def _ref_alignment_chain(q, k, v, log_stay, log_advance, log_skip):
     m = k.shape[0]
     leak = -30.0
     i, j = np.arange(m)[:, None], np.arange(m)[None, :]
-    lt = jnp.where(j == i, log_stay, jnp.where(j == i + 1, log_advance, leak))
+    lt = jnp.where(j == i + 2, log_skip, leak)
+    lt = jnp.where(j == i, log_stay, jnp.where(j == i + 1, log_advance, lt))
     lt = lt - lse(lt)[:, None]
     li = jnp.where(np.arange(m) == 0, 0.0, leak)
     li = li - lse(li)
@@ -963,7 +965,7 @@ _ROWS.append(
         (attention("align"), output("out"), ENERGY, neg_grad("q"), neg_grad("k")),
         _ref_monotonic_alignment,
         "p(phi_t = j | q, k), E[v_phi_t] and log Z by a step-by-step forward-backward over a "
-        "stay / advance chain starting at the first parent and ending at the last",
+        "stay / advance / skip chain starting at the first parent and ending at the last",
     )
 )
 
