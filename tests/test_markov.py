@@ -210,3 +210,24 @@ def test_explain_says_the_chain_runs_on_the_exact_engine():
     q, k, v = (jnp.asarray(rng.normal(size=s)) for s in ((5, 2), (3, 2), (3, 7)))
     text = si.explain(si.mechanisms.monotonic_alignment, "out", q, k, v)
     assert "exact engine" in text and "Markov prior" in text and "'align'" in text
+
+
+def test_chains_under_a_plate_are_independent():
+    """A plate inside the scan: B chains at once, each as if alone."""
+    em, lt, li = _params()
+    ems = jnp.stack([em, _params(1)[0]], axis=1)  # (T, B = 2, K)
+
+    def batched(ems):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            with numpyro.plate("chains", 2):
+                return si.edge("z", prior, e, previous=previous), None
+
+        scan(step, jnp.full((2,), -1), ems)
+
+    lz, marg = jax.jit(lambda e: (si.log_marginal(batched, e), si.marginals(batched, e)["z"]))(ems)
+    assert marg.shape == (T, 2, K)
+    np.testing.assert_allclose(lz, sum(_forward(ems[:, b], lt, li) for b in range(2)), rtol=1e-5)
+    for b in range(2):
+        np.testing.assert_allclose(marg[:, b], _brute(ems[:, b], lt, li)[1], atol=1e-5)
