@@ -208,7 +208,7 @@ def test_errors_name_the_site():
 def test_explain_says_the_chain_runs_on_the_exact_engine():
     rng = np.random.default_rng(9)
     q, k, v = (jnp.asarray(rng.normal(size=s)) for s in ((5, 2), (3, 2), (3, 7)))
-    text = si.explain(si.mechanisms.monotonic_alignment, "out", q, k, v)
+    text = str(si.explain(si.mechanisms.monotonic_alignment, "out", q, k, v))
     assert "exact engine" in text and "Markov prior" in text and "'align'" in text
 
 
@@ -231,3 +231,38 @@ def test_chains_under_a_plate_are_independent():
     np.testing.assert_allclose(lz, sum(_forward(ems[:, b], lt, li) for b in range(2)), rtol=1e-5)
     for b in range(2):
         np.testing.assert_allclose(marg[:, b], _brute(ems[:, b], lt, li)[1], atol=1e-5)
+
+
+def test_markov_switching_em_counts_and_ascent():
+    """The E-step's expected transitions match brute force; EM steps never lower log p."""
+    from structinfer.infer import em_markov_switching as em
+
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(np.cumsum(rng.normal(size=(6, 1)), 0))  # T = 6: 5 modes, 4 moves
+    a = jnp.asarray([[[0.9]], [[-0.4]]])
+    b = jnp.asarray([[0.3], [-0.3]])
+    prec = jnp.asarray([[2.0], [0.7]])
+    lt = jnp.asarray([[1.0, -1.0], [0.2, 0.5]])
+    li = jnp.asarray([0.3, -0.3])
+    step = jax.jit(lambda st: em.step(x, st))
+    st = jax.jit(em.init)(x, a, b, prec, lt, li)
+    # brute force over the 2^5 mode paths
+    ltn, lin = _log_softmax(lt), _log_softmax(li)
+    xs = np.asarray(x, np.float64)
+    mean = np.einsum("kde,te->tkd", np.asarray(a), xs[:-1]) + np.asarray(b)
+    p = np.asarray(prec)
+    emit = (-0.5 * ((xs[1:, None] - mean) ** 2 * p).sum(-1) + 0.5 * np.log(p).sum(-1)
+            - 0.5 * np.log(2 * np.pi))
+    paths = np.array(list(itertools.product(range(2), repeat=5)))
+    score = lin[paths[:, 0]] + emit[np.arange(5), paths].sum(1) + ltn[paths[:, :-1], paths[:, 1:]].sum(1)
+    w = np.exp(score - np.logaddexp.reduce(score))
+    counts = np.zeros((2, 2))
+    for path, wi in zip(paths, w):
+        np.add.at(counts, (path[:-1], path[1:]), wi)
+    np.testing.assert_allclose(st.transitions, counts, atol=1e-5)
+    np.testing.assert_allclose(st.log_likelihood, np.logaddexp.reduce(score), rtol=1e-5)
+    lls = [float(st.log_likelihood)]
+    for _ in range(3):
+        st, _ = step(st)
+        lls.append(float(st.log_likelihood))
+    assert all(b >= a - 1e-4 for a, b in zip(lls, lls[1:])), lls
