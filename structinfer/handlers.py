@@ -20,13 +20,20 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpyro
 import numpyro.distributions as dist
 from jax.custom_derivatives import SymbolicZero
 from numpyro.distributions.transforms import biject_to
+from numpyro.ops.indexing import Vindex
 from numpyro.primitives import Messenger
 
-from .primitives import gather, is_enumerated
+from .primitives import (
+    EDGE_INFO_KEY,
+    SCAN_INDEX_KEY,
+    SCAN_RECORD_KEY,
+    gather,
+    is_enumerated,
+    potential,
+)
 
 __all__ = [
     "tilt",
@@ -41,6 +48,8 @@ __all__ = [
 
 TILT_PREFIX = "_structinfer_tilt:"
 """Prefix of the factor sites [`tilt`][structinfer.handlers.tilt] adds for deterministic sites."""
+_PAIR_TILT = "structinfer_pair_tilt"  # a Markov edge's pairwise tilt, added after its value
+_DET_TILT = "structinfer_tilt"  # a deterministic site's tilt, added after its value
 PLACEHOLDER_KEY = "structinfer_placeholder"
 """Key [`fill_latent`][structinfer.handlers.fill_latent] sets (to `True`) in the `infer`
 dict of a site it filled."""
@@ -151,7 +160,16 @@ class tilt(Messenger):
       is the site's posterior marginal;
     * a deterministic site with ``t`` of the value's (non-enumerated) shape and
       ``event_dim`` trailing event dims: a factor $\sum_{\text{event}} t \cdot v$ is added,
-      and the gradient is the posterior expectation $\mathbb E[v]$.
+      and the gradient is the posterior expectation $\mathbb E[v]$;
+    * an edge site with a [`Markov`][structinfer.priors.Markov] prior inside a
+      ``numpyro.contrib.control_flow.scan``, with ``t`` of shape
+      ``(T,) + batch + (K + 1, K)``: step $s$ gains $t[s, \ldots, \phi_{s-1}, \phi_s]$
+      (row $K$ for the first edge, which has no previous one), and the gradient is the
+      pairwise posterior $p(\phi_{s-1} = i, \phi_s = j \mid x)$ (summed over $i$: the
+      marginal).
+
+    Sites inside a scan body are tilted per step: the scan's body is wrapped so that
+    step $s$ sees ``t[s]`` (the stacked sites the scan records afterwards are left alone).
 
     Args:
         fn: the model (or ``None`` to use as a context manager).
@@ -176,18 +194,53 @@ class tilt(Messenger):
         super().__init__(fn)
 
     def process_message(self, msg: dict) -> None:
-        """Wrap a tilted sample site's distribution in a `TiltedDistribution`."""
+        """Wrap a tilted sample site's distribution in a `TiltedDistribution`; tilt a
+        scan's steps."""
         name = msg.get("name")
-        if msg["type"] == "sample" and name in self.tilts:
-            t, _ = self.tilts[name]
-            msg["fn"] = TiltedDistribution(msg["fn"], t)
+        if msg["type"] == "control_flow":
+            self._tilt_steps(msg)
+            return
+        if msg["type"] == "deterministic" and name in self.tilts and not msg.get(SCAN_RECORD_KEY):
+            msg[_DET_TILT] = self.tilts[name]  # read back (under any scope) once it has a value
+            return
+        if msg["type"] != "sample" or name not in self.tilts or SCAN_INDEX_KEY in msg["infer"]:
+            return  # (a site a scan step already tilted, or the scan's stacked record)
+        edge = msg["infer"].get(EDGE_INFO_KEY)
+        t, _ = self.tilts[name]
+        if edge is not None and edge.markov:
+            msg["infer"][_PAIR_TILT] = t  # a pairwise factor once the value is known
+            return
+        msg["fn"] = TiltedDistribution(msg["fn"], t)
+
+    def _tilt_steps(self, msg: dict) -> None:
+        """Run a scan's body under this tilt with every tilt sliced at the step index."""
+        f, init, xs, length, reverse = msg["args"]
+        if length is None:
+            length = jnp.shape(jax.tree.leaves(xs)[0])[0]
+        tilts, nesting = self.tilts, self.max_plate_nesting
+
+        def step(carry, x_s):
+            x, s = x_s
+            sliced = {n: (t[s], ev) for n, (t, ev) in tilts.items()}
+            with tilt(tilts=sliced, max_plate_nesting=nesting):
+                return f(carry, x)
+
+        msg["args"] = (step, init, (xs, jnp.arange(length)), length, reverse)
 
     def postprocess_message(self, msg: dict) -> None:
-        """Add the factor of a tilted deterministic site."""
+        """Add the factor of a tilted deterministic site, or of a Markov edge's pair."""
         name = msg.get("name")
-        if msg["type"] != "deterministic" or name not in self.tilts:
+        t = msg["infer"].pop(_PAIR_TILT, None) if msg["type"] == "sample" else None
+        if t is not None:
+            edge = msg["infer"][EDGE_INFO_KEY]
+            k = edge.num_parents
+            prev = jnp.where(edge.previous < 0, k, edge.previous)
+            potential(TILT_PREFIX + edge.name, Vindex(t)[..., prev, msg["value"]])
             return
-        t, event_dim = self.tilts[name]
+        spec = msg.pop(_DET_TILT, None) if msg["type"] == "deterministic" else None
+        if spec is None:
+            return
+        t, event_dim = spec
         v = jnp.asarray(msg["value"])
         if event_dim:
             ev_shape, ev_ref = v.shape[-event_dim:], t.shape[-event_dim:]
@@ -212,7 +265,7 @@ class tilt(Messenger):
             term = _event_inner(flat(t), flat(v))
         else:
             term = t * v
-        numpyro.factor(TILT_PREFIX + name, term)
+        potential(TILT_PREFIX + name, term)
 
 
 class require_values(Messenger):

@@ -28,28 +28,39 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 from jax.typing import ArrayLike
+from numpyro.distributions.batch_util import promote_batch_shape
 from numpyro.distributions.util import validate_sample
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
-from ._checks import check_finite
-from .priors import StructuralPrior, as_prior
+from ._checks import check_finite, is_concrete
+from .priors import Markov, StructuralPrior, as_prior
 from .scores import Score, as_score
 
 __all__ = [
     "edge",
     "EdgeInfo",
     "EdgeDistribution",
+    "Potential",
+    "potential",
     "gather",
     "is_enumerated",
     "is_factor",
     "active_plates",
     "EDGE_INFO_KEY",
     "SCORE_SUFFIX",
+    "SCAN_INDEX_KEY",
+    "SCAN_RECORD_KEY",
 ]
 
 EDGE_INFO_KEY = "structinfer"
 """Key of an edge site's ``infer`` dict holding its [`EdgeInfo`][structinfer.primitives.EdgeInfo]."""
+SCAN_INDEX_KEY = "_scan_current_index"
+"""Key NumPyro's ``scan`` sets in the ``infer`` dict of every site of a step (a site inside
+a time dim)."""
+SCAN_RECORD_KEY = "_control_flow_done"
+"""Key NumPyro's ``scan`` sets on each site it records after the loop (stacked over the
+time steps, the leading dim of its value)."""
 SCORE_SUFFIX = ".score"
 """Suffix of the factor site carrying an edge's row normaliser (see [`edge`][structinfer.edge])."""
 
@@ -69,6 +80,9 @@ class EdgeInfo:
         num_parents: size of the edge support ``m``.
         children_plate: name of the plate at ``dim=-1``.
         child: the ``child=`` index this site follows (multi-hop), ``None`` for a plain edge.
+        previous: the previous edge's value that chose a [`Markov`][structinfer.priors.Markov]
+            prior's row (``-1`` at the start of the chain), ``None`` for other priors.
+            Valid inside the scan step that recorded it (the engine's tilt reads it there).
     """
 
     name: str
@@ -79,6 +93,13 @@ class EdgeInfo:
     children_plate: str
     #: the ``child=`` index this site follows (multi-hop), ``None`` for a plain edge
     child: Any = field(default=None, compare=False, repr=False)
+    #: the previous edge's value that chose a Markov prior's row (inside its scan step)
+    previous: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def markov(self) -> bool:
+        """Whether the edge has a [`Markov`][structinfer.priors.Markov] prior (a chain over time)."""
+        return isinstance(self.prior, Markov)
 
 
 def is_enumerated(site: dict) -> bool:
@@ -267,6 +288,49 @@ class EdgeDistribution(dist.CategoricalLogits):
         return gather(self.logits, value)
 
 
+class Potential(dist.Unit):
+    r"""NumPyro's ``Unit`` (a ``numpyro.factor``) that also works inside ``scan``.
+
+    $$\log p(\text{value}) = \log\psi \quad \text{(any value; an unnormalised factor)}$$
+
+    NumPyro's ``Unit`` keeps its batch shape when ``numpyro.contrib.control_flow.scan``
+    stacks the sites of its steps, so a ``numpyro.factor`` inside a scan body loses its
+    time dim under enumeration. This subclass declares how its batch shape grows
+    (``promote_batch_shape``), so a potential inside a scan body is one factor per
+    step. Write it with [`potential`][structinfer.primitives.potential].
+
+    Args:
+        log_factor: the log-potential $\log\psi$, any batch shape.
+        validate_args: NumPyro's argument validation.
+    """
+
+    def __init__(self, log_factor: ArrayLike, *, validate_args: bool = False):
+        super().__init__(log_factor, validate_args=validate_args)
+
+
+@promote_batch_shape.register
+def _promote_potential(d: Potential) -> Potential:
+    new = dist.Unit.__new__(Potential)
+    new.__dict__.update(d.__dict__)
+    new._batch_shape = tuple(jnp.shape(d.log_factor))
+    return new
+
+
+def potential(name: str, log_factor: ArrayLike) -> None:
+    r"""``numpyro.factor(name, log_factor)`` that also works inside a ``scan`` body.
+
+    Adds $\log\psi$ = ``log_factor`` to the model's log-density as an observed
+    [`Potential`][structinfer.primitives.Potential] site (a ``Unit``, so it is a factor
+    for [`is_factor`][structinfer.primitives.is_factor] and for NumPyro).
+
+    Args:
+        name: the site name.
+        log_factor: the log-potential, any batch shape.
+    """
+    log_factor = jnp.asarray(log_factor)
+    numpyro.sample(name, Potential(log_factor), obs=jnp.zeros(jnp.shape(log_factor) + (0,)))
+
+
 def _children_plate(name: str) -> tuple[CondIndepStackFrame, list[CondIndepStackFrame]]:
     plates = active_plates()
     if not plates:
@@ -325,6 +389,7 @@ def edge(
     score: Score | ArrayLike | None = None,
     *,
     child: ArrayLike | None = None,
+    previous: ArrayLike | None = None,
     infer: dict | None = None,
 ) -> jax.Array:
     r"""Declare an edge site: child $i$ takes one parent $\phi_i$ under ``prior``.
@@ -349,6 +414,13 @@ def edge(
             as distribution (Singh & Buckley appendix 7.3: the second hop uses the
             edge of the node the first hop reached). No separate score factor is
             added: each hop is normalised, so ``log Z`` is that of the first hop.
+        previous: with a [`Markov`][structinfer.priors.Markov] prior (and only then):
+            the previous edge's value, which chooses the prior's row; ``-1`` for the
+            first edge of the chain. The edge must then be inside a
+            ``numpyro.contrib.control_flow.scan`` over time (the time steps are its
+            children; no children plate is needed), and its row normaliser, which
+            depends on the previous edge, is the ``"<name>.score"``
+            [`potential`][structinfer.primitives.potential].
         infer: extra ``infer`` entries for the sample site.
 
     Returns:
@@ -378,6 +450,8 @@ def edge(
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"edge: name must be a non-empty str, got {name!r}")
+    if isinstance(prior, Markov) or previous is not None:
+        return _markov_edge(name, prior, score, previous, child, infer)
     child_plate, plates = _children_plate(name)
     batch = _batch_shape(plates)
     num_children = batch[-1]
@@ -422,3 +496,67 @@ def edge(
         # on the edge, so no contraction mixes two factors over one edge
         numpyro.factor(name + SCORE_SUFFIX, lse)
     return phi
+
+
+def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
+    """[`edge`][structinfer.edge] with a Markov prior: one step of a chain inside a scan."""
+    if not isinstance(prior, Markov):
+        raise TypeError(
+            f"edge site '{name}': previous= chooses the row of a structinfer.priors.Markov "
+            f"prior, but the prior is {type(prior).__name__}"
+        )
+    if child is not None:
+        raise ValueError(f"edge site '{name}': a Markov edge cannot also follow child=")
+    if previous is None:
+        raise ValueError(
+            f"edge site '{name}': a Markov prior chooses its row by the previous edge: pass "
+            "previous= (the scan carry holding the previous edge's value, -1 at the start "
+            "of the chain)"
+        )
+    previous = jnp.asarray(previous)
+    if not jnp.issubdtype(previous.dtype, jnp.integer):
+        raise TypeError(
+            f"edge site '{name}': previous must be an integer edge value (-1 at the start "
+            f"of the chain), got dtype {previous.dtype}"
+        )
+    k = prior.num_parents
+    if prior.log_initial is None and is_concrete(previous) and bool(jnp.any(previous < 0)):
+        raise ValueError(
+            f"edge site '{name}': the chain's first edge (previous=-1) has no initial "
+            "distribution: give the Markov prior log_initial=, or start the chain from a "
+            "given previous edge"
+        )
+    plates = active_plates()
+    batch = _batch_shape(plates) if plates else ()
+    logits = prior.row(previous)
+    score_obj = None
+    lse = None
+    if score is not None:
+        if isinstance(score, Score):
+            score_obj, table = score, score.dense()
+        else:  # one step's log-potentials, (..., K)
+            table = jnp.asarray(score)
+        if table.ndim < 1 or table.shape[-1] != k:
+            raise ValueError(
+                f"edge site '{name}': score has shape {tuple(jnp.shape(table))}, expected "
+                f"(..., {k}) (one log-potential per parent of this step)"
+            )
+        check_finite(table, f"edge site '{name}': score")
+        logits = logits + table
+        lse = jax.nn.logsumexp(logits, axis=-1)
+    plate = next((p for p in plates if p.dim == -1), None)
+    info = EdgeInfo(name, prior, score_obj, batch[-1] if batch else 1, k,
+                    plate.name if plate is not None else "", previous=previous)
+    site_infer = {"enumerate": "parallel", EDGE_INFO_KEY: info}
+    if infer:
+        site_infer.update(infer)
+    phi = numpyro.sample(name, EdgeDistribution(logits, log_normalizer=lse), infer=site_infer)
+    if SCAN_INDEX_KEY not in site_infer:
+        raise ValueError(
+            f"edge site '{name}': a Markov prior couples consecutive edges over time, so "
+            "the edge must be inside a numpyro.contrib.control_flow.scan over the time "
+            "steps (the carry holds the previous edge); it was called outside a time dim"
+        )
+    if lse is not None:
+        potential(name + SCORE_SUFFIX, lse)
+    return phi.astype(previous.dtype)  # the scan's carry keeps its type (int32 / int64)

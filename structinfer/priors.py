@@ -58,6 +58,7 @@ __all__ = [
     "Categorical",
     "RelativePosition",
     "Geometric",
+    "Markov",
 ]
 
 
@@ -964,6 +965,110 @@ class Geometric(StructuralPrior):
             "include_self": self.include_self,
             "offset": self.offset,
             "max_distance": self.max_distance,
+        }
+
+
+class Markov(StructuralPrior):
+    r"""Markov prior: the row of an edge's prior is chosen by the previous edge's value.
+
+    $$
+    p(\phi_1 = j) = \mathrm{softmax}_j(\lambda_j), \qquad
+    p(\phi_t = j \mid \phi_{t-1} = i) = \mathrm{softmax}_j(L_{ij}),
+    $$
+
+    a first-order hidden Markov chain over the edges of consecutive children (time
+    steps). Used with [`edge`][structinfer.edge]'s ``previous=`` inside a
+    ``numpyro.contrib.control_flow.scan`` over time: the scan's carry holds the previous
+    edge, ``-1`` at the start of the chain (the row is then the initial distribution).
+    Collapsing the chain is the forward algorithm, $O(T K^2)$; its marginals are the
+    forward-backward smoother, its MAP the Viterbi path.
+
+    This is the prior over the active mode of a switching linear dynamical system
+    (Tschantz, "log-sum-exp energies" v2 sec. 7: "the active mode ... evolves as a
+    hidden Markov chain") and the prior of monotonic alignments (each child keeps or
+    advances its parent; Singh & Buckley's priors over edges, sec. 3, coupling
+    consecutive children).
+
+    A ``-inf`` entry forbids a move. Values and MAP are exact with any pattern of
+    forbidden moves, but gradients (marginals) are NaN when the products of the
+    transition matrices leave some pair of states unconnected (a banded, monotone
+    matrix): funsor's log-space products meet $\log 0$. Give such moves a finite,
+    very negative log-weight instead (as
+    [`monotonic_alignment`][structinfer.mechanisms.monotonic_alignment] does).
+
+    Args:
+        log_transition: ``(K, K)`` unnormalised log-weights $L$, rows = the previous
+            edge, columns = the next; ``-inf`` forbids a move. Each row is normalised.
+        log_initial: ``(K,)`` unnormalised log-weights $\lambda$ of the first edge, or
+            ``None`` when every edge of the chain has a previous one.
+
+    Raises:
+        ValueError: ``log_transition`` is not square ``(K, K)``, ``log_initial`` is not
+            ``(K,)``, a concrete row allows no move, or a value is NaN or ``+inf``.
+    """
+
+    kind = "markov"
+
+    def __init__(self, log_transition: ArrayLike, log_initial: ArrayLike | None = None):
+        lt = as_float_array(log_transition, "Markov prior log_transition")
+        if lt.ndim != 2 or lt.shape[0] != lt.shape[1]:
+            raise ValueError(
+                "Markov prior: log_transition must be a square (K, K) matrix (rows: the "
+                f"previous edge, columns: the next), got shape {tuple(lt.shape)}"
+            )
+        k = int(lt.shape[-1])
+        li = None
+        if log_initial is not None:
+            li = as_float_array(log_initial, "Markov prior log_initial")
+            if li.shape != (k,):
+                raise ValueError(
+                    f"Markov prior: log_initial must have shape ({k},) to match "
+                    f"log_transition {tuple(lt.shape)}, got {tuple(li.shape)}"
+                )
+        for what, x in (("log_transition", lt), ("log_initial", li)):
+            if x is not None and is_concrete(x):
+                xa = np.asarray(x)
+                if np.any(np.isnan(xa) | (xa == np.inf)):
+                    raise ValueError(f"Markov prior: {what} contains NaN or +inf")
+                if not np.isfinite(xa).any(axis=-1).all():
+                    raise ValueError(f"Markov prior: a row of {what} allows no edge")
+        self.log_transition = lt
+        self.log_initial = li
+        self.num_parents = k
+
+    def _log_weights(self, num_children: int) -> jax.Array:
+        raise ValueError(
+            "a Markov prior has no table of its own: its row is chosen by the previous "
+            "edge (pass previous= to structinfer.edge inside a scan over time)"
+        )
+
+    def row(self, previous: ArrayLike) -> jax.Array:
+        r"""The normalised prior row $\log p(\phi_t = \cdot \mid \phi_{t-1} = \text{previous})$.
+
+        Args:
+            previous: the previous edge's value (any shape, an enumerated value
+                included); ``-1`` for the first edge of the chain.
+
+        Returns:
+            ``previous.shape + (K,)`` log-probabilities; the initial distribution where
+                ``previous < 0`` (NaN there when the prior has no ``log_initial``).
+        """
+        previous = jnp.asarray(previous)
+        lt = _normalise(self.log_transition)
+        start = (
+            jnp.full((self.num_parents,), jnp.nan, lt.dtype)
+            if self.log_initial is None
+            else _normalise(self.log_initial).astype(lt.dtype)
+        )
+        rows = jnp.take(lt, jnp.clip(previous, 0, self.num_parents - 1), axis=0)
+        return jnp.where((previous < 0)[..., None], start, rows)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "num_parents": self.num_parents,
+            "offset": self.offset,
+            "initial": self.log_initial is not None,
         }
 
 

@@ -128,13 +128,90 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
         raise ValueError(
             f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
-    zeros = {name: jnp.zeros(batch + (k,), info.float_dtype)
+    grads = _edge_gradients(model, args, kwargs, info, "sum")
+    # a Markov edge's tilt is pairwise (previous, next): its marginal sums the previous out
+    return {n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()}
+
+
+def _is_markov(info, name: str) -> bool:
+    """Whether an enumerated site is an edge with a Markov prior (a chain in a scan)."""
+    edge = info[name].edge
+    return edge is not None and edge.markov
+
+
+def _edge_gradients(model, args, kwargs, info, semiring) -> dict[str, jax.Array]:
+    """Gradients of the sum- or max-product log Z at zero tilts on every enumerated site.
+
+    ``batch + (k,)`` per site; ``(T,) + batch + (k + 1, k)`` (the pair previous, next;
+    row ``k``: the chain's start) for an edge with a Markov prior.
+    """
+    zeros = {name: jnp.zeros(batch + ((k + 1, k) if _is_markov(info, name) else (k,)),
+                             info.float_dtype)
              for name, (batch, k) in info.enumerated.items()}
 
     def f(t):
-        return log_z(model, args, kwargs, info=info, tilts={n: (v, 0) for n, v in t.items()})
+        return log_z(model, args, kwargs, info=info, tilts={n: (v, 0) for n, v in t.items()},
+                     semiring=semiring)
 
     return jax.grad(f)(zeros)
+
+
+def _backtrack(pairs: jax.Array, rng_key) -> jax.Array:
+    r"""A Markov chain's edges from its pairwise posterior $\xi_t(i, j)$, last to first.
+
+    ``pairs``: ``(T,) + batch + (k + 1, k)``, the posterior (``rng_key`` given: the
+    sum-product gradients) or the indicator of the best path (``None``: max-product
+    gradients). $\phi_{T-1}$ is drawn from (or the argmax of) $\sum_i \xi_{T-1}(i, \cdot)$,
+    then $\phi_{t-1}$ from $\xi_t(\cdot, \phi_t)$: backward sampling, or Viterbi's
+    backtrace, exact because the chain is Markov given the data.
+    """
+    k = pairs.shape[-1]
+
+    def choose(w, key):
+        if key is None:
+            return jnp.argmax(w, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, jnp.log(jnp.clip(w, 0.0, None)), axis=-1).astype(
+            jnp.int32)
+
+    n = pairs.shape[0]
+    keys = (None,) * n if rng_key is None else tuple(jax.random.split(rng_key, n))
+    last = choose(pairs[-1].sum(-2), keys[-1])
+    if n == 1:
+        return last[None]
+    rest = pairs[1:, ..., :k, :][::-1]  # xi_t for t = T-1 .. 1
+
+    def step(nxt, xs):
+        xi, key = xs
+        w = (xi * jax.nn.one_hot(nxt, k, dtype=xi.dtype)[..., None, :]).sum(-1)  # xi[:, nxt]
+        z = choose(w, key)
+        return z, z
+
+    if rng_key is None:
+        _, zs = jax.lax.scan(lambda c, xi: step(c, (xi, None)), last, rest)
+    else:
+        _, zs = jax.lax.scan(step, last, (rest, jnp.stack(keys[:-1])[::-1]))
+    return jnp.concatenate([zs[::-1], last[None]], axis=0)
+
+
+def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
+    """MAP (Viterbi) or one draw (forward filtering, backward sampling) of a model with
+    Markov edges, from the gradients of its (max-)sum-product log Z."""
+    others = [n for n in info.enumerated if not _is_markov(info, n)]
+    if temperature == 1 and others:
+        raise NotImplementedError(
+            f"model '{model_name(model)}': sample_edges draws Markov chains from their "
+            f"pairwise posterior, which does not cover the other enumerated sites {others} "
+            "of the same model; draw those with a model without the chain"
+        )
+    grads = _edge_gradients(model, args, kwargs, info, "max" if temperature == 0 else "sum")
+    out = {}
+    keys = dict(zip(info.enumerated, jax.random.split(rng_key, len(info.enumerated))))
+    for name, g in grads.items():
+        if _is_markov(info, name):
+            out[name] = _backtrack(g, None if temperature == 0 else keys[name])
+        else:
+            out[name] = jnp.argmax(g, axis=-1).astype(jnp.int32)
+    return out
 
 
 def expectation(
@@ -207,6 +284,8 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     if not info.enumerated:
         raise ValueError(f"model '{model_name(model)}' has no edge sites")
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    if any(_is_markov(info, n) for n in info.enumerated):
+        return _markov_posterior(model, args, kwargs, info, temperature, key)
     # single-parent sites are deterministic; funsor cannot extract a point from a
     # size-1 enumeration dim, so fix them to 0 as observations (log-prob unchanged)
     trivial = {

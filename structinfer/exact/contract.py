@@ -19,6 +19,7 @@ collapsed; every other function of the engine is a gradient of the scalar form.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from numpyro.contrib.funsor import enum, plate_to_enum_plate
 from numpyro.contrib.funsor import log_density as funsor_log_density
 from numpyro.contrib.funsor import trace as packed_trace
+from numpyro.contrib.funsor.infer_util import compute_markov_factors
 
 from .._checks import as_arrays, model_name
 from ..handlers import require_values, tilt
@@ -42,6 +44,8 @@ __all__ = [
 
 #: how potentials inside the kept plates are read (see `log_z`)
 ScoreFactors = Literal["error", "normalize"]
+#: the semiring of the scalar contraction (see `log_z`)
+Semiring = Literal["sum", "max"]
 
 
 class EnergyOnlyModelError(ValueError):
@@ -83,6 +87,7 @@ def log_z(
     keep_plates: Sequence[str] | Literal["observed"] | None = None,
     score_factors: ScoreFactors = "error",
     return_structure: bool = False,
+    semiring: Semiring = "sum",
 ) -> jax.Array | tuple[jax.Array, LikelihoodStructure | None]:
     r"""The engine's one contraction: $\log \sum_\phi p(x, \phi)$, or its terms per element.
 
@@ -113,6 +118,10 @@ def log_z(
         return_structure: also return the
             [`LikelihoodStructure`][structinfer.exact.LikelihoodStructure] of the kept
             terms (``None`` for the scalar form).
+        semiring: ``"sum"`` (default): $\log\sum_\phi$; ``"max"``: the max-product
+            contraction $\max_\phi \log p(x, \phi)$ (scalar form only), whose gradient
+            with respect to zero tilts is the indicator of the most probable structure
+            (Viterbi on a [`Markov`][structinfer.priors.Markov] chain).
 
     Returns:
         A scalar, or an array shaped like the kept plates (``(children,)``,
@@ -134,9 +143,13 @@ def log_z(
     args, kwargs = as_arrays(args, dict(kwargs or {}))
     if info is None:
         info = inspect_model(model, *args, **kwargs)
+    if semiring not in ("sum", "max"):
+        raise ValueError(f"semiring must be 'sum' or 'max', got {semiring!r}")
     if keep_plates is None:
-        lz = _scalar(model, args, kwargs, info, tilts).astype(info.float_dtype)
+        lz = _scalar(model, args, kwargs, info, tilts, semiring).astype(info.float_dtype)
         return (lz, None) if return_structure else lz
+    if semiring != "sum":
+        raise ValueError("log_z: the max semiring has no pointwise form (keep_plates=None)")
     if tilts:
         raise ValueError(
             "log_z: tilts and keep_plates cannot be combined; take marginals from the "
@@ -149,14 +162,16 @@ def log_z(
     return (data, struct) if return_structure else data
 
 
-def _scalar(model, args, kwargs, info: ModelInfo, tilts) -> jax.Array:
+def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> jax.Array:
     m = require_values(model)
     if tilts:
         m = tilt(m, tilts=dict(tilts), max_plate_nesting=info.max_plate_nesting)
+    m = enum(m, first_available_dim=info.first_available_dim)
     try:
-        lp, _ = funsor_log_density(
-            enum(m, first_available_dim=info.first_available_dim), args, kwargs, {}
-        )
+        if semiring == "sum":
+            lp, _ = funsor_log_density(m, args, kwargs, {})
+        else:
+            lp = _max_product(m, args, kwargs)
     except ValueError as e:
         if "joint log density is a scalar" not in str(e):
             raise
@@ -169,6 +184,54 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts) -> jax.Array:
             f"{str(e).splitlines()[0]})"
         ) from None
     return lp
+
+
+def _max_product(m, args, kwargs) -> jax.Array:
+    r"""$\max_\phi \log p(x, \phi)$ of an enumerated model: NumPyro's contraction of
+    ``log_density`` with ``max`` for ``logaddexp``, a scan's time dims contracted by
+    funsor's parallel-scan ``sequential_sum_product`` (``compute_markov_factors``)."""
+    with plate_to_enum_plate():
+        tr = packed_trace(m).get_trace(*args, **kwargs)
+    factors, by_time = [], defaultdict(list)
+    init_vars: dict = defaultdict(frozenset)
+    sum_vars, prod_vars = frozenset(), frozenset()
+    for s in tr.values():
+        if s["type"] != "sample":
+            continue
+        lp = s["fn"].log_prob(s["value"])
+        if s["scale"] is not None:
+            lp = s["scale"] * lp
+        names = s["infer"]["dim_to_name"]
+        if not names and all(d == 1 for d in jnp.shape(lp)):
+            lp = jnp.squeeze(lp)
+        f = funsor.to_funsor(lp, output=funsor.Real, dim_to_name=names)
+        time = next(((d, n) for d, n in names.items() if n.startswith("_time")), None)
+        if time is None:
+            factors.append(f)
+        else:
+            var = funsor.Variable(time[1], funsor.Bint[jnp.shape(lp)[time[0]]])
+            by_time[var].append(f)
+            init_vars[var] |= frozenset(n for n in names.values() if n.startswith("_PREV_"))
+        if not s["is_observed"]:
+            sum_vars |= frozenset({s["name"]})
+        prod_vars |= frozenset(f.name for f in s["cond_indep_stack"] if f.dim is not None)
+    markov_dims: dict = defaultdict(frozenset)
+    for var, prevs in init_vars.items():
+        for prev in prevs:  # the dims of the site a _PREV_ variable is the previous step of
+            names = tr[prev.replace("_PREV_", "")]["infer"]["dim_to_name"].values()
+            if prev in names:
+                markov_dims[var] |= frozenset(names)
+    if by_time:
+        factors += compute_markov_factors(by_time, init_vars, markov_dims, sum_vars,
+                                          prod_vars, 1, funsor.ops.max, funsor.ops.add)
+    with funsor.interpretations.lazy:
+        lazy = funsor.sum_product.sum_product(funsor.ops.max, funsor.ops.add, factors,
+                                              eliminate=sum_vars | prod_vars, plates=prod_vars)
+    result = funsor.optimizer.apply_optimizer(lazy)
+    if result.inputs:
+        raise ValueError("joint log density is a scalar: the max-product left "
+                         f"{sorted(result.inputs)} over")
+    return result.data
 
 
 def _energy_only(model, reason: str) -> EnergyOnlyModelError:

@@ -39,7 +39,7 @@ from numpyro.handlers import block, seed, substitute, trace
 
 from .._checks import as_arrays, is_concrete, model_name
 from ..handlers import PLACEHOLDER_KEY, fill_discrete, fill_latent, require_values
-from ..primitives import EDGE_INFO_KEY, EdgeInfo, is_enumerated, is_factor
+from ..primitives import EDGE_INFO_KEY, SCAN_RECORD_KEY, EdgeInfo, is_enumerated, is_factor
 from .bounds import IndexOutOfBounds, check_gather_bounds
 
 __all__ = [
@@ -276,8 +276,10 @@ def _site_info(name: str, site: dict, plates: tuple[str, ...], nesting: int) -> 
     if kind == "param":
         return SiteInfo(name, "param", vshape, vdtype, plates)
     if kind == "deterministic":
+        # a site recorded by numpyro's scan has the time steps as its leading dim
+        time = 1 if site.get(SCAN_RECORD_KEY) else 0
         return SiteInfo(name, "deterministic", vshape, vdtype, plates,
-                        event_dim=max(len(vshape) - nesting, 0))
+                        event_dim=max(len(vshape) - nesting - time, 0))
     fn = site["fn"]
     edge = (site.get("infer") or {}).get(EDGE_INFO_KEY)
     common = dict(plates=plates, event_dim=int(fn.event_dim), support=fn.support, edge=edge)

@@ -16,6 +16,7 @@ every step, the number of steps and why each element stopped (`info.converged`,
 | `mean_field` | geometric × Beta mean field, expanding attention (`geometric_beta`) |
 | `em_gmm` | Gaussian-mixture EM (`gmm_em`) |
 | `em_linear_mixture` | linear-mixture / switching-dynamics EM (`linear_mixture_em`) |
+| `em_markov_switching` | switching dynamics with Markov modes, Baum-Welch EM (`markov_switching_em`) |
 | `em_slot` | slot-attention EM (`slot_em`; `slot_m_step`) |
 | `em_energy` | the general log-sum-exp EM (`energy_em`) |
 | `expansion` | Bayesian model expansion (`expand`; a scan, not iterative) |
@@ -39,6 +40,8 @@ from .em_gmm import GMMState
 from .em_gmm import run as gmm_em
 from .em_linear_mixture import LinearMixtureState
 from .em_linear_mixture import run as linear_mixture_em
+from .em_markov_switching import MarkovSwitchingState
+from .em_markov_switching import run as markov_switching_em
 from .em_slot import SlotState
 from .em_slot import m_step as slot_m_step
 from .em_slot import run as slot_em
@@ -75,6 +78,8 @@ __all__ = [
     "gmm_em",
     "LinearMixtureState",
     "linear_mixture_em",
+    "markov_switching_em",
+    "MarkovSwitchingState",
     "SlotState",
     "slot_m_step",
     "slot_em",

@@ -404,6 +404,11 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         if s not in names:
             raise _Fail(s, "site", "is an enumerated discrete site that is not a "
                         "structinfer.edge (no structured prior / score to lower)")
+    for e in names:
+        if info[e].edge is not None and info[e].edge.markov:
+            raise _Fail(e, "prior", "has a Markov prior (a chain of edges over a scan's time "
+                        "steps): the exact engine runs it as one forward-backward over the "
+                        "chain (funsor's parallel-scan sum-product); no fused kernel")
     N = info.max_plate_nesting
     K = len(names)
     sizes = {e: info.enumerated[e][1] for e in names}

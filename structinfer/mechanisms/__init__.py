@@ -33,6 +33,7 @@ from .idw import DISTANCE_SCORES, augment_special_case, idw_attention, special_c
 from .kronecker import kronecker_attention, multi_lse, tensor_attention
 from .layer_norm import layer_norm_energy
 from .lse_graph import LSETerm, child_parent_gradients, lse_graphical_model
+from .markov import markov_switching_dynamics, monotonic_alignment
 from .mixtures import gaussian_mixture, linear_mixture
 from .multihop import multihop_attention
 from .positional import (
@@ -64,12 +65,14 @@ __all__ = [
     "predictive_coding_network",
     "multihop_attention",
     "expanding_attention",
+    "monotonic_alignment",
     # Tschantz
     "gaussian_mixture",
     "linear_mixture",
     "nonlinear_mixture",
     "tanh_network",
     "switching_linear_dynamics",
+    "markov_switching_dynamics",
     "dynamic_mixture_attention",
     "atari_model",
     "layer_norm_energy",

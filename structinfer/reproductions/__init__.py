@@ -26,6 +26,7 @@ REPRODUCTIONS: dict[str, str] = {
     "hopfield": "structinfer.reproductions.hopfield",
     "idw": "structinfer.reproductions.idw",
     "mixtures": "structinfer.reproductions.mixtures",
+    "switching": "structinfer.reproductions.switching",
     "lm": "structinfer.reproductions.lm",
 }
 

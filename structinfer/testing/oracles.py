@@ -32,6 +32,7 @@ __all__ = [
     "relative_log_prior",
     "transition_terms",
     "memory_blocks",
+    "chain_posterior",
 ]
 
 NEG_INF = -jnp.inf
@@ -253,3 +254,32 @@ def memory_blocks(memories: jax.Array) -> jax.Array:
         ``(B, L, d / B)`` memories.
     """
     return memories[None] if memories.ndim == 2 else memories
+
+
+def chain_posterior(
+    log_initial: ArrayLike, log_transition: ArrayLike, log_emission: ArrayLike
+) -> tuple[jax.Array, jax.Array]:
+    r"""Forward-backward on a hidden Markov chain, written step by step (a Python loop).
+
+    $\alpha_1 = \pi + e_1$, $\alpha_t(k) = e_t(k) + \log\sum_j e^{\alpha_{t-1}(j) + L_{jk}}$,
+    $\beta_T = 0$, $\beta_t(j) = \log\sum_k e^{L_{jk} + e_{t+1}(k) + \beta_{t+1}(k)}$;
+    $\log Z = \log\sum_k e^{\alpha_T(k)}$ and $p(z_t = k) = e^{\alpha_t(k) + \beta_t(k) - \log Z}$.
+
+    Args:
+        log_initial: normalised $\log p(z_1)$, ``(K,)``.
+        log_transition: normalised $\log p(z_t \mid z_{t-1})$, ``(K, K)`` (rows: previous).
+        log_emission: $e_t(k)$, ``(T, K)``.
+
+    Returns:
+        ``(log Z, marginals (T, K))``.
+    """
+    t_len = log_emission.shape[0]
+    alpha = [log_initial + log_emission[0]]
+    for t in range(1, t_len):
+        alpha.append(log_emission[t] + lse(alpha[-1][None, :] + log_transition.T))
+    beta = [jnp.zeros_like(alpha[0])]
+    for t in range(t_len - 2, -1, -1):
+        beta.insert(0, lse(log_transition + (log_emission[t + 1] + beta[0])[None, :]))
+    log_z = lse(alpha[-1])
+    post = jnp.exp(jnp.stack(alpha) + jnp.stack(beta) - log_z)
+    return log_z, post

@@ -35,6 +35,7 @@ from .oracles import (
     NEG_INF,
     attention_out_energy,
     bilinear_term,
+    chain_posterior,
     lse,
     masked_attention,
     memory_blocks,
@@ -315,8 +316,13 @@ def evaluate(
         for n in values:
             if n not in info.deterministic:
                 raise KeyError(f"mechanism '{row.name}': the model has no deterministic site '{n}'")
+        # a Markov edge (a chain in a scan) takes a pairwise tilt (previous, next); its
+        # attention sums the previous out
+        markov = {n for n in edges if info[n].edge is not None and info[n].edge.markov}
         zeros = {
-            n: jnp.zeros(info.enumerated[n][0] + (info.enumerated[n][1],), dtype) for n in edges
+            n: jnp.zeros(info.enumerated[n][0] + ((info.enumerated[n][1] + 1,) if n in markov
+                                                  else ()) + (info.enumerated[n][1],), dtype)
+            for n in edges
         }
         zeros.update({n: jnp.zeros(info.deterministic[n][0], dtype) for n in values})
         diff = {k: v for k, v in inputs.items() if _is_float_tree(v)} if needs_grad else {}
@@ -330,7 +336,7 @@ def evaluate(
         lz, (g_t, g) = jax.value_and_grad(tilted_log_z, argnums=(0, 1))(zeros, diff)
         for q in qs:
             if q.kind in ("attention", "output"):
-                out[q.key] = g_t[q.target]
+                out[q.key] = g_t[q.target].sum(-2) if q.target in markov else g_t[q.target]
             elif q.kind == "energy":
                 out[q.key] = -lz
             elif q.kind == "neg_grad":
@@ -912,6 +918,57 @@ _ROWS.append(
     )
 )
 
+
+def _ex_alignment(rng, dtype):
+    g = _Gen(rng, dtype)
+    return Example(
+        dict(q=g.normal(5, 2), k=g.normal(3, 2), v=g.normal(3, 7),
+             log_stay=jnp.asarray(0.3, dtype), log_advance=jnp.asarray(-0.2, dtype)),
+        dict(log_skip=-1.3),
+        batch="q",
+    )
+
+
+def _ref_monotonic_alignment(q, k, v, log_stay, log_advance, log_skip):
+    r"""Forward-backward over the parents with a stay / advance transition matrix;
+    $-\partial E/\partial q = \partial \log Z/\partial q$ by autodiff of it."""
+    out = _ref_alignment_chain(q, k, v, log_stay, log_advance, log_skip)
+    gq, gk = jax.grad(
+        lambda q, k: -_ref_alignment_chain(q, k, v, log_stay, log_advance, log_skip)["energy"],
+        argnums=(0, 1))(q, k)
+    return {**out, "-grad:q": gq, "-grad:k": gk}
+
+
+def _ref_alignment_chain(q, k, v, log_stay, log_advance, log_skip):
+    m = k.shape[0]
+    leak = -30.0
+    i, j = np.arange(m)[:, None], np.arange(m)[None, :]
+    lt = jnp.where(j == i + 2, log_skip, leak)
+    lt = jnp.where(j == i, log_stay, jnp.where(j == i + 1, log_advance, lt))
+    lt = lt - lse(lt)[:, None]
+    li = jnp.where(np.arange(m) == 0, 0.0, leak)
+    li = li - lse(li)
+    emit = q @ k.T
+    emit = emit.at[-1].add(jnp.where(np.arange(m) == m - 1, 0.0, leak))  # end at the last
+    log_z, post = chain_posterior(li, lt, emit)
+    return {"attention:align": post, "output:out": post @ v, "energy": -log_z}
+
+
+_ROWS.append(
+    Mechanism(
+        "monotonic_alignment",
+        "Monotonic alignment attention (Markov edges)",
+        mech.monotonic_alignment,
+        "SB",
+        "sec. 3 (priors over edges), a Markov prior coupling consecutive children",
+        _ex_alignment,
+        (attention("align"), output("out"), ENERGY, neg_grad("q"), neg_grad("k")),
+        _ref_monotonic_alignment,
+        "p(phi_t = j | q, k), E[v_phi_t] and log Z by a step-by-step forward-backward over a "
+        "stay / advance / skip chain starting at the first parent and ending at the last",
+    )
+)
+
 # ------------------------------------------------------------------------ Tschantz
 
 
@@ -1176,6 +1233,58 @@ _ROWS.append(
         (attention("mode"), ENERGY, neg_grad("A"), neg_grad("b"), neg_grad("x")),
         _ref_switching_linear_dynamics,
         "-dE/dA_k = sum_t alpha Sigma^-1 r x_t^T, -dE/db_k = sum_t alpha Sigma^-1 r, state gradients",
+    )
+)
+
+
+def _ex_markov_slds(rng, dtype):
+    g = _Gen(rng, dtype)
+    return Example(
+        dict(
+            x=g.normal(5, 2),
+            A=_proj(g, 3, 2, 2),
+            b=g.normal(3, 2, scale=0.3),
+            precisions=g.uniform(3, 2, low=0.5, high=2.0),
+            log_transition=g.normal(3, 3),
+            log_initial=g.normal(3),
+        ),
+        {},
+        batch="x",
+    )
+
+
+def _ref_markov_switching_dynamics(x, A, b, precisions, log_transition, log_initial):
+    r"""v2 sec. 7: forward-backward over the modes with Gaussian transition densities;
+    the $-\partial E$ by autodiff of it."""
+    def chain(A, b, log_transition):
+        return _ref_markov_modes(x, A, b, precisions, log_transition, log_initial)
+
+    out = chain(A, b, log_transition)
+    grads = jax.grad(lambda *a: -chain(*a)["energy"], argnums=(0, 1, 2))(A, b, log_transition)
+    return {**out, "-grad:A": grads[0], "-grad:b": grads[1], "-grad:log_transition": grads[2]}
+
+
+def _ref_markov_modes(x, A, b, precisions, log_transition, log_initial):
+    r, _ = transition_terms(x, A, b, precisions)
+    emit = (-0.5 * jnp.sum(r * r * precisions, -1) + 0.5 * jnp.sum(jnp.log(precisions), -1)
+            - 0.5 * x.shape[-1] * math.log(2 * math.pi))
+    lt = log_transition - lse(log_transition)[:, None]
+    log_z, post = chain_posterior(log_initial - lse(log_initial), lt, emit)
+    return {"attention:mode": post, "energy": -log_z}
+
+
+_ROWS.append(
+    Mechanism(
+        "markov_slds",
+        "Switching linear dynamics with Markov modes",
+        mech.markov_switching_dynamics,
+        "T",
+        "v2 sec. 7 (switching systems, the mode as a hidden Markov chain)",
+        _ex_markov_slds,
+        (attention("mode"), ENERGY, neg_grad("A"), neg_grad("b"), neg_grad("log_transition")),
+        _ref_markov_switching_dynamics,
+        "smoothed modes p(phi_t | x) and log p(x_2..T | x_1) by a step-by-step "
+        "forward-backward with Gaussian transition densities",
     )
 )
 

@@ -1,0 +1,81 @@
+"""Markov edges: the exact engine's cost in the chain length T.
+
+A chain of T edges with K states written with ``si.priors.Markov`` in a ``scan`` (the
+engine: NumPyro's enumeration of the scan, funsor's parallel-scan sum-product), timed
+for ``si.log_marginal``, ``si.marginals`` (forward-backward as the gradient of log Z) and
+``si.map_edges`` (Viterbi as the gradient of the max-product), next to a plain
+``lax.scan`` forward algorithm (the naive twin, log Z only). Printed per T: compile
+seconds and the best of three runs in milliseconds, and the load average (read the
+ratios, not the absolute times, on a shared machine).
+
+    python benchmarks/markov_chain.py --quick     # T = 500, 2000
+    python benchmarks/markov_chain.py             # T = 500 .. 100000, K = 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.contrib.control_flow import scan
+
+import structinfer as si
+
+
+def hmm(emission, log_transition, log_initial):
+    """A chain of edges; the emission log-potentials are the edge's score."""
+    prior = si.priors.Markov(log_transition, log_initial)
+    step = lambda p, e: (si.edge("z", prior, e, previous=p), None)  # noqa: E731
+    scan(step, jnp.asarray(-1), emission)
+
+
+def forward(emission, log_transition, log_initial):
+    """The naive twin: a lax.scan forward algorithm, O(T K^2), sequential."""
+    lt = jax.nn.log_softmax(log_transition, -1)
+    a0 = jax.nn.log_softmax(log_initial) + emission[0]
+    step = lambda a, e: (e + jax.nn.logsumexp(a[:, None] + lt, 0), None)  # noqa: E731
+    return jax.nn.logsumexp(jax.lax.scan(step, a0, emission[1:])[0])
+
+
+def _time(f, x):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    compile_s = time.perf_counter() - t0
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        runs.append(time.perf_counter() - t0)
+    return compile_s, 1e3 * min(runs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="T = 500 and 2000 only")
+    ap.add_argument("-k", type=int, default=8, help="states K")
+    args = ap.parse_args(argv)
+    lengths = (500, 2000) if args.quick else (500, 2000, 8000, 100_000)
+    rng = np.random.default_rng(0)
+    k = args.k
+    lt = jnp.asarray(rng.normal(size=(k, k)), jnp.float32)
+    li = jnp.zeros(k, jnp.float32)
+    print(f"load average {os.getloadavg()[0]:.1f}; K = {k}; compile s / run ms")
+    for t in lengths:
+        em = jnp.asarray(rng.normal(size=(t, k)), jnp.float32)
+        fns = {
+            "log_marginal": lambda e: si.log_marginal(hmm, e, lt, li),
+            "marginals": lambda e: si.marginals(hmm, e, lt, li)["z"],
+            "map_edges": lambda e: si.map_edges(hmm, e, lt, li)["z"],
+            "lax.scan forward": lambda e: forward(e, lt, li),
+        }
+        row = {n: _time(jax.jit(f), em) for n, f in fns.items()}
+        print(f"T = {t:>6}: " + "; ".join(f"{n} {c:.1f} s / {r:.2f} ms" for n, (c, r) in row.items()))
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+r"""EM for switching linear dynamics whose mode is a hidden Markov chain (Baum-Welch with
+linear-Gaussian emissions; Tschantz v2 sec. 7).
+
+The model is the catalogue's `structinfer.mechanisms.markov_switching_dynamics`. The
+E-step is the exact engine on it: the smoothed modes $\gamma_{tk}$ are the marginals of
+`mode`, and the expected transition counts come from one more gradient of
+$\log Z$: with row-normalised $L = \log P$,
+$\partial\log Z/\partial L_{ij} = N_{ij} - N_i P_{ij}$, so
+$N_{ij} = \partial_{L_{ij}}\log Z + N_i P_{ij}$ with $N_i = \sum_{t < T-1}\gamma_{ti}$.
+The M-step is weighted least squares (as
+[`linear_mixture_em`][structinfer.infer.linear_mixture_em], with diagonal precisions)
+plus $P_{ij} = N_{ij} / N_i$ and $\pi = \gamma_1$.
+
+`init`, `step` and `run` (exported as `structinfer.infer.markov_switching_em`) are pure
+functions of a `MarkovSwitchingState`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from .._checks import as_float_array, check_ndim
+from ..exact import log_marginal, marginals
+from ..mechanisms.markov import markov_switching_dynamics
+from ._common import rel_change_small, safe_log
+from ._loop import LoopInfo, check, run_loop
+
+__all__ = ["MarkovSwitchingState", "init", "step", "run"]
+
+
+class MarkovSwitchingState(NamedTuple):
+    r"""State of [`markov_switching_em`][structinfer.infer.markov_switching_em].
+
+    Attributes:
+        A: `(K, d, d)` the modes' linear maps $A_k$.
+        b: `(K, d)` their offsets $b_k$.
+        precisions: `(K, d)` their diagonal noise precisions $\Lambda_k$.
+        log_transition: `(K, K)` row-normalised $\log P$ (rows: the previous mode).
+        log_initial: `(K,)` normalised $\log\pi$.
+        responsibilities: `(T-1, K)` $\gamma_{tk} = p(\phi_t = k \mid x)$.
+        transitions: `(K, K)` expected transition counts $N_{ij}$.
+        log_likelihood: $\log p(x_{2..T} \mid x_1)$.
+    """
+
+    A: jax.Array
+    b: jax.Array
+    precisions: jax.Array
+    log_transition: jax.Array
+    log_initial: jax.Array
+    responsibilities: jax.Array
+    transitions: jax.Array
+    log_likelihood: jax.Array
+
+
+def _prepare(x, A, b, precisions, log_transition, log_initial):
+    x = as_float_array(x, "markov_switching_em: x")
+    check_ndim(x, 2, "markov_switching_em: x", "(T, d)")
+    A, b, prec = (jnp.asarray(a, x.dtype) for a in (A, b, precisions))
+    k, d = A.shape[0], x.shape[1]
+    lt = jnp.zeros((k, k), x.dtype) if log_transition is None else jnp.asarray(log_transition, x.dtype)
+    li = jnp.zeros((k,), x.dtype) if log_initial is None else jnp.asarray(log_initial, x.dtype)
+    if (A.shape != (k, d, d) or b.shape != (k, d) or prec.shape != (k, d)
+            or lt.shape != (k, k) or li.shape != (k,)):
+        raise ValueError(
+            f"markov_switching_em: x {tuple(x.shape)}, A {tuple(A.shape)}, b {tuple(b.shape)}, "
+            f"precisions {tuple(prec.shape)}, log_transition {tuple(lt.shape)}, log_initial "
+            f"{tuple(li.shape)} must be (T, d), (K, d, d), (K, d), (K, d), (K, K), (K,)"
+        )
+    return x, A, b, prec, jax.nn.log_softmax(lt, -1), jax.nn.log_softmax(li)
+
+
+def _e_step(x, A, b, prec, lt, li):
+    ll, g = jax.value_and_grad(
+        lambda lt: log_marginal(markov_switching_dynamics, x, A, b, prec, lt, li))(lt)
+    gamma = marginals(markov_switching_dynamics, x, A, b, prec, lt, li)["mode"].astype(x.dtype)
+    n_from = jnp.sum(gamma[:-1], 0)
+    counts = g + n_from[:, None] * jnp.exp(lt)  # expected transitions N_ij
+    return gamma, jnp.clip(counts, 0.0, None), ll
+
+
+def init(
+    x: ArrayLike,
+    A: ArrayLike,
+    b: ArrayLike,
+    precisions: ArrayLike,
+    log_transition: ArrayLike | None = None,
+    log_initial: ArrayLike | None = None,
+) -> MarkovSwitchingState:
+    r"""Check and cast the arguments and run the first E-step.
+
+    Args:
+        x: the time series `(T, d)`.
+        A: `(K, d, d)`.
+        b: `(K, d)`.
+        precisions: `(K, d)` diagonal precisions.
+        log_transition: `(K, K)` unnormalised log-weights (default uniform).
+        log_initial: `(K,)` unnormalised log-weights (default uniform).
+
+    Returns:
+        The `MarkovSwitchingState` at the initial parameters.
+
+    Raises:
+        ValueError: shapes other than those above.
+    """
+    x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
+    return MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
+
+
+def _m_step(x, st: MarkovSwitchingState, reg):
+    u, y = x[:-1], x[1:]
+    ut = jnp.concatenate([u, jnp.ones((u.shape[0], 1), u.dtype)], -1)
+    r = st.responsibilities
+    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut) + reg * jnp.eye(ut.shape[1], dtype=x.dtype)
+    cross = jnp.einsum("tk,ti,tj->kij", r, y, ut)
+    Ab = jnp.swapaxes(jnp.linalg.solve(gram, jnp.swapaxes(cross, -1, -2)), -1, -2)
+    A_new, b_new = Ab[..., :-1], Ab[..., -1]
+    err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])
+    nk = jnp.sum(r, 0)
+    var = jnp.einsum("tk,kti->ki", r, err * err) / nk[:, None] + reg
+    return A_new, b_new, 1.0 / var
+
+
+def step(
+    x: jax.Array,
+    state: MarkovSwitchingState,
+    *,
+    reg: float = 1e-6,
+    tol: float = 1e-8,
+) -> tuple[MarkovSwitchingState, jax.Array]:
+    r"""One EM iteration: the M-step at `state`'s expected statistics, then the E-step.
+
+    Args:
+        x: the time series `(T, d)` (as cast by `init`).
+        state: the current `MarkovSwitchingState`.
+        reg: ridge added to every variance and Gram matrix.
+        tol: the convergence tolerance.
+
+    Returns:
+        `(new_state, converged)`: `converged` when the log-likelihood changed by at most
+            `tol * max(1, |ll|)`.
+    """
+    A, b, prec = _m_step(x, state, reg)
+    counts = state.transitions
+    lt = safe_log(counts / jnp.sum(counts, -1, keepdims=True))
+    li = safe_log(state.responsibilities[0])
+    new = MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
+    return new, rel_change_small(new.log_likelihood, state.log_likelihood, tol)
+
+
+def run(
+    x: ArrayLike,
+    A: ArrayLike,
+    b: ArrayLike,
+    precisions: ArrayLike,
+    log_transition: ArrayLike | None = None,
+    log_initial: ArrayLike | None = None,
+    *,
+    reg: float = 1e-6,
+    tol: float = 1e-8,
+    max_iters: int = 100,
+    raise_on_nonfinite: bool = True,
+) -> tuple[MarkovSwitchingState, LoopInfo]:
+    r"""EM (Baum-Welch) for switching linear dynamics with Markov modes.
+
+    E-step (exact engine on `structinfer.mechanisms.markov_switching_dynamics`): the
+    smoothed modes $\gamma_{tk}$ and expected transitions $N_{ij}$ (both gradients of
+    $\log Z$). M-step, with $u_t = x_t$, $y_t = x_{t+1}$, $\tilde u_t = (u_t, 1)$ and
+    $e_{tk} = y_t - A_k u_t - b_k$:
+
+    $$[A_k\; b_k] = \Big(\sum_t \gamma_{tk} y_t \tilde u_t^\top\Big)
+    \Big(\sum_t \gamma_{tk}\tilde u_t\tilde u_t^\top\Big)^{-1}, \quad
+    \Lambda_{k}^{-1} = \frac{\sum_t \gamma_{tk}\, e_{tk}^{2}}{\sum_t \gamma_{tk}}, \quad
+    P_{ij} = \frac{N_{ij}}{\sum_{j'} N_{ij'}}, \quad \pi = \gamma_1.$$
+
+    Args:
+        x: the time series `(T, d)`.
+        A: `(K, d, d)` initial linear maps.
+        b: `(K, d)` initial offsets.
+        precisions: `(K, d)` initial diagonal precisions.
+        log_transition: `(K, K)` initial log-weights (default uniform).
+        log_initial: `(K,)` initial log-weights (default uniform).
+        reg: ridge added to every variance and Gram matrix.
+        tol: converged when the log-likelihood changes by at most `tol * max(1, |ll|)`.
+        max_iters: the most EM iterations.
+        raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite log-likelihood
+            when the result is concrete.
+
+    Returns:
+        `(MarkovSwitchingState, LoopInfo)`; `info.energy` is $-\log p(x_{2..T} \mid x_1)$
+            (non-increasing up to the ridge).
+
+    Raises:
+        ValueError: shapes other than those above.
+
+    Reference:
+        Tschantz, "Attention via log-sum-exp energy" v2 sec. 7 (switching systems with a
+        Markov mode); Baum-Welch's transition update.
+    """
+    x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
+    state = MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
+
+    def body(st):
+        new, conv = step(x, st, reg=reg, tol=tol)
+        return new, -new.log_likelihood, conv
+
+    state, info = run_loop(body, state, -state.log_likelihood, max_iters)
+    if raise_on_nonfinite:
+        check(info, "markov_switching_em", "'mode' (a mode lost its data? raise reg)")
+    return state, info
