@@ -123,8 +123,10 @@ def test_integer_value_table_answers_in_the_exact_engines_dtype(prior, backend):
                                            np.asarray(want, np.float32), rtol=2e-2)
 
 
-@pytest.mark.parametrize("backend", ["auto", "exact", "dense", "blocked", "windowed"])
+@pytest.mark.parametrize("backend", ["auto", "exact", "dense", "blocked", "windowed", "pallas"])
 def test_float32_in_float32_out_under_x64(backend):
+    # "pallas" regression (review): under x64 the kernels' block arithmetic mixed int32
+    # program ids with int64 block sizes and raised TypeError from lax.div
     with float64():
         n = 24
         model = _model(PRIORS["geometric_float_q"], n)  # q = 0.1: a float64 parameter

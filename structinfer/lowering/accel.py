@@ -230,10 +230,11 @@ def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int):
     lo = jnp.int32(0)
     hi = jnp.int32(nkb)
     if terms.dmax is not None:
-        lo = lax.div(jnp.maximum(i_lo + terms.offset - terms.dmax, 0), bk)
+        lo = lax.div(jnp.maximum(i_lo + terms.offset - terms.dmax, 0), jnp.int32(bk))
     if terms.dmin is not None:
         top = i_lo + bq - 1 + terms.offset - terms.dmin
-        hi = jnp.where(top < 0, 0, jnp.minimum(lax.div(jnp.maximum(top, 0), bk) + 1, nkb))
+        hi = jnp.where(top < 0, 0,
+                       jnp.minimum(lax.div(jnp.maximum(top, 0), jnp.int32(bk)) + 1, nkb))
     return lo, jnp.maximum(hi, lo)
 
 
@@ -244,10 +245,11 @@ def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int):
     lo = jnp.int32(0)
     hi = jnp.int32(nqb)
     if terms.dmin is not None:
-        lo = lax.div(jnp.maximum(j_lo + terms.dmin - terms.offset, 0), bq)
+        lo = lax.div(jnp.maximum(j_lo + terms.dmin - terms.offset, 0), jnp.int32(bq))
     if terms.dmax is not None:
         top = j_lo + bk - 1 + terms.dmax - terms.offset
-        hi = jnp.where(top < 0, 0, jnp.minimum(lax.div(jnp.maximum(top, 0), bq) + 1, nqb))
+        hi = jnp.where(top < 0, 0,
+                       jnp.minimum(lax.div(jnp.maximum(top, 0), jnp.int32(bq)) + 1, nqb))
     return lo, jnp.maximum(hi, lo)
 
 
@@ -255,8 +257,8 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision)
     """Logits of one (child block, parent block) tile, the allowed-edge mask and the
     distance grid: $q k^\top$ plus the per-parent bias, the relative-position bias and the
     geometric log-prior, computed from the index grids (shared by every Pallas pass)."""
-    i_idx = i0 + jnp.arange(q.shape[0])
-    j_idx = j0 + jnp.arange(k.shape[0])
+    i_idx = i0 + jnp.arange(q.shape[0], dtype=jnp.int32)  # int32 under x64 too
+    j_idx = j0 + jnp.arange(k.shape[0], dtype=jnp.int32)
     s = _dot(q, k, precision, acc_dtype, trans_b=True)
     d = i_idx[:, None] + terms.offset - j_idx[None, :]
     if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
@@ -387,6 +389,14 @@ class _Layout:
         return arrays, specs
 
 
+def _wide_rows(prob: Problem) -> bool:
+    """Whether a query / key / value row takes more than 256 bytes (float32 with head dim
+    over 64, bfloat16 over 128): smaller blocks and fewer pipeline stages then keep a
+    program's tiles within a GPU's shared memory."""
+    return any(_pow2(x.shape[-1]) * jnp.dtype(x.dtype).itemsize > 256
+               for x in (prob.row["q"], prob.col["k"], prob.v))
+
+
 def _compiler_params(fp: int, num_warps: int | None, num_stages: int):
     from jax.experimental.pallas import triton as plgpu
 
@@ -400,9 +410,10 @@ def _interpret(interpret: bool | None) -> bool:
 
 
 def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
-                   block_q: int = 128, block_k: int = 64, interpret: bool | None = None,
-                   precision: lax.PrecisionLike = None, num_warps: int | None = None,
-                   num_stages: int = 3) -> tuple[jax.Array, jax.Array]:
+                   block_q: int | None = None, block_k: int = 64,
+                   interpret: bool | None = None, precision: lax.PrecisionLike = None,
+                   num_warps: int | None = None, num_stages: int | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -417,7 +428,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         block_q: children per block (rounded up to a power of two, at least 16, at most
-            that of ``n``).
+            that of ``n``; default 128, or 64 for rows of more than 256 bytes, e.g.
+            float32 with head dim 128, to stay within a GPU's shared memory).
         block_k: parents per block (rounded up to a power of two, at least 16, at most
             that of ``m``).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
@@ -425,7 +437,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             ``jax.default_matmul_precision``; for float32 inputs on a GPU that default is
             TF32, ``"highest"`` is full float32).
         num_warps: Triton warps per program (default: 4 for head dims up to 64, else 8).
-        num_stages: Triton software-pipelining stages of the parent-block loop.
+        num_stages: Triton software-pipelining stages of the parent-block loop (default
+            3, or 2 for rows of more than 256 bytes).
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
@@ -441,6 +454,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     why = pallas_unsupported(terms, prob, batch_shape)
     if why:
         raise ValueError(f"pallas_forward: {why}")
+    wide = _wide_rows(prob)
+    block_q = block_q or (64 if wide else 128)
+    num_stages = num_stages or (2 if wide else 3)
     lay = _Layout(terms, prob, batch_shape, block_q, block_k)
     arrays, specs = lay.operands(terms, prob, whole_rows=False)
     keys = tuple(arrays)
@@ -578,7 +594,8 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
 
 def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], out: jax.Array,
                     lse: jax.Array, d_out: jax.Array, d_lse: jax.Array, *,
-                    block_q: int = 64, block_k: int = 64, interpret: bool | None = None,
+                    block_q: int | None = None, block_k: int | None = None,
+                    interpret: bool | None = None,
                     precision: lax.PrecisionLike = None, num_warps: int | None = None,
                     num_stages: int = 2, need_glob: frozenset[str] | None = None
                     ) -> tuple[dict, dict, dict, dict, jax.Array]:
@@ -592,15 +609,18 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     \mathrm{d}s_{ij}\, q_i$ and the per-parent bias' gradient $\sum_i \mathrm{d}s_{ij}$;
     one pass over child blocks gives $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and the
     geometric prior's $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} - d_0)$;
-    a third pass (its own launch, dropped by XLA when the bias is not differentiated)
-    adds $\mathrm{d}s_{ij}$ into the relative-position table at $r(d_{ij})$ with atomics.
-    Every pass skips the blocks outside the distance band; memory is $O(n d)$.
+    a third pass (its own launch, run only when the table is differentiated: ``need_glob``)
+    adds $\mathrm{d}s_{ij}$ into the relative-position table at $r(d_{ij})$ with atomics
+    (float32 atomics: the table's gradient is not bit-reproducible from run to run).
+    Every pass skips the blocks outside the distance band; memory is $O(n d)$. Second
+    derivatives are not supported (use the ``"dense"`` backend for them).
 
     Args:
         terms, prob, batch_shape: as for `pallas_forward`.
         out, lse: the forward's $y$ and $L$.
         d_out, d_lse: their cotangents.
-        block_q, block_k: block sizes of both passes (powers of two, at least 16).
+        block_q, block_k: block sizes of both passes (rounded up to a power of two, at
+            least 16; default: 64, or 32 for rows of more than 256 bytes).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
         precision: the matmuls' ``precision`` (as for `pallas_forward`).
         num_warps, num_stages: Triton launch parameters of both passes.
@@ -618,7 +638,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     why = pallas_unsupported(terms, prob, batch_shape)
     if why:
         raise ValueError(f"pallas_backward: {why}")
-    lay = _Layout(terms, prob, batch_shape, block_q, block_k)
+    block = 32 if _wide_rows(prob) else 64
+    lay = _Layout(terms, prob, batch_shape, block_q or block, block_k or block)
     acc, n, m, B = lay.acc, terms.num_children, terms.num_parents, lay.B
     bq, bk, n_pad, m_pad, fp, dvp = lay.bq, lay.bk, lay.n_pad, lay.m_pad, lay.fp, lay.dvp
     finite = jnp.isfinite(lse)
