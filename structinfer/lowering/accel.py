@@ -224,33 +224,30 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, int(x) - 1).bit_length())
 
 
-def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int):
-    """First and one-past-last parent block that child block `a` (traced) can see."""
-    i_lo = a * bq
-    lo = jnp.int32(0)
-    hi = jnp.int32(nkb)
-    if terms.dmax is not None:
-        lo = lax.div(jnp.maximum(i_lo + terms.offset - terms.dmax, 0), jnp.int32(bk))
-    if terms.dmin is not None:
-        top = i_lo + bq - 1 + terms.offset - terms.dmin
-        hi = jnp.where(top < 0, 0,
-                       jnp.minimum(lax.div(jnp.maximum(top, 0), jnp.int32(bk)) + 1, nkb))
+def _block_span(first, last, b: int, nb: int):
+    """First and one-past-last block of size ``b`` (of ``nb``) holding the indices
+    ``first .. last`` (traced; ``None``: unbounded on that side)."""
+    b = jnp.int32(b)  # int32 under x64 too, like the program ids
+    lo = jnp.int32(0) if first is None else lax.div(jnp.maximum(first, 0), b)
+    hi = jnp.int32(nb) if last is None else jnp.where(
+        last < 0, 0, jnp.minimum(lax.div(jnp.maximum(last, 0), b) + 1, nb))
     return lo, jnp.maximum(hi, lo)
+
+
+def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int):
+    r"""Parent blocks child block `a` (traced) can see: the parents $j$ with
+    $d_{\min} \le i + \text{offset} - j \le d_{\max}$ for an $i$ of it."""
+    i_lo, t = a * bq, terms
+    return _block_span(None if t.dmax is None else i_lo + t.offset - t.dmax,
+                       None if t.dmin is None else i_lo + bq - 1 + t.offset - t.dmin, bk, nkb)
 
 
 def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int):
-    r"""First and one-past-last child block that can see parent block `t` (traced): the
-    children $i$ with $d_{\min} \le i + \text{offset} - j \le d_{\max}$ for a $j$ of it."""
-    j_lo = t * bk
-    lo = jnp.int32(0)
-    hi = jnp.int32(nqb)
-    if terms.dmin is not None:
-        lo = lax.div(jnp.maximum(j_lo + terms.dmin - terms.offset, 0), jnp.int32(bq))
-    if terms.dmax is not None:
-        top = j_lo + bk - 1 + terms.dmax - terms.offset
-        hi = jnp.where(top < 0, 0,
-                       jnp.minimum(lax.div(jnp.maximum(top, 0), jnp.int32(bq)) + 1, nqb))
-    return lo, jnp.maximum(hi, lo)
+    r"""Child blocks that can see parent block `t` (traced): the children $i$ with
+    $d_{\min} \le i + \text{offset} - j \le d_{\max}$ for a $j$ of it."""
+    j_lo, tm = t * bk, terms
+    return _block_span(None if tm.dmin is None else j_lo + tm.dmin - tm.offset,
+                       None if tm.dmax is None else j_lo + bk - 1 + tm.dmax - tm.offset, bq, nqb)
 
 
 def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision):
