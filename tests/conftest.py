@@ -60,7 +60,32 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
 
 
+#: the longest tests (tens of seconds to minutes each, most of it tracing and compiling),
+#: by node id prefix: run first, so that under ``-n 2`` xdist spreads them over the
+#: workers while the many short tests fill the gaps, instead of one of them starting last
+#: and leaving a worker alone for its whole run
+SLOW_FIRST = (
+    "tests/test_cli.py::test_demo_quick",
+    "tests/test_bruteforce.py::",
+    "tests/test_property.py::test_random_models",
+    "tests/test_nn_lm.py::test_quick_run",
+    "tests/test_examples.py::test_reproduction_quick",
+    "tests/test_snippets.py::test_snippets_run",
+    "tests/test_cli.py::test_compare_user_models",
+    "tests/test_closed_forms.py::test_gradients_match_closed_form",
+    "tests/test_examples.py::test_example_quick",
+)
+
+
+def _slow_rank(item) -> int:
+    for k, prefix in enumerate(SLOW_FIRST):
+        if item.nodeid.startswith(prefix):
+            return k
+    return len(SLOW_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slow_rank)  # stable: the rest keep their order
     if not on_gpu():
         return
     jax.config.update("jax_default_matmul_precision", "highest")
