@@ -15,10 +15,16 @@ before JAX starts its backends (``test_lowering_sharded.py``).
 """
 
 import contextlib
+import os
+import shutil
+import tempfile
 
 import jax
 import numpy as np
 import pytest
+
+#: the session's shared XLA compilation cache (see ``pytest_configure``)
+_CACHE_ENV = "STRUCTINFER_TEST_JAX_CACHE_DIR"
 
 
 def on_gpu() -> bool:
@@ -27,7 +33,59 @@ def on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole session, fresh each run.
+
+    Many tests compile the same programs (the same model traced by another test, the
+    same eager primitive in another worker, an example run in a subprocess). The
+    controller makes an empty folder and names it in the environment, so xdist's workers
+    and every subprocess a test starts (``JAX_COMPILATION_CACHE_DIR``) read and write the
+    same cache. A cache hit replays the executable XLA built for an identical program: it
+    changes compile time only, never a result; nothing outlives the run.
+    """
+    if not os.environ.get(_CACHE_ENV):  # the controller (or a run without xdist)
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="structinfer-test-xla-")
+        config._structinfer_cache_owner = True
+    path = os.environ[_CACHE_ENV]
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_structinfer_cache_owner", False):
+        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
+
+
+#: the longest tests (tens of seconds to minutes each, most of it tracing and compiling),
+#: by node id prefix: run first, so that under ``-n 2`` xdist spreads them over the
+#: workers while the many short tests fill the gaps, instead of one of them starting last
+#: and leaving a worker alone for its whole run
+SLOW_FIRST = (
+    "tests/test_cli.py::test_demo_quick",
+    "tests/test_bruteforce.py::",
+    "tests/test_property.py::test_random_models",
+    "tests/test_nn_lm.py::test_quick_run",
+    "tests/test_examples.py::test_reproduction_quick",
+    "tests/test_snippets.py::test_snippets_run",
+    "tests/test_cli.py::test_compare_user_models",
+    "tests/test_closed_forms.py::test_gradients_match_closed_form",
+    "tests/test_examples.py::test_example_quick",
+)
+
+
+def _slow_rank(item) -> int:
+    for k, prefix in enumerate(SLOW_FIRST):
+        if item.nodeid.startswith(prefix):
+            return k
+    return len(SLOW_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slow_rank)  # stable: the rest keep their order
     if not on_gpu():
         return
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -35,6 +93,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cpu_only") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_compiles():
+    """No persistent compilation cache in this test: each new jit really compiles (for a
+    test that checks several fresh compiles of one program)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture

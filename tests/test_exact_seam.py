@@ -282,7 +282,7 @@ def _causal_head(q, k, v):
         numpyro.deterministic("out", Vindex(v)[..., phi, :])
 
 
-def test_causal_expectation_is_right_at_4097_under_jit():
+def test_causal_expectation_is_right_at_4097_under_jit(fresh_compiles):
     """Regression: one causal head's compiled expectation at n = 4097 (head dim 32,
     float32) gave NaN rows or rows off by ~1 on CPU. The value's tilt was a dot of the
     values with the zero tilt, fused by XLA:CPU's YNNPACK with the softmax reductions and
