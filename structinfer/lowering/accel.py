@@ -251,7 +251,7 @@ def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int):
 
 
 def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision):
-    """Logits of one (child block, parent block) tile, the allowed-edge mask and the
+    r"""Logits of one (child block, parent block) tile, the allowed-edge mask and the
     distance grid: $q k^\top$ plus the per-parent bias, the relative-position bias and the
     geometric log-prior, computed from the index grids (shared by every Pallas pass)."""
     i_idx = i0 + jnp.arange(q.shape[0], dtype=jnp.int32)  # int32 under x64 too
@@ -259,7 +259,7 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision)
     s = _dot(q, k, precision, acc_dtype, trans_b=True)
     d = i_idx[:, None] + terms.offset - j_idx[None, :]
     if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
-        s = s + named["bias"][pl_ds(j0, k.shape[0])][None, :].astype(acc_dtype)
+        s = s + named["bias"][_pl_ds(j0, k.shape[0])][None, :].astype(acc_dtype)
     if terms.relpos is not None:
         s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
     if terms.geometric:
@@ -271,7 +271,7 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision)
     return jnp.where(ok, s, -jnp.inf), ok, d
 
 
-def pl_ds(start, size: int):
+def _pl_ds(start, size: int):
     from jax.experimental import pallas as pl
 
     return pl.ds(pl.multiple_of(start, size), size)
@@ -296,13 +296,13 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
     def body(t, carry):
         m_i, l_i, acc = carry
         j0 = t * bk
-        k = named["k"][pl_ds(j0, bk), :]
+        k = named["k"][_pl_ds(j0, bk), :]
         s, _, _ = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(s - m_safe[:, None])
         corr = jnp.exp(m_i - m_safe)
-        v = named["v"][pl_ds(j0, bk), :]
+        v = named["v"][_pl_ds(j0, bk), :]
         acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, precision, acc_dtype)
         return m_new, l_i * corr + jnp.sum(p, axis=-1), acc
 
@@ -498,21 +498,21 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
     outs = refs[len(keys):]
     dk_ref, dv_ref = outs[0], outs[1]
     t = pl.program_id(0)
-    k = named["k"][pl_ds(t * bk, bk), :]
-    v = named["v"][pl_ds(t * bk, bk), :]
+    k = named["k"][_pl_ds(t * bk, bk), :]
+    v = named["v"][_pl_ds(t * bk, bk), :]
     lo, hi = _live_children(terms, t, bq, bk, nqb)
 
     def body(a, carry):
         dk, dv, db = carry
         i0 = a * bq
-        q = named["q"][pl_ds(i0, bq), :]
-        do = named["do"][pl_ds(i0, bq), :]
-        lse = named["lse"][pl_ds(i0, bq)]
-        delta = named["delta"][pl_ds(i0, bq)]
+        q = named["q"][_pl_ds(i0, bq), :]
+        do = named["do"][_pl_ds(i0, bq), :]
+        lse = named["lse"][_pl_ds(i0, bq)]
+        delta = named["delta"][_pl_ds(i0, bq)]
         g0 = g1 = None
         if terms.geometric:
-            g0 = named["geo0"][pl_ds(i0, bq)].astype(acc_dtype)
-            g1 = named["geo1"][pl_ds(i0, bq)].astype(acc_dtype)
+            g0 = named["geo0"][_pl_ds(i0, bq)].astype(acc_dtype)
+            g1 = named["geo1"][_pl_ds(i0, bq)].astype(acc_dtype)
         s, _, _ = _tile(terms, named, q, k, i0, t * bk, g0, g1, acc_dtype, precision)
         p = _probs(s, lse, acc_dtype)
         dv = dv + _dot(p.astype(do.dtype), do, precision, acc_dtype, trans_a=True)
@@ -558,8 +558,8 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
     def body(t, carry):
         dq, dg0, dg1 = carry
         j0 = t * bk
-        k = named["k"][pl_ds(j0, bk), :]
-        v = named["v"][pl_ds(j0, bk), :]
+        k = named["k"][_pl_ds(j0, bk), :]
+        v = named["v"][_pl_ds(j0, bk), :]
         s, ok, d = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision)
         p = _probs(s, lse, acc_dtype)
         dp = _dot(do, v, precision, acc_dtype, trans_b=True)
