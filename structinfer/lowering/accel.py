@@ -613,14 +613,20 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     derivatives are not supported (use the ``"dense"`` backend for them).
 
     Args:
-        terms, prob, batch_shape: as for `pallas_forward`.
-        out, lse: the forward's $y$ and $L$.
-        d_out, d_lse: their cotangents.
-        block_q, block_k: block sizes of both passes (rounded up to a power of two, at
-            least 16; default: 64, or 32 for rows of more than 256 bytes).
+        terms: the static terms of a lowered edge site (as for `pallas_forward`).
+        prob: the arrays those terms read.
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
+        out: the forward's output $y$.
+        lse: the forward's row log-normaliser $L$.
+        d_out: the cotangent of $y$.
+        d_lse: the cotangent of $L$.
+        block_q: children per block in both passes (rounded up to a power of two, at
+            least 16; default 64, or 32 for rows of more than 256 bytes).
+        block_k: parents per block (the same rule).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
         precision: the matmuls' ``precision`` (as for `pallas_forward`).
-        num_warps, num_stages: Triton launch parameters of both passes.
+        num_warps: Triton warps per program of both passes.
+        num_stages: Triton software-pipelining stages of both passes.
         need_glob: the ``glob`` arrays whose gradients are wanted (default: all); the
             relative-position table's pass runs only when it is among them.
 
