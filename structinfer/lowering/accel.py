@@ -488,6 +488,28 @@ def _probs(s, lse, acc_dtype):
     return jnp.where(none, 0.0, jnp.exp(s - jnp.where(none, 0.0, lse[:, None]))).astype(acc_dtype)
 
 
+def _child_rows(terms: Terms, named: dict, idx, acc_dtype):
+    """A child block's operands of the backward passes (``idx``: its slice, or ``...``
+    for a program's own block): q, dy, L, delta and the geometric prior's two terms."""
+    g0 = g1 = None
+    if terms.geometric:
+        g0 = named["geo0"][idx].astype(acc_dtype)
+        g1 = named["geo1"][idx].astype(acc_dtype)
+    rows = idx if idx is Ellipsis else (idx, slice(None))
+    return (named["q"][rows], named["do"][rows], named["lse"][idx], named["delta"][idx],
+            g0, g1)
+
+
+def _ds_tile(terms: Terms, named: dict, q, k, v, do, lse, delta, i0, j0, g0, g1, acc_dtype,
+             precision):
+    r"""One tile of the backward: $p_{ij}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top
+    V_j - \delta_i)$, the allowed-edge mask and the distance grid."""
+    s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision)
+    p = _probs(s, lse, acc_dtype)
+    dp = _dot(do, v, precision, acc_dtype, trans_b=True)
+    return p, p * (dp - delta[:, None]), ok, d
+
+
 def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[str, ...],
                  acc_dtype, precision, col_grad: bool):
     """dK, dV (and the per-parent bias' gradient) of one parent block: a loop over the
@@ -505,19 +527,10 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
     def body(a, carry):
         dk, dv, db = carry
         i0 = a * bq
-        q = named["q"][_pl_ds(i0, bq), :]
-        do = named["do"][_pl_ds(i0, bq), :]
-        lse = named["lse"][_pl_ds(i0, bq)]
-        delta = named["delta"][_pl_ds(i0, bq)]
-        g0 = g1 = None
-        if terms.geometric:
-            g0 = named["geo0"][_pl_ds(i0, bq)].astype(acc_dtype)
-            g1 = named["geo1"][_pl_ds(i0, bq)].astype(acc_dtype)
-        s, _, _ = _tile(terms, named, q, k, i0, t * bk, g0, g1, acc_dtype, precision)
-        p = _probs(s, lse, acc_dtype)
+        q, do, lse, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, bq), acc_dtype)
+        p, ds, _, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, t * bk, g0, g1,
+                               acc_dtype, precision)
         dv = dv + _dot(p.astype(do.dtype), do, precision, acc_dtype, trans_a=True)
-        dp = _dot(do, v, precision, acc_dtype, trans_b=True)
-        ds = p * (dp - delta[:, None])
         dk = dk + _dot(ds.astype(q.dtype), q, precision, acc_dtype, trans_a=True)
         if col_grad:
             db = db + jnp.sum(ds, axis=0)
@@ -544,14 +557,7 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
     named = dict(zip(keys, refs[: len(keys)]))
     outs = list(refs[len(keys):])
     a = pl.program_id(0)
-    q = named["q"][...]
-    do = named["do"][...]
-    lse = named["lse"][...]
-    delta = named["delta"][...]
-    g0 = g1 = None
-    if terms.geometric:
-        g0 = named["geo0"][...].astype(acc_dtype)
-        g1 = named["geo1"][...].astype(acc_dtype)
+    q, do, lse, delta, g0, g1 = _child_rows(terms, named, ..., acc_dtype)
     geo_grad = want_dq and terms.geometric
     lo, hi = _live_range(terms, a, bq, bk, nkb)
 
@@ -560,10 +566,8 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
         v = named["v"][_pl_ds(j0, bk), :]
-        s, ok, d = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision)
-        p = _probs(s, lse, acc_dtype)
-        dp = _dot(do, v, precision, acc_dtype, trans_b=True)
-        ds = p * (dp - delta[:, None])
+        _, ds, ok, d = _ds_tile(terms, named, q, k, v, do, lse, delta, a * bq, j0, g0, g1,
+                                acc_dtype, precision)
         if want_dq:
             dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
         if geo_grad:
