@@ -546,19 +546,15 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
 
 
 def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
-               acc_dtype, precision, want_dq: bool, want_relpos: bool, interpret: bool):
-    r"""dQ and the geometric prior's gradients of one child block (a loop over its live
-    parent blocks: FlashAttention-2's second pass), or the relative-position bias'
-    gradient $\partial/\partial b_r = \sum_{ij:\,r(d_{ij}) = r} \mathrm{d}s_{ij}$, added
-    into its table with atomics."""
+               acc_dtype, precision):
+    """dQ and the geometric prior's gradients of one child block: a loop over its live
+    parent blocks (FlashAttention-2's second pass)."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     named = dict(zip(keys, refs[: len(keys)]))
-    outs = list(refs[len(keys):])
+    outs = refs[len(keys):]
     a = pl.program_id(0)
     q, do, lse, delta, g0, g1 = _child_rows(terms, named, ..., acc_dtype)
-    geo_grad = want_dq and terms.geometric
     lo, hi = _live_range(terms, a, bq, bk, nkb)
 
     def body(t, carry):
@@ -566,31 +562,70 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
         v = named["v"][_pl_ds(j0, bk), :]
-        _, ds, ok, d = _ds_tile(terms, named, q, k, v, do, lse, delta, a * bq, j0, g0, g1,
-                                acc_dtype, precision)
-        if want_dq:
-            dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
-        if geo_grad:
+        _, ds, _, d = _ds_tile(terms, named, q, k, v, do, lse, delta, a * bq, j0, g0, g1,
+                               acc_dtype, precision)
+        dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
+        if terms.geometric:
             dg0 = dg0 + jnp.sum(ds, axis=-1)
             dg1 = dg1 + jnp.sum(ds * (d - terms.geo_d0).astype(acc_dtype), axis=-1)
-        if want_relpos:
-            idx = relpos_index(terms.relpos, d)
-            if interpret:  # the interpreter's atomics drop repeated indices: a scatter-add
-                table = outs[-1]
-                table[...] = table[...] + jnp.zeros(table.shape, acc_dtype).at[idx].add(
-                    jnp.where(ok, ds, 0.0))
-            else:  # Triton wants the mask in the values' shape (ok may be one row)
-                plgpu.atomic_add(outs[-1], (idx,), ds, mask=jnp.broadcast_to(ok, ds.shape))
         return dq, dg0, dg1
 
     init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), jnp.zeros((bq,), acc_dtype),
             jnp.zeros((bq,), acc_dtype))
     dq, dg0, dg1 = lax.fori_loop(lo, hi, body, init)
-    if want_dq:
-        outs[0][...] = dq.astype(outs[0].dtype)
-    if geo_grad:
+    outs[0][...] = dq.astype(outs[0].dtype)
+    if terms.geometric:
         outs[1][...] = dg0
         outs[2][...] = dg1
+
+
+def _diagonals(terms: Terms, b: int, nqb: int, nkb: int) -> tuple[int, int]:
+    r"""The live block diagonals of square blocks of size ``b``: the offsets
+    $\Delta$ (parent block $a + \Delta$ of child block $a$) whose tiles hold an allowed
+    distance, as an inclusive range (empty when first > last). A tile's distances
+    $i + \text{offset} - j$ lie in $\text{offset} - \Delta b \pm (b - 1)$: they depend on
+    $\Delta$ alone."""
+    first, last = -(nqb - 1), nkb - 1
+    if terms.dmax is not None:  # the tile's least distance is at most dmax
+        first = max(first, -((terms.dmax + b - 1 - terms.offset) // b))
+    if terms.dmin is not None:  # the tile's greatest distance >= dmin
+        last = min(last, (terms.offset + b - 1 - terms.dmin) // b)
+    return first, last
+
+
+def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
+                    keys: tuple[str, ...], acc_dtype, precision, interpret: bool):
+    r"""The relative-position table's gradient from one block diagonal: $\partial/\partial
+    b_r = \sum_{ij:\,r(d_{ij}) = r} \mathrm{d}s_{ij}$. The tiles (child block $a$, parent
+    block $a + \Delta$) of square blocks share one distance grid, so their
+    $\mathrm{d}s$ tiles are summed in registers and added into the table once per program,
+    with atomics (contention once per diagonal, not once per tile)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    named = dict(zip(keys, refs[: len(keys)]))
+    table = refs[-1]
+    diag = jnp.int32(first) + pl.program_id(0)  # int32 under x64 too
+    lo = jnp.maximum(jnp.int32(0), -diag)
+    hi = jnp.maximum(jnp.minimum(jnp.int32(nqb), jnp.int32(nkb) - diag), lo)
+
+    def body(a, acc):
+        i0, j0 = a * b, (a + diag) * b
+        q, do, lse, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, b), acc_dtype)
+        k = named["k"][_pl_ds(j0, b), :]
+        v = named["v"][_pl_ds(j0, b), :]
+        _, ds, ok, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, j0, g0, g1,
+                                acc_dtype, precision)
+        return acc + jnp.where(ok, ds, 0.0)
+
+    acc = lax.fori_loop(lo, hi, body, jnp.zeros((b, b), acc_dtype))
+    r = jnp.arange(b, dtype=jnp.int32)
+    d = terms.offset - diag * b + r[:, None] - r[None, :]
+    idx = relpos_index(terms.relpos, d)
+    if interpret:  # the interpreter's atomics drop repeated indices: a scatter-add
+        table[...] = table[...] + jnp.zeros(table.shape, acc_dtype).at[idx].add(acc)
+    else:
+        plgpu.atomic_add(table, (idx,), acc)
 
 
 def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], out: jax.Array,
@@ -611,7 +646,9 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     one pass over child blocks gives $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and the
     geometric prior's $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} - d_0)$;
     a third pass (its own launch, run only when the table is differentiated: ``need_glob``)
-    adds $\mathrm{d}s_{ij}$ into the relative-position table at $r(d_{ij})$ with atomics
+    gives the relative-position table's $\sum_{ij:\,r(d_{ij}) = r} \mathrm{d}s_{ij}$, one
+    program per block diagonal of square blocks: the diagonal's tiles share one distance
+    grid, so their $\mathrm{d}s$ tiles are summed first and added into the table once
     (float32 atomics: the table's gradient is not bit-reproducible from run to run).
     Every pass skips the blocks outside the distance band; memory is $O(n d)$. Second
     derivatives are not supported (use the ``"dense"`` backend for them).
@@ -653,19 +690,24 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     delta = jnp.sum(d_out.astype(acc) * jnp.where(finite[..., None], out.astype(acc), 0.0),
                     -1) - d_lse.astype(acc)
     v_dt = prob.v.dtype
-    shared = {
-        "do": lay.pad(lay.flat(d_out.astype(v_dt), 2), n_pad, dvp),
-        "lse": lay.pad(lay.flat(lse.astype(acc), 1), n_pad, value=-jnp.inf),
-        "delta": lay.pad(lay.flat(delta, 1), n_pad),
-    }
+
+    def shared(lay):  # the cotangent's rows, padded to a launch's blocks
+        return {"do": lay.pad(lay.flat(d_out.astype(v_dt), 2), lay.n_pad, lay.dvp),
+                "lse": lay.pad(lay.flat(lse.astype(acc), 1), lay.n_pad, value=-jnp.inf),
+                "delta": lay.pad(lay.flat(delta, 1), lay.n_pad)}
+
+    def whole_rows(lay):  # operands of a pass that loops over child blocks
+        arrays, specs = lay.operands(terms, prob, whole_rows=True)
+        arrays.update(shared(lay))
+        specs["do"] = pl.BlockSpec((None, lay.n_pad, lay.dvp), lambda i, b: (b, 0, 0))
+        specs["lse"] = specs["delta"] = pl.BlockSpec((None, lay.n_pad), lambda i, b: (b, 0))
+        return arrays, specs
+
     params = _compiler_params(fp, num_warps, num_stages)
     interp = _interpret(interpret)
 
     # pass 1: parent blocks (dK, dV, per-parent bias)
-    arrays, specs = lay.operands(terms, prob, whole_rows=True)
-    arrays.update(shared)
-    specs["do"] = pl.BlockSpec((None, n_pad, dvp), lambda i, b: (b, 0, 0))
-    specs["lse"] = specs["delta"] = pl.BlockSpec((None, n_pad), lambda i, b: (b, 0))
+    arrays, specs = whole_rows(lay)
     keys = tuple(arrays)
     col_grad = bool(terms.col_bias)
     out_specs = [pl.BlockSpec((None, bk, fp), lambda i, b: (b, i, 0)),
@@ -684,40 +726,24 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     )(*[arrays[x] for x in keys])
     dk, dv = res1[0], res1[1]
 
-    # pass 2: child blocks (dQ, geometric prior); pass 3: the relative-position table
+    # pass 2: child blocks (dQ, geometric prior)
     arrays, specs = lay.operands(terms, prob, whole_rows=False)
-    arrays.update(shared)
+    arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
     specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
     keys = tuple(arrays)
-
-    def dq_pass(want_dq: bool, want_relpos: bool):
-        out_specs, out_shape, extra, aliases = [], [], [], {}
-        if want_dq:
-            out_specs.append(pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0)))
-            out_shape.append(jax.ShapeDtypeStruct((B, n_pad, fp), acc))
-            if terms.geometric:
-                for _ in range(2):
-                    out_specs.append(pl.BlockSpec((None, bq), lambda i, b: (b, i)))
-                    out_shape.append(jax.ShapeDtypeStruct((B, n_pad), acc))
-        if want_relpos:  # accumulated across programs: starts from zeros (aliased)
-            L = arrays["relpos"].shape[-1]
-            extra.append(jnp.zeros((B, L), acc))
-            aliases[len(keys)] = len(out_shape)
-            out_specs.append(pl.BlockSpec((None, L), lambda i, b: (b, 0)))
-            out_shape.append(jax.ShapeDtypeStruct((B, L), acc))
-        in_specs = [specs[x] for x in keys] + [pl.BlockSpec((None, L), lambda i, b: (b, 0))
-                                                for _ in extra]
-        return pl.pallas_call(
-            functools.partial(_dq_kernel, terms=terms, bq=bq, bk=bk, nkb=lay.nkb, keys=keys,
-                              acc_dtype=acc, precision=precision, want_dq=want_dq,
-                              want_relpos=want_relpos, interpret=interp),
-            grid=(lay.nqb, B), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-            input_output_aliases=aliases, compiler_params=params, interpret=interp,
-            name="structinfer_attention_dq" if want_dq else "structinfer_attention_drelpos",
-        )(*[arrays[x] for x in keys], *extra)
-
-    res = dq_pass(True, False)
+    out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
+    out_shape = [jax.ShapeDtypeStruct((B, n_pad, fp), acc)]
+    if terms.geometric:
+        out_specs += [pl.BlockSpec((None, bq), lambda i, b: (b, i))] * 2
+        out_shape += [jax.ShapeDtypeStruct((B, n_pad), acc)] * 2
+    res = pl.pallas_call(
+        functools.partial(_dq_kernel, terms=terms, bq=bq, bk=bk, nkb=lay.nkb, keys=keys,
+                          acc_dtype=acc, precision=precision),
+        grid=(lay.nqb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
+        out_shape=out_shape, compiler_params=params, interpret=interp,
+        name="structinfer_attention_dq",
+    )(*[arrays[x] for x in keys])
     dq = res[0]
 
     def unflat(x, length: int, core: int, like):
@@ -740,9 +766,27 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         db = res1[2][:, :m].reshape(lay.batch + (m,))[..., None]
         d_col["bias"] = sum_to(db, bias.shape).astype(bias.dtype)
     d_v = unflat(dv, m, prob.v.shape[-1], prob.v)
+
+    # pass 3: the relative-position table, one program per live block diagonal of square
+    # blocks (its own launch, only when the table is differentiated)
     if terms.relpos is not None and (need_glob is None or "relpos" in need_glob):
-        drel = dq_pass(False, True)[0]
         rel = prob.glob["relpos"]
+        rlay = _Layout(terms, prob, batch_shape, min(bq, bk), min(bq, bk))
+        first, last = _diagonals(terms, rlay.bq, rlay.nqb, rlay.nkb)
+        drel = jnp.zeros((B, rlay.flat(rel, 1).shape[-1]), acc)
+        if last >= first:
+            arrays, specs = whole_rows(rlay)
+            keys = tuple(arrays)
+            spec = pl.BlockSpec((None, drel.shape[-1]), lambda i, b: (b, 0))
+            drel = pl.pallas_call(
+                functools.partial(_drelpos_kernel, terms=terms, b=rlay.bq, nqb=rlay.nqb,
+                                  nkb=rlay.nkb, first=first, keys=keys, acc_dtype=acc,
+                                  precision=precision, interpret=interp),
+                grid=(last - first + 1, B), in_specs=[specs[x] for x in keys] + [spec],
+                out_specs=spec, out_shape=jax.ShapeDtypeStruct(drel.shape, acc),
+                input_output_aliases={len(keys): 0},  # accumulated from zeros
+                compiler_params=params, interpret=interp, name="structinfer_attention_drelpos",
+            )(*[arrays[x] for x in keys], drel)
         d_glob["relpos"] = sum_to(drel.reshape(lay.batch + drel.shape[-1:]),
                                   rel.shape).astype(rel.dtype)
     return d_row, d_col, d_pair, d_glob, d_v
