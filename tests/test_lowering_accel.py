@@ -339,6 +339,28 @@ def test_pallas_relative_position_atomics_mask_every_value(causal):
         assert mask is None or mask.aval.shape == val.aval.shape
 
 
+def test_pallas_backward_runs_four_warps_by_default():
+    """Regression (H100, bfloat16, head dim 128, n = 4096): the backward passes inherited the
+    forward's 8 warps for wide heads and ran 1.5-2x slower than with 4 (the tuning sweep in
+    docs/benchmarks.md); every backward launch now defaults to 4."""
+    n = 40
+    r = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(r.normal(size=(H, n, 128)), jnp.bfloat16) for _ in range(3))
+    bias = jnp.asarray(r.normal(size=(H, 2 * n - 1)), jnp.float32)
+    low = lower_edge(si.priors.RelativePosition(bias, n), si.scores.Dot(q, k, scale=0.1), v,
+                     n, (H,))
+
+    def grads(p):
+        y, lse = accel.pallas_forward(low.terms, p, low.batch_shape, interpret=False)
+        return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse, jnp.ones_like(y),
+                                     jnp.zeros_like(lse), interpret=False)
+
+    calls = [e for e in jax.make_jaxpr(grads)(low.problem).jaxpr.eqns
+             if e.primitive.name == "pallas_call"]
+    warps = [e.params["compiler_params"].num_warps for e in calls]
+    assert warps == [8, 4, 4, 4]  # forward, dK/dV, dQ, the table's gradient
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
     """Lowering (not running) for CUDA on this CPU: every operation of the kernel body
