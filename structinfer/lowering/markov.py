@@ -13,8 +13,12 @@ p(\phi_t = j \mid x) = e^{\alpha_t(j) + \beta_t(j) - \log Z}, \qquad
 y_t = \sum_j p(\phi_t = j \mid x)\, F_t(j).
 $$
 
-The forward scan keeps $\alpha$ ``(T, K)``; the backward scan computes $\beta$ and each
-step's output on the fly (no ``(T, K)`` marginals unless asked for). Cost
+The two scans carry one ``(K,)`` vector each and keep $\hat\alpha$, $\hat\beta$
+``(T, K)``; the marginals and the output are then one vectorised softmax and product.
+Both recursions are shifted by their maximum at every step (the scaled forward-backward:
+$\log Z$ is the sum of the shifts plus the last step's log-sum, each marginal a softmax of
+$\hat\alpha_t + \hat\beta_t$), so float32 keeps its precision on long chains, where
+$\alpha_t + \beta_t - \log Z$ would cancel terms of size $O(T)$. Cost
 $O(T K^2)$ time, $O(T K)$ memory besides the factors. Log-space throughout, with a
 ``logsumexp`` whose gradient is zero (not NaN) where every term is $-\infty$: a forbidden
 move ($\psi = -\infty$) is exact, and a chain with no allowed path gives $\log Z = -\infty$
@@ -51,7 +55,7 @@ def logsumexp0(x: jax.Array, axis: int) -> jax.Array:
         ``x`` reduced over ``axis``.
     """
     m = jnp.max(x, axis=axis, keepdims=True)
-    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    m = lax.stop_gradient(jnp.where(m > -jnp.inf, m, 0.0))
     s = jnp.sum(jnp.exp(x - m), axis=axis)
     pos = s > 0
     out = jnp.log(jnp.where(pos, s, 1.0)) + jnp.squeeze(m, axis)
@@ -84,30 +88,30 @@ def markov_scan(
     dtype = accum_dtype(jnp.result_type(initial, pair))
     if table is not None:
         dtype = jnp.promote_types(dtype, accum_dtype(table.dtype))
-    a0 = jnp.asarray(initial, dtype)
     pair = jnp.asarray(pair, dtype)
 
+    def shift(x):  # x - max x (left alone where every entry is -inf), and max x
+        c = jnp.max(x)
+        return x - jnp.where(c > -jnp.inf, c, 0.0), c
+
     def forward(alpha, psi):
-        alpha = logsumexp0(alpha[:, None] + psi, 0)
-        return alpha, alpha
+        alpha, c = shift(logsumexp0(alpha[:, None] + psi, 0))
+        # one (K + 1,) row per step: a scalar output of its own is slow in a CPU loop
+        return alpha, jnp.concatenate([alpha, c[None]])
 
-    last, alphas = lax.scan(forward, a0, pair)
-    log_z = logsumexp0(last, 0)
-    alphas = jnp.concatenate([a0[None], alphas], 0)  # (T, K)
+    def backward(beta, psi):  # psi: from step t to t + 1
+        beta, _ = shift(logsumexp0(psi + beta[None, :], 1))
+        return beta, beta
 
-    def read(alpha, beta, f):
-        p = jnp.exp(alpha + beta - log_z)
-        return p if f is None else jnp.dot(p, f, precision=precision)
-
-    ft = None if table is None else jnp.asarray(table, dtype)
-
-    def backward(beta, xs):
-        psi, alpha, f = xs  # psi: from step t to t + 1
-        beta = logsumexp0(psi + beta[None, :], 1)
-        return beta, read(alpha, beta, f)
-
+    a0, c0 = shift(jnp.asarray(initial, dtype))
+    last, rows = lax.scan(forward, a0, pair)
+    alphas, cs = rows[:, :-1], rows[:, -1]
+    log_z = c0 + jnp.sum(cs) + logsumexp0(last, 0)
     zero = jnp.zeros_like(a0)
-    last_y = read(alphas[-1], zero, None if ft is None else ft[-1])
-    _, ys = lax.scan(backward, zero, (pair, alphas[:-1], None if ft is None else ft[:-1]),
-                     reverse=True)
-    return jnp.concatenate([ys, last_y[None]], 0), log_z
+    _, betas = lax.scan(backward, zero, pair, reverse=True)
+    s = jnp.concatenate([a0[None], alphas], 0) + jnp.concatenate([betas, zero[None]], 0)
+    p = jnp.exp(s - logsumexp0(s, 1)[:, None])  # (T, K): each step's softmax
+    ys = p if table is None else jnp.einsum("tk,tkd->td", p, jnp.asarray(table, dtype),
+                                            precision=precision)
+    # a chain with no allowed path (or a NaN factor) is NaN everywhere, never a number
+    return jnp.where(jnp.isfinite(log_z), ys, jnp.nan), log_z
