@@ -320,6 +320,15 @@ def test_markov_scan_kernel_matches_numpy_forward_backward_with_forbidden_moves(
         stuck[0, 0, :] = -np.inf
         m2, z2 = run(jnp.asarray(initial), jnp.asarray(stuck))
         assert float(z2) == -np.inf and np.all(np.isnan(np.asarray(m2)))
+    # a long chain in float32 keeps float32's precision (|log Z| ~ 10^3)
+    long = rng.normal(size=(999, k, k)) + 2.0
+    init = rng.normal(size=k)
+    ref_marg, ref_z = _forward_backward(init, long)
+    marg, log_z = jax.jit(markov_scan)(jnp.asarray(init, jnp.float32),
+                                       jnp.asarray(long, jnp.float32))
+    assert marg.dtype == jnp.float32 and abs(ref_z) > 1e3
+    np.testing.assert_allclose(marg, ref_marg, atol=1e-5)
+    np.testing.assert_allclose(log_z, ref_z, rtol=1e-5)
 
 
 def test_attention_runs_the_fused_scan_and_equals_the_exact_engine(fitted):

@@ -543,15 +543,18 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
     tilted = tilt(model, tilts={value: (jnp.zeros(shape, info.float_dtype), ev)},
                   max_plate_nesting=info.max_plate_nesting)
     try:
-        cf = chain_factors(tilted, args, kwargs, info=info)
+        # the tilted model says which chain variables the value reads (its arrays are
+        # dropped under jit); the factors come from the model itself
+        reads = chain_factors(tilted, args, kwargs, info=info).reads
+        cf = chain_factors(model, args, kwargs, info=info)
     except NotAChainError as err:
         raise _Fail(e, "chain", str(err)) from None
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
         raise _Fail(e, "chain", "its enumerated factors could not be read "
                     f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
                     ) from None
-    for name, reads in cf.reads.items():
-        if name.endswith(TILT_PREFIX + value) and "previous" in reads:
+    for name, r in reads.items():
+        if name.endswith(TILT_PREFIX + value) and "previous" in r:
             raise _Fail(value, "value", f"reads the previous edge of '{e}' (through the "
                         "scan's carry): lowered values are f(phi_t) of the step's own edge")
     dtype = jnp.asarray(-1).dtype  # the integer dtype of the scan's carry
@@ -572,7 +575,7 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
     plan.markov = MarkovPlan(e, cf.initial, cf.pair, F, (
         f"Markov prior: a chain of {steps} edges over {k} states, run as a forward-backward "
         "scan over the chain (log-space, O(T K^2) time)",
-        f"factors of {sum(TILT_PREFIX not in n for n in cf.reads)} sites read off the "
+        f"factors of {len(cf.reads)} sites read off the "
         "enumerated scan; value "
         f"f(phi_t) table ({steps}, {k}, {F.shape[-1]})",
     ))
