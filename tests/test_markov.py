@@ -327,6 +327,13 @@ def test_markov_scan_kernel_matches_numpy_forward_backward_with_forbidden_moves(
     marg, log_z = jax.jit(markov_scan)(jnp.asarray(init, jnp.float32),
                                        jnp.asarray(long, jnp.float32))
     assert marg.dtype == jnp.float32 and abs(ref_z) > 1e3
+    # bfloat16 factors accumulate in float32
+    marg16, _ = jax.jit(markov_scan)(jnp.asarray(init, jnp.bfloat16),
+                                     jnp.asarray(long[:9], jnp.bfloat16))
+    assert marg16.dtype == jnp.float32
+    np.testing.assert_allclose(marg16, _forward_backward(
+        np.asarray(jnp.asarray(init, jnp.bfloat16), np.float64),
+        np.asarray(jnp.asarray(long[:9], jnp.bfloat16), np.float64))[0], atol=1e-5)
     np.testing.assert_allclose(marg, ref_marg, atol=1e-5)
     np.testing.assert_allclose(log_z, ref_z, rtol=1e-5)
 
