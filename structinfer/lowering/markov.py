@@ -113,5 +113,6 @@ def markov_scan(
     p = jnp.exp(s - logsumexp0(s, 1)[:, None])  # (T, K): each step's softmax
     ys = p if table is None else jnp.einsum("tk,tkd->td", p, jnp.asarray(table, dtype),
                                             precision=precision)
-    # a chain with no allowed path (or a NaN factor) is NaN everywhere, never a number
-    return jnp.where(jnp.isfinite(log_z), ys, jnp.nan), log_z
+    # no allowed path: alpha_t + beta_t is -inf at every state of every step (their sum
+    # over states is Z = 0), so each step's softmax is NaN, never a number
+    return ys, log_z
