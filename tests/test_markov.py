@@ -500,8 +500,19 @@ def test_unrecognised_chains_fall_back_with_the_reason():
 
         scan(step, jnp.asarray(-1), em)
 
+    def backwards(em):  # the chain runs from the last emission to the first
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, jnp.asarray(-1), em, reverse=True)
+
     for model, x, part in ((batched, ems, "under a plate"),
-                           (reads_previous, em, "reads the previous edge")):
+                           (reads_previous, em, "reads the previous edge"),
+                           (backwards, em, "reverse=True")):
         expl = si.explain(model, "v", x)
         assert expl.path == "exact" and part in str(expl), str(expl)
     # the fallback runs (the exact engine): E[sin(1 + z_t) (z_{t-1} + 2)] by brute force

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro.handlers import block, substitute, trace
+from numpyro.primitives import Messenger
 
 from .._checks import is_concrete, is_masked
 from .._jaxpr import (
@@ -524,6 +525,21 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
     plan.event_shape = tuple(ev_shape)
 
 
+class _ScanCalls(Messenger):
+    """Record the direction (``reverse``) of every ``numpyro.contrib.control_flow.scan``
+    the model runs (``None`` where the message's layout is not the one known)."""
+
+    def __init__(self):
+        self.reverse: list = []
+        super().__init__()
+
+    def process_message(self, msg: dict) -> None:
+        if msg["type"] == "control_flow":
+            args = msg.get("args") or ()
+            rev = args[4] if len(args) == 5 else None
+            self.reverse.append(bool(rev) if isinstance(rev, (bool, np.bool_)) else None)
+
+
 def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
     """A chain of Markov edges: its factors, the value's table, and the checks between."""
     if len(info.edges) != 1:
@@ -558,6 +574,13 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
             raise _Fail(value, "value", f"reads the previous edge of '{e}' (through the "
                         "scan's carry): lowered values are f(phi_t) of the step's own edge")
     dtype = jnp.asarray(-1).dtype  # the integer dtype of the scan's carry
+    scans = _ScanCalls()
+    with block(), scans:
+        trace(require_values(substitute(model, data={e: jnp.zeros((steps,), dtype)}))
+              ).get_trace(*args, **kwargs)
+    if any(r is not False for r in scans.reverse):
+        raise _Fail(e, "chain", "runs in a scan with reverse=True (or one whose direction "
+                    "is not known): only forward scans are fused")
 
     def along(j):
         path = jnp.full((steps,), j, dtype)
