@@ -395,7 +395,11 @@ def attention(
             priors), ``"cudnn"`` (cuDNN fused attention on a GPU) or ``"pallas"`` (the
             Pallas flash kernel; interpreted off a GPU) — see
             [`structinfer.lowering.accel`][structinfer.lowering.accel]. On a GPU,
-            ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A forced kernel
+            ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A chain of
+            [`Markov`][structinfer.priors.Markov] edges runs (``"auto"`` only) as a
+            forward-backward scan, kernel ``"markov_scan"``
+            ([`structinfer.lowering.markov`][structinfer.lowering.markov]), on one
+            device (``mesh`` and ``runner`` do not apply to it). A forced kernel
             raises [`NotLowerableError`][structinfer.lowering.NotLowerableError] when the
             model has no lowering or the kernel cannot run it.
         block_q: children per block of the blocked (and windowed) kernels.
