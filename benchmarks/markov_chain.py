@@ -1,11 +1,16 @@
-"""Markov edges: the exact engine's cost in the chain length T.
+"""Markov edges: the exact engine's cost in the chain length T, and the fused scan's.
 
 A chain of T edges with K states written with ``si.priors.Markov`` in a ``scan`` (the
 engine: NumPyro's enumeration of the scan, funsor's parallel-scan sum-product), timed
 for ``si.log_marginal``, ``si.marginals`` (forward-backward as the gradient of log Z) and
 ``si.map_edges`` (Viterbi as the gradient of the max-product), next to a plain
-``lax.scan`` forward algorithm (the naive twin, log Z only). Printed per T: compile
-seconds and the best of three runs in milliseconds, and the load average (read the
+``lax.scan`` forward algorithm (the naive twin, log Z only). Then the posterior
+expectation of the value (the one-hot edge, i.e. the smoothed marginals) two ways, side
+by side: ``si.expectation`` (the exact engine) and ``si.attention`` (the lowering's fused
+forward-backward ``lax.scan``, kernel ``markov_scan``), with the ratio exact/fused of
+their run times (and of their compile times), and the fused kernel alone on factors
+already read off the model (``chain_factors``). Printed per T: compile seconds and the
+best of three runs in milliseconds, and the load average before and after (read the
 ratios, not the absolute times, on a shared machine).
 
     python benchmarks/markov_chain.py --quick     # T = 500, 2000
@@ -21,15 +26,24 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 from numpyro.contrib.control_flow import scan
 
 import structinfer as si
+from structinfer.exact import chain_factors
+from structinfer.lowering.markov import markov_scan
 
 
 def hmm(emission, log_transition, log_initial):
     """A chain of edges; the emission log-potentials are the edge's score."""
     prior = si.priors.Markov(log_transition, log_initial)
-    step = lambda p, e: (si.edge("z", prior, e, previous=p), None)  # noqa: E731
+    k = emission.shape[-1]
+
+    def step(previous, e):
+        z = si.edge("z", prior, e, previous=previous)
+        numpyro.deterministic("v", jax.nn.one_hot(z, k, dtype=emission.dtype))
+        return z, None
+
     scan(step, jnp.asarray(-1), emission)
 
 
@@ -57,8 +71,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T = 500 and 2000 only")
     ap.add_argument("-k", type=int, default=8, help="states K")
+    ap.add_argument("--lengths", type=int, nargs="+", help="chain lengths T (overrides)")
+    ap.add_argument("--pair-only", action="store_true",
+                    help="only the exact engine / fused scan comparison")
     args = ap.parse_args(argv)
     lengths = (500, 2000) if args.quick else (500, 2000, 8000, 100_000)
+    lengths = tuple(args.lengths) if args.lengths else lengths
     rng = np.random.default_rng(0)
     k = args.k
     lt = jnp.asarray(rng.normal(size=(k, k)), jnp.float32)
@@ -72,8 +90,27 @@ def main(argv=None):
             "map_edges": lambda e: si.map_edges(hmm, e, lt, li)["z"],
             "lax.scan forward": lambda e: forward(e, lt, li),
         }
-        row = {n: _time(jax.jit(f), em) for n, f in fns.items()}
-        print(f"T = {t:>6}: " + "; ".join(f"{n} {c:.1f} s / {r:.2f} ms" for n, (c, r) in row.items()))
+        if not args.pair_only:
+            row = {n: _time(jax.jit(f), em) for n, f in fns.items()}
+            print(f"T = {t:>6}: " + "; ".join(f"{n} {c:.1f} s / {r:.2f} ms"
+                                              for n, (c, r) in row.items()))
+        fused = si.attention(hmm, "v")
+        pair = {
+            "exact si.expectation": lambda e: si.expectation(hmm, "v", e, lt, li),
+            "fused markov_scan": lambda e: fused(e, lt, li),
+        }
+        row = {n: _time(jax.jit(f), em) for n, f in pair.items()}
+        (ce, re), (cf_, rf) = row.values()
+        err = float(jnp.max(jnp.abs(pair["exact si.expectation"](em) - fused(em, lt, li))))
+        cf = chain_factors(hmm, (em, lt, li))
+        one = jax.nn.one_hot(jnp.arange(k), k, dtype=em.dtype)
+        table = jnp.broadcast_to(one, (t, k, k))
+        _, kernel = _time(jax.jit(lambda p: markov_scan(cf.initial, p, table)[0]), cf.pair)
+        print(f"T = {t:>6}, E[one-hot edge]: " + "; ".join(
+            f"{n} {c:.1f} s / {r:.2f} ms" for n, (c, r) in row.items())
+            + f"; exact/fused run {re / rf:.1f}x, compile {ce / cf_:.1f}x; max |diff| {err:.1e}; "
+            f"the kernel alone on given factors {kernel:.2f} ms (the rest is the model's "
+            "traced scan)")
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 

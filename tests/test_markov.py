@@ -1,8 +1,10 @@
 """Markov edges: a chain of edges in a ``scan``, collapsed exactly.
 
-Independent references written here: a NumPy forward algorithm and Viterbi, and brute
-force over every path (``itertools.product``) on a short chain. Sizes: T = 5 steps,
-K = 3 states, a batch of 2 (distinct primes).
+Independent references written here: a NumPy forward algorithm, forward-backward and
+Viterbi, and brute force over every path (``itertools.product``) on a short chain. Sizes:
+T = 5 steps, K = 3 states, a batch of 2 (distinct primes). The lowering's fused
+forward-backward scan (``si.attention``, kernel ``markov_scan``) is checked against the
+exact engine and these references.
 """
 
 import itertools
@@ -16,6 +18,7 @@ from conftest import float64
 from numpyro.contrib.control_flow import scan
 
 import structinfer as si
+from structinfer.primitives import potential
 
 T, K = 5, 3
 
@@ -205,13 +208,6 @@ def test_errors_name_the_site():
             jnp.zeros((K, K + 1)), jnp.zeros(K))
 
 
-def test_explain_says_the_chain_runs_on_the_exact_engine():
-    rng = np.random.default_rng(9)
-    q, k, v = (jnp.asarray(rng.normal(size=s)) for s in ((5, 2), (3, 2), (3, 7)))
-    text = str(si.explain(si.mechanisms.monotonic_alignment, "out", q, k, v))
-    assert "exact engine" in text and "Markov prior" in text and "'align'" in text
-
-
 def test_chains_under_a_plate_are_independent():
     """A plate inside the scan: B chains at once, each as if alone."""
     em, lt, li = _params()
@@ -266,3 +262,284 @@ def test_markov_switching_em_counts_and_ascent():
         st, _ = step(st)
         lls.append(float(st.log_likelihood))
     assert all(b >= a - 1e-4 for a, b in zip(lls, lls[1:])), lls
+
+
+# --- the lowering: a fused forward-backward scan ----------------------------------------
+
+
+def _forward_backward(initial, pair):
+    """NumPy forward-backward in log space over explicit factors: marginals (T, K), log Z.
+
+    ``initial`` (K,), ``pair`` (T - 1, K, K) (previous, next); ``-inf`` allowed."""
+    initial, pair = np.asarray(initial, np.float64), np.asarray(pair, np.float64)
+    lse = lambda x, ax: np.logaddexp.reduce(x, axis=ax)  # noqa: E731
+    with np.errstate(invalid="ignore", divide="ignore"):
+        alpha = [initial]
+        for p in pair:
+            alpha.append(lse(alpha[-1][:, None] + p, 0))
+        beta = [np.zeros_like(initial)]
+        for p in pair[::-1]:
+            beta.insert(0, lse(p + beta[0][None, :], 1))
+        log_z = lse(alpha[-1], 0)
+        return np.exp(np.array(alpha) + np.array(beta) - log_z), log_z
+
+
+def _hmm_factors(em, lt, li):
+    lt, li = _log_softmax(lt), _log_softmax(li)
+    em = np.asarray(em, np.float64)
+    return li + em[0], lt[None] + em[1:, None, :]
+
+
+def test_markov_scan_kernel_matches_numpy_forward_backward_with_forbidden_moves():
+    """The kernel alone, float64: a banded, monotone transition matrix (-inf moves), where
+    funsor's products meet log 0; and a chain with no allowed path (NaN, log Z = -inf)."""
+    from structinfer.lowering.markov import markov_scan
+
+    rng = np.random.default_rng(11)
+    t, k, dv = 7, 5, 3
+    i, j = np.arange(k)[:, None], np.arange(k)[None, :]
+    band = np.where((j == i) | (j == i + 1), rng.normal(size=(k, k)), -np.inf)
+    initial = np.where(np.arange(k) == 0, 0.0, -np.inf)
+    pair = band[None] + rng.normal(size=(t - 1, 1, k))
+    table = rng.normal(size=(t, k, dv))
+    ref_marg, ref_z = _forward_backward(initial, pair)
+    assert np.isfinite(ref_z) and np.isclose(ref_marg[0, 0], 1.0)
+    with float64():
+        run = jax.jit(markov_scan)
+        marg, log_z = run(jnp.asarray(initial), jnp.asarray(pair))
+        np.testing.assert_allclose(log_z, ref_z, rtol=1e-12)
+        np.testing.assert_allclose(marg, ref_marg, atol=1e-12)
+        y, _ = run(jnp.asarray(initial), jnp.asarray(pair), jnp.asarray(table))
+        np.testing.assert_allclose(y, np.einsum("tk,tkd->td", ref_marg, table), atol=1e-12)
+        # reverse mode through both scans: finite where every move is forbidden or allowed
+        g = jax.grad(lambda p: run(jnp.asarray(initial), p, jnp.asarray(table))[0].sum())(
+            jnp.asarray(pair))
+        assert np.all(np.isfinite(np.asarray(g)[np.isfinite(pair)]))
+        # no allowed path (the first state may not move on): NaN, never a number
+        stuck = pair[:1].copy()
+        stuck[0, 0, :] = -np.inf
+        m2, z2 = run(jnp.asarray(initial), jnp.asarray(stuck))
+        assert float(z2) == -np.inf and np.all(np.isnan(np.asarray(m2)))
+    # a long chain in float32 keeps float32's precision (|log Z| ~ 10^3)
+    long = rng.normal(size=(999, k, k)) + 2.0
+    init = rng.normal(size=k)
+    ref_marg, ref_z = _forward_backward(init, long)
+    marg, log_z = jax.jit(markov_scan)(jnp.asarray(init, jnp.float32),
+                                       jnp.asarray(long, jnp.float32))
+    assert marg.dtype == jnp.float32 and abs(ref_z) > 1e3
+    # bfloat16 factors accumulate in float32
+    marg16, _ = jax.jit(markov_scan)(jnp.asarray(init, jnp.bfloat16),
+                                     jnp.asarray(long[:9], jnp.bfloat16))
+    assert marg16.dtype == jnp.float32
+    np.testing.assert_allclose(marg16, _forward_backward(
+        np.asarray(jnp.asarray(init, jnp.bfloat16), np.float64),
+        np.asarray(jnp.asarray(long[:9], jnp.bfloat16), np.float64))[0], atol=1e-5)
+    np.testing.assert_allclose(marg, ref_marg, atol=1e-5)
+    np.testing.assert_allclose(log_z, ref_z, rtol=1e-5)
+
+
+def test_attention_runs_the_fused_scan_and_equals_the_exact_engine(fitted):
+    """si.attention on the HMM (float32, jit + vmap): the markov_scan kernel, equal to the
+    exact engine's expectation, marginals and log Z (the fixture), to brute force and to a
+    NumPy forward-backward."""
+    from structinfer.exact import chain_factors
+    from structinfer.lowering.markov import markov_scan
+
+    (ems, lt, li), (log_z, marg, ev, _) = fitted
+    expl = si.explain(hmm, "v", ems[0], lt, li)
+    assert expl.path == "lowered" and expl.kernels == {"z": "markov_scan"}
+    assert "forward-backward scan over the chain" in str(expl)
+    y = jax.jit(jax.vmap(lambda e: si.attention(hmm, "v")(e, lt, li)))(ems)
+    assert y.shape == (2, T) and y.dtype == jnp.float32
+    np.testing.assert_allclose(y, ev, atol=1e-5)
+    for b in range(2):
+        np.testing.assert_allclose(y[b], _brute(ems[b], lt, li)[2], atol=1e-5)
+        ref, _ = _forward_backward(*_hmm_factors(ems[b], lt, li))
+        np.testing.assert_allclose(y[b], ref @ np.sin(1.0 + np.arange(K)), atol=1e-5)
+        cf = chain_factors(hmm, (ems[b], lt, li))
+        m, lz = markov_scan(cf.initial, cf.pair)
+        np.testing.assert_allclose(m, marg[b], atol=1e-5)
+        np.testing.assert_allclose(lz + cf.constant, log_z[b], rtol=1e-5)
+
+
+def test_fused_scan_float64_gradients_match_central_differences():
+    """Reverse mode through the fused scans (float64) equals central differences of the
+    NumPy forward-backward, for the emissions and the transition logits."""
+    em, lt, li = (np.asarray(a, np.float64) for a in _params(3))
+    w = np.random.default_rng(5).normal(size=T)
+    vals = np.sin(1.0 + np.arange(K))
+
+    def ref(em, lt):
+        m, _ = _forward_backward(*_hmm_factors(em, lt, li))
+        return float(w @ (m @ vals))
+
+    with float64():
+        f = si.attention(hmm, "v")
+        loss = jax.jit(lambda e, t: jnp.dot(jnp.asarray(w), f(e, t, jnp.asarray(li))))
+        e64, l64 = jnp.asarray(em, jnp.float64), jnp.asarray(lt, jnp.float64)
+        assert loss(e64, l64).dtype == jnp.float64
+        np.testing.assert_allclose(loss(e64, l64), ref(em, lt), rtol=1e-10)
+        g_em, g_lt = jax.jit(jax.grad(loss, argnums=(0, 1)))(e64, l64)
+    rng = np.random.default_rng(6)
+    h = 1e-6
+    for g, x, which in ((g_em, np.asarray(em, np.float64), 0), (g_lt, np.asarray(lt, np.float64), 1)):
+        v = rng.normal(size=x.shape)
+        args_p = [np.asarray(em, np.float64), np.asarray(lt, np.float64)]
+        args_m = list(args_p)
+        args_p[which], args_m[which] = x + h * v, x - h * v
+        central = (ref(*args_p) - ref(*args_m)) / (2 * h)
+        np.testing.assert_allclose(np.sum(np.asarray(g) * v), central, rtol=1e-6)
+
+
+def test_catalogue_chains_are_fused_and_equal_their_forward_backward():
+    """monotonic_alignment (the attention output E[v_phi]) and markov_switching_dynamics
+    (the smoothed prediction E[A_phi x_t + b_phi]): lowered, equal to a NumPy
+    forward-backward over the models' factors written out here."""
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.normal(size=s) for s in ((7, 2), (3, 2), (3, 5)))
+    # alignment: start at parent 0, stay / advance (weight 1 each), end at the last parent
+    leak, m = -30.0, 3
+    i, j = np.arange(m)[:, None], np.arange(m)[None, :]
+    lt = np.where((j == i) | (j == i + 1), 0.0, leak)
+    li = np.where(np.arange(m) == 0, 0.0, leak)
+    em = q @ k.T
+    em[-1] += np.where(np.arange(m) == m - 1, 0.0, leak)
+    marg, _ = _forward_backward(*_hmm_factors(em, lt, li))
+    args = tuple(jnp.asarray(a, jnp.float32) for a in (q, k, v))
+    expl = si.explain(si.mechanisms.monotonic_alignment, "out", *args)
+    assert expl.kernels == {"align": "markov_scan"} and "edge 'align': markov_scan" in str(expl)
+    y = si.attention(si.mechanisms.monotonic_alignment, "out")(*args)
+    np.testing.assert_allclose(y, marg @ v, atol=2e-5)
+    # switching dynamics: Gaussian emissions of x_{t+1} under each mode
+    x = rng.normal(size=(6, 2))
+    a, b = rng.normal(size=(K, 2, 2)) * 0.5, rng.normal(size=(K, 2))
+    prec, lt, li = rng.uniform(0.5, 2.0, size=(K, 2)), rng.normal(size=(K, K)), rng.normal(size=K)
+    loc = np.einsum("kde,te->tkd", a, x[:-1]) + b  # (T - 1, K, d)
+    em = (-0.5 * ((x[1:, None] - loc) ** 2 * prec).sum(-1) + 0.5 * np.log(prec).sum(-1)
+          - np.log(2 * np.pi))
+    marg, _ = _forward_backward(*_hmm_factors(em, lt, li))
+    args = tuple(jnp.asarray(z, jnp.float32) for z in (x, a, b, prec, lt, li))
+    model = si.mechanisms.markov_switching_dynamics
+    assert si.explain(model, "out", *args).kernels == {"mode": "markov_scan"}
+    np.testing.assert_allclose(si.attention(model, "out")(*args),
+                               np.einsum("tk,tkd->td", marg, loc), atol=2e-5)
+
+
+def test_forbidden_moves_and_no_path_follow_the_exact_engine():
+    """-inf transitions: the fused value equals a NumPy forward-backward (finite); a chain
+    with no allowed path is NaN under jit, as the exact engine's, never a finite number."""
+    rng = np.random.default_rng(12)
+    em = jnp.asarray(rng.normal(size=(T, K)), jnp.float32)
+    i, j = np.arange(K)[:, None], np.arange(K)[None, :]
+    lt = jnp.asarray(np.where(j >= i, 0.0, -np.inf), jnp.float32)  # never move back
+    li = jnp.asarray([0.0, -np.inf, -np.inf], jnp.float32)
+    y = si.attention(hmm, "v")(em, lt, li)
+    marg, _ = _forward_backward(*_hmm_factors(em, lt, li))
+    np.testing.assert_allclose(y, marg @ np.sin(1.0 + np.arange(K)), atol=1e-5)
+
+    def pinned(emission, last):  # the last edge must be state `last`: impossible at 0 ... 0
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, xs):
+            e, is_last = xs
+            z = si.edge("z", prior, e, previous=previous)
+            potential("z.end", jnp.where(is_last & (z != last), -jnp.inf, 0.0))
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, jnp.asarray(-1), (emission, jnp.arange(T) == T - 1))
+
+    # (the exact engine's marginals are NaN here: funsor's products meet log 0)
+    assert si.explain(pinned, "v", em, 2).kernels == {"z": "markov_scan"}
+    initial, pair = _hmm_factors(em, lt, li)
+    pair[-1] += np.where(np.arange(K) == 2, 0.0, -np.inf)
+    marg, _ = _forward_backward(initial, pair)
+    np.testing.assert_allclose(si.attention(pinned, "v")(em, 2),
+                               marg @ np.sin(1.0 + np.arange(K)), atol=1e-5)
+    bad_lt = jnp.asarray(np.where(j == i, 0.0, -np.inf), jnp.float32)  # stay forever at 0
+
+    def stuck(emission):
+        prior = si.priors.Markov(bad_lt, li)
+
+        def step(previous, xs):
+            e, is_last = xs
+            z = si.edge("z", prior, e, previous=previous)
+            potential("z.end", jnp.where(is_last & (z != K - 1), -jnp.inf, 0.0))
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, jnp.asarray(-1), (emission, jnp.arange(T) == T - 1))
+
+    fused = jax.jit(si.attention(stuck, "v"))(em)
+    exact = jax.jit(lambda e: si.expectation(stuck, "v", e))(em)
+    assert np.all(np.isnan(np.asarray(exact))) and np.all(np.isnan(np.asarray(fused)))
+
+
+def test_unrecognised_chains_fall_back_with_the_reason():
+    em, lt, li = _params()
+    ems = jnp.stack([em, _params(1)[0]], axis=1)  # (T, B = 2, K)
+
+    def batched(ems):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            with numpyro.plate("chains", 2):
+                z = si.edge("z", prior, e, previous=previous)
+                numpyro.deterministic("v", jnp.sin(1.0 + z))
+                return z, None
+
+        scan(step, jnp.full((2,), -1), ems)
+
+    def reads_previous(em):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z) * (previous + 2.0))
+            return z, None
+
+        scan(step, jnp.asarray(-1), em)
+
+    def backwards(em):  # the chain runs from the last emission to the first
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, jnp.asarray(-1), em, reverse=True)
+
+    for model, x, part in ((batched, ems, "under a plate"),
+                           (reads_previous, em, "reads the previous edge"),
+                           (backwards, em, "reverse=True")):
+        expl = si.explain(model, "v", x)
+        assert expl.path == "exact" and part in str(expl), str(expl)
+    # the fallback runs (the exact engine): E[sin(1 + z_t) (z_{t-1} + 2)] by brute force
+    _, lt64, li64 = (np.asarray(a, np.float64) for a in _params())
+    ltn, lin = _log_softmax(lt64), _log_softmax(li64)
+    paths = np.array(list(itertools.product(range(K), repeat=T)))
+    score = lin[paths[:, 0]] + np.asarray(em)[np.arange(T), paths].sum(1)
+    score += ltn[paths[:, :-1], paths[:, 1:]].sum(1)
+    w = np.exp(score - np.logaddexp.reduce(score))
+    prev = np.concatenate([np.full((len(paths), 1), -1), paths[:, :-1]], 1)
+    ref = (w[:, None] * np.sin(1.0 + paths) * (prev + 2.0)).sum(0)
+    np.testing.assert_allclose(si.attention(reads_previous, "v")(em), ref, atol=1e-5)
+    with pytest.raises(si.lowering.NotLowerableError, match="'z'.*Markov prior.*markov_scan"):
+        si.attention(hmm, "v", backend="dense")(em, lt, li)
+
+
+def test_benchmark_quick_mode_runs(capsys, monkeypatch):
+    """benchmarks/markov_chain.py --quick (a short chain, the exact / fused pair only)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    import markov_chain
+
+    markov_chain.main(["--quick", "--lengths", "9", "-k", "3", "--pair-only"])
+    out = capsys.readouterr().out
+    assert "fused markov_scan" in out and "exact/fused run" in out, out
+    assert out.count("load average") == 2
+    sys.modules.pop("markov_chain", None)

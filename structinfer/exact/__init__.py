@@ -8,7 +8,8 @@ p(\phi_i = j \mid x) = \frac{\partial \log Z}{\partial t_{ij}}\Big|_{t=0}$$
   shapes, plates, supports, each edge's prior and score);
 * `structinfer.exact.contract` — [`log_z`][structinfer.exact.log_z], the one contraction
   (NumPyro's funsor ``log_density``; with ``keep_plates`` the per-element
-  log-likelihood);
+  log-likelihood), [`chain_factors`][structinfer.exact.chain_factors] (the log-factors
+  of one chain of a Markov edge, for the lowering's forward-backward scan);
 * `structinfer.exact.api` — [`log_marginal`][structinfer.exact.log_marginal],
   [`energy`][structinfer.exact.energy], [`marginals`][structinfer.exact.marginals],
   [`expectation`][structinfer.exact.expectation], [`map_edges`][structinfer.exact.map_edges],
@@ -33,7 +34,14 @@ from .api import (
     sample_edges,
 )
 from .bounds import IndexOutOfBounds, check_gather_bounds
-from .contract import EnergyOnlyModelError, LikelihoodStructure, log_z
+from .contract import (
+    ChainFactors,
+    EnergyOnlyModelError,
+    LikelihoodStructure,
+    NotAChainError,
+    chain_factors,
+    log_z,
+)
 from .contract import ScoreFactors as ScoreFactors  # a type alias (no docstring, not in __all__)
 from .inspect import MAX_ENUM_DIMS, ModelInfo, SiteInfo, inspect_model, trace_model
 from .inspect import Role as Role  # a type alias (no docstring, not in __all__)
@@ -50,6 +58,9 @@ __all__ = [
     "LikelihoodStructure",
     "EnergyOnlyModelError",
     "log_z",
+    "chain_factors",
+    "ChainFactors",
+    "NotAChainError",
     "inspect_model",
     "trace_model",
     "ModelInfo",

@@ -38,6 +38,9 @@ from .inspect import ModelInfo, inspect_model
 
 __all__ = [
     "log_z",
+    "chain_factors",
+    "ChainFactors",
+    "NotAChainError",
     "LikelihoodStructure",
     "EnergyOnlyModelError",
 ]
@@ -232,6 +235,130 @@ def _max_product(m, args, kwargs) -> jax.Array:
         raise ValueError("joint log density is a scalar: the max-product left "
                          f"{sorted(result.inputs)} over")
     return result.data
+
+
+class NotAChainError(ValueError):
+    """The model is not one unbatched chain of a [`Markov`][structinfer.priors.Markov] edge.
+
+    Raised by [`chain_factors`][structinfer.exact.chain_factors]; the message names the
+    site and what does not fit.
+    """
+
+
+class ChainFactors(NamedTuple):
+    r"""The log-factors of a chain of Markov edges, read off the enumerated model.
+
+    $$\log p(x, \phi) = c + a(\phi_0) + \sum_{t=1}^{T-1} \psi_t(\phi_{t-1}, \phi_t)$$
+
+    Attributes:
+        site: the Markov edge site.
+        initial: $a$, ``(K,)``: every factor of the first step (its prior row, score,
+            likelihood and potentials on $\phi_0$).
+        pair: $\psi_t$, ``(T - 1, K, K)`` (previous, next): every factor of step $t$.
+        constant: $c$, the factors on no edge (a scalar).
+        reads: site name -> the chain's variables its factor reads (``"previous"``,
+            ``"next"``), for the sites of the scan's steps.
+    """
+
+    site: str
+    initial: jax.Array
+    pair: jax.Array
+    constant: jax.Array
+    reads: dict
+
+
+def _place(lp, names: dict, target: tuple[str, ...], where: str):
+    """``lp`` with its named dims moved to the order of ``target`` (size 1 where absent)."""
+    lp = jnp.asarray(lp)
+    nd = lp.ndim
+    axes = {n: nd + d for d, n in names.items()}
+    order = [axes[n] for n in target if n in axes]
+    rest = [a for a in range(nd) if a not in order]
+    if any(lp.shape[a] != 1 for a in rest):
+        raise NotAChainError(f"{where}: its log-density has dims {tuple(lp.shape)} that are not "
+                             "the chain's (a plate or a second variable)")
+    x = jnp.transpose(lp, rest + order)
+    return x.reshape(tuple(lp.shape[axes[n]] if n in axes else 1 for n in target))
+
+
+def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = None, *,
+                  info: ModelInfo | None = None) -> ChainFactors:
+    r"""The log-factors of a model whose only edge is one chain of a Markov prior.
+
+    The model is enumerated as [`log_z`][structinfer.exact.log_z] enumerates it (NumPyro's
+    funsor trace of the ``scan``: the first step unrolled, the others stacked on a time
+    dim) and every factor is read on the chain's variables, so that
+
+    $$\log Z = c + \log \sum_{\phi} e^{a(\phi_0) + \sum_t \psi_t(\phi_{t-1}, \phi_t)},$$
+
+    the sum a forward algorithm over $T$ steps of $K$ states computes in $O(T K^2)$.
+
+    Args:
+        model: a NumPyro model whose one enumerated site is an edge with a
+            [`Markov`][structinfer.priors.Markov] prior inside a ``scan``, outside any
+            plate.
+        args: the model's positional arguments.
+        kwargs: the model's keyword arguments.
+        info: the model's [`ModelInfo`][structinfer.exact.ModelInfo] when the caller has it.
+
+    Returns:
+        The [`ChainFactors`][structinfer.exact.ChainFactors], in the model's dtype.
+
+    Raises:
+        NotAChainError: the model has another enumerated site, the chain lies under a
+            plate, or a factor reads something else than the chain's variables (the
+            message names the site).
+    """
+    args, kwargs = as_arrays(args, dict(kwargs or {}))
+    if info is None:
+        info = inspect_model(model, *args, **kwargs)
+    names = list(info.enumerated)
+    edge = info[names[0]].edge if len(names) == 1 else None
+    if edge is None or not edge.markov:
+        raise NotAChainError(f"model '{model_name(model)}': enumerated sites {names}: only a "
+                             "model whose one enumerated site is a Markov edge is one chain")
+    site = names[0]
+    batch, k = info.enumerated[site]
+    if len(batch) != 1:
+        raise NotAChainError(f"edge site '{site}': the chain lies under a plate (shape "
+                             f"{tuple(batch)}): only a single chain is read as one")
+    steps = batch[0]
+    m = enum(require_values(model), first_available_dim=info.first_available_dim)
+    with plate_to_enum_plate():
+        tr = packed_trace(m).get_trace(*args, **kwargs)
+    prev = "_PREV_" + site
+    dtype = info.float_dtype
+    initial = jnp.zeros((k,), dtype)
+    pair = jnp.zeros((steps - 1, k, k), dtype)
+    constant = jnp.zeros((), dtype)
+    reads: dict = {}
+    for s in tr.values():
+        if s["type"] != "sample":
+            continue
+        lp = s["fn"].log_prob(s["value"])
+        if s["scale"] is not None:
+            lp = s["scale"] * lp
+        lp = jnp.asarray(lp).astype(dtype)
+        dims = dict(s["infer"].get("dim_to_name", {}))
+        where = f"site '{s['name']}'"
+        time = [n for n in dims.values() if n.startswith("_time")]
+        chain = {n for n in dims.values() if n in (prev, site)}
+        if set(dims.values()) - chain - set(time):
+            raise NotAChainError(f"{where}: its factor reads {sorted(dims.values())}, not only "
+                                 f"the chain of '{site}'")
+        if not chain:
+            constant = constant + jnp.sum(lp)
+            continue
+        if time:
+            reads[s["name"]] = tuple(r for n, r in ((prev, "previous"), (site, "next"))
+                                     if n in chain)
+            pair = pair + _place(lp, dims, (time[0], prev, site), where)
+        elif site in chain:  # pragma: no cover - the first step names its edge _PREV_
+            raise NotAChainError(f"{where}: reads the chain outside its time steps")
+        else:
+            reads[s["name"]] = ("next",)
+            initial = initial + _place(lp, dims, (prev,), where)
+    return ChainFactors(site, initial, pair, constant, reads)
 
 
 def _energy_only(model, reason: str) -> EnergyOnlyModelError:

@@ -25,6 +25,9 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
 * Dtypes: [`accum_dtype`][structinfer.lowering.accum_dtype], the dtype every kernel
   accumulates in (and adds the prior's terms in) for inputs of a given dtype.
 
+A model whose edge has a [`Markov`][structinfer.priors.Markov] prior (a chain in a
+``scan``) runs through [`markov`][structinfer.lowering.markov]'s forward-backward scan.
+
 The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``), the GPU
 kernels and their dispatch rules ([`accel`][structinfer.lowering.accel]: cuDNN, Pallas)
 and the multi-device wrappers (`structinfer.lowering.sharded`) read the lowered form of

@@ -28,6 +28,14 @@ $G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ and
 a chain $\phi_1 \leftarrow \phi_0$ gives
 $\mathbb E[f] = P_0 (G_0 + P_1 G_1)$: one kernel per edge.
 
+A model whose one edge has a [`Markov`][structinfer.priors.Markov] prior (a chain in a
+``scan``) is read differently: its log-factors come from the exact engine's
+enumeration (`structinfer.exact.chain_factors`: the first step's $a(\phi_0)$ and each
+step's $\psi_t(\phi_{t-1}, \phi_t)$), the value must be recorded inside the scan and
+read only the step's own edge (checked on the enumerated factors of a zero tilt), and its
+table $F_t(j)$ is the value along the constant path $\phi_t = j$. The chain then runs
+through the forward-backward kernel (`structinfer.lowering.markov`).
+
 Anything else is reported as a `Fallback` naming the site and the part.
 """
 
@@ -39,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro.handlers import block, substitute, trace
+from numpyro.primitives import Messenger
 
 from .._checks import is_concrete, is_masked
 from .._jaxpr import (
@@ -52,8 +61,8 @@ from .._jaxpr import (
     open_jaxpr,
     union,
 )
-from ..exact import inspect_model
-from ..handlers import require_values
+from ..exact import NotAChainError, chain_factors, inspect_model
+from ..handlers import TILT_PREFIX, require_values, tilt
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
 from ._lower import Lowered, NotLowered, lower_edge
 from ._views import eval_with_views
@@ -82,11 +91,23 @@ class EdgePlan:
 
 
 @dataclass
+class MarkovPlan:
+    """A recognised chain of Markov edges: its log-factors and value table."""
+
+    name: str
+    initial: jax.Array  # a, (K,)
+    pair: jax.Array  # psi_t, (T - 1, K, K)
+    table: jax.Array  # F_t(j), (T, K, dv)
+    notes: tuple[str, ...]
+
+
+@dataclass
 class Plan:
-    """A recognised model: one lowered edge per site, in trace order."""
+    """A recognised model: one lowered edge per site, in trace order (or one chain)."""
 
     value: str
     edges: list[EdgePlan] = field(default_factory=list)
+    markov: MarkovPlan | None = None
     out_shape: tuple[int, ...] = ()
     event_shape: tuple[int, ...] = ()
     fallback: Fallback | None = None
@@ -406,9 +427,8 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
                         "structinfer.edge (no structured prior / score to lower)")
     for e in names:
         if info[e].edge is not None and info[e].edge.markov:
-            raise _Fail(e, "prior", "has a Markov prior (a chain of edges over a scan's time "
-                        "steps): the exact engine runs it as one forward-backward over the "
-                        "chain (funsor's parallel-scan sum-product); no fused kernel")
+            _build_markov(plan, model, value, args, kwargs, info, e)
+            return
     N = info.max_plate_nesting
     K = len(names)
     sizes = {e: info.enumerated[e][1] for e in names}
@@ -503,3 +523,84 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         plan.edges.append(EdgePlan(e, low, parent[e], tables[e]))
     plan.out_shape = tuple(plain_shape)
     plan.event_shape = tuple(ev_shape)
+
+
+class _ScanCalls(Messenger):
+    """Record the direction (``reverse``) of every ``numpyro.contrib.control_flow.scan``
+    the model runs (``None`` where the message's layout is not the one known)."""
+
+    def __init__(self):
+        self.reverse: list = []
+        super().__init__()
+
+    def process_message(self, msg: dict) -> None:
+        if msg["type"] == "control_flow":
+            args = msg.get("args") or ()
+            rev = args[4] if len(args) == 5 else None
+            self.reverse.append(bool(rev) if isinstance(rev, (bool, np.bool_)) else None)
+
+
+def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
+    """A chain of Markov edges: its factors, the value's table, and the checks between."""
+    if len(info.edges) != 1:
+        raise _Fail(e, "prior", f"has a Markov prior next to other edge sites "
+                    f"{sorted(n for n in info.edges if n != e)}: only a single chain is "
+                    "fused")
+    batch, k = info.enumerated[e]
+    if len(batch) != 1:
+        raise _Fail(e, "prior", f"has a Markov prior under a plate (shape {tuple(batch)}, "
+                    "several chains at once): only a single chain is fused (vmap the "
+                    "attention function over the chains instead)")
+    steps = batch[0]
+    shape, ev = info.deterministic[value]
+    if len(shape) != ev + 1 or shape[0] != steps:
+        raise _Fail(value, "value", f"has shape {tuple(shape)}: a lowered chain's value is "
+                    f"recorded inside the scan, one per step ({steps}, ...)")
+    tilted = tilt(model, tilts={value: (jnp.zeros(shape, info.float_dtype), ev)},
+                  max_plate_nesting=info.max_plate_nesting)
+    try:
+        # the tilted model says which chain variables the value reads (its arrays are
+        # dropped under jit); the factors come from the model itself
+        reads = chain_factors(tilted, args, kwargs, info=info).reads
+        cf = chain_factors(model, args, kwargs, info=info)
+    except NotAChainError as err:
+        raise _Fail(e, "chain", str(err)) from None
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
+        raise _Fail(e, "chain", "its enumerated factors could not be read "
+                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                    ) from None
+    for name, r in reads.items():
+        if name.endswith(TILT_PREFIX + value) and "previous" in r:
+            raise _Fail(value, "value", f"reads the previous edge of '{e}' (through the "
+                        "scan's carry): lowered values are f(phi_t) of the step's own edge")
+    dtype = jnp.asarray(-1).dtype  # the integer dtype of the scan's carry
+    scans = _ScanCalls()
+    with block(), scans:
+        trace(require_values(substitute(model, data={e: jnp.zeros((steps,), dtype)}))
+              ).get_trace(*args, **kwargs)
+    if any(r is not False for r in scans.reverse):
+        raise _Fail(e, "chain", "runs in a scan with reverse=True (or one whose direction "
+                    "is not known): only forward scans are fused")
+
+    def along(j):
+        path = jnp.full((steps,), j, dtype)
+        return jnp.asarray(_run(model, args, kwargs, {e: path})[value]["value"])
+
+    try:
+        F = jax.vmap(along)(jnp.arange(k, dtype=dtype))  # (K, T, *ev)
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
+        raise _Fail(value, "value", "could not be read along a path of the chain "
+                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                    ) from None
+    F = jnp.moveaxis(F.reshape((k, steps, -1)), 0, 1)  # (T, K, dv)
+    if not jnp.issubdtype(F.dtype, jnp.floating):
+        F = F.astype(info.float_dtype)
+    plan.markov = MarkovPlan(e, cf.initial, cf.pair, F, (
+        f"Markov prior: a chain of {steps} edges over {k} states, run as a forward-backward "
+        "scan over the chain (log-space, O(T K^2) time)",
+        f"factors of {len(cf.reads)} sites read off the "
+        "enumerated scan; value "
+        f"f(phi_t) table ({steps}, {k}, {F.shape[-1]})",
+    ))
+    plan.out_shape = tuple(shape)
+    plan.event_shape = tuple(shape[1:])

@@ -32,6 +32,7 @@ from . import accel
 from ._recognise import Fallback, Plan, recognise
 from .blocked import band_blocks, blocked_attention
 from .dense import dense_attention
+from .markov import markov_scan
 from .windowed import windowed_kernel
 
 __all__ = ["attention", "explain", "check_rows", "Explanation", "NotLowerableError", "BACKENDS"]
@@ -64,8 +65,9 @@ class Explanation:
     Attributes:
         path: ``"lowered"`` or ``"exact"``.
         backend: the requested backend.
-        kernels: edge site -> kernel (``"dense"``, ``"blocked"``, ``"windowed"``, and on a
-            GPU ``"cudnn"`` or ``"pallas"``).
+        kernels: edge site -> kernel (``"dense"``, ``"blocked"``, ``"windowed"``,
+            ``"markov_scan"`` for a chain of Markov edges, and on a GPU ``"cudnn"`` or
+            ``"pallas"``).
         follows: edge site -> the edge it follows (multi-hop), or ``None``.
         notes: edge site -> what was recognised in its prior and score.
         fallback: on the exact path, the site and part that was not recognised.
@@ -116,7 +118,18 @@ def _choose(low, backend: str) -> tuple[str, tuple[str, ...]]:
     return ("blocked" if large else "dense"), notes
 
 
+#: the kernel of a chain of Markov edges (`structinfer.lowering.markov`)
+MARKOV_KERNEL = "markov_scan"
+
+
 def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    if plan.markov is not None:
+        if backend != "auto":
+            raise NotLowerableError(
+                f"backend '{backend}' cannot run edge site '{plan.markov.name}': it has a "
+                f"Markov prior, which runs on the '{MARKOV_KERNEL}' kernel (backend='auto') "
+                "or the exact engine (backend='exact')")
+        return {plan.markov.name: (MARKOV_KERNEL, plan.markov.notes)}
     out = {}
     for ep in plan.edges:
         k, notes = _choose(ep.lowered, backend)
@@ -176,6 +189,8 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
     ``used`` (optional) receives, per edge, the kernel that ran when it differs from the
     chosen one (cuDNN refused at trace time) and why.
     """
+    if plan.markov is not None:
+        return _execute_markov(plan, precision)
     used = {} if used is None else used
     children: dict[str, list[str]] = {ep.name: [] for ep in plan.edges}
     for ep in plan.edges:
@@ -221,6 +236,15 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
     # in the model's order of the edge sites (the eager error names the first bad one)
     dtype = jnp.result_type(*(ep.table.dtype for ep in plan.edges))
     return out.astype(dtype), {ep.name: lses[ep.name] for ep in plan.edges}
+
+
+def _execute_markov(plan: Plan, precision=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Run a chain through the forward-backward kernel; no row log-normalisers (a chain
+    with no allowed path is NaN, and the eager check re-runs the exact engine's checks,
+    as on the exact path)."""
+    mp = plan.markov
+    y, _ = markov_scan(mp.initial, mp.pair, mp.table, precision=precision)
+    return y.reshape(plan.out_shape).astype(mp.table.dtype), {}
 
 
 def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
@@ -371,7 +395,11 @@ def attention(
             priors), ``"cudnn"`` (cuDNN fused attention on a GPU) or ``"pallas"`` (the
             Pallas flash kernel; interpreted off a GPU) — see
             [`structinfer.lowering.accel`][structinfer.lowering.accel]. On a GPU,
-            ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A forced kernel
+            ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A chain of
+            [`Markov`][structinfer.priors.Markov] edges runs (``"auto"`` only) as a
+            forward-backward scan, kernel ``"markov_scan"``
+            ([`structinfer.lowering.markov`][structinfer.lowering.markov]), on one
+            device (``mesh`` and ``runner`` do not apply to it). A forced kernel
             raises [`NotLowerableError`][structinfer.lowering.NotLowerableError] when the
             model has no lowering or the kernel cannot run it.
         block_q: children per block of the blocked (and windowed) kernels.
@@ -551,6 +579,10 @@ def explain(
     if not plan.ok:
         return Explanation("exact", backend, fallback=plan.fallback)
     kernels = {**holder["kernels"], **used}
+    if plan.markov is not None:
+        return Explanation("lowered", backend, kernels={n: k for n, (k, _) in kernels.items()},
+                           follows={n: None for n in kernels},
+                           notes={n: notes for n, (_, notes) in kernels.items()})
     return Explanation(
         "lowered",
         backend,

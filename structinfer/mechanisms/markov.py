@@ -4,7 +4,9 @@ monotonic alignment attention (Tschantz v2 sec. 7; Singh & Buckley sec. 3).
 Each model is a ``numpyro.contrib.control_flow.scan`` over time whose step declares one
 edge with a [`Markov`][structinfer.priors.Markov] prior: the scan's carry holds the
 previous edge, which chooses the prior's row. The exact engine collapses the chain in
-$O(T K^2)$ (funsor's parallel-scan sum-product, as NumPyro's own enumeration does).
+$O(T K^2)$ (funsor's parallel-scan sum-product, as NumPyro's own enumeration does);
+[`structinfer.attention`][structinfer.attention] runs the expectation of ``out`` as a
+fused forward-backward scan (`structinfer.lowering.markov`).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def markov_switching_dynamics(
         Gaussian, $\log\mathcal N(x_{t+1};\, A_k x_t + b_k,\, \mathrm{diag}(\Lambda_k)^{-1})$.
 
     Value:
-        the smoothed modes $p(\phi_t = k \mid x_{1..T})$ (forward-backward) and
-        $\log Z = \log p(x_{2..T} \mid x_1)$ (the forward algorithm).
+        the smoothed one-step prediction $\mathbb E[A_{\phi_t} x_t + b_{\phi_t}]$
+        (``out``), the smoothed modes $p(\phi_t = k \mid x_{1..T})$ (forward-backward)
+        and $\log Z = \log p(x_{2..T} \mid x_1)$ (the forward algorithm).
 
     Args:
         x: the time series ``(T, d)``, ``T >= 2``.
@@ -59,7 +62,8 @@ def markov_switching_dynamics(
 
     Sites:
         ``mode`` (Markov edge, time first: ``marginals(...)["mode"]`` is ``(T-1, K)``),
-        ``x`` (the observed $x_{t+1}$, one Gaussian per transition).
+        ``x`` (the observed $x_{t+1}$, one Gaussian per transition), ``out``
+        (deterministic, ``(T-1, d)``: the mode's prediction $A_{\phi_t} x_t + b_{\phi_t}$).
 
     Reference:
         Tschantz, "log-sum-exp energies" v2 sec. 7 (switching systems; the mode as a
@@ -92,6 +96,7 @@ def markov_switching_dynamics(
         z = edge("mode", prior, previous=previous)
         loc = jnp.einsum("...de,e->...d", A[z], x_prev) + b[z]
         numpyro.sample("x", dist.Normal(loc, scale[z]).to_event(1), obs=x_next)
+        numpyro.deterministic("out", loc)
         return z, None
 
     scan(step, jnp.asarray(-1), (x[:-1], x[1:]))
