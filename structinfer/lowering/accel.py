@@ -13,7 +13,8 @@ the platform's fused kernels instead of the portable blocked kernel
   $(n, m)$ table per head, so only up to `CUDNN_BIAS_MAX` entries), and the queries,
   keys and values are float16 / bfloat16 (the prior's parameters may be float32: they
   never promote them) with query and value head dims equal, a multiple of 8 and at most
-  128 (what cuDNN accepts on every GPU it supports).
+  128 (what cuDNN accepts on every GPU it supports) — except where the Pallas kernel
+  measured faster (`pallas_measured_faster`: the geometric prior).
 * A **Pallas** (Triton) flash-attention kernel, `pallas_forward`, for the rest of
   the dot-product family in any floating dtype: it computes on each block the same logits
   the blocked kernel does — dot product, per-parent bias, relative-position bias looked up
@@ -61,6 +62,7 @@ __all__ = [
     "cudnn_unsupported",
     "pallas_unsupported",
     "gpu_kernel",
+    "pallas_measured_faster",
     "cudnn_attention",
     "pallas_forward",
     "pallas_backward",
@@ -139,14 +141,33 @@ def pallas_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     return _dot_only(terms, prob)
 
 
+def pallas_measured_faster(terms: Terms) -> str | None:
+    """Why the Pallas kernel is taken although cuDNN could run the edge, or `None`.
+
+    The measured rule (NVIDIA H100, JAX 0.11.2, bfloat16, head dim 128, 16 and 32 heads,
+    n = 1024, 2048 and 4096; docs/benchmarks.md): with a geometric prior the Pallas kernel
+    ran 1.1-1.7x faster than cuDNN with the prior's bias table materialised, forward and
+    forward + backward, at every size; with a relative-position table cuDNN was as fast or
+    up to 1.2x faster in forward + backward, so it keeps cuDNN.
+    """
+    if terms.geometric:
+        return ("the Pallas kernel measured faster than cuDNN with the geometric prior's "
+                "bias table materialised")
+    return None
+
+
 def gpu_kernel(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
                ) -> tuple[str | None, tuple[str, ...]]:
     """The fused kernel for this edge on a GPU (`"cudnn"`, `"pallas"` or `None`) and
-    notes saying why the ones before it were not taken."""
+    notes saying why the ones before it were not taken: cuDNN where it can run the edge,
+    unless the Pallas kernel measured faster there (`pallas_measured_faster`)."""
     notes = []
     why = cudnn_unsupported(terms, prob, batch_shape)
     if why is None:
-        return "cudnn", ()
+        why = pallas_measured_faster(terms)
+        if why is None:
+            return "cudnn", ()
+        return "pallas", (f"not cuDNN: {why}",)
     notes.append(f"not cuDNN: {why}")
     why = pallas_unsupported(terms, prob, batch_shape)
     if why is None:
