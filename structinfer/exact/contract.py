@@ -189,6 +189,14 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     return lp
 
 
+def _scaled_log_probs(tr):
+    """Each sample site of a trace with its log-density times its scale."""
+    for s in tr.values():
+        if s["type"] == "sample":
+            lp = s["fn"].log_prob(s["value"])
+            yield s, (lp if s["scale"] is None else s["scale"] * lp)
+
+
 def _max_product(m, args, kwargs) -> jax.Array:
     r"""$\max_\phi \log p(x, \phi)$ of an enumerated model: NumPyro's contraction of
     ``log_density`` with ``max`` for ``logaddexp``, a scan's time dims contracted by
@@ -198,12 +206,7 @@ def _max_product(m, args, kwargs) -> jax.Array:
     factors, by_time = [], defaultdict(list)
     init_vars: dict = defaultdict(frozenset)
     sum_vars, prod_vars = frozenset(), frozenset()
-    for s in tr.values():
-        if s["type"] != "sample":
-            continue
-        lp = s["fn"].log_prob(s["value"])
-        if s["scale"] is not None:
-            lp = s["scale"] * lp
+    for s, lp in _scaled_log_probs(tr):
         names = s["infer"]["dim_to_name"]
         if not names and all(d == 1 for d in jnp.shape(lp)):
             lp = jnp.squeeze(lp)
@@ -332,12 +335,7 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
     pair = jnp.zeros((steps - 1, k, k), dtype)
     constant = jnp.zeros((), dtype)
     reads: dict = {}
-    for s in tr.values():
-        if s["type"] != "sample":
-            continue
-        lp = s["fn"].log_prob(s["value"])
-        if s["scale"] is not None:
-            lp = s["scale"] * lp
+    for s, lp in _scaled_log_probs(tr):
         lp = jnp.asarray(lp).astype(dtype)
         dims = dict(s["infer"].get("dim_to_name", {}))
         where = f"site '{s['name']}'"
