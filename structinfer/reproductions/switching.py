@@ -16,7 +16,11 @@ over the modes: with $\\gamma_{tk}$ the posterior of the mode of transition $t$ 
 $\\ell_{tk}$ its Gaussian log-density, $p(x_{t+1} \\mid \\text{rest}) =
 1 / \\sum_k \\gamma_{tk} e^{-\\ell_{tk}}$ (the importance-sampling identity of PSIS-LOO
 with the modes enumerated rather than drawn; the parameters are point estimates, not
-posterior draws).
+posterior draws). ArviZ's PSIS-LOO is not used here: on draws of the modes each
+transition's log-likelihood takes at most K values, and the Pareto tail fit fails ("all
+tail values are the same"); on draws of the parameters alone the pointwise terms of a
+Markov chain are not independent given them, which PSIS-LOO assumes. Enumerating the
+modes gives its estimand without sampling error.
 
     structinfer reproduce switching            # 3 seeds, T = 400
     structinfer reproduce switching --quick    # CI smoke run (1 seed, T = 120)
