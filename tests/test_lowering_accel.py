@@ -322,10 +322,12 @@ def _kernel_eqns(jaxpr, name):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_pallas_relative_position_atomics_mask_every_value(causal):
+def test_pallas_relative_position_atomics_mask_in_the_values_shape_or_none(causal):
     """Regression (H200, JAX 0.11.2): Triton refused the relative-position table's atomic
     add ('tt.atomic_rmw' op failed to verify that mask type matches value type) when the
-    edge had no distance band: the mask was one row, broadcast, not the tile's shape."""
+    edge had no distance band: the mask was one row, broadcast, not the tile's shape. The
+    per-diagonal pass adds without a mask (its sums are zero off the allowed edges and its
+    indices are clipped into the table, `test_pallas_diagonals_hold_every_allowed_pair`)."""
     n = 40
     r = np.random.default_rng(4)
     q, k, v = (jnp.asarray(r.normal(size=(H, n, 16)), jnp.bfloat16) for _ in range(3))
@@ -343,6 +345,44 @@ def test_pallas_relative_position_atomics_mask_every_value(causal):
     for eqn in eqns:
         _, _, val, mask = eqn.params["args_tree"].unflatten(eqn.invars)
         assert mask is None or mask.aval.shape == val.aval.shape
+
+
+def test_pallas_diagonals_hold_every_allowed_pair():
+    """The relative-position gradient's live block diagonals (`_diagonals`) against brute
+    force over every (child, parent) pair: random sizes, square blocks, offsets and
+    distance bands, including bands with no allowed pair (an empty range)."""
+    import dataclasses
+
+    from structinfer.lowering.accel import _diagonals
+
+    rng = np.random.default_rng(11)
+    q = jnp.zeros((1, 4, 8), jnp.float32)
+    v = jnp.zeros((1, 4, 2), jnp.float32)
+    low = lower_edge(si.priors.Uniform(4), si.scores.Dot(q, q), v, 4, (1,))
+    empty = 0
+    for _ in range(400):
+        n, m, b = int(rng.integers(1, 70)), int(rng.integers(1, 70)), int(rng.choice([16, 32]))
+        offset = int(rng.integers(-80, 80))
+        lo, hi = (None if rng.random() < 0.3 else int(rng.integers(-100, 100)) for _ in "ab")
+        terms = dataclasses.replace(low.terms, num_children=n, num_parents=m, offset=offset,
+                                    dmin=lo, dmax=hi)
+        nqb, nkb = -(-n // b), -(-m // b)
+        first, last = _diagonals(terms, b, nqb, nkb)
+        i, j = np.arange(n)[:, None], np.arange(m)[None, :]
+        d = i + offset - j
+        ok = np.ones_like(d, bool)
+        if lo is not None:
+            ok &= d >= lo
+        if hi is not None:
+            ok &= d <= hi
+        want = set((j // b - i // b)[ok].ravel().tolist())
+        empty += not want
+        assert all(first <= w <= last for w in want), (n, m, b, offset, lo, hi)
+        # no diagonal outside the band: each one in the range holds an allowed distance
+        for w in range(first, last + 1):
+            dd = offset - w * b + np.arange(-(b - 1), b)
+            assert (lo is None or dd.max() >= lo) and (hi is None or dd.min() <= hi)
+    assert empty > 0  # the empty range was exercised
 
 
 def test_pallas_backward_runs_four_warps_by_default():

@@ -475,6 +475,40 @@ def test_forbidden_moves_and_no_path_follow_the_exact_engine():
     assert np.all(np.isnan(np.asarray(exact))) and np.all(np.isnan(np.asarray(fused)))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nan_or_infinite_factor_mid_chain_gives_nan_not_a_forbidden_move(bad):
+    """Regression (review): a NaN or +inf log-factor at one state of a middle step was read
+    as "no terms" (-inf) by the kernel's log-sum-exp, i.e. a forbidden move: the steps after
+    it came back finite and wrong. A diverged parameter or an overflowing score must give
+    NaN, as the exact engine does."""
+    em, lt, li = _params(4)
+
+    def poisoned(emission):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, xs):
+            e, here = xs
+            z = si.edge("z", prior, e, previous=previous)
+            potential("z.bad", jnp.where(here & (z == 1), bad, 0.0))
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, jnp.asarray(-1), (emission, jnp.arange(T) == 2))
+
+    assert si.explain(poisoned, "v", em).kernels == {"z": "markov_scan"}
+    for f in (si.attention(poisoned, "v"), jax.jit(si.attention(poisoned, "v"))):
+        assert np.all(np.isnan(np.asarray(f(em))))
+    exact = jax.jit(lambda e: si.expectation(poisoned, "v", e))(em)
+    assert np.all(np.isnan(np.asarray(exact)))
+    # the kernel alone, the bad entry inside the pair factors
+    from structinfer.lowering.markov import markov_scan
+
+    initial, pair = _hmm_factors(em, lt, li)
+    pair[1][0, 0] = bad
+    y, log_z = markov_scan(jnp.asarray(initial), jnp.asarray(pair))
+    assert np.all(np.isnan(np.asarray(y))) and np.isnan(float(log_z))
+
+
 def test_unrecognised_chains_fall_back_with_the_reason():
     em, lt, li = _params()
     ems = jnp.stack([em, _params(1)[0]], axis=1)  # (T, B = 2, K)

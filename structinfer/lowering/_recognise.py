@@ -540,6 +540,12 @@ class _ScanCalls(Messenger):
             self.reverse.append(bool(rev) if isinstance(rev, (bool, np.bool_)) else None)
 
 
+def _first_line(err: Exception) -> str:
+    """An exception as ``Type: its message's first line`` (for a fallback reason)."""
+    msg = str(err)
+    return f"{type(err).__name__}: {msg.splitlines()[0] if msg else ''}"
+
+
 def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
     """A chain of Markov edges: its factors, the value's table, and the checks between."""
     if len(info.edges) != 1:
@@ -567,8 +573,7 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
         raise _Fail(e, "chain", str(err)) from None
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
         raise _Fail(e, "chain", "its enumerated factors could not be read "
-                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-                    ) from None
+                    f"({_first_line(err)})") from None
     for name, r in reads.items():
         if name.endswith(TILT_PREFIX + value) and "previous" in r:
             raise _Fail(value, "value", f"reads the previous edge of '{e}' (through the "
@@ -590,8 +595,7 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
         F = jax.vmap(along)(jnp.arange(k, dtype=dtype))  # (K, T, *ev)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
         raise _Fail(value, "value", "could not be read along a path of the chain "
-                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-                    ) from None
+                    f"({_first_line(err)})") from None
     F = jnp.moveaxis(F.reshape((k, steps, -1)), 0, 1)  # (T, K, dv)
     if not jnp.issubdtype(F.dtype, jnp.floating):
         F = F.astype(info.float_dtype)

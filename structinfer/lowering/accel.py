@@ -144,11 +144,14 @@ def pallas_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
 def pallas_measured_faster(terms: Terms) -> str | None:
     """Why the Pallas kernel is taken although cuDNN could run the edge, or `None`.
 
-    The measured rule (NVIDIA H100, JAX 0.11.2, bfloat16, head dim 128, 16 and 32 heads,
-    n = 1024, 2048 and 4096; docs/benchmarks.md): with a geometric prior the Pallas kernel
-    ran 1.1-1.7x faster than cuDNN with the prior's bias table materialised, forward and
-    forward + backward, at every size; with a relative-position table cuDNN was as fast or
-    up to 1.2x faster in forward + backward, so it keeps cuDNN.
+    The measured rule (NVIDIA H100, JAX 0.11.2, bfloat16, head dim 128, 16 heads; the
+    logs in docs/results/gpu/): with a geometric prior, at n = 1024 and 2048, the Pallas
+    kernel ran 1.6-1.7x faster than cuDNN with the prior's bias table materialised in
+    forward + backward and 1.6-2.0x faster in the forward; at n = 4096 (32 heads, a
+    table over `CUDNN_BIAS_MAX`, cuDNN forced) 1.4x faster in forward + backward, 0.9x in
+    the forward. With a relative-position table cuDNN was as fast (n = 1024) or 1.2x
+    faster (n = 2048) in forward + backward, so it keeps cuDNN. Other GPUs, float16 and
+    smaller head dims were not measured.
     """
     if terms.geometric:
         return ("the Pallas kernel measured faster than cuDNN with the geometric prior's "
@@ -653,7 +656,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                     lse: jax.Array, d_out: jax.Array, d_lse: jax.Array, *,
                     block_q: int | None = None, block_k: int | None = None,
                     interpret: bool | None = None,
-                    precision: lax.PrecisionLike = None, num_warps: int = 4,
+                    precision: lax.PrecisionLike = None, num_warps: int | None = 4,
                     num_stages: int = 2, need_glob: frozenset[str] | None = None
                     ) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
@@ -687,8 +690,9 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         block_k: parents per block (the same rule).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
         precision: the matmuls' ``precision`` (as for `pallas_forward`).
-        num_warps: Triton warps per program of every pass (default 4: on an H100, at
-            head dim 128 in bfloat16, 1.5-2x faster than 8 with these blocks).
+        num_warps: Triton warps per program of every pass (default, and for ``None``, 4:
+            on an H100, at head dim 128 in bfloat16, 1.5-2x faster than 8 with these
+            blocks).
         num_stages: Triton software-pipelining stages of both passes.
         need_glob: the ``glob`` arrays whose gradients are wanted (default: all); the
             relative-position table's pass runs only when it is among them.
@@ -725,7 +729,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         specs["lse"] = specs["delta"] = pl.BlockSpec((None, lay.n_pad), lambda i, b: (b, 0))
         return arrays, specs
 
-    params = _compiler_params(fp, num_warps, num_stages)
+    params = _compiler_params(fp, num_warps or 4, num_stages)
     interp = _interpret(interpret)
 
     # pass 1: parent blocks (dK, dV, per-parent bias)

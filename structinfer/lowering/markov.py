@@ -19,7 +19,8 @@ Both recursions are shifted by their maximum at every step (the scaled forward-b
 $\log Z$ is the sum of the shifts plus the last step's log-sum, each marginal a softmax of
 $\hat\alpha_t + \hat\beta_t$), so float32 keeps its precision on long chains, where
 $\alpha_t + \beta_t - \log Z$ would cancel terms of size $O(T)$. Cost
-$O(T K^2)$ time, $O(T K)$ memory besides the factors. Log-space throughout, with a
+$O(T K^2)$ time, $O(T K)$ memory besides the factors in the forward (reverse mode
+through the scans keeps per-step residuals of the factors' order, $O(T K^2)$). Log-space throughout, with a
 ``logsumexp`` whose gradient is zero (not NaN) where every term is $-\infty$: a forbidden
 move ($\psi = -\infty$) is exact, and a chain with no allowed path gives $\log Z = -\infty$
 and NaN marginals (as the exact engine does), never a finite number.
@@ -55,11 +56,11 @@ def logsumexp0(x: jax.Array, axis: int) -> jax.Array:
         ``x`` reduced over ``axis``.
     """
     m = jnp.max(x, axis=axis, keepdims=True)
-    m = lax.stop_gradient(jnp.where(m > -jnp.inf, m, 0.0))
+    m = lax.stop_gradient(jnp.where(jnp.isneginf(m), 0.0, m))
     s = jnp.sum(jnp.exp(x - m), axis=axis)
-    pos = s > 0
-    out = jnp.log(jnp.where(pos, s, 1.0)) + jnp.squeeze(m, axis)
-    return jnp.where(pos, out, -jnp.inf)
+    none = s == 0  # every term -inf; a NaN or +inf term gives NaN, never -inf
+    out = jnp.log(jnp.where(none, 1.0, s)) + jnp.squeeze(m, axis)
+    return jnp.where(none, -jnp.inf, out)
 
 
 def markov_scan(
@@ -92,7 +93,7 @@ def markov_scan(
 
     def shift(x):  # x - max x (left alone where every entry is -inf), and max x
         c = jnp.max(x)
-        return x - jnp.where(c > -jnp.inf, c, 0.0), c
+        return x - jnp.where(jnp.isneginf(c), 0.0, c), c
 
     def forward(alpha, psi):
         alpha, c = shift(logsumexp0(alpha[:, None] + psi, 0))
