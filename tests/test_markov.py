@@ -577,3 +577,35 @@ def test_benchmark_quick_mode_runs(capsys, monkeypatch):
     assert "fused markov_scan" in out and "exact/fused run" in out, out
     assert out.count("load average") == 2
     sys.modules.pop("markov_chain", None)
+
+
+@pytest.mark.exhaustive
+def test_numpyro_nuts_with_the_chain_enumerated_matches_the_engine():
+    """NumPyro's own MCMC(NUTS) on a Markov model with one continuous parameter (the
+    stay log-odds theta, a standard normal prior), NumPyro enumerating the chain's edges
+    itself: its posterior mean and sd of theta equal those by quadrature of the exact
+    engine's log p(x | theta) + log p(theta) on a grid (a Monte Carlo tolerance)."""
+    import numpyro.distributions as dist
+    from numpyro.infer import MCMC, NUTS
+
+    rng = np.random.default_rng(5)
+    path = np.repeat(rng.integers(K, size=12), 10)  # 120 steps in runs of 10: sticky
+    em = jnp.asarray(1.5 * np.eye(K)[path] + rng.normal(size=(120, K)), jnp.float32)
+    li = jnp.zeros(K, jnp.float32)
+
+    def model(em):
+        theta = numpyro.sample("theta", dist.Normal(0.0, 1.0))
+        hmm(em, theta * jnp.eye(K), li)
+
+    grid = jnp.linspace(-6.0, 6.0, 1201)
+    log_post = jax.jit(jax.vmap(lambda t: si.log_marginal(hmm, em, t * jnp.eye(K), li)))(
+        grid) + dist.Normal(0.0, 1.0).log_prob(grid)
+    w = np.asarray(jax.nn.softmax(log_post), np.float64)
+    mean = float(np.sum(w * grid))
+    sd = float(np.sqrt(np.sum(w * (np.asarray(grid) - mean) ** 2)))
+    mcmc = MCMC(NUTS(model), num_warmup=400, num_samples=2000, progress_bar=False)
+    mcmc.run(jax.random.key(0), em)
+    theta = np.asarray(mcmc.get_samples()["theta"], np.float64)
+    assert mean > 2.0 and sd < 0.5  # the data, not the prior, decide (2.84 +- 0.37)
+    assert abs(theta.mean() - mean) < 0.15 * sd, (theta.mean(), mean, sd)
+    assert abs(theta.std() - sd) < 0.15 * sd, (theta.std(), sd)
