@@ -609,3 +609,34 @@ def test_numpyro_nuts_with_the_chain_enumerated_matches_the_engine():
     assert mean > 2.0 and sd < 0.5  # the data, not the prior, decide (2.84 +- 0.37)
     assert abs(theta.mean() - mean) < 0.15 * sd, (theta.mean(), mean, sd)
     assert abs(theta.std() - sd) < 0.15 * sd, (theta.std(), sd)
+
+
+def test_alignment_against_pytorch_struct_linear_chain_crf(x64):
+    """Optional (runs where torch and torch-struct are installed): the monotonic alignment's
+    log Z and posterior against pytorch-struct's LinearChainCRF (its partition function and
+    its marginals, the gradient of log Z in torch) on the same factors written out here —
+    an independent implementation of the chain's sum-product."""
+    torch = pytest.importorskip("torch")
+    torch_struct = pytest.importorskip("torch_struct")
+    rng = np.random.default_rng(13)
+    t, m = 9, 4
+    q, k, v = (rng.normal(size=s) for s in ((t, 3), (m, 3), (m, 2)))
+    leak = -30.0
+    i, j = np.arange(m)[:, None], np.arange(m)[None, :]
+    lt = _log_softmax(np.where((j == i) | (j == i + 1), 0.0, leak))  # rows: previous state
+    li = _log_softmax(np.where(np.arange(m) == 0, 0.0, leak))
+    em = q @ k.T
+    em[-1] += np.where(np.arange(m) == m - 1, 0.0, leak)  # end at the last parent
+    # torch-struct's edge potentials (batch, N - 1, C_next, C_prev); the first step's
+    # factor (initial + emission) goes into the first edge
+    pot = lt.T[None] + em[1:, :, None]
+    pot[0] += (li + em[0])[None, :]
+    crf = torch_struct.LinearChainCRF(torch.tensor(pot[None], dtype=torch.float64))
+    args = tuple(jnp.asarray(a, jnp.float64) for a in (q, k, v))
+    log_z = si.log_marginal(si.mechanisms.monotonic_alignment, *args)
+    marg = si.marginals(si.mechanisms.monotonic_alignment, *args)["align"]
+    np.testing.assert_allclose(float(log_z), float(crf.partition[0].detach()), rtol=1e-9,
+                               atol=1e-9)
+    edge = crf.marginals[0].detach().numpy()  # (N - 1, C_next, C_prev)
+    ref = np.concatenate([edge[:1].sum(1), edge.sum(2)], 0)  # (N, C)
+    np.testing.assert_allclose(np.asarray(marg), ref, atol=1e-9)
