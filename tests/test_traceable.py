@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
-from conftest import float64
+from conftest import float64, matrix
 from numpyro.handlers import substitute
 
 import structinfer as si
@@ -163,7 +163,14 @@ def test_row_hyperparameter_jit_and_grad_float64(row, name, h0, x64):
     )
 
 
-@pytest.mark.parametrize("row, name, h0", ROW_CASES, ids=ROW_IDS)
+#: (row, hyperparameter) cases that also run in float32 by default (the float64 test, which
+#: runs every case, checks more: the eager value and a central difference)
+FLOAT32_CASES = {("cross_attention", "scale"), ("hopfield", "beta"), ("idw", "p"),
+                 ("layer_norm", "eps"), ("model_expansion", "tau"), ("expanding", "alpha")}
+
+
+@pytest.mark.parametrize("row, name, h0", matrix(
+    ROW_CASES, keep=lambda row, name, h0: (row.name, name) in FLOAT32_CASES, ids=ROW_IDS))
 def test_row_hyperparameter_jit_and_grad_float32(row, name, h0):
     _check_row(row, name, h0, np.float32)
 
@@ -306,9 +313,17 @@ def _edge_model(prior_fn, score_fn, x):
     return model
 
 
-@pytest.mark.parametrize("case", list(CONSTRUCTOR_CASES), ids=list(CONSTRUCTOR_CASES))
-@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-def test_constructor_argument_jit_and_grad(case, dtype):
+#: constructor cases also run in float32 by default (float64, which runs every case, checks more: a
+#: central difference)
+FLOAT32_CONSTRUCTORS = ("Dot.scale", "NegSqDist.precision", "InvDist.p", "Geometric.q",
+                 "RelativePosition.bias", "Categorical.logits")
+
+
+@pytest.mark.parametrize("dtype, case", matrix(
+    [(dt, c) for dt in (np.float32, np.float64) for c in CONSTRUCTOR_CASES],
+    keep=lambda dtype, case: dtype == np.float64 or case in FLOAT32_CONSTRUCTORS,
+    ids=[f"{dt}-{c}" for dt in ("f32", "f64") for c in CONSTRUCTOR_CASES]))
+def test_constructor_argument_jit_and_grad(dtype, case):
     prior_fn, score_fn, h0 = CONSTRUCTOR_CASES[case]
     with float64() if dtype == np.float64 else contextlib.nullcontext():
         x = _data(dtype)
