@@ -134,7 +134,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def matrix(cases, keep, ids=None):
-    """A parametrize list over ``cases`` (tuples or single values): the representatives
+    """A parametrize list over ``cases`` (argument tuples, or single values for one
+    argument that is not a tuple): the representatives
     (``keep(*case)`` is true) run by default, the others carry the ``exhaustive`` marker
     (CI's second leg, ``pytest -m exhaustive``, runs them). Each test states its own rule:
     every case of the matrix stays in the default run at least once."""
