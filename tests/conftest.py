@@ -8,7 +8,7 @@ The suite knows its platform. On a GPU:
 * tests marked ``cpu_only`` (they assume this machine has no cuDNN, or the CPU's kernel
   choice) are skipped;
 * ``pytest -m gpu`` runs the subset worth a device machine's time (lowering, kernels,
-  layers).
+  layers; both tiers, since it replaces the default ``-m 'not exhaustive'``).
 
 The platform is read after collection, so a test module may still set ``XLA_FLAGS``
 before JAX starts its backends (``test_lowering_sharded.py``).
@@ -112,6 +112,13 @@ SLOW_FIRST = (
     "tests/test_cli.py::test_compare_user_models",
     "tests/test_closed_forms.py::test_gradients_match_closed_form",
     "tests/test_examples.py::test_example_quick",
+    "tests/test_traceable.py::test_row_hyperparameter_jit_and_grad_float64[monotonic_alignment",
+    "tests/test_lowering_accel.py::test_pallas_kernel_interpreted_equals_exact",
+    "tests/test_lowering_accel.py::test_pallas_passes_over_many_blocks",
+    "tests/test_nn.py::test_equals_flax_multihead_attention",
+    "tests/test_lowering_dtype.py::test_layer_dtype_and_param_dtype_as_flax",
+    "tests/test_trust.py::test_child_chain_inside_batch_plate",
+    "tests/test_lowering_sharded.py::",
 )
 
 
