@@ -13,8 +13,8 @@ The suite knows its platform. On a GPU:
 The platform is read after collection, so a test module may still set ``XLA_FLAGS``
 before JAX starts its backends (``test_lowering_sharded.py``).
 
-Compile time. Most of the suite's time is XLA compiling small programs on the CPU, and
-most of that is LLVM optimising the generated code. The session appends
+Compile time. Most of the suite's time is XLA compiling small programs on the CPU, much
+of it LLVM optimising the generated code. The session appends
 ``--xla_backend_optimization_level=0`` (:data:`FAST_COMPILE_FLAG`) to ``XLA_FLAGS``
 before JAX starts a backend, so workers and every subprocess a test starts inherit it:
 LLVM's -O0 codegen compiles faster and runs slower. It changes no floating-point
@@ -141,11 +141,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def matrix(cases, keep, ids=None):
-    """A parametrize list over ``cases`` (argument tuples, or single values for one
-    argument that is not a tuple): the representatives
-    (``keep(*case)`` is true) run by default, the others carry the ``exhaustive`` marker
-    (CI's second leg, ``pytest -m exhaustive``, runs them). Each test states its own rule:
-    every case of the matrix stays in the default run at least once."""
+    """A parametrize list over ``cases``: the representatives (``keep(*case)`` is true)
+    run by default, the others carry the ``exhaustive`` marker (CI's second leg,
+    ``pytest -m exhaustive``, runs them). A case is a tuple of the arguments, or one
+    value that is not a tuple. Each test states its rule beside it: every prior,
+    mechanism, case and engine of the matrix stays in the default run at least once."""
     cases = [c if isinstance(c, tuple) else (c,) for c in cases]
     ids = list(ids) if ids is not None else [None] * len(cases)
     return [
