@@ -8,10 +8,27 @@ The suite knows its platform. On a GPU:
 * tests marked ``cpu_only`` (they assume this machine has no cuDNN, or the CPU's kernel
   choice) are skipped;
 * ``pytest -m gpu`` runs the subset worth a device machine's time (lowering, kernels,
-  layers).
+  layers; both tiers, since it replaces the default ``-m 'not exhaustive'``).
 
 The platform is read after collection, so a test module may still set ``XLA_FLAGS``
 before JAX starts its backends (``test_lowering_sharded.py``).
+
+Compile time. Most of the suite's time is XLA compiling small programs on the CPU, much
+of it LLVM optimising the generated code. The session appends
+``--xla_backend_optimization_level=0`` (:data:`FAST_COMPILE_FLAG`) to ``XLA_FLAGS``
+before JAX starts a backend, so workers and every subprocess a test starts inherit it:
+LLVM's -O0 codegen compiles faster and runs slower. It changes no floating-point
+semantics (XLA enables no fast-math either way) and none of XLA's own passes (fusion,
+layout), only how well the machine code is optimised. A run with
+``--xla_backend_optimization_level`` already in ``XLA_FLAGS`` keeps the user's value
+(``XLA_FLAGS=--xla_backend_optimization_level=2 pytest`` runs at the default).
+Tests that need the default flags (a regression in XLA:CPU's optimised code) run their
+check in a subprocess with :func:`default_xla_env`.
+
+Tiers. A large parametrized matrix (every prior x dtype x engine ...) runs its
+representatives by default and marks the rest ``exhaustive`` (:func:`matrix`);
+``pyproject.toml`` deselects them (``-m 'not exhaustive'``) and CI runs them as a second
+leg, ``pytest -m exhaustive``.
 """
 
 import contextlib
@@ -26,6 +43,23 @@ import pytest
 #: the session's shared XLA compilation cache (see ``pytest_configure``)
 _CACHE_ENV = "STRUCTINFER_TEST_JAX_CACHE_DIR"
 
+#: appended to ``XLA_FLAGS`` for the test session: LLVM -O0, faster compiles
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(*extra: str) -> str:
+    """The session's ``XLA_FLAGS`` plus ``extra`` flags (for a subprocess that sets its
+    own, e.g. a device count)."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
+
+
+def default_xla_env() -> dict:
+    """``os.environ`` for a subprocess without the session's :data:`FAST_COMPILE_FLAG`:
+    XLA's default optimisation, as users run it."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != FAST_COMPILE_FLAG]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
+    return env if flags else {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+
 
 def on_gpu() -> bool:
     """Whether JAX's default backend is a GPU (starts JAX's backends: call it from a test
@@ -34,7 +68,8 @@ def on_gpu() -> bool:
 
 
 def pytest_configure(config):
-    """One persistent XLA compilation cache for the whole session, fresh each run.
+    """LLVM -O0 for the session's compiles (see the module docstring), and one
+    persistent XLA compilation cache for the whole session, fresh each run.
 
     Many tests compile the same programs (the same model traced by another test, the
     same eager primitive in another worker, an example run in a subprocess). The
@@ -46,6 +81,9 @@ def pytest_configure(config):
     if not os.environ.get(_CACHE_ENV):  # the controller (or a run without xdist)
         os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="structinfer-test-xla-")
         config._structinfer_cache_owner = True
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_backend_optimization_level" not in flags:  # before JAX starts a backend
+        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAG}".strip()
     path = os.environ[_CACHE_ENV]
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
@@ -74,6 +112,13 @@ SLOW_FIRST = (
     "tests/test_cli.py::test_compare_user_models",
     "tests/test_closed_forms.py::test_gradients_match_closed_form",
     "tests/test_examples.py::test_example_quick",
+    "tests/test_traceable.py::test_row_hyperparameter_jit_and_grad_float64[monotonic_alignment",
+    "tests/test_lowering_accel.py::test_pallas_kernel_interpreted_equals_exact",
+    "tests/test_lowering_accel.py::test_pallas_passes_over_many_blocks",
+    "tests/test_nn.py::test_equals_flax_multihead_attention",
+    "tests/test_lowering_dtype.py::test_layer_dtype_and_param_dtype_as_flax",
+    "tests/test_trust.py::test_child_chain_inside_batch_plate",
+    "tests/test_lowering_sharded.py::",
 )
 
 
@@ -95,19 +140,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
-def fresh_compiles():
-    """No persistent compilation cache in this test: each new jit really compiles (for a
-    test that checks several fresh compiles of one program)."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
+def matrix(cases, keep, ids=None):
+    """A parametrize list over ``cases``: the representatives (``keep(*case)`` is true)
+    run by default, the others carry the ``exhaustive`` marker (CI's second leg,
+    ``pytest -m exhaustive``, runs them). A case is a tuple of the arguments, or one
+    value that is not a tuple. Each test states its rule beside it: every prior,
+    mechanism, case and engine of the matrix stays in the default run at least once."""
+    cases = [c if isinstance(c, tuple) else (c,) for c in cases]
+    ids = list(ids) if ids is not None else [None] * len(cases)
+    return [
+        pytest.param(*c, id=i) if keep(*c) else pytest.param(*c, id=i, marks=pytest.mark.exhaustive)
+        for c, i in zip(cases, ids)
+    ]
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from conftest import matrix
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
 
@@ -376,8 +377,10 @@ LOOP_VALUES = {
 }
 
 
-@pytest.mark.parametrize("layout", ("jax-0.10",) + LAYOUTS)
-@pytest.mark.parametrize("name", sorted(LOOP_VALUES))
+@pytest.mark.parametrize("name, layout", matrix(  # every program on JAX 0.11's layout (the
+    # regression), every layout on a loop and a stopping loop
+    [(n, lay) for n in sorted(LOOP_VALUES) for lay in ("jax-0.10",) + LAYOUTS],
+    keep=lambda name, layout: layout == "jax-0.11" or name in ("summed", "while_stops_on_edge")))
 def test_lowering_reads_loops_and_calls_on_every_layout(x64, monkeypatch, layout, name):
     # Regression: JAX 0.11 dropped scan's num_consts, and the separability analysis
     # raised KeyError: 'num_consts' from inside si.attention.

@@ -16,10 +16,12 @@ import subprocess
 import sys
 import textwrap
 
+from conftest import xla_flags
+
 SCRIPT = textwrap.dedent(
     """
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    assert "--xla_force_host_platform_device_count=4" in os.environ["XLA_FLAGS"]
     import jax, jax.numpy as jnp, numpy as np, numpyro
     import structinfer as si
     from numpyro.ops.indexing import Vindex
@@ -91,7 +93,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_sharded_and_ring_attention_on_four_simulated_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
+from conftest import matrix
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -74,7 +75,7 @@ def test_non_views_keep_the_gather(name):
     assert "gather" in text
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", matrix(range(40), keep=lambda seed: seed < 12))
 def test_random_indexing_expressions(seed):
     """Random mixes of slices, integers, shifted ``arange`` index arrays (views) and
     shuffled index arrays (not views) on a 4-d operand: always the identical array;
