@@ -7,6 +7,7 @@ forward-backward scan (``si.attention``, kernel ``markov_scan``) is checked agai
 exact engine and these references.
 """
 
+import functools
 import itertools
 
 import jax
@@ -33,6 +34,20 @@ def hmm(emission, log_transition, log_initial):
         return z, None
 
     scan(step, jnp.asarray(-1), emission)
+
+
+def batched_hmm(emissions, log_transition, log_initial):
+    """B chains at once: a plate inside the scan's step (``emissions`` (T, B, K))."""
+    prior = si.priors.Markov(log_transition, log_initial)
+    chains = emissions.shape[1]
+
+    def step(previous, e):
+        with numpyro.plate("chains", chains):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+    scan(step, jnp.full((chains,), -1), emissions)
 
 
 def _params(seed=0, dtype=np.float32):
@@ -212,16 +227,7 @@ def test_chains_under_a_plate_are_independent():
     """A plate inside the scan: B chains at once, each as if alone."""
     em, lt, li = _params()
     ems = jnp.stack([em, _params(1)[0]], axis=1)  # (T, B = 2, K)
-
-    def batched(ems):
-        prior = si.priors.Markov(lt, li)
-
-        def step(previous, e):
-            with numpyro.plate("chains", 2):
-                return si.edge("z", prior, e, previous=previous), None
-
-        scan(step, jnp.full((2,), -1), ems)
-
+    batched = functools.partial(batched_hmm, log_transition=lt, log_initial=li)
     lz, marg = jax.jit(lambda e: (si.log_marginal(batched, e), si.marginals(batched, e)["z"]))(ems)
     assert marg.shape == (T, 2, K)
     np.testing.assert_allclose(lz, sum(_forward(ems[:, b], lt, li) for b in range(2)), rtol=1e-5)
@@ -512,17 +518,7 @@ def test_a_nan_or_infinite_factor_mid_chain_gives_nan_not_a_forbidden_move(bad):
 def test_unrecognised_chains_fall_back_with_the_reason():
     em, lt, li = _params()
     ems = jnp.stack([em, _params(1)[0]], axis=1)  # (T, B = 2, K)
-
-    def batched(ems):
-        prior = si.priors.Markov(lt, li)
-
-        def step(previous, e):
-            with numpyro.plate("chains", 2):
-                z = si.edge("z", prior, e, previous=previous)
-                numpyro.deterministic("v", jnp.sin(1.0 + z))
-                return z, None
-
-        scan(step, jnp.full((2,), -1), ems)
+    batched = functools.partial(batched_hmm, log_transition=lt, log_initial=li)
 
     def reads_previous(em):
         prior = si.priors.Markov(lt, li)

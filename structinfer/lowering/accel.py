@@ -799,7 +799,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         rel = prob.glob["relpos"]
         rlay = _Layout(terms, prob, batch_shape, min(bq, bk), min(bq, bk))
         first, last = _diagonals(terms, rlay.bq, rlay.nqb, rlay.nkb)
-        drel = jnp.zeros((B, rlay.flat(rel, 1).shape[-1]), acc)
+        drel = jnp.zeros((B, rel.shape[-1]), acc)
         if last >= first:
             arrays, specs = whole_rows(rlay)
             keys = tuple(arrays)
