@@ -515,6 +515,19 @@ def test_a_nan_or_infinite_factor_mid_chain_gives_nan_not_a_forbidden_move(bad):
     assert np.all(np.isnan(np.asarray(y))) and np.isnan(float(log_z))
 
 
+def test_markov_scan_names_the_argument_of_a_wrong_shape():
+    from structinfer.lowering.markov import markov_scan
+
+    init, pair, table = jnp.zeros(K), jnp.zeros((T - 1, K, K)), jnp.zeros((T, K, 2))
+    with pytest.raises(ValueError, match="pair"):
+        markov_scan(init, jnp.zeros((T - 1, K, K + 1)), table)
+    with pytest.raises(ValueError, match="initial"):
+        markov_scan(jnp.zeros((1, K)), pair, table)
+    with pytest.raises(ValueError, match="table"):
+        markov_scan(init, pair, jnp.zeros((T + 1, K, 2)))
+    assert markov_scan(init, pair, table)[0].shape == (T, 2)
+
+
 def test_unrecognised_chains_fall_back_with_the_reason():
     em, lt, li = _params()
     ems = jnp.stack([em, _params(1)[0]], axis=1)  # (T, B = 2, K)

@@ -311,6 +311,11 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
         NotAChainError: the model has another enumerated site, the chain lies under a
             plate, or a factor reads something else than the chain's variables (the
             message names the site).
+
+    Reference:
+        Obermeyer et al., "Tensor variable elimination for plated factor graphs" (2019):
+        the enumerated factors NumPyro's funsor backend builds; Rabiner (1989) for the
+        forward algorithm they feed.
     """
     args, kwargs = as_arrays(args, dict(kwargs or {}))
     if info is None:

@@ -85,7 +85,22 @@ def markov_scan(
             ``(T, K)``), $\log Z$ a scalar (without the chain's constant factors). NaN
             rows where $\log Z$ is not finite. Jittable, vmappable, differentiable
             (reverse mode through both scans).
+
+    Raises:
+        ValueError: ``initial``, ``pair`` or ``table`` has a shape other than the above.
+
+    Reference:
+        Rabiner, "A tutorial on hidden Markov models" (1989), sec. III-A (the
+        forward-backward procedure), here in log space with per-step scaling.
     """
+    k = jnp.shape(initial)[0] if jnp.ndim(initial) == 1 else None
+    if k is None or jnp.ndim(pair) != 3 or jnp.shape(pair)[1:] != (k, k):
+        raise ValueError(f"markov_scan: expected initial (K,) and pair (T - 1, K, K), got "
+                         f"initial {jnp.shape(initial)} and pair {jnp.shape(pair)}")
+    if table is not None and (jnp.ndim(table) != 3 or
+                              jnp.shape(table)[:2] != (jnp.shape(pair)[0] + 1, k)):
+        raise ValueError(f"markov_scan: expected table (T, K, dv) = ({jnp.shape(pair)[0] + 1}, "
+                         f"{k}, dv) for pair {jnp.shape(pair)}, got {jnp.shape(table)}")
     dtype = accum_dtype(jnp.result_type(initial, pair))
     if table is not None:
         dtype = jnp.promote_types(dtype, accum_dtype(table.dtype))
