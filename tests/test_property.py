@@ -571,7 +571,7 @@ def test_sample_frequencies_match_marginals(case):
     ref = brute_force(spec)
     num = 3000
     keys = jax.random.split(jax.random.PRNGKey(1), num)
-    draws = jax.vmap(lambda k: si.sample_edges(k, model, args))(keys)
+    draws = jax.jit(jax.vmap(lambda k: si.sample_edges(k, model, args)))(keys)
     for h, hop in enumerate(spec["hops"]):
         d = np.asarray(draws[f"hop{h + 1}"])
         freq = np.stack([(d == j).mean(0) for j in range(hop["m"])], -1)
