@@ -95,11 +95,25 @@ def test_cpu_keeps_the_blocked_kernel():
 
 def test_forced_fused_backends_explain_what_they_cannot_run():
     q, k, v = _inputs(jnp.float32)
-    with pytest.raises(NotLowerableError, match="cudnn.*float16"):
+    with pytest.raises(NotLowerableError,
+                       match="backend 'cudnn' cannot run edge site 'phi': .*float16"):
         si.attention(_model(CAUSAL), "out", "cudnn")(q, k, v)
     idw = _model(CAUSAL, lambda q, k: si.scores.NegLogDist(q, k))
-    with pytest.raises(NotLowerableError, match="pallas.*IDW"):
+    with pytest.raises(NotLowerableError,
+                       match="backend 'pallas' cannot run edge site 'phi': an IDW"):
         si.attention(idw, "out", "pallas")(q, k, v)
+
+
+@pytest.mark.cpu_only
+def test_forced_cudnn_off_a_gpu_says_so_before_tracing():
+    """The cuDNN entry of the kernel table states the platform among what it cannot run:
+    forced on a CPU, with inputs it could take on a GPU, the error says so (rather than
+    relaying JAX's cuDNN wrapper refusing when traced), from `explain` too."""
+    args = _inputs(jnp.float16)
+    with pytest.raises(NotLowerableError, match="cuDNN runs on a GPU \\(the platform is cpu"):
+        si.attention(_model(CAUSAL), "out", "cudnn")(*args)
+    with pytest.raises(NotLowerableError, match="cuDNN runs on a GPU"):
+        explain(_model(CAUSAL), "out", *args, backend="cudnn")
 
 
 def _dense(model, *args):
