@@ -26,8 +26,14 @@ the platform's fused kernels instead of the portable blocked kernel
   log-partition $L$, with the prior's parameters' gradients; the relative-position
   table's, summed with atomics, only when the table is differentiated); both enter
   through `blocked_attention(..., forward=pallas_forward, backward=pallas_backward)`.
-* Everything else (IDW scores, per-edge tables, masks given as arrays, multi-device runs)
-  keeps the blocked kernel, which runs on every platform.
+* Everything else (IDW scores, per-edge tables, masks given as arrays) keeps the blocked
+  kernel, which runs on every platform.
+
+These are entries of the kernel table (`structinfer.lowering.kernels.KERNELS`), which
+holds the order above (`auto_kernel`) and what runs when cuDNN refuses when traced. On a
+mesh (``mesh=``) every shard runs them too: head sharding the chosen kernel on each
+device's heads, ring attention the Pallas passes on each chunk pair, given the chunk's
+traced global offsets (``starts=``).
 
 Every kernel answers in the value's dtype (bfloat16 in, bfloat16 out). Float32 inputs
 through the Pallas kernel follow JAX's matmul precision: ``precision=None`` is JAX's
@@ -77,7 +83,7 @@ __all__ = [
     "pallas_backward",
 ]
 
-#: the fused kernels tried on a GPU, in order
+#: the fused kernels ``backend="auto"`` tries on a GPU, in order (names in the kernel table)
 GPU_KERNELS = ("cudnn", "pallas")
 
 #: largest additive-bias table (entries, all heads) handed to cuDNN

@@ -180,8 +180,15 @@ _ENTRIES = (
            passes=(accel.pallas_forward, accel.pallas_backward), ring_step="pallas"),
 )
 
-#: the kernel table: name -> `Kernel` (read-only), in the order of `BACKENDS`
 KERNELS: Mapping[str, Kernel] = types.MappingProxyType({k.name: k for k in _ENTRIES})
+"""The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel] (read-only).
+
+``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``, in the order of
+`BACKENDS` (which are ``"auto"``, ``"exact"`` and these). `structinfer.attention` checks a
+forced ``backend`` against its entry, runs every edge through the entry chosen (on one
+device or on each shard of a mesh) and writes the NaN rows where the entry does not;
+`structinfer.explain` names the entry that runs each edge.
+"""
 
 
 def auto_kernel(lowered: Lowered) -> tuple[str, tuple[str, ...]]:
