@@ -547,6 +547,45 @@ def test_auto_picks_kernels():
     assert explain(small, "out", xq, xk, v, backend="exact").path == "exact"
 
 
+def test_kernel_table_contract():
+    """One row per kernel, one contract (STYLE 5): the table is read-only and names the
+    backends; every entry that can run an edge here runs it — a window with rows that have
+    no parent (children 0 and 1) — to the dense kernel's numbers on the other rows, and
+    writes NaN in the empty rows exactly when its entry says it does (``nan_rows``:
+    `attention` writes them for the others); a refusing entry's fallbacks are entries."""
+    import dataclasses
+    import types
+
+    from structinfer.lowering import BACKENDS, KERNELS, Kernel, KernelConfig
+    from structinfer.lowering._lower import lower_edge
+
+    assert isinstance(KERNELS, types.MappingProxyType)
+    assert BACKENDS == ("auto", "exact", *KERNELS)
+    with pytest.raises(TypeError):
+        KERNELS["mine"] = KERNELS["dense"]  # type: ignore[index]
+    n, m = 13, 11
+    xq, xk, v = _feats(3, np.float32, n=n, m=m)
+    low = lower_edge(si.priors.Restricted.window(n, 3, m, offset=-2),
+                     si.scores.Dot(xq, xk, scale=0.5), v, n, ())
+    y0, l0 = KERNELS["dense"].run(low, low.problem, (), KernelConfig())
+    ran = []
+    for name, k in KERNELS.items():
+        assert isinstance(k, Kernel) and k.name == name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            k.nan_rows = not k.nan_rows  # type: ignore[misc]
+        assert all(f in KERNELS for f in k.fallback) and k.ring_step in KERNELS
+        assert KERNELS[k.ring_step].passes is not None  # takes a chunk's global offsets
+        if k.unsupported(low) is not None:  # cuDNN off a GPU
+            continue
+        y, lse = jax.jit(lambda p, k=k: k.run(low, p, (), KernelConfig(4, 4)))(low.problem)
+        assert np.isneginf(lse[:2]).all() and np.isfinite(lse[2:]).all(), name
+        assert np.isnan(y[:2]).all() == k.nan_rows and not np.isnan(y[2:]).any(), name
+        np.testing.assert_allclose(y[2:], y0[2:], atol=2e-6, err_msg=name)
+        np.testing.assert_allclose(lse[2:], l0[2:], atol=2e-6, err_msg=name)
+        ran.append(name)
+    assert {"dense", "blocked", "windowed", "pallas"} <= set(ran)
+
+
 def _dot_ref(xq, xk, v, extra=0.0):
     return softmax_np(np.float64(xq) @ np.float64(xk).T + extra) @ np.float64(v)
 

@@ -95,11 +95,25 @@ def test_cpu_keeps_the_blocked_kernel():
 
 def test_forced_fused_backends_explain_what_they_cannot_run():
     q, k, v = _inputs(jnp.float32)
-    with pytest.raises(NotLowerableError, match="cudnn.*float16"):
+    with pytest.raises(NotLowerableError,
+                       match="backend 'cudnn' cannot run edge site 'phi': .*float16"):
         si.attention(_model(CAUSAL), "out", "cudnn")(q, k, v)
     idw = _model(CAUSAL, lambda q, k: si.scores.NegLogDist(q, k))
-    with pytest.raises(NotLowerableError, match="pallas.*IDW"):
+    with pytest.raises(NotLowerableError,
+                       match="backend 'pallas' cannot run edge site 'phi': an IDW"):
         si.attention(idw, "out", "pallas")(q, k, v)
+
+
+@pytest.mark.cpu_only
+def test_forced_cudnn_off_a_gpu_says_so_before_tracing():
+    """The cuDNN entry of the kernel table states the platform among what it cannot run:
+    forced on a CPU, with inputs it could take on a GPU, the error says so (rather than
+    relaying JAX's cuDNN wrapper refusing when traced), from `explain` too."""
+    args = _inputs(jnp.float16)
+    with pytest.raises(NotLowerableError, match="cuDNN runs on a GPU \\(the platform is cpu"):
+        si.attention(_model(CAUSAL), "out", "cudnn")(*args)
+    with pytest.raises(NotLowerableError, match="cuDNN runs on a GPU"):
+        explain(_model(CAUSAL), "out", *args, backend="cudnn")
 
 
 def _dense(model, *args):
@@ -439,3 +453,66 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
 
         text = jax.jit(grads).trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("triton") >= 3 + (low.terms.relpos is not None)
+
+
+@pytest.mark.parametrize("case", ["relpos_causal", "geometric_trunc"])
+def test_pallas_passes_take_traced_start_offsets(case):
+    """A chunk of a longer sequence, as each step of ring attention runs it: the Pallas
+    forward and backward given traced global starts ``(i0, j0)`` equal the blocked kernel
+    given the same starts — the output, the row log-normaliser (rows of the chunk with no
+    allowed parent included) and the VJP with a nonzero cotangent of the log-normaliser
+    (ring attention merges its steps by it), to the queries, keys, values and the prior's
+    parameters."""
+    import dataclasses
+
+    from structinfer.lowering.blocked import blocked_attention, make_schedule
+
+    N, n, m, i0, j0 = 48, 20, 24, 4, 12  # children 4..23 against parents 12..35
+    r = np.random.default_rng(12)
+    q, k = (jnp.asarray(r.normal(size=(H, N, 8)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(r.normal(size=(H, N, 4)), jnp.float32)
+    e = jnp.asarray(0.5 * r.normal(size=(H, 2 * N - 1)), jnp.float32)
+    prior = (si.priors.RelativePosition(e, N, causal=True) if case == "relpos_causal" else
+             si.priors.Geometric(0.05 + 0.5 * jax.nn.sigmoid(e[..., :N]), N, max_distance=6))
+    low = lower_edge(prior, si.scores.Dot(q, k, scale=0.4), v, N, (H,))
+    terms = dataclasses.replace(low.terms, num_children=n, num_parents=m)
+    p = low.problem
+    chunk = p._replace(row={key: x[..., i0:i0 + n, :] for key, x in p.row.items()},
+                       col={key: x[..., j0:j0 + m, :] for key, x in p.col.items()},
+                       v=p.v[..., j0:j0 + m, :])
+    sched = make_schedule(dataclasses.replace(terms, dmin=None, dmax=None), 8, 8)
+
+    def run(pallas):
+        hooks = (dict(forward=accel.pallas_forward, backward=accel.pallas_backward) if pallas
+                 else {})
+
+        def f(prob, starts):
+            return blocked_attention(terms, prob, (H,), schedule=sched, starts=starts,
+                                     **hooks)
+
+        return jax.jit(lambda prob, starts, ct: jax.vjp(lambda x: f(x, starts), prob)[1](ct)
+                       + f(prob, starts))
+
+    y0, l0 = blocked_attention(terms, chunk, (H,), schedule=sched, starts=(i0, j0))
+    fin = np.isfinite(l0)
+    assert not fin.all() and fin.any()  # children 4..11 have no parent in this chunk
+    ct = (jnp.where(fin[..., None], jnp.asarray(r.normal(size=y0.shape), jnp.float32), 0.0),
+          jnp.where(fin, jnp.asarray(r.normal(size=l0.shape), jnp.float32), 0.0))
+    starts = (jnp.int32(i0), jnp.int32(j0))
+    (g0, ya, la), (g1, yb, lb) = run(False)(chunk, starts, ct), run(True)(chunk, starts, ct)
+    np.testing.assert_array_equal(np.isfinite(lb), fin)
+    np.testing.assert_allclose(np.where(fin, lb, 0.0), np.where(fin, la, 0.0), atol=1e-5)
+    np.testing.assert_allclose(np.where(fin[..., None], yb, 0.0),
+                               np.where(fin[..., None], ya, 0.0), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(b, a, atol=5e-5)
+    assert float(np.abs(g1.row["geo" if case == "geometric_trunc" else "q"]).max()) > 1e-3
+    if case == "relpos_causal":  # and Triton takes the traced offset (lowered for CUDA)
+        def passes(prob, starts):
+            kw = dict(interpret=False, starts=starts)
+            y, lse = accel.pallas_forward(terms, prob, (H,), **kw)
+            return accel.pallas_backward(terms, prob, (H,), y, lse, jnp.ones_like(y),
+                                         jnp.ones_like(lse), **kw)
+
+        text = jax.jit(passes).trace(chunk, starts).lower(lowering_platforms=("cuda",))
+        assert text.as_text().count("triton") >= 4  # forward, dK/dV, dQ, the table

@@ -24,15 +24,21 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
   [`windowed_attention`][structinfer.lowering.windowed_attention] (all four in one).
 * Dtypes: [`accum_dtype`][structinfer.lowering.accum_dtype], the dtype every kernel
   accumulates in (and adds the prior's terms in) for inputs of a given dtype.
+* The kernel table: [`KERNELS`][structinfer.lowering.KERNELS] (read-only), one
+  [`Kernel`][structinfer.lowering.Kernel] entry per kernel (``"dense"``, ``"blocked"``,
+  ``"windowed"``, ``"cudnn"``, ``"pallas"``): what it cannot run, how it runs (with a
+  [`KernelConfig`][structinfer.lowering.KernelConfig]), whether it writes the NaN rows,
+  what runs when it refuses when traced. `attention` (a forced ``backend``, the
+  ``"auto"`` rule, ``mesh=``) and `explain` read it.
 
 A model whose edge has a [`Markov`][structinfer.priors.Markov] prior (a chain in a
 ``scan``) runs through [`markov`][structinfer.lowering.markov]'s forward-backward scan.
 
 The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``), the GPU
-kernels and their dispatch rules ([`accel`][structinfer.lowering.accel]: cuDNN, Pallas)
-and the multi-device wrappers (`structinfer.lowering.sharded`) read the lowered form of
-an edge site; they are reached through [`attention`][structinfer.lowering.attention]
-(``backend=``, ``mesh=``).
+kernels and their static checks ([`accel`][structinfer.lowering.accel]: cuDNN, Pallas)
+and the multi-device wrappers (`structinfer.lowering.sharded`, whose shards run the
+table's kernels) read the lowered form of an edge site; they are reached through
+[`attention`][structinfer.lowering.attention] (``backend=``, ``mesh=``).
 """
 
 from . import _rules  # noqa: F401  (registers the built-in rules)
@@ -46,6 +52,7 @@ from ._lower import (
 )
 from ._spec import accum_dtype
 from .api import BACKENDS, Explanation, NotLowerableError, attention, check_rows, explain
+from .kernels import KERNELS, Kernel, KernelConfig
 from .windowed import (
     geometric_band_log_prior,
     windowed_attention,
@@ -61,6 +68,9 @@ __all__ = [
     "Explanation",
     "NotLowerableError",
     "BACKENDS",
+    "KERNELS",
+    "Kernel",
+    "KernelConfig",
     "register_prior_rule",
     "register_score_rule",
     "register_pattern_rule",

@@ -34,7 +34,8 @@ from jax.typing import DTypeLike
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
-__all__ = ["Terms", "RelPos", "Problem", "block_logits", "accum_dtype", "sum_to"]
+__all__ = ["Terms", "RelPos", "Problem", "block_logits", "accum_dtype", "sum_to",
+           "geometric_log_prior"]
 
 
 def accum_dtype(dtype: DTypeLike) -> jnp.dtype:
@@ -148,6 +149,28 @@ def relpos_weights(rp: RelPos, bias: jax.Array, d: jax.Array) -> jax.Array:
     return jnp.take(bias, relpos_index(rp, d), axis=-1)
 
 
+def geometric_log_prior(log_q: jax.Array, log_1mq: jax.Array, t: jax.Array) -> jax.Array:
+    r"""The geometric (recency) log-prior at distance $d_0 + t$, unnormalised:
+
+    $$
+    \log p(\phi_i = j) = \log q_i + t_{ij} \log(1 - q_i), \qquad t_{ij} = d_{ij} - d_0
+    $$
+
+    (parents nearer than $d_0$ are forbidden by the distance band, not here). The one
+    place every kernel computes it: on a block's distance grid (`block_logits`, the Pallas
+    tiles), as a cuDNN bias table, on the windowed kernels' band.
+
+    Args:
+        log_q: $\log q_i$, broadcasting against ``t`` (per child: ``(..., n, 1)``).
+        log_1mq: $\log(1 - q_i)$, shaped like ``log_q``.
+        t: the distances past $d_0$ (int or float), cast to ``log_q``'s dtype.
+
+    Returns:
+        The broadcast log-prior, in ``log_q``'s dtype.
+    """
+    return log_q + t.astype(log_q.dtype) * log_1mq
+
+
 def band_ok(t: Terms, d: jax.Array) -> jax.Array | None:
     """The distance constraints of ``t`` on a distance grid (None when unconstrained)."""
     ok = None
@@ -239,7 +262,7 @@ def block_logits(
         add(relpos_weights(t.relpos, glob["relpos"], d).astype(dtype))
     if t.geometric:
         g = row["geo"].astype(dtype)
-        add(per_child(g[..., 0]) + (d - t.geo_d0).astype(dtype) * per_child(g[..., 1]))
+        add(geometric_log_prior(per_child(g[..., 0]), per_child(g[..., 1]), d - t.geo_d0))
     if s is None:
         shape = (j_idx.shape[0], i_idx.shape[0]) if transposed else (i_idx.shape[0], j_idx.shape[0])
         s = jnp.zeros(shape, dtype)

@@ -26,8 +26,14 @@ the platform's fused kernels instead of the portable blocked kernel
   log-partition $L$, with the prior's parameters' gradients; the relative-position
   table's, summed with atomics, only when the table is differentiated); both enter
   through `blocked_attention(..., forward=pallas_forward, backward=pallas_backward)`.
-* Everything else (IDW scores, per-edge tables, masks given as arrays, multi-device runs)
-  keeps the blocked kernel, which runs on every platform.
+* Everything else (IDW scores, per-edge tables, masks given as arrays) keeps the blocked
+  kernel, which runs on every platform.
+
+These are entries of the kernel table (`structinfer.lowering.kernels.KERNELS`), which
+holds the order above (`auto_kernel`) and what runs when cuDNN refuses when traced. On a
+mesh (``mesh=``) every shard runs them too: head sharding the chosen kernel on each
+device's heads, ring attention the Pallas passes on each chunk pair, given the chunk's
+traced global offsets (``starts=``).
 
 Every kernel answers in the value's dtype (bfloat16 in, bfloat16 out). Float32 inputs
 through the Pallas kernel follow JAX's matmul precision: ``precision=None`` is JAX's
@@ -53,7 +59,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._spec import Problem, Terms, accum_dtype, band_ok, relpos_index, relpos_weights, sum_to
+from . import _softmax as online
+from ._spec import (
+    Problem,
+    Terms,
+    accum_dtype,
+    band_ok,
+    geometric_log_prior,
+    relpos_index,
+    relpos_weights,
+    sum_to,
+)
 
 __all__ = [
     "GPU_KERNELS",
@@ -61,14 +77,13 @@ __all__ = [
     "platform",
     "cudnn_unsupported",
     "pallas_unsupported",
-    "gpu_kernel",
     "pallas_measured_faster",
     "cudnn_attention",
     "pallas_forward",
     "pallas_backward",
 ]
 
-#: the fused kernels tried on a GPU, in order
+#: the fused kernels ``backend="auto"`` tries on a GPU, in order (names in the kernel table)
 GPU_KERNELS = ("cudnn", "pallas")
 
 #: largest additive-bias table (entries, all heads) handed to cuDNN
@@ -159,26 +174,6 @@ def pallas_measured_faster(terms: Terms) -> str | None:
     return None
 
 
-def gpu_kernel(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
-               ) -> tuple[str | None, tuple[str, ...]]:
-    """The fused kernel for this edge on a GPU (`"cudnn"`, `"pallas"` or `None`) and
-    notes saying why the ones before it were not taken: cuDNN where it can run the edge,
-    unless the Pallas kernel measured faster there (`pallas_measured_faster`)."""
-    notes = []
-    why = cudnn_unsupported(terms, prob, batch_shape)
-    if why is None:
-        why = pallas_measured_faster(terms)
-        if why is None:
-            return "cudnn", ()
-        return "pallas", (f"not cuDNN: {why}",)
-    notes.append(f"not cuDNN: {why}")
-    why = pallas_unsupported(terms, prob, batch_shape)
-    if why is None:
-        return "pallas", tuple(notes)
-    notes.append(f"not Pallas: {why}")
-    return None, tuple(notes)
-
-
 # --- cuDNN ----------------------------------------------------------------------------
 
 
@@ -193,7 +188,7 @@ def _bias_table(terms: Terms, prob: Problem, dtype) -> jax.Array:
         b = b + relpos_weights(terms.relpos, prob.glob["relpos"], d)
     if terms.geometric:
         g = prob.row["geo"].astype(jnp.float32)
-        b = b + g[..., 0:1] + (d - terms.geo_d0).astype(jnp.float32) * g[..., 1:2]
+        b = b + geometric_log_prior(g[..., 0:1], g[..., 1:2], d - terms.geo_d0)
     return b.astype(dtype)
 
 
@@ -258,36 +253,47 @@ def _block_span(first, last, b: int, nb: int):
     return lo, jnp.maximum(hi, lo)
 
 
-def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int):
+def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int, off):
     r"""Parent blocks child block `a` (traced) can see: the parents $j$ with
-    $d_{\min} \le i + \text{offset} - j \le d_{\max}$ for an $i$ of it."""
+    $d_{\min} \le i + \text{off} - j \le d_{\max}$ for an $i$ of it (``off``: the
+    offset, traced when the arrays are a shard of a longer sequence)."""
     i_lo, t = a * bq, terms
-    return _block_span(None if t.dmax is None else i_lo + t.offset - t.dmax,
-                       None if t.dmin is None else i_lo + bq - 1 + t.offset - t.dmin, bk, nkb)
+    return _block_span(None if t.dmax is None else i_lo + off - t.dmax,
+                       None if t.dmin is None else i_lo + bq - 1 + off - t.dmin, bk, nkb)
 
 
-def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int):
+def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
     r"""Child blocks that can see parent block `t` (traced): the children $i$ with
-    $d_{\min} \le i + \text{offset} - j \le d_{\max}$ for a $j$ of it."""
+    $d_{\min} \le i + \text{off} - j \le d_{\max}$ for a $j$ of it."""
     j_lo, tm = t * bk, terms
-    return _block_span(None if tm.dmin is None else j_lo + tm.dmin - tm.offset,
-                       None if tm.dmax is None else j_lo + bk - 1 + tm.dmax - tm.offset, bq, nqb)
+    return _block_span(None if tm.dmin is None else j_lo + tm.dmin - off,
+                       None if tm.dmax is None else j_lo + bk - 1 + tm.dmax - off, bq, nqb)
 
 
-def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision):
+def _offset(terms: Terms, named: dict):
+    r"""The offset of the distances $d_{ij} = i + \text{offset} - j$ a kernel computes
+    with: ``terms.offset`` (static), plus the traced shift $i_0 - j_0$ between the global
+    starts of the children and parents when the kernel runs on a shard (operand
+    ``"shift"``, `pallas_forward`'s ``starts``)."""
+    if "shift" not in named:
+        return terms.offset
+    return terms.offset + named["shift"][0]
+
+
+def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision, off):
     r"""Logits of one (child block, parent block) tile, the allowed-edge mask and the
     distance grid: $q k^\top$ plus the per-parent bias, the relative-position bias and the
     geometric log-prior, computed from the index grids (shared by every Pallas pass)."""
     i_idx = i0 + jnp.arange(q.shape[0], dtype=jnp.int32)  # int32 under x64 too
     j_idx = j0 + jnp.arange(k.shape[0], dtype=jnp.int32)
     s = _dot(q, k, precision, acc_dtype, trans_b=True)
-    d = i_idx[:, None] + terms.offset - j_idx[None, :]
+    d = i_idx[:, None] + off - j_idx[None, :]
     if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
         s = s + named["bias"][_pl_ds(j0, k.shape[0])][None, :].astype(acc_dtype)
     if terms.relpos is not None:
         s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
     if terms.geometric:
-        s = s + g0[:, None] + (d - terms.geo_d0).astype(acc_dtype) * g1[:, None]
+        s = s + geometric_log_prior(g0[:, None], g1[:, None], d - terms.geo_d0)
     ok = (j_idx < terms.num_parents)[None, :]
     band = band_ok(terms, d)
     if band is not None:
@@ -315,29 +321,22 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
     if terms.geometric:
         g0 = named["geo0"][...].astype(acc_dtype)
         g1 = named["geo1"][...].astype(acc_dtype)
-    lo, hi = _live_range(terms, a, bq, bk, nkb)
+    off = _offset(terms, named)
+    lo, hi = _live_range(terms, a, bq, bk, nkb, off)
 
-    def body(t, carry):
-        m_i, l_i, acc = carry
+    def matmul(p, v):
+        return _dot(p, v, precision, acc_dtype)
+
+    def body(t, state):
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
-        s, _, _ = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[:, None])
-        corr = jnp.exp(m_i - m_safe)
-        v = named["v"][_pl_ds(j0, bk), :]
-        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, precision, acc_dtype)
-        return m_new, l_i * corr + jnp.sum(p, axis=-1), acc
+        s, _, _ = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision, off)
+        return online.step(state, s, named["v"][_pl_ds(j0, bk), :], matmul)
 
-    dvp = o_ref.shape[-1]
-    init = (jnp.full((bq,), -jnp.inf, acc_dtype), jnp.zeros((bq,), acc_dtype),
-            jnp.zeros((bq, dvp), acc_dtype))
-    m_i, l_i, acc = lax.fori_loop(lo, hi, body, init)
-    pos = l_i > 0
-    l_safe = jnp.where(pos, l_i, 1.0)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(pos, m_i + jnp.log(l_safe), -jnp.inf)
+    state = lax.fori_loop(lo, hi, body, online.start((bq,), o_ref.shape[-1], acc_dtype))
+    y, lse = online.finish(state)
+    o_ref[...] = y.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def _dot(a, b, precision, acc_dtype, trans_a: bool = False, trans_b: bool = False):
@@ -372,10 +371,12 @@ class _Layout:
         return jnp.pad(x, [(0, 0)] + [(0, s - x.shape[i + 1]) for i, s in enumerate(sizes)],
                        constant_values=value)
 
-    def operands(self, terms: Terms, prob: Problem, whole_rows: bool):
+    def operands(self, terms: Terms, prob: Problem, whole_rows: bool, shift=None):
         """The kernels' inputs and block specs: q / k / v and the prior's terms. With
         ``whole_rows`` the per-child arrays are passed whole (a pass over parent blocks
-        that loops over child blocks), else one child block per program."""
+        that loops over child blocks), else one child block per program. ``shift``
+        (traced, optional): the global start of the children minus that of the parents,
+        passed as the operand ``"shift"`` (see `_offset`)."""
         from jax.experimental import pallas as pl
 
         bq, n_pad, m_pad, fp, dvp = self.bq, self.n_pad, self.m_pad, self.fp, self.dvp
@@ -407,6 +408,9 @@ class _Layout:
             rb = self.flat(prob.glob["relpos"], 1)
             arrays["relpos"] = rb
             specs["relpos"] = pl.BlockSpec((None, rb.shape[-1]), lambda i, b: (b, 0))
+        if shift is not None:
+            arrays["shift"] = jnp.reshape(shift, (1,))
+            specs["shift"] = pl.BlockSpec((1,), lambda i, b: (0,))
         return arrays, specs
 
 
@@ -425,6 +429,14 @@ def _compiler_params(fp: int, num_warps: int | None, num_stages: int):
                                 num_stages=num_stages)
 
 
+def _shift(starts) -> jax.Array | None:
+    """``i_start - j_start`` as an int32 scalar (``None`` without ``starts``)."""
+    if starts is None:
+        return None
+    i_start, j_start = (jnp.asarray(x, jnp.int32) for x in starts)
+    return i_start - j_start
+
+
 def _interpret(interpret: bool | None) -> bool:
     # the real backend, not platform(): tests fake that one
     return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
@@ -433,8 +445,8 @@ def _interpret(interpret: bool | None) -> bool:
 def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    block_q: int | None = None, block_k: int = 64,
                    interpret: bool | None = None, precision: lax.PrecisionLike = None,
-                   num_warps: int | None = None, num_stages: int | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   starts: tuple | None = None) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -460,10 +472,17 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         num_warps: Triton warps per program (default: 4 for head dims up to 64, else 8).
         num_stages: Triton software-pipelining stages of the parent-block loop (default
             3, or 2 for rows of more than 256 bytes).
+        starts: optional ``(i_start, j_start)`` (int scalars, may be traced): the global
+            indices of the first child and parent of these arrays, when they are a shard
+            of a longer sequence (ring attention's steps): distances are
+            $d_{ij} = (i_{\text{start}} + i) + \text{offset} - (j_{\text{start}} + j)$,
+            and the parent blocks outside the distance band are still skipped (the live
+            range is computed from the traced offset in each program).
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
-        (float64 for float64 inputs).
+        (float64 for float64 inputs). A row with no allowed parent has $y = 0$ and
+        $L = -\infty$.
 
     Raises:
         ValueError: `pallas_unsupported` names a reason the kernel cannot run the edge.
@@ -479,7 +498,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     block_q = block_q or (64 if wide else 128)
     num_stages = num_stages or (2 if wide else 3)
     lay = _Layout(terms, prob, batch_shape, block_q, block_k)
-    arrays, specs = lay.operands(terms, prob, whole_rows=False)
+    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=_shift(starts))
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
                                keys=keys, acc_dtype=lay.acc, precision=precision)
@@ -525,10 +544,10 @@ def _child_rows(terms: Terms, named: dict, idx, acc_dtype):
 
 
 def _ds_tile(terms: Terms, named: dict, q, k, v, do, lse, delta, i0, j0, g0, g1, acc_dtype,
-             precision):
+             precision, off):
     r"""One tile of the backward: $p_{ij}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top
     V_j - \delta_i)$, the allowed-edge mask and the distance grid."""
-    s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision)
+    s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off)
     p = _probs(s, lse, acc_dtype)
     dp = _dot(do, v, precision, acc_dtype, trans_b=True)
     return p, p * (dp - delta[:, None]), ok, d
@@ -546,14 +565,15 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
     t = pl.program_id(0)
     k = named["k"][_pl_ds(t * bk, bk), :]
     v = named["v"][_pl_ds(t * bk, bk), :]
-    lo, hi = _live_children(terms, t, bq, bk, nqb)
+    off = _offset(terms, named)
+    lo, hi = _live_children(terms, t, bq, bk, nqb, off)
 
     def body(a, carry):
         dk, dv, db = carry
         i0 = a * bq
         q, do, lse, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, bq), acc_dtype)
         p, ds, _, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, t * bk, g0, g1,
-                               acc_dtype, precision)
+                               acc_dtype, precision, off)
         dv = dv + _dot(p.astype(do.dtype), do, precision, acc_dtype, trans_a=True)
         dk = dk + _dot(ds.astype(q.dtype), q, precision, acc_dtype, trans_a=True)
         if col_grad:
@@ -579,7 +599,8 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
     outs = refs[len(keys):]
     a = pl.program_id(0)
     q, do, lse, delta, g0, g1 = _child_rows(terms, named, ..., acc_dtype)
-    lo, hi = _live_range(terms, a, bq, bk, nkb)
+    off = _offset(terms, named)
+    lo, hi = _live_range(terms, a, bq, bk, nkb, off)
 
     def body(t, carry):
         dq, dg0, dg1 = carry
@@ -587,7 +608,7 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
         k = named["k"][_pl_ds(j0, bk), :]
         v = named["v"][_pl_ds(j0, bk), :]
         _, ds, _, d = _ds_tile(terms, named, q, k, v, do, lse, delta, a * bq, j0, g0, g1,
-                               acc_dtype, precision)
+                               acc_dtype, precision, off)
         dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
         if terms.geometric:
             dg0 = dg0 + jnp.sum(ds, axis=-1)
@@ -630,6 +651,7 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
     named = dict(zip(keys, refs[: len(keys)]))
     table = refs[-1]
     diag = jnp.int32(first) + pl.program_id(0)  # int32 under x64 too
+    off = _offset(terms, named)
     lo = jnp.maximum(jnp.int32(0), -diag)
     hi = jnp.maximum(jnp.minimum(jnp.int32(nqb), jnp.int32(nkb) - diag), lo)
 
@@ -639,12 +661,12 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
         k = named["k"][_pl_ds(j0, b), :]
         v = named["v"][_pl_ds(j0, b), :]
         _, ds, ok, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, j0, g0, g1,
-                                acc_dtype, precision)
+                                acc_dtype, precision, off)
         return acc + jnp.where(ok, ds, 0.0)
 
     acc = lax.fori_loop(lo, hi, body, jnp.zeros((b, b), acc_dtype))
     r = jnp.arange(b, dtype=jnp.int32)
-    d = terms.offset - diag * b + r[:, None] - r[None, :]
+    d = off - diag * b + r[:, None] - r[None, :]
     idx = relpos_index(terms.relpos, d)
     if interpret:  # the interpreter's atomics drop repeated indices: a scatter-add
         table[...] = table[...] + jnp.zeros(table.shape, acc_dtype).at[idx].add(acc)
@@ -657,8 +679,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                     block_q: int | None = None, block_k: int | None = None,
                     interpret: bool | None = None,
                     precision: lax.PrecisionLike = None, num_warps: int | None = 4,
-                    num_stages: int = 2, need_glob: frozenset[str] | None = None
-                    ) -> tuple[dict, dict, dict, dict, jax.Array]:
+                    num_stages: int = 2, need_glob: frozenset[str] | None = None,
+                    starts: tuple | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
 
     FlashAttention-2's schedule on the forward's $y$ and $L$ alone: with
@@ -696,6 +718,10 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         num_stages: Triton software-pipelining stages of both passes.
         need_glob: the ``glob`` arrays whose gradients are wanted (default: all); the
             relative-position table's pass runs only when it is among them.
+        starts: optional ``(i_start, j_start)`` global indices of the first child and
+            parent (may be traced), as for `pallas_forward`; with them the table's pass
+            visits every block diagonal (which ones hold an allowed distance is known
+            only when the offset is).
 
     Returns:
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
@@ -716,6 +742,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     delta = jnp.sum(d_out.astype(acc) * jnp.where(finite[..., None], out.astype(acc), 0.0),
                     -1) - d_lse.astype(acc)
     v_dt = prob.v.dtype
+    shift = _shift(starts)
 
     def shared(lay):  # the cotangent's rows, padded to a launch's blocks
         return {"do": lay.pad(lay.flat(d_out.astype(v_dt), 2), lay.n_pad, lay.dvp),
@@ -723,7 +750,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                 "delta": lay.pad(lay.flat(delta, 1), lay.n_pad)}
 
     def whole_rows(lay):  # operands of a pass that loops over child blocks
-        arrays, specs = lay.operands(terms, prob, whole_rows=True)
+        arrays, specs = lay.operands(terms, prob, whole_rows=True, shift=shift)
         arrays.update(shared(lay))
         specs["do"] = pl.BlockSpec((None, lay.n_pad, lay.dvp), lambda i, b: (b, 0, 0))
         specs["lse"] = specs["delta"] = pl.BlockSpec((None, lay.n_pad), lambda i, b: (b, 0))
@@ -753,7 +780,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     dk, dv = res1[0], res1[1]
 
     # pass 2: child blocks (dQ, geometric prior)
-    arrays, specs = lay.operands(terms, prob, whole_rows=False)
+    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift)
     arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
     specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
@@ -798,7 +825,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     if terms.relpos is not None and (need_glob is None or "relpos" in need_glob):
         rel = prob.glob["relpos"]
         rlay = _Layout(terms, prob, batch_shape, min(bq, bk), min(bq, bk))
-        first, last = _diagonals(terms, rlay.bq, rlay.nqb, rlay.nkb)
+        first, last = ((-(rlay.nqb - 1), rlay.nkb - 1) if shift is not None
+                       else _diagonals(terms, rlay.bq, rlay.nqb, rlay.nkb))
         drel = jnp.zeros((B, rel.shape[-1]), acc)
         if last >= first:
             arrays, specs = whole_rows(rlay)

@@ -28,20 +28,14 @@ import numpy as np
 
 from .._checks import is_concrete
 from ..exact import expectation, inspect_model
-from . import accel
 from ._recognise import Fallback, Plan, recognise
-from .blocked import band_blocks, blocked_attention
-from .dense import dense_attention
+from .kernels import KERNELS, KernelConfig, auto_kernel
 from .markov import markov_scan
-from .windowed import windowed_kernel
 
 __all__ = ["attention", "explain", "check_rows", "Explanation", "NotLowerableError", "BACKENDS"]
 
-#: accepted values of ``backend``
-BACKENDS = ("auto", "exact", "dense", "blocked", "windowed", "cudnn", "pallas")
-
-#: ``auto`` uses the dense kernel below this many logits per batch element
-DENSE_MAX = 128 * 128
+#: accepted values of ``backend``: ``"auto"``, ``"exact"`` and the kernel table's names
+BACKENDS = ("auto", "exact", *KERNELS)
 
 
 class NotLowerableError(ValueError):
@@ -93,36 +87,13 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _choose(low, backend: str) -> tuple[str, tuple[str, ...]]:
-    """The kernel for one lowered edge and notes on the choice (for ``explain``)."""
-    terms = low.terms
-    if backend in ("dense", "blocked"):
-        return backend, ()
-    if backend in accel.GPU_KERNELS:
-        check = accel.cudnn_unsupported if backend == "cudnn" else accel.pallas_unsupported
-        why = check(terms, low.problem, low.batch_shape)
-        if why:
-            raise NotLowerableError(f"backend '{backend}' cannot run this edge: {why}")
-        return backend, ()
-    if backend == "windowed":
-        return "windowed", ()
-    large = terms.num_children * terms.num_parents > DENSE_MAX
-    notes: tuple[str, ...] = ()
-    if large and accel.platform() == "gpu":
-        kind, notes = accel.gpu_kernel(terms, low.problem, low.batch_shape)
-        if kind is not None:
-            return kind, notes
-    band = terms.dmin is not None and terms.dmax is not None
-    if terms.geometric and band and 2 * (terms.dmax - terms.dmin + 1) <= terms.num_parents:
-        return "windowed", notes
-    return ("blocked" if large else "dense"), notes
-
-
 #: the kernel of a chain of Markov edges (`structinfer.lowering.markov`)
 MARKOV_KERNEL = "markov_scan"
 
 
 def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The kernel of every edge site and notes on the choice (for ``explain``): the
+    ``auto`` rule's, or the forced ``backend`` when its table entry can run the edge."""
     if plan.markov is not None:
         if backend != "auto":
             raise NotLowerableError(
@@ -132,72 +103,63 @@ def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]
         return {plan.markov.name: (MARKOV_KERNEL, plan.markov.notes)}
     out = {}
     for ep in plan.edges:
-        k, notes = _choose(ep.lowered, backend)
-        t = ep.lowered.terms
-        if k == "windowed" and (t.dmin is None or t.dmax is None):
+        if backend == "auto":
+            out[ep.name] = auto_kernel(ep.lowered)
+            continue
+        why = KERNELS[backend].unsupported(ep.lowered)
+        if why:
             raise NotLowerableError(
-                f"backend 'windowed': edge site '{ep.name}' has no finite distance band "
-                "(use a Geometric prior with max_distance or a Restricted.window prior)"
-            )
-        out[ep.name] = (k, notes)
+                f"backend '{backend}' cannot run edge site '{ep.name}': {why}")
+        out[ep.name] = (backend, ())
     return out
 
 
-def _blocked(low, prob, batch, block_q: int, block_k: int, forward=None, backward=None,
-             precision=None):
-    bq, bk = band_blocks(low.terms, block_q, block_k)
-    return blocked_attention(low.terms, prob, batch, block_q=bq, block_k=bk, mask=low.mask,
-                             forward=forward, backward=backward, nan_rows=True,
-                             precision=precision)
+def _run_edge(name: str, site: str, low, prob, batch, config: KernelConfig,
+              runner: Callable | None, forced: bool):
+    """Run one edge on kernel ``name`` (through ``runner`` when given), or, when the
+    kernel refuses at trace time, on the first of its entry's fallbacks that can run the
+    edge. Returns ``(y, L, kernel that ran, notes)`` (notes: why it is not ``name``)."""
+    notes: tuple[str, ...] = ()
+    while True:
+        k = KERNELS[name]
+        try:
+            y, lse = (runner(name, low, prob, batch) if runner is not None
+                      else k.run(low, prob, batch, config))
+            return y, lse, name, notes
+        except k.refusals as err:
+            if forced:
+                raise NotLowerableError(f"backend '{name}': edge site '{site}': {k.label} "
+                                        f"refused: {err}") from err
+            nxt = next((f for f in k.fallback if KERNELS[f].unsupported(low) is None), None)
+            if nxt is None:
+                raise
+            first = str(err).splitlines()[0] if str(err) else ""
+            notes = (f"{k.label} refused at trace time ({type(err).__name__}: {first})",)
+            name = nxt
 
 
-def _pallas(low, prob, batch, block_q: int, block_k: int, precision=None):
-    # the Pallas kernels replace both passes of the blocked kernel
-    return _blocked(low, prob, batch, block_q, block_k, forward=accel.pallas_forward,
-                    backward=accel.pallas_backward, precision=precision)
-
-
-def _cudnn(low, prob, batch, block_q: int, block_k: int, forced: bool, site: str, used: dict,
-           precision=None):
-    """cuDNN, or (when JAX's cuDNN wrapper refuses at trace time) the next kernel."""
-    try:
-        return accel.cudnn_attention(low.terms, prob, batch)
-    except (NotImplementedError, ValueError, RuntimeError, TypeError) as err:
-        if forced:
-            raise NotLowerableError(f"backend 'cudnn': edge site '{site}': cuDNN refused: "
-                                    f"{err}") from err
-        nxt = ("pallas" if accel.pallas_unsupported(low.terms, prob, batch) is None
-               else "blocked")
-        used[site] = (nxt, (f"cuDNN refused at trace time ({type(err).__name__}: "
-                            f"{str(err).splitlines()[0] if str(err) else ''})",))
-        if nxt == "pallas":
-            return _pallas(low, prob, batch, block_q, block_k, precision)
-        return _blocked(low, prob, batch, block_q, block_k, precision=precision)
-
-
-def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
+def _execute(plan: Plan, kernels: dict, config: KernelConfig,
              runner: Callable | None = None, forced: bool = False,
-             used: dict | None = None, precision=None
-             ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Run the plan's kernels; returns the output and each edge's row log-normaliser.
+             ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, tuple[str, tuple[str, ...]]]]:
+    """Run the plan's kernels; returns the output, each edge's row log-normaliser and the
+    kernel that ran each edge with notes, where it differs from the chosen one (the
+    chosen kernel refused when traced and its table entry's fallback ran).
 
     The output is in the value's dtype (the common dtype of the edges' value tables);
     each kernel multiplies in its operands' dtype and accumulates in float32 (float64).
 
     A row whose log-normaliser is not finite (no allowed parent, a NaN/inf score) is
     NaN in the output, as in the exact engine under ``jit``: never a finite number.
-    ``used`` (optional) receives, per edge, the kernel that ran when it differs from the
-    chosen one (cuDNN refused at trace time) and why.
     """
     if plan.markov is not None:
-        return _execute_markov(plan, precision)
-    used = {} if used is None else used
+        return (*_execute_markov(plan, config.precision), {})
     children: dict[str, list[str]] = {ep.name: [] for ep in plan.edges}
     for ep in plan.edges:
         if ep.parent is not None:
             children[ep.parent].append(ep.name)
     Y: dict[str, jax.Array] = {}
     lses: dict[str, jax.Array] = {}
+    ran: dict[str, tuple[str, tuple[str, ...]]] = {}
     for ep in reversed(plan.edges):
         v = ep.table
         for c in children[ep.name]:
@@ -207,22 +169,12 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
         prob = low.problem._replace(v=v.astype(dtype))
         batch = tuple(jnp.broadcast_shapes(low.batch_shape, v.shape[:-2]))
         kind = kernels[ep.name][0]
-        if runner is not None:
-            y, lse = runner(kind, low, prob, batch)
-        elif kind == "dense":
-            y, lse = dense_attention(low.terms, prob, batch, precision)
-        elif kind == "blocked":
-            y, lse = _blocked(low, prob, batch, block_q, block_k, precision=precision)
-        elif kind == "cudnn":
-            y, lse = _cudnn(low, prob, batch, block_q, block_k, forced, ep.name, used,
-                            precision)
-        elif kind == "pallas":
-            y, lse = _pallas(low, prob, batch, block_q, block_k, precision)
-        else:
-            y, lse = windowed_kernel(low.terms, prob, batch, block_q=block_q,
-                                     precision=precision)
-        if runner is not None or kind not in ("blocked", "pallas"):  # the blocked kernel
-            y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)  # writes these NaN itself
+        y, lse, used, notes = _run_edge(kind, ep.name, low, prob, batch, config, runner,
+                                        forced)
+        if used != kind:
+            ran[ep.name] = (used, notes)
+        if runner is not None or not KERNELS[used].nan_rows:  # else the kernel wrote them
+            y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
         Y[ep.name] = y
         lses[ep.name] = lse
     out = None
@@ -235,7 +187,7 @@ def _execute(plan: Plan, kernels: dict, block_q: int, block_k: int,
     out = jnp.broadcast_to(out, lead + out.shape[-1:]).reshape(shape)
     # in the model's order of the edge sites (the eager error names the first bad one)
     dtype = jnp.result_type(*(ep.table.dtype for ep in plan.edges))
-    return out.astype(dtype), {ep.name: lses[ep.name] for ep in plan.edges}
+    return out.astype(dtype), {ep.name: lses[ep.name] for ep in plan.edges}, ran
 
 
 def _execute_markov(plan: Plan, precision=None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -394,7 +346,8 @@ def attention(
             memory-light custom VJP), ``"windowed"`` (distance band; geometric / window
             priors), ``"cudnn"`` (cuDNN fused attention on a GPU) or ``"pallas"`` (the
             Pallas flash kernel; interpreted off a GPU) — see
-            [`structinfer.lowering.accel`][structinfer.lowering.accel]. On a GPU,
+            [`structinfer.lowering.accel`][structinfer.lowering.accel]; the kernels are
+            the entries of [`KERNELS`][structinfer.lowering.KERNELS]. On a GPU,
             ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A chain of
             [`Markov`][structinfer.priors.Markov] edges runs (``"auto"`` only) as a
             forward-backward scan, kernel ``"markov_scan"``
@@ -404,15 +357,21 @@ def attention(
             model has no lowering or the kernel cannot run it.
         block_q: children per block of the blocked (and windowed) kernels.
         block_k: parents per block of the blocked kernel.
-        mesh: a ``jax.sharding.Mesh`` to run every lowered edge on several devices with
-            the blocked kernel (``None``: one device); see ``shard``.
+        mesh: a ``jax.sharding.Mesh`` to run every lowered edge on several devices
+            (``None``: one device); see ``shard``. Each shard runs the kernel the
+            single-device path would (``backend``, or the ``"auto"`` rule: on a GPU the
+            fused kernels).
         shard: with ``mesh``, ``"heads"`` splits the leading plate (heads / batch) over
-            the devices, ``"sequence"`` runs ring attention over children and parents
+            the devices, each running the chosen kernel on its slice; ``"sequence"``
+            runs ring attention over children and parents, each step a flash forward of
+            one chunk pair (the Pallas kernel where cuDNN or Pallas was chosen, else the
+            blocked kernel) merged by its log-normaliser
             (`structinfer.lowering.sharded`).
         axis_name: the mesh axis to shard over (``None``: the mesh's only axis).
         runner: advanced — ``runner(kind, lowered, problem, batch_shape) -> (y, lse)``
-            (output and row log-normaliser) replaces the kernel call (``mesh`` builds
-            one, from `structinfer.lowering.sharded`).
+            (output and row log-normaliser) replaces the kernel call; ``kind`` is the
+            chosen kernel's name, a key of [`KERNELS`][structinfer.lowering.KERNELS]
+            (``mesh`` builds one, from `structinfer.lowering.sharded`).
         precision: the precision of the kernels' matmuls, as JAX's matmuls take it
             (``jax.lax.dot_general``): ``None`` (JAX's default, which follows
             ``jax.default_matmul_precision`` — on a GPU, float32 matmuls may then run in
@@ -462,6 +421,7 @@ def attention(
         runner = make(mesh, axis_name, block_q=block_q, block_k=block_k, precision=precision)
     if not isinstance(value, str):
         raise TypeError(f"attention: value must be a site name (str), got {value!r}")
+    config = KernelConfig(block_q, block_k, precision)
 
     def exact(args, kwargs):
         with _matmul_precision(precision):
@@ -475,8 +435,9 @@ def attention(
             if backend == "auto":
                 return exact(args, kwargs)
             raise NotLowerableError(f"backend '{backend}' cannot lower the model: {plan.fallback}")
-        return _execute(plan, _kernels(plan, backend), block_q, block_k, runner,
-                        forced=backend in accel.GPU_KERNELS, precision=precision)
+        out, lses, _ = _execute(plan, _kernels(plan, backend), config, runner,
+                                forced=backend != "auto")
+        return out, lses
 
     cache: dict = {}
 
@@ -561,7 +522,7 @@ def explain(
     dyn, key = _split(args, kwargs)
     holder: dict[str, Any] = {}
 
-    used: dict = {}
+    ran: dict = {}
 
     def f(dyn):
         a, kw = _join(dyn, key)
@@ -569,16 +530,18 @@ def explain(
         holder["plan"] = plan
         if plan.ok:
             kernels = holder["kernels"] = _kernels(plan, backend)
-            if any(k == "cudnn" for k, _ in kernels.values()):
-                # trace the kernels too: JAX's cuDNN wrapper may refuse at trace time
-                _execute(plan, kernels, 256, 256, forced=backend == "cudnn", used=used)
+            if any(k in KERNELS and KERNELS[k].refusals for k, _ in kernels.values()):
+                # trace the kernels too: one may refuse when traced (JAX's cuDNN wrapper),
+                # and its table entry's fallback runs instead
+                ran.update(_execute(plan, kernels, KernelConfig(),
+                                    forced=backend != "auto")[2])
         return 0
 
     jax.eval_shape(f, dyn)
     plan: Plan = holder["plan"]
     if not plan.ok:
         return Explanation("exact", backend, fallback=plan.fallback)
-    kernels = {**holder["kernels"], **used}
+    kernels = {**holder["kernels"], **ran}
     if plan.markov is not None:
         return Explanation("lowered", backend, kernels={n: k for n, (k, _) in kernels.items()},
                            follows={n: None for n in kernels},

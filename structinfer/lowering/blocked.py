@@ -10,7 +10,8 @@ $$
 
 computed over blocks of ``bq`` children and ``bk`` parents with the running
 maximum / running sum recursion of the online softmax (Milakov & Gimelshein
-2018; the "flash attention" schedule). Per block the logits are recomputed from
+2018; the "flash attention" schedule; the step itself is `_softmax.step`, shared with
+the Pallas kernel and ring attention's merge). Per block the logits are recomputed from
 their factors and index grids, so memory is $O(n\,d + b_q b_k)$.
 Blocks that the structure forbids entirely (causal triangle, sliding window,
 geometric truncation, block-sparse masks known at trace time) are *skipped*:
@@ -47,6 +48,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from . import _softmax as online
 from ._spec import Problem, Terms, accum_dtype, block_logits, sum_to
 
 __all__ = ["Schedule", "make_schedule", "blocked_attention", "band_blocks"]
@@ -398,19 +400,14 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
     tables = _group_tables(sched, sched.fwd, False)
     free = _unbanded(terms)
 
+    def matmul(pr, v_c):
+        return jnp.einsum("...ij,...jd->...id", pr, v_c, preferred_element_type=dtype,
+                          precision=precision)
+
     def update(carry, s, ok, v_c):
         """One online-softmax step of the rows in ``carry`` over logits ``s``."""
-        m_i, l_i, acc = carry
         s = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
-        m_new = jnp.maximum(m_i, jnp.max(s, -1))
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new).astype(dtype)
-        pr = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(m_i - m_safe)
-        l_new = l_i * corr + jnp.sum(pr, -1)
-        acc = acc * corr[..., None] + jnp.einsum(
-            "...ij,...jd->...id", pr.astype(v_c.dtype), v_c, preferred_element_type=dtype,
-            precision=precision)
-        return m_new, l_new, acc
+        return tuple(online.step(online.Running(*carry), s, v_c, matmul))
 
     def q_block(a):
         i0 = a * bq
@@ -446,15 +443,8 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
 
             return body
 
-        init = (
-            jnp.full(batch + (bq,), -jnp.inf, dtype),
-            jnp.zeros(batch + (bq,), dtype),
-            jnp.zeros(batch + (bq, dv), dtype),
-        )
-        m_i, l_i, acc = _loops(tables, a, body_of, init)
-        pos = l_i > 0
-        out = acc / jnp.where(pos, l_i, 1.0)[..., None]
-        lse = jnp.where(pos, m_i + jnp.log(jnp.where(pos, l_i, 1.0)), -jnp.inf)
+        init = tuple(online.start(batch + (bq,), dv, dtype))
+        out, lse = online.finish(online.Running(*_loops(tables, a, body_of, init)))
         if nan_rows:  # the engine's convention, in the same pass as the division
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
         return out.astype(out_dtype), lse
@@ -633,11 +623,19 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     return d_row, d_col, d_pair, d_glob, unblock(d_v).astype(prob.v.dtype)
 
 
+def _hook_kwargs(precision, has_starts: bool, starts) -> dict:
+    """The keyword arguments of a replacement pass: ``precision`` and ``starts`` when
+    given (a replacement that takes neither is called without them)."""
+    kw = {} if precision is None else {"precision": precision}
+    if has_starts:
+        kw["starts"] = starts
+    return kw
+
+
 def _run_forward(static, prob: Problem, starts):
-    terms, sched, batch, forward, _, nan_rows, precision, out_dtype = static.value
+    terms, sched, batch, forward, _, nan_rows, precision, out_dtype, has_starts = static.value
     if forward is not None:
-        out, lse = (forward(terms, prob, batch) if precision is None
-                    else forward(terms, prob, batch, precision=precision))
+        out, lse = forward(terms, prob, batch, **_hook_kwargs(precision, has_starts, starts))
         if nan_rows:
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
         return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
@@ -672,13 +670,13 @@ def _float0(tree):
 
 def _attend_bwd(res, cts):
     static, need, prob, starts, out, lse = res
-    terms, sched, batch, _, backward, _, precision, _ = static.value
+    terms, sched, batch, _, backward, _, precision, _, has_starts = static.value
     d_out, d_lse = (jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c
                     for c in cts)
     if backward is not None:
-        kw = {} if precision is None else {"precision": precision}
-        d_row, d_col, d_pair, d_glob, d_v = backward(terms, prob, batch, out, lse, d_out,
-                                                     d_lse, need_glob=need.value, **kw)
+        d_row, d_col, d_pair, d_glob, d_v = backward(
+            terms, prob, batch, out, lse, d_out, d_lse, need_glob=need.value,
+            **_hook_kwargs(precision, has_starts, starts))
     else:
         d_row, d_col, d_pair, d_glob, d_v = _backward(
             terms, sched, batch, prob, starts, out, lse, d_out, d_lse, precision
@@ -728,17 +726,20 @@ def blocked_attention(
         schedule: a precomputed `Schedule` (overrides the three above).
         starts: optional traced ``(i_start, j_start)`` global indices of the first
             child / parent of these arrays (a shard of a longer sequence); distances
-            are computed from global indices. Use a dense schedule with them.
+            are computed from global indices. Use a dense schedule with them. Passed on
+            to ``forward`` and ``backward`` as ``starts=`` when given.
         forward: optional ``forward(terms, prob, batch_shape) -> (y, L)`` that replaces
             this kernel's forward pass (an accelerator's fused kernel, e.g.
             `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
-            too when one is given; the gradient is still this kernel's backward (which
-            needs only ``y`` and ``L``) unless ``backward`` is given too.
+            and ``starts=`` too when they are given; the gradient is still this kernel's
+            backward (which needs only ``y`` and ``L``) unless ``backward`` is given too.
         backward: optional ``backward(terms, prob, batch_shape, y, L, dy, dL, *,
             need_glob) -> (d_row, d_col, d_pair, d_glob, d_v)`` that replaces this
             kernel's backward pass (e.g. `structinfer.lowering.accel.pallas_backward`);
             ``need_glob`` names the ``glob`` arrays being differentiated (the others'
-            gradients may be zeros); called with ``precision=`` too when one is given.
+            gradients may be zeros); called with ``precision=`` and ``starts=`` too when
+            they are given. ``dL`` is the cotangent of the log-normaliser (nonzero when
+            partial results are merged by it, as ring attention does).
         nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
             logit) are NaN in ``y`` — the exact engine's answer under ``jit`` — instead of
             0 (what merging partial results, as ring attention does, needs). Written in
@@ -766,14 +767,13 @@ def blocked_attention(
     dtype = prob.v.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"blocked_attention: value table must be floating, got {dtype}")
-    if starts is None:
+    has_starts = starts is not None
+    if not has_starts:
         starts = (0, 0)
     else:  # distances come from shifted (traced) indices: mask every block
         schedule = schedule.without_full()
-        if forward is not None or backward is not None:
-            raise ValueError("blocked_attention: a replacement pass cannot take starts")
     static = _Static((terms, schedule, tuple(batch_shape), forward, backward, bool(nan_rows),
-                      precision,
-                      None if out_dtype is None else jnp.dtype(out_dtype)))
+                      precision, None if out_dtype is None else jnp.dtype(out_dtype),
+                      has_starts))
     starts = tuple(jnp.asarray(s, jnp.int32) for s in starts)
     return _attend(static, prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v, starts)

@@ -1,27 +1,32 @@
 r"""Multi-device attention with ``jax.shard_map``: head/batch sharding and ring attention.
 
 **Head / batch sharding.** The leading batch axis (heads or batch) is split over
-a mesh axis; each device runs the blocked kernel on its slice. Arrays that are
+a mesh axis; each device runs, on its slice, the kernel of the kernel table
+(`structinfer.lowering.kernels.KERNELS`) the single-device path chose: on a GPU cuDNN or
+the Pallas kernel, on a CPU the dense, blocked or windowed kernel. Arrays that are
 broadcast along that axis (a key shared by all heads) are replicated.
 
 **Sequence parallelism (ring attention).** Children and parents are split into
 $D$ contiguous chunks, one per device. Device $r$ keeps its
 children and, over $D$ steps, sees every parent chunk as the parent
-arrays travel round the ring (``lax.ppermute``). Each step runs the blocked
-kernel on the chunk pair with *global* indices (so relative-position,
-geometric and band priors are computed exactly) and the partial results are
-merged with the log-sum-exp rule
+arrays travel round the ring (``lax.ppermute``). Each step is a flash forward of
+the chunk pair with *global* indices (so relative-position, geometric and band priors
+are computed exactly): the Pallas kernel's passes where the chosen kernel is a fused one
+(cuDNN or Pallas: its entry's ``ring_step``), the blocked kernel otherwise. The partial
+results are merged with the log-sum-exp rule
 
 $$
 L = \log(e^{L_a} + e^{L_b}), \qquad
 y = e^{L_a - L} y_a + e^{L_b - L} y_b.
 $$
 
+(the online softmax's merge, `structinfer.lowering._softmax.merge`), so the gradient
+reaches each step through its log-normaliser $L$ as well as its output.
 Chunk pairs that a distance band forbids entirely are skipped (``lax.cond``).
 Memory per device is $O((n + m) d / D)$ plus the kernel's block. Both are
 differentiable (the ring by autodiff through ``ppermute``; each chunk by the
-kernel's custom VJP). Liu et al., "Ring attention with blockwise transformers"
-(2023).
+kernel's custom VJP, whose backward takes the cotangent of $L$). Liu et al., "Ring
+attention with blockwise transformers" (2023).
 """
 
 from __future__ import annotations
@@ -35,10 +40,14 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import _softmax as online
+from ._lower import Lowered
 from ._spec import Problem, Terms, accum_dtype
-from .blocked import band_blocks, blocked_attention, make_schedule
+from .blocked import blocked_attention, make_schedule
+from .kernels import KERNELS, KernelConfig
 
-__all__ = ["head_sharded_attention", "ring_attention", "head_sharded", "sequence_sharded"]
+__all__ = ["head_sharded_attention", "ring_attention", "head_sharded", "sequence_sharded",
+           "ring_step_kernel"]
 
 
 def _axis(mesh: Mesh, axis_name: str | None) -> str:
@@ -83,18 +92,31 @@ def head_sharded_attention(
     block_k: int = 256,
     mask=None,
     precision=None,
+    kernel: str = "blocked",
 ) -> tuple[jax.Array, jax.Array]:
-    r"""Blocked attention with the leading batch axis (heads / batch) split over devices.
+    r"""Attention with the leading batch axis (heads / batch) split over devices.
+
+    Each device runs the table's kernel ``kernel`` on its slice of the batch.
 
     Args:
         terms, prob, batch_shape: a lowered edge site (see `blocked_attention`).
         mesh: a ``jax.sharding.Mesh``; ``axis_name`` the axis to shard over (default: the
             only one). ``batch_shape[0]`` must be divisible by its size.
-        block_q, block_k, mask, precision: as `blocked_attention`'s.
+        block_q, block_k, mask, precision: as `blocked_attention`'s (the blocked kernel
+            narrows its blocks for a narrow distance band, `band_blocks`, as on one
+            device).
+        kernel: a key of `structinfer.lowering.kernels.KERNELS` (``"dense"``,
+            ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``).
 
     Returns:
-        ``(y, L)`` as `blocked_attention`, sharded along the leading axis.
+        ``(y, L)`` as the kernel's, sharded along the leading axis; rows whose ``L`` is
+        not finite are NaN in ``y`` (whatever the kernel).
+
+    Raises:
+        ValueError: ``kernel`` is not in the table or cannot run the edge, or the
+            leading batch dim is not divisible by the number of devices.
     """
+    entry = _entry(kernel, Lowered(terms, prob, batch_shape, mask))
     ax = _axis(mesh, axis_name)
     ndev = mesh.shape[ax]
     batch = tuple(batch_shape)
@@ -115,25 +137,37 @@ def head_sharded_attention(
         {k: spec(x, _core(g, k)) for k, x in groups[g].items()} for g in groups
     ) + (spec(prob.v, 2),)
 
+    config = KernelConfig(block_q, block_k, precision)
+
     def body(row, col, pair, glob, const, v):
-        return blocked_attention(terms, Problem(row, col, pair, glob, const, v), local,
-                                 block_q=block_q, block_k=block_k, mask=mask,
-                                 precision=precision)
+        p = Problem(row, col, pair, glob, const, v)
+        y, lse = entry.run(Lowered(terms, p, local, mask), p, local, config)
+        if not entry.nan_rows:
+            y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+        return y, lse
 
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)),
                       check_vma=False)
     return f(*_placed(mesh, in_specs, (*groups.values(), prob.v)))
 
 
-def _merge(ya, la, yb, lb):
-    mx = jnp.maximum(la, lb)
-    ms = jnp.where(jnp.isneginf(mx), 0.0, mx)
-    ea, eb = jnp.exp(la - ms), jnp.exp(lb - ms)
-    s = ea + eb
-    pos = s > 0
-    s1 = jnp.where(pos, s, 1.0)
-    y = (ea[..., None] * ya + eb[..., None] * yb) / s1[..., None]
-    return y, jnp.where(pos, ms + jnp.log(s1), -jnp.inf)
+def _entry(kernel: str, lowered: Lowered):
+    """The table entry ``kernel``, checked to run ``lowered``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {kernel!r}")
+    why = KERNELS[kernel].unsupported(lowered)
+    if why:
+        raise ValueError(f"kernel {kernel!r} cannot run this edge: {why}")
+    return KERNELS[kernel]
+
+
+def ring_step_kernel(kernel: str, lowered: Lowered) -> str:
+    """The kernel each step of ring attention runs for an edge whose single-device
+    kernel is ``kernel``: its table entry's ``ring_step`` (the Pallas kernel for cuDNN
+    and Pallas, the blocked kernel otherwise), or the blocked kernel when that one cannot
+    run the edge."""
+    step = KERNELS[kernel].ring_step
+    return step if KERNELS[step].unsupported(lowered) is None else "blocked"
 
 
 def ring_attention(
@@ -146,6 +180,7 @@ def ring_attention(
     block_q: int = 256,
     block_k: int = 256,
     precision=None,
+    kernel: str = "blocked",
 ) -> tuple[jax.Array, jax.Array]:
     r"""Sequence-parallel (ring) attention: children and parents split over devices.
 
@@ -154,12 +189,20 @@ def ring_attention(
         mesh, axis_name: the mesh and the axis of ``D`` devices; ``n`` and ``m`` must be
             divisible by ``D``.
         block_q, block_k, precision: as `blocked_attention`'s.
+        kernel: the kernel of each step: ``"blocked"``, or ``"pallas"`` (the Pallas
+            flash kernel's forward and backward passes, given the chunk's traced global
+            offsets; interpreted off a GPU) — a table entry with ``passes``.
 
     Returns:
         ``(y, L)`` as `blocked_attention`, sharded along the children axis. The partial
         results are merged in the accumulation dtype (float32 for bfloat16 inputs) and
         ``y`` is cast to the value dtype once, at the end.
     """
+    entry = _entry(kernel, Lowered(terms, prob, batch_shape))
+    if entry.passes is None:
+        raise ValueError(f"ring attention: kernel {kernel!r} takes no start offsets (use "
+                         f"one of {tuple(k for k, e in KERNELS.items() if e.passes)})")
+    forward, backward = entry.passes
     ax = _axis(mesh, axis_name)
     ndev = mesh.shape[ax]
     n, m = terms.num_children, terms.num_parents
@@ -207,7 +250,8 @@ def ring_attention(
             def compute(chunk, j_start=j_start):
                 return blocked_attention(local, chunk, batch, schedule=sched,
                                          starts=(i_start, j_start), precision=precision,
-                                         out_dtype=dtype)
+                                         out_dtype=dtype, forward=forward,
+                                         backward=backward)
 
             def empty(chunk):
                 return (jnp.zeros(batch + (nl, dv), dtype),
@@ -221,7 +265,7 @@ def ring_attention(
             if terms.dmax is not None:
                 live = live & (d_lo <= terms.dmax)
             yc, lc = lax.cond(live, compute, empty, chunk)
-            y, lse = _merge(y, lse, yc, lc)
+            y, lse = online.merge(y, lse, yc, lc)
             if step < ndev - 1:
                 col, v = lax.ppermute((col, v), ax, perm)
         return y.astype(v.dtype), lse
@@ -253,24 +297,33 @@ def _full_batch(prob: Problem, batch) -> Problem:
 
 
 def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
-                 block_k: int = 256, precision=None) -> Callable:
-    """A ``runner`` for `structinfer.attention` that shards heads / batch over ``mesh``."""
+                 block_k: int = 256, precision=None, kernel: str | None = None) -> Callable:
+    """A ``runner`` for `structinfer.attention` that shards heads / batch over ``mesh``.
+
+    Each device runs the kernel `structinfer.attention` chose for the edge (the runner's
+    ``kind``), or ``kernel`` when given, on its slice (`head_sharded_attention`)."""
 
     def run(kind, lowered, prob, batch):
-        bq, bk = band_blocks(lowered.terms, block_q, block_k)  # as the single-device path
         return head_sharded_attention(lowered.terms, prob, batch, mesh, axis_name,
-                                      block_q=bq, block_k=bk, mask=lowered.mask,
-                                      precision=precision)
+                                      block_q=block_q, block_k=block_k, mask=lowered.mask,
+                                      precision=precision, kernel=kernel or kind)
 
     return run
 
 
 def sequence_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
-                     block_k: int = 256, precision=None) -> Callable:
-    """A ``runner`` for `structinfer.attention` running ring attention over ``mesh``."""
+                     block_k: int = 256, precision=None, kernel: str | None = None
+                     ) -> Callable:
+    """A ``runner`` for `structinfer.attention` running ring attention over ``mesh``.
+
+    Each step runs `ring_step_kernel` of the kernel `structinfer.attention` chose (the
+    runner's ``kind``), or of ``kernel`` when given: the Pallas kernel for cuDNN and
+    Pallas, the blocked kernel otherwise."""
 
     def run(kind, lowered, prob, batch):
+        step = ring_step_kernel(kernel or kind, lowered)
         return ring_attention(lowered.terms, _full_batch(prob, batch), batch, mesh, axis_name,
-                              block_q=block_q, block_k=block_k, precision=precision)
+                              block_q=block_q, block_k=block_k, precision=precision,
+                              kernel=step)
 
     return run

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from ._spec import Problem, Terms, accum_dtype, block_logits
+from ._spec import Problem, Terms, accum_dtype, block_logits, geometric_log_prior
 
 __all__ = [
     "band_logits",
@@ -286,7 +286,7 @@ def geometric_band_log_prior(
         q = q.astype(jnp.result_type(float))
     qc = q[..., None] if q.ndim else q.reshape(1, 1)
     t = jnp.arange(int(window), dtype=q.dtype)
-    lp = jnp.log(qc) + t * jnp.log1p(-qc)
+    lp = geometric_log_prior(jnp.log(qc), jnp.log1p(-qc), t)
     if horizon is not None:
         h = jnp.asarray(horizon)
         hc = h[..., None] if h.ndim else h

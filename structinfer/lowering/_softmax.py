@@ -1,0 +1,99 @@
+r"""The online softmax, written once: every blocked kernel's step, finish and merge.
+
+A row's softmax-weighted sum $y_i = \sum_j e^{\ell_{ij}} V_j / \sum_j e^{\ell_{ij}}$ and
+its log-normaliser $L_i = \log\sum_j e^{\ell_{ij}}$ are accumulated over blocks of parents
+in a running state $(m_i, l_i, a_i)$: the largest logit seen, $l_i = \sum_j
+e^{\ell_{ij} - m_i}$ and $a_i = \sum_j e^{\ell_{ij} - m_i} V_j$. A block of logits $s$
+updates it as
+
+$$
+m' = \max(m, \max_j s_j), \qquad
+l' = e^{m - m'}\, l + \sum_j e^{s_j - m'}, \qquad
+a' = e^{m - m'}\, a + \sum_j e^{s_j - m'} V_j,
+$$
+
+and the row ends as $y = a / l$, $L = m + \log l$ (Milakov & Gimelshein 2018; the
+flash-attention schedule). While a row has seen no allowed edge its maximum is
+$-\infty$; the shift is then 0 (`shift`), so $e^{-\infty - 0} = 0$ rather than NaN, and a
+row that never sees one ends with $y = 0$, $L = -\infty$ (the kernels write it NaN where
+the engine's convention asks for it).
+
+The functions are plain `jax.numpy` on arrays whose last axis is the block's parents
+(``s``: ``(..., rows, cols)``, the state's rows ``(..., rows)``): the same code runs in
+the blocked kernel's XLA loops and inside the Pallas kernel body, and merges the partial
+results of ring attention. Every quantity is in the state's dtype (the accumulation dtype,
+`accum_dtype`); ``matmul`` multiplies the probabilities, cast to the value's dtype, with
+the values and accumulates in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Running", "start", "shift", "step", "finish", "merge"]
+
+
+class Running(NamedTuple):
+    """The online softmax's state for a block of rows (a pytree)."""
+
+    #: the largest logit seen, ``(..., rows)`` (``-inf`` before any allowed edge)
+    m: jax.Array
+    #: $\sum_j e^{\ell_{ij} - m_i}$, ``(..., rows)``
+    l: jax.Array  # noqa: E741
+    #: $\sum_j e^{\ell_{ij} - m_i} V_j$, ``(..., rows, dv)``
+    acc: jax.Array
+
+
+def start(rows: tuple[int, ...], dv: int, dtype) -> Running:
+    """The state of ``rows`` (a shape, batch dims included) before any block."""
+    return Running(jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
+                   jnp.zeros(rows + (dv,), dtype))
+
+
+def shift(m: jax.Array) -> jax.Array:
+    """The exponent shift for running maxima ``m``: ``m``, or 0 where it is ``-inf``."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def step(state: Running, s: jax.Array, v: jax.Array,
+         matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Running:
+    r"""One block: ``state`` updated with logits ``s`` ``(..., rows, cols)`` (``-inf`` on
+    forbidden edges) and values ``v`` ``(..., cols, dv)``; ``matmul(p, v)`` is the
+    ``(..., rows, dv)`` product of the block's $e^{s - m'}$ (in ``v``'s dtype) with ``v``,
+    accumulated in the state's dtype."""
+    m_new = jnp.maximum(state.m, jnp.max(s, axis=-1))
+    m_safe = shift(m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(state.m - m_safe)
+    acc = state.acc * corr[..., None] + matmul(p.astype(v.dtype), v)
+    return Running(m_new, state.l * corr + jnp.sum(p, axis=-1), acc)
+
+
+def finish(state: Running) -> tuple[jax.Array, jax.Array]:
+    r"""``(y, L)`` of the rows: $a / l$ and $m + \log l$; a row with no allowed edge
+    ($l = 0$) gives $y = 0$, $L = -\infty$."""
+    pos = state.l > 0
+    l_safe = jnp.where(pos, state.l, 1.0)
+    return (state.acc / l_safe[..., None],
+            jnp.where(pos, state.m + jnp.log(l_safe), -jnp.inf))
+
+
+def merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
+          ) -> tuple[jax.Array, jax.Array]:
+    r"""Two normalised partial results of the same rows, over disjoint sets of parents,
+    as one:
+
+    $$
+    L = \log(e^{L_a} + e^{L_b}), \qquad y = e^{L_a - L} y_a + e^{L_b - L} y_b
+    $$
+
+    (the state $(m, l, a) = (\max(L_a, L_b),\ e^{L_a - m} + e^{L_b - m},\
+    e^{L_a - m} y_a + e^{L_b - m} y_b)$, finished). Differentiable in both $y$ and $L$;
+    a part with $L = -\infty$ contributes nothing."""
+    m = shift(jnp.maximum(la, lb))
+    ea, eb = jnp.exp(la - m), jnp.exp(lb - m)
+    return finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))

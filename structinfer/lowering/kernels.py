@@ -1,0 +1,222 @@
+r"""The kernel table: every kernel a lowered edge site can run on, one entry each.
+
+A recognised edge site (its logits $\ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i = j)$
+and value table $V$) is run by one kernel, which returns
+
+$$
+y_i = \sum_j \frac{e^{\ell_{ij}}}{\sum_{j'} e^{\ell_{ij'}}}\, V_j, \qquad
+L_i = \log\sum_j e^{\ell_{ij}}.
+$$
+
+[`KERNELS`][structinfer.lowering.KERNELS] maps each kernel's name to a
+[`Kernel`][structinfer.lowering.Kernel] entry that says what it cannot run
+(``unsupported``), runs it (``run``), and what `structinfer.attention` needs to know
+around it (whether it writes the NaN rows itself, what to run when it refuses when
+traced, which kernel ring attention's steps use in its place). Everything that picks or
+runs a kernel reads this one table: `structinfer.attention` (a forced ``backend`` is
+checked against the entry's ``unsupported``; ``"auto"`` asks `auto_kernel`),
+`structinfer.explain` (which names the entry and why the ones before it were not taken)
+and the multi-device runners of `structinfer.lowering.sharded` (each shard runs the entry
+the single-device path would). Adding a kernel is adding one entry.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import jax
+
+from . import accel
+from ._lower import Lowered
+from ._spec import Problem
+from .blocked import band_blocks, blocked_attention
+from .dense import dense_attention
+from .windowed import windowed_kernel
+
+__all__ = ["Kernel", "KernelConfig", "KERNELS", "DENSE_MAX", "auto_kernel"]
+
+#: ``"auto"`` uses the dense kernel up to this many logits per batch element
+DENSE_MAX = 128 * 128
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What `structinfer.attention` passes every kernel besides the edge.
+
+    Attributes:
+        block_q: children per block (blocked and windowed kernels; the Pallas kernel
+            picks its own tiles).
+        block_k: parents per block (blocked kernel).
+        precision: the matmuls' ``precision`` (``None``: JAX's default).
+    """
+
+    block_q: int = 256
+    block_k: int = 256
+    precision: jax.lax.PrecisionLike = None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One entry of the kernel table [`KERNELS`][structinfer.lowering.KERNELS].
+
+    Attributes:
+        name: the kernel's name (a ``backend`` of `structinfer.attention`, and what
+            `structinfer.explain` reports).
+        unsupported: ``unsupported(lowered) -> str | None``: why the kernel cannot run
+            this lowered edge site (its structure, dtypes, shapes or the platform), or
+            ``None`` when it can. A forced ``backend`` whose entry gives a reason raises
+            `NotLowerableError` with it.
+        run: ``run(lowered, problem, batch_shape, config) -> (y, L)``: the output
+            ``batch + (n, dv)`` in the value's dtype and the row log-normaliser
+            ``batch + (n,)`` in the accumulation dtype. ``problem`` and ``batch_shape``
+            are the arrays to run on (the lowered site's, with the value table of an
+            edge that others follow added in; a shard's on a mesh); ``lowered`` gives the
+            static terms and the trace-time mask; ``config`` a `KernelConfig`.
+        nan_rows: whether ``run`` itself writes NaN in the rows whose log-normaliser is
+            not finite (no allowed parent, a NaN / inf score): otherwise
+            `structinfer.attention` writes them (the exact engine's answer under ``jit``).
+        title: how explanations name it ("cuDNN"); the name when empty.
+        refusals: exception types ``run`` may raise when traced, meaning the kernel
+            cannot run here after all (JAX's cuDNN wrapper checks the installed cuDNN and
+            GPU only then); ``()``: it never refuses.
+        fallback: the kernels to try, in order, when ``run`` refused: the first whose
+            ``unsupported`` is ``None`` runs (`structinfer.explain` says why).
+        passed_over: optional ``passed_over(lowered) -> str | None``: why ``"auto"``
+            does not take the kernel although it can run the edge (another measured
+            faster there); a forced ``backend`` still runs it.
+        passes: for a kernel built on the blocked kernel's custom VJP, its replacement
+            ``(forward, backward)`` passes (``(None, None)``: the blocked kernel's own);
+            such a kernel takes traced global start offsets. ``None`` otherwise.
+        ring_step: the kernel each step of ring attention (``shard="sequence"``) runs
+            in this one's place: one with ``passes`` (it takes the chunk's global
+            offsets and returns ``L``, by which the steps are merged).
+    """
+
+    name: str
+    unsupported: Callable[[Lowered], str | None]
+    run: Callable[[Lowered, Problem, tuple[int, ...], KernelConfig],
+                  tuple[jax.Array, jax.Array]]
+    nan_rows: bool = False
+    title: str = ""
+    refusals: tuple[type[BaseException], ...] = ()
+    fallback: tuple[str, ...] = ()
+    passed_over: Callable[[Lowered], str | None] | None = None
+    passes: tuple[Callable | None, Callable | None] | None = None
+    ring_step: str = "blocked"
+
+    @property
+    def label(self) -> str:
+        return self.title or self.name
+
+
+def _can_run(lowered: Lowered) -> None:
+    return None
+
+
+def _run_blocked_family(kernel: Kernel, lowered: Lowered, prob: Problem, batch,
+                        config: KernelConfig):
+    forward, backward = kernel.passes
+    bq, bk = band_blocks(lowered.terms, config.block_q, config.block_k)
+    return blocked_attention(lowered.terms, prob, batch, block_q=bq, block_k=bk,
+                             mask=lowered.mask, forward=forward, backward=backward,
+                             nan_rows=True, precision=config.precision)
+
+
+def _run_blocked(lowered, prob, batch, config):
+    return _run_blocked_family(KERNELS["blocked"], lowered, prob, batch, config)
+
+
+def _run_pallas(lowered, prob, batch, config):
+    return _run_blocked_family(KERNELS["pallas"], lowered, prob, batch, config)
+
+
+def _run_dense(lowered, prob, batch, config):
+    return dense_attention(lowered.terms, prob, batch, config.precision)
+
+
+def _windowed_unsupported(lowered: Lowered) -> str | None:
+    t = lowered.terms
+    if t.dmin is None or t.dmax is None:
+        return ("it has no finite distance band (use a Geometric prior with max_distance "
+                "or a Restricted.window prior)")
+    return None
+
+
+def _run_windowed(lowered, prob, batch, config):
+    return windowed_kernel(lowered.terms, prob, batch, block_q=config.block_q,
+                           precision=config.precision)
+
+
+def _cudnn_unsupported(lowered: Lowered) -> str | None:
+    why = accel.cudnn_unsupported(lowered.terms, lowered.problem, lowered.batch_shape)
+    if why is None and accel.platform() != "gpu":
+        why = f"cuDNN runs on a GPU (the platform is {accel.platform()})"
+    return why
+
+
+def _run_cudnn(lowered, prob, batch, config):
+    return accel.cudnn_attention(lowered.terms, prob, batch)
+
+
+def _pallas_unsupported(lowered: Lowered) -> str | None:
+    return accel.pallas_unsupported(lowered.terms, lowered.problem, lowered.batch_shape)
+
+
+def _pallas_measured_faster(lowered: Lowered) -> str | None:
+    return accel.pallas_measured_faster(lowered.terms)
+
+
+_ENTRIES = (
+    Kernel("dense", _can_run, _run_dense),
+    Kernel("blocked", _can_run, _run_blocked, nan_rows=True, passes=(None, None)),
+    Kernel("windowed", _windowed_unsupported, _run_windowed),
+    Kernel("cudnn", _cudnn_unsupported, _run_cudnn, title="cuDNN",
+           refusals=(NotImplementedError, ValueError, RuntimeError, TypeError),
+           fallback=("pallas", "blocked"), passed_over=_pallas_measured_faster,
+           ring_step="pallas"),
+    Kernel("pallas", _pallas_unsupported, _run_pallas, nan_rows=True, title="Pallas",
+           passes=(accel.pallas_forward, accel.pallas_backward), ring_step="pallas"),
+)
+
+KERNELS: Mapping[str, Kernel] = types.MappingProxyType({k.name: k for k in _ENTRIES})
+"""The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel] (read-only).
+
+``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``, in the order of
+`BACKENDS` (which are ``"auto"``, ``"exact"`` and these). `structinfer.attention` checks a
+forced ``backend`` against its entry, runs every edge through the entry chosen (on one
+device or on each shard of a mesh) and writes the NaN rows where the entry does not;
+`structinfer.explain` names the entry that runs each edge.
+"""
+
+
+def auto_kernel(lowered: Lowered) -> tuple[str, tuple[str, ...]]:
+    """The kernel ``backend="auto"`` runs a lowered edge site on, and notes on the choice.
+
+    The rule: with more than `DENSE_MAX` logits per batch element, on a GPU, the first
+    of the platform's fused kernels (`structinfer.lowering.accel.GPU_KERNELS`: cuDNN,
+    then Pallas) that can run the edge and is not passed over for a faster one; else the
+    windowed kernel for a geometric prior whose distance band is at most half the
+    parents; else the blocked kernel (large) or the dense one (small). The notes say why
+    each fused kernel before the one taken was not.
+
+    Returns:
+        ``(name, notes)``: a key of `KERNELS` and a tuple of sentences.
+    """
+    t = lowered.terms
+    large = t.num_children * t.num_parents > DENSE_MAX
+    notes: tuple[str, ...] = ()
+    if large and accel.platform() == "gpu":
+        for name in accel.GPU_KERNELS:
+            k = KERNELS[name]
+            why = k.unsupported(lowered)
+            if why is None and k.passed_over is not None:
+                why = k.passed_over(lowered)
+            if why is None:
+                return name, notes
+            notes += (f"not {k.label}: {why}",)
+    band = t.dmin is not None and t.dmax is not None
+    if t.geometric and band and 2 * (t.dmax - t.dmin + 1) <= t.num_parents:
+        return "windowed", notes
+    return ("blocked" if large else "dense"), notes
