@@ -1,17 +1,21 @@
 r"""Read a lowerable structure off a NumPyro model by *probing* it.
 
-The model is run (traced, never enumerated) with every edge site replaced by a
+The model is traced (never enumerated) with every edge site replaced by a
 probe: edge ``k`` gets ``arange(m_k)`` placed on its own dimension left of the
-plates, exactly where funsor's enumeration would put it. From that one run:
+plates, exactly where funsor's enumeration would put it. That run is not made here:
+`inspect_model` stages it once (``ModelInfo.at_probes``, a closed jaxpr of the probes)
+beside its own run at zeros (``ModelInfo.trace``), and everything below reads those two:
 
 * each edge's structured ``prior`` and ``score`` are read from the
-  ``EdgeInfo`` recorded at the site;
+  ``EdgeInfo`` recorded at the site in the inspection run (``edge`` refuses a prior or
+  score with another edge's enumeration dim, so they are those of the probe run);
 * a chained edge (``child=``) is recognised when its ``child`` *is* another
-  edge's probe (the value that edge returned);
+  edge's value in that run;
 * every other sample / factor site must have a log-density that does not vary
-  along any probe dimension (otherwise it is a likelihood term on the edge,
-  which the kernels do not model);
-* the value site, evaluated on the probe, is the table
+  along any probe dimension (read off the program's output types; otherwise it is a
+  likelihood term on the edge, which the kernels do not model);
+* the value site, the program's output replayed with its gathers read as views, is the
+  table
   $F[j] = f(\phi_i = j)$. The rule for "linear in the parent": the probe
   output must not vary along the children dimension — then $f$ depends on
   the child only through the parent it picks, and
@@ -20,11 +24,12 @@ plates, exactly where funsor's enumeration would put it. From that one run:
 
 With several edge sites (multi-hop chains, independent heads) the value must be
 a sum of per-edge terms $f = c + \sum_k g_k(\phi_k)$; this is checked on the
-value's jaxpr (every path from two different edges meets only at
+program's jaxpr (every path from two different edges meets only at
 ``add``/``sub`` or through linear maps with edge-independent operands; calls and
 conditionals are entered and loops iterated to a fixed point, and a body that
 ``structinfer._jaxpr`` cannot read makes the model fall back). Then
-$G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ and
+$G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ (one staged run
+of the model per edge, its probe beside the other edges' zeros) and
 a chain $\phi_1 \leftarrow \phi_0$ gives
 $\mathbb E[f] = P_0 (G_0 + P_1 G_1)$: one kernel per edge.
 
