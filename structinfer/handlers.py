@@ -38,6 +38,7 @@ from .primitives import (
 __all__ = [
     "tilt",
     "require_values",
+    "missing_value_error",
     "fill_discrete",
     "fill_latent",
     "pin",
@@ -289,12 +290,25 @@ class require_values(Messenger):
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:
             return
-        raise ValueError(
-            f"sample site '{msg['name']}' is latent and not enumerable, so {self.what} "
-            "cannot collapse it: give it a value with numpyro.handlers.substitute / "
-            "condition (e.g. a posterior draw), or mark a discrete site with "
-            "infer={'enumerate': 'parallel'}"
-        )
+        raise missing_value_error(msg["name"], self.what)
+
+
+def missing_value_error(site: str, what: str = "the exact engine") -> ValueError:
+    """The error [`require_values`][structinfer.handlers.require_values] raises at ``site``.
+
+    Args:
+        site: the latent, non-enumerable sample site without a value.
+        what: who needs the values.
+
+    Returns:
+        The ``ValueError`` naming the site and what to do.
+    """
+    return ValueError(
+        f"sample site '{site}' is latent and not enumerable, so {what} "
+        "cannot collapse it: give it a value with numpyro.handlers.substitute / "
+        "condition (e.g. a posterior draw), or mark a discrete site with "
+        "infer={'enumerate': 'parallel'}"
+    )
 
 
 class fill_discrete(Messenger):

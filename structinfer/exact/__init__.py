@@ -33,7 +33,7 @@ from .api import (
     pointwise_log_likelihood,
     sample_edges,
 )
-from .bounds import IndexOutOfBounds, check_gather_bounds
+from .bounds import IndexOutOfBounds, check_gather_bounds, check_jaxpr_bounds
 from .contract import (
     ChainFactors,
     EnergyOnlyModelError,
@@ -43,7 +43,15 @@ from .contract import (
     log_z,
 )
 from .contract import ScoreFactors as ScoreFactors  # a type alias (no docstring, not in __all__)
-from .inspect import MAX_ENUM_DIMS, ModelInfo, SiteInfo, inspect_model, trace_model
+from .inspect import (
+    MAX_ENUM_DIMS,
+    ModelInfo,
+    ProbeProgram,
+    SiteInfo,
+    inspect_model,
+    stage_at_probes,
+    trace_model,
+)
 from .inspect import Role as Role  # a type alias (no docstring, not in __all__)
 
 __all__ = [
@@ -63,9 +71,12 @@ __all__ = [
     "NotAChainError",
     "inspect_model",
     "trace_model",
+    "stage_at_probes",
+    "ProbeProgram",
     "ModelInfo",
     "SiteInfo",
     "MAX_ENUM_DIMS",
     "IndexOutOfBounds",
     "check_gather_bounds",
+    "check_jaxpr_bounds",
 ]

@@ -29,7 +29,7 @@ import numpy as np
 
 from .._jaxpr import Call, classify, is_literal, open_jaxpr
 
-__all__ = ["IndexOutOfBounds", "check_gather_bounds"]
+__all__ = ["IndexOutOfBounds", "check_gather_bounds", "check_jaxpr_bounds"]
 
 
 class IndexOutOfBounds(ValueError):
@@ -280,11 +280,27 @@ def check_gather_bounds(
     names = list(probes)
     closed = jax.make_jaxpr(lambda *vals: fn(dict(zip(names, vals))))(
         *[probes[n] for n in names])
+    check_jaxpr_bounds(closed, probes, where)
+
+
+def check_jaxpr_bounds(closed: Any, probes: dict[str, np.ndarray], where: str) -> None:
+    r"""`check_gather_bounds` on a program already staged at the probes.
+
+    Args:
+        closed: a closed jaxpr (``jax.make_jaxpr``'s result) whose inputs are the probes,
+            in the order of ``probes``; the values of its constants are read as known
+            ranges (concrete integer arrays) or unknown (tracers).
+        probes: edge site -> NumPy int array of its values, in the order of the inputs.
+        where: prefix of the error message (the model's name).
+
+    Raises:
+        IndexOutOfBounds: as `check_gather_bounds`.
+    """
     top = open_jaxpr(closed)
     if top is None:  # pragma: no cover - make_jaxpr always gives its constants' values
         return
     env = {v: _const_range(c) for v, c in zip(top.jaxpr.constvars, top.consts)}
-    for v, n in zip(top.jaxpr.invars, names):
+    for v, n in zip(top.jaxpr.invars, probes):
         p = probes[n]
         env[v] = _Range.of(p.min(), p.max(), {n}, direct=True)
     _walk(top.jaxpr, {k: r for k, r in env.items() if r is not None}, where)

@@ -16,7 +16,13 @@ and, under ``jit``, is traced for its shapes only. Every site gets a *role*:
 | ``deterministic`` | ``numpyro.deterministic``: shape and event dims (value dims beyond its plates) |
 | ``param`` | ``numpyro.param`` |
 
-and its plates, outermost first. The exact engine reads enumeration dims from it
+and its plates, outermost first. When the model has enumerated sites, the same call
+stages the model once more, at the probes (each enumerated site's whole support on its
+own dim): a [`ProbeProgram`][structinfer.exact.ProbeProgram], the model's site values as
+a closed jaxpr of the probes. The bounds check reads it, and so does the lowering, which
+re-evaluates it for its value tables instead of running the model again. These two
+passes are the only runs of the model an inspection makes. The exact engine reads
+enumeration dims from it
 ([`ModelInfo.first_available_dim`][structinfer.exact.ModelInfo.first_available_dim],
 [`ModelInfo.probes`][structinfer.exact.ModelInfo.probes]), the pointwise
 log-likelihood reads roles from it, and so do the fitting helpers and the lowering.
@@ -40,13 +46,15 @@ from numpyro.handlers import block, seed, substitute, trace
 from .._checks import as_arrays, is_concrete, model_name
 from ..handlers import PLACEHOLDER_KEY, fill_discrete, fill_latent, require_values
 from ..primitives import EDGE_INFO_KEY, SCAN_RECORD_KEY, EdgeInfo, is_enumerated, is_factor
-from .bounds import IndexOutOfBounds, check_gather_bounds
+from .bounds import IndexOutOfBounds, check_jaxpr_bounds
 
 __all__ = [
     "MAX_ENUM_DIMS",
     "SiteInfo",
     "ModelInfo",
+    "ProbeProgram",
     "inspect_model",
+    "stage_at_probes",
     "trace_model",
 ]
 
@@ -114,6 +122,12 @@ class ModelInfo(Mapping[str, SiteInfo]):
         float_dtype: the floating dtype of the model's log-density (of its sample sites'
             log-probs): the dtype zero tilts take, so a float32 model answers in float32
             with x64 enabled.
+        trace: the NumPyro trace of the inspection run (zeros at the enumerated sites,
+            placeholders at unvalued latent sites): its site messages (``infer`` dicts,
+            scales, masks, plates) and values, valid in the trace ``inspect_model`` ran in.
+        at_probes: the model staged at the probes
+            ([`ProbeProgram`][structinfer.exact.ProbeProgram]); ``None`` when the model
+            has no enumerated site or could not be staged there.
     """
 
     records: dict[str, SiteInfo] = field(default_factory=dict)
@@ -123,6 +137,8 @@ class ModelInfo(Mapping[str, SiteInfo]):
     #: the floating dtype of the model's log-density (of its sample sites' log-probs):
     #: the dtype zero tilts take, so a float32 model answers in float32 with x64 enabled
     float_dtype: Any = None
+    trace: dict = field(default_factory=dict, repr=False)
+    at_probes: ProbeProgram | None = field(default=None, repr=False)
 
     # -- the mapping ----------------------------------------------------------------
     def __getitem__(self, name: str) -> SiteInfo:
@@ -207,6 +223,86 @@ class ModelInfo(Mapping[str, SiteInfo]):
         }
 
 
+@dataclass(frozen=True)
+class ProbeProgram:
+    r"""A model staged once at the probes: its site values as a closed jaxpr of the probes.
+
+    ``jaxpr`` is ``jax.make_jaxpr`` of one run of the model (blocked, placeholders at
+    unvalued latent sites) with every enumerated site given its probe
+    ([`ModelInfo.probes`][structinfer.exact.ModelInfo.probes]): its inputs are the probes,
+    in the order of ``probes``; its outputs are, per entry of ``sites``, a deterministic
+    site's value or another sample site's log-density at the probes. The model's
+    arguments are closed over (constants of the jaxpr: concrete arrays, or tracers of the
+    ``jit`` the inspection ran in). Re-evaluating it (``jax.core.eval_jaxpr``, or a replay
+    that reads its gathers as views) gives those values without running the model again.
+
+    Attributes:
+        jaxpr: the closed jaxpr.
+        probes: ``{enumerated site: NumPy probe}``, the inputs in order.
+        sites: the site of each output, in the model's order.
+    """
+
+    jaxpr: Any
+    probes: dict[str, np.ndarray]
+    sites: tuple[str, ...]
+
+    def output(self, site: str) -> int:
+        """The index of ``site``'s output.
+
+        Args:
+            site: a deterministic site, or a sample site without a probe.
+
+        Returns:
+            its position in the jaxpr's outputs.
+        """
+        return self.sites.index(site)
+
+    def shape(self, site: str) -> tuple[int, ...]:
+        """The shape of ``site``'s value (deterministic) or log-density at the probes.
+
+        Args:
+            site: a deterministic site, or a sample site without a probe.
+
+        Returns:
+            the shape, read from the jaxpr's output types (nothing is computed).
+        """
+        return tuple(self.jaxpr.out_avals[self.output(site)].shape)
+
+
+def stage_at_probes(model: Callable, args: tuple, kwargs: Mapping, info: ModelInfo) -> ProbeProgram:
+    """Stage ``model`` once at its probes (see [`ProbeProgram`][structinfer.exact.ProbeProgram]).
+
+    Args:
+        model: a NumPyro model.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        info: its [`ModelInfo`][structinfer.exact.ModelInfo] (the probes' layout).
+
+    Returns:
+        The [`ProbeProgram`][structinfer.exact.ProbeProgram].
+
+    Raises:
+        Exception: whatever the model raises when traced at the probes.
+    """
+    probes = info.probes()
+    names = list(probes)
+    sites: list[str] = []
+
+    def run(*vals):
+        values = dict(zip(names, vals))
+        tr = trace_model(model, args, kwargs, values=values, placeholders=True)
+        out = {
+            name: s["value"] if s["type"] == "deterministic" else s["fn"].log_prob(s["value"])
+            for name, s in tr.items()
+            if s["type"] == "deterministic" or (s["type"] == "sample" and name not in values)
+        }
+        sites[:] = list(out)
+        return list(out.values())
+
+    closed = jax.make_jaxpr(run)(*[probes[n] for n in names])
+    return ProbeProgram(closed, probes, tuple(sites))
+
+
 def trace_model(
     model: Callable,
     args: tuple = (),
@@ -228,8 +324,10 @@ def trace_model(
 
     This is the one plain run of a model the engine makes:
     [`inspect_model`][structinfer.exact.inspect_model] reads its sites from it, and
-    callers that need values at given edges (the bounds check, the Laplace expansion,
-    the lowering's probes) run it with ``values``.
+    callers that need values at given edges (the Laplace expansion, the lowering's
+    tables) run it with ``values``; at the probes it is staged once,
+    [`stage_at_probes`][structinfer.exact.stage_at_probes], and the bounds check and
+    the lowering share that program.
 
     Args:
         model: a NumPyro model.
@@ -369,7 +467,8 @@ def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
         raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
     args, kwargs = as_arrays(args, kwargs)
     try:
-        info = _read(trace_model(model, args, kwargs, placeholders=True))
+        tr = trace_model(model, args, kwargs, placeholders=True)
+        info = _read(tr)
     except jax.errors.TracerArrayConversionError as e:
         raise TypeError(
             f"model '{model_name(model)}' indexes a NumPy array with an edge variable "
@@ -383,6 +482,7 @@ def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
             f"{MAX_ENUM_DIMS}: put repeated edge sites under a plate (one site per child "
             "set, not one per child)"
         )
+    info.trace = tr
     if info.enumerated:
         _check_edge_reads(model, args, kwargs, info)
     return info
@@ -391,23 +491,16 @@ def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
 def _check_edge_reads(model, args, kwargs, info: ModelInfo) -> None:
     """Every table the model reads at an edge value has a row per parent (static check).
 
-    The model is traced once with each enumerated site given its whole support in its
-    own enumeration dim, as the engine will; `check_gather_bounds` then checks every
+    The model is staged once with each enumerated site given its whole support in its
+    own enumeration dim, as the engine will (`stage_at_probes`, kept in
+    ``info.at_probes`` for the lowering); `check_jaxpr_bounds` then checks every
     clamping read indexed directly by an edge value, and raises `IndexOutOfBounds`
     naming the site and the array.
     """
-    probes = info.probes()
-
-    def run(values):
-        tr = trace_model(model, args, kwargs, values=values, placeholders=True)
-        return [
-            s["value"] if s["type"] == "deterministic" else s["fn"].log_prob(s["value"])
-            for name, s in tr.items()
-            if s["type"] == "deterministic" or (s["type"] == "sample" and name not in values)
-        ]
-
     try:
-        check_gather_bounds(run, probes, f"model '{model_name(model)}'")
+        info.at_probes = stage_at_probes(model, args, kwargs, info)
+        check_jaxpr_bounds(info.at_probes.jaxpr, info.at_probes.probes,
+                           f"model '{model_name(model)}'")
     except IndexOutOfBounds:
         raise
     except Exception:  # best effort: the engine's own pass reports the model's errors

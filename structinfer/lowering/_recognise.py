@@ -1,17 +1,21 @@
 r"""Read a lowerable structure off a NumPyro model by *probing* it.
 
-The model is run (traced, never enumerated) with every edge site replaced by a
+The model is traced (never enumerated) with every edge site replaced by a
 probe: edge ``k`` gets ``arange(m_k)`` placed on its own dimension left of the
-plates, exactly where funsor's enumeration would put it. From that one run:
+plates, exactly where funsor's enumeration would put it. That run is not made here:
+`inspect_model` stages it once (``ModelInfo.at_probes``, a closed jaxpr of the probes)
+beside its own run at zeros (``ModelInfo.trace``), and everything below reads those two:
 
 * each edge's structured ``prior`` and ``score`` are read from the
-  ``EdgeInfo`` recorded at the site;
+  ``EdgeInfo`` recorded at the site in the inspection run (``edge`` refuses a prior or
+  score with another edge's enumeration dim, so they are those of the probe run);
 * a chained edge (``child=``) is recognised when its ``child`` *is* another
-  edge's probe (the value that edge returned);
+  edge's value in that run;
 * every other sample / factor site must have a log-density that does not vary
-  along any probe dimension (otherwise it is a likelihood term on the edge,
-  which the kernels do not model);
-* the value site, evaluated on the probe, is the table
+  along any probe dimension (read off the program's output types; otherwise it is a
+  likelihood term on the edge, which the kernels do not model);
+* the value site, the program's output replayed with its gathers read as views, is the
+  table
   $F[j] = f(\phi_i = j)$. The rule for "linear in the parent": the probe
   output must not vary along the children dimension — then $f$ depends on
   the child only through the parent it picks, and
@@ -20,11 +24,12 @@ plates, exactly where funsor's enumeration would put it. From that one run:
 
 With several edge sites (multi-hop chains, independent heads) the value must be
 a sum of per-edge terms $f = c + \sum_k g_k(\phi_k)$; this is checked on the
-value's jaxpr (every path from two different edges meets only at
+program's jaxpr (every path from two different edges meets only at
 ``add``/``sub`` or through linear maps with edge-independent operands; calls and
 conditionals are entered and loops iterated to a fixed point, and a body that
 ``structinfer._jaxpr`` cannot read makes the model fall back). Then
-$G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ and
+$G_0 = F(j, 0, \dots)$, $G_k = F(0, \dots, j, \dots) - F(0, \dots, 0)$ (one staged run
+of the model per edge, its probe beside the other edges' zeros) and
 a chain $\phi_1 \leftarrow \phi_0$ gives
 $\mathbb E[f] = P_0 (G_0 + P_1 G_1)$: one kernel per edge.
 
@@ -61,11 +66,11 @@ from .._jaxpr import (
     open_jaxpr,
     union,
 )
-from ..exact import NotAChainError, chain_factors, inspect_model
-from ..handlers import TILT_PREFIX, require_values, tilt
+from ..exact import NotAChainError, chain_factors, inspect_model, stage_at_probes
+from ..handlers import TILT_PREFIX, missing_value_error, require_values, tilt
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
 from ._lower import Lowered, NotLowered, lower_edge
-from ._views import eval_with_views
+from ._views import eval_with_views, replay_with_views
 
 __all__ = ["Plan", "Fallback", "recognise"]
 
@@ -128,24 +133,45 @@ def _run(model, args, kwargs, values: dict):
         return trace(require_values(substitute(model, data=values))).get_trace(*args, **kwargs)
 
 
-def _value_table(model, args, kwargs, values: dict, value: str, plain):
-    """The value site on the probe ``values``; ``plain`` is that value from a plain run.
+def _staged(model, args, kwargs, info, value):
+    """The probe program when the inspection could not stage the model (its bounds check
+    is best effort): stage it again; if that fails, a plain run at the probes raises the
+    model's own error, and otherwise the model is not lowered."""
+    try:
+        return stage_at_probes(model, args, kwargs, info)
+    except Exception as err:  # noqa: BLE001 - reported below
+        probes = {e: jnp.asarray(p) for e, p in info.probes().items()}
+        _run(model, args, kwargs, probes)
+        raise _Fail(value, "model", "could not be traced with the edges at their probes "
+                    f"({_first_line(err)})") from None
 
-    ``values`` must be NumPy arrays: a ``jnp.arange`` made under jit is a tracer, and
-    the gather indices it produces would not fold at trace time.
 
-    Under a trace (jit / grad) the value is re-read through
-    `eval_with_views`, which turns the probe's
-    constant-index gathers (``Vindex(v)[..., phi, :]``) into views of the value matrix
-    instead of element-wise gathers. Concrete values are returned as they are.
+def _value_at(model, args, kwargs, values: dict, value: str):
+    """The value site with the edges at ``values`` (NumPy arrays), from one staged run.
+
+    The run is replayed through `eval_with_views`, which turns the constant-index
+    gathers the probe drives (``Vindex(v)[..., phi, :]``) into views of the value matrix
+    under a trace (concrete values come out as a plain run gives them). ``values`` must
+    be NumPy arrays: a ``jnp.arange`` made under jit is a tracer, and the gather indices
+    it produces would not fold at trace time. A model that cannot be staged is run.
     """
-    if is_concrete(plain):
-        return plain
     try:
         return eval_with_views(
             lambda a, kw: _run(model, a, kw, values)[value]["value"], args, kwargs)
-    except Exception:  # pragma: no cover - the plain value is always correct
-        return plain
+    except Exception:  # the plain run is always correct (or raises the model's error)
+        return _run(model, args, kwargs, {e: jnp.asarray(v) for e, v in values.items()}
+                    )[value]["value"]
+
+
+def _probe_value(prog, value: str):
+    """The value site at the probes, replayed from the model's staged probe program.
+
+    The probe inputs are known constants, so the gathers they drive fold into views of
+    the value matrix under a trace, as in `_value_at`.
+    """
+    vals = [prog.probes[e] for e in prog.probes]
+    return replay_with_views(prog.jaxpr, vals, known=range(len(vals)),
+                             outputs=[prog.output(value)])[0]
 
 
 # --- separability of the value in the edges (jaxpr analysis) -------------------------
@@ -277,20 +303,19 @@ def _analyse(jaxpr, in_deps, in_sep):
     return [a for a, _ in outs], [b for _, b in outs]
 
 
-def _is_separable(model, args, kwargs, value, names, probes) -> bool:
-    def f(*phis):
-        return _run(model, args, kwargs, dict(zip(names, phis)))[value]["value"]
-
-    top = open_jaxpr(jax.make_jaxpr(f)(*[probes[e] for e in names]))
+def _is_separable(prog, value) -> bool:
+    """Whether the value is a sum of per-edge terms, read off the staged probe program."""
+    top = open_jaxpr(prog.jaxpr)
     if top is None:  # pragma: no cover - make_jaxpr always gives its constants' values
         return False
-    in_deps = [frozenset([k]) for k in range(len(names))]
+    n = len(prog.probes)
+    in_deps = [frozenset([k]) for k in range(n)]
     try:
-        _, sep = _analyse(top.jaxpr, in_deps, [True] * len(names))
+        _, sep = _analyse(top.jaxpr, in_deps, [True] * n)
     except _NotFollowed as err:
         raise _Fail(value, "value", f"is computed inside '{err.name}' ({err.reason}), so "
                     "whether it is a sum of per-edge terms is not known") from None
-    return all(sep)
+    return sep[prog.output(value)]
 
 
 # --- value tables --------------------------------------------------------------------
@@ -341,10 +366,12 @@ def _diagonal_table(tables, model, args, kwargs, value, e, inf, nesting, ev) -> 
     Once the enumeration-style probe has shown that the value does not vary with the
     child index, ``f(phi_i = i)`` at child ``i`` is ``F[i]`` — the same table, but
     produced in its natural ``(..., m, dv)`` layout (no transpose of the probe axis),
-    so the compiled program equals a direct kernel call. Only when ``m == n``.
+    so the compiled program equals a direct kernel call. Only when ``m == n`` and the
+    table is concrete (it is checked equal to the probe's, which a traced table cannot
+    be: then the model is not run again).
     """
     n, m = inf.num_children, inf.num_parents
-    if n != m:
+    if n != m or not is_concrete(tables[e]):
         return
     diag = jnp.arange(n, dtype=jnp.int32).reshape((1,) * (nesting - 1) + (n,))
     F = jnp.asarray(_run(model, args, kwargs, {e: diag})[value]["value"])
@@ -434,9 +461,13 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
     sizes = {e: info.enumerated[e][1] for e in names}
     np_probes = info.probes()  # every enumerated site is an edge (checked above)
     np_zeros = {e: np.zeros((1,) * (N + 1 + k), np.int32) for k, e in enumerate(names)}
-    probes = {e: jnp.asarray(p) for e, p in np_probes.items()}
-    zeros = {e: jnp.asarray(z) for e, z in np_zeros.items()}
-    tr = _run(model, args, kwargs, probes)
+    for name in info.unvalued:  # the probe run needs every latent site's value
+        raise missing_value_error(name)
+    prog = info.at_probes or _staged(model, args, kwargs, info, value)
+    # Site messages (EdgeInfo, scales, masks, plates) come from the inspection run: an
+    # edge's prior and score cannot hold another edge's enumeration dim (`edge` checks
+    # their batch shape), so they are the same objects the probe run would record.
+    tr = info.trace
     infos = {}
     for e in names:
         inf = tr[e]["infer"].get(EDGE_INFO_KEY)
@@ -453,7 +484,7 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         if c is None:
             parent[e] = None
             continue
-        match = [p for p in names if probes[p] is c]
+        match = [p for p in names if tr[p]["value"] is c]
         if not match:
             raise _Fail(e, "child", "follows a child index that is not the value of another "
                         "edge site (only chains child=<edge value> are lowered)")
@@ -462,13 +493,13 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
             raise _Fail(e, "child", f"its table has {infos[e].num_children} children but "
                         f"edge '{p}' has {infos[p].num_parents} parents")
         parent[e] = p
-    # other sites must not depend on the edges
+    # other sites must not depend on the edges (their log-densities at the probes)
     for name, site in tr.items():
         if site["type"] != "sample" or name in infos:
             continue
         if name.endswith(SCORE_SUFFIX) and name[: -len(SCORE_SUFFIX)] in infos:
             continue
-        shape = jax.eval_shape(lambda s=site: s["fn"].log_prob(s["value"])).shape
+        shape = prog.shape(name)
         for k, e in enumerate(names):
             ax = N + 1 + k
             if len(shape) >= ax and shape[-ax] != 1:
@@ -486,15 +517,13 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
                         f"'{infos[e].children_plate}' of edge '{e}'")
     plain_shape, ev = info.deterministic[value]
     if K == 1:
-        F = {names[0]: _value_table(model, args, kwargs, np_probes, value, vsite["value"])}
+        F = {names[0]: _probe_value(prog, value)}
     else:
-        if not _is_separable(model, args, kwargs, value, names, probes):
+        if not _is_separable(prog, value):
             raise _Fail(value, "value", "is not a sum of per-edge terms "
                         "f = c + sum_k g_k(phi_k) (checked on its jaxpr)")
-        F = {}
-        for e in names:
-            plain = _run(model, args, kwargs, {**zeros, e: probes[e]})[value]["value"]
-            F[e] = _value_table(model, args, kwargs, {**np_zeros, e: np_probes[e]}, value, plain)
+        F = {e: _value_at(model, args, kwargs, {**np_zeros, e: np_probes[e]}, value)
+             for e in names}
     tables = {}
     ev_shape = None
     depends = False
@@ -579,23 +608,28 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
             raise _Fail(value, "value", f"reads the previous edge of '{e}' (through the "
                         "scan's carry): lowered values are f(phi_t) of the step's own edge")
     dtype = jnp.asarray(-1).dtype  # the integer dtype of the scan's carry
+
+    # one run (vmapped over the paths) reads the table and the direction of every scan
     scans = _ScanCalls()
-    with block(), scans:
-        trace(require_values(substitute(model, data={e: jnp.zeros((steps,), dtype)}))
-              ).get_trace(*args, **kwargs)
-    if any(r is not False for r in scans.reverse):
-        raise _Fail(e, "chain", "runs in a scan with reverse=True (or one whose direction "
-                    "is not known): only forward scans are fused")
 
     def along(j):
         path = jnp.full((steps,), j, dtype)
-        return jnp.asarray(_run(model, args, kwargs, {e: path})[value]["value"])
+        with block(), scans:
+            tr = trace(require_values(substitute(model, data={e: path}))
+                       ).get_trace(*args, **kwargs)
+        return jnp.asarray(tr[value]["value"])
 
+    failed = None
     try:
         F = jax.vmap(along)(jnp.arange(k, dtype=dtype))  # (K, T, *ev)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
+        failed = err
+    if any(r is not False for r in scans.reverse):
+        raise _Fail(e, "chain", "runs in a scan with reverse=True (or one whose direction "
+                    "is not known): only forward scans are fused")
+    if failed is not None:
         raise _Fail(value, "value", "could not be read along a path of the chain "
-                    f"({_first_line(err)})") from None
+                    f"({_first_line(failed)})") from None
     F = jnp.moveaxis(F.reshape((k, steps, -1)), 0, 1)  # (T, K, dv)
     if not jnp.issubdtype(F.dtype, jnp.floating):
         F = F.astype(info.float_dtype)

@@ -24,6 +24,11 @@ operand axis and the whole box in bounds, the gather *is* a view of ``x``:
 fuses or folds away. The check compares the reconstructed map with the gather's
 own on every element, so the rewrite is exact or not taken; any other gather (and
 every other equation) is replayed unchanged.
+
+`replay_with_views` does the same for a program already staged (the lowering's
+[`ProbeProgram`][structinfer.exact.ProbeProgram], staged once with the probes as its
+inputs): the probe inputs are declared known, so the gathers they drive fold exactly
+as those of a constant probe.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from jax.extend.core import primitives as prims
 
 from .._jaxpr import Call, classify, is_literal, open_jaxpr
 
-__all__ = ["eval_with_views", "gather_as_view"]
+__all__ = ["eval_with_views", "gather_as_view", "replay_with_views"]
 
 _MAX_ELEMENTS = 1 << 26  # larger operands / index maps are left to XLA's gather
 
@@ -131,11 +136,48 @@ def eval_with_views(fn, *args):
 
     dyn_vals = [leaves[i] for i in dyn]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_vals)
+    res = replay_with_views(closed, dyn_vals)
+    if res is None:  # pragma: no cover - make_jaxpr always gives its constants' values
+        return fn(*args)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), res)
+
+
+def replay_with_views(closed, vals, known=(), outputs=None):
+    """Evaluate a closed jaxpr on ``vals``, its view-like constant gathers rewritten.
+
+    Args:
+        closed: a closed jaxpr (``jax.make_jaxpr``'s result).
+        vals: one value per input.
+        known: the positions of the inputs whose values are constants (NumPy arrays):
+            what they drive is computed at trace time, as if they were closed over.
+        outputs: the positions of the outputs wanted (all when ``None``); only the
+            equations they need are evaluated.
+
+    Returns:
+        The wanted outputs, in order (numerically those of evaluating ``closed``); or
+        ``None`` when the jaxpr cannot be opened.
+    """
     top = open_jaxpr(closed)
     if top is None:  # pragma: no cover - make_jaxpr always gives its constants' values
-        return fn(*args)
-    res = _replay(top.jaxpr, top.consts, dyn_vals, [None] * len(dyn_vals))[0]
-    return jax.tree.unflatten(jax.tree.structure(out_shape), res)
+        return None
+    jaxpr = top.jaxpr
+    outvars = list(jaxpr.outvars)
+    if outputs is not None:
+        outvars = [outvars[i] for i in outputs]
+    thunks = [(lambda v=v: v) if i in set(known) else None for i, v in enumerate(vals)]
+    return _replay(jaxpr, top.consts, list(vals), thunks, outvars)[0]
+
+
+def _needed(jaxpr, outvars) -> set:
+    """The equations of ``jaxpr`` (by position) that ``outvars`` or an effect need."""
+    need = {v for v in outvars if not is_literal(v)}
+    keep = set()
+    for k in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[k]
+        if eqn.effects or any(o in need for o in eqn.outvars):
+            keep.add(k)
+            need.update(v for v in eqn.invars if not is_literal(v))
+    return keep
 
 
 def _fold(eqn, thunks):
@@ -152,10 +194,11 @@ def _fold(eqn, thunks):
     return [lambda k=k: value(k) for k in range(len(eqn.outvars))]
 
 
-def _replay(jaxpr, consts, vals, thunks):
+def _replay(jaxpr, consts, vals, thunks, outvars=None):
     """Evaluate ``jaxpr``; ``thunks[i]`` (or None) yields input ``i`` as a concrete value.
 
-    Returns the outputs and, for each, a thunk when it does not depend on traced inputs.
+    Returns the outputs (``outvars``, by default all) and, for each, a thunk when it does
+    not depend on traced inputs; only the equations they need are evaluated.
     Plain calls (nested ``jit``) are replayed inline so the gathers inside them are seen;
     every other equation (loops, ``custom_jvp`` functions, bodies the jaxpr walker does
     not know) is bound as it is.
@@ -178,7 +221,11 @@ def _replay(jaxpr, consts, vals, thunks):
             return lambda: x.val
         return thunk.get(x)
 
-    for eqn in jaxpr.eqns:
+    outvars = list(jaxpr.outvars) if outvars is None else outvars
+    keep = _needed(jaxpr, outvars)
+    for k, eqn in enumerate(jaxpr.eqns):
+        if k not in keep:
+            continue
         ins = [read(x) for x in eqn.invars]
         tins = [known(x) for x in eqn.invars]
         call = classify(eqn)
@@ -206,4 +253,4 @@ def _replay(jaxpr, consts, vals, thunks):
             env[o] = val
             if t is not None:
                 thunk[o] = t
-    return [read(x) for x in jaxpr.outvars], [known(x) for x in jaxpr.outvars]
+    return [read(x) for x in outvars], [known(x) for x in outvars]
