@@ -554,12 +554,13 @@ def test_kernel_table_contract():
     writes NaN in the empty rows exactly when its entry says it does (``nan_rows``:
     `attention` writes them for the others); a refusing entry's fallbacks are entries."""
     import dataclasses
-    import types
+    from collections.abc import Mapping, MutableMapping
 
     from structinfer.lowering import BACKENDS, KERNELS, Kernel, KernelConfig
     from structinfer.lowering._lower import lower_edge
 
-    assert isinstance(KERNELS, types.MappingProxyType)
+    assert isinstance(KERNELS, Mapping) and not isinstance(KERNELS, MutableMapping)
+    assert KERNELS.__doc__
     assert BACKENDS == ("auto", "exact", *KERNELS)
     with pytest.raises(TypeError):
         KERNELS["mine"] = KERNELS["dense"]  # type: ignore[index]

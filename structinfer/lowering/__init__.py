@@ -24,7 +24,8 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
   [`windowed_attention`][structinfer.lowering.windowed_attention] (all four in one).
 * Dtypes: [`accum_dtype`][structinfer.lowering.accum_dtype], the dtype every kernel
   accumulates in (and adds the prior's terms in) for inputs of a given dtype.
-* The kernel table: [`KERNELS`][structinfer.lowering.KERNELS] (read-only), one
+* The kernel table: [`KERNELS`][structinfer.lowering.KERNELS] (a read-only
+  [`KernelTable`][structinfer.lowering.KernelTable]), one
   [`Kernel`][structinfer.lowering.Kernel] entry per kernel (``"dense"``, ``"blocked"``,
   ``"windowed"``, ``"cudnn"``, ``"pallas"``): what it cannot run, how it runs (with a
   [`KernelConfig`][structinfer.lowering.KernelConfig]), whether it writes the NaN rows,
@@ -52,7 +53,7 @@ from ._lower import (
 )
 from ._spec import accum_dtype
 from .api import BACKENDS, Explanation, NotLowerableError, attention, check_rows, explain
-from .kernels import KERNELS, Kernel, KernelConfig
+from .kernels import KERNELS, Kernel, KernelConfig, KernelTable
 from .windowed import (
     geometric_band_log_prior,
     windowed_attention,
@@ -71,6 +72,7 @@ __all__ = [
     "KERNELS",
     "Kernel",
     "KernelConfig",
+    "KernelTable",
     "register_prior_rule",
     "register_score_rule",
     "register_pattern_rule",

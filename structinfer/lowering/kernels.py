@@ -22,7 +22,6 @@ the single-device path would). Adding a kernel is adding one entry.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ from .blocked import band_blocks, blocked_attention
 from .dense import dense_attention
 from .windowed import windowed_kernel
 
-__all__ = ["Kernel", "KernelConfig", "KERNELS", "DENSE_MAX", "auto_kernel"]
+__all__ = ["Kernel", "KernelConfig", "KernelTable", "KERNELS", "DENSE_MAX", "auto_kernel"]
 
 #: ``"auto"`` uses the dense kernel up to this many logits per batch element
 DENSE_MAX = 128 * 128
@@ -180,15 +179,35 @@ _ENTRIES = (
            passes=(accel.pallas_forward, accel.pallas_backward), ring_step="pallas"),
 )
 
-KERNELS: Mapping[str, Kernel] = types.MappingProxyType({k.name: k for k in _ENTRIES})
-"""The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel] (read-only).
+class KernelTable(Mapping[str, Kernel]):
+    """The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel] (read-only).
 
-``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``, in the order of
-`BACKENDS` (which are ``"auto"``, ``"exact"`` and these). `structinfer.attention` checks a
-forced ``backend`` against its entry, runs every edge through the entry chosen (on one
-device or on each shard of a mesh) and writes the NaN rows where the entry does not;
-`structinfer.explain` names the entry that runs each edge.
-"""
+    ``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``, in the order of
+    `BACKENDS` (which are ``"auto"``, ``"exact"`` and these). `structinfer.attention`
+    checks a forced ``backend`` against its entry, runs every edge through the entry
+    chosen (on one device or on each shard of a mesh) and writes the NaN rows where the
+    entry does not; `structinfer.explain` names the entry that runs each edge. A mapping
+    without item assignment: the table is read, never edited.
+    """
+
+    def __init__(self, entries: tuple[Kernel, ...]):
+        self._entries = {k.name: k for k in entries}
+
+    def __getitem__(self, name: str) -> Kernel:
+        return self._entries[name]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"KernelTable({', '.join(self._entries)})"
+
+
+#: the kernel table (see `KernelTable`)
+KERNELS: KernelTable = KernelTable(_ENTRIES)
 
 
 def auto_kernel(lowered: Lowered) -> tuple[str, tuple[str, ...]]:
