@@ -543,7 +543,7 @@ def run_expanding(args) -> None:
     )
 
     n, B = args.expanding_n, args.expanding_batch
-    ps = (0.5, 0.1) if args.quick else (0.5, 0.2, 0.1, 0.04)
+    ps = (0.1,) if args.quick else (0.5, 0.2, 0.1, 0.04)
     dims = (10,) if args.quick else (10, 50, 256)
     print(f"\nexpanding attention: n={n} tokens, batch {B}, alpha0=0.1, beta0=0.9, "
           f"95% horizon (times: median of reps) -- {_load()} at the start")

@@ -194,8 +194,9 @@ def test_pallas_kernel_interpreted_equals_exact(case):
     e = jnp.asarray(0.5 * r.normal(size=(H, 2 * m - 1)), jnp.float32)
     model = _pallas_model(PALLAS_CASES[case], n, m)
     f = si.attention(model, "out", "pallas", block_q=16, block_k=16)
-    ref = (si.expectation(model, "out", q, k, v, e) if case == "geometric_trunc"
-           else si.attention(model, "out", "dense")(q, k, v, e))
+    # the exact engine as one program (the numbers are the subject, not its eager run)
+    ref = (jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v, e)
+           if case == "geometric_trunc" else si.attention(model, "out", "dense")(q, k, v, e))
     np.testing.assert_allclose(f(q, k, v, e), ref, atol=2e-5)
     # gradients: the Pallas backward (dK/dV, dQ and the prior's parameters: the per-parent
     # bias, the geometric prior's q, the relative-position table), against autodiff of
@@ -239,17 +240,28 @@ def test_pallas_passes_over_many_blocks_equal_the_dense_kernel(band):
     terms = dataclasses.replace(low.terms, dmin=dmin, dmax=dmax, offset=offset,
                                 exclude_zero=exclude_zero)
     prob, batch = low.problem, low.batch_shape
-    y0, lse0 = dense_attention(terms, prob, batch)
-    fin = jnp.isfinite(lse0)
-    dy = jnp.where(fin[..., None], jnp.asarray(r.normal(size=y0.shape), jnp.float32), 0.0)
-    dlse = jnp.where(fin, jnp.asarray(r.normal(size=lse0.shape), jnp.float32), 0.0)
-    (g0,) = jax.vjp(lambda p: dense_attention(terms, p, batch), prob)[1]((dy, dlse))
-    y1, lse1 = accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16, interpret=True)
+    y_shape, lse_shape = (x.shape for x in jax.eval_shape(
+        lambda p: dense_attention(terms, p, batch), prob))
+    dy_raw = jnp.asarray(r.normal(size=y_shape), jnp.float32)
+    dlse_raw = jnp.asarray(r.normal(size=lse_shape), jnp.float32)
+
+    @jax.jit  # one program: the interpreted kernels run op by op when eager
+    def run(prob, dy_raw, dlse_raw):
+        y0, lse0 = dense_attention(terms, prob, batch)
+        fin = jnp.isfinite(lse0)
+        dy = jnp.where(fin[..., None], dy_raw, 0.0)
+        dlse = jnp.where(fin, dlse_raw, 0.0)
+        (g0,) = jax.vjp(lambda p: dense_attention(terms, p, batch), prob)[1]((dy, dlse))
+        y1, lse1 = accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16,
+                                        interpret=True)
+        grads = accel.pallas_backward(terms, prob, batch, y1, lse1, dy, dlse, block_q=16,
+                                      block_k=32, interpret=True)
+        return y0, lse0, fin, g0, y1, lse1, grads
+
+    y0, lse0, fin, g0, y1, lse1, (d_row, d_col, _, d_glob, d_v) = run(prob, dy_raw, dlse_raw)
     np.testing.assert_allclose(np.where(fin, lse1, 0.0), np.where(fin, lse0, 0.0), atol=1e-5)
     np.testing.assert_allclose(np.where(fin[..., None], y1, 0.0),
                                np.where(fin[..., None], y0, 0.0), atol=1e-5)
-    d_row, d_col, _, d_glob, d_v = accel.pallas_backward(
-        terms, prob, batch, y1, lse1, dy, dlse, block_q=16, block_k=32, interpret=True)
     for a, b in ((g0.row["q"], d_row["q"]), (g0.col["k"], d_col["k"]), (g0.v, d_v),
                  (g0.glob["relpos"], d_glob["relpos"])):
         np.testing.assert_allclose(b, a, atol=5e-5)

@@ -81,11 +81,13 @@ def test_bfloat16_in_bfloat16_out(prior, backend):
     assert y.dtype == BF16, (backend, prior, y.dtype)
     # the same number as the exact engine on float32 copies, to bfloat16's precision
     up = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref = si.expectation(model, "out", *up, e)
+    # the reference and the gradient as one program each (the exact engine runs eagerly
+    # in test_exact_engine_answers_in_the_value_dtype)
+    ref = jax.jit(lambda *a: si.expectation(model, "out", *a))(*up, e)
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=2e-2)
     # gradients come back in the inputs' dtypes
-    g = jax.grad(lambda q, v, e: jnp.sum(f(q, k, v, e).astype(jnp.float32)),
-                 argnums=(0, 1, 2))(q, v, e)
+    g = jax.jit(jax.grad(lambda q, v, e: jnp.sum(f(q, k, v, e).astype(jnp.float32)),
+                         argnums=(0, 1, 2)))(q, v, e)
     assert [x.dtype for x in g] == [BF16, BF16, jnp.float32]
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in g)
 
@@ -122,7 +124,7 @@ def test_integer_value_table_answers_in_the_exact_engines_dtype(prior, backend):
     for dtype, x64 in ((jnp.float32, True), (BF16, False)):
         with float64() if x64 else contextlib.nullcontext():
             q, k, _, e = _inputs(dtype, n)
-            want = si.expectation(model, "out", q, k, ids, e)
+            want = jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, ids, e)
             assert want.dtype == (dtype if prior == "causal" else jnp.float32)
             f = si.attention(model, "out", backend, block_q=16, block_k=16)
             for y in (f(q, k, ids, e), jax.jit(f)(q, k, ids, e)):
@@ -141,7 +143,8 @@ def test_float32_in_float32_out_under_x64(backend):
         q, k, v, e = _inputs(jnp.float32, n)
         y = si.attention(model, "out", backend, block_q=16, block_k=16)(q, k, v, e)
         assert y.dtype == jnp.float32, (backend, y.dtype)
-        assert si.expectation(model, "out", q, k, v, e).dtype == jnp.float32
+        assert jax.eval_shape(lambda *a: si.expectation(model, "out", *a),
+                              q, k, v, e).dtype == jnp.float32
         # float64 inputs still answer in float64
         up = [x.astype(jnp.float64) for x in (q, k, v)]
         y64 = si.attention(model, "out", backend, block_q=16, block_k=16)(*up, e)
@@ -176,9 +179,9 @@ def test_bfloat16_accumulates_in_float32(backend):
     y = si.attention(model, "out", backend)(q, k, v)
     assert y.dtype == BF16
     err = _rel_rms(y, ref)
-    base = _rel_rms(jax.nn.dot_product_attention(
+    base = _rel_rms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         jnp.swapaxes(q, 0, 1)[None], jnp.swapaxes(k, 0, 1)[None], jnp.swapaxes(v, 0, 1)[None],
-        scale=0.25, is_causal=True)[0].swapaxes(0, 1), ref)
+        scale=0.25, is_causal=True)[0].swapaxes(0, 1))(q, k, v), ref)
     assert err <= 5e-3 and err <= 1.5 * base, (err, base)
 
 
@@ -315,7 +318,15 @@ def test_layer_float32_under_x64_answers_float32_as_flax():
         mha = nnx.MultiHeadAttention(num_heads=H, in_features=F, qkv_features=H * D,
                                      decode=False, rngs=nnx.Rngs(0))
         x = jax.random.normal(jax.random.key(1), (2, 7, F), jnp.float32)
-        assert layer(x).dtype == mha(x).dtype == jnp.float32
+        assert _dtype(layer, x) == _dtype(mha, x) == jnp.float32
+
+
+def _dtype(module, x):
+    """The dtype a layer answers ``x`` in (traced abstractly: no program is compiled)."""
+    return nnx.eval_shape(lambda m, x: m(x), module, x).dtype
+
+
+_call = nnx.jit(lambda m, x: m(x))
 
 
 @pytest.mark.parametrize("mech", ["causal", "geometric"])
@@ -330,21 +341,21 @@ def test_layer_dtype_and_param_dtype_as_flax(mech):
                                  rngs=nnx.Rngs(0))
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(layer, nnx.Param)))
     x = jax.random.normal(jax.random.key(1), (2, 7, F), jnp.float32)
-    y = layer(x)
-    assert y.dtype == mha(x).dtype == BF16
-    ref = sinn.Attention(m, num_heads=H, in_features=F, qkv_features=H * D,
-                         rngs=nnx.Rngs(0))(x)
+    y = _call(layer, x)
+    assert y.dtype == _dtype(mha, x) == BF16
+    ref = _call(sinn.Attention(m, num_heads=H, in_features=F, qkv_features=H * D,
+                               rngs=nnx.Rngs(0)), x)
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=5e-2)
     # bfloat16 inputs, float32 parameters, no dtype: flax promotes to float32
     xb = x.astype(BF16)
     plain = sinn.Attention(m, num_heads=H, in_features=F, qkv_features=H * D,
                            rngs=nnx.Rngs(0))
-    assert plain(xb).dtype == jnp.float32
+    assert _dtype(plain, xb) == jnp.float32
     # a bfloat16 layer end to end
     all16 = sinn.Attention(m, num_heads=H, in_features=F, qkv_features=H * D,
                            param_dtype=BF16, rngs=nnx.Rngs(0))
-    assert all16(xb).dtype == BF16
-    g = nnx.grad(lambda mod: jnp.sum(mod(xb).astype(jnp.float32)))(all16)
+    assert _call(all16, xb).dtype == BF16
+    g = nnx.jit(nnx.grad(lambda mod: jnp.sum(mod(xb).astype(jnp.float32))))(all16)
     assert all(x.dtype == BF16 for x in jax.tree.leaves(g))
 
 

@@ -87,8 +87,10 @@ def test_equals_flax_multihead_attention(case, dtype):
         xq = inputs((B, N, F), dtype)
         xk = inputs((B, M, F), dtype, seed=5) if case.endswith("cross") else xq
         mask = nnx.make_causal_mask(jnp.ones((B, N))) if case.startswith("causal") else None
-        want = mha(xq, xk, mask=mask)
-        got = layer(xq, xk)
+        # both layers in one program (the numbers are the subject; the layer runs eagerly
+        # in test_equals_exact_expectation_of_the_mechanism)
+        got, want = nnx.jit(lambda layer, mha, xq, xk: (layer(xq, xk), mha(xq, xk, mask=mask)))(
+            layer, mha, xq, xk)
         assert got.dtype == dtype
         # flax's float64 attention is good to ~1e-7 only (ours is 1e-15 from a NumPy
         # softmax): compare at that level
@@ -163,7 +165,8 @@ def test_collapsed_geometric_beta_equals_quadrature(x64):
                                        data={"alpha": jnp.asarray(a), "beta": jnp.asarray(b)})
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(H, N, D)) for _ in range(3))
-    got = si.expectation(mech, "out", jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    got = jax.jit(lambda q, k, v: si.expectation(mech, "out", q, k, v))(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     d = np.arange(N)[:, None] - np.arange(N)[None, :]  # distance back from query i
     want = np.zeros((H, N, D))
     for h in range(H):
@@ -460,5 +463,6 @@ def test_head_arguments_stay_traceable():
                                beta_geometric_log_pmf(jnp.ones(1), jnp.ones(1), 4))
     x = inputs((H, N, D), jnp.float32)
     g = jax.jit(lambda a: si.expectation(sinn.geometric_beta(a, 2.0), "out", x, x, x))
-    np.testing.assert_allclose(g(jnp.asarray(2.0)), si.expectation(
-        sinn.geometric_beta(2.0, 2.0), "out", x, x, x), rtol=1e-5, atol=1e-6)
+    # the reference with concrete arguments (checked as such) in one program of its own
+    ref = jax.jit(lambda x: si.expectation(sinn.geometric_beta(2.0, 2.0), "out", x, x, x))(x)
+    np.testing.assert_allclose(g(jnp.asarray(2.0)), ref, rtol=1e-5, atol=1e-6)
