@@ -1,14 +1,19 @@
 """Every example and every shipped reproduction runs in --quick mode (a smoke run with
 real checks inside); the reproductions run through `structinfer reproduce`, as users run
-them."""
+them: one (:data:`IN_A_SUBPROCESS`) as a command in its own process, the others through
+the same command in-process (`reproduce` imports and runs a reproduction in its own
+process too), which saves a Python + JAX start-up per reproduction."""
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
+from structinfer import cli
 from structinfer.reproductions import REPRODUCTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +25,8 @@ OWNED_ELSEWHERE = {
 }
 # reproductions owned by other test files
 REPRODUCTIONS_OWNED_ELSEWHERE = {"lm"}  # tests/test_nn_lm.py
+#: the shipped reproduction run as a command in a subprocess (the quickest one)
+IN_A_SUBPROCESS = "hopfield"
 EXAMPLES = sorted(
     p for p in (ROOT / "examples").glob("*.py") if p.name not in OWNED_ELSEWHERE
 )
@@ -39,7 +46,22 @@ def test_example_quick(path, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(set(REPRODUCTIONS) - REPRODUCTIONS_OWNED_ELSEWHERE))
-def test_reproduction_quick(name, tmp_path):
-    _run([sys.executable, "-m", "structinfer.cli", "reproduce", name, "--quick", "--quiet",
-          "--out", str(tmp_path / "out")], tmp_path)
+def test_reproduction_quick(name, tmp_path, monkeypatch):
+    args = ["reproduce", name, "--quick", "--quiet", "--out", str(tmp_path / "out")]
+    if name == IN_A_SUBPROCESS:
+        _run([sys.executable, "-m", "structinfer.cli", *args], tmp_path)
+    else:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")  # keep the session's cache
+        with _jax_config_restored():  # a reproduction may switch float64 on for itself
+            assert cli.main([*args, "--debug"]) == 0  # --debug: a failure's traceback
     assert not any((tmp_path / "out").iterdir())  # a smoke run writes no results
+
+
+@contextlib.contextmanager
+def _jax_config_restored():
+    x64 = jax.config.jax_enable_x64
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", x64)

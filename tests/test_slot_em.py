@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import float64
+from conftest import float64, matrix
 from sklearn.metrics import adjusted_rand_score
 
 from structinfer.infer import slot_em, slot_m_step
@@ -97,7 +97,12 @@ def test_slot_em_is_continuous_in_the_input_when_keys_outnumber_slots(dtype):
     np.testing.assert_allclose(a.attention.sum(1), 1.0, atol=1e-5)
 
 
-@pytest.mark.parametrize("dk,d_mu", [(3, 3), (5, 4)])
+# (each member compiles the whole EM loop twice) default tier: (float32, d_k = d_mu = 3)
+# and (float64, d_k = 5 > d_mu = 4), both dtypes and both shapes; the other two pairs run
+# in the exhaustive tier
+@pytest.mark.parametrize("dtype,dk,d_mu", matrix(
+    [("float32", 3, 3), ("float32", 5, 4), ("float64", 3, 3), ("float64", 5, 4)],
+    keep=lambda t, dk, d_mu: (t == "float32") == (dk == 3)), indirect=["dtype"])
 def test_slot_em_recovers_separated_clusters(dtype, dk, d_mu):
     """Three clusters 4 apart with spread 0.3: the MAP slot of every token is its cluster
     (ARI 1), the run converges, and it has converged: one more EM iteration from the
@@ -121,6 +126,10 @@ def test_slot_em_recovers_separated_clusters(dtype, dk, d_mu):
     assert abs(e2 - e) <= tol * max(1.0, abs(e))
 
 
+# default tier: float64 (float32 runs in the exhaustive tier; both dtypes run the
+# "converged survives one more iteration" checks of the two tests beside it by default)
+@pytest.mark.parametrize("dtype", matrix(["float32", "float64"], keep=lambda t: t == "float64"),
+                         indirect=True)
 def test_slot_em_does_not_report_converged_while_w_q_flips(dtype):
     """The scale of W_Q must settle: between consecutive iterations its norm stays put (it
     used to flip by a factor ~20 every iteration, with status converged), and a reported
@@ -149,7 +158,11 @@ def _ring_clusters(seed):
     return centres[labels] + 0.3 * r.normal(size=(60, 3)), r
 
 
-@pytest.mark.parametrize("case", ["key_subspace_turns", "empty_slot"])
+# default tier: (float32, empty_slot) and (float64, key_subspace_turns), both dtypes and
+# both cases; the other two pairs run in the exhaustive tier
+@pytest.mark.parametrize("dtype,case", matrix(
+    [(t, c) for t in ("float32", "float64") for c in ("key_subspace_turns", "empty_slot")],
+    keep=lambda t, c: (t == "float64") == (c == "key_subspace_turns")), indirect=["dtype"])
 def test_slot_em_converged_means_settled(dtype, case):
     """``status == converged`` only when the energy and W_K, W_Q, the slots have settled.
 
