@@ -261,7 +261,9 @@ def test_gradients_match_closed_form(x64):
     def f(xq, xk, v):
         return si.expectation(model, "out", xq, xk, v)
 
-    check_grads(f, (xq, xk, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+    # check_grads's finite differences evaluate f many times: compiled once, not op by op
+    # (the closed-form gradients below are taken eagerly)
+    check_grads(jax.jit(f), (xq, xk, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
     mask = (np.arange(N)[:, None] + M - N - np.arange(M)[None, :]) >= 0
 
     def ref(xq, xk, v):
@@ -276,7 +278,8 @@ def test_gradients_match_closed_form(x64):
         jax.grad(lambda a: jnp.sum(jax.nn.logsumexp(jnp.where(mask, a @ xk.T, -jnp.inf), -1)))(xq),
         atol=1e-12,
     )
-    check_grads(lambda a: si.log_marginal(model, a, xk, v), (xq,), order=2, atol=1e-5, rtol=1e-5)
+    check_grads(jax.jit(lambda a: si.log_marginal(model, a, xk, v)), (xq,), order=2, atol=1e-5,
+                rtol=1e-5)
 
 
 def test_jit_and_vmap():
@@ -303,7 +306,8 @@ def test_sample_edges_frequencies():
     xq, xk, v = _data(19, n=2, m=3)
     model = attention_model(lambda n, m: si.priors.Uniform(m))
     keys = jax.random.split(jax.random.PRNGKey(0), 4000)
-    draws = jax.vmap(lambda k: si.sample_edges(k, model, xq, xk, v)["phi"])(keys)
+    # under jit: one program, not an eager vmap's hundreds of primitive compiles
+    draws = jax.jit(jax.vmap(lambda k: si.sample_edges(k, model, xq, xk, v)["phi"]))(keys)
     A = softmax_ref(np.float64(xq) @ xk.T)
     freq = np.stack([(np.asarray(draws) == j).mean(0) for j in range(3)], -1)
     # 4000 draws: standard error <= 0.008; 5 sigma
