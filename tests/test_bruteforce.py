@@ -10,6 +10,8 @@ expectations of a non-linear value and the joint MAP with the exact engine.
 import itertools
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 from conftest import float64
@@ -57,7 +59,9 @@ def tiny_models(draw):
     return dict(n=n, batch=batch, sites=sites, couplings=couplings)
 
 
-def make_model(spec):
+def make_model(spec, tables=np.asarray):
+    """``tables`` wraps the value tables and couplings the edges index: NumPy arrays (an
+    eager model may index them) or ``jnp.asarray`` (under jit)."""
     n, batch = spec["n"], spec["batch"]
 
     def model():
@@ -83,9 +87,9 @@ def make_model(spec):
             phis.append(si.edge(f"e{k}", prior, s["score"]))
         for k, W in enumerate(spec["couplings"]):
             if W is not None:
-                numpyro.factor(f"c{k}", Vindex(W)[phis[k], phis[k + 1]])
+                numpyro.factor(f"c{k}", Vindex(tables(W))[phis[k], phis[k + 1]])
         # a value that is non-linear in the edges: sum_k v_k[phi_k] + prod_k v_k[phi_k]
-        vals = [s["value"][phi] for s, phi in zip(spec["sites"], phis)]
+        vals = [tables(s["value"])[phi] for s, phi in zip(spec["sites"], phis)]
         total = sum(vals)
         prod = vals[0]
         for v in vals[1:]:
@@ -137,21 +141,36 @@ def brute_force(spec):
 
 
 @settings(
-    # ~5 s each; STRUCTINFER_BRUTEFORCE_EXAMPLES=200 runs a deeper search
+    # ~2-5 s each; STRUCTINFER_BRUTEFORCE_EXAMPLES=200 runs a deeper search
     max_examples=int(os.environ.get("STRUCTINFER_BRUTEFORCE_EXAMPLES", "6")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(tiny_models())
 def test_exact_engine_matches_brute_force(spec):
+    """The four engines under one ``jax.jit`` (one compile per example: eager calls compile
+    each primitive per new shape, several times slower at these sizes; the priors and
+    scores are closed-over NumPy arrays, concrete under jit too); one example in four
+    (the third of each run, then every fourth) also runs them eagerly."""
+    eager = next(_EXAMPLE_COUNT) % 4 == 2
     with float64():
-        model = make_model(spec)
         logz, marg, expect, argmax = brute_force(spec)
-        np.testing.assert_allclose(si.log_marginal(model), logz, rtol=1e-10, atol=1e-10)
-        m = si.marginals(model)
-        for k in range(len(spec["sites"])):
-            np.testing.assert_allclose(m[f"e{k}"], marg[k], atol=1e-10)
-        np.testing.assert_allclose(si.expectation(model, "value"), expect, atol=1e-10)
-        mp = si.map_edges(model)
-        for k in range(len(spec["sites"])):
-            np.testing.assert_array_equal(mp[f"e{k}"], argmax[k])
+
+        def engines(model):
+            return (si.log_marginal(model), si.marginals(model),
+                    si.expectation(model, "value"), si.map_edges(model))
+
+        runs = [jax.jit(lambda: engines(make_model(spec, jnp.asarray)))]
+        if eager:  # the tables as NumPy arrays, as a user's eager model may hold them
+            runs.append(lambda: engines(make_model(spec)))
+        for run in runs:
+            got_logz, m, got_expect, mp = run()
+            np.testing.assert_allclose(got_logz, logz, rtol=1e-10, atol=1e-10)
+            for k in range(len(spec["sites"])):
+                np.testing.assert_allclose(m[f"e{k}"], marg[k], atol=1e-10)
+            np.testing.assert_allclose(got_expect, expect, atol=1e-10)
+            for k in range(len(spec["sites"])):
+                np.testing.assert_array_equal(mp[f"e{k}"], argmax[k])
+
+
+_EXAMPLE_COUNT = itertools.count()

@@ -303,7 +303,8 @@ def test_sample_edges_frequencies():
     xq, xk, v = _data(19, n=2, m=3)
     model = attention_model(lambda n, m: si.priors.Uniform(m))
     keys = jax.random.split(jax.random.PRNGKey(0), 4000)
-    draws = jax.vmap(lambda k: si.sample_edges(k, model, xq, xk, v)["phi"])(keys)
+    # under jit: one program, not an eager vmap's hundreds of primitive compiles
+    draws = jax.jit(jax.vmap(lambda k: si.sample_edges(k, model, xq, xk, v)["phi"]))(keys)
     A = softmax_ref(np.float64(xq) @ xk.T)
     freq = np.stack([(np.asarray(draws) == j).mean(0) for j in range(3)], -1)
     # 4000 draws: standard error <= 0.008; 5 sigma

@@ -139,8 +139,12 @@ def _check_row(row, name, h0, dtype):
         return s, (out, g)
 
     _, (jitted, g) = traced(h0)
-    if dtype == np.float64:  # eager runs op by op (slow): compare once, in float64
-        eager = quantities(h0)  # a Python float: the concrete path (value checks, fast paths)
+    if dtype == np.float64:  # compare once, in float64
+        # h0 a Python float closed over: the concrete path (value checks, fast paths), as
+        # eagerly, but one compiled program instead of hundreds of op-by-op compiles; both
+        # compiled, so only the concrete / traced hyperparameter differs (as in
+        # test_distance_score_p2_fast_path_equals_traced_path)
+        eager = jax.jit(lambda: quantities(h0))()
         for k in row.keys:
             assert jitted[k].dtype == eager[k].dtype == dtype, (k, jitted[k].dtype, eager[k].dtype)
             _close(jitted[k], eager[k], 1e-10, f"{row.name} {k}: jit over {name}")
@@ -330,20 +334,25 @@ def test_constructor_argument_jit_and_grad(dtype, case):
         model = _edge_model(prior_fn, score_fn, x)
         hc = h0 if isinstance(h0, float) else jnp.asarray(h0, dtype)  # concrete (eager) value
         eager = si.log_marginal(model, hc)
-        jitted = jax.jit(lambda h: si.log_marginal(model, h))(hc)
+        # the value and the gradient under one jit (one compiled program)
+        value_and_grad = jax.jit(jax.value_and_grad(lambda h: si.log_marginal(model, h)))
+        jitted, gj = value_and_grad(hc)
         assert jitted.dtype == eager.dtype == dtype, (jitted.dtype, eager.dtype)
         tol = 1e-11 if dtype == np.float64 else 2e-6
         _close(jitted, eager, tol, f"{case}: jit")
         g = jax.grad(lambda h: si.log_marginal(model, h))(hc)
-        gj = jax.jit(jax.grad(lambda h: si.log_marginal(model, h)))(hc)
         assert np.all(np.isfinite(g)) and np.all(np.isfinite(gj)), (case, g, gj)
         _close(gj, g, tol * 10, f"{case}: jitted grad")
         assert float(np.max(np.abs(np.asarray(g)))) > 0, f"{case}: zero gradient"
         if dtype == np.float64:
             v = np.random.default_rng(7).normal(size=np.shape(h0))
             e = 1e-6 * max(1.0, float(np.max(np.abs(h0))))
-            hp, hm = jnp.asarray(h0) + e * v, jnp.asarray(h0) - e * v
-            central = float(si.log_marginal(model, hp) - si.log_marginal(model, hm)) / (2 * e)
+            # in NumPy, then as hc is (a Python float or an array): the same compiled program
+            hp, hm = np.asarray(h0) + e * v, np.asarray(h0) - e * v
+            hp, hm = ((float(hp), float(hm)) if isinstance(h0, float)
+                      else (jnp.asarray(hp, dtype), jnp.asarray(hm, dtype)))
+            # the compiled log-marginal (checked against the eager one above) at h0 +- e v
+            central = float(value_and_grad(hp)[0] - value_and_grad(hm)[0]) / (2 * e)
             directional = float(np.sum(np.asarray(g) * v))
             assert math.isclose(directional, central, rel_tol=1e-5, abs_tol=1e-7), (
                 case,

@@ -109,9 +109,10 @@ def _engine(fn_name):
 
 
 #: the default run's float64 cases; every other prior runs in float32 (every prior once,
-#: each dtype on several priors; ``-m exhaustive`` runs the rest of the matrix)
-FLOAT64_PRIORS = ("mask", "causal", "categorical", "relpos_causal_clipped", "hartley",
-                  "geometric_noself_capped")
+#: each dtype on several priors; ``-m exhaustive`` runs the rest of the matrix). The two
+#: square (m x m) priors share a dtype, so their eager runs share the op-by-op compiles
+FLOAT64_PRIORS = ("mask", "causal", "categorical", "relpos_causal_clipped", "circulant",
+                  "hartley", "geometric_noself_capped")
 
 
 @pytest.mark.parametrize("prior_name, dtype", matrix(
@@ -124,16 +125,20 @@ def test_every_engine_every_prior_eager_and_jit(prior_name, dtype):
         logz, p, out, amax = _reference(prior, score, v)
         allowed = np.isfinite(np.asarray(prior.log_table(n)))
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-10, atol=1e-10)
-        for jitted in (False, True):
-            def run(name, score=score, v=v):
-                f = lambda s, vv: _engine(name)(heads_model, make(), s, vv)  # noqa: E731
-                return (jax.jit(f) if jitted else f)(jnp.asarray(score), jnp.asarray(v))
+        names = ("log_marginal", "marginals", "expectation", "map_edges", "sample_edges")
 
-            np.testing.assert_allclose(run("log_marginal"), logz, **tol)
-            np.testing.assert_allclose(run("marginals")["phi"], p, **tol)
-            np.testing.assert_allclose(run("expectation"), out, **tol)
-            np.testing.assert_array_equal(run("map_edges")["phi"], amax)
-            draw = np.asarray(run("sample_edges")["phi"])
+        def every_engine(s, vv):
+            return tuple(_engine(name)(heads_model, make(), s, vv) for name in names)
+
+        # eagerly (each engine on concrete arrays), then the five engines under one jit
+        # (one compiled program, not five: each engine is still traced and staged alone)
+        for run in (every_engine, jax.jit(every_engine)):
+            got_logz, got_p, got_out, got_amax, got_draw = run(jnp.asarray(score), jnp.asarray(v))
+            np.testing.assert_allclose(got_logz, logz, **tol)
+            np.testing.assert_allclose(got_p["phi"], p, **tol)
+            np.testing.assert_allclose(got_out, out, **tol)
+            np.testing.assert_array_equal(got_amax["phi"], amax)
+            draw = np.asarray(got_draw["phi"])
             assert draw.shape == (H, n)
             assert allowed[np.broadcast_to(np.arange(n), (H, n)), draw].all(), "drew a forbidden parent"
 
@@ -153,7 +158,8 @@ def test_sample_edges_frequencies_match_marginals(prior_name):
     _, p, _, _ = _reference(prior, score, v)
     num = 4000
     keys = jax.random.split(jax.random.PRNGKey(1), num)
-    draws = jax.vmap(lambda k: si.sample_edges(k, heads_model, prior, score, v)["phi"])(keys)
+    # under jit: one program, not an eager vmap's hundreds of primitive compiles
+    draws = jax.jit(jax.vmap(lambda k: si.sample_edges(k, heads_model, prior, score, v)["phi"]))(keys)
     freq = np.stack([(np.asarray(draws) == j).mean(0) for j in range(m)], -1)
     sd = np.sqrt(p * (1 - p) / num) + 1e-3
     assert np.all(np.abs(freq - p) < 5 * sd)
@@ -204,10 +210,13 @@ def test_gather_matches_vindex_on_every_layout():
     r = np.random.default_rng(0)
     cases = [((5, 7), (11, 1, 1)), ((3, 1, 5, 7), (11, 1, 1, 1, 1)), ((4, 5, 7), (11, 1, 1, 1)),
              ((5, 7), (7,)), ((5, 7), (5, 7)), ((2, 5, 7), (11, 1, 5, 7)), ((1, 5, 7), (11, 1, 1, 1))]
-    for ts, ix in cases:
-        t = jnp.asarray(r.normal(size=ts + (13,)))
-        i = jnp.asarray(r.integers(0, 13, size=ix))
-        np.testing.assert_array_equal(si.gather(t, i), Vindex(t)[..., i])
+    ts_is = [(jnp.asarray(r.normal(size=ts + (13,))), jnp.asarray(r.integers(0, 13, size=ix)))
+             for ts, ix in cases]
+    # the layouts are shape logic: one jitted program checks them all (the eager gather
+    # runs below, on the enumerated layouts)
+    pairs = jax.jit(lambda ti: [(si.gather(t, i), Vindex(t)[..., i]) for t, i in ti])(ts_is)
+    for got, want in pairs:
+        np.testing.assert_array_equal(got, want)
     # the enumerated value 0..m-1 (a transpose) and a permutation of it (the gather)
     for index in (np.arange(13), r.permutation(13)):
         for ts, lead in (((5, 7), (13, 1, 1)), ((2, 1, 7), (13, 1, 1, 1)), ((3, 5, 7), (1, 13, 1, 1, 1))):
@@ -243,17 +252,23 @@ def _two_hop_brute(score, v):
     return logz, out
 
 
+def _two_hop_both(s, vv):
+    return si.log_marginal(two_hop, s, vv), si.expectation(two_hop, "out", s, vv)
+
+
 @pytest.mark.parametrize("b", [5, 3])  # batch == n aligned the batch dim with the children dim
 def test_child_chain_inside_batch_plate(b):
+    """Both engines under one jit for each batch size; eagerly too at the regression's
+    batch == n (b = 3 eagerly is the same code on other shapes: op-by-op compiles only)."""
     with float64():
         n = 5
         r = np.random.default_rng(b)
         score, v = r.normal(size=(b, n, n)), r.normal(size=(b, n, 2))
         logz, out = _two_hop_brute(score, v)
-        np.testing.assert_allclose(si.log_marginal(two_hop, score, v), logz, rtol=1e-10)
-        np.testing.assert_allclose(si.expectation(two_hop, "out", score, v), out, atol=1e-10)
-        np.testing.assert_allclose(
-            jax.jit(lambda s, vv: si.expectation(two_hop, "out", s, vv))(score, v), out, atol=1e-10)
+        for run in ((_two_hop_both, jax.jit(_two_hop_both)) if b == n else (jax.jit(_two_hop_both),)):
+            got_logz, got_out = run(score, v)
+            np.testing.assert_allclose(got_logz, logz, rtol=1e-10)
+            np.testing.assert_allclose(got_out, out, atol=1e-10)
 
 
 # ----------------------------------------------------- NumPyro's own tools, float32-safe
@@ -549,7 +564,8 @@ def test_sink_parent_model_is_not_a_false_alarm():
             numpyro.deterministic("v", jnp.where(ok[..., None], V[jnp.where(ok, phi, 0)], 0.0))
 
     S = jnp.zeros((n, n + 1))
-    np.testing.assert_allclose(si.expectation(model, "v", V, S),
+    # under jit (the bounds check runs at trace time, as test_value_table_... shows for jit)
+    np.testing.assert_allclose(jax.jit(lambda V, S: si.expectation(model, "v", V, S))(V, S),
                                np.broadcast_to(np.asarray(V).sum(0) / (n + 1), (n, 2)), rtol=1e-6)
 
 
