@@ -206,8 +206,10 @@ class KernelTable(Mapping[str, Kernel]):
         return f"KernelTable({', '.join(self._entries)})"
 
 
-#: the kernel table (see `KernelTable`)
 KERNELS: KernelTable = KernelTable(_ENTRIES)
+"""The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel], a read-only
+[`KernelTable`][structinfer.lowering.KernelTable] (``"dense"``, ``"blocked"``,
+``"windowed"``, ``"cudnn"``, ``"pallas"``)."""
 
 
 def auto_kernel(lowered: Lowered) -> tuple[str, tuple[str, ...]]:
