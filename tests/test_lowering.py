@@ -584,7 +584,10 @@ def test_kernel_table_contract():
         np.testing.assert_allclose(y[2:], y0[2:], atol=2e-6, err_msg=name)
         np.testing.assert_allclose(lse[2:], l0[2:], atol=2e-6, err_msg=name)
         ran.append(name)
-    assert {"dense", "blocked", "windowed", "pallas"} <= set(ran)
+    # Pallas runs interpreted here, on a JAX with its Triton backend (not the floor's)
+    has_pallas = KERNELS["pallas"].unsupported(low) is None
+    assert {"dense", "blocked", "windowed", *(["pallas"] if has_pallas else [])} <= set(ran)
+    assert has_pallas or "Pallas Triton backend" in KERNELS["pallas"].unsupported(low)
 
 
 def _dot_ref(xq, xk, v, extra=0.0):

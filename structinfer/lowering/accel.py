@@ -151,9 +151,21 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
     return None
 
 
+@functools.cache
+def _pallas_missing() -> str | None:
+    """Why this JAX has no Pallas Triton backend (older releases), or `None`."""
+    try:
+        from jax.experimental import pallas  # noqa: F401
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError as err:
+        return f"this JAX ({jax.__version__}) has no Pallas Triton backend ({err})"
+    return None
+
+
 def pallas_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> str | None:
-    """Why the Pallas kernel cannot run this edge, or `None` when it can."""
-    return _dot_only(terms, prob)
+    """Why the Pallas kernel cannot run this edge (its structure, or a JAX without the
+    Pallas Triton backend), or `None` when it can."""
+    return _pallas_missing() or _dot_only(terms, prob)
 
 
 def pallas_measured_faster(terms: Terms) -> str | None:
