@@ -1,5 +1,5 @@
-"""How many times recognising a model runs it (the issue "Flash speed for every prior
-on a GPU": the model is traced once or twice per compile, not five times).
+"""How many times recognising a model runs it (once or twice per compile, not five
+times: each run is Python tracing before XLA starts).
 
 Each model counts its own calls; the first call of `si.attention` (eager and under
 `jax.jit`) and `si.explain` may run a one-edge model at most twice (the inspection

@@ -7,7 +7,9 @@ can be differentiated:
 
 * for every row of :data:`structinfer.testing.registry.REGISTRY` and every float
   hyperparameter of its model (found from the model's signature and the example's static
-  values), ``jax.jit`` over it gives the eager quantities, and ``jax.grad`` of a scalar of
+  values), ``jax.jit`` over it gives the quantities of the concrete value (a Python float
+  closed over, so its value checks and fast paths run, compiled too), and ``jax.grad`` of
+  a scalar of
   the quantities with respect to it is finite and matches a central difference (float64);
 * the same for the float arguments of every score and prior constructor, through
   :func:`structinfer.log_marginal` of a one-edge model;

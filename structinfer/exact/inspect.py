@@ -41,6 +41,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import treedef_is_leaf
 from numpyro.handlers import block, seed, substitute, trace
 
 from .._checks import as_arrays, is_concrete, model_name
@@ -296,6 +297,9 @@ def stage_at_probes(model: Callable, args: tuple, kwargs: Mapping, info: ModelIn
             for name, s in tr.items()
             if s["type"] == "deterministic" or (s["type"] == "sample" and name not in values)
         }
+        # one output per site: a site whose value is a container (a tuple, a dict, None)
+        # is left out, so the outputs' positions stay those of ``sites``
+        out = {k: v for k, v in out.items() if treedef_is_leaf(jax.tree.structure(v))}
         sites[:] = list(out)
         return list(out.values())
 
@@ -451,7 +455,9 @@ def inspect_model(model: Callable, *args: Any, **kwargs: Any) -> ModelInfo:
         **kwargs: its keyword arguments.
 
     Returns:
-        The model's [`ModelInfo`][structinfer.exact.ModelInfo].
+        The model's [`ModelInfo`][structinfer.exact.ModelInfo]. Its ``trace`` and
+        ``at_probes`` hold the call's arrays, and under a ``jit`` its tracers: read them
+        inside that trace, not after it.
 
     Raises:
         TypeError: ``model`` is not callable, or it indexes a NumPy array with an edge

@@ -10,7 +10,7 @@ $$
 
 computed over blocks of ``bq`` children and ``bk`` parents with the running
 maximum / running sum recursion of the online softmax (Milakov & Gimelshein
-2018; the "flash attention" schedule; the step itself is `_softmax.step`, shared with
+2018; the "flash attention" schedule; one step function, shared with
 the Pallas kernel and ring attention's merge). Per block the logits are recomputed from
 their factors and index grids, so memory is $O(n\,d + b_q b_k)$.
 Blocks that the structure forbids entirely (causal triangle, sliding window,

@@ -107,6 +107,7 @@ class Kernel:
 
     @property
     def label(self) -> str:
+        """How explanations and errors name the kernel: ``title``, else ``name``."""
         return self.title or self.name
 
 

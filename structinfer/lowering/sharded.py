@@ -20,7 +20,7 @@ L = \log(e^{L_a} + e^{L_b}), \qquad
 y = e^{L_a - L} y_a + e^{L_b - L} y_b.
 $$
 
-(the online softmax's merge, `structinfer.lowering._softmax.merge`), so the gradient
+(the online softmax's merge, shared with the single-device kernels), so the gradient
 reaches each step through its log-normaliser $L$ as well as its output.
 Chunk pairs that a distance band forbids entirely are skipped (``lax.cond``).
 Memory per device is $O((n + m) d / D)$ plus the kernel's block. Both are
@@ -163,9 +163,17 @@ def _entry(kernel: str, lowered: Lowered):
 
 def ring_step_kernel(kernel: str, lowered: Lowered) -> str:
     """The kernel each step of ring attention runs for an edge whose single-device
-    kernel is ``kernel``: its table entry's ``ring_step`` (the Pallas kernel for cuDNN
-    and Pallas, the blocked kernel otherwise), or the blocked kernel when that one cannot
-    run the edge."""
+    kernel is ``kernel``.
+
+    Args:
+        kernel: a key of `structinfer.lowering.kernels.KERNELS`, the edge's kernel on one
+            device.
+        lowered: the lowered edge site.
+
+    Returns:
+        The entry's ``ring_step`` (the Pallas kernel for cuDNN and Pallas, the blocked
+        kernel otherwise), or ``"blocked"`` when that one cannot run the edge.
+    """
     step = KERNELS[kernel].ring_step
     return step if KERNELS[step].unsupported(lowered) is None else "blocked"
 
