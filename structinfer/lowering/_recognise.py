@@ -461,8 +461,8 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
     sizes = {e: info.enumerated[e][1] for e in names}
     np_probes = info.probes()  # every enumerated site is an edge (checked above)
     np_zeros = {e: np.zeros((1,) * (N + 1 + k), np.int32) for k, e in enumerate(names)}
-    for name in info.unvalued:  # the probe run needs every latent site's value
-        raise missing_value_error(name)
+    if info.unvalued:  # the probe run needs every latent site's value
+        raise missing_value_error(info.unvalued[0])
     prog = info.at_probes or _staged(model, args, kwargs, info, value)
     # Site messages (EdgeInfo, scales, masks, plates) come from the inspection run: an
     # edge's prior and score cannot hold another edge's enumeration dim (`edge` checks

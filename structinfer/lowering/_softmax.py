@@ -14,7 +14,7 @@ $$
 
 and the row ends as $y = a / l$, $L = m + \log l$ (Milakov & Gimelshein 2018; the
 flash-attention schedule). While a row has seen no allowed edge its maximum is
-$-\infty$; the shift is then 0 (`shift`), so $e^{-\infty - 0} = 0$ rather than NaN, and a
+$-\infty$; the shift is then 0 (`online_shift`), so $e^{-\infty - 0} = 0$ rather than NaN, and a
 row that never sees one ends with $y = 0$, $L = -\infty$ (the kernels write it NaN where
 the engine's convention asks for it).
 
@@ -34,7 +34,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Running", "start", "shift", "step", "finish", "merge"]
+__all__ = ["Running", "online_start", "online_shift", "online_step", "online_finish",
+           "online_merge"]
 
 
 class Running(NamedTuple):
@@ -48,32 +49,32 @@ class Running(NamedTuple):
     acc: jax.Array
 
 
-def start(rows: tuple[int, ...], dv: int, dtype) -> Running:
+def online_start(rows: tuple[int, ...], dv: int, dtype) -> Running:
     """The state of ``rows`` (a shape, batch dims included) before any block."""
     return Running(jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
                    jnp.zeros(rows + (dv,), dtype))
 
 
-def shift(m: jax.Array) -> jax.Array:
+def online_shift(m: jax.Array) -> jax.Array:
     """The exponent shift for running maxima ``m``: ``m``, or 0 where it is ``-inf``."""
     return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def step(state: Running, s: jax.Array, v: jax.Array,
+def online_step(state: Running, s: jax.Array, v: jax.Array,
          matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Running:
     r"""One block: ``state`` updated with logits ``s`` ``(..., rows, cols)`` (``-inf`` on
     forbidden edges) and values ``v`` ``(..., cols, dv)``; ``matmul(p, v)`` is the
     ``(..., rows, dv)`` product of the block's $e^{s - m'}$ (in ``v``'s dtype) with ``v``,
     accumulated in the state's dtype."""
     m_new = jnp.maximum(state.m, jnp.max(s, axis=-1))
-    m_safe = shift(m_new)
+    m_safe = online_shift(m_new)
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(state.m - m_safe)
     acc = state.acc * corr[..., None] + matmul(p.astype(v.dtype), v)
     return Running(m_new, state.l * corr + jnp.sum(p, axis=-1), acc)
 
 
-def finish(state: Running) -> tuple[jax.Array, jax.Array]:
+def online_finish(state: Running) -> tuple[jax.Array, jax.Array]:
     r"""``(y, L)`` of the rows: $a / l$ and $m + \log l$; a row with no allowed edge
     ($l = 0$) gives $y = 0$, $L = -\infty$."""
     pos = state.l > 0
@@ -82,7 +83,7 @@ def finish(state: Running) -> tuple[jax.Array, jax.Array]:
             jnp.where(pos, state.m + jnp.log(l_safe), -jnp.inf))
 
 
-def merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
+def online_merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
           ) -> tuple[jax.Array, jax.Array]:
     r"""Two normalised partial results of the same rows, over disjoint sets of parents,
     as one:
@@ -94,6 +95,6 @@ def merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
     (the state $(m, l, a) = (\max(L_a, L_b),\ e^{L_a - m} + e^{L_b - m},\
     e^{L_a - m} y_a + e^{L_b - m} y_b)$, finished). Differentiable in both $y$ and $L$;
     a part with $L = -\infty$ contributes nothing."""
-    m = shift(jnp.maximum(la, lb))
+    m = online_shift(jnp.maximum(la, lb))
     ea, eb = jnp.exp(la - m), jnp.exp(lb - m)
-    return finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))
+    return online_finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))

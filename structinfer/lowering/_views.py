@@ -164,7 +164,8 @@ def replay_with_views(closed, vals, known=(), outputs=None):
     outvars = list(jaxpr.outvars)
     if outputs is not None:
         outvars = [outvars[i] for i in outputs]
-    thunks = [(lambda v=v: v) if i in set(known) else None for i, v in enumerate(vals)]
+    known = set(known)
+    thunks = [(lambda v=v: v) if i in known else None for i, v in enumerate(vals)]
     return _replay(jaxpr, top.consts, list(vals), thunks, outvars)[0]
 
 

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _softmax as online
+from ._softmax import online_finish, online_start, online_step
 from ._spec import (
     Problem,
     Terms,
@@ -343,10 +343,10 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
         s, _, _ = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision, off)
-        return online.step(state, s, named["v"][_pl_ds(j0, bk), :], matmul)
+        return online_step(state, s, named["v"][_pl_ds(j0, bk), :], matmul)
 
-    state = lax.fori_loop(lo, hi, body, online.start((bq,), o_ref.shape[-1], acc_dtype))
-    y, lse = online.finish(state)
+    state = lax.fori_loop(lo, hi, body, online_start((bq,), o_ref.shape[-1], acc_dtype))
+    y, lse = online_finish(state)
     o_ref[...] = y.astype(o_ref.dtype)
     lse_ref[...] = lse
 

@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from . import _softmax as online
+from ._softmax import Running, online_finish, online_start, online_step
 from ._spec import Problem, Terms, accum_dtype, block_logits, sum_to
 
 __all__ = ["Schedule", "make_schedule", "blocked_attention", "band_blocks"]
@@ -407,7 +407,7 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
     def update(carry, s, ok, v_c):
         """One online-softmax step of the rows in ``carry`` over logits ``s``."""
         s = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
-        return tuple(online.step(online.Running(*carry), s, v_c, matmul))
+        return tuple(online_step(Running(*carry), s, v_c, matmul))
 
     def q_block(a):
         i0 = a * bq
@@ -443,8 +443,8 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
 
             return body
 
-        init = tuple(online.start(batch + (bq,), dv, dtype))
-        out, lse = online.finish(online.Running(*_loops(tables, a, body_of, init)))
+        init = tuple(online_start(batch + (bq,), dv, dtype))
+        out, lse = online_finish(Running(*_loops(tables, a, body_of, init)))
         if nan_rows:  # the engine's convention, in the same pass as the division
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
         return out.astype(out_dtype), lse

@@ -40,8 +40,8 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _softmax as online
 from ._lower import Lowered
+from ._softmax import online_merge
 from ._spec import Problem, Terms, accum_dtype
 from .blocked import blocked_attention, make_schedule
 from .kernels import KERNELS, KernelConfig
@@ -273,7 +273,7 @@ def ring_attention(
             if terms.dmax is not None:
                 live = live & (d_lo <= terms.dmax)
             yc, lc = lax.cond(live, compute, empty, chunk)
-            y, lse = online.merge(y, lse, yc, lc)
+            y, lse = online_merge(y, lse, yc, lc)
             if step < ndev - 1:
                 col, v = lax.ppermute((col, v), ax, perm)
         return y.astype(v.dtype), lse
