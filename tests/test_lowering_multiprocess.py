@@ -20,7 +20,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import FAST_COMPILE_FLAG
+from conftest import FAST_COMPILE_FLAGS
 
 WORKER = textwrap.dedent(
     """
@@ -82,8 +82,9 @@ def test_two_processes_run_the_sharded_kernels_like_one():
     except OSError as err:  # pragma: no cover - sandbox without localhost networking
         pytest.skip(f"cannot open a localhost TCP port for the coordinator: {err}")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device each
-    if FAST_COMPILE_FLAG in os.environ.get("XLA_FLAGS", ""):  # the session's fast compiles
-        env["XLA_FLAGS"] = FAST_COMPILE_FLAG
+    fast = [f for f in os.environ.get("XLA_FLAGS", "").split() if f in FAST_COMPILE_FLAGS]
+    if fast:  # the session's fast compiles
+        env["XLA_FLAGS"] = " ".join(fast)
     env["JAX_PLATFORMS"] = "cpu"
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
