@@ -1,4 +1,6 @@
-"""The `structinfer` command, run in subprocesses: exit codes, one-line errors, reports.
+"""The `structinfer` command: exit codes, one-line errors, reports; as a process (the
+console script, ``python -m structinfer.cli``) and in-process through `cli.main` (the
+demo, most error cases: the same code, without a process's import time).
 
 Exit status contract: 0 success, 2 usage error (bad arguments, missing path, unknown
 reproduction, a --true-edges key that is not in the data), 1 runtime error (no model in
@@ -189,16 +191,36 @@ def _case_env(files, spec):
     return env
 
 
-def test_errors_are_one_line_with_the_right_exit_status(files):
-    cases = [(args, _case_env(files, spec)) for args, spec, _, _ in ERROR_CASES]
-    cases.append((["compare", "models.py", "nan.npz", "--debug"], {}))
-    results = run_many(files, cases)
-    for (args, _, code, text), (rc, _so, se) in zip(ERROR_CASES, results[:-1]):
-        lines = [ln for ln in se.strip().splitlines() if ln.strip()]
-        assert rc == code, (args, rc, se)
-        assert text in se, (args, se)
+def _main(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, [ln for ln in out.err.splitlines() if ln.strip()]
+
+
+#: the cases also run as a process (the rest run in-process through `cli.main`): one usage
+#: error, one runtime error, and --debug's traceback, which only a process prints
+PROCESS_CASES = (["frobnicate"], ["compare", "models.py", "nan.npz"])
+
+
+def test_errors_are_one_line_with_the_right_exit_status(files, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")  # the test session's cache stays
+    checked = []
+    for args, spec, code, text in ERROR_CASES:
+        with monkeypatch.context() as m:
+            for k, v in _case_env(files, spec).items():
+                m.setenv(k, v)
+            rc, _, lines = _main(capsys, *args)
         # usage and runtime errors alike: exactly one line, no usage block, no traceback
-        assert len(lines) == 1 and "Traceback" not in se, (args, se)
+        assert (rc, len(lines)) == (code, 1) and text in lines[0], (args, rc, lines)
+        if args in PROCESS_CASES:
+            checked.append((args, code, text))
+    assert len(checked) == len(PROCESS_CASES)
+    cases = [(args, {}) for args, _, _ in checked]
+    results = run_many(files, cases + [(["compare", "models.py", "nan.npz", "--debug"], {})])
+    for (args, code, text), (rc, _so, se) in zip(checked, results):
+        lines = [ln for ln in se.strip().splitlines() if ln.strip()]
+        assert rc == code and len(lines) == 1 and text in se, (args, rc, se)
     rc, so, se = results[-1]  # --debug: the traceback is shown
     assert rc == 1 and "Traceback" in se and "contains NaN" in se
 
@@ -228,12 +250,6 @@ def registered(files, monkeypatch):
                             "si_test_" + name.replace("-", "_"))
     monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")
     return files
-
-
-def _main(capsys, *argv):
-    rc = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out, [ln for ln in out.err.splitlines() if ln.strip()]
 
 
 def test_reproduce_lists_the_shipped_reproductions(tmp_path):
@@ -355,11 +371,14 @@ def test_compare_models_file_imports_a_module_beside_it(files):
         assert "model 'geometric' needs argument 'x'" in r.stderr, r.stderr
 
 
-def test_demo_quick(files):
+def test_demo_quick(files, capsys, monkeypatch):
+    """The main job, in-process (the other tests run the command as a process)."""
+    monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")  # the test session's cache stays
     out = files / "demo-out"
-    r = run(files, "demo", "--quick", "--out", out, "--seed", "1", "--no-progress")
-    assert r.returncode == 0, r.stderr
-    assert "PSIS-LOO comparison" in r.stdout and "best edge recovery" in r.stdout
+    rc, stdout, err = _main(capsys, "demo", "--quick", "--out", out, "--seed", "1",
+                            "--no-progress")
+    assert rc == 0, err
+    assert "PSIS-LOO comparison" in stdout and "best edge recovery" in stdout
     table = pd.read_csv(out / "comparison.csv", index_col=0)
     assert set(table.index) == {"uniform", "window", "relative", "geometric"}
     assert sorted(table["rank"]) == [0, 1, 2, 3]
