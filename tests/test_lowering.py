@@ -241,11 +241,10 @@ def test_block_logits_transposed_is_the_transpose(x64, name):
     low = lower_edge(_priors(N, M, np.float64)[name], score, v, N)
     t, p = low.terms, low.problem
     i0, bq, j0, bk = 5, 7, 11, 4
-    rows = {k: x[..., i0:i0 + bq, :] for k, x in p.row.items()}
-    cols = {k: x[..., j0:j0 + bk, :] for k, x in p.col.items()}
-    pair = {k: x[..., i0:i0 + bq, j0:j0 + bk] for k, x in p.pair.items()}
-    const = {k: (x[..., j0:j0 + bk] if k == "col_ok" else x[..., i0:i0 + bq, j0:j0 + bk])
-             for k, x in p.const.items()}
+    rows = jax.tree.map(lambda x: x[..., i0:i0 + bq, :], p.row)
+    cols = jax.tree.map(lambda x: x[..., j0:j0 + bk, :], p.col)
+    pair = jax.tree.map(lambda x: x[..., i0:i0 + bq, j0:j0 + bk], p.pair)
+    const = p.const.map(lambda x: x[..., i0:i0 + bq, j0:j0 + bk], lambda x: x[..., j0:j0 + bk])
     args = (t, rows, cols, pair, p.glob, const, jnp.arange(i0, i0 + bq),
             jnp.arange(j0, j0 + bk), jnp.float64, jnp.arange(bk) < 3)
     s, ok = block_logits(*args)

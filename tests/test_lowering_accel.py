@@ -262,8 +262,8 @@ def test_pallas_passes_over_many_blocks_equal_the_dense_kernel(band):
     np.testing.assert_allclose(np.where(fin, lse1, 0.0), np.where(fin, lse0, 0.0), atol=1e-5)
     np.testing.assert_allclose(np.where(fin[..., None], y1, 0.0),
                                np.where(fin[..., None], y0, 0.0), atol=1e-5)
-    for a, b in ((g0.row["q"], d_row["q"]), (g0.col["k"], d_col["k"]), (g0.v, d_v),
-                 (g0.glob["relpos"], d_glob["relpos"])):
+    for a, b in ((g0.row.q, d_row.q), (g0.col.k, d_col.k), (g0.v, d_v),
+                 (g0.glob.relpos, d_glob.relpos)):
         np.testing.assert_allclose(b, a, atol=5e-5)
 
 
@@ -489,9 +489,9 @@ def test_pallas_passes_take_traced_start_offsets(case):
     low = lower_edge(prior, si.scores.Dot(q, k, scale=0.4), v, N, (H,))
     terms = dataclasses.replace(low.terms, num_children=n, num_parents=m)
     p = low.problem
-    chunk = p._replace(row={key: x[..., i0:i0 + n, :] for key, x in p.row.items()},
-                       col={key: x[..., j0:j0 + m, :] for key, x in p.col.items()},
-                       v=p.v[..., j0:j0 + m, :])
+    chunk = dataclasses.replace(p, row=jax.tree.map(lambda x: x[..., i0:i0 + n, :], p.row),
+                                col=jax.tree.map(lambda x: x[..., j0:j0 + m, :], p.col),
+                                v=p.v[..., j0:j0 + m, :])
     sched = make_schedule(dataclasses.replace(terms, dmin=None, dmax=None), 8, 8)
 
     def run(pallas):
@@ -518,7 +518,7 @@ def test_pallas_passes_take_traced_start_offsets(case):
                                np.where(fin[..., None], ya, 0.0), atol=1e-5)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(b, a, atol=5e-5)
-    assert float(np.abs(g1.row["geo" if case == "geometric_trunc" else "q"]).max()) > 1e-3
+    assert float(np.abs(g1.row.geo if case == "geometric_trunc" else g1.row.q).max()) > 1e-3
     if case == "relpos_causal":  # and Triton takes the traced offset (lowered for CUDA)
         def passes(prob, starts):
             kw = dict(interpret=False, starts=starts)

@@ -300,10 +300,10 @@ def test_distance_band_mask():
 
 
 def test_lowering_namespace_is_what_users_call():
-    internals = ["Terms", "Problem", "RelPos", "Plan", "Fallback", "recognise", "lower_edge",
-                 "Lowered", "block_logits", "Schedule", "make_schedule", "band_blocks",
-                 "blocked_attention", "dense_attention", "dense_logits", "band_logits",
-                 "windowed_kernel"]
+    internals = ["Terms", "Problem", "Rows", "Cols", "Pairs", "Globals", "Consts", "RelPos",
+                 "Plan", "Fallback", "recognise", "lower_edge", "Lowered", "block_logits",
+                 "Schedule", "make_schedule", "band_blocks", "blocked_attention",
+                 "dense_attention", "dense_logits", "band_logits", "windowed_kernel"]
     for name in internals:
         assert not hasattr(L, name), name
     for name in L.__all__:

@@ -40,6 +40,7 @@ The built-in rules are in `structinfer.lowering._rules` (registered when
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ from jax.typing import ArrayLike
 
 from ..priors import RestrictionPattern, StructuralPrior, band_mask
 from ..scores import Score
-from ._spec import Problem, RelPos, Terms, accum_dtype
+from ._spec import Cols, Consts, Globals, Pairs, Problem, RelPos, Rows, Terms, accum_dtype
 
 __all__ = [
     "NotLowered",
@@ -147,9 +148,10 @@ class TermBuilder:
         self._col_bias: list[jax.Array] = []
         self._pair: list[jax.Array] = []
         self._kw: dict[str, Any] = {}
-        self._row: dict[str, jax.Array] = {}
-        self._glob: dict[str, jax.Array] = {}
-        self._const: dict[str, jax.Array] = {}
+        self._geo: jax.Array | None = None
+        self._relpos: jax.Array | None = None
+        self._col_ok: jax.Array | None = None
+        self._pair_ok: jax.Array | None = None
         self._mask: np.ndarray | None = None
         self._notes: list[str] = []
 
@@ -220,7 +222,7 @@ class TermBuilder:
             offset: child $i$ sits at parent position $i + \text{offset}$.
         """
         self._set_offset(offset)
-        self._glob["relpos"] = bias
+        self._relpos = bias
         self._kw["relpos"] = RelPos(mode, self.num_parents, max_distance, period,
                                     int(bias.shape[-1]))
 
@@ -238,7 +240,7 @@ class TermBuilder:
         n = self.num_children
         qc = q[..., None] if q.ndim else jnp.reshape(q, (1, 1))
         geo = jnp.concatenate([jnp.log(qc), jnp.log1p(-qc)], -1)  # (..., n|1, 2)
-        self._row["geo"] = jnp.broadcast_to(geo, geo.shape[:-2] + (n, 2))
+        self._geo = jnp.broadcast_to(geo, geo.shape[:-2] + (n, 2))
         self._kw["geometric"] = True
         self._kw["geo_d0"] = min_distance
 
@@ -268,8 +270,8 @@ class TermBuilder:
 
     def restrict_columns(self, ok: jax.Array) -> None:
         """Allow only parents ``j`` with ``ok[..., j]`` (``(..., m)`` boolean, may be traced)."""
-        prev = self._const.get("col_ok")
-        self._const["col_ok"] = ok if prev is None else prev & ok
+        prev = self._col_ok
+        self._col_ok = ok if prev is None else prev & ok
         self._kw["col_ok"] = True
 
     def restrict_pairs(self, ok: jax.Array, concrete: np.ndarray | None = None) -> None:
@@ -281,8 +283,8 @@ class TermBuilder:
         if ok.shape[-2] == 1:
             self.restrict_columns(ok[..., 0, :])
         else:
-            prev = self._const.get("pair_ok")
-            self._const["pair_ok"] = ok if prev is None else prev & ok
+            prev = self._pair_ok
+            self._pair_ok = ok if prev is None else prev & ok
             self._kw["pair_ok"] = True
         if concrete is not None:
             c = np.asarray(concrete, bool)
@@ -469,6 +471,19 @@ def _batch(x: jax.Array, core: int) -> tuple[int, ...]:
     return tuple(x.shape[: x.ndim - core])
 
 
+def _named(group) -> list[tuple[str, jax.Array]]:
+    """The arrays of a `Rows` / `Cols` as ``(name, array)``, the r-th IDW term's as
+    ``idw<r>`` (for error messages)."""
+    out = []
+    for f in dataclasses.fields(group):
+        x = getattr(group, f.name)
+        if isinstance(x, tuple):
+            out += [(f"{f.name}{r}", y) for r, y in enumerate(x)]
+        elif x is not None:
+            out.append((f.name, x))
+    return out
+
+
 def _bcast_cat(xs: list[jax.Array]) -> jax.Array:
     """Concatenate along the feature axis after broadcasting the other axes."""
     if len(xs) == 1:
@@ -508,65 +523,74 @@ def lower_edge(
     acc.add_prior(prior)
     if score is not None:
         acc.add_score(score)
-    arrays = []
-    row, col, pair, glob = dict(acc._row), {}, {}, dict(acc._glob)
     kw = dict(acc._kw)
+    q = k = bias = logits = None
     if acc._dot_q:
-        row["q"] = _bcast_cat(acc._dot_q)
-        col["k"] = _bcast_cat(acc._dot_k)
+        q, k = _bcast_cat(acc._dot_q), _bcast_cat(acc._dot_k)
         kw["dot"] = True
-    for r, (x, y, p, eps) in enumerate(acc._idw):
-        row[f"idw{r}"], col[f"idw{r}"] = x, y
-        glob[f"idw{r}_p"], glob[f"idw{r}_eps"] = p, eps
     kw["idw"] = len(acc._idw)
     if acc._col_bias:
         b = acc._col_bias[0]
         for x in acc._col_bias[1:]:
             b = b + x
-        col["bias"] = b[..., None]
+        bias = b[..., None]
         kw["col_bias"] = True
     if acc._pair:
         t = acc._pair[0]
         for x in acc._pair[1:]:
             t = t + x
-        pair["logits"] = t
+        logits = t
         kw["pair_logits"] = True
     v = jnp.asarray(value_table)
     # dtypes: the score's features and the values are the kernels' operands, in their
     # common dtype; the prior's parameters (and every other term) are added to logits
     # accumulated in float32 (float64 for float64 operands), so a float32 prior parameter
     # never promotes bfloat16 operands
-    inputs = [x for d in (row, col) for key, x in d.items() if key in ("q", "k")] + [v]
+    inputs = [x for x in (q, k) if x is not None] + [v]
     floats = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
     dtype = jnp.result_type(*floats) if floats else jnp.result_type(float)
     acc_dtype = accum_dtype(dtype)
 
-    def cast(d):
-        return {key: x.astype(dtype if key in ("q", "k") else acc_dtype)
-                for key, x in d.items()}
+    def operand(x):
+        return None if x is None else x.astype(dtype)
 
-    row, col, pair, glob = cast(row), cast(col), cast(pair), cast(glob)
+    def term(x):
+        return None if x is None else x.astype(acc_dtype)
+
+    def idw(part: int) -> tuple[jax.Array, ...]:  # x, y, p or eps of every IDW term
+        return tuple(term(t[part]) for t in acc._idw)
+
+    row = Rows(q=operand(q), geo=term(acc._geo), idw=idw(0))
+    col = Cols(k=operand(k), bias=term(bias), idw=idw(1))
+    glob = Globals(relpos=term(acc._relpos), idw_p=idw(2), idw_eps=idw(3))
     v = v.astype(dtype)
     # shape checks and the batch shape
-    for k, x in row.items():
+    arrays = []
+    for name, x in _named(row):
         if x.shape[-2] != n:
-            raise NotLowered(f"row array '{k}'", f"has {x.shape[-2]} children, expected {n}")
+            raise NotLowered(f"row array '{name}'", f"has {x.shape[-2]} children, expected {n}")
         arrays.append(_batch(x, 2))
-    for k, x in col.items():
+    for name, x in _named(col):
         if x.shape[-2] != m:
-            raise NotLowered(f"column array '{k}'", f"has {x.shape[-2]} parents, expected {m}")
+            raise NotLowered(f"column array '{name}'",
+                             f"has {x.shape[-2]} parents, expected {m}")
         arrays.append(_batch(x, 2))
-    for k, x in pair.items():
-        if x.shape[-1] != m or x.shape[-2] not in (1, n):
-            raise NotLowered(f"pair array '{k}'", f"shape {x.shape}, expected (..., {n}, {m})")
-        pair[k] = jnp.broadcast_to(x, x.shape[:-2] + (n, m))
-        arrays.append(_batch(x, 2))
-    const = dict(acc._const)
-    for k, x in const.items():
-        if k == "pair_ok":
-            const[k] = jnp.broadcast_to(x, x.shape[:-2] + (n, m))
-        arrays.append(_batch(x, 2 if k == "pair_ok" else 1))
-    for x in glob.values():
+    logits = term(logits)
+    if logits is not None:
+        if logits.shape[-1] != m or logits.shape[-2] not in (1, n):
+            raise NotLowered("pair array 'logits'",
+                             f"shape {logits.shape}, expected (..., {n}, {m})")
+        arrays.append(_batch(logits, 2))
+        logits = jnp.broadcast_to(logits, logits.shape[:-2] + (n, m))
+    pair = Pairs(logits=logits)
+    pair_ok, col_ok = acc._pair_ok, acc._col_ok
+    if pair_ok is not None:
+        arrays.append(_batch(pair_ok, 2))
+        pair_ok = jnp.broadcast_to(pair_ok, pair_ok.shape[:-2] + (n, m))
+    if col_ok is not None:
+        arrays.append(_batch(col_ok, 1))
+    const = Consts(pair_ok=pair_ok, col_ok=col_ok)
+    for x in jax.tree.leaves(glob):
         arrays.append(_batch(x, 1))
     if v.ndim < 2 or v.shape[-2] != m:
         raise NotLowered("value", f"value table has shape {v.shape}, expected (..., {m}, dv)")

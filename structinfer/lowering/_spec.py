@@ -2,16 +2,22 @@ r"""The lowered form of one edge site: block-computable logits plus a value tabl
 
 A recognised edge site becomes a `Problem`: a *static* description of the
 terms of its logits (`Terms`, hashable, no arrays) and the arrays those
-terms read, split by how a block of children $I$ and parents $J$
+terms read, in five typed groups (frozen dataclasses, JAX pytrees whose absent
+arrays are ``None``) split by how a block of children $I$ and parents $J$
 slices them:
 
-* ``row``   — per-child arrays ``(..., n, f)`` (query features, geometric ``log q``),
-* ``col``   — per-parent arrays ``(..., m, f)`` (key features, per-parent biases),
-* ``pair``  — per-edge arrays ``(..., n, m)`` (categorical prior logits, custom scores),
-* ``glob``  — arrays read whole (relative-position bias over distances),
-* ``const`` — non-differentiable boolean masks (``(..., n, m)`` or ``(..., m)``),
+* ``row``   — `Rows`, per-child arrays ``(..., n, f)`` (query features, geometric ``log q``),
+* ``col``   — `Cols`, per-parent arrays ``(..., m, f)`` (key features, per-parent biases),
+* ``pair``  — `Pairs`, per-edge arrays ``(..., n, m)`` (categorical prior logits, custom scores),
+* ``glob``  — `Globals`, arrays read whole (relative-position bias over distances),
+* ``const`` — `Consts`, non-differentiable boolean masks (``(..., n, m)`` or ``(..., m)``),
 * ``v``     — the value table ``(..., m, dv)``: the output is
   $y_i = \sum_j p(\phi_i = j \mid x)\, V_j$.
+
+The arrays of `Rows`, `Cols` and `Pairs` each slice alike, so a kernel slices, pads or
+accumulates a whole group with ``jax.tree.map`` (`Consts.map` for the masks, whose
+two arrays slice differently), and reads a term by name (``prob.row.q``,
+``prob.glob.relpos``).
 
 `block_logits` evaluates the unnormalised log-posterior
 $\ell_{ij} = \psi_{ij} + \log \tilde p(\phi_i = j)$ on one block from the
@@ -20,11 +26,11 @@ no kernel ever needs the ``(n, m)`` table. Row-constant terms (the prior's
 normaliser, a Gaussian's $-\tfrac12 x_i^\top\Lambda x_i$) cancel in the
 softmax and are left out.
 """
-
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +40,8 @@ from jax.typing import DTypeLike
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
-__all__ = ["Terms", "RelPos", "Problem", "block_logits", "accum_dtype", "sum_to",
-           "geometric_log_prior"]
+__all__ = ["Terms", "RelPos", "Rows", "Cols", "Pairs", "Globals", "Consts", "Problem",
+           "block_logits", "accum_dtype", "sum_to", "geometric_log_prior"]
 
 
 def accum_dtype(dtype: DTypeLike) -> jnp.dtype:
@@ -84,18 +90,18 @@ class Terms:
 
     num_children: int
     num_parents: int
-    #: dot-product term: row["q"] . col["k"] (all dot-like scores concatenated)
+    #: dot-product term: row.q . col.k (all dot-like scores concatenated)
     dot: bool = False
-    #: number of IDW terms -log(eps + ||x_i - y_j||^p): row[f"idw{r}"], col[f"idw{r}"],
-    #: glob[f"idw{r}_p"], glob[f"idw{r}_eps"] (p and eps are arrays: traceable)
+    #: number of IDW terms -log(eps + ||x_i - y_j||^p): row.idw[r], col.idw[r],
+    #: glob.idw_p[r], glob.idw_eps[r] (p and eps are arrays: traceable)
     idw: int = 0
-    #: per-parent additive term col["bias"] (..., m, 1)
+    #: per-parent additive term col.bias (..., m, 1)
     col_bias: bool = False
-    #: per-edge additive term pair["logits"] (finite part)
+    #: per-edge additive term pair.logits (finite part)
     pair_logits: bool = False
-    #: relative-position log-weights from glob["relpos"] (..., L)
+    #: relative-position log-weights from glob.relpos (..., L)
     relpos: RelPos | None = None
-    #: geometric log-prior from row["geo"] (..., n, 2) = (log q, log(1-q))
+    #: geometric log-prior from row.geo (..., n, 2) = (log q, log(1-q))
     geometric: bool = False
     geo_d0: int = 0
     #: distance d = i + offset - j of child i to parent j
@@ -104,7 +110,7 @@ class Terms:
     dmin: int | None = None
     dmax: int | None = None
     exclude_zero: bool = False
-    #: boolean masks in const: "pair_ok" (..., n, m), "col_ok" (..., m)
+    #: boolean masks in const: pair_ok (..., n, m), col_ok (..., m)
     pair_ok: bool = False
     col_ok: bool = False
     #: human-readable description of the recognised parts (for explain)
@@ -115,14 +121,108 @@ class Terms:
         return self.dmin is not None or self.dmax is not None or self.exclude_zero
 
 
-class Problem(NamedTuple):
-    """Arrays of a lowered edge site (a pytree); ``terms`` says how to combine them."""
+def _pytree(cls):
+    """Register the frozen dataclass ``cls`` as a pytree whose children are all its fields
+    (an absent array is ``None``, an empty pytree: ``jax.tree.map`` skips it)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
 
-    row: dict
-    col: dict
-    pair: dict
-    glob: dict
-    const: dict
+
+@_pytree
+@dataclass(frozen=True)
+class Rows:
+    """Per-child arrays ``(..., n, f)``: a block of children slices each along axis -2.
+
+    Attributes:
+        q: the dot product's query features (every dot-like score's, concatenated).
+        geo: a geometric prior's ``(..., n, 2)`` = ``(log q, log(1 - q))``.
+        idw: the child features of each IDW term.
+    """
+
+    q: jax.Array | None = None
+    geo: jax.Array | None = None
+    idw: tuple[jax.Array, ...] = ()
+
+
+@_pytree
+@dataclass(frozen=True)
+class Cols:
+    """Per-parent arrays ``(..., m, f)``: a block of parents slices each along axis -2.
+
+    Attributes:
+        k: the dot product's key features.
+        bias: the per-parent additive term, ``(..., m, 1)``.
+        idw: the parent features of each IDW term.
+    """
+
+    k: jax.Array | None = None
+    bias: jax.Array | None = None
+    idw: tuple[jax.Array, ...] = ()
+
+
+@_pytree
+@dataclass(frozen=True)
+class Pairs:
+    """Per-edge arrays ``(..., n, m)``: a block slices children on axis -2, parents on -1.
+
+    Attributes:
+        logits: the per-edge additive term (finite).
+    """
+
+    logits: jax.Array | None = None
+
+
+@_pytree
+@dataclass(frozen=True)
+class Globals:
+    """Arrays every block reads whole.
+
+    Attributes:
+        relpos: the relative-position bias ``(..., L)`` over distances.
+        idw_p: each IDW term's exponent ``p``.
+        idw_eps: each IDW term's ``eps``.
+    """
+
+    relpos: jax.Array | None = None
+    idw_p: tuple[jax.Array, ...] = ()
+    idw_eps: tuple[jax.Array, ...] = ()
+
+
+@_pytree
+@dataclass(frozen=True)
+class Consts:
+    """Boolean masks (not differentiated): ``False`` forbids the edge.
+
+    Attributes:
+        pair_ok: per edge, ``(..., n, m)``.
+        col_ok: per parent, ``(..., m)``.
+    """
+
+    pair_ok: jax.Array | None = None
+    col_ok: jax.Array | None = None
+
+    def map(self, per_edge: Callable, per_parent: Callable) -> Consts:
+        """The masks with ``per_edge`` applied to ``pair_ok`` and ``per_parent`` to
+        ``col_ok`` (each where present): the two slice differently."""
+        return Consts(None if self.pair_ok is None else per_edge(self.pair_ok),
+                      None if self.col_ok is None else per_parent(self.col_ok))
+
+
+@_pytree
+@dataclass(frozen=True)
+class Problem:
+    """Arrays of a lowered edge site (a pytree); ``terms`` says how to combine them.
+
+    Attributes:
+        row, col, pair, glob, const: the five groups (see the module docstring).
+        v: the value table ``(..., m, dv)``.
+    """
+
+    row: Rows
+    col: Cols
+    pair: Pairs
+    glob: Globals
+    const: Consts
     v: jax.Array
 
 
@@ -189,11 +289,11 @@ def band_ok(t: Terms, d: jax.Array) -> jax.Array | None:
 
 def block_logits(
     t: Terms,
-    row: dict,
-    col: dict,
-    pair: dict,
-    glob: dict,
-    const: dict,
+    row: Rows,
+    col: Cols,
+    pair: Pairs,
+    glob: Globals,
+    const: Consts,
     i_idx: jax.Array,
     j_idx: jax.Array,
     dtype,
@@ -243,25 +343,25 @@ def block_logits(
 
     if t.dot:
         mm = dict(preferred_element_type=dtype, precision=precision)
-        add(jnp.einsum("...jf,...if->...ji", col["k"], row["q"], **mm) if transposed
-            else jnp.einsum("...if,...jf->...ij", row["q"], col["k"], **mm))
+        add(jnp.einsum("...jf,...if->...ji", col.k, row.q, **mm) if transposed
+            else jnp.einsum("...if,...jf->...ij", row.q, col.k, **mm))
     for r in range(t.idw):
-        x, y = row[f"idw{r}"].astype(dtype), col[f"idw{r}"].astype(dtype)
-        p, eps = glob[f"idw{r}_p"], glob[f"idw{r}_eps"]
+        x, y = row.idw[r].astype(dtype), col.idw[r].astype(dtype)
+        p, eps = glob.idw_p[r], glob.idw_eps[r]
         diff = (x[..., None, :, :] - y[..., :, None, :] if transposed
                 else x[..., :, None, :] - y[..., None, :, :])
         add(-jnp.log(eps + safe_pow_dist(jnp.sum(diff * diff, -1), p)))
     if t.col_bias:
-        add(per_parent(col["bias"][..., 0].astype(dtype)))
+        add(per_parent(col.bias[..., 0].astype(dtype)))
     if t.pair_logits:
-        add(per_edge(pair["logits"].astype(dtype)))
+        add(per_edge(pair.logits.astype(dtype)))
     d = None
     if t.relpos is not None or t.geometric or t.has_band:
         d = per_child(i_idx + t.offset) - per_parent(j_idx)
     if t.relpos is not None:
-        add(relpos_weights(t.relpos, glob["relpos"], d).astype(dtype))
+        add(relpos_weights(t.relpos, glob.relpos, d).astype(dtype))
     if t.geometric:
-        g = row["geo"].astype(dtype)
+        g = row.geo.astype(dtype)
         add(geometric_log_prior(per_child(g[..., 0]), per_child(g[..., 1]), d - t.geo_d0))
     if s is None:
         shape = (j_idx.shape[0], i_idx.shape[0]) if transposed else (i_idx.shape[0], j_idx.shape[0])
@@ -274,7 +374,7 @@ def block_logits(
     if col_valid is not None:
         ok = conj(ok, per_parent(col_valid))
     if t.col_ok:
-        ok = conj(ok, per_parent(const["col_ok"]))
+        ok = conj(ok, per_parent(const.col_ok))
     if t.pair_ok:
-        ok = conj(ok, per_edge(const["pair_ok"]))
+        ok = conj(ok, per_edge(const.pair_ok))
     return s.astype(dtype), ok

@@ -52,6 +52,7 @@ schedule; NVIDIA cuDNN's fused attention (its graph API, reached through JAX).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -128,7 +129,7 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
         return why
     if terms.col_ok:
         return "a per-parent mask"
-    q, k, v = prob.row["q"], prob.col["k"], prob.v
+    q, k, v = prob.row.q, prob.col.k, prob.v
     dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dts) != 1 or next(iter(dts)) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"inputs are {sorted(str(d) for d in dts)} (cuDNN takes float16 / bfloat16)"
@@ -195,11 +196,11 @@ def _bias_table(terms: Terms, prob: Problem, dtype) -> jax.Array:
     d = jnp.arange(n)[:, None] + terms.offset - jnp.arange(m)[None, :]
     b = jnp.zeros((n, m), jnp.float32)
     if terms.col_bias:
-        b = b + prob.col["bias"][..., 0][..., None, :]
+        b = b + prob.col.bias[..., 0][..., None, :]
     if terms.relpos is not None:
-        b = b + relpos_weights(terms.relpos, prob.glob["relpos"], d)
+        b = b + relpos_weights(terms.relpos, prob.glob.relpos, d)
     if terms.geometric:
-        g = prob.row["geo"].astype(jnp.float32)
+        g = prob.row.geo.astype(jnp.float32)
         b = b + geometric_log_prior(g[..., 0:1], g[..., 1:2], d - terms.geo_d0)
     return b.astype(dtype)
 
@@ -227,7 +228,7 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     batch = tuple(batch_shape)
     n, m = terms.num_children, terms.num_parents
     B = _prod(batch)
-    q, k, v = prob.row["q"], prob.col["k"], prob.v
+    q, k, v = prob.row.q, prob.col.k, prob.v
 
     def heads(x):  # (..., L, f) -> (1, L, B, f): cuDNN's BTNH layout, our batch as heads
         x = jnp.broadcast_to(x, batch + x.shape[-2:]).reshape((B,) + x.shape[-2:])
@@ -369,7 +370,7 @@ class _Layout:
         self.bk = min(_pow2(block_k), _pow2(m))
         self.nqb, self.nkb = -(-n // self.bq), -(-m // self.bk)
         self.n_pad, self.m_pad = self.nqb * self.bq, self.nkb * self.bk
-        q, v = prob.row["q"], prob.v
+        q, v = prob.row.q, prob.v
         self.fp, self.dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
         self.acc = accum_dtype(v.dtype)
 
@@ -392,8 +393,8 @@ class _Layout:
         from jax.experimental import pallas as pl
 
         bq, n_pad, m_pad, fp, dvp = self.bq, self.n_pad, self.m_pad, self.fp, self.dvp
-        arrays = {"q": self.pad(self.flat(prob.row["q"], 2), n_pad, fp),
-                  "k": self.pad(self.flat(prob.col["k"], 2), m_pad, fp),
+        arrays = {"q": self.pad(self.flat(prob.row.q, 2), n_pad, fp),
+                  "k": self.pad(self.flat(prob.col.k, 2), m_pad, fp),
                   "v": self.pad(self.flat(prob.v, 2), m_pad, dvp)}
         rows = ((lambda i, b: (b, 0, 0)), (None, n_pad)) if whole_rows else (
             (lambda i, b: (b, i, 0)), (None, bq))
@@ -406,18 +407,18 @@ class _Layout:
         if terms.col_bias or terms.col_ok:
             cb = jnp.zeros((terms.num_parents,), self.acc)
             if terms.col_bias:
-                cb = cb + prob.col["bias"][..., 0].astype(self.acc)
+                cb = cb + prob.col.bias[..., 0].astype(self.acc)
             if terms.col_ok:
-                cb = jnp.where(prob.const["col_ok"], cb, -jnp.inf)
+                cb = jnp.where(prob.const.col_ok, cb, -jnp.inf)
             arrays["bias"] = self.pad(self.flat(cb, 1), m_pad)
             specs["bias"] = pl.BlockSpec((None, m_pad), lambda i, b: (b, 0))
         if terms.geometric:
-            geo = self.flat(prob.row["geo"], 2)
+            geo = self.flat(prob.row.geo, 2)
             for r in (0, 1):
                 arrays[f"geo{r}"] = self.pad(geo[..., r], n_pad)
                 specs[f"geo{r}"] = pl.BlockSpec(rows[1], row_vec)
         if terms.relpos is not None:
-            rb = self.flat(prob.glob["relpos"], 1)
+            rb = self.flat(prob.glob.relpos, 1)
             arrays["relpos"] = rb
             specs["relpos"] = pl.BlockSpec((None, rb.shape[-1]), lambda i, b: (b, 0))
         if shift is not None:
@@ -431,7 +432,7 @@ def _wide_rows(prob: Problem) -> bool:
     over 64, bfloat16 over 128): smaller blocks and fewer pipeline stages then keep a
     program's tiles within a GPU's shared memory."""
     return any(_pow2(x.shape[-1]) * jnp.dtype(x.dtype).itemsize > 256
-               for x in (prob.row["q"], prob.col["k"], prob.v))
+               for x in (prob.row.q, prob.col.k, prob.v))
 
 
 def _compiler_params(fp: int, num_warps: int | None, num_stages: int):
@@ -728,7 +729,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             on an H100, at head dim 128 in bfloat16, 1.5-2x faster than 8 with these
             blocks).
         num_stages: Triton software-pipelining stages of both passes.
-        need_glob: the ``glob`` arrays whose gradients are wanted (default: all); the
+        need_glob: the `Globals` fields whose gradients are wanted (default: all); the
             relative-position table's pass runs only when it is among them.
         starts: optional ``(i_start, j_start)`` global indices of the first child and
             parent (may be traced), as for `pallas_forward`; with them the table's pass
@@ -737,7 +738,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
 
     Returns:
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
-        problem's ``row``, ``col``, ``pair`` and ``glob`` dicts and its value table.
+        problem's ``row``, ``col``, ``pair`` and ``glob`` groups and its value table.
 
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
     """
@@ -817,25 +818,26 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         return sum_to(x, like.shape).astype(like.dtype)
 
     def zeros(d):  # a cotangent for every array of the problem (the kernels fill theirs)
-        return {key: jnp.zeros_like(x) for key, x in d.items()}
+        return jax.tree.map(jnp.zeros_like, d)
 
     d_row, d_col, d_pair, d_glob = (zeros(prob.row), zeros(prob.col), zeros(prob.pair),
                                     zeros(prob.glob))
-    d_row["q"] = unflat(dq, n, prob.row["q"].shape[-1], prob.row["q"])
+    d_row = dataclasses.replace(d_row, q=unflat(dq, n, prob.row.q.shape[-1], prob.row.q))
     if terms.geometric:
         geo = jnp.stack([res[1][:, :n], res[2][:, :n]], -1).reshape(lay.batch + (n, 2))
-        d_row["geo"] = sum_to(geo, prob.row["geo"].shape).astype(prob.row["geo"].dtype)
-    d_col["k"] = unflat(dk, m, prob.col["k"].shape[-1], prob.col["k"])
+        d_row = dataclasses.replace(
+            d_row, geo=sum_to(geo, prob.row.geo.shape).astype(prob.row.geo.dtype))
+    d_col = dataclasses.replace(d_col, k=unflat(dk, m, prob.col.k.shape[-1], prob.col.k))
     if col_grad:
-        bias = prob.col["bias"]
+        bias = prob.col.bias
         db = res1[2][:, :m].reshape(lay.batch + (m,))[..., None]
-        d_col["bias"] = sum_to(db, bias.shape).astype(bias.dtype)
+        d_col = dataclasses.replace(d_col, bias=sum_to(db, bias.shape).astype(bias.dtype))
     d_v = unflat(dv, m, prob.v.shape[-1], prob.v)
 
     # pass 3: the relative-position table, one program per live block diagonal of square
     # blocks (its own launch, only when the table is differentiated)
     if terms.relpos is not None and (need_glob is None or "relpos" in need_glob):
-        rel = prob.glob["relpos"]
+        rel = prob.glob.relpos
         rlay = _Layout(terms, prob, batch_shape, min(bq, bk), min(bq, bk))
         first, last = ((-(rlay.nqb - 1), rlay.nkb - 1) if shift is not None
                        else _diagonals(terms, rlay.bq, rlay.nqb, rlay.nkb))
@@ -853,6 +855,6 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                 input_output_aliases={len(keys): 0},  # accumulated from zeros
                 compiler_params=params, interpret=interp, name="structinfer_attention_drelpos",
             )(*[arrays[x] for x in keys], drel)
-        d_glob["relpos"] = sum_to(drel.reshape(lay.batch + drel.shape[-1:]),
-                                  rel.shape).astype(rel.dtype)
+        d_glob = dataclasses.replace(d_glob, relpos=sum_to(
+            drel.reshape(lay.batch + drel.shape[-1:]), rel.shape).astype(rel.dtype))
     return d_row, d_col, d_pair, d_glob, d_v

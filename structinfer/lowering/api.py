@@ -17,6 +17,7 @@ on fallback, the site and the part that was not recognised.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ def _execute(plan: Plan, kernels: dict, config: KernelConfig,
             v = v + Y[c]
         low = ep.lowered
         dtype = jnp.result_type(v.dtype, low.problem.v.dtype)
-        prob = low.problem._replace(v=v.astype(dtype))
+        prob = dataclasses.replace(low.problem, v=v.astype(dtype))
         batch = tuple(jnp.broadcast_shapes(low.batch_shape, v.shape[:-2]))
         kind = kernels[ep.name][0]
         y, lse, used, notes = _run_edge(kind, ep.name, low, prob, batch, config, runner,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,17 @@ from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ._softmax import Running, online_finish, online_start, online_step
-from ._spec import Problem, Terms, accum_dtype, block_logits, sum_to
+from ._spec import (
+    Cols,
+    Consts,
+    Pairs,
+    Problem,
+    Rows,
+    Terms,
+    accum_dtype,
+    block_logits,
+    sum_to,
+)
 
 __all__ = ["Schedule", "make_schedule", "blocked_attention", "band_blocks"]
 
@@ -288,34 +299,26 @@ def _update(buf: jax.Array, delta: jax.Array, starts: dict[int, jax.Array]) -> j
     return lax.dynamic_update_slice(buf, cur + delta, idx)
 
 
-def _rows(d: dict, start, size: int) -> dict:
-    return {k: _slice(x, start, size, -2) for k, x in d.items()}
+def _rows(d: Rows | Cols, start, size: int) -> Rows | Cols:
+    return jax.tree.map(lambda x: _slice(x, start, size, -2), d)
 
 
-def _pair_block(d: dict, i0, j0, bq: int, bk: int) -> dict:
-    return {k: _slice(_slice(x, i0, bq, -2), j0, bk, -1) for k, x in d.items()}
+def _pair_block(d: Pairs, i0, j0, bq: int, bk: int) -> Pairs:
+    return jax.tree.map(lambda x: _slice(_slice(x, i0, bq, -2), j0, bk, -1), d)
 
 
-def _const_block(d: dict, i0, j0, bq: int, bk: int) -> dict:
-    out = {}
-    for k, x in d.items():
-        if k == "col_ok":
-            out[k] = _slice(x, j0, bk, -1)
-        else:
-            out[k] = _slice(_slice(x, i0, bq, -2), j0, bk, -1)
-    return out
+def _const_block(d: Consts, i0, j0, bq: int, bk: int) -> Consts:
+    return d.map(lambda x: _slice(_slice(x, i0, bq, -2), j0, bk, -1),
+                 lambda x: _slice(x, j0, bk, -1))
 
 
 def _pad_problem(terms: Terms, prob: Problem, n_pad: int, m_pad: int) -> Problem:
-    row = {k: _pad_axis(x, -2, n_pad) for k, x in prob.row.items()}
-    col = {k: _pad_axis(x, -2, m_pad) for k, x in prob.col.items()}
-    pair = {k: _pad_axis(_pad_axis(x, -2, n_pad), -1, m_pad) for k, x in prob.pair.items()}
-    const = {}
-    for k, x in prob.const.items():
-        if k == "col_ok":
-            const[k] = _pad_axis(x, -1, m_pad, False)
-        else:
-            const[k] = _pad_axis(_pad_axis(x, -2, n_pad, False), -1, m_pad, False)
+    row = jax.tree.map(lambda x: _pad_axis(x, -2, n_pad), prob.row)
+    col = jax.tree.map(lambda x: _pad_axis(x, -2, m_pad), prob.col)
+    pair = jax.tree.map(lambda x: _pad_axis(_pad_axis(x, -2, n_pad), -1, m_pad), prob.pair)
+    const = prob.const.map(
+        lambda x: _pad_axis(_pad_axis(x, -2, n_pad, False), -1, m_pad, False),
+        lambda x: _pad_axis(x, -1, m_pad, False))
     v = _pad_axis(prob.v, -2, m_pad)
     return Problem(row, col, pair, prob.glob, const, v)
 
@@ -368,11 +371,11 @@ def _sub(x: jax.Array, start: int, size: int, axis: int) -> jax.Array:
 def _piece_arrays(rect, row_b, col_b, pair_b, const_b, i_idx, j_loc):
     """The block's arrays cut to one rectangle ``(r0, rn, c0, cn, masked)``."""
     r0, rn, c0, cn, _ = rect
-    row = {k: _sub(x, r0, rn, -2) for k, x in row_b.items()}
-    col = {k: _sub(x, c0, cn, -2) for k, x in col_b.items()}
-    pair = {k: _sub(_sub(x, r0, rn, -2), c0, cn, -1) for k, x in pair_b.items()}
-    const = {k: (_sub(x, c0, cn, -1) if k == "col_ok" else _sub(_sub(x, r0, rn, -2), c0, cn, -1))
-             for k, x in const_b.items()}
+    row = jax.tree.map(lambda x: _sub(x, r0, rn, -2), row_b)
+    col = jax.tree.map(lambda x: _sub(x, c0, cn, -2), col_b)
+    pair = jax.tree.map(lambda x: _sub(_sub(x, r0, rn, -2), c0, cn, -1), pair_b)
+    const = const_b.map(lambda x: _sub(_sub(x, r0, rn, -2), c0, cn, -1),
+                        lambda x: _sub(x, c0, cn, -1))
     return row, col, pair, const, _sub(i_idx, r0, rn, 0), _sub(j_loc, c0, cn, 0)
 
 
@@ -412,9 +415,8 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
     def q_block(a):
         i0 = a * bq
         row_b = _rows(p.row, i0, bq)
-        pair_r = {k: _slice(x, i0, bq, -2) for k, x in p.pair.items()}
-        const_r = {k: (x if k == "col_ok" else _slice(x, i0, bq, -2))
-                   for k, x in p.const.items()}
+        pair_r = jax.tree.map(lambda x: _slice(x, i0, bq, -2), p.pair)
+        const_r = p.const.map(lambda x: _slice(x, i0, bq, -2), lambda x: x)
         i_idx = i_start + i0 + jnp.arange(bq)
 
         def body_of(pattern, tab):
@@ -422,8 +424,8 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
                 j0 = tab[a, t] * bk
                 col_b = _rows(p.col, j0, bk)
                 v_b = _slice(p.v, j0, bk, -2)
-                pair_b = {k: _slice(x, j0, bk, -1) for k, x in pair_r.items()}
-                const_b = {k: _slice(x, j0, bk, -1) for k, x in const_r.items()}
+                pair_b = jax.tree.map(lambda x: _slice(x, j0, bk, -1), pair_r)
+                const_b = jax.tree.map(lambda x: _slice(x, j0, bk, -1), const_r)
                 j_loc = j0 + jnp.arange(bk)
                 # each rectangle updates its own rows; rows of no rectangle keep the carry
                 rows = [None] * len(pattern)
@@ -533,8 +535,8 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
         s = s_rest
         if terms.dot:
             spec = "...jf,...if->...ji" if tr else "...if,...jf->...ij"
-            s_dot = jnp.einsum(spec, col["k"], row["q"], **mm) if tr else jnp.einsum(
-                spec, row["q"], col["k"], **mm)
+            s_dot = jnp.einsum(spec, col.k, row.q, **mm) if tr else jnp.einsum(
+                spec, row.q, col.k, **mm)
             s = s_dot + s_rest
         sm = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
         if tr:  # pt, dpt, dst: (..., cn, rn)
@@ -552,7 +554,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
             ds_t = _transposed(ds) if terms.dot else None
         dr, dc, dpp, dg = vjp_fn(sum_to(ds_t if tr else ds, s_rest.shape))
         if terms.dot:
-            q_r, k_c = row["q"], col["k"]
+            q_r, k_c = row.q, col.k
             shape_t = jnp.broadcast_shapes(q_r.shape[:-2], k_c.shape[:-2]) + (
                 k_c.shape[-2], q_r.shape[-2])
             dq = jnp.einsum("...ij,...jf->...if",
@@ -560,8 +562,8 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
                                 k_c.dtype), k_c, **mm)
             dk = jnp.einsum("...ji,...if->...jf", sum_to(ds_t, shape_t).astype(q_r.dtype),
                             q_r, **mm)
-            dr = {**dr, "q": dr["q"] + sum_to(dq, q_r.shape)}
-            dc = {**dc, "k": dc["k"] + sum_to(dk, k_c.shape)}
+            dr = dataclasses.replace(dr, q=dr.q + sum_to(dq, q_r.shape))
+            dc = dataclasses.replace(dc, k=dc.k + sum_to(dk, k_c.shape))
         return dr, dc, dpp, dg, d_v
 
     def k_block(carry, b):
@@ -590,11 +592,11 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
                         rect, row, col, pair, const, i_r, j_r, p.glob, _sub(v_b, c0, cn, -2),
                         _sub(do_b, r0, rn, -2), _sub(lse_b, r0, rn, -1),
                         _sub(delta_b, r0, rn, -1))
-                    d_row = {k: _update(d_row[k], dr[k], {-2: i0 + r0}) for k in d_row}
-                    d_pair = {k: _update(d_pair[k], dpp[k], {-2: i0 + r0, -1: j0 + c0})
-                              for k in d_pair}
+                    d_row = jax.tree.map(partial(_update, starts={-2: i0 + r0}), d_row, dr)
+                    d_pair = jax.tree.map(partial(_update, starts={-2: i0 + r0, -1: j0 + c0}),
+                                          d_pair, dpp)
                     d_glob = jax.tree.map(jnp.add, d_glob, dg)
-                    d_col = {k: _add_at(d_col[k], dc[k], c0, -2) for k in d_col}
+                    d_col = jax.tree.map(partial(_add_at, start=c0, axis=-2), d_col, dc)
                     d_v = _add_at(d_v, dv, c0, -2)
                 return d_row, d_pair, d_glob, d_col, d_v
 
@@ -616,10 +618,10 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
         x = jnp.moveaxis(x, 0, -3)
         return x.reshape(x.shape[:-3] + (m_pad, x.shape[-1]))[..., :m, :]
 
-    d_row = {k: x[..., :n, :].astype(prob.row[k].dtype) for k, x in d_row.items()}
-    d_pair = {k: x[..., :n, :m].astype(prob.pair[k].dtype) for k, x in d_pair.items()}
-    d_col = {k: unblock(x).astype(prob.col[k].dtype) for k, x in d_col.items()}
-    d_glob = {k: x.astype(prob.glob[k].dtype) for k, x in d_glob.items()}
+    d_row = jax.tree.map(lambda x, a: x[..., :n, :].astype(a.dtype), d_row, prob.row)
+    d_pair = jax.tree.map(lambda x, a: x[..., :n, :m].astype(a.dtype), d_pair, prob.pair)
+    d_col = jax.tree.map(lambda x, a: unblock(x).astype(a.dtype), d_col, prob.col)
+    d_glob = jax.tree.map(lambda x, a: x.astype(a.dtype), d_glob, prob.glob)
     return d_row, d_col, d_pair, d_glob, unblock(d_v).astype(prob.v.dtype)
 
 
@@ -655,7 +657,10 @@ def _attend_fwd(static, row, col, pair, glob, const, v, starts):
     # symbolic zeros: each array comes with whether it is differentiated (`perturbed`); a
     # replacement backward skips the gradients nobody asked for (the relative-position
     # table's takes a pass of its own)
-    need = tuple(sorted(k for k, x in glob.items() if _is_primal(x) and x.perturbed))
+    def perturbed(x) -> bool:  # some array of a `Globals` field is differentiated
+        return any(_is_primal(a) and a.perturbed for a in jax.tree.leaves(x, is_leaf=_is_primal))
+
+    need = tuple(f.name for f in dataclasses.fields(glob) if perturbed(getattr(glob, f.name)))
     row, col, pair, glob, const, v, starts = jax.tree.map(
         lambda x: x.value if _is_primal(x) else x, (row, col, pair, glob, const, v, starts),
         is_leaf=_is_primal)
@@ -735,11 +740,13 @@ def blocked_attention(
             backward (which needs only ``y`` and ``L``) unless ``backward`` is given too.
         backward: optional ``backward(terms, prob, batch_shape, y, L, dy, dL, *,
             need_glob) -> (d_row, d_col, d_pair, d_glob, d_v)`` that replaces this
-            kernel's backward pass (e.g. `structinfer.lowering.accel.pallas_backward`);
-            ``need_glob`` names the ``glob`` arrays being differentiated (the others'
-            gradients may be zeros); called with ``precision=`` and ``starts=`` too when
-            they are given. ``dL`` is the cotangent of the log-normaliser (nonzero when
-            partial results are merged by it, as ring attention does).
+            kernel's backward pass (e.g. `structinfer.lowering.accel.pallas_backward`):
+            cotangents with the structure of ``prob.row``, ``.col``, ``.pair``, ``.glob``
+            and ``.v``; ``need_glob`` names the `Globals` fields being differentiated
+            (the others' gradients may be zeros); called with ``precision=`` and
+            ``starts=`` too when they are given. ``dL`` is the cotangent of the
+            log-normaliser (nonzero when partial results are merged by it, as ring
+            attention does).
         nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
             logit) are NaN in ``y`` — the exact engine's answer under ``jit`` — instead of
             0 (what merging partial results, as ring attention does, needs). Written in

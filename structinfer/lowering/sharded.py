@@ -72,15 +72,6 @@ def _placed(mesh: Mesh, specs, tree):
     )
 
 
-_CORE = {"row": 2, "col": 2, "pair": 2, "glob": 1, "v": 2}
-
-
-def _core(group: str, key: str) -> int:
-    if group == "const":
-        return 1 if key == "col_ok" else 2
-    return _CORE[group]
-
-
 def head_sharded_attention(
     terms: Terms,
     prob: Problem,
@@ -132,10 +123,13 @@ def head_sharded_attention(
         nb = x.ndim - core
         return P(ax) if nb == len(batch) and x.shape[0] == batch[0] else P()
 
-    groups = {g: getattr(prob, g) for g in ("row", "col", "pair", "glob", "const")}
-    in_specs = tuple(
-        {k: spec(x, _core(g, k)) for k, x in groups[g].items()} for g in groups
-    ) + (spec(prob.v, 2),)
+    def specs(group, core):
+        return jax.tree.map(lambda x: spec(x, core), group)
+
+    groups = (prob.row, prob.col, prob.pair, prob.glob, prob.const)
+    in_specs = (specs(prob.row, 2), specs(prob.col, 2), specs(prob.pair, 2),
+                specs(prob.glob, 1),
+                prob.const.map(lambda x: spec(x, 2), lambda x: spec(x, 1)), spec(prob.v, 2))
 
     config = KernelConfig(block_q, block_k, precision)
 
@@ -148,7 +142,7 @@ def head_sharded_attention(
 
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)),
                       check_vma=False)
-    return f(*_placed(mesh, in_specs, (*groups.values(), prob.v)))
+    return f(*_placed(mesh, in_specs, (*groups, prob.v)))
 
 
 def _entry(kernel: str, lowered: Lowered):
@@ -232,11 +226,13 @@ def ring_attention(
         del core
         return P(*parts)
 
-    row_specs = {k: seq_spec(x, 2, 2) for k, x in prob.row.items()}
-    col_specs = {k: seq_spec(x, 2, 2) for k, x in prob.col.items()}
-    pair_specs = {k: seq_spec(x, 2, 2) for k, x in prob.pair.items()}
-    const_specs = {k: (P() if k == "col_ok" else seq_spec(x, 2, 2)) for k, x in prob.const.items()}
-    glob_specs = {k: P() for k in prob.glob}
+    def seq_specs(group):
+        return jax.tree.map(lambda x: seq_spec(x, 2, 2), group)
+
+    row_specs, col_specs, pair_specs = (seq_specs(prob.row), seq_specs(prob.col),
+                                        seq_specs(prob.pair))
+    const_specs = prob.const.map(lambda x: seq_spec(x, 2, 2), lambda x: P())
+    glob_specs = jax.tree.map(lambda x: P(), prob.glob)
     v_spec = seq_spec(prob.v, 2, 2)
     perm = [(i, (i + 1) % ndev) for i in range(ndev)]
 
@@ -249,10 +245,11 @@ def ring_attention(
         for step in range(ndev):
             src = (me - step) % ndev
             j_start = src * ml
-            pair_c = {k: lax.dynamic_slice_in_dim(x, j_start, ml, axis=x.ndim - 1)
-                      for k, x in pair.items()}
-            const_c = {k: lax.dynamic_slice_in_dim(x, j_start, ml, axis=x.ndim - 1)
-                       for k, x in const.items()}
+
+            def cols_of(x, j_start=j_start):  # this step's parents: last axis of pair / const
+                return lax.dynamic_slice_in_dim(x, j_start, ml, axis=x.ndim - 1)
+
+            pair_c, const_c = jax.tree.map(cols_of, pair), jax.tree.map(cols_of, const)
             chunk = Problem(row, col, pair_c, glob, const_c, v)
 
             def compute(chunk, j_start=j_start):
@@ -291,16 +288,16 @@ def _full_batch(prob: Problem, batch) -> Problem:
     position (ring attention shards it)."""
     b = tuple(batch)
 
-    def bc(x, core):
-        return jnp.broadcast_to(x, b + x.shape[x.ndim - core:])
+    def bc(x):  # an array whose last two axes are its core
+        return jnp.broadcast_to(x, b + x.shape[x.ndim - 2:])
 
     return Problem(
-        {k: bc(x, 2) for k, x in prob.row.items()},
-        {k: bc(x, 2) for k, x in prob.col.items()},
-        {k: bc(x, 2) for k, x in prob.pair.items()},
-        dict(prob.glob),
-        {k: (x if k == "col_ok" else bc(x, 2)) for k, x in prob.const.items()},
-        bc(prob.v, 2),
+        jax.tree.map(bc, prob.row),
+        jax.tree.map(bc, prob.col),
+        jax.tree.map(bc, prob.pair),
+        prob.glob,
+        prob.const.map(bc, lambda x: x),
+        bc(prob.v),
     )
 
 

@@ -35,7 +35,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from ._spec import Problem, Terms, accum_dtype, block_logits, geometric_log_prior
+from ._spec import (
+    Cols,
+    Consts,
+    Globals,
+    Pairs,
+    Problem,
+    Rows,
+    Terms,
+    accum_dtype,
+    block_logits,
+    geometric_log_prior,
+)
 
 __all__ = [
     "band_logits",
@@ -88,15 +99,12 @@ def band_logits(
     left = max(0, terms.dmax - terms.offset)
     right = max(0, n_pad + terms.offset - terms.dmin - m)
     dtype = accum_dtype(prob.v.dtype)
-    row = {k: _pad2(x, -2, 0, n_pad - n) for k, x in prob.row.items()}
-    col = {k: _pad2(x, -2, left, right) for k, x in prob.col.items()}
-    pair = {k: _pad2(_pad2(x, -2, 0, n_pad - n), -1, left, right) for k, x in prob.pair.items()}
-    const = {}
-    for k, x in prob.const.items():
-        if k == "col_ok":
-            const[k] = _pad2(x, -1, left, right, False)
-        else:
-            const[k] = _pad2(_pad2(x, -2, 0, n_pad - n, False), -1, left, right, False)
+    row = jax.tree.map(lambda x: _pad2(x, -2, 0, n_pad - n), prob.row)
+    col = jax.tree.map(lambda x: _pad2(x, -2, left, right), prob.col)
+    pair = jax.tree.map(lambda x: _pad2(_pad2(x, -2, 0, n_pad - n), -1, left, right), prob.pair)
+    const = prob.const.map(
+        lambda x: _pad2(_pad2(x, -2, 0, n_pad - n, False), -1, left, right, False),
+        lambda x: _pad2(x, -1, left, right, False))
     skew = _skew_index(bq, W)
 
     def q_block(a):
@@ -104,12 +112,11 @@ def band_logits(
         j_start = i0 + terms.offset - terms.dmax  # global index of slab column 0
         p0 = j_start + left  # position in the padded arrays
         sl = lambda x, st, size, ax: lax.dynamic_slice_in_dim(x, st, size, axis=ax % x.ndim)  # noqa: E731
-        row_b = {k: sl(x, i0, bq, -2) for k, x in row.items()}
-        col_b = {k: sl(x, p0, width, -2) for k, x in col.items()}
-        pair_b = {k: sl(sl(x, i0, bq, -2), p0, width, -1) for k, x in pair.items()}
-        const_b = {}
-        for k, x in const.items():
-            const_b[k] = sl(x, p0, width, -1) if k == "col_ok" else sl(sl(x, i0, bq, -2), p0, width, -1)
+        row_b = jax.tree.map(lambda x: sl(x, i0, bq, -2), row)
+        col_b = jax.tree.map(lambda x: sl(x, p0, width, -2), col)
+        pair_b = jax.tree.map(lambda x: sl(sl(x, i0, bq, -2), p0, width, -1), pair)
+        const_b = const.map(lambda x: sl(sl(x, i0, bq, -2), p0, width, -1),
+                            lambda x: sl(x, p0, width, -1))
         i_idx = i0 + jnp.arange(bq)
         j_idx = j_start + jnp.arange(width)
         s, ok = block_logits(terms, row_b, col_b, pair_b, prob.glob, const_b, i_idx, j_idx,
@@ -244,8 +251,8 @@ def windowed_scores(
     dtype = jnp.result_type(qq.dtype, k.dtype)
     terms = Terms(n, m, dot=True, offset=int(offset), dmin=int(min_distance),
                   dmax=int(min_distance) + int(window) - 1)
-    prob = Problem({"q": qq.astype(dtype)}, {"k": k.astype(dtype)}, {}, {}, {},
-                   jnp.zeros((m, 1), dtype))
+    prob = Problem(Rows(q=qq.astype(dtype)), Cols(k=k.astype(dtype)), Pairs(), Globals(),
+                   Consts(), jnp.zeros((m, 1), dtype))
     batch = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     s, _ = band_logits(terms, prob, batch, block_size)
     return s
