@@ -24,6 +24,12 @@ the blocked kernel's XLA loops and inside the Pallas kernel body, and merges the
 results of ring attention. Every quantity is in the state's dtype (the accumulation dtype,
 `accum_dtype`); ``matmul`` multiplies the probabilities, cast to the value's dtype, with
 the values and accumulates in it.
+
+The backward (FlashAttention-2's) recomputes each block's probabilities from the saved
+$L$ (`backward_probs`) and needs one number per row, $\delta_i$ (`backward_delta`): with
+$\mathrm{d}p_{ij} = \mathrm{d}y_i^\top V_j$, the logits' cotangent is
+$\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}p_{ij} - \delta_i)$. Every backward (the blocked
+kernel's loops, the Pallas passes) computes both here.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["Running", "online_start", "online_shift", "online_step", "online_finish",
-           "online_merge"]
+           "online_merge", "backward_delta", "backward_probs"]
 
 
 class Running(NamedTuple):
@@ -98,3 +104,23 @@ def online_merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
     m = online_shift(jnp.maximum(la, lb))
     ea, eb = jnp.exp(la - m), jnp.exp(lb - m)
     return online_finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))
+
+
+def backward_delta(out: jax.Array, d_out: jax.Array, lse: jax.Array, d_lse: jax.Array,
+                   dtype) -> jax.Array:
+    r"""The backward's per-row term $\delta_i = \sum_c \mathrm{d}y_{ic}\, y_{ic} -
+    \mathrm{d}L_i$, in ``dtype``, for outputs ``out`` ``(..., rows, dv)`` with cotangent
+    ``d_out`` and log-normalisers ``lse`` ``(..., rows)`` with cotangent ``d_lse``. A row
+    without a finite $L$ contributes nothing from its output (which may be NaN)."""
+    kept = jnp.where(jnp.isfinite(lse)[..., None], out.astype(dtype), 0.0)
+    return jnp.sum(d_out.astype(dtype) * kept, -1) - d_lse.astype(dtype)
+
+
+def backward_probs(s: jax.Array, lse: jax.Array) -> jax.Array:
+    r"""A block's probabilities $p_{ij} = e^{\ell_{ij} - L_i}$ from its logits ``s``
+    (``-inf`` on forbidden edges) and the rows' saved $L$, broadcast against ``s`` (so
+    that a transposed block passes ``lse[..., None, :]``). A row with no edge
+    ($L = -\infty$; padding rows too, whose logits are finite) gets $p = e^{s - \infty}
+    = 0$, not $e^{s}$, which a large bias overflows to ``inf`` (and a zero cotangent to
+    ``inf * 0 = NaN``)."""
+    return jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse))

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._softmax import online_finish, online_start, online_step
+from ._softmax import backward_delta, backward_probs, online_finish, online_start, online_step
 from ._spec import (
     Problem,
     Terms,
@@ -536,14 +536,6 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
 # --- Pallas backward ---------------------------------------------------------------------
 
 
-def _probs(s, lse, acc_dtype):
-    r"""$p_{ij} = e^{\ell_{ij} - L_i}$, 0 on forbidden edges and on rows with no edge
-    (padding rows included: their logits are finite, and their $e^{\ell}$ could overflow
-    to ``inf`` and turn a zero gradient into ``inf * 0 = NaN``)."""
-    none = (lse == -jnp.inf)[:, None]
-    return jnp.where(none, 0.0, jnp.exp(s - jnp.where(none, 0.0, lse[:, None]))).astype(acc_dtype)
-
-
 def _child_rows(terms: Terms, named: dict, idx, acc_dtype):
     """A child block's operands of the backward passes (``idx``: its slice, or ``...``
     for a program's own block): q, dy, L, delta and the geometric prior's two terms."""
@@ -561,7 +553,7 @@ def _ds_tile(terms: Terms, named: dict, q, k, v, do, lse, delta, i0, j0, g0, g1,
     r"""One tile of the backward: $p_{ij}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top
     V_j - \delta_i)$, the allowed-edge mask and the distance grid."""
     s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off)
-    p = _probs(s, lse, acc_dtype)
+    p = backward_probs(s, lse[:, None]).astype(acc_dtype)
     dp = _dot(do, v, precision, acc_dtype, trans_b=True)
     return p, p * (dp - delta[:, None]), ok, d
 
@@ -751,9 +743,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     lay = _Layout(terms, prob, batch_shape, block_q or block, block_k or block)
     acc, n, m, B = lay.acc, terms.num_children, terms.num_parents, lay.B
     bq, bk, n_pad, m_pad, fp, dvp = lay.bq, lay.bk, lay.n_pad, lay.m_pad, lay.fp, lay.dvp
-    finite = jnp.isfinite(lse)
-    delta = jnp.sum(d_out.astype(acc) * jnp.where(finite[..., None], out.astype(acc), 0.0),
-                    -1) - d_lse.astype(acc)
+    delta = backward_delta(out, d_out, lse, d_lse, acc)
     v_dt = prob.v.dtype
     shift = _shift(starts)
 

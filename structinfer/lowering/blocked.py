@@ -49,7 +49,14 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from ._softmax import Running, online_finish, online_start, online_step
+from ._softmax import (
+    Running,
+    backward_delta,
+    backward_probs,
+    online_finish,
+    online_start,
+    online_step,
+)
 from ._spec import (
     Cols,
     Consts,
@@ -492,15 +499,10 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     # gradients do across blocks; each gradient is cast to its input's dtype at the end
     dtype = accum_dtype(p.v.dtype)
     mm = dict(preferred_element_type=dtype, precision=precision)
-    # rows without a finite log-partition contribute nothing (their output may be NaN)
-    delta = jnp.sum(d_out.astype(dtype) * jnp.where(jnp.isfinite(lse)[..., None],
-                                                    out.astype(dtype), 0.0), -1) - d_lse
+    delta = backward_delta(out, d_out, lse, d_lse, dtype)
     d_out = _pad_axis(d_out.astype(p.v.dtype), -2, n_pad)
     delta = _pad_axis(delta, -1, n_pad)
     lse = _pad_axis(lse, -1, n_pad, -jnp.inf)
-    # rows with no edge (padding rows too, whose logits are finite) get p = e^{s - inf} = 0:
-    # not e^s, which a large bias overflows to inf (and a zero cotangent to inf * 0 = NaN)
-    lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
     tables = _group_tables(sched, sched.bwd, True)
 
     def zeros(tree):  # gradient accumulators, in the accumulation dtype
@@ -540,13 +542,13 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
             s = s_dot + s_rest
         sm = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
         if tr:  # pt, dpt, dst: (..., cn, rn)
-            pt = jnp.exp(sm - lse_r[..., None, :])
+            pt = backward_probs(sm, lse_r[..., None, :])
             d_v = jnp.einsum("...ji,...id->...jd", pt.astype(do_r.dtype), do_r, **mm)
             dpt = jnp.einsum("...jd,...id->...ji", v_c, do_r, **mm)
             ds_t = pt * (dpt - delta_r[..., None, :])
             ds = _transposed(ds_t) if terms.dot else None
         else:  # pr, dp, ds: (..., rn, cn)
-            pr = jnp.exp(sm - lse_r[..., :, None])
+            pr = backward_probs(sm, lse_r[..., :, None])
             d_v = jnp.einsum("...ji,...id->...jd", _transposed(pr.astype(do_r.dtype)), do_r,
                              **mm)
             dp = jnp.einsum("...id,...jd->...ij", do_r, v_c, **mm)
@@ -582,7 +584,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
                 pair_b = _pair_block(p.pair, i0, j0, bq, bk)
                 const_b = _const_block(p.const, i0, j0, bq, bk)
                 do_b = _slice(d_out, i0, bq, -2)
-                lse_b = _slice(lse_safe, i0, bq, -1)
+                lse_b = _slice(lse, i0, bq, -1)
                 delta_b = _slice(delta, i0, bq, -1)
                 for rect in pattern:
                     r0, rn, c0, cn, _ = rect
