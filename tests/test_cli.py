@@ -197,9 +197,12 @@ def _main(capsys, *argv):
     return rc, out.out, [ln for ln in out.err.splitlines() if ln.strip()]
 
 
-#: the cases also run as a process (the rest run in-process through `cli.main`): one usage
-#: error, one runtime error, and --debug's traceback, which only a process prints
-PROCESS_CASES = (["frobnicate"], ["compare", "models.py", "nan.npz"])
+#: the cases also run as a process (all run in-process through `cli.main`): a usage error,
+#: a runtime error before any trace and one after a model's trace (a stray warning or
+#: log line on stderr shows there, not to capsys), and --debug's traceback, which only a
+#: process prints
+PROCESS_CASES = (["frobnicate"], ["compare", "models.py", "nan.npz"],
+                 ["compare", "models.py", "badshape.npz"])
 
 
 def test_errors_are_one_line_with_the_right_exit_status(files, capsys, monkeypatch):
@@ -214,11 +217,11 @@ def test_errors_are_one_line_with_the_right_exit_status(files, capsys, monkeypat
         # usage and runtime errors alike: exactly one line, no usage block, no traceback
         assert (rc, len(lines)) == (code, 1) and text in lines[0], (args, rc, lines)
         if args in PROCESS_CASES:
-            checked.append((args, code, text))
+            checked.append((args, spec, code, text))
     assert len(checked) == len(PROCESS_CASES)
-    cases = [(args, {}) for args, _, _ in checked]
+    cases = [(args, _case_env(files, spec)) for args, spec, _, _ in checked]
     results = run_many(files, cases + [(["compare", "models.py", "nan.npz", "--debug"], {})])
-    for (args, code, text), (rc, _so, se) in zip(checked, results):
+    for (args, _, code, text), (rc, _so, se) in zip(checked, results):
         lines = [ln for ln in se.strip().splitlines() if ln.strip()]
         assert rc == code and len(lines) == 1 and text in se, (args, rc, se)
     rc, so, se = results[-1]  # --debug: the traceback is shown
@@ -372,7 +375,7 @@ def test_compare_models_file_imports_a_module_beside_it(files):
 
 
 def test_demo_quick(files, capsys, monkeypatch):
-    """The main job, in-process (the other tests run the command as a process)."""
+    """The main job, in-process (`test_compare_user_models` runs a fit as a process)."""
     monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")  # the test session's cache stays
     out = files / "demo-out"
     rc, stdout, err = _main(capsys, "demo", "--quick", "--out", out, "--seed", "1",

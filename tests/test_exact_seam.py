@@ -326,8 +326,8 @@ def test_causal_expectation_is_right_at_4097_under_jit():
     values with the zero tilt, fused by XLA:CPU's YNNPACK with the softmax reductions and
     written over its own input (docs/known_issues.md). Whether a compile is hit varies
     from compile to compile, so three fresh compiles are checked against a float64
-    softmax. It runs in a subprocess with XLA's default flags (the session compiles at
-    LLVM -O0: tests/conftest.py), the code users run."""
+    softmax. It runs in a subprocess with XLA's default flags (the session compiles with
+    fast-compile flags: tests/conftest.py), the code users run."""
     proc = subprocess.run([sys.executable, "-c", CAUSAL_4097], env=default_xla_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr

@@ -528,3 +528,19 @@ def test_pallas_passes_take_traced_start_offsets(case):
 
         text = jax.jit(passes).trace(chunk, starts).lower(lowering_platforms=("cuda",))
         assert text.as_text().count("triton") >= 4  # forward, dK/dV, dQ, the table
+
+
+def test_backward_probabilities_of_a_row_with_no_edge_are_zero():
+    """Regression (review): the backward's p = e^{s - L} must be 0 on a row with L = -inf
+    (a padding row, a row with no edge) whatever its logits, also NaN or +inf ones (a
+    non-finite key or bias read only by padding rows): else the gradients of the parents
+    only padding rows see turn NaN. Both backwards (blocked, Pallas) compute p here."""
+    from structinfer.lowering._softmax import backward_probs
+
+    s = jnp.array([[0.5, jnp.nan, jnp.inf, -jnp.inf], [1.0, 2.0, 3.0, -jnp.inf]])
+    lse = jnp.array([-jnp.inf, 3.5])
+    p = np.asarray(backward_probs(s, lse[:, None]))
+    np.testing.assert_array_equal(p[0], 0.0)
+    np.testing.assert_allclose(p[1], np.exp(np.array([1.0, 2.0, 3.0, -np.inf]) - 3.5))
+    # transposed blocks pass L along the last axis
+    np.testing.assert_array_equal(np.asarray(backward_probs(s.T, lse[None, :])), p.T)

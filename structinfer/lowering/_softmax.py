@@ -120,7 +120,8 @@ def backward_probs(s: jax.Array, lse: jax.Array) -> jax.Array:
     r"""A block's probabilities $p_{ij} = e^{\ell_{ij} - L_i}$ from its logits ``s``
     (``-inf`` on forbidden edges) and the rows' saved $L$, broadcast against ``s`` (so
     that a transposed block passes ``lse[..., None, :]``). A row with no edge
-    ($L = -\infty$; padding rows too, whose logits are finite) gets $p = e^{s - \infty}
-    = 0$, not $e^{s}$, which a large bias overflows to ``inf`` (and a zero cotangent to
-    ``inf * 0 = NaN``)."""
-    return jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse))
+    ($L = -\infty$; padding rows too) gets $p = 0$ whatever its logits: not $e^{s}$, which
+    a large bias overflows to ``inf`` (and a zero cotangent to ``inf * 0 = NaN``), nor NaN
+    from a non-finite key or bias that only a padding row reads."""
+    none = lse == -jnp.inf
+    return jnp.where(none, 0.0, jnp.exp(s - jnp.where(none, 0.0, lse)))
