@@ -2,7 +2,11 @@
 real checks inside); the reproductions run through `structinfer reproduce`, as users run
 them: one (:data:`IN_A_SUBPROCESS`) as a command in its own process, the others through
 the same command in-process (`reproduce` imports and runs a reproduction in its own
-process too), which saves a Python + JAX start-up per reproduction."""
+process too), which saves a Python + JAX start-up per reproduction. The default tier runs
+:data:`REPRESENTATIVES` (the command both ways); the other reproductions' smoke runs are
+in the exhaustive tier (CI's second leg); their building blocks have tests of their own
+(``tests/test_reproductions.py``, the switching-EM tests of ``tests/test_markov.py``, the
+IDW score's)."""
 
 import contextlib
 import os
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import matrix
 
 from structinfer import cli
 from structinfer.reproductions import REPRODUCTIONS
@@ -27,6 +32,9 @@ OWNED_ELSEWHERE = {
 REPRODUCTIONS_OWNED_ELSEWHERE = {"lm"}  # tests/test_nn_lm.py
 #: the shipped reproduction run as a command in a subprocess (the quickest one)
 IN_A_SUBPROCESS = "hopfield"
+#: the reproductions whose smoke run is in the default tier: the command as a process and
+#: in-process
+REPRESENTATIVES = {IN_A_SUBPROCESS, "expanding"}
 EXAMPLES = sorted(
     p for p in (ROOT / "examples").glob("*.py") if p.name not in OWNED_ELSEWHERE
 )
@@ -45,7 +53,8 @@ def test_example_quick(path, tmp_path):
     _run([sys.executable, str(path), "--quick"], tmp_path)
 
 
-@pytest.mark.parametrize("name", sorted(set(REPRODUCTIONS) - REPRODUCTIONS_OWNED_ELSEWHERE))
+@pytest.mark.parametrize("name", matrix(sorted(set(REPRODUCTIONS) - REPRODUCTIONS_OWNED_ELSEWHERE),
+                                        keep=lambda name: name in REPRESENTATIVES))
 def test_reproduction_quick(name, tmp_path, monkeypatch):
     args = ["reproduce", name, "--quick", "--quiet", "--out", str(tmp_path / "out")]
     if name == IN_A_SUBPROCESS:
