@@ -188,6 +188,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """``jax.clear_caches()`` after each test module.
+
+    JAX keeps every program it lowered (and its MLIR context, about a megabyte each) for
+    the life of the process; over a worker's thousands of programs that held gigabytes and
+    made each new lowering slower (creating a context took 2-4 ms instead of 0.07 ms).
+    A module rarely reuses another module's programs, and the session's persistent
+    compilation cache turns the few repeats into disk reads: clearing between modules
+    measured 5-12 % faster over the suite (clearing after every test was slower).
+    """
+    yield
+    jax.clear_caches()
+
+
 def matrix(cases, keep, ids=None):
     """A parametrize list over ``cases``: the representatives (``keep(*case)`` is true)
     run by default, the others carry the ``exhaustive`` marker (CI's second leg,
