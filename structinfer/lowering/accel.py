@@ -82,6 +82,7 @@ __all__ = [
     "cudnn_attention",
     "pallas_forward",
     "pallas_backward",
+    "relpos_tiles",
 ]
 
 #: the fused kernels ``backend="auto"`` tries on a GPU, in order (names in the kernel table)
@@ -89,6 +90,10 @@ GPU_KERNELS = ("cudnn", "pallas")
 
 #: largest additive-bias table (entries, all heads) handed to cuDNN
 CUDNN_BIAS_MAX = 2**26
+
+#: largest set of relative-position tiles (entries, all heads) the Pallas kernel expands
+#: a relative-position table into (`relpos_tiles`); a larger one is looked up per element
+RELPOS_TILES_MAX = 2**27
 
 
 def platform() -> str:
@@ -303,7 +308,11 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision,
     d = i_idx[:, None] + off - j_idx[None, :]
     if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
         s = s + named["bias"][_pl_ds(j0, k.shape[0])][None, :].astype(acc_dtype)
-    if terms.relpos is not None:
+    if "rtiles" in named:  # the relative-position bias, expanded per block diagonal
+        c = lax.div(i0 - j0 + (named["k"].shape[0] - k.shape[0]),
+                    jnp.int32(min(q.shape[0], k.shape[0])))
+        s = s + named["rtiles"][c].astype(acc_dtype)
+    elif terms.relpos is not None:  # looked up per element
         s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
     if terms.geometric:
         s = s + geometric_log_prior(g0[:, None], g1[:, None], d - terms.geo_d0)
@@ -384,12 +393,21 @@ class _Layout:
         return jnp.pad(x, [(0, 0)] + [(0, s - x.shape[i + 1]) for i, s in enumerate(sizes)],
                        constant_values=value)
 
-    def operands(self, terms: Terms, prob: Problem, whole_rows: bool, shift=None):
+    def tiles_size(self) -> int:
+        """Entries of this launch's `relpos_tiles`."""
+        g = min(self.bq, self.bk)
+        return self.B * ((self.n_pad - self.bq + self.m_pad - self.bk) // g + 1) * (
+            self.bq * self.bk)
+
+    def operands(self, terms: Terms, prob: Problem, whole_rows: bool, shift=None,
+                 tiles: bool = False):
         """The kernels' inputs and block specs: q / k / v and the prior's terms. With
         ``whole_rows`` the per-child arrays are passed whole (a pass over parent blocks
         that loops over child blocks), else one child block per program. ``shift``
         (traced, optional): the global start of the children minus that of the parents,
-        passed as the operand ``"shift"`` (see `_offset`)."""
+        passed as the operand ``"shift"`` (see `_offset`). ``tiles``: the
+        relative-position table as `relpos_tiles` (operand ``"rtiles"``) instead of
+        whole (``"relpos"``, looked up per element)."""
         from jax.experimental import pallas as pl
 
         bq, n_pad, m_pad, fp, dvp = self.bq, self.n_pad, self.m_pad, self.fp, self.dvp
@@ -417,7 +435,12 @@ class _Layout:
             for r in (0, 1):
                 arrays[f"geo{r}"] = self.pad(geo[..., r], n_pad)
                 specs[f"geo{r}"] = pl.BlockSpec(rows[1], row_vec)
-        if terms.relpos is not None:
+        if terms.relpos is not None and tiles:
+            rt = relpos_tiles(terms, self.flat(prob.glob.relpos, 1), self.bq, self.bk,
+                              self.n_pad, self.m_pad)
+            arrays["rtiles"] = rt
+            specs["rtiles"] = pl.BlockSpec((None,) + rt.shape[1:], lambda i, b: (b, 0, 0, 0))
+        elif terms.relpos is not None:
             rb = self.flat(prob.glob.relpos, 1)
             arrays["relpos"] = rb
             specs["relpos"] = pl.BlockSpec((None, rb.shape[-1]), lambda i, b: (b, 0))
@@ -425,6 +448,47 @@ class _Layout:
             arrays["shift"] = jnp.reshape(shift, (1,))
             specs["shift"] = pl.BlockSpec((1,), lambda i, b: (0,))
         return arrays, specs
+
+
+def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
+                 m_pad: int) -> jax.Array:
+    r"""A relative-position table expanded into the tiles the kernels add, one per block
+    diagonal: ``(..., C, bq, bk)`` with tile $c$ holding $b_{r(\Delta + a + 	ext{offset}
+    - s)}$ at $(a, s)$, for the block-start difference $\Delta = i_0 - j_0 = cg - (m_{pad}
+    - b_k)$, $g = \min(b_q, b_k)$ (both powers of two, so every tile of child block
+    $i_0 / b_q$ and parent block $j_0 / b_k$ is one of these $C = (n_{pad} - b_q + m_{pad}
+    - b_k)/g + 1$).
+
+    A tile depends on $i_0 - j_0$ alone (the bias is a function of the distance), so the
+    kernels load it whole, like a key block, instead of looking up $b_q b_k$ scattered
+    entries of the table per tile (a gather, the relative-position kernels' largest cost
+    on a GPU). Memory: $C b_q b_k pprox (n + m) \max(b_q, b_k)$ entries per head, linear
+    in the sequence (`RELPOS_TILES_MAX` bounds it); the values are the table's own, in
+    its dtype, so the logits are unchanged bit for bit.
+
+    Args:
+        terms: the lowered edge's terms (``terms.relpos`` set, ``terms.offset`` static).
+        table: the bias over distances, ``(..., L)``.
+        bq, bk: the launch's child and parent block sizes (powers of two).
+        n_pad, m_pad: the padded numbers of children and parents (multiples of them).
+    """
+    g = min(bq, bk)
+    first = -(m_pad - bk)
+    count = (n_pad - bq - first) // g + 1
+    start = first + g * jnp.arange(count, dtype=jnp.int32)
+    a = jnp.arange(bq, dtype=jnp.int32)
+    s = jnp.arange(bk, dtype=jnp.int32)
+    d = start[:, None, None] + a[None, :, None] + terms.offset - s[None, None, :]
+    return jnp.take(table, relpos_index(terms.relpos, d), axis=-1)
+
+
+def _use_tiles(terms: Terms, lay: _Layout, shift, tiles: bool | None) -> bool:
+    """Whether a launch reads `relpos_tiles`: a relative-position table, a static offset
+    (not a shard of a longer sequence), and within `RELPOS_TILES_MAX` (``tiles``: forced
+    on or off, for tests and tuning)."""
+    if terms.relpos is None or shift is not None:
+        return False
+    return lay.tiles_size() <= RELPOS_TILES_MAX if tiles is None else bool(tiles)
 
 
 def _wide_rows(prob: Problem) -> bool:
@@ -459,7 +523,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    block_q: int | None = None, block_k: int = 64,
                    interpret: bool | None = None, precision: lax.PrecisionLike = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   starts: tuple | None = None) -> tuple[jax.Array, jax.Array]:
+                   starts: tuple | None = None,
+                   tiles: bool | None = None) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -491,6 +556,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             $d_{ij} = (i_{\text{start}} + i) + \text{offset} - (j_{\text{start}} + j)$,
             and the parent blocks outside the distance band are still skipped (the live
             range is computed from the traced offset in each program).
+        tiles: read a relative-position table as `relpos_tiles` (default: when the offset
+            is static and they stay within `RELPOS_TILES_MAX`; ``False`` looks each
+            entry up in the table). The logits are the same either way.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
@@ -511,7 +579,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     block_q = block_q or (64 if wide else 128)
     num_stages = num_stages or (2 if wide else 3)
     lay = _Layout(terms, prob, batch_shape, block_q, block_k)
-    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=_shift(starts))
+    shift = _shift(starts)
+    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
+                                 tiles=_use_tiles(terms, lay, shift, tiles))
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
                                keys=keys, acc_dtype=lay.acc, precision=precision)
@@ -685,7 +755,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                     interpret: bool | None = None,
                     precision: lax.PrecisionLike = None, num_warps: int | None = 4,
                     num_stages: int = 2, need_glob: frozenset[str] | None = None,
-                    starts: tuple | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
+                    starts: tuple | None = None,
+                    tiles: bool | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
 
     FlashAttention-2's schedule on the forward's $y$ and $L$ alone: with
@@ -727,6 +798,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             parent (may be traced), as for `pallas_forward`; with them the table's pass
             visits every block diagonal (which ones hold an allowed distance is known
             only when the offset is).
+        tiles: read a relative-position table as `relpos_tiles` in every pass (as for
+            `pallas_forward`).
 
     Returns:
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
@@ -753,7 +826,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                 "delta": lay.pad(lay.flat(delta, 1), lay.n_pad)}
 
     def whole_rows(lay):  # operands of a pass that loops over child blocks
-        arrays, specs = lay.operands(terms, prob, whole_rows=True, shift=shift)
+        arrays, specs = lay.operands(terms, prob, whole_rows=True, shift=shift,
+                                     tiles=_use_tiles(terms, lay, shift, tiles))
         arrays.update(shared(lay))
         specs["do"] = pl.BlockSpec((None, lay.n_pad, lay.dvp), lambda i, b: (b, 0, 0))
         specs["lse"] = specs["delta"] = pl.BlockSpec((None, lay.n_pad), lambda i, b: (b, 0))
@@ -783,7 +857,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     dk, dv = res1[0], res1[1]
 
     # pass 2: child blocks (dQ, geometric prior)
-    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift)
+    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
+                                 tiles=_use_tiles(terms, lay, shift, tiles))
     arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
     specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
