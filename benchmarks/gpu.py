@@ -616,9 +616,14 @@ def versions() -> dict:
         except Exception:
             pass
     try:
-        out["structinfer_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-            text=True, timeout=10).stdout.strip() or None
+        def git(*args):
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+
+        commit = git("rev-parse", "--short", "HEAD") or None
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += " + uncommitted changes"
+        out["structinfer_commit"] = commit
     except Exception:
         pass
     return out

@@ -267,6 +267,52 @@ def test_pallas_passes_over_many_blocks_equal_the_dense_kernel(band):
         np.testing.assert_allclose(b, a, atol=5e-5)
 
 
+TILE_CASES = {  # prior(n, m, e) on n = 37 children, m = 45 parents; its blocks
+    "full_causal_offset": (lambda n, m, e: si.priors.RelativePosition(
+        e[..., :2 * m - 1], m, offset=m - n, causal=True), (16, 32)),
+    "clipped": (lambda n, m, e: si.priors.RelativePosition(e[..., :9], m, max_distance=4),
+                (32, 16)),
+}
+
+
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
+    """The relative-position table expanded per block diagonal (`relpos_tiles`, read by
+    the backward's passes by default) holds the very entries the lookup per element
+    reads: the forward and every gradient of the three passes are equal bit for bit, on
+    unequal block sizes, n != m, an offset, causal and clipped distances. The default
+    reads the tiles in the backward only (the forward measured faster with the lookup),
+    never for a shard (a traced offset) or past `RELPOS_TILES_MAX`."""
+    prior_fn, (bq, bk) = TILE_CASES[case]
+    n, m = 37, 45
+    r = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(r.normal(size=(H, s, 8)), jnp.float32) for s in (n, m, m))
+    e = jnp.asarray(r.normal(size=(H, 2 * m - 1)), jnp.float32)
+    low = lower_edge(prior_fn(n, m, e), si.scores.Dot(q, k, scale=0.4), v, n, (H,))
+    ct = jnp.asarray(r.normal(size=(H, n, 8)), jnp.float32)
+
+    def passes(p, tiles=None, starts=None):
+        kw = dict(block_q=bq, block_k=bk, tiles=tiles, starts=starts)
+        y, lse = accel.pallas_forward(low.terms, p, (H,), **kw)
+        return y, lse, accel.pallas_backward(low.terms, p, (H,), y, lse, ct,
+                                             jnp.ones_like(lse), **kw)
+
+    looked_up, tiled = (jax.jit(lambda p, t=t: passes(p, t))(low.problem) for t in (False, True))
+    assert float(jnp.abs(tiled[2][3].relpos).max()) > 1e-3  # the table's gradient is there
+    for a, b in zip(jax.tree.leaves(looked_up), jax.tree.leaves(tiled)):
+        np.testing.assert_array_equal(b, a)
+
+    def reads_tiles(**kw):  # which pallas_calls (forward, dK/dV, dQ, table) take tiles
+        eqns = jax.make_jaxpr(lambda p: passes(p, **kw))(low.problem).jaxpr.eqns
+        return [any(x.aval.ndim == 4 for x in e.invars) for e in eqns
+                if e.primitive.name == "pallas_call"]
+
+    assert reads_tiles() == [False, True, True, True]
+    assert reads_tiles(starts=(jnp.int32(0), jnp.int32(0))) == [False] * 4
+    monkeypatch.setattr(accel, "RELPOS_TILES_MAX", 0)
+    assert reads_tiles() == [False] * 4
+
+
 def test_pallas_relative_position_pass_runs_only_for_its_gradient():
     """The relative-position table's gradient (atomics, a pass of its own) is traced only
     when the table is differentiated: a layer with a fixed table pays nothing for it."""

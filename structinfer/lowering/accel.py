@@ -24,7 +24,8 @@ the platform's fused kernels instead of the portable blocked kernel
   in float32 (the prior's terms are added in float32). Its gradient, `pallas_backward`,
   is fused too (FlashAttention-2's two passes on the output $y$ and the row
   log-partition $L$, with the prior's parameters' gradients; the relative-position
-  table's, summed with atomics, only when the table is differentiated); both enter
+  table's, summed with atomics, only when the table is differentiated; the backward
+  reads a relative-position bias as one tile per block diagonal, `relpos_tiles`); both enter
   through `blocked_attention(..., forward=pallas_forward, backward=pallas_backward)`.
 * Everything else (IDW scores, per-edge tables, masks given as arrays) keeps the blocked
   kernel, which runs on every platform.
@@ -469,8 +470,13 @@ def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
     Args:
         terms: the lowered edge's terms (``terms.relpos`` set, ``terms.offset`` static).
         table: the bias over distances, ``(..., L)``.
-        bq, bk: the launch's child and parent block sizes (powers of two).
-        n_pad, m_pad: the padded numbers of children and parents (multiples of them).
+        bq: the launch's child block size (a power of two).
+        bk: its parent block size (a power of two).
+        n_pad: the padded number of children (a multiple of ``bq``).
+        m_pad: the padded number of parents (a multiple of ``bk``).
+
+    Returns:
+        ``table.shape[:-1] + (C, bq, bk)``, in the table's dtype.
     """
     g = min(bq, bk)
     first = -(m_pad - bk)
@@ -556,9 +562,10 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             $d_{ij} = (i_{\text{start}} + i) + \text{offset} - (j_{\text{start}} + j)$,
             and the parent blocks outside the distance band are still skipped (the live
             range is computed from the traced offset in each program).
-        tiles: read a relative-position table as `relpos_tiles` (default: when the offset
-            is static and they stay within `RELPOS_TILES_MAX`; ``False`` looks each
-            entry up in the table). The logits are the same either way.
+        tiles: read a relative-position table as `relpos_tiles` (``True``, when the
+            offset is static) instead of looking each entry up (default: on an H100 the
+            forward ran 3-10 % slower with them, the backward 1.3-1.7x faster). The
+            logits are the same either way.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
@@ -581,7 +588,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     lay = _Layout(terms, prob, batch_shape, block_q, block_k)
     shift = _shift(starts)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
-                                 tiles=_use_tiles(terms, lay, shift, tiles))
+                                 tiles=tiles is not None and _use_tiles(terms, lay, shift, tiles))
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
                                keys=keys, acc_dtype=lay.acc, precision=precision)
@@ -798,8 +805,10 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             parent (may be traced), as for `pallas_forward`; with them the table's pass
             visits every block diagonal (which ones hold an allowed distance is known
             only when the offset is).
-        tiles: read a relative-position table as `relpos_tiles` in every pass (as for
-            `pallas_forward`).
+        tiles: read a relative-position table as `relpos_tiles` in every pass (default:
+            when the offset is static and they stay within `RELPOS_TILES_MAX`: on an H100,
+            bfloat16, head dims 64 and 128, n = 4096 and 16384, the passes ran 1.3-1.7x
+            faster than with the lookup per element; ``False``: the lookup).
 
     Returns:
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
