@@ -615,17 +615,19 @@ def versions() -> dict:
             out["cudnn"] = str(cuda_versions.cudnn_get_version())
         except Exception:
             pass
-    try:
-        def git(*args):
+    def git(*args):  # its output, or "" (no git, not a checkout, a timeout)
+        try:
             return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
                                   timeout=10).stdout.strip()
+        except Exception:
+            return ""
 
-        commit = git("rev-parse", "--short", "HEAD") or None
-        if commit and git("status", "--porcelain", "--untracked-files=no"):
-            commit += " + uncommitted changes"
-        out["structinfer_commit"] = commit
-    except Exception:
-        pass
+    # "+ changes": the tree differs from that commit (edited or new files)
+    out["structinfer_commit"] = git("describe", "--always", "--dirty=+changes",
+                                    "--exclude=*") or None
+    if out["structinfer_commit"] and not out["structinfer_commit"].endswith("+changes") \
+            and git("status", "--porcelain", "--", "structinfer", "benchmarks"):
+        out["structinfer_commit"] += "+changes"
     return out
 
 

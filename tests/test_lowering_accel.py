@@ -267,11 +267,15 @@ def test_pallas_passes_over_many_blocks_equal_the_dense_kernel(band):
         np.testing.assert_allclose(b, a, atol=5e-5)
 
 
-TILE_CASES = {  # prior(n, m, e) on n = 37 children, m = 45 parents; its blocks
+TILE_CASES = {  # prior(n, m, e), children n, parents m, blocks, the queries' batch
     "full_causal_offset": (lambda n, m, e: si.priors.RelativePosition(
-        e[..., :2 * m - 1], m, offset=m - n, causal=True), (16, 32)),
+        e[..., :2 * m - 1], m, offset=m - n, causal=True), 37, 45, (16, 32), (H,)),
     "clipped": (lambda n, m, e: si.priors.RelativePosition(e[..., :9], m, max_distance=4),
-                (32, 16)),
+                37, 45, (32, 16), (H,)),
+    # a batch of 3 with one table each, shared by the heads: tiles per table, picked by
+    # the batch element's index
+    "circulant_batch": (lambda n, m, e: si.priors.RelativePosition.circulant(
+        e[:1, :m] + jnp.arange(3.0)[:, None, None], causal=True), 29, 29, (32, 16), (3, H)),
 }
 
 
@@ -280,21 +284,23 @@ def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
     """The relative-position table expanded per block diagonal (`relpos_tiles`, read by
     the backward's passes by default) holds the very entries the lookup per element
     reads: the forward and every gradient of the three passes are equal bit for bit, on
-    unequal block sizes, n != m, an offset, causal and clipped distances. The default
-    reads the tiles in the backward only (the forward measured faster with the lookup),
-    never for a shard (a traced offset) or past `RELPOS_TILES_MAX`."""
-    prior_fn, (bq, bk) = TILE_CASES[case]
-    n, m = 37, 45
+    unequal block sizes, n != m, an offset, causal, clipped and circulant distances, a
+    table shared by a batch (interpreted everywhere: on a GPU the table's gradient is
+    summed with atomics in no fixed order). The default reads the tiles in the backward
+    only (the forward measured faster with the lookup), never for a shard (a traced
+    offset) or past `RELPOS_TILES_MAX_BYTES`."""
+    prior_fn, n, m, (bq, bk), batch = TILE_CASES[case]
     r = np.random.default_rng(6)
-    q, k, v = (jnp.asarray(r.normal(size=(H, s, 8)), jnp.float32) for s in (n, m, m))
+    q = jnp.asarray(r.normal(size=batch + (n, 8)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(H, m, 8)), jnp.float32) for _ in range(2))
     e = jnp.asarray(r.normal(size=(H, 2 * m - 1)), jnp.float32)
-    low = lower_edge(prior_fn(n, m, e), si.scores.Dot(q, k, scale=0.4), v, n, (H,))
-    ct = jnp.asarray(r.normal(size=(H, n, 8)), jnp.float32)
+    low = lower_edge(prior_fn(n, m, e), si.scores.Dot(q, k, scale=0.4), v, n, batch)
+    ct = jnp.asarray(r.normal(size=batch + (n, 8)), jnp.float32)
 
     def passes(p, tiles=None, starts=None):
-        kw = dict(block_q=bq, block_k=bk, tiles=tiles, starts=starts)
-        y, lse = accel.pallas_forward(low.terms, p, (H,), **kw)
-        return y, lse, accel.pallas_backward(low.terms, p, (H,), y, lse, ct,
+        kw = dict(block_q=bq, block_k=bk, tiles=tiles, starts=starts, interpret=True)
+        y, lse = accel.pallas_forward(low.terms, p, batch, **kw)
+        return y, lse, accel.pallas_backward(low.terms, p, batch, y, lse, ct,
                                              jnp.ones_like(lse), **kw)
 
     looked_up, tiled = (jax.jit(lambda p, t=t: passes(p, t))(low.problem) for t in (False, True))
@@ -308,8 +314,12 @@ def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
                 if e.primitive.name == "pallas_call"]
 
     assert reads_tiles() == [False, True, True, True]
+    tiles = [x.aval.shape for e in jax.make_jaxpr(passes)(low.problem).jaxpr.eqns
+             if e.primitive.name == "pallas_call" for x in e.invars if x.aval.ndim == 4]
+    tables = int(np.prod(low.problem.glob.relpos.shape[:-1]))  # not one set per (batch, head)
+    assert {t[0] for t in tiles} == {tables}
     assert reads_tiles(starts=(jnp.int32(0), jnp.int32(0))) == [False] * 4
-    monkeypatch.setattr(accel, "RELPOS_TILES_MAX", 0)
+    monkeypatch.setattr(accel, "RELPOS_TILES_MAX_BYTES", 0)
     assert reads_tiles() == [False] * 4
 
 

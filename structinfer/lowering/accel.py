@@ -92,9 +92,10 @@ GPU_KERNELS = ("cudnn", "pallas")
 #: largest additive-bias table (entries, all heads) handed to cuDNN
 CUDNN_BIAS_MAX = 2**26
 
-#: largest set of relative-position tiles (entries, all heads) the Pallas kernel expands
-#: a relative-position table into (`relpos_tiles`); a larger one is looked up per element
-RELPOS_TILES_MAX = 2**27
+#: largest set of relative-position tiles (bytes, every distinct table of the batch) the
+#: Pallas backward expands a relative-position table into (`relpos_tiles`); past it the
+#: table is looked up per element
+RELPOS_TILES_MAX_BYTES = 2**29
 
 
 def platform() -> str:
@@ -394,11 +395,30 @@ class _Layout:
         return jnp.pad(x, [(0, 0)] + [(0, s - x.shape[i + 1]) for i, s in enumerate(sizes)],
                        constant_values=value)
 
-    def tiles_size(self) -> int:
-        """Entries of this launch's `relpos_tiles`."""
+    def distinct(self, x, core: int):
+        """``x``'s rows without broadcasting them to the batch: ``(R,) + core dims``, and
+        the map from a flat batch index ``b`` (traced) to its row."""
+        own = x.shape[:x.ndim - core]
+        own = (1,) * (len(self.batch) - len(own)) + own
+        rows = x.reshape((-1,) + x.shape[x.ndim - core:])
+
+        def row_of(b):
+            row, b_stride, r_stride = 0, 1, 1
+            for size, mine in zip(reversed(self.batch), reversed(own)):
+                if mine > 1:  # a dim x has: b's coordinate there picks the row
+                    coord = lax.rem(lax.div(b, jnp.int32(b_stride)), jnp.int32(size))
+                    row = row + coord * r_stride
+                b_stride, r_stride = b_stride * size, r_stride * mine
+            return row
+
+        return rows, row_of
+
+    def tiles_bytes(self, table) -> int:
+        """Bytes of this launch's `relpos_tiles` of ``table`` (one set per distinct row)."""
         g = min(self.bq, self.bk)
-        return self.B * ((self.n_pad - self.bq + self.m_pad - self.bk) // g + 1) * (
-            self.bq * self.bk)
+        count = (self.n_pad - self.bq + self.m_pad - self.bk) // g + 1
+        return (int(np.prod(table.shape[:-1])) * count * self.bq * self.bk
+                * jnp.dtype(table.dtype).itemsize)
 
     def operands(self, terms: Terms, prob: Problem, whole_rows: bool, shift=None,
                  tiles: bool = False):
@@ -436,11 +456,12 @@ class _Layout:
             for r in (0, 1):
                 arrays[f"geo{r}"] = self.pad(geo[..., r], n_pad)
                 specs[f"geo{r}"] = pl.BlockSpec(rows[1], row_vec)
-        if terms.relpos is not None and tiles:
-            rt = relpos_tiles(terms, self.flat(prob.glob.relpos, 1), self.bq, self.bk,
-                              self.n_pad, self.m_pad)
+        if terms.relpos is not None and tiles:  # one set per distinct table, not per b
+            rows, row_of = self.distinct(prob.glob.relpos, 1)
+            rt = relpos_tiles(terms, rows, self.bq, self.bk, self.n_pad, self.m_pad)
             arrays["rtiles"] = rt
-            specs["rtiles"] = pl.BlockSpec((None,) + rt.shape[1:], lambda i, b: (b, 0, 0, 0))
+            specs["rtiles"] = pl.BlockSpec((None,) + rt.shape[1:],
+                                           lambda i, b: (row_of(b), 0, 0, 0))
         elif terms.relpos is not None:
             rb = self.flat(prob.glob.relpos, 1)
             arrays["relpos"] = rb
@@ -454,7 +475,7 @@ class _Layout:
 def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
                  m_pad: int) -> jax.Array:
     r"""A relative-position table expanded into the tiles the kernels add, one per block
-    diagonal: ``(..., C, bq, bk)`` with tile $c$ holding $b_{r(\Delta + a + 	ext{offset}
+    diagonal: ``(..., C, bq, bk)`` with tile $c$ holding $b_{r(\Delta + a + \text{offset}
     - s)}$ at $(a, s)$, for the block-start difference $\Delta = i_0 - j_0 = cg - (m_{pad}
     - b_k)$, $g = \min(b_q, b_k)$ (both powers of two, so every tile of child block
     $i_0 / b_q$ and parent block $j_0 / b_k$ is one of these $C = (n_{pad} - b_q + m_{pad}
@@ -463,8 +484,8 @@ def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
     A tile depends on $i_0 - j_0$ alone (the bias is a function of the distance), so the
     kernels load it whole, like a key block, instead of looking up $b_q b_k$ scattered
     entries of the table per tile (a gather, the relative-position kernels' largest cost
-    on a GPU). Memory: $C b_q b_k pprox (n + m) \max(b_q, b_k)$ entries per head, linear
-    in the sequence (`RELPOS_TILES_MAX` bounds it); the values are the table's own, in
+    on a GPU). Memory: $C b_q b_k \approx (n + m) \max(b_q, b_k)$ entries per table,
+    linear in the sequence (`RELPOS_TILES_MAX_BYTES` bounds it); the values are the table's own, in
     its dtype, so the logits are unchanged bit for bit.
 
     Args:
@@ -488,13 +509,15 @@ def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
     return jnp.take(table, relpos_index(terms.relpos, d), axis=-1)
 
 
-def _use_tiles(terms: Terms, lay: _Layout, shift, tiles: bool | None) -> bool:
+def _use_tiles(terms: Terms, prob: Problem, lay: _Layout, shift, tiles: bool | None) -> bool:
     """Whether a launch reads `relpos_tiles`: a relative-position table, a static offset
-    (not a shard of a longer sequence), and within `RELPOS_TILES_MAX` (``tiles``: forced
-    on or off, for tests and tuning)."""
+    (not a shard of a longer sequence), and within `RELPOS_TILES_MAX_BYTES` (``tiles``:
+    forced on or off, for tests and tuning)."""
     if terms.relpos is None or shift is not None:
         return False
-    return lay.tiles_size() <= RELPOS_TILES_MAX if tiles is None else bool(tiles)
+    if tiles is not None:
+        return bool(tiles)
+    return lay.tiles_bytes(prob.glob.relpos) <= RELPOS_TILES_MAX_BYTES
 
 
 def _wide_rows(prob: Problem) -> bool:
@@ -562,10 +585,10 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             $d_{ij} = (i_{\text{start}} + i) + \text{offset} - (j_{\text{start}} + j)$,
             and the parent blocks outside the distance band are still skipped (the live
             range is computed from the traced offset in each program).
-        tiles: read a relative-position table as `relpos_tiles` (``True``, when the
-            offset is static) instead of looking each entry up (default: on an H100 the
-            forward ran 3-10 % slower with them, the backward 1.3-1.7x faster). The
-            logits are the same either way.
+        tiles: ``True`` reads a relative-position table as `relpos_tiles` (ignored with
+            ``starts``); the default, ``None`` or ``False``, looks each entry up (on an
+            H100 the forward ran 3-10 % slower with tiles, the backward 1.1-1.7x faster).
+            The logits are the same either way.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
@@ -588,7 +611,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     lay = _Layout(terms, prob, batch_shape, block_q, block_k)
     shift = _shift(starts)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
-                                 tiles=tiles is not None and _use_tiles(terms, lay, shift, tiles))
+                                 tiles=tiles is not None and _use_tiles(terms, prob, lay, shift, tiles))
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
                                keys=keys, acc_dtype=lay.acc, precision=precision)
@@ -805,10 +828,11 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             parent (may be traced), as for `pallas_forward`; with them the table's pass
             visits every block diagonal (which ones hold an allowed distance is known
             only when the offset is).
-        tiles: read a relative-position table as `relpos_tiles` in every pass (default:
-            when the offset is static and they stay within `RELPOS_TILES_MAX`: on an H100,
-            bfloat16, head dims 64 and 128, n = 4096 and 16384, the passes ran 1.3-1.7x
-            faster than with the lookup per element; ``False``: the lookup).
+        tiles: read a relative-position table as `relpos_tiles` in every pass (default,
+            ``None``: when there are no ``starts`` and they stay within
+            `RELPOS_TILES_MAX_BYTES`; on an H100, bfloat16, head dims 64 and 128, n = 4096
+            and 16384, the passes ran 1.1-1.7x faster than with the lookup per element;
+            ``True`` forces them, except with ``starts``; ``False``: the lookup).
 
     Returns:
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
@@ -836,7 +860,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
 
     def whole_rows(lay):  # operands of a pass that loops over child blocks
         arrays, specs = lay.operands(terms, prob, whole_rows=True, shift=shift,
-                                     tiles=_use_tiles(terms, lay, shift, tiles))
+                                     tiles=_use_tiles(terms, prob, lay, shift, tiles))
         arrays.update(shared(lay))
         specs["do"] = pl.BlockSpec((None, lay.n_pad, lay.dvp), lambda i, b: (b, 0, 0))
         specs["lse"] = specs["delta"] = pl.BlockSpec((None, lay.n_pad), lambda i, b: (b, 0))
@@ -867,7 +891,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
 
     # pass 2: child blocks (dQ, geometric prior)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
-                                 tiles=_use_tiles(terms, lay, shift, tiles))
+                                 tiles=_use_tiles(terms, prob, lay, shift, tiles))
     arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
     specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
