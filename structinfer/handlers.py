@@ -16,6 +16,8 @@ r"""Effect handlers the exact engine is built from (NumPyro ``Messenger`` subcla
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 
 import jax
@@ -122,6 +124,17 @@ def _event_inner(t: jax.Array, v: jax.Array) -> jax.Array:
     """
     shape = jnp.broadcast_shapes(t.shape[:-1], v.shape[:-1])
     dtype = jnp.result_type(t, v)
+    return jax.lax.cond(jnp.any(t != 0), *_event_inner_branches(shape, dtype), t, v)
+
+
+@functools.lru_cache(maxsize=512)
+def _event_inner_branches(shape: tuple, dtype):
+    """`_event_inner`'s two branches, built once per (shape, dtype): the same function
+    objects on every call let JAX reuse ``lax.cond``'s traced branches and, run eagerly,
+    its compiled program."""
+
+    def dot(t, v):
+        return _contract(t, v).astype(dtype)
 
     def at_zero(t, v):
         # zero, or NaN where any of v is not finite: 0 * max |v|, one scalar from an
@@ -130,9 +143,7 @@ def _event_inner(t: jax.Array, v: jax.Array) -> jax.Array:
         # expectation of a causal head at n = 4097 7x slower on XLA:CPU.)
         return jnp.broadcast_to((0 * jnp.max(jnp.abs(v), initial=0)).astype(dtype), shape)
 
-    return jax.lax.cond(
-        jnp.any(t != 0), lambda t, v: _contract(t, v).astype(dtype), at_zero, t, v
-    )
+    return dot, at_zero
 
 
 def _event_inner_jvp(primals, tangents):

@@ -20,6 +20,8 @@ nothing else observes the edges).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,8 +198,9 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     edge value, shape ``(m, 1, ..., 1)``), the result is a column ``take`` followed by a
     transpose: no ``index``-shaped broadcast of the table is ever built, so reading an
     ``(n, m)`` table at the enumerated value costs ``O(n m)``, not ``O(n m^2)``. When the
-    index is exactly ``0..m-1`` along one dim (what enumeration produces; checked at run
-    time with one comparison, ``lax.cond``), it is a transpose of the table, no gather.
+    index is exactly ``0..m-1`` along one dim (what enumeration produces; checked with one
+    comparison, at run time with ``lax.cond`` when the index is traced), it is a
+    transpose of the table, no gather.
     Out-of-range indices read NaN, never a clamped row.
 
     It is how a value $v_i(x, \phi_i = j) = V x_j$ is read (Singh & Buckley
@@ -221,6 +224,22 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
             out = jnp.where((index >= -m) & (index < m), out, jnp.nan)
         return out
     out_shape = tuple(max(a, b) for a, b in zip(tpad, ipad))
+    flat = jnp.reshape(index, (-1,))
+    moved, take = _gather_branches(tpad, ipad, out_shape, m)
+    if flat.shape[0] != m or sum(s != 1 for s in ipad) != 1:
+        return take(table, flat)
+    is_range = jnp.all(flat == jnp.arange(m, dtype=flat.dtype))
+    if is_concrete(is_range):  # an index with values (run eagerly): choose here
+        return moved(table, flat) if bool(is_range) else take(table, flat)
+    return jax.lax.cond(is_range, moved, take, table, flat)
+
+
+@functools.lru_cache(maxsize=512)
+def _gather_branches(tpad: tuple, ipad: tuple, out_shape: tuple, m: int):
+    """`gather`'s two ways, built once per shape: the same function objects on every call
+    let JAX reuse ``lax.cond``'s traced branches and, run eagerly, its compiled program
+    (closures made per call were traced and compiled again at every call)."""
+    r = len(tpad)
     perm = [k for pair in zip(range(r), range(r, 2 * r)) for k in pair]
 
     def take(table, flat):
@@ -229,11 +248,7 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
         cols = jnp.take(table, flat, axis=-1, mode="fill")  # NaN past the end (floats)
         return jnp.reshape(jnp.transpose(jnp.reshape(cols, tpad + ipad), perm), out_shape)
 
-    flat = jnp.reshape(index, (-1,))
-    if flat.shape[0] != m or sum(s != 1 for s in ipad) != 1:
-        return take(table, flat)
-
-    p = next(k for k, s in enumerate(ipad) if s != 1)
+    p = next((k for k, s in enumerate(ipad) if s != 1), 0)
 
     def moved(table, flat):
         # the index is 0..m-1 along its one dim (an enumerated edge value): the result
@@ -241,7 +256,7 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
         x = jnp.squeeze(jnp.reshape(table, tpad + (m,)), axis=p)
         return jnp.moveaxis(x, -1, p)
 
-    return jax.lax.cond(jnp.all(flat == jnp.arange(m, dtype=flat.dtype)), moved, take, table, flat)
+    return moved, take
 
 
 class EdgeDistribution(dist.CategoricalLogits):
