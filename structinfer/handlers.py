@@ -17,7 +17,6 @@ r"""Effect handlers the exact engine is built from (NumPyro ``Messenger`` subcla
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 
 import jax

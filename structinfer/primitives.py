@@ -21,7 +21,6 @@ nothing else observes the edges).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 from typing import Any
 
