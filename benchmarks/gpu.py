@@ -622,12 +622,10 @@ def versions() -> dict:
         except Exception:
             return ""
 
-    # "+ changes": the tree differs from that commit (edited or new files)
-    out["structinfer_commit"] = git("describe", "--always", "--dirty=+changes",
-                                    "--exclude=*") or None
-    if out["structinfer_commit"] and not out["structinfer_commit"].endswith("+changes") \
-            and git("status", "--porcelain", "--", "structinfer", "benchmarks"):
-        out["structinfer_commit"] += "+changes"
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain"):  # the tree differs: edited or new files
+        commit += "+changes"
+    out["structinfer_commit"] = commit or None
     return out
 
 

@@ -61,7 +61,7 @@ def resolve(mod: str, node: ast.ImportFrom, is_package: bool) -> str:
 
 def own_submodule(source: str, name: str, package: str) -> bool:
     """``from <source> import <name>`` names a private submodule of the importer's own
-    package (``from . import _rules`` in ``lowering/__init__.py``): the package's own
+    package (``from . import _spec`` in ``lowering/__init__.py``): the package's own
     implementation, not another module's private name."""
     if not (source == package or package.startswith(source + ".")):
         return False
@@ -237,7 +237,7 @@ def test_the_checks_can_fail():
         "HMC._mine",
     ]), found
     # a package may import its own private submodule; a name that is not one is flagged
-    tree = ast.parse("from . import _rules\nfrom . import _nope\nfrom ..lowering import _spec\n")
+    tree = ast.parse("from . import _spec\nfrom . import _nope\nfrom ..lowering import _spec\n")
     bad = private_uses(PKG / "lowering" / "__init__.py", "structinfer.lowering", tree)
     assert [b.split(": ", 1)[1] for b in bad] == ["from structinfer.lowering import _nope"], bad
     bad = private_uses(PKG / "infer" / "fit.py", "structinfer.infer.fit",

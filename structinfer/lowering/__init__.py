@@ -42,7 +42,7 @@ table's kernels) read the lowered form of an edge site; they are reached through
 [`attention`][structinfer.lowering.attention] (``backend=``, ``mesh=``).
 """
 
-from . import _rules  # noqa: F401  (registers the built-in rules)
+from . import rules  # noqa: F401  (registers the built-in rules)
 from ._lower import (
     DistanceBand,
     NotLowered,

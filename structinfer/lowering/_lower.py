@@ -32,8 +32,9 @@ def _(prior, terms):
     terms.note("prior Recency (distance table)")
 ```
 
-The built-in rules are in `structinfer.lowering._rules` (registered when
-`structinfer.lowering` is imported). `lower_edge` runs the rules of an edge's
+The built-in rules are in `structinfer.lowering.rules` (registered when
+`structinfer.lowering` is imported; read them as examples of the `register_*_rule`
+decorators). `lower_edge` runs the rules of an edge's
 ``(prior, score)`` and packs what they added, with the value table, into a
 `Terms` / `Problem` pair for the kernels.
 """

@@ -76,6 +76,7 @@ from ._spec import (
 __all__ = [
     "GPU_KERNELS",
     "CUDNN_BIAS_MAX",
+    "RELPOS_TILES_MAX_BYTES",
     "platform",
     "cudnn_unsupported",
     "pallas_unsupported",
@@ -498,6 +499,10 @@ def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
 
     Returns:
         ``table.shape[:-1] + (C, bq, bk)``, in the table's dtype.
+
+    Reference: the relative-position prior of Singh & Buckley (appendix 8.2, Table 1
+    row 4), `structinfer.priors.RelativePosition`; the blocks are FlashAttention-2's
+    (Dao, 2023).
     """
     g = min(bq, bk)
     first = -(m_pad - bk)
@@ -611,7 +616,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     lay = _Layout(terms, prob, batch_shape, block_q, block_k)
     shift = _shift(starts)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
-                                 tiles=tiles is not None and _use_tiles(terms, prob, lay, shift, tiles))
+                                 tiles=bool(tiles) and _use_tiles(terms, prob, lay, shift, tiles))
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
                                keys=keys, acc_dtype=lay.acc, precision=precision)

@@ -41,7 +41,8 @@ from ._lower import (
     register_score_rule,
 )
 
-__all__: list[str] = []  # everything here is registered, nothing is called by name
+__all__: list[str] = []  # everything here is registered, nothing is called by name;
+# the module is public so that its rules can be read as examples of registering one
 
 
 # --- scores -----------------------------------------------------------------------------
