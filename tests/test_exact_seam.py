@@ -29,6 +29,7 @@ from scipy.stats import norm
 
 import structinfer as si
 from structinfer.exact import EnergyOnlyModelError, ModelInfo, inspect_model, log_z, trace_model
+from structinfer.primitives import potential
 
 B, H, N, M, K, D = 2, 3, 5, 7, 11, 2
 r = np.random.default_rng(0)
@@ -418,3 +419,75 @@ def test_a_repeated_eager_call_lowers_no_new_program():
     assert heard_nothing and lowered  # nothing from the repeat, the sentinel heard
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
         np.testing.assert_array_equal(a, b)
+
+
+def _no_structure_models():
+    """Two models that give every structure zero probability: independent edges whose
+    every parent a factor forbids, and a Markov chain that must end in a state it can
+    never reach (its one allowed move is to stay)."""
+    from numpyro.contrib.control_flow import scan
+
+    def forbidden(s):
+        with numpyro.plate("children", s.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(s.shape[1]), s)
+            potential("forbid", jnp.where(j < 2, -jnp.inf, 0.0) + jnp.where(j >= 2, -jnp.inf, 0.0))
+
+    k = 3
+    stay = jnp.asarray(np.where(np.eye(k, dtype=bool), 0.0, -np.inf), jnp.float32)
+    start = jnp.asarray([0.0, -np.inf, -np.inf], jnp.float32)
+
+    def stuck(emission):
+        prior = si.priors.Markov(stay, start)
+
+        def step(previous, xs):
+            e, is_last = xs
+            z = si.edge("z", prior, e, previous=previous)
+            potential("end", jnp.where(is_last & (z != k - 1), -jnp.inf, 0.0))
+            return z, None
+
+        scan(step, jnp.asarray(-1), (emission, jnp.arange(emission.shape[0]) == emission.shape[0] - 1))
+
+    r = np.random.default_rng(8)
+    return {
+        "forbidden": (forbidden, jnp.asarray(r.normal(size=(3, 4)), jnp.float32), "phi"),
+        "markov": (stuck, jnp.asarray(r.normal(size=(5, k)), jnp.float32), "z"),
+    }
+
+
+@pytest.mark.parametrize("case", ["forbidden", "markov"])
+def test_no_possible_structure_is_an_error_or_minus_one_never_a_forbidden_structure(case):
+    """Regression: `map_edges` and `sample_edges` read a structure off funsor's (or the
+    Viterbi) tables even when every structure has zero probability, and returned a
+    forbidden one (all zeros, or a path the chain cannot take). On concrete inputs that is
+    now an error naming the model and its sites; under jit and vmap every edge reads -1.
+    ``log_marginal`` is -inf (the log of zero), as before."""
+    model, x, site = _no_structure_models()[case]
+    key = jax.random.PRNGKey(0)
+    # (eager calls of a model with NumPyro's scan lower its programs at every call:
+    # the chain's eager check is its MAP's)
+    eager = [si.map_edges]
+    if case == "forbidden":
+        assert float(si.log_marginal(model, x)) == -np.inf
+        eager.append(lambda m, x: si.sample_edges(key, m, x))
+    for run in eager:
+        with pytest.raises(ValueError, match=f"model '{model.__name__}' has no structure.*"
+                           f"'{site}'.*zero probability"):
+            run(model, x)
+
+    def both(x):
+        return si.map_edges(model, x)[site], si.sample_edges(key, model, x)[site]
+
+    # under jit, and under vmap with a NaN input in the batch (never argmax's pick
+    # among NaNs): one compiled program
+    if case == "forbidden":
+        outs = jax.jit(jax.vmap(both))(jnp.stack([x, x.at[0, 0].set(jnp.nan)]))
+    else:
+        outs = jax.jit(both)(x)
+    for out in outs:
+        assert out.dtype == jnp.int32 and np.all(np.asarray(out) == -1), outs
+    if case == "forbidden":  # a possible structure is returned as before
+        def free(s):
+            with numpyro.plate("children", s.shape[0]):
+                si.edge("phi", si.priors.Uniform(s.shape[1]), s)
+
+        np.testing.assert_array_equal(si.map_edges(free, x)["phi"], np.argmax(np.asarray(x), -1))

@@ -28,11 +28,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from numpyro import validation_enabled
 from numpyro.contrib.funsor import infer_discrete
 from numpyro.handlers import block, substitute, trace
 
-from .._checks import as_arrays, model_name
+from .._checks import as_arrays, is_concrete, model_name
 from ..handlers import pin, require_values
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
@@ -128,7 +129,7 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
         raise ValueError(
             f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
-    grads = _edge_gradients(model, args, kwargs, info, "sum")
+    _, grads = _edge_gradients(model, args, kwargs, info, "sum")
     # a Markov edge's tilt is pairwise (previous, next): its marginal sums the previous out
     return {n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()}
 
@@ -139,8 +140,9 @@ def _is_markov(info, name: str) -> bool:
     return edge is not None and edge.markov
 
 
-def _edge_gradients(model, args, kwargs, info, semiring) -> dict[str, jax.Array]:
-    """Gradients of the sum- or max-product log Z at zero tilts on every enumerated site.
+def _edge_gradients(model, args, kwargs, info, semiring) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The sum- or max-product log Z and its gradients at zero tilts on every enumerated
+    site.
 
     ``batch + (k,)`` per site; ``(T,) + batch + (k + 1, k)`` (the pair previous, next;
     row ``k``: the chain's start) for an edge with a Markov prior.
@@ -153,7 +155,7 @@ def _edge_gradients(model, args, kwargs, info, semiring) -> dict[str, jax.Array]
         return log_z(model, args, kwargs, info=info, tilts={n: (v, 0) for n, v in t.items()},
                      semiring=semiring)
 
-    return jax.grad(f)(zeros)
+    return jax.value_and_grad(f)(zeros)
 
 
 def _backtrack(pairs: jax.Array, rng_key) -> jax.Array:
@@ -203,7 +205,8 @@ def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
             f"pairwise posterior, which does not cover the other enumerated sites {others} "
             "of the same model; draw those with a model without the chain"
         )
-    grads = _edge_gradients(model, args, kwargs, info, "max" if temperature == 0 else "sum")
+    best, grads = _edge_gradients(model, args, kwargs, info,
+                                  "max" if temperature == 0 else "sum")
     out = {}
     keys = dict(zip(info.enumerated, jax.random.split(rng_key, len(info.enumerated))))
     for name, g in grads.items():
@@ -211,7 +214,31 @@ def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
             out[name] = _backtrack(g, None if temperature == 0 else keys[name])
         else:
             out[name] = jnp.argmax(g, axis=-1).astype(jnp.int32)
-    return out
+    return _possible(model, best, out)
+
+
+#: every edge of `map_edges` and `sample_edges` under ``jit`` when the model has no
+#: structure to return (every structure has zero probability, or a NaN): no parent
+_NO_STRUCTURE = -1
+
+
+def _possible(model, log_weight: jax.Array, out: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    r"""``out`` (a MAP or a drawn structure) when ``log_weight`` (the largest, or the
+    summed, log-weight $\log p(x, \phi)$ over structures) is finite. Otherwise there is no
+    structure to return: an error on concrete values, every edge -1 under a trace; never
+    a structure the model forbids."""
+    if is_concrete(log_weight):
+        w = float(log_weight)
+        if not np.isfinite(w):
+            why = ("every structure has zero probability (forbidden edges, -inf factors or "
+                   "observations no structure explains)" if w == -np.inf else
+                   "its log-weight is not a number (a NaN or +inf score, factor or input)")
+            raise ValueError(
+                f"model '{model_name(model)}' has no structure of its edge sites "
+                f"{sorted(out)} to return: {why} (log-weight {w})")
+        return out
+    ok = jnp.isfinite(log_weight)
+    return {n: jnp.where(ok, v, _NO_STRUCTURE).astype(v.dtype) for n, v in out.items()}
 
 
 def expectation(
@@ -286,13 +313,16 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     if any(_is_markov(info, n) for n in info.enumerated):
         return _markov_posterior(model, args, kwargs, info, temperature, key)
+    # funsor's MAP and draws read a structure off any table, -inf or NaN everywhere too:
+    # the largest log-weight says whether there is one to read
+    best = log_z(model, args, kwargs, info=info, semiring="max")
     # single-parent sites are deterministic; funsor cannot extract a point from a
     # size-1 enumeration dim, so fix them to 0 as observations (log-prob unchanged)
     trivial = {
         name: jnp.zeros(batch, jnp.int32) for name, (batch, k) in info.enumerated.items() if k == 1
     }
     if len(trivial) == len(info.enumerated):  # nothing left to infer
-        return trivial
+        return _possible(model, best, trivial)
     m = infer_discrete(
         pin(require_values(model), data=trivial),
         first_available_dim=info.first_available_dim,
@@ -303,10 +333,10 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     # argument validation (on by default) rejects the -inf of forbidden parents
     with block(), validation_enabled(False):
         tr = trace(m).get_trace(*args, **kwargs)
-    return {
+    return _possible(model, best, {
         name: jnp.broadcast_to(tr[name]["value"], info.enumerated[name][0])
         for name in info.enumerated
-    }
+    })
 
 
 def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
@@ -319,10 +349,14 @@ def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
         **kwargs: the model's keyword arguments.
 
     Returns:
-        ``{site: int array of the site's batch shape (..., children)}``.
+        ``{site: int array of the site's batch shape (..., children)}``. Under ``jit``
+            (or ``vmap``), every entry is -1 when there is no structure to return (see
+            Raises).
 
     Raises:
-        ValueError: the model has no edge sites.
+        ValueError: the model has no edge sites; or, on concrete inputs, it gives every
+            structure zero probability (forbidden edges, $-\infty$ factors) or a NaN
+            log-weight: there is no most probable structure, never a forbidden one.
 
     Reference:
         Hard attention as the MAP structure (Singh & Buckley sec. 3.1); computed with
@@ -346,10 +380,13 @@ def sample_edges(
         **kwargs: the model's keyword arguments.
 
     Returns:
-        ``{site: int array of the site's batch shape (..., children)}``.
+        ``{site: int array of the site's batch shape (..., children)}``. Under ``jit``
+            (or ``vmap``), every entry is -1 when there is nothing to draw (see Raises).
 
     Raises:
-        ValueError: the model has no edge sites.
+        ValueError: the model has no edge sites; or, on concrete inputs, it gives every
+            structure zero probability (forbidden edges, $-\infty$ factors) or a NaN
+            log-weight: there is no posterior to draw from, never a forbidden structure.
 
     Reference:
         Stochastic (sampled) attention as a draw from the edge posterior (Singh &

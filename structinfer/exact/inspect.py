@@ -41,12 +41,21 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 from jax.tree_util import treedef_is_leaf
 from numpyro.handlers import block, seed, substitute, trace
 
 from .._checks import as_arrays, is_concrete, model_name
 from ..handlers import PLACEHOLDER_KEY, fill_discrete, fill_latent, require_values
-from ..primitives import EDGE_INFO_KEY, SCAN_RECORD_KEY, EdgeInfo, is_enumerated, is_factor
+from ..primitives import (
+    EDGE_INFO_KEY,
+    SCAN_RECORD_KEY,
+    EdgeDistribution,
+    EdgeInfo,
+    Potential,
+    is_enumerated,
+    is_factor,
+)
 from .bounds import IndexOutOfBounds, check_jaxpr_bounds
 
 __all__ = [
@@ -430,6 +439,12 @@ def _dtype_free_edge(site: dict) -> bool:
 
 def _log_prob_dtype(site: dict) -> Any:
     """The dtype of a sample site's log-prob, read abstractly (nothing is computed)."""
+    fn = site["fn"]
+    # the two kinds of site every edge makes: their log-probs read a table or a factor
+    if type(fn) is EdgeDistribution:
+        return fn.logits.dtype
+    if type(fn) in (dist.Unit, Potential):
+        return jnp.result_type(fn.log_factor)
     try:
         return jax.eval_shape(site["fn"].log_prob, site["value"]).dtype
     except Exception:  # noqa: BLE001 - a site whose log-prob cannot be traced alone
