@@ -431,6 +431,7 @@ def _no_structure_models():
         with numpyro.plate("children", s.shape[0]):
             j = si.edge("phi", si.priors.Uniform(s.shape[1]), s)
             potential("forbid", jnp.where(j < 2, -jnp.inf, 0.0) + jnp.where(j >= 2, -jnp.inf, 0.0))
+            numpyro.deterministic("out", jnp.sin(1.0 + j))
 
     k = 3
     stay = jnp.asarray(np.where(np.eye(k, dtype=bool), 0.0, -np.inf), jnp.float32)
@@ -443,6 +444,7 @@ def _no_structure_models():
             e, is_last = xs
             z = si.edge("z", prior, e, previous=previous)
             potential("end", jnp.where(is_last & (z != k - 1), -jnp.inf, 0.0))
+            numpyro.deterministic("out", jnp.sin(1.0 + z))
             return z, None
 
         scan(step, jnp.asarray(-1), (emission, jnp.arange(emission.shape[0]) == emission.shape[0] - 1))
@@ -458,21 +460,20 @@ def _no_structure_models():
 def test_no_possible_structure_is_an_error_or_minus_one_never_a_forbidden_structure(case):
     """Regression: `map_edges` and `sample_edges` read a structure off funsor's (or the
     Viterbi) tables even when every structure has zero probability, and returned a
-    forbidden one (all zeros, or a path the chain cannot take). On concrete inputs that is
-    now an error naming the model and its sites; under jit and vmap every edge reads -1.
+    forbidden one (all zeros, or a path the chain cannot take); the expectations and
+    marginals were NaN with no error on concrete inputs. On concrete inputs each is now an
+    error naming the model; under jit and vmap every edge reads -1 and an expectation NaN.
     ``log_marginal`` is -inf (the log of zero), as before."""
     model, x, site = _no_structure_models()[case]
     key = jax.random.PRNGKey(0)
-    # (eager calls of a model with NumPyro's scan lower its programs at every call:
-    # the chain's eager check is its MAP's)
-    eager = [si.map_edges]
+    # (eager calls of a model with NumPyro's scan lower its programs at every call: the
+    # chain's eager check is the fused path's, below; both paths share the check)
     if case == "forbidden":
         assert float(si.log_marginal(model, x)) == -np.inf
-        eager.append(lambda m, x: si.sample_edges(key, m, x))
-    for run in eager:
-        with pytest.raises(ValueError, match=f"model '{model.__name__}' has no structure.*"
-                           f"'{site}'.*zero probability"):
-            run(model, x)
+        for run in (si.map_edges, lambda m, x: si.sample_edges(key, m, x)):
+            with pytest.raises(ValueError, match=f"model '{model.__name__}' has no "
+                               f"structure.*'{site}'.*zero probability"):
+                run(model, x)
 
     def both(x):
         return si.map_edges(model, x)[site], si.sample_edges(key, model, x)[site]
@@ -485,8 +486,18 @@ def test_no_possible_structure_is_an_error_or_minus_one_never_a_forbidden_struct
         outs = jax.jit(both)(x)
     for out in outs:
         assert out.dtype == jnp.int32 and np.all(np.asarray(out) == -1), outs
-    if case == "forbidden":  # a possible structure is returned as before
-        def free(s):
+    # the posterior's expectations and marginals (eagerly the exact engine's and the
+    # fused path's error; NaN under jit, as before)
+    zero = "gives every structure of its edge sites zero probability"
+    with pytest.raises(ValueError, match=zero):
+        si.attention(model, "out")(x)
+    if case == "forbidden":
+        for run in (lambda: si.expectation(model, "out", x), lambda: si.marginals(model, x)):
+            with pytest.raises(ValueError, match=zero):
+                run()
+        assert np.all(np.isnan(jax.jit(lambda x: si.expectation(model, "out", x))(x)))
+
+        def free(s):  # a possible structure is returned as before
             with numpyro.plate("children", s.shape[0]):
                 si.edge("phi", si.priors.Uniform(s.shape[1]), s)
 

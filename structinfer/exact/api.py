@@ -117,7 +117,9 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
             enumerated discrete site, shape ``batch + (support,)``). Rows sum to one.
 
     Raises:
-        ValueError: the model has no edge sites.
+        ValueError: the model has no edge sites; or, on concrete inputs, it gives every
+            structure zero probability ($\log Z = -\infty$; under ``jit`` the marginals
+            are NaN).
 
     Reference:
         The attention matrix as the edge posterior, Singh & Buckley sec. 3.1 (eq. 1);
@@ -129,7 +131,8 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
         raise ValueError(
             f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
-    _, grads = _edge_gradients(model, args, kwargs, info, "sum")
+    total, grads = _edge_gradients(model, args, kwargs, info, "sum")
+    _check_possible(model, total)
     # a Markov edge's tilt is pairwise (previous, next): its marginal sums the previous out
     return {n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()}
 
@@ -217,6 +220,17 @@ def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
     return _possible(model, best, out)
 
 
+def _check_possible(model, log_marginal: jax.Array) -> None:
+    r"""On concrete values, the error of a model that gives every structure zero
+    probability ($\log Z = -\infty$): its posterior does not exist.
+    Under a trace the answer is NaN (0 / 0), never a finite number."""
+    if is_concrete(log_marginal) and float(log_marginal) == -np.inf:
+        raise ValueError(
+            f"model '{model_name(model)}' gives every structure of its edge sites zero "
+            "probability (log Z = -inf: forbidden edges, -inf factors or observations no "
+            "structure explains): it has no posterior (under jit the answer is NaN)")
+
+
 #: every edge of `map_edges` and `sample_edges` under ``jit`` when the model has no
 #: structure to return (every structure has zero probability, or a NaN): no parent
 _NO_STRUCTURE = -1
@@ -268,7 +282,9 @@ def expectation(
 
     Raises:
         KeyError: the model has no site of that name.
-        ValueError: the site is not a deterministic site.
+        ValueError: the site is not a deterministic site; or, on concrete inputs, the
+            model gives every structure zero probability ($\log Z = -\infty$; under
+            ``jit`` the expectation is NaN).
 
     Reference:
         Attention output as $\mathbb E_{\phi|x}[v(x,\phi)]$, Singh & Buckley eq. 1;
@@ -297,7 +313,8 @@ def expectation(
             tilts={n: (t[n], info.deterministic[n][1]) for n in names},
         )
 
-    out = jax.grad(f)(zeros)
+    total, out = jax.value_and_grad(f)(zeros)
+    _check_possible(model, total)
     # in the value's dtype (a bfloat16 value of a model with float32 parameters is
     # contracted in float32 and answered in bfloat16); integer values in the model's
     out = {n: x.astype(info[n].dtype) if jnp.issubdtype(info[n].dtype, jnp.floating) else x

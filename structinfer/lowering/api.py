@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import is_concrete
-from ..exact import expectation, inspect_model
+from ..exact import expectation, inspect_model, marginals
 from ._recognise import Fallback, Plan, recognise
 from .kernels import KERNELS, KernelConfig, auto_kernel
 from .markov import markov_scan
@@ -203,8 +203,10 @@ def _execute_markov(plan: Plan, precision=None) -> tuple[jax.Array, dict[str, ja
 def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
     """Called eagerly when a row's log-normaliser is not finite (or the exact path gave
     NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
-    error naming the site and the row; if they pass, name the site and row here."""
+    error naming the site and the row (and, for a model that gives every structure zero
+    probability, the error of its marginals); if they pass, name the site and row here."""
     inspect_model(model, *args, **kwargs)
+    marginals(model, *args, **kwargs)
     for site, lse in lses.items():
         bad = np.argwhere(~np.isfinite(np.asarray(lse)))
         if bad.size:
@@ -391,8 +393,8 @@ def attention(
             Array (and float) arguments are traced; other arguments (ints, strings) are
             static. Called on concrete arrays, a child with no allowed parent or a
             NaN/inf score raises the exact engine's error (found from the kernel's
-            per-row log-normaliser, no second pass); under an outer ``jit`` that row is
-            NaN. ``f`` is jitted internally and can be jitted, vmapped and
+            per-row log-normaliser, no second pass), and so does a model that gives every
+            structure zero probability; under an outer ``jit`` that row is NaN. ``f`` is jitted internally and can be jitted, vmapped and
             differentiated again. ``f.explain(*args)`` describes the path;
             ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
             log-normaliser})`` without the eager check (empty on the exact path), for a
