@@ -223,12 +223,20 @@ def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
 def _check_possible(model, log_marginal: jax.Array) -> None:
     r"""On concrete values, the error of a model that gives every structure zero
     probability ($\log Z = -\infty$): its posterior does not exist.
-    Under a trace the answer is NaN (0 / 0), never a finite number."""
-    if is_concrete(log_marginal) and float(log_marginal) == -np.inf:
+    Under a trace the answer is NaN (0 / 0), never a finite number. A NaN $\log Z$ (a NaN
+    input) gives NaN, as any NaN input does. A float16 $\log Z$ is not read: its sum
+    over many children can overflow to $-\infty$ while every child is possible."""
+    if (is_concrete(log_marginal) and _wide(log_marginal)
+            and float(log_marginal) == -np.inf):
         raise ValueError(
             f"model '{model_name(model)}' gives every structure of its edge sites zero "
             "probability (log Z = -inf: forbidden edges, -inf factors or observations no "
             "structure explains): it has no posterior (under jit the answer is NaN)")
+
+
+def _wide(x: jax.Array) -> bool:
+    """Whether ``x``'s dtype has float32's range (float16's overflows at 65504)."""
+    return jnp.finfo(jnp.result_type(x)).max >= jnp.finfo(jnp.float32).max
 
 
 #: every edge of `map_edges` and `sample_edges` under ``jit`` when the model has no
@@ -241,6 +249,8 @@ def _possible(model, log_weight: jax.Array, out: dict[str, jax.Array]) -> dict[s
     summed, log-weight $\log p(x, \phi)$ over structures) is finite. Otherwise there is no
     structure to return: an error on concrete values, every edge -1 under a trace; never
     a structure the model forbids."""
+    if not _wide(log_weight):  # see _check_possible
+        return out
     if is_concrete(log_weight):
         w = float(log_weight)
         if not np.isfinite(w):
@@ -330,30 +340,38 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     if any(_is_markov(info, n) for n in info.enumerated):
         return _markov_posterior(model, args, kwargs, info, temperature, key)
-    # funsor's MAP and draws read a structure off any table, -inf or NaN everywhere too:
-    # the largest log-weight says whether there is one to read
-    best = log_z(model, args, kwargs, info=info, semiring="max")
     # single-parent sites are deterministic; funsor cannot extract a point from a
     # size-1 enumeration dim, so fix them to 0 as observations (log-prob unchanged)
     trivial = {
         name: jnp.zeros(batch, jnp.int32) for name, (batch, k) in info.enumerated.items() if k == 1
     }
-    if len(trivial) == len(info.enumerated):  # nothing left to infer
-        return _possible(model, best, trivial)
-    m = infer_discrete(
-        pin(require_values(model), data=trivial),
-        first_available_dim=info.first_available_dim,
-        temperature=temperature,
-        rng_key=key,
-    )
+    m = pin(require_values(model), data=trivial)
+    if len(trivial) < len(info.enumerated):  # else nothing is left to infer
+        m = infer_discrete(m, first_available_dim=info.first_available_dim,
+                           temperature=temperature, rng_key=key)
     # funsor draws through a NumPyro Categorical built from the posterior logits, whose
     # argument validation (on by default) rejects the -inf of forbidden parents
     with block(), validation_enabled(False):
         tr = trace(m).get_trace(*args, **kwargs)
-    return _possible(model, best, {
+    # funsor's MAP and draws read a structure off any table, -inf or NaN everywhere too:
+    # the model's log-weight at the structure read says whether it is one
+    return _possible(model, _log_joint(tr), {
         name: jnp.broadcast_to(tr[name]["value"], info.enumerated[name][0])
         for name in info.enumerated
     })
+
+
+def _log_joint(tr: dict) -> jax.Array:
+    r"""$\log p(x, \phi)$ at a trace's values: the sum of its sample sites' log-probs
+    (masked entries left out; a scale does not change whether it is finite)."""
+    total = jnp.zeros(())
+    for site in tr.values():
+        if site["type"] == "sample":
+            lp = site["fn"].log_prob(site["value"])
+            if site.get("mask") is not None:
+                lp = jnp.where(site["mask"], lp, 0.0)
+            total = total + jnp.sum(lp)
+    return total
 
 
 def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
@@ -367,8 +385,9 @@ def map_edges(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
 
     Returns:
         ``{site: int array of the site's batch shape (..., children)}``. Under ``jit``
-            (or ``vmap``), every entry is -1 when there is no structure to return (see
-            Raises).
+            every entry of every site is -1 when there is no structure to return (see
+            Raises): the joint structure has zero probability when one child has none
+            (under ``vmap``, per mapped element).
 
     Raises:
         ValueError: the model has no edge sites; or, on concrete inputs, it gives every
@@ -398,7 +417,8 @@ def sample_edges(
 
     Returns:
         ``{site: int array of the site's batch shape (..., children)}``. Under ``jit``
-            (or ``vmap``), every entry is -1 when there is nothing to draw (see Raises).
+            every entry of every site is -1 when there is nothing to draw (see Raises;
+            under ``vmap``, per mapped element).
 
     Raises:
         ValueError: the model has no edge sites; or, on concrete inputs, it gives every

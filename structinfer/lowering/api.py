@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import is_concrete
-from ..exact import expectation, inspect_model, marginals
+from ..exact import expectation, inspect_model, log_marginal, marginals
 from ._recognise import Fallback, Plan, recognise
 from .kernels import KERNELS, KernelConfig, auto_kernel
 from .markov import markov_scan
@@ -203,10 +203,10 @@ def _execute_markov(plan: Plan, precision=None) -> tuple[jax.Array, dict[str, ja
 def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
     """Called eagerly when a row's log-normaliser is not finite (or the exact path gave
     NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
-    error naming the site and the row (and, for a model that gives every structure zero
-    probability, the error of its marginals); if they pass, name the site and row here."""
+    error naming the site and the row; if they pass, name the site and row here; and for
+    a model that gives every structure zero probability (a NaN answer with finite rows,
+    e.g. a Markov chain with no allowed path), raise the exact engine's error of that."""
     inspect_model(model, *args, **kwargs)
-    marginals(model, *args, **kwargs)
     for site, lse in lses.items():
         bad = np.argwhere(~np.isfinite(np.asarray(lse)))
         if bad.size:
@@ -218,6 +218,8 @@ def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
                 f"{float(np.asarray(lse)[idx])}): every child needs an allowed parent and "
                 "finite scores"
             )
+    if float(log_marginal(model, *args, **kwargs)) == -np.inf:
+        marginals(model, *args, **kwargs)  # raises the engine's zero-probability error
 
 
 def check_rows(model: Callable, log_normalisers: Mapping[str, Any], /, *args: Any,
@@ -242,7 +244,8 @@ def check_rows(model: Callable, log_normalisers: Mapping[str, Any], /, *args: An
     Raises:
         ValueError: the exact engine's error on these inputs (it names the edge site and
             the row: no allowed parent, a NaN/inf score, ...), or else the first edge
-            site and row whose log-normaliser is not finite.
+            site and row whose log-normaliser is not finite, or the exact engine's error
+            of a model that gives every structure zero probability.
     """
     if log_normalisers and all(bool(np.all(np.isfinite(np.asarray(lse))))
                                for lse in log_normalisers.values()):
