@@ -245,10 +245,10 @@ _NO_STRUCTURE = -1
 
 
 def _possible(model, log_weight: jax.Array, out: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    r"""``out`` (a MAP or a drawn structure) when ``log_weight`` (the largest, or the
-    summed, log-weight $\log p(x, \phi)$ over structures) is finite. Otherwise there is no
-    structure to return: an error on concrete values, every edge -1 under a trace; never
-    a structure the model forbids."""
+    r"""``out`` (a MAP or a drawn structure) when ``log_weight`` is finite: the model's
+    log-weight $\log p(x, \phi)$ at ``out``, or its largest (MAP) or summed (draws) value
+    over structures. Otherwise there is no structure to return: an error on concrete
+    values, every edge -1 under a trace; never a structure the model forbids."""
     if not _wide(log_weight):  # see _check_possible
         return out
     if is_concrete(log_weight):
