@@ -430,8 +430,9 @@ def _no_structure_models():
     def forbidden(s):
         with numpyro.plate("children", s.shape[0]):
             j = si.edge("phi", si.priors.Uniform(s.shape[1]), s)
-            potential("forbid", jnp.where(j < 2, -jnp.inf, 0.0) + jnp.where(j >= 2, -jnp.inf, 0.0))
-            numpyro.deterministic("out", jnp.sin(1.0 + j))
+            forbid = jnp.where(j < 2, -jnp.inf, 0.0) + jnp.where(j >= 2, -jnp.inf, 0.0)
+            potential("forbid", forbid.astype(s.dtype))  # the model is in the scores' dtype
+            numpyro.deterministic("out", jnp.sin(1.0 + j).astype(s.dtype))
 
     k = 3
     stay = jnp.asarray(np.where(np.eye(k, dtype=bool), 0.0, -np.inf), jnp.float32)
@@ -486,7 +487,9 @@ def test_no_possible_structure_is_an_error_or_minus_one_never_a_forbidden_struct
     with pytest.raises(ValueError, match=zero):
         si.attention(model, "out")(x)
     if case == "forbidden":
-        for run in (lambda: si.expectation(model, "out", x), lambda: si.marginals(model, x)):
+        x16 = x.astype(jnp.bfloat16)  # bfloat16 has float32's range: read it too
+        for run in (lambda: si.expectation(model, "out", x), lambda: si.marginals(model, x),
+                    lambda: si.expectation(model, "out", x16)):
             with pytest.raises(ValueError, match=zero):
                 run()
         assert np.all(np.isnan(jax.jit(lambda x: si.expectation(model, "out", x))(x)))

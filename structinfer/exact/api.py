@@ -235,8 +235,9 @@ def _check_possible(model, log_marginal: jax.Array) -> None:
 
 
 def _wide(x: jax.Array) -> bool:
-    """Whether ``x``'s dtype has float32's range (float16's overflows at 65504)."""
-    return jnp.finfo(jnp.result_type(x)).max >= jnp.finfo(jnp.float32).max
+    """Whether ``x``'s dtype has float32's exponent range (bfloat16 has; float16's
+    overflows at 65504)."""
+    return jnp.finfo(jnp.result_type(x)).maxexp >= jnp.finfo(jnp.float32).maxexp
 
 
 #: every edge of `map_edges` and `sample_edges` under ``jit`` when the model has no
