@@ -35,7 +35,7 @@ from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
 from ._checks import check_finite, is_concrete
-from .priors import Markov, StructuralPrior, as_prior
+from .priors import Markov, StructuralPrior, as_prior, normalise_log_weights
 from .scores import Score, as_score
 
 __all__ = [
@@ -235,9 +235,10 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=512)
 def _gather_branches(tpad: tuple, ipad: tuple, out_shape: tuple, m: int):
-    """`gather`'s two ways, built once per shape: the same function objects on every call
-    let JAX reuse ``lax.cond``'s traced branches and, run eagerly, its compiled program
-    (closures made per call were traced and compiled again at every call)."""
+    """`gather`'s two ways, built once per shape and jitted: the same function objects on
+    every call let JAX reuse ``lax.cond``'s traced branches and, run eagerly, one compiled
+    program each (closures made per call were traced and compiled again at every call;
+    unjitted, each of their operations was a program of its own)."""
     r = len(tpad)
     perm = [k for pair in zip(range(r), range(r, 2 * r)) for k in pair]
 
@@ -255,7 +256,7 @@ def _gather_branches(tpad: tuple, ipad: tuple, out_shape: tuple, m: int):
         x = jnp.squeeze(jnp.reshape(table, tpad + (m,)), axis=p)
         return jnp.moveaxis(x, -1, p)
 
-    return moved, take
+    return jax.jit(moved), jax.jit(take)
 
 
 class EdgeDistribution(dist.CategoricalLogits):
@@ -285,8 +286,7 @@ class EdgeDistribution(dist.CategoricalLogits):
 
     def __init__(self, logits: jax.Array, *, log_normalizer: jax.Array | None = None,
                  validate_args: bool = False):
-        lse = jax.nn.logsumexp(logits, axis=-1) if log_normalizer is None else log_normalizer
-        logits = logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+        logits, _ = normalise_log_weights(logits, log_normalizer)
         super().__init__(logits, validate_args=validate_args)
 
     @validate_sample
@@ -501,7 +501,7 @@ def edge(
         table = EdgeDistribution(logits, validate_args=False).logits
         rows = Vindex(jnp.expand_dims(table, -3))[..., child, :]
         return numpyro.sample(name, EdgeDistribution(rows, validate_args=False), infer=site_infer)
-    lse = jax.nn.logsumexp(logits, axis=-1) if score_table is not None else None
+    lse = normalise_log_weights(logits)[1] if score_table is not None else None
     fn = EdgeDistribution(logits, log_normalizer=lse, validate_args=False)
     phi = numpyro.sample(name, fn, infer=site_infer)
     if score_table is not None:
@@ -557,7 +557,7 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             )
         check_finite(table, f"edge site '{name}': score")
         logits = logits + table
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        lse = normalise_log_weights(logits)[1]
     plate = next((p for p in plates if p.dim == -1), None)
     info = EdgeInfo(name, prior, score_obj, batch[-1] if batch else 1, k,
                     plate.name if plate is not None else "", previous=previous)

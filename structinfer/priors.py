@@ -79,11 +79,30 @@ def _check_offset(offset, who: str) -> int:
     raise TypeError(f"{who}: offset must be an int, got {offset!r}")
 
 
-def _normalise(logits: jax.Array) -> jax.Array:
-    """Normalise log-weights over the last (parent) axis; rows of all -inf stay -inf."""
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    return logits - safe
+@jax.jit
+def normalise_log_weights(
+    logits: jax.Array, log_normaliser: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    r"""Log-weights normalised over the last (parent) axis, and their log-normaliser.
+
+    $$
+    \log p_{ij} = \ell_{ij} - L_i, \qquad L_i = \log \textstyle\sum_j e^{\ell_{ij}}
+    $$
+
+    A row of all $-\infty$ (no allowed parent) stays $-\infty$: its $L_i = -\infty$ is
+    not subtracted. ``log_normaliser`` is $L$ when the caller has it already.
+
+    One compiled program: run eagerly (a model called outside ``jit``), it is one
+    dispatch instead of the dozen small programs of ``logsumexp`` and the subtraction.
+
+    Returns:
+        ``(log_p, L)``: the normalised table, the shape of ``logits``, and $L$, its
+            shape without the last axis.
+    """
+    if log_normaliser is None:
+        log_normaliser = jax.nn.logsumexp(logits, axis=-1)
+    safe = jnp.where(jnp.isfinite(log_normaliser), log_normaliser, 0.0)
+    return logits - safe[..., None], log_normaliser
 
 
 def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
@@ -161,7 +180,7 @@ class StructuralPrior:
                 f"{tuple(w.shape)}), but the children plate has size {num_children}"
             )
         w = jnp.broadcast_to(w, w.shape[:-2] + (num_children, self.num_parents))
-        table = _normalise(w)
+        table, _ = normalise_log_weights(w)
         _check_rows_nonempty(table, type(self).__name__)
         return table
 
@@ -1054,11 +1073,11 @@ class Markov(StructuralPrior):
                 ``previous < 0`` (NaN there when the prior has no ``log_initial``).
         """
         previous = jnp.asarray(previous)
-        lt = _normalise(self.log_transition)
+        lt, _ = normalise_log_weights(self.log_transition)
         start = (
             jnp.full((self.num_parents,), jnp.nan, lt.dtype)
             if self.log_initial is None
-            else _normalise(self.log_initial).astype(lt.dtype)
+            else normalise_log_weights(self.log_initial)[0].astype(lt.dtype)
         )
         rows = jnp.take(lt, jnp.clip(previous, 0, self.num_parents - 1), axis=0)
         return jnp.where((previous < 0)[..., None], start, rows)
