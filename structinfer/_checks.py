@@ -1,4 +1,4 @@
-"""Small input checks shared by priors, scores and the engine.
+"""Small input checks and array helpers shared by priors, scores and the engine.
 
 Checks only run on concrete arrays: under ``jax.jit`` the values are tracers and
 the checks that need values are skipped (shape checks still run, since shapes
@@ -203,3 +203,30 @@ def moved_names(module: str, moved: dict[str, str]) -> Any:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+@jax.jit
+def normalise_log_weights(
+    logits: jax.Array, log_normalizer: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    r"""Log-weights normalised over the last (parent) axis, and their log-normaliser.
+
+    $$
+    \log p_{ij} = \ell_{ij} - L_i, \qquad L_i = \log \textstyle\sum_j e^{\ell_{ij}}
+    $$
+
+    A non-finite $L_i$ is not subtracted: a row of all $-\infty$ (no allowed parent)
+    stays $-\infty$. ``log_normalizer`` is $L$ when the caller has it already (it is
+    returned as given).
+
+    One compiled program: run eagerly (a model called outside ``jit``), it is one
+    dispatch instead of the dozen small programs of ``logsumexp`` and the subtraction.
+
+    Returns:
+        ``(log_p, L)``: the normalised table and $L$ (computed: the table's shape
+            without the last axis).
+    """
+    if log_normalizer is None:
+        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    safe = jnp.where(jnp.isfinite(log_normalizer), log_normalizer, 0.0)
+    return logits - safe[..., None], log_normalizer

@@ -34,8 +34,8 @@ from numpyro.distributions.util import validate_sample
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
-from ._checks import check_finite, is_concrete
-from .priors import Markov, StructuralPrior, as_prior, normalise_log_weights
+from ._checks import check_finite, is_concrete, normalise_log_weights
+from .priors import Markov, StructuralPrior, as_prior
 from .scores import Score, as_score
 
 __all__ = [

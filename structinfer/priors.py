@@ -42,7 +42,7 @@ import numpy as np
 import numpyro.distributions as dist
 from jax.typing import ArrayLike
 
-from ._checks import as_float_array, check_static_int, is_concrete
+from ._checks import as_float_array, check_static_int, is_concrete, normalise_log_weights
 
 __all__ = [
     "StructuralPrior",
@@ -77,32 +77,6 @@ def _check_offset(offset, who: str) -> int:
         except TypeError:
             pass
     raise TypeError(f"{who}: offset must be an int, got {offset!r}")
-
-
-@jax.jit
-def normalise_log_weights(
-    logits: jax.Array, log_normaliser: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    r"""Log-weights normalised over the last (parent) axis, and their log-normaliser.
-
-    $$
-    \log p_{ij} = \ell_{ij} - L_i, \qquad L_i = \log \textstyle\sum_j e^{\ell_{ij}}
-    $$
-
-    A row of all $-\infty$ (no allowed parent) stays $-\infty$: its $L_i = -\infty$ is
-    not subtracted. ``log_normaliser`` is $L$ when the caller has it already.
-
-    One compiled program: run eagerly (a model called outside ``jit``), it is one
-    dispatch instead of the dozen small programs of ``logsumexp`` and the subtraction.
-
-    Returns:
-        ``(log_p, L)``: the normalised table, the shape of ``logits``, and $L$, its
-            shape without the last axis.
-    """
-    if log_normaliser is None:
-        log_normaliser = jax.nn.logsumexp(logits, axis=-1)
-    safe = jnp.where(jnp.isfinite(log_normaliser), log_normaliser, 0.0)
-    return logits - safe[..., None], log_normaliser
 
 
 def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
