@@ -35,9 +35,10 @@ The second and third apply only where the installed XLA knows the flag (an unkno
 aborts XLA; the controller asks a subprocess once per flag).
 
 All three trade generated-code quality or compile parallelism for compile time; XLA
-enables no fast-math either way, and none changes a result by more than its last bits
-(measured: at most one float32 ulp in a blocked kernel's gradient). The second is more
-than codegen: it also selects the HLO passes that go with the old
+enables no fast-math either way. Results may move in their last bits (on a check of four
+engine and kernel outputs at three sizes, the third flag alone moved one blocked-kernel
+gradient entry by one float32 ulp; all three against XLA's defaults, a few ulps). The
+second is more than codegen: it also selects the HLO passes that go with the old
 emitter (XLA:CPU's fusion wrapper and simplification pipeline), so a result may differ in
 its last bits and a bug of the default pipeline could hide from the README's command.
 Hence CI's exhaustive leg runs at XLA's defaults, as users do
