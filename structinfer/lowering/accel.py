@@ -217,8 +217,10 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
                     ) -> tuple[jax.Array, jax.Array]:
     r"""$y = \mathrm{softmax}(q k^\top + b)\,V$ and $L$ through cuDNN's fused attention.
 
-    Requires `cudnn_unsupported` to return `None`. The batch dims (heads, batch)
-    become cuDNN's heads; the score's scale is already folded into `q`.
+    Requires `cudnn_unsupported` to return `None`. The batch dims (heads, batch) become
+    cuDNN's batch, one head each, so the call reads and writes our arrays in place; with
+    an additive bias they become the heads of one batch element instead. The score's
+    scale is already folded into `q`.
 
     Args:
         terms: the static terms of a lowered edge site.
@@ -238,22 +240,32 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     B = _prod(batch)
     q, k, v = prob.row.q, prob.col.k, prob.v
 
-    def heads(x):  # (..., L, f) -> (1, L, B, f): cuDNN's BTNH layout, our batch as heads
+    # Without a bias, our batch is cuDNN's batch of one head each: (B, L, 1, f) in its BTNH
+    # layout is our (B, L, f) in memory, so no operand or result is copied. With a bias,
+    # our batch is the heads of one batch element, (1, L, B, f): its bias (1, B, n, m) is
+    # the shape every JAX release returns the gradient of (older ones return zeros for a
+    # bias with a batch axis), and the transposes are small beside the bias table.
+    as_heads = _additive(terms)
+
+    def to_cudnn(x):  # (..., L, f) -> (B, L, 1, f) or (1, L, B, f)
         x = jnp.broadcast_to(x, batch + x.shape[-2:]).reshape((B,) + x.shape[-2:])
-        return jnp.swapaxes(x, 0, 1)[None]
+        return jnp.swapaxes(x, 0, 1)[None] if as_heads else x[:, :, None]
+
+    def from_cudnn(x):  # (B, L, 1, ...) or (1, L, B, ...) -> (B, L, ...)
+        return jnp.swapaxes(x[0], 0, 1) if as_heads else x[:, :, 0]
 
     bias = None
-    if _additive(terms):
+    if as_heads:
         b = _bias_table(terms, prob, q.dtype)
         bias = jnp.broadcast_to(b, batch + (n, m)).reshape((1, B, n, m))
     causal = terms.has_band
     window = (terms.dmax, 0) if terms.dmax is not None else None
     y, res = jax.nn.dot_product_attention(
-        heads(q), heads(k), heads(v), bias=bias, scale=1.0, is_causal=causal,
+        to_cudnn(q), to_cudnn(k), to_cudnn(v), bias=bias, scale=1.0, is_causal=causal,
         local_window_size=window, implementation="cudnn", return_residual=True,
     )
-    y = jnp.swapaxes(y[0], 0, 1).reshape(batch + (n, v.shape[-1]))
-    lse = jnp.swapaxes(res[0], 0, 1).reshape(batch + (n,))
+    y = from_cudnn(y).reshape(batch + (n, v.shape[-1]))
+    lse = from_cudnn(res).reshape(batch + (n,))
     return y.astype(v.dtype), lse.astype(accum_dtype(v.dtype))
 
 
