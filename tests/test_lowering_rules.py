@@ -310,3 +310,42 @@ def test_lowering_namespace_is_what_users_call():
         assert getattr(L, name) is not None
     assert {"attention", "explain", "register_prior_rule", "register_score_rule",
             "register_pattern_rule"} <= set(L.__all__)
+
+
+def test_a_concrete_mask_is_kept_only_when_every_per_edge_mask_is_concrete():
+    """`Lowered.mask` is the value of the whole per-edge mask or nothing: a rule that
+    restricts the edges twice, once with the mask's concrete value and once without (a
+    traced mask), lowers with no concrete mask, since the Pallas kernel computes a block
+    the concrete mask allows entirely without reading the mask. Two concrete masks give
+    their intersection."""
+    import jax
+
+    from structinfer.lowering._lower import lower_edge
+
+    class Twice(P.StructuralPrior):
+        kind = "twice"
+
+        def __init__(self, a, b, concrete_b):
+            self.a, self.b, self.concrete_b = a, b, concrete_b
+
+        num_parents = property(lambda self: M)
+
+    @register_prior_rule(Twice)
+    def _twice(prior, terms):
+        terms.restrict_pairs(jnp.asarray(prior.a), prior.a)
+        terms.restrict_pairs(prior.b, prior.b if prior.concrete_b else None)
+
+    r = np.random.default_rng(7)
+    a, b = r.random((N, M)) < 0.6, r.random((N, M)) < 0.6
+    q, k, v = _data(7)
+
+    def lowered(b, concrete_b):
+        return lower_edge(Twice(a, b, concrete_b), si.scores.Dot(q, k), jnp.asarray(v), N)
+
+    low = lowered(b, True)
+    assert low.terms.pair_ok
+    np.testing.assert_array_equal(low.mask, a & b)
+    assert lowered(b, False).mask is None
+    masks = []
+    jax.jit(lambda b: masks.append(lowered(b, False).mask) or b)(jnp.asarray(b))
+    assert masks == [None]

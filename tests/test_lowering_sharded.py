@@ -113,10 +113,13 @@ PALLAS_SCRIPT = textwrap.dedent(
     q, k = (r.normal(size=(H, n, D)).astype(np.float32) for _ in range(2))
     v = r.normal(size=(H, n, 3)).astype(np.float32)
     e = (0.5 * r.normal(size=(H, 2 * n - 1))).astype(np.float32)
+    BLOCKS = np.eye(8, dtype=bool) | (r.random((8, 8)) < 0.3)
     priors = {  # the prior's parameter is the model's 4th argument (differentiated)
         "relpos_causal": lambda e: si.priors.RelativePosition(e, n, causal=True),
         "geometric": lambda e: si.priors.Geometric(0.05 + 0.5 * jax.nn.sigmoid(e[..., :n]),
                                                    n, max_distance=10),
+        # a per-edge mask (no parameter: e's gradient is zero), cut by the ring's chunks
+        "block_sparse": lambda e: si.priors.Restricted.block_sparse(BLOCKS, 4),
     }
 
     def run(f, *a):  # f(*a) jitted, and whether the Pallas forward / backward ran in it
@@ -143,8 +146,8 @@ PALLAS_SCRIPT = textwrap.dedent(
         np.testing.assert_allclose(y, y0, atol=2e-5)
         g, ran = run(grad, q, k, v, e)
         assert ran == (True, True), ran
-        for a, b in zip(g0, g):
-            assert np.abs(a).max() > 1e-3
+        for i, (a, b) in enumerate(zip(g0, g)):
+            assert np.abs(a).max() > 1e-3 or (i == 3 and name == "block_sparse")
             np.testing.assert_allclose(b, a, atol=5e-5)
         print("ok", name, shard)
     """
@@ -153,9 +156,12 @@ PALLAS_SCRIPT = textwrap.dedent(
 
 #: (prior, shard) of the Pallas kernel on a mesh: by default (in the test above) the ring
 #: on the causal relative-position prior (traced offsets, chunk pairs above the diagonal
-#: skipped, the table's gradient); the rest in the exhaustive tier
-PALLAS_CASES = [("relpos_causal", "sequence"), ("geometric", "heads"),
-                ("relpos_causal", "heads"), ("geometric", "sequence")]
+#: skipped, the table's gradient) and on a block-sparse mask (each chunk pair's slice of
+#: the mask read in every block); the rest in the exhaustive tier
+PALLAS_CASES = [("relpos_causal", "sequence"), ("block_sparse", "sequence"),
+                ("geometric", "heads"), ("relpos_causal", "heads"), ("geometric", "sequence"),
+                ("block_sparse", "heads")]
+DEFAULT_PALLAS = 2
 
 
 def _run(script: str, oks: int) -> None:
@@ -170,7 +176,8 @@ def _run(script: str, oks: int) -> None:
 def test_sharded_and_ring_attention_on_four_simulated_devices():
     # one subprocess (JAX starts once): the blocked kernel's checks, then the Pallas
     # kernel's default case
-    _run(SCRIPT + f"\nCASES = {PALLAS_CASES[:1]!r}\n" + PALLAS_SCRIPT, 6 + 1)
+    _run(SCRIPT + f"\nCASES = {PALLAS_CASES[:DEFAULT_PALLAS]!r}\n" + PALLAS_SCRIPT,
+         6 + DEFAULT_PALLAS)
 
 
 @pytest.mark.exhaustive
@@ -180,6 +187,7 @@ def test_sharded_runners_run_the_pallas_kernel_on_four_simulated_devices():
     head sharding over the heads, ring attention with the Pallas passes given each chunk
     pair's traced global offsets and merged by their log-normalisers — and the values and
     gradients (queries, keys, values, the relative-position table / geometric q) equal the
-    single-device dense kernel's, for a causal relative-position and a truncated geometric
-    prior, with each sharding (the default tier runs one pair)."""
-    _run(f"CASES = {PALLAS_CASES[1:]!r}\n" + PALLAS_SCRIPT, len(PALLAS_CASES) - 1)
+    single-device dense kernel's, for a causal relative-position, a truncated geometric
+    and a block-sparse prior, with each sharding (the default tier runs two pairs)."""
+    _run(f"CASES = {PALLAS_CASES[DEFAULT_PALLAS:]!r}\n" + PALLAS_SCRIPT,
+         len(PALLAS_CASES) - DEFAULT_PALLAS)

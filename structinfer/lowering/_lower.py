@@ -154,6 +154,7 @@ class TermBuilder:
         self._col_ok: jax.Array | None = None
         self._pair_ok: jax.Array | None = None
         self._mask: np.ndarray | None = None
+        self._pair_traced = False  # some per-edge mask came without its concrete value
         self._notes: list[str] = []
 
     # --- dispatch ------------------------------------------------------------------
@@ -278,8 +279,11 @@ class TermBuilder:
     def restrict_pairs(self, ok: jax.Array, concrete: np.ndarray | None = None) -> None:
         """Allow only edges with ``ok[..., i, j]`` (``(..., n | 1, m)`` boolean, may be traced).
 
-        ``concrete``: the same mask as a NumPy array when known at trace time; the blocked
-        kernel then skips blocks with no allowed edge. A one-row mask is a column mask.
+        ``concrete``: the same mask as a NumPy array when known at trace time; the kernels
+        then skip blocks with no allowed edge, and the Pallas kernel computes blocks whose
+        every edge is allowed without reading the mask. A one-row mask is a column mask.
+        When some per-edge mask of the site comes without its concrete value, no concrete
+        mask is kept (`Lowered.mask` is the whole per-edge mask or nothing).
         """
         if ok.shape[-2] == 1:
             self.restrict_columns(ok[..., 0, :])
@@ -287,6 +291,7 @@ class TermBuilder:
             prev = self._pair_ok
             self._pair_ok = ok if prev is None else prev & ok
             self._kw["pair_ok"] = True
+            self._pair_traced |= concrete is None
         if concrete is not None:
             c = np.asarray(concrete, bool)
             if self._mask is not None:
@@ -456,7 +461,9 @@ def register_pattern_rule(*pattern_types: type) -> Callable[[Rule], Rule]:
 
 class Lowered:
     """A lowered edge site: static ``terms``, arrays ``problem``, and an optional
-    concrete ``mask`` (NumPy) for block skipping."""
+    concrete ``mask`` (NumPy): the value of the site's per-edge mask known at trace time
+    (and of its column masks, where those are known), for block skipping; ``None`` when
+    some per-edge mask is traced."""
 
     def __init__(self, terms: Terms, problem: Problem, batch_shape, mask=None):
         self.terms = terms
@@ -608,4 +615,5 @@ def lower_edge(
             f"({tuple(plate_batch)}): it depends on another edge or on an extra dim",
         )
     terms = Terms(n, m, notes=tuple(acc._notes), **kw)
-    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, acc._mask)
+    mask = None if acc._pair_traced else acc._mask
+    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, mask)

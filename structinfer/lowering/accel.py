@@ -19,16 +19,18 @@ the platform's fused kernels instead of the portable blocked kernel
   the dot-product family in any floating dtype: it computes on each block the same logits
   the blocked kernel does — dot product, per-parent bias, relative-position bias looked up
   from the distance grid $d_{ij} = i + \text{offset} - j$, geometric log-prior
-  $\log q_i + (d_{ij} - d_0)\log(1 - q_i)$ — and skips the blocks outside the distance
-  band (causal, windows, truncation), multiplying in the inputs' dtype and accumulating
+  $\log q_i + (d_{ij} - d_0)\log(1 - q_i)$, a per-edge mask (block-sparse, graph) — and
+  skips the blocks outside the distance band (causal, windows, truncation) and, when
+  the mask is known at trace time, the blocks it forbids (the rest read it only where
+  some edge of the block is forbidden), multiplying in the inputs' dtype and accumulating
   in float32 (the prior's terms are added in float32). Its gradient, `pallas_backward`,
   is fused too (FlashAttention-2's two passes on the output $y$ and the row
   log-partition $L$, with the prior's parameters' gradients; the relative-position
   table's, summed with atomics, only when the table is differentiated; the backward
   reads a relative-position bias as one tile per block diagonal, `relpos_tiles`); both enter
   through `blocked_attention(..., forward=pallas_forward, backward=pallas_backward)`.
-* Everything else (IDW scores, per-edge tables, masks given as arrays) keeps the blocked
-  kernel, which runs on every platform.
+* Everything else (IDW scores, per-edge tables of logits) keeps the blocked kernel,
+  which runs on every platform.
 
 These are entries of the kernel table (`structinfer.lowering.kernels.KERNELS`), which
 holds the order above (`auto_kernel`) and what runs when cuDNN refuses when traced. On a
@@ -72,6 +74,7 @@ from ._spec import (
     relpos_weights,
     sum_to,
 )
+from .blocked import make_schedule
 
 __all__ = [
     "GPU_KERNELS",
@@ -118,8 +121,8 @@ def _dot_only(t: Terms, prob: Problem) -> str | None:
     """Reason the edge is outside the dot-product family (or None)."""
     if t.idw:
         return "an IDW score (pairwise distances per block)"
-    if t.pair_logits or t.pair_ok:
-        return "a per-edge table or mask (sliced per block)"
+    if t.pair_logits:
+        return "a per-edge table (sliced per block)"
     if not t.dot:
         return "the score has no dot-product term"
     return None
@@ -137,6 +140,8 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
         return why
     if terms.col_ok:
         return "a per-parent mask"
+    if terms.pair_ok:
+        return "a per-edge mask"
     q, k, v = prob.row.q, prob.col.k, prob.v
     dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dts) != 1 or next(iter(dts)) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
@@ -313,10 +318,12 @@ def _offset(terms: Terms, named: dict):
     return terms.offset + named["shift"][0]
 
 
-def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision, off):
+def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision, off,
+          masked: bool = False):
     r"""Logits of one (child block, parent block) tile, the allowed-edge mask and the
     distance grid: $q k^\top$ plus the per-parent bias, the relative-position bias and the
-    geometric log-prior, computed from the index grids (shared by every Pallas pass)."""
+    geometric log-prior, computed from the index grids (shared by every Pallas pass).
+    ``masked``: the tile also reads the per-edge mask (operand ``"pmask"``)."""
     i_idx = i0 + jnp.arange(q.shape[0], dtype=jnp.int32)  # int32 under x64 too
     j_idx = j0 + jnp.arange(k.shape[0], dtype=jnp.int32)
     s = _dot(q, k, precision, acc_dtype, trans_b=True)
@@ -335,6 +342,8 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision,
     band = band_ok(terms, d)
     if band is not None:
         ok = ok & band
+    if masked:
+        ok = ok & (named["pmask"][_pl_ds(i0, q.shape[0]), _pl_ds(j0, k.shape[0])] != 0)
     return jnp.where(ok, s, -jnp.inf), ok, d
 
 
@@ -344,8 +353,24 @@ def _pl_ds(start, size: int):
     return pl.ds(pl.multiple_of(start, size), size)
 
 
+def _over_blocks(named: dict, lo, hi, body, init, masked: bool):
+    r"""Run ``body(t, masked, carry)`` over the blocks a program visits: its row of the
+    block lists (operand ``"blocks"``: ``[full count, partial count, full blocks...,
+    partial blocks...]``, `_block_lists`), the full ones without the per-edge mask and
+    the partial ones with it; without lists, the band's range ``lo .. hi``, all
+    ``masked`` or none."""
+    if "blocks" not in named:
+        return lax.fori_loop(lo, hi, lambda t, c: body(t, masked, c), init)
+    row = named["blocks"]
+    nf = row[0]
+    carry = lax.fori_loop(0, nf, lambda u, c: body(row[2 + u], False, c), init)
+    if "pmask" not in named:  # every live block of the launch is full
+        return carry
+    return lax.fori_loop(nf, nf + row[1], lambda u, c: body(row[2 + u], True, c), carry)
+
+
 def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
-                   acc_dtype, precision):
+                   acc_dtype, precision, masked: bool):
     """Forward: one child block of one batch element, online softmax over its live parent
     blocks; writes $y$ and the row log-normaliser $L$."""
     from jax.experimental import pallas as pl
@@ -364,13 +389,15 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
     def matmul(p, v):
         return _dot(p, v, precision, acc_dtype)
 
-    def body(t, state):
+    def body(t, tile_masked, state):
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
-        s, _, _ = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision, off)
+        s, _, _ = _tile(terms, named, q, k, a * bq, j0, g0, g1, acc_dtype, precision, off,
+                        tile_masked)
         return online_step(state, s, named["v"][_pl_ds(j0, bk), :], matmul)
 
-    state = lax.fori_loop(lo, hi, body, online_start((bq,), o_ref.shape[-1], acc_dtype))
+    state = _over_blocks(named, lo, hi, body,
+                         online_start((bq,), o_ref.shape[-1], acc_dtype), masked)
     y, lse = online_finish(state)
     o_ref[...] = y.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -537,6 +564,76 @@ def _use_tiles(terms: Terms, prob: Problem, lay: _Layout, shift, tiles: bool | N
     return lay.tiles_bytes(prob.glob.relpos) <= RELPOS_TILES_MAX_BYTES
 
 
+def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
+                 by_parent: bool = False) -> np.ndarray:
+    r"""The blocks each program of a launch visits when the edge has a per-edge mask: one
+    row per child block (per parent block with ``by_parent``), ``[full count, partial
+    count, full blocks..., partial blocks..., 0...]`` (int32, a power-of-two width).
+
+    A block is live when the distance band allows some edge of it and the concrete
+    ``mask`` (the per-edge mask's value, OR-ed over its batch dims) some edge too, and
+    *full* when both allow every edge of it (the mask in every batch element): full
+    blocks are computed without reading the mask. Padding counts as allowed here (every
+    tile masks it anyway). Without ``mask`` (traced) every block in the band is partial.
+    """
+    band = make_schedule(dataclasses.replace(terms, num_children=lay.n_pad,
+                                             num_parents=lay.m_pad, pair_ok=False,
+                                             col_ok=False), lay.bq, lay.bk)
+    live = np.zeros((lay.nqb, lay.nkb), bool)
+    for a, row in enumerate(band.fwd):
+        live[a, list(row)] = True
+    full = np.zeros_like(live)
+    if mask is not None:
+        n, m = terms.num_children, terms.num_parents
+        mk = np.asarray(mask, bool)
+        mk = np.broadcast_to(mk, mk.shape[:-2] + (n, m)).reshape((-1, n, m))
+
+        def grid(x, fill, reduce):  # (n, m) -> (nqb, nkb) over the padded blocks
+            pad = np.full((lay.n_pad, lay.m_pad), fill)
+            pad[:n, :m] = x
+            return reduce(pad.reshape(lay.nqb, lay.bq, lay.nkb, lay.bk), axis=(1, 3))
+
+        live &= grid(mk.any(0), False, np.any)
+        for a, b in band.full:
+            full[a, b] = True
+        full &= grid(mk.all(0), True, np.all) & live
+    if by_parent:
+        live, full = live.T, full.T
+    rows = [(np.flatnonzero(f), np.flatnonzero(lv & ~f)) for lv, f in zip(live, full)]
+    width = _pow2(2 + max(len(f) + len(p) for f, p in rows))
+    out = np.zeros((len(rows), width), np.int32)
+    for r, (f, p) in enumerate(rows):
+        out[r, :2] = len(f), len(p)
+        out[r, 2:2 + len(f) + len(p)] = np.concatenate([f, p])
+    return out
+
+
+def _mask_operands(terms: Terms, prob: Problem, lay: _Layout, arrays: dict, specs: dict,
+                   mask: np.ndarray | None, shift, *, by_parent: bool = False,
+                   lists: bool = True) -> bool:
+    """Add a launch's per-edge mask operands, if the edge has one: its block lists
+    (``"blocks"``, `_block_lists`; not with a traced ``shift``, whose band is traced, nor
+    without ``lists``) and, when some block is partial, the mask itself (``"pmask"``,
+    int8, one copy per distinct mask of the batch). Returns whether the blocks a program
+    loops over without lists are masked."""
+    from jax.experimental import pallas as pl
+
+    if not terms.pair_ok:
+        return False
+    partial = True
+    if lists and shift is None:
+        table = _block_lists(terms, mask, lay, by_parent)
+        arrays["blocks"] = jnp.asarray(table)
+        specs["blocks"] = pl.BlockSpec((None, table.shape[1]), lambda i, b: (i, 0))
+        partial = bool((table[:, 1] > 0).any())
+    if partial:
+        rows, row_of = lay.distinct(prob.const.pair_ok, 2)
+        arrays["pmask"] = lay.pad(rows.astype(jnp.int8), lay.n_pad, lay.m_pad)
+        specs["pmask"] = pl.BlockSpec((None, lay.n_pad, lay.m_pad),
+                                      lambda i, b: (row_of(b), 0, 0))
+    return True
+
+
 def _wide_rows(prob: Problem) -> bool:
     """Whether a query / key / value row takes more than 256 bytes (float32 with head dim
     over 64, bfloat16 over 128): smaller blocks and fewer pipeline stages then keep a
@@ -569,8 +666,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    block_q: int | None = None, block_k: int = 64,
                    interpret: bool | None = None, precision: lax.PrecisionLike = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   starts: tuple | None = None,
-                   tiles: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                   starts: tuple | None = None, tiles: bool | None = None,
+                   mask: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -579,6 +676,12 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     online softmax in float32: the matmuls multiply in the inputs' dtype and accumulate
     in float32, the prior's terms are added in float32. Feature and value dims are
     zero-padded to a power of two (at least 16), lengths to the block sizes.
+
+    A per-edge mask (``prob.const.pair_ok``: block-sparse, graph and other `Restricted`
+    priors) is read per tile. Given its value at trace time (``mask``), each program
+    visits only the parent blocks with an allowed edge, as FlexAttention's block masks do,
+    and reads the mask only in blocks where some edge is not allowed; a block-sparse
+    pattern aligned with the blocks never reads it.
 
     Args:
         terms: the static terms of a lowered edge site with `pallas_unsupported` `None`.
@@ -606,6 +709,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             ``starts``); the default, ``None`` or ``False``, looks each entry up (on an
             H100 the forward ran 3-10 % slower with tiles, the backward 1.1-1.7x faster).
             The logits are the same either way.
+        mask: the per-edge mask's value as a NumPy boolean array (``(..., n, m)``, equal
+            to ``prob.const.pair_ok``), when known at trace time; ignored with ``starts``
+            and without a per-edge mask.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
@@ -629,9 +735,11 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     shift = _shift(starts)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
                                  tiles=bool(tiles) and _use_tiles(terms, prob, lay, shift, tiles))
+    masked = _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
-                               keys=keys, acc_dtype=lay.acc, precision=precision)
+                               keys=keys, acc_dtype=lay.acc, precision=precision,
+                               masked=masked)
     v = prob.v
     out, lse = pl.pallas_call(
         kernel,
@@ -666,17 +774,17 @@ def _child_rows(terms: Terms, named: dict, idx, acc_dtype):
 
 
 def _ds_tile(terms: Terms, named: dict, q, k, v, do, lse, delta, i0, j0, g0, g1, acc_dtype,
-             precision, off):
+             precision, off, masked: bool = False):
     r"""One tile of the backward: $p_{ij}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top
     V_j - \delta_i)$, the allowed-edge mask and the distance grid."""
-    s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off)
+    s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off, masked)
     p = backward_probs(s, lse[:, None]).astype(acc_dtype)
     dp = _dot(do, v, precision, acc_dtype, trans_b=True)
     return p, p * (dp - delta[:, None]), ok, d
 
 
 def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[str, ...],
-                 acc_dtype, precision, col_grad: bool):
+                 acc_dtype, precision, col_grad: bool, masked: bool):
     """dK, dV (and the per-parent bias' gradient) of one parent block: a loop over the
     child blocks that see it, recomputing $p$ from $L$ (FlashAttention-2's first pass)."""
     from jax.experimental import pallas as pl
@@ -690,12 +798,12 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
     off = _offset(terms, named)
     lo, hi = _live_children(terms, t, bq, bk, nqb, off)
 
-    def body(a, carry):
+    def body(a, tile_masked, carry):
         dk, dv, db = carry
         i0 = a * bq
         q, do, lse, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, bq), acc_dtype)
         p, ds, _, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, t * bk, g0, g1,
-                               acc_dtype, precision, off)
+                               acc_dtype, precision, off, tile_masked)
         dv = dv + _dot(p.astype(do.dtype), do, precision, acc_dtype, trans_a=True)
         dk = dk + _dot(ds.astype(q.dtype), q, precision, acc_dtype, trans_a=True)
         if col_grad:
@@ -704,7 +812,7 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
 
     init = (jnp.zeros((bk, k.shape[-1]), acc_dtype), jnp.zeros((bk, v.shape[-1]), acc_dtype),
             jnp.zeros((bk,), acc_dtype))
-    dk, dv, db = lax.fori_loop(lo, hi, body, init)
+    dk, dv, db = _over_blocks(named, lo, hi, body, init, masked)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     if col_grad:
@@ -712,7 +820,7 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
 
 
 def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
-               acc_dtype, precision):
+               acc_dtype, precision, masked: bool):
     """dQ and the geometric prior's gradients of one child block: a loop over its live
     parent blocks (FlashAttention-2's second pass)."""
     from jax.experimental import pallas as pl
@@ -724,13 +832,13 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
     off = _offset(terms, named)
     lo, hi = _live_range(terms, a, bq, bk, nkb, off)
 
-    def body(t, carry):
+    def body(t, tile_masked, carry):
         dq, dg0, dg1 = carry
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
         v = named["v"][_pl_ds(j0, bk), :]
         _, ds, _, d = _ds_tile(terms, named, q, k, v, do, lse, delta, a * bq, j0, g0, g1,
-                               acc_dtype, precision, off)
+                               acc_dtype, precision, off, tile_masked)
         dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
         if terms.geometric:
             dg0 = dg0 + jnp.sum(ds, axis=-1)
@@ -739,7 +847,7 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
 
     init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), jnp.zeros((bq,), acc_dtype),
             jnp.zeros((bq,), acc_dtype))
-    dq, dg0, dg1 = lax.fori_loop(lo, hi, body, init)
+    dq, dg0, dg1 = _over_blocks(named, lo, hi, body, init, masked)
     outs[0][...] = dq.astype(outs[0].dtype)
     if terms.geometric:
         outs[1][...] = dg0
@@ -783,7 +891,7 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
         k = named["k"][_pl_ds(j0, b), :]
         v = named["v"][_pl_ds(j0, b), :]
         _, ds, ok, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, j0, g0, g1,
-                                acc_dtype, precision, off)
+                                acc_dtype, precision, off, terms.pair_ok)
         return acc + jnp.where(ok, ds, 0.0)
 
     acc = lax.fori_loop(lo, hi, body, jnp.zeros((b, b), acc_dtype))
@@ -802,8 +910,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                     interpret: bool | None = None,
                     precision: lax.PrecisionLike = None, num_warps: int | None = 4,
                     num_stages: int = 2, need_glob: frozenset[str] | None = None,
-                    starts: tuple | None = None,
-                    tiles: bool | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
+                    starts: tuple | None = None, tiles: bool | None = None,
+                    mask: np.ndarray | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
 
     FlashAttention-2's schedule on the forward's $y$ and $L$ alone: with
@@ -819,7 +927,9 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     program per block diagonal of square blocks: the diagonal's tiles share one distance
     grid, so their $\mathrm{d}s$ tiles are summed first and added into the table once
     (float32 atomics: the table's gradient is not bit-reproducible from run to run).
-    Every pass skips the blocks outside the distance band; memory is $O(n d)$. Second
+    Every pass skips the blocks outside the distance band, and the dK/dV and dQ passes
+    the blocks a concrete per-edge ``mask`` forbids (as `pallas_forward`); memory is
+    $O(n d)$ (plus the per-edge mask, as int8, when some block reads it). Second
     derivatives are not supported (use the ``"dense"`` backend for them).
 
     Args:
@@ -850,6 +960,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             `RELPOS_TILES_MAX_BYTES`; on an H100, bfloat16, head dims 64 and 128, n = 4096
             and 16384, the passes ran 1.1-1.7x faster than with the lookup per element;
             ``True`` forces them, except with ``starts``; ``False``: the lookup).
+        mask: the per-edge mask's value at trace time, as for `pallas_forward`.
 
     Returns:
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
@@ -888,6 +999,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
 
     # pass 1: parent blocks (dK, dV, per-parent bias)
     arrays, specs = whole_rows(lay)
+    masked = _mask_operands(terms, prob, lay, arrays, specs, mask, shift, by_parent=True)
     keys = tuple(arrays)
     col_grad = bool(terms.col_bias)
     out_specs = [pl.BlockSpec((None, bk, fp), lambda i, b: (b, i, 0)),
@@ -899,7 +1011,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         out_shape.append(jax.ShapeDtypeStruct((B, m_pad), acc))
     res1 = pl.pallas_call(
         functools.partial(_dkdv_kernel, terms=terms, bq=bq, bk=bk, nqb=lay.nqb, keys=keys,
-                          acc_dtype=acc, precision=precision, col_grad=col_grad),
+                          acc_dtype=acc, precision=precision, col_grad=col_grad,
+                          masked=masked),
         grid=(lay.nkb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
         out_shape=out_shape, compiler_params=params, interpret=interp,
         name="structinfer_attention_dkdv",
@@ -912,6 +1025,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
     specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
+    masked = _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
     keys = tuple(arrays)
     out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, n_pad, fp), acc)]
@@ -920,7 +1034,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         out_shape += [jax.ShapeDtypeStruct((B, n_pad), acc)] * 2
     res = pl.pallas_call(
         functools.partial(_dq_kernel, terms=terms, bq=bq, bk=bk, nkb=lay.nkb, keys=keys,
-                          acc_dtype=acc, precision=precision),
+                          acc_dtype=acc, precision=precision, masked=masked),
         grid=(lay.nqb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
         out_shape=out_shape, compiler_params=params, interpret=interp,
         name="structinfer_attention_dq",
@@ -959,6 +1073,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         drel = jnp.zeros((B, rel.shape[-1]), acc)
         if last >= first:
             arrays, specs = whole_rows(rlay)
+            _mask_operands(terms, prob, rlay, arrays, specs, None, shift, lists=False)
             keys = tuple(arrays)
             spec = pl.BlockSpec((None, drel.shape[-1]), lambda i, b: (b, 0))
             drel = pl.pallas_call(

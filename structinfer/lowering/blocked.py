@@ -39,6 +39,7 @@ VJP of the block-logit function itself.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -627,19 +628,41 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     return d_row, d_col, d_pair, d_glob, unblock(d_v).astype(prob.v.dtype)
 
 
-def _hook_kwargs(precision, has_starts: bool, starts) -> dict:
-    """The keyword arguments of a replacement pass: ``precision`` and ``starts`` when
-    given (a replacement that takes neither is called without them)."""
+def _hook_kwargs(precision, has_starts: bool, starts, mask) -> dict:
+    """The keyword arguments of a replacement pass: ``precision``, ``starts`` and the
+    concrete per-edge ``mask`` when given (a replacement that takes none of them is called
+    without them)."""
     kw = {} if precision is None else {"precision": precision}
     if has_starts:
         kw["starts"] = starts
+    if mask is not None:
+        kw["mask"] = mask.array
     return kw
 
 
+class _ArrayKey:
+    """A NumPy array as part of a static argument: hashed and compared by its contents
+    (so that equal masks give equal static arguments from call to call)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = np.asarray(array)
+        data = self.array.tobytes() if self.array.dtype != bool else np.packbits(self.array)
+        self._key = (self.array.shape, self.array.dtype.str,
+                     hashlib.sha1(data).hexdigest())
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _ArrayKey) and self._key == other._key
+
+
 def _run_forward(static, prob: Problem, starts):
-    terms, sched, batch, forward, _, nan_rows, precision, out_dtype, has_starts = static.value
+    terms, sched, batch, forward, _, nan_rows, precision, out_dtype, has_starts, mask = (
+        static.value)
     if forward is not None:
-        out, lse = forward(terms, prob, batch, **_hook_kwargs(precision, has_starts, starts))
+        out, lse = forward(terms, prob, batch,
+                           **_hook_kwargs(precision, has_starts, starts, mask))
         if nan_rows:
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
         return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
@@ -677,13 +700,13 @@ def _float0(tree):
 
 def _attend_bwd(res, cts):
     static, need, prob, starts, out, lse = res
-    terms, sched, batch, _, backward, _, precision, _, has_starts = static.value
+    terms, sched, batch, _, backward, _, precision, _, has_starts, mask = static.value
     d_out, d_lse = (jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c
                     for c in cts)
     if backward is not None:
         d_row, d_col, d_pair, d_glob, d_v = backward(
             terms, prob, batch, out, lse, d_out, d_lse, need_glob=need.value,
-            **_hook_kwargs(precision, has_starts, starts))
+            **_hook_kwargs(precision, has_starts, starts, mask))
     else:
         d_row, d_col, d_pair, d_glob, d_v = _backward(
             terms, sched, batch, prob, starts, out, lse, d_out, d_lse, precision
@@ -729,7 +752,8 @@ def blocked_attention(
         terms, prob: a lowered edge site (`structinfer.lowering._spec`).
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         block_q, block_k: block sizes (any lengths; the last block is padded).
-        mask: optional concrete NumPy mask used to skip empty blocks.
+        mask: optional concrete NumPy mask used to skip empty blocks: the value of the
+            per-edge mask when the terms have one (``terms.pair_ok``).
         schedule: a precomputed `Schedule` (overrides the three above).
         starts: optional traced ``(i_start, j_start)`` global indices of the first
             child / parent of these arrays (a shard of a longer sequence); distances
@@ -738,15 +762,16 @@ def blocked_attention(
         forward: optional ``forward(terms, prob, batch_shape) -> (y, L)`` that replaces
             this kernel's forward pass (an accelerator's fused kernel, e.g.
             `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
-            and ``starts=`` too when they are given; the gradient is still this kernel's
+            and ``starts=`` too when they are given, and with ``mask=`` when there is
+            a per-edge mask, ``mask`` is given and ``starts`` is not; the gradient is still this kernel's
             backward (which needs only ``y`` and ``L``) unless ``backward`` is given too.
         backward: optional ``backward(terms, prob, batch_shape, y, L, dy, dL, *,
             need_glob) -> (d_row, d_col, d_pair, d_glob, d_v)`` that replaces this
             kernel's backward pass (e.g. `structinfer.lowering.accel.pallas_backward`):
             cotangents with the structure of ``prob.row``, ``.col``, ``.pair``, ``.glob``
             and ``.v``; ``need_glob`` names the `Globals` fields being differentiated
-            (the others' gradients may be zeros); called with ``precision=`` and
-            ``starts=`` too when they are given. ``dL`` is the cotangent of the
+            (the others' gradients may be zeros); called with ``precision=``,
+            ``starts=`` and ``mask=`` as ``forward`` is. ``dL`` is the cotangent of the
             log-normaliser (nonzero when partial results are merged by it, as ring
             attention does).
         nan_rows: rows whose log-partition is not finite (no allowed parent, a NaN / inf
@@ -781,8 +806,11 @@ def blocked_attention(
         starts = (0, 0)
     else:  # distances come from shifted (traced) indices: mask every block
         schedule = schedule.without_full()
+    # a replacement pass is given the concrete per-edge mask (its own blocks differ)
+    hook_mask = (_ArrayKey(mask) if mask is not None and terms.pair_ok and not has_starts
+                 and (forward is not None or backward is not None) else None)
     static = _Static((terms, schedule, tuple(batch_shape), forward, backward, bool(nan_rows),
                       precision, None if out_dtype is None else jnp.dtype(out_dtype),
-                      has_starts))
+                      has_starts, hook_mask))
     starts = tuple(jnp.asarray(s, jnp.int32) for s in starts)
     return _attend(static, prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v, starts)
