@@ -216,7 +216,17 @@ PALLAS_CASES = {  # prior(n, m, extra) on n = 37 children, m = 45 parents
         max_distance=12),
     "categorical_row": lambda n, m, e: si.priors.Categorical(
         jnp.where(jnp.arange(m) % 7 == 3, -jnp.inf, e[0, :m])),
+    # whole 16-blocks and scattered edges, every child with a parent
+    "mask": lambda n, m, e: si.priors.Restricted(_sparse_mask(n, m)),
 }
+
+
+def _sparse_mask(n: int, m: int) -> np.ndarray:
+    r = np.random.default_rng(n * m)
+    blocks = np.kron(r.random((-(-n // 16), -(-m // 16))) < 0.4, np.ones((16, 16), bool))
+    mask = blocks[:n, :m] | (r.random((n, m)) < 0.1)
+    mask[np.arange(n), np.arange(n) % m] = True
+    return mask
 
 
 def _pallas_model(prior_fn, n, m):
@@ -250,7 +260,8 @@ def test_pallas_kernel_interpreted_equals_exact(case):
     g1 = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(q, k, v, e)
     g0 = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(q, k, v, e)
     for i, (a, b) in enumerate(zip(g0, g1)):
-        assert i == 3 and case in ("causal_offset", "window_no_self") or np.abs(a).max() > 1e-3
+        assert i == 3 and case in ("causal_offset", "window_no_self", "mask") or (
+            np.abs(a).max() > 1e-3)
         np.testing.assert_allclose(b, a, atol=5e-5)
 
 
@@ -597,7 +608,7 @@ def test_pallas_bfloat16_values_and_gradients_within_bfloat16_tolerance():
     r = np.random.default_rng(6)
     q32, k32, v32 = (jnp.asarray(r.normal(size=(H, s, 16)), jnp.float32) for s in (n, m, m))
     e = jnp.asarray(0.5 * r.normal(size=(H, 2 * m - 1)), jnp.float32)
-    for case in ("relpos_clipped", "geometric_trunc"):
+    for case in ("relpos_clipped", "geometric_trunc", "mask"):
         model = _pallas_model(PALLAS_CASES[case], n, m)
         f = si.attention(model, "out", "pallas", block_q=16, block_k=16)
         dense = si.attention(model, "out", "dense")
