@@ -14,7 +14,10 @@ dim 128): ``dense``; ``causal``; ``window`` (causal sliding window of 256); ``re
 ``si.priors.RelativePosition(bias, n)``); ``geometric`` (recency prior q = 0.02,
 causal); ``bias`` (per-head additive bias over parents, written as a
 ``si.priors.Categorical`` prior with one row of logits shared by every child, which the
-lowering turns into a per-parent bias). Modes: ``fwd`` and ``fwd+bwd`` (gradient with
+lowering turns into a per-parent bias); ``block_sparse`` (``si.priors.Restricted.
+block_sparse`` on blocks of 128: each block row sees its own block and its two
+neighbours, the first block row and column are global, and one block in 16 of the rest
+at random, fixed by ``n``). Modes: ``fwd`` and ``fwd+bwd`` (gradient with
 respect to q, k and v of ``sum(out * w)`` for a fixed random ``w``).
 
 Implementations, one row each (a missing one is skipped with a note; one that raises is
@@ -26,13 +29,15 @@ reported as ``failed: <reason>`` and the run goes on):
   where auto already chose Pallas; interpreted off a GPU);
 * ``cudnn`` -- ``jax.nn.dot_product_attention(implementation="cudnn")``: ``is_causal`` /
   ``local_window_size`` for the masks, the bias table materialised for relpos (per head),
-  geometric (one table, with ``is_causal``) and bias (per head);
+  geometric (one table, with ``is_causal``), bias (per head) and block_sparse (one table
+  of 0 and -1e4);
 * ``pallas-mha`` -- JAX's Pallas reference ``jax.experimental.pallas.ops.gpu.attention.mha``
   (dense and causal only);
 * ``torch-sdpa`` -- ``torch.nn.functional.scaled_dot_product_attention`` (``is_causal``,
-  a boolean window mask, a float bias built on the device);
+  a boolean window or block-sparse mask, a float bias built on the device);
 * ``torch-flex`` -- ``torch.compile(flex_attention)`` through ``benchmarks/attention.py``'s
-  ``flex_fn`` (block masks, ``score_mod`` biases; a per-parent ``score_mod`` for bias);
+  ``flex_fn`` (block masks, ``score_mod`` biases; a per-parent ``score_mod`` for bias;
+  for block_sparse a ``create_block_mask`` of the same pattern);
   its backward differentiates ``sum(out * v[..., :1])``, the same cost;
 * ``tokamax-triton`` / ``tokamax-mosaic`` -- ``tokamax.dot_product_attention(...,
   implementation=...)`` when tokamax is importable.
@@ -45,7 +50,7 @@ slower than ``--row-seconds / (groups x calls)`` gets fewer calls per group (the
 says so). JAX peers take their inputs already in their (batch, seq, heads, dim) layout,
 so no transposes are timed. Rate: dense-equivalent TFLOP/s on *useful* pairs only (allowed
 edges: n^2 for dense / relpos / bias, n(n+1)/2 for causal / geometric, sum_i min(i+1, W)
-for the window): forward 4 * heads * pairs * head_dim (two matmuls), forward+backward
+for the window, the pattern's blocks times 128^2 for block_sparse): forward 4 * heads * pairs * head_dim (two matmuls), forward+backward
 3.5x that (the backward counted as 2.5x the forward, as FlashAttention's benchmarks
 count it).
 
@@ -104,7 +109,7 @@ from numpyro.ops.indexing import Vindex  # noqa: E402
 
 import structinfer as si  # noqa: E402
 
-CASES = ("dense", "causal", "window", "relpos", "geometric", "bias")
+CASES = ("dense", "causal", "window", "relpos", "geometric", "bias", "block_sparse")
 MODES = ("fwd", "fwd+bwd")
 #: implementations in the order they are tried (tier, label)
 IMPLS = {
@@ -137,8 +142,38 @@ def _elapsed() -> float:
 # --------------------------------------------------------------------------- problems
 
 
+def sparse_blocks(n: int) -> tuple[np.ndarray, int]:
+    """The block_sparse case's ``(block pattern, block size)``: blocks of 128 (of n / 4
+    when n is under 512), each block row seeing its own block and its two neighbours, the
+    first block row and column global, one block in 16 of the rest at random (seeded by
+    n). Every child has a parent (its own block)."""
+    b = min(128, n // 4)
+    nb = n // b
+    a = np.arange(nb)
+    blocks = np.abs(a[:, None] - a[None, :]) <= 1
+    blocks[0, :] = blocks[:, 0] = True
+    blocks |= np.random.default_rng(n).random((nb, nb)) < 1 / 16
+    return blocks, b
+
+
+def sparse_mask(n: int) -> np.ndarray:
+    """The block_sparse case's ``(n, n)`` boolean mask."""
+    blocks, b = sparse_blocks(n)
+    return np.kron(blocks, np.ones((b, b), bool))
+
+
 def make_model(case: str, H: int, n: int):
-    """The mechanism as a NumPyro model; ``bias`` here is the per-parent case's own."""
+    """The mechanism as a NumPyro model; ``bias`` and ``block_sparse`` here are this
+    script's own cases (the rest come from benchmarks/attention.py)."""
+    if case == "block_sparse":
+        prior = si.priors.Restricted.block_sparse(*sparse_blocks(n))
+
+        def model(q, k, v, extra):  # extra: unused (the prior has no parameter)
+            with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+                j = si.edge("phi", prior, si.scores.Dot(q, k, scale=q.shape[-1] ** -0.5))
+                numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+        return model
     if case != "bias":
         return bench.make_model(case, H, n)
 
@@ -155,6 +190,9 @@ def pairs(case: str, n: int, window: int) -> float:
     """Allowed (child, parent) pairs: the useful work of one head."""
     if case in ("dense", "relpos", "bias"):
         return float(n * n)
+    if case == "block_sparse":
+        blocks, b = sparse_blocks(n)
+        return float(blocks.sum() * b * b)
     if case in ("causal", "geometric"):
         return n * (n + 1) / 2
     w = min(window, n)
@@ -223,6 +261,8 @@ def reference(case: str, p: Problem, hs, rs, window: int, need_grad: bool) -> di
             s = s + (math.log(GEO_Q) + dd * math.log1p(-GEO_Q))
         if case == "bias":
             s = s + extra
+        if case == "block_sparse":
+            s = jnp.where(jnp.asarray(sparse_mask(n))[rows], s, -jnp.inf)
         return jax.nn.softmax(s, axis=-1) @ v
 
     with jax.default_matmul_precision("highest"):
@@ -316,7 +356,7 @@ def build_structinfer(ctx, backend: str):
 def _peer_kwargs(case: str, p: Problem, window: int, dtype) -> tuple[dict, jax.Array | None]:
     """(static keyword arguments, bias table or None) of jax.nn / tokamax attention."""
     n = p.n
-    dd = None if case in ("dense", "causal", "window", "bias") else (
+    dd = None if case in ("dense", "causal", "window", "bias", "block_sparse") else (
         jnp.arange(n)[:, None] - jnp.arange(n)[None, :])  # (n, n): only where a bias needs it
     if case == "dense":
         return {}, None
@@ -329,6 +369,8 @@ def _peer_kwargs(case: str, p: Problem, window: int, dtype) -> tuple[dict, jax.A
     if case == "geometric":  # (1, 1, n, n), finite (the causal flag masks)
         w = math.log(GEO_Q) + jnp.maximum(dd, 0) * math.log1p(-GEO_Q)
         return {"is_causal": True}, w.astype(dtype)[None, None]
+    if case == "block_sparse":  # (1, 1, n, n): 0 on allowed edges, -1e4 elsewhere
+        return {}, jnp.where(jnp.asarray(sparse_mask(n)), 0.0, -1e4).astype(dtype)[None, None]
     # bias: the per-parent row broadcast to a (1, H, n, n) table
     return {}, jnp.broadcast_to(p.colbias, (p.H, n, n)).astype(dtype)[None]
 
@@ -424,6 +466,8 @@ def build_torch_sdpa(ctx):
         mask = torch.where(dd >= 0, g, -math.inf).to(tq.dtype)[None, None]
     elif case == "bias":
         mask = tb.expand(1, p.H, n, n)  # (1, H, 1, n) broadcast over the rows
+    elif case == "block_sparse":
+        mask = torch.from_numpy(sparse_mask(n)).to(device)
     scale = p.d ** -0.5
 
     def attend(q, k, v):
@@ -458,6 +502,8 @@ def build_flex(ctx):
     case, p, mode = ctx["case"], ctx["p"], ctx["mode"]
     if case == "bias":
         res, why = _flex_bias_fn(torch, p)
+    elif case == "block_sparse":
+        res, why = _flex_block_sparse_fn(torch, p)
     else:
         res, why = bench.flex_fn(case, p.H, p.n)
     if res is None:
@@ -496,6 +542,40 @@ def _flex_bias_fn(torch, p: Problem):
     def fwdbwd(tq, tk, tv, score_mod):
         tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
         out = compiled(tq, tk, tv, score_mod=score_mod)
+        (out * tv[..., :1]).sum().backward()
+        return tq.grad
+
+    return (prep, fwd, fwdbwd), None
+
+
+def _flex_block_sparse_fn(torch, p: Problem):
+    """flex_fn's shape for block_sparse: a ``create_block_mask`` of the pattern (its
+    blocks of 128 are FlexAttention's own, so every live block is a full one)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as err:
+        return None, f"torch FlexAttention not importable ({type(err).__name__})"
+    device = bench._torch_device()
+    bench.flex_recompile_budget(torch)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    blocks, b = sparse_blocks(p.n)
+    tb = torch.from_numpy(blocks).to(device)
+
+    def mask_mod(b_, h, q_idx, kv_idx):
+        return tb[q_idx // b, kv_idx // b]
+
+    def prep(q, k, v, _):
+        tq, tk, tv = (bench._to_torch(x, device).unsqueeze(0) for x in (q, k, v))
+        block_mask = create_block_mask(mask_mod, None, None, p.n, p.n, device=device)
+        return tq, tk, tv, block_mask
+
+    def fwd(tq, tk, tv, block_mask):
+        with torch.no_grad():
+            return compiled(tq, tk, tv, block_mask=block_mask)
+
+    def fwdbwd(tq, tk, tv, block_mask):
+        tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
+        out = compiled(tq, tk, tv, block_mask=block_mask)
         (out * tv[..., :1]).sum().backward()
         return tq.grad
 

@@ -10,9 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_path):
-    # one case keeps it short (the per-parent bias: the model this script adds, the rest
-    # come from benchmarks/attention.py); the peers a CPU lacks are skipped with a note
-    cases = ["bias"]
+    # two cases keep it short (the per-parent bias and the block-sparse mask: the models
+    # this script adds, the rest come from benchmarks/attention.py); the peers a CPU lacks
+    # are skipped with a note
+    cases = ["bias", "block_sparse"]
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--quick",
          "--out", str(tmp_path), "--cases", *cases,
@@ -41,6 +42,6 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
 
     md = mds[0].read_text()
     assert "## n = 128, 2 heads, head dim 32" in md and "## n = 128" in proc.stdout  # printed
-    for text in ("| bias", "structinfer (auto)", "structinfer (pallas)",
+    for text in ("| bias", "| block_sparse", "structinfer (auto)", "structinfer (pallas)",
                  "## Correctness", "cuDNN needs a GPU"):
         assert text in md, text
