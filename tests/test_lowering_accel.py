@@ -433,7 +433,8 @@ def test_pallas_block_lists_hold_the_live_blocks(case):
     some = tiles(allowed).any(axis=(0, 2, 4))
     every = tiles(padded).all(axis=(0, 2, 4))
     for by_parent in (False, True):
-        table = accel._block_lists(terms, mask, lay, by_parent)
+        table, needs_mask = accel._block_lists(terms, mask, lay, by_parent)
+        assert needs_mask == (case != "block_sparse")
         listed = np.zeros((lay.nqb, lay.nkb), int)
         full = np.zeros((lay.nqb, lay.nkb), bool)
         for r, row in enumerate(table):
@@ -493,6 +494,49 @@ def test_block_sparse_and_graph_priors_run_on_pallas(gpu):
                    jax.jit(jax.grad(loss(traced, mask), (0, 1, 2)))(q, k, v)):
             for a, b in zip(g0, g1):
                 np.testing.assert_allclose(b, a, atol=5e-5)
+
+
+def test_pallas_full_block_ranges_hold_exactly_the_blocks_with_every_edge_allowed():
+    """The tiles computed without a mask (`_full_parents` for the forward and dQ passes,
+    `_full_children` for dK/dV) against a brute-force reading of the band: exactly the
+    blocks whose every edge (padded children included, no padded parent) is inside the
+    distance band, over bands with both, one or no bound, positive, zero and negative
+    offsets and block sizes of 16 and 32, for each program."""
+    import dataclasses
+
+    q = jnp.zeros((1, 35, 8))
+    k = jnp.zeros((1, 70, 8))
+    low = lower_edge(si.priors.Uniform(70), si.scores.Dot(q, k), jnp.zeros((1, 70, 4)), 35,
+                     (1,))
+    for dmin, dmax, offset in [(None, -3, 0), (0, None, 0), (2, None, 20), (-20, 30, 15),
+                               (5, 40, -3), (None, None, 7), (40, None, 0), (-60, -2, 9)]:
+        terms = dataclasses.replace(low.terms, dmin=dmin, dmax=dmax, offset=offset)
+        for bq, bk in [(16, 16), (16, 32), (32, 16)]:
+            nqb, nkb = -(-35 // bq), -(-70 // bk)
+            i = np.arange(nqb * bq).reshape(nqb, bq)
+            j = np.arange(nkb * bk).reshape(nkb, bk)
+            d = i[:, None, :, None] + offset - j[None, :, None, :]  # (a, t, i, j)
+            ok = (j < 70)[None, :, None, :] & np.ones_like(d, bool)
+            if dmin is not None:
+                ok &= d >= dmin
+            if dmax is not None:
+                ok &= d <= dmax
+            every = ok.all(axis=(2, 3))  # (a, t)
+            a = jnp.arange(nqb, dtype=jnp.int32)
+            lo, hi = (np.broadcast_to(x, a.shape)
+                      for x in accel._full_parents(terms, a, bq, bk, offset))
+            got = np.arange(nkb)[None, :] >= lo[:, None]
+            got &= np.arange(nkb)[None, :] < hi[:, None]
+            np.testing.assert_array_equal(got, every, err_msg=str((dmin, dmax, offset, bq, bk)))
+            t = jnp.arange(nkb, dtype=jnp.int32)
+            lo, hi = (np.broadcast_to(x, t.shape)
+                      for x in accel._full_children(terms, t, bq, bk, nqb, offset))
+            got = np.arange(nqb)[None, :] >= lo[:, None]
+            got &= np.arange(nqb)[None, :] < hi[:, None]
+            np.testing.assert_array_equal(got, every.T, err_msg=str((dmin, dmax, offset, bq, bk)))
+    excluded = dataclasses.replace(low.terms, dmin=-4, dmax=4, exclude_zero=True)
+    assert accel._full_parents(excluded, 0, 16, 16, 0) is None
+    assert accel._full_children(excluded, 0, 16, 16, 3, 0) is None
 
 
 TILE_CASES = {  # prior(n, m, e), children n, parents m, blocks, the queries' batch

@@ -308,6 +308,44 @@ def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
                        None if tm.dmax is None else j_lo + bk - 1 + tm.dmax - off, bq, nqb)
 
 
+def _floor_div(x, b: int):
+    """``floor(x / b)`` of an int32 scalar that may be negative (``lax.div`` truncates)."""
+    b = jnp.int32(b)
+    return jnp.where(x >= 0, lax.div(x, b), -lax.div(b - 1 - x, b))
+
+
+def _full_parents(terms: Terms, a, bq: int, bk: int, off):
+    r"""Parent blocks ``f_lo .. f_hi - 1`` whose every edge with child block `a` (traced)
+    is allowed: all distances $d_{ij} = i + \text{off} - j$ of the tile (its padded rows
+    too) in the band, and no padded parent. ``None`` with an excluded self-edge (the
+    tiles without it are not one range); an empty range is fine (``f_hi <= f_lo``)."""
+    if terms.exclude_zero:
+        return None
+    i0 = a * bq
+    f_lo = jnp.int32(0)
+    if terms.dmax is not None:  # largest distance i0 + bq - 1 + off - j0 <= dmax
+        f_lo = jnp.maximum(f_lo, -_floor_div(terms.dmax + 1 - bq - off - i0, bk))
+    f_hi = jnp.int32(terms.num_parents // bk)
+    if terms.dmin is not None:  # smallest distance i0 + off - (j0 + bk - 1) >= dmin
+        f_hi = jnp.minimum(f_hi, _floor_div(i0 + off - terms.dmin + 1, bk))
+    return f_lo, f_hi
+
+
+def _full_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
+    r"""Child blocks ``f_lo .. f_hi - 1`` whose every edge with parent block `t` (traced)
+    is allowed (as `_full_parents`); none when the parent block holds padding."""
+    if terms.exclude_zero:
+        return None
+    j0 = t * bk
+    f_lo = jnp.int32(0)
+    if terms.dmin is not None:  # i0 + off - j0 - bk + 1 >= dmin
+        f_lo = jnp.maximum(f_lo, -_floor_div(off - j0 - bk + 1 - terms.dmin, bq))
+    f_hi = jnp.where(j0 + bk <= terms.num_parents, jnp.int32(nqb), 0)
+    if terms.dmax is not None:  # i0 + bq - 1 + off - j0 <= dmax
+        f_hi = jnp.minimum(f_hi, _floor_div(terms.dmax - bq + 1 - off + j0, bq) + 1)
+    return f_lo, f_hi
+
+
 def _offset(terms: Terms, named: dict):
     r"""The offset of the distances $d_{ij} = i + \text{offset} - j$ a kernel computes
     with: ``terms.offset`` (static), plus the traced shift $i_0 - j_0$ between the global
@@ -319,11 +357,13 @@ def _offset(terms: Terms, named: dict):
 
 
 def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision, off,
-          masked: bool = False):
+          masked: bool = True):
     r"""Logits of one (child block, parent block) tile, the allowed-edge mask and the
     distance grid: $q k^\top$ plus the per-parent bias, the relative-position bias and the
     geometric log-prior, computed from the index grids (shared by every Pallas pass).
-    ``masked``: the tile also reads the per-edge mask (operand ``"pmask"``)."""
+    ``masked``: forbidden edges (padded parents, outside the band, and where the per-edge
+    mask, operand ``"pmask"``, says so) are ``-inf``; ``False`` for a tile whose every
+    edge is allowed, which then builds no mask (and returns ``None`` for it)."""
     i_idx = i0 + jnp.arange(q.shape[0], dtype=jnp.int32)  # int32 under x64 too
     j_idx = j0 + jnp.arange(k.shape[0], dtype=jnp.int32)
     s = _dot(q, k, precision, acc_dtype, trans_b=True)
@@ -338,11 +378,13 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision,
         s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
     if terms.geometric:
         s = s + geometric_log_prior(g0[:, None], g1[:, None], d - terms.geo_d0)
+    if not masked:
+        return s, None, d
     ok = (j_idx < terms.num_parents)[None, :]
     band = band_ok(terms, d)
     if band is not None:
         ok = ok & band
-    if masked:
+    if "pmask" in named:
         ok = ok & (named["pmask"][_pl_ds(i0, q.shape[0]), _pl_ds(j0, k.shape[0])] != 0)
     return jnp.where(ok, s, -jnp.inf), ok, d
 
@@ -353,24 +395,30 @@ def _pl_ds(start, size: int):
     return pl.ds(pl.multiple_of(start, size), size)
 
 
-def _over_blocks(named: dict, lo, hi, body, init, masked: bool):
-    r"""Run ``body(t, masked, carry)`` over the blocks a program visits: its row of the
-    block lists (operand ``"blocks"``: ``[full count, partial count, full blocks...,
-    partial blocks...]``, `_block_lists`), the full ones without the per-edge mask and
-    the partial ones with it; without lists, the band's range ``lo .. hi``, all
-    ``masked`` or none."""
-    if "blocks" not in named:
-        return lax.fori_loop(lo, hi, lambda t, c: body(t, masked, c), init)
-    row = named["blocks"]
-    nf = row[0]
-    carry = lax.fori_loop(0, nf, lambda u, c: body(row[2 + u], False, c), init)
-    if "pmask" not in named:  # every live block of the launch is full
-        return carry
-    return lax.fori_loop(nf, nf + row[1], lambda u, c: body(row[2 + u], True, c), carry)
+def _over_blocks(named: dict, lo, hi, full, body, init):
+    r"""Run ``body(t, masked, carry)`` over the blocks a program visits, the blocks whose
+    every edge is allowed with ``masked=False`` (no mask built), the others masked
+    (FlashAttention's split of a causal loop, FlexAttention's full and partial blocks).
+    With block lists (operand ``"blocks"``: ``[full count, partial count, full
+    blocks..., partial blocks...]``, `_block_lists`), the program's row of them;
+    else the band's range ``lo .. hi``, of which ``full = (f_lo, f_hi)`` are full
+    (`_full_parents`, `_full_children`; ``None``: none is)."""
+    if "blocks" in named:
+        row = named["blocks"]
+        nf = row[0]
+        carry = lax.fori_loop(0, nf, lambda u, c: body(row[2 + u], False, c), init)
+        return lax.fori_loop(nf, nf + row[1], lambda u, c: body(row[2 + u], True, c), carry)
+    if full is None:
+        return lax.fori_loop(lo, hi, lambda t, c: body(t, True, c), init)
+    f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
+    f_hi = jnp.maximum(jnp.minimum(full[1], hi), f_lo)
+    carry = lax.fori_loop(lo, f_lo, lambda t, c: body(t, True, c), init)
+    carry = lax.fori_loop(f_lo, f_hi, lambda t, c: body(t, False, c), carry)
+    return lax.fori_loop(f_hi, hi, lambda t, c: body(t, True, c), carry)
 
 
 def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
-                   acc_dtype, precision, masked: bool):
+                   acc_dtype, precision):
     """Forward: one child block of one batch element, online softmax over its live parent
     blocks; writes $y$ and the row log-normaliser $L$."""
     from jax.experimental import pallas as pl
@@ -396,8 +444,9 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
                         tile_masked)
         return online_step(state, s, named["v"][_pl_ds(j0, bk), :], matmul)
 
-    state = _over_blocks(named, lo, hi, body,
-                         online_start((bq,), o_ref.shape[-1], acc_dtype), masked)
+    full = None if terms.pair_ok else _full_parents(terms, a, bq, bk, off)
+    state = _over_blocks(named, lo, hi, full, body,
+                         online_start((bq,), o_ref.shape[-1], acc_dtype))
     y, lse = online_finish(state)
     o_ref[...] = y.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -565,24 +614,26 @@ def _use_tiles(terms: Terms, prob: Problem, lay: _Layout, shift, tiles: bool | N
 
 
 def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
-                 by_parent: bool = False) -> np.ndarray:
+                 by_parent: bool = False) -> tuple[np.ndarray, bool]:
     r"""The blocks each program of a launch visits when the edge has a per-edge mask: one
     row per child block (per parent block with ``by_parent``), ``[full count, partial
-    count, full blocks..., partial blocks..., 0...]`` (int32, a power-of-two width).
+    count, full blocks..., partial blocks..., 0...]`` (int32, a power-of-two width), and
+    whether some listed block needs the mask itself.
 
     A block is live when the distance band allows some edge of it and the concrete
     ``mask`` (the per-edge mask's value, OR-ed over its batch dims) some edge too, and
-    *full* when both allow every edge of it (the mask in every batch element): full
-    blocks are computed without reading the mask. Padding counts as allowed here (every
-    tile masks it anyway). Without ``mask`` (traced) every block in the band is partial.
+    *full* when both allow every edge of it (the mask in every batch element) and it
+    holds no padded parent: full blocks are computed without building a mask. A block
+    needs the mask when the mask forbids some edge of it (padding aside). Without
+    ``mask`` (traced) every block in the band is partial and needs it.
     """
-    band = make_schedule(dataclasses.replace(terms, num_children=lay.n_pad,
-                                             num_parents=lay.m_pad, pair_ok=False,
-                                             col_ok=False), lay.bq, lay.bk)
+    band = make_schedule(dataclasses.replace(terms, pair_ok=False, col_ok=False),
+                         lay.bq, lay.bk)
     live = np.zeros((lay.nqb, lay.nkb), bool)
     for a, row in enumerate(band.fwd):
         live[a, list(row)] = True
     full = np.zeros_like(live)
+    needs_mask = mask is None
     if mask is not None:
         n, m = terms.num_children, terms.num_parents
         mk = np.asarray(mask, bool)
@@ -594,9 +645,11 @@ def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
             return reduce(pad.reshape(lay.nqb, lay.bq, lay.nkb, lay.bk), axis=(1, 3))
 
         live &= grid(mk.any(0), False, np.any)
-        for a, b in band.full:
+        whole = grid(mk.all(0), True, np.all)  # the mask allows every edge (padding aside)
+        needs_mask = bool((live & ~whole).any())
+        for a, b in band.full:  # every edge in the band, no padded parent
             full[a, b] = True
-        full &= grid(mk.all(0), True, np.all) & live
+        full &= whole & live
     if by_parent:
         live, full = live.T, full.T
     rows = [(np.flatnonzero(f), np.flatnonzero(lv & ~f)) for lv, f in zip(live, full)]
@@ -605,33 +658,30 @@ def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
     for r, (f, p) in enumerate(rows):
         out[r, :2] = len(f), len(p)
         out[r, 2:2 + len(f) + len(p)] = np.concatenate([f, p])
-    return out
+    return out, needs_mask
 
 
 def _mask_operands(terms: Terms, prob: Problem, lay: _Layout, arrays: dict, specs: dict,
                    mask: np.ndarray | None, shift, *, by_parent: bool = False,
-                   lists: bool = True) -> bool:
+                   lists: bool = True) -> None:
     """Add a launch's per-edge mask operands, if the edge has one: its block lists
     (``"blocks"``, `_block_lists`; not with a traced ``shift``, whose band is traced, nor
-    without ``lists``) and, when some block is partial, the mask itself (``"pmask"``,
-    int8, one copy per distinct mask of the batch). Returns whether the blocks a program
-    loops over without lists are masked."""
+    without ``lists``) and, when some block needs it, the mask itself (``"pmask"``, int8,
+    one copy per distinct mask of the batch)."""
     from jax.experimental import pallas as pl
 
     if not terms.pair_ok:
-        return False
-    partial = True
+        return
+    needs_mask = True
     if lists and shift is None:
-        table = _block_lists(terms, mask, lay, by_parent)
+        table, needs_mask = _block_lists(terms, mask, lay, by_parent)
         arrays["blocks"] = jnp.asarray(table)
         specs["blocks"] = pl.BlockSpec((None, table.shape[1]), lambda i, b: (i, 0))
-        partial = bool((table[:, 1] > 0).any())
-    if partial:
+    if needs_mask:
         rows, row_of = lay.distinct(prob.const.pair_ok, 2)
         arrays["pmask"] = lay.pad(rows.astype(jnp.int8), lay.n_pad, lay.m_pad)
         specs["pmask"] = pl.BlockSpec((None, lay.n_pad, lay.m_pad),
                                       lambda i, b: (row_of(b), 0, 0))
-    return True
 
 
 def _wide_rows(prob: Problem) -> bool:
@@ -672,8 +722,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
 
     The grid runs one program per (child block, batch element); each loops over the parent
     blocks its distance band allows, computing the block logits (dot product, per-parent
-    bias, relative-position bias, geometric log-prior, band and padding masks) and the
-    online softmax in float32: the matmuls multiply in the inputs' dtype and accumulate
+    bias, relative-position bias, geometric log-prior, band and padding masks — no mask
+    in a block whose every edge is allowed) and the online softmax in float32: the matmuls multiply in the inputs' dtype and accumulate
     in float32, the prior's terms are added in float32. Feature and value dims are
     zero-padded to a power of two (at least 16), lengths to the block sizes.
 
@@ -735,11 +785,10 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     shift = _shift(starts)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
                                  tiles=bool(tiles) and _use_tiles(terms, prob, lay, shift, tiles))
-    masked = _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
+    _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
-                               keys=keys, acc_dtype=lay.acc, precision=precision,
-                               masked=masked)
+                               keys=keys, acc_dtype=lay.acc, precision=precision)
     v = prob.v
     out, lse = pl.pallas_call(
         kernel,
@@ -774,7 +823,7 @@ def _child_rows(terms: Terms, named: dict, idx, acc_dtype):
 
 
 def _ds_tile(terms: Terms, named: dict, q, k, v, do, lse, delta, i0, j0, g0, g1, acc_dtype,
-             precision, off, masked: bool = False):
+             precision, off, masked: bool = True):
     r"""One tile of the backward: $p_{ij}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top
     V_j - \delta_i)$, the allowed-edge mask and the distance grid."""
     s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off, masked)
@@ -784,7 +833,7 @@ def _ds_tile(terms: Terms, named: dict, q, k, v, do, lse, delta, i0, j0, g0, g1,
 
 
 def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[str, ...],
-                 acc_dtype, precision, col_grad: bool, masked: bool):
+                 acc_dtype, precision, col_grad: bool):
     """dK, dV (and the per-parent bias' gradient) of one parent block: a loop over the
     child blocks that see it, recomputing $p$ from $L$ (FlashAttention-2's first pass)."""
     from jax.experimental import pallas as pl
@@ -812,7 +861,8 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
 
     init = (jnp.zeros((bk, k.shape[-1]), acc_dtype), jnp.zeros((bk, v.shape[-1]), acc_dtype),
             jnp.zeros((bk,), acc_dtype))
-    dk, dv, db = _over_blocks(named, lo, hi, body, init, masked)
+    full = None if terms.pair_ok else _full_children(terms, t, bq, bk, nqb, off)
+    dk, dv, db = _over_blocks(named, lo, hi, full, body, init)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     if col_grad:
@@ -820,7 +870,7 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
 
 
 def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
-               acc_dtype, precision, masked: bool):
+               acc_dtype, precision):
     """dQ and the geometric prior's gradients of one child block: a loop over its live
     parent blocks (FlashAttention-2's second pass)."""
     from jax.experimental import pallas as pl
@@ -847,7 +897,8 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
 
     init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), jnp.zeros((bq,), acc_dtype),
             jnp.zeros((bq,), acc_dtype))
-    dq, dg0, dg1 = _over_blocks(named, lo, hi, body, init, masked)
+    full = None if terms.pair_ok else _full_parents(terms, a, bq, bk, off)
+    dq, dg0, dg1 = _over_blocks(named, lo, hi, full, body, init)
     outs[0][...] = dq.astype(outs[0].dtype)
     if terms.geometric:
         outs[1][...] = dg0
@@ -891,7 +942,7 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
         k = named["k"][_pl_ds(j0, b), :]
         v = named["v"][_pl_ds(j0, b), :]
         _, ds, ok, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, j0, g0, g1,
-                                acc_dtype, precision, off, terms.pair_ok)
+                                acc_dtype, precision, off)
         return acc + jnp.where(ok, ds, 0.0)
 
     acc = lax.fori_loop(lo, hi, body, jnp.zeros((b, b), acc_dtype))
@@ -999,7 +1050,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
 
     # pass 1: parent blocks (dK, dV, per-parent bias)
     arrays, specs = whole_rows(lay)
-    masked = _mask_operands(terms, prob, lay, arrays, specs, mask, shift, by_parent=True)
+    _mask_operands(terms, prob, lay, arrays, specs, mask, shift, by_parent=True)
     keys = tuple(arrays)
     col_grad = bool(terms.col_bias)
     out_specs = [pl.BlockSpec((None, bk, fp), lambda i, b: (b, i, 0)),
@@ -1011,8 +1062,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         out_shape.append(jax.ShapeDtypeStruct((B, m_pad), acc))
     res1 = pl.pallas_call(
         functools.partial(_dkdv_kernel, terms=terms, bq=bq, bk=bk, nqb=lay.nqb, keys=keys,
-                          acc_dtype=acc, precision=precision, col_grad=col_grad,
-                          masked=masked),
+                          acc_dtype=acc, precision=precision, col_grad=col_grad),
         grid=(lay.nkb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
         out_shape=out_shape, compiler_params=params, interpret=interp,
         name="structinfer_attention_dkdv",
@@ -1025,7 +1075,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
     specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
-    masked = _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
+    _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
     keys = tuple(arrays)
     out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, n_pad, fp), acc)]
@@ -1034,7 +1084,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         out_shape += [jax.ShapeDtypeStruct((B, n_pad), acc)] * 2
     res = pl.pallas_call(
         functools.partial(_dq_kernel, terms=terms, bq=bq, bk=bk, nkb=lay.nkb, keys=keys,
-                          acc_dtype=acc, precision=precision, masked=masked),
+                          acc_dtype=acc, precision=precision),
         grid=(lay.nqb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
         out_shape=out_shape, compiler_params=params, interpret=interp,
         name="structinfer_attention_dq",
