@@ -50,7 +50,8 @@ slower than ``--row-seconds / (groups x calls)`` gets fewer calls per group (the
 says so). JAX peers take their inputs already in their (batch, seq, heads, dim) layout,
 so no transposes are timed. Rate: dense-equivalent TFLOP/s on *useful* pairs only (allowed
 edges: n^2 for dense / relpos / bias, n(n+1)/2 for causal / geometric, sum_i min(i+1, W)
-for the window, the pattern's blocks times 128^2 for block_sparse): forward 4 * heads * pairs * head_dim (two matmuls), forward+backward
+for the window, the pattern's blocks times the block size squared for block_sparse):
+forward 4 * heads * pairs * head_dim (two matmuls), forward+backward
 3.5x that (the backward counted as 2.5x the forward, as FlashAttention's benchmarks
 count it).
 
@@ -144,10 +145,12 @@ def _elapsed() -> float:
 
 def sparse_blocks(n: int) -> tuple[np.ndarray, int]:
     """The block_sparse case's ``(block pattern, block size)``: blocks of 128 (of n / 4
-    when n is under 512), each block row seeing its own block and its two neighbours, the
-    first block row and column global, one block in 16 of the rest at random (seeded by
-    n). Every child has a parent (its own block)."""
-    b = min(128, n // 4)
+    when n is under 512; halved until they divide n), each block row seeing its own block
+    and its two neighbours, the first block row and column global, one block in 16 of the
+    rest at random (seeded by n). Every child has a parent (its own block)."""
+    b = max(1, min(128, n // 4))
+    while n % b:
+        b //= 2
     nb = n // b
     a = np.arange(nb)
     blocks = np.abs(a[:, None] - a[None, :]) <= 1

@@ -153,13 +153,67 @@ def test_cudnn_plumbing_through_the_xla_implementation(case, gpu, cudnn_as_xla):
     y = si.attention(model, "out", "cudnn")(*args)
     assert y.dtype == jnp.float16 and cudnn_as_xla[0][0] == jnp.float16  # the value dtype
     np.testing.assert_allclose(y, _dense(model, *args), atol=6e-3)
-    if case == "relpos":  # the row log-normaliser too, against the dense kernel's
-        q, k, v, e = args
-        low = lower_edge(prior_fn(n, e), si.scores.Dot(q, k, scale=0.25), v, n, (H,))
-        _, lse = accel.cudnn_attention(low.terms, low.problem, low.batch_shape)
-        up = jax.tree.map(lambda x: x.astype(jnp.float32), low.problem)
-        _, ref = dense_attention(low.terms, up, (H,))
-        np.testing.assert_allclose(lse.astype(jnp.float32), ref, atol=2e-2)
+    # the row log-normaliser too, against the dense kernel's (both layouts: with a bias
+    # and without)
+    q, k, v, e = args
+    score = si.scores.Dot(q, k, scale=0.25) if score_fn is None else score_fn(q, k)
+    low = lower_edge(prior_fn(n, e), score, v, n, (H,))
+    _, lse = accel.cudnn_attention(low.terms, low.problem, low.batch_shape)
+    up = jax.tree.map(lambda x: x.astype(jnp.float32), low.problem)
+    _, ref = dense_attention(low.terms, up, (H,))
+    np.testing.assert_allclose(lse.astype(jnp.float32), ref, atol=2e-2)
+
+
+@pytest.mark.parametrize("relpos", [False, True])
+def test_cudnn_plumbing_with_two_batch_dims_and_shared_keys(relpos, gpu, cudnn_as_xla):
+    """Batch dims (3, 2) flattened into cuDNN's batch (or, with a bias, its heads), keys
+    and values shared by the batch (broadcast to it), and the output and the row
+    log-normaliser put back: against the dense kernel."""
+    n, d = 64, 16
+    r = np.random.default_rng(8)
+    q = jnp.asarray(r.normal(size=(3, 2, n, d)), jnp.float16)
+    k = jnp.asarray(r.normal(size=(1, 1, n, d)), jnp.float16)
+    v = jnp.asarray(r.normal(size=(n, d)), jnp.float16)
+    e = jnp.asarray(0.5 * r.normal(size=(3, 1, 2 * n - 1)), jnp.float16)
+    prior = (si.priors.RelativePosition(e, n, causal=True) if relpos
+             else si.priors.Restricted.window(n, 9))
+    low = lower_edge(prior, si.scores.Dot(q, k, scale=0.25), v, n, (3, 2))
+    assert accel.cudnn_unsupported(low.terms, low.problem, low.batch_shape) is None
+    y, lse = accel.cudnn_attention(low.terms, low.problem, low.batch_shape)
+    up = jax.tree.map(lambda x: x.astype(jnp.float32), low.problem)
+    y0, l0 = dense_attention(low.terms, up, (3, 2))
+    assert y.shape == (3, 2, n, d) and lse.shape == (3, 2, n)
+    np.testing.assert_allclose(y.astype(jnp.float32), y0, atol=6e-3)
+    np.testing.assert_allclose(lse, l0, atol=2e-2)
+
+
+def test_cudnn_log_normaliser_refuses_a_gradient(gpu, cudnn_as_xla):
+    """JAX's cuDNN wrapper drops the cotangent of the row log-normaliser it returns (its
+    residual), so a gradient through ``f.with_log_normalisers``' ``L`` on the cuDNN kernel
+    would miss a term: it raises, naming the kernels that differentiate ``L``, instead of
+    answering a finite wrong number. A gradient of the output alone is unaffected, and
+    the Pallas kernel differentiates ``L`` (against the dense kernel)."""
+    model = _model(CAUSAL)
+    q, k, v = _inputs(jnp.float16)
+
+    def loss(backend, with_lse):
+        f = si.attention(model, "out", backend).with_log_normalisers
+
+        def g(q):
+            y, lses = f(q, k, v)
+            out = jnp.sum(y.astype(jnp.float32) ** 2)
+            return out + (jnp.sum(jnp.sin(lses["phi"])) if with_lse else 0.0)
+
+        return g
+
+    g_dense = jax.grad(loss("dense", True))(q.astype(jnp.float32))
+    with pytest.raises(NotImplementedError, match="log-normaliser.*cuDNN.*pallas"):
+        jax.grad(loss("cudnn", True))(q)
+    np.testing.assert_allclose(jax.grad(loss("cudnn", False))(q).astype(jnp.float32),
+                               jax.grad(loss("dense", False))(q.astype(jnp.float32)),
+                               atol=2e-2, rtol=2e-2)
+    g_pallas = jax.jit(jax.grad(loss("pallas", True)))(q.astype(jnp.float32))
+    np.testing.assert_allclose(g_pallas, g_dense, atol=1e-4)
 
 
 def _moves_data(line: str) -> bool:
@@ -496,6 +550,62 @@ def test_block_sparse_and_graph_priors_run_on_pallas(gpu):
                 np.testing.assert_allclose(b, a, atol=5e-5)
 
 
+def test_a_concrete_mask_reaches_the_pallas_passes():
+    """Through the model path, a block-sparse mask known at trace time reaches the Pallas
+    forward and backward (``blocked_attention`` hands it to them): on blocks of 128, whole
+    tiles of every pass, each pass reads its block table and never the mask; the same
+    mask traced is read by every pass."""
+    n = 256
+    blocks = np.array([[True, False], [True, True]])
+
+    def model(q, k, v, *mask):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            prior = (si.priors.Restricted(*mask) if mask
+                     else si.priors.Restricted.block_sparse(blocks, 128))
+            j = si.edge("phi", prior, si.scores.Dot(q, k, scale=0.25))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    q, k, v = _inputs(jnp.float32, n=n)
+    f = si.attention(model, "out", "pallas")
+    mask = jnp.asarray(np.kron(blocks, np.ones((128, 128), bool)))
+    for extra, reads_mask in (((), False), ((mask,), True)):
+        grad = jax.grad(lambda q, *a, extra=extra: jnp.sum(f(q, *a, *extra) ** 2))
+        calls = _kernel_eqns(jax.make_jaxpr(grad)(q, k, v).jaxpr, "pallas_call")
+        assert len(calls) == 3, calls  # forward, dK/dV, dQ
+        for call in calls:
+            dtypes = [x.aval.dtype for x in call.invars]
+            assert (jnp.dtype(jnp.int8) in dtypes) == reads_mask
+            assert jnp.dtype(jnp.int32) in dtypes  # the block table
+
+
+def test_a_replacement_pass_without_a_mask_argument_is_not_given_one():
+    """``blocked_attention`` hands the concrete per-edge mask only to a replacement pass
+    that takes a ``mask`` argument: one written before (no such argument) still runs,
+    reading the mask in every block, and equals the one given it."""
+    from structinfer.lowering.blocked import blocked_attention
+
+    n = 40
+    mask = _mask_case("graph", n, n)
+    q, k, v = _inputs(jnp.float32, n=n)
+    low = lower_edge(si.priors.Restricted(mask), si.scores.Dot(q, k, scale=0.4), v, n, (H,))
+
+    def old_forward(terms, prob, batch, *, precision=None):
+        return accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16,
+                                    interpret=True, precision=precision)
+
+    def new_forward(terms, prob, batch, **kw):
+        return accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16,
+                                    interpret=True, **kw)
+
+    ys = [jax.jit(lambda p, fw=fw: blocked_attention(
+        low.terms, p, (H,), mask=low.mask, forward=fw)[0])(low.problem)
+        for fw in (old_forward, new_forward)]
+    np.testing.assert_allclose(ys[0], ys[1], atol=1e-6)
+    fin = np.isfinite(np.asarray(ys[0]))
+    ref = dense_attention(low.terms, low.problem, (H,))[0]
+    np.testing.assert_allclose(np.where(fin, ys[0], 0.0), np.where(fin, ref, 0.0), atol=2e-5)
+
+
 def test_pallas_full_block_ranges_hold_exactly_the_blocks_with_every_edge_allowed():
     """The tiles computed without a mask (`_full_parents` for the forward and dQ passes,
     `_full_children` for dK/dV) against a brute-force reading of the band: exactly the
@@ -780,35 +890,43 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
     n = 200
     q, k, v = (jnp.asarray(r.normal(size=(H, n, 64)), dtype) for _ in range(3))
     bias = jnp.asarray(r.normal(size=(H, 2 * n - 1)), dtype)
+    sparse = np.kron(np.tri(4, dtype=bool), np.ones((50, 50), bool))  # partial tiles
     priors = [si.priors.RelativePosition(bias, n, causal=True),
-              si.priors.Geometric(jnp.asarray(0.05, dtype), n, max_distance=64)]
+              si.priors.Geometric(jnp.asarray(0.05, dtype), n, max_distance=64),
+              si.priors.Restricted(sparse)]
     for prior in priors:
         low = lower_edge(prior, si.scores.Dot(q, k, scale=0.125), v, n, (H,))
-        f = jax.jit(lambda p, low=low: accel.pallas_forward(low.terms, p, low.batch_shape,
-                                                            interpret=False))
-        text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
-        assert "triton" in text
+        # a per-edge mask: its block lists (scalar loads, loop bounds) with the mask
+        # known, every block reading the int8 mask without
+        for mask in ((low.mask, None) if low.terms.pair_ok else (None,)):
+            f = jax.jit(lambda p, low=low, mask=mask: accel.pallas_forward(
+                low.terms, p, low.batch_shape, interpret=False, mask=mask))
+            text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in text
 
-        def grads(p, low=low):  # the three backward passes (atomics for the table)
-            y, lse = accel.pallas_forward(low.terms, p, low.batch_shape, interpret=False)
-            return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse,
-                                         jnp.ones_like(y), jnp.zeros_like(lse),
-                                         interpret=False)
+            def grads(p, low=low, mask=mask):  # the backward passes (atomics: the table)
+                y, lse = accel.pallas_forward(low.terms, p, low.batch_shape,
+                                              interpret=False, mask=mask)
+                return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse,
+                                             jnp.ones_like(y), jnp.zeros_like(lse),
+                                             interpret=False, mask=mask)
 
-        text = jax.jit(grads).trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("triton") >= 3 + (low.terms.relpos is not None)
+            text = jax.jit(grads).trace(low.problem).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert text.count("triton") >= 3 + (low.terms.relpos is not None)
 
 
-@pytest.mark.parametrize("case", ["relpos_causal", "geometric_trunc"])
+@pytest.mark.parametrize("case", ["relpos_causal", "geometric_trunc", "relpos_mask"])
 def test_pallas_passes_take_traced_start_offsets(case):
     """A chunk of a longer sequence, as each step of ring attention runs it: the Pallas
     forward and backward given traced global starts ``(i0, j0)`` equal the blocked kernel
     given the same starts — the output, the row log-normaliser (rows of the chunk with no
     allowed parent included) and the VJP with a nonzero cotangent of the log-normaliser
     (ring attention merges its steps by it), to the queries, keys, values and the prior's
-    parameters."""
+    parameters; with a per-edge mask too (the chunk's slice of it, read in every block)."""
     import dataclasses
 
+    from structinfer.lowering._spec import Consts
     from structinfer.lowering.blocked import blocked_attention, make_schedule
 
     N, n, m, i0, j0 = 48, 20, 24, 4, 12  # children 4..23 against parents 12..35
@@ -816,7 +934,7 @@ def test_pallas_passes_take_traced_start_offsets(case):
     q, k = (jnp.asarray(r.normal(size=(H, N, 8)), jnp.float32) for _ in range(2))
     v = jnp.asarray(r.normal(size=(H, N, 4)), jnp.float32)
     e = jnp.asarray(0.5 * r.normal(size=(H, 2 * N - 1)), jnp.float32)
-    prior = (si.priors.RelativePosition(e, N, causal=True) if case == "relpos_causal" else
+    prior = (si.priors.RelativePosition(e, N, causal=True) if case.startswith("relpos") else
              si.priors.Geometric(0.05 + 0.5 * jax.nn.sigmoid(e[..., :N]), N, max_distance=6))
     low = lower_edge(prior, si.scores.Dot(q, k, scale=0.4), v, N, (H,))
     terms = dataclasses.replace(low.terms, num_children=n, num_parents=m)
@@ -824,6 +942,11 @@ def test_pallas_passes_take_traced_start_offsets(case):
     chunk = dataclasses.replace(p, row=jax.tree.map(lambda x: x[..., i0:i0 + n, :], p.row),
                                 col=jax.tree.map(lambda x: x[..., j0:j0 + m, :], p.col),
                                 v=p.v[..., j0:j0 + m, :])
+    if case == "relpos_mask":  # scattered edges; the chunk reads its own slice
+        mask = r.random((N, N)) < 0.5
+        terms = dataclasses.replace(terms, pair_ok=True)
+        chunk = dataclasses.replace(chunk, const=Consts(pair_ok=jnp.asarray(
+            mask[i0:i0 + n, j0:j0 + m])))
     sched = make_schedule(dataclasses.replace(terms, dmin=None, dmax=None), 8, 8)
 
     def run(pallas):
@@ -849,9 +972,10 @@ def test_pallas_passes_take_traced_start_offsets(case):
     np.testing.assert_allclose(np.where(fin[..., None], yb, 0.0),
                                np.where(fin[..., None], ya, 0.0), atol=1e-5)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(b, a, atol=5e-5)
+        if a.dtype != jax.dtypes.float0:  # the mask's (no) gradient
+            np.testing.assert_allclose(b, a, atol=5e-5)
     assert float(np.abs(g1.row.geo if case == "geometric_trunc" else g1.row.q).max()) > 1e-3
-    if case == "relpos_causal":  # and Triton takes the traced offset (lowered for CUDA)
+    if case.startswith("relpos"):  # and Triton takes the traced offset (lowered for CUDA)
         def passes(prob, starts):
             kw = dict(interpret=False, starts=starts)
             y, lse = accel.pallas_forward(terms, prob, (H,), **kw)

@@ -462,8 +462,10 @@ def register_pattern_rule(*pattern_types: type) -> Callable[[Rule], Rule]:
 class Lowered:
     """A lowered edge site: static ``terms``, arrays ``problem``, and an optional
     concrete ``mask`` (NumPy): the value of the site's per-edge mask known at trace time
-    (and of its column masks, where those are known), for block skipping; ``None`` when
-    some per-edge mask is traced."""
+    (AND its column masks, where those are known). The kernels skip the blocks it
+    forbids, and the Pallas kernel computes the blocks it allows whole without a mask
+    (the contract: `structinfer.lowering.accel.pallas_forward`'s ``mask``); ``None``
+    when some per-edge mask is traced."""
 
     def __init__(self, terms: Terms, problem: Problem, batch_shape, mask=None):
         self.terms = terms

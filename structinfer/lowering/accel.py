@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ._softmax import backward_delta, backward_probs, online_finish, online_start, online_step
 from ._spec import (
@@ -223,9 +224,10 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     r"""$y = \mathrm{softmax}(q k^\top + b)\,V$ and $L$ through cuDNN's fused attention.
 
     Requires `cudnn_unsupported` to return `None`. The batch dims (heads, batch) become
-    cuDNN's batch, one head each, so the call reads and writes our arrays in place; with
-    an additive bias they become the heads of one batch element instead. The score's
-    scale is already folded into `q`.
+    cuDNN's batch, one head each, so the call reads and writes our arrays where they are
+    (queries, keys or values shared across the batch are broadcast first); with an
+    additive bias they become the heads of one batch element instead. The score's scale
+    is already folded into `q`.
 
     Args:
         terms: the static terms of a lowered edge site.
@@ -234,6 +236,9 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32.
+        JAX's cuDNN wrapper returns ``L`` rounded to the inputs' dtype and without a
+        gradient: a gradient through ``L`` raises ``NotImplementedError`` (one through
+        ``y`` is cuDNN's own).
 
     Raises:
         NotImplementedError: from JAX's cuDNN wrapper when the installed cuDNN or the GPU
@@ -271,7 +276,34 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     )
     y = from_cudnn(y).reshape(batch + (n, v.shape[-1]))
     lse = from_cudnn(res).reshape(batch + (n,))
-    return y.astype(v.dtype), lse.astype(accum_dtype(v.dtype))
+    lse = _not_differentiated(lse.astype(accum_dtype(v.dtype)), q, k, v)
+    return y.astype(v.dtype), lse
+
+
+@jax.custom_vjp
+def _not_differentiated(lse: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """cuDNN's row log-normaliser, which its JAX wrapper returns without a gradient (the
+    cotangent of its residual is dropped): a gradient through it raises. ``q``, ``k``,
+    ``v`` (what it depends on) make the check independent of how the wrapper cut the
+    gradient."""
+    return lse
+
+
+def _not_differentiated_fwd(lse, q, k, v):
+    return lse.value, None  # symbolic zeros: the primals come as CustomVJPPrimal
+
+
+def _not_differentiated_bwd(_, ct):
+    if type(ct) is not SymbolicZero:
+        raise NotImplementedError(
+            "the row log-normaliser of the cuDNN kernel has no gradient (JAX's cuDNN "
+            "wrapper drops it); differentiate it on backend='pallas', 'blocked' or "
+            "'dense'")
+    return None, None, None, None  # zero cotangents
+
+
+_not_differentiated.defvjp(_not_differentiated_fwd, _not_differentiated_bwd,
+                           symbolic_zeros=True)
 
 
 # --- Pallas ----------------------------------------------------------------------------
@@ -626,6 +658,11 @@ def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
     holds no padded parent: full blocks are computed without building a mask. A block
     needs the mask when the mask forbids some edge of it (padding aside). Without
     ``mask`` (traced) every block in the band is partial and needs it.
+
+    The band's full blocks are checked on the real children only: a padded child row of
+    a full block is computed unmasked, which is harmless, as the forward and dQ passes
+    drop padded rows and the dK/dV pass gives them $p = 0$ (their $L$ is padded with
+    $-\infty$, `backward_probs`).
     """
     band = make_schedule(dataclasses.replace(terms, pair_ok=False, col_ok=False),
                          lay.bq, lay.bk)
@@ -723,8 +760,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     The grid runs one program per (child block, batch element); each loops over the parent
     blocks its distance band allows, computing the block logits (dot product, per-parent
     bias, relative-position bias, geometric log-prior, band and padding masks — no mask
-    in a block whose every edge is allowed) and the online softmax in float32: the matmuls multiply in the inputs' dtype and accumulate
-    in float32, the prior's terms are added in float32. Feature and value dims are
+    in a block whose every edge is allowed) and the online softmax in float32: the
+    matmuls multiply in the inputs' dtype and accumulate in float32, the prior's terms are added in float32. Feature and value dims are
     zero-padded to a power of two (at least 16), lengths to the block sizes.
 
     A per-edge mask (``prob.const.pair_ok``: block-sparse, graph and other `Restricted`
@@ -759,9 +796,13 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             ``starts``); the default, ``None`` or ``False``, looks each entry up (on an
             H100 the forward ran 3-10 % slower with tiles, the backward 1.1-1.7x faster).
             The logits are the same either way.
-        mask: the per-edge mask's value as a NumPy boolean array (``(..., n, m)``, equal
-            to ``prob.const.pair_ok``), when known at trace time; ignored with ``starts``
-            and without a per-edge mask.
+        mask: the per-edge mask's value when known at trace time, a NumPy boolean
+            ``(..., n, m)`` array (ignored with ``starts`` and without a per-edge mask).
+            Its contract: OR-ed over its batch dims it allows every edge the site allows
+            in any batch element (blocks it forbids are skipped), and AND-ed over them it
+            allows only edges ``prob.const.pair_ok`` allows in every batch element (blocks
+            it allows whole are computed without the mask). `Lowered.mask` keeps it, also
+            for a shard of the batch.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32

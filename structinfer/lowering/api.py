@@ -402,7 +402,10 @@ def attention(
             ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
             log-normaliser})`` without the eager check (empty on the exact path), for a
             caller that maps ``f`` itself and checks once with
-            [`check_rows`][structinfer.lowering.check_rows].
+            [`check_rows`][structinfer.lowering.check_rows]. On the cuDNN kernel the
+            log-normaliser comes rounded to the inputs' dtype and without a gradient
+            (JAX's cuDNN wrapper returns it so): a gradient through it raises; the
+            other kernels differentiate it.
 
     Raises:
         ValueError: ``backend`` is not one of `BACKENDS`, ``shard`` is not

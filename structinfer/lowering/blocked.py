@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -628,16 +629,26 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     return d_row, d_col, d_pair, d_glob, unblock(d_v).astype(prob.v.dtype)
 
 
-def _hook_kwargs(precision, has_starts: bool, starts, mask) -> dict:
+def _hook_kwargs(hook: Callable, precision, has_starts: bool, starts, mask) -> dict:
     """The keyword arguments of a replacement pass: ``precision``, ``starts`` and the
     concrete per-edge ``mask`` when given (a replacement that takes none of them is called
-    without them)."""
+    without them; ``mask`` only where ``hook`` takes it)."""
     kw = {} if precision is None else {"precision": precision}
     if has_starts:
         kw["starts"] = starts
-    if mask is not None:
+    if mask is not None and _takes(hook, "mask"):
         kw["mask"] = mask.array
     return kw
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (or any, ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: do not pass it
+        return False
+    return any(p.name == name and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD
+               for p in params)
 
 
 class _ArrayKey:
@@ -645,7 +656,8 @@ class _ArrayKey:
     (so that equal masks give equal static arguments from call to call)."""
 
     def __init__(self, array: np.ndarray):
-        self.array = np.asarray(array)
+        self.array = np.array(array, copy=True)  # the caller's array may change later
+        self.array.setflags(write=False)
         data = self.array.tobytes() if self.array.dtype != bool else np.packbits(self.array)
         self._key = (self.array.shape, self.array.dtype.str,
                      hashlib.sha1(data).hexdigest())
@@ -662,7 +674,7 @@ def _run_forward(static, prob: Problem, starts):
         static.value)
     if forward is not None:
         out, lse = forward(terms, prob, batch,
-                           **_hook_kwargs(precision, has_starts, starts, mask))
+                           **_hook_kwargs(forward, precision, has_starts, starts, mask))
         if nan_rows:
             out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
         return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
@@ -706,7 +718,7 @@ def _attend_bwd(res, cts):
     if backward is not None:
         d_row, d_col, d_pair, d_glob, d_v = backward(
             terms, prob, batch, out, lse, d_out, d_lse, need_glob=need.value,
-            **_hook_kwargs(precision, has_starts, starts, mask))
+            **_hook_kwargs(backward, precision, has_starts, starts, mask))
     else:
         d_row, d_col, d_pair, d_glob, d_v = _backward(
             terms, sched, batch, prob, starts, out, lse, d_out, d_lse, precision
@@ -753,7 +765,8 @@ def blocked_attention(
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         block_q, block_k: block sizes (any lengths; the last block is padded).
         mask: optional concrete NumPy mask used to skip empty blocks: the value of the
-            per-edge mask when the terms have one (``terms.pair_ok``).
+            per-edge mask when the terms have one (``terms.pair_ok``), with the contract
+            `structinfer.lowering.accel.pallas_forward` states for its ``mask``.
         schedule: a precomputed `Schedule` (overrides the three above).
         starts: optional traced ``(i_start, j_start)`` global indices of the first
             child / parent of these arrays (a shard of a longer sequence); distances
@@ -762,8 +775,9 @@ def blocked_attention(
         forward: optional ``forward(terms, prob, batch_shape) -> (y, L)`` that replaces
             this kernel's forward pass (an accelerator's fused kernel, e.g.
             `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
-            and ``starts=`` too when they are given, and with ``mask=`` when there is
-            a per-edge mask, ``mask`` is given and ``starts`` is not; the gradient is still this kernel's
+            and ``starts=`` too when they are given, and with ``mask=`` when it takes a
+            ``mask`` argument, there is a per-edge mask, ``mask`` is given and
+            ``starts`` is not; the gradient is still this kernel's
             backward (which needs only ``y`` and ``L``) unless ``backward`` is given too.
         backward: optional ``backward(terms, prob, batch_shape, y, L, dy, dL, *,
             need_glob) -> (d_row, d_col, d_pair, d_glob, d_v)`` that replaces this
