@@ -519,8 +519,9 @@ def build_flex(ctx):
     return (lambda: fn(*targs)), _torch_sync(torch, device), to_check, {}
 
 
-def _flex_bias_fn(torch, p: Problem):
-    """flex_fn's shape for the per-parent bias: ``score_mod`` adds ``b[h, kv_idx]``."""
+def _flex_own_fn(torch, mods):
+    """flex_fn's shape for this script's own cases: ``mods(extra, device)`` gives the
+    keyword arguments of ``flex_attention`` (a ``score_mod``, a ``block_mask``)."""
     try:
         from torch.nn.attention.flex_attention import flex_attention
     except Exception as err:
@@ -529,60 +530,53 @@ def _flex_bias_fn(torch, p: Problem):
     bench.flex_recompile_budget(torch)
     compiled = torch.compile(flex_attention, dynamic=False)
 
-    def prep(q, k, v, b):
+    def prep(q, k, v, extra):
         tq, tk, tv = (bench._to_torch(x, device).unsqueeze(0) for x in (q, k, v))
+        return tq, tk, tv, mods(extra, device)
+
+    def fwd(tq, tk, tv, kw):
+        with torch.no_grad():
+            return compiled(tq, tk, tv, **kw)
+
+    def fwdbwd(tq, tk, tv, kw):
+        tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
+        out = compiled(tq, tk, tv, **kw)
+        (out * tv[..., :1]).sum().backward()
+        return tq.grad
+
+    return (prep, fwd, fwdbwd), None
+
+
+def _flex_bias_fn(torch, p: Problem):
+    """The per-parent bias: ``score_mod`` adds ``b[h, kv_idx]``."""
+    def mods(b, device):
         tb = bench._to_torch(b, device)  # (H, n)
 
         def score_mod(score, b_, h, q_idx, kv_idx):
             return score + tb[h, kv_idx]
 
-        return tq, tk, tv, score_mod
+        return {"score_mod": score_mod}
 
-    def fwd(tq, tk, tv, score_mod):
-        with torch.no_grad():
-            return compiled(tq, tk, tv, score_mod=score_mod)
-
-    def fwdbwd(tq, tk, tv, score_mod):
-        tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
-        out = compiled(tq, tk, tv, score_mod=score_mod)
-        (out * tv[..., :1]).sum().backward()
-        return tq.grad
-
-    return (prep, fwd, fwdbwd), None
+    return _flex_own_fn(torch, mods)
 
 
 def _flex_block_sparse_fn(torch, p: Problem):
-    """flex_fn's shape for block_sparse: a ``create_block_mask`` of the pattern (its
-    blocks of 128 are FlexAttention's own, so every live block is a full one)."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except Exception as err:
-        return None, f"torch FlexAttention not importable ({type(err).__name__})"
-    device = bench._torch_device()
-    bench.flex_recompile_budget(torch)
-    compiled = torch.compile(flex_attention, dynamic=False)
+    """block_sparse: a ``create_block_mask`` of the pattern (on blocks of 128, FlexAttention's
+    own, every live block is a full one)."""
     blocks, b = sparse_blocks(p.n)
-    tb = torch.from_numpy(blocks).to(device)
 
-    def mask_mod(b_, h, q_idx, kv_idx):
-        return tb[q_idx // b, kv_idx // b]
+    def mods(_, device):
+        from torch.nn.attention.flex_attention import create_block_mask
 
-    def prep(q, k, v, _):
-        tq, tk, tv = (bench._to_torch(x, device).unsqueeze(0) for x in (q, k, v))
-        block_mask = create_block_mask(mask_mod, None, None, p.n, p.n, device=device)
-        return tq, tk, tv, block_mask
+        tb = torch.from_numpy(blocks).to(device)
 
-    def fwd(tq, tk, tv, block_mask):
-        with torch.no_grad():
-            return compiled(tq, tk, tv, block_mask=block_mask)
+        def mask_mod(b_, h, q_idx, kv_idx):
+            return tb[q_idx // b, kv_idx // b]
 
-    def fwdbwd(tq, tk, tv, block_mask):
-        tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
-        out = compiled(tq, tk, tv, block_mask=block_mask)
-        (out * tv[..., :1]).sum().backward()
-        return tq.grad
+        return {"block_mask": create_block_mask(mask_mod, None, None, p.n, p.n,
+                                                device=device)}
 
-    return (prep, fwd, fwdbwd), None
+    return _flex_own_fn(torch, mods)
 
 
 BUILDERS = {

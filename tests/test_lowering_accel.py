@@ -319,6 +319,42 @@ def test_pallas_kernel_interpreted_equals_exact(case):
         np.testing.assert_allclose(b, a, atol=5e-5)
 
 
+def _passes_against_dense(terms, prob, batch, r, mask=None):
+    """Both Pallas passes (interpreted; blocks of 16 x 16 forward, 16 x 32 backward)
+    against the dense kernel and its autodiff, with random cotangents of the output and
+    of the row log-normaliser: values and L on the rows with a parent (the others' L must
+    be -inf in both), and the gradients of q, k, v and the relative-position table.
+    Returns the finite rows."""
+    y_shape, lse_shape = (x.shape for x in jax.eval_shape(
+        lambda p: dense_attention(terms, p, batch), prob))
+    dy_raw = jnp.asarray(r.normal(size=y_shape), jnp.float32)
+    dlse_raw = jnp.asarray(r.normal(size=lse_shape), jnp.float32)
+
+    @jax.jit  # one program: the interpreted kernels run op by op when eager
+    def run(prob, dy_raw, dlse_raw):
+        y0, lse0 = dense_attention(terms, prob, batch)
+        fin = jnp.isfinite(lse0)
+        dy = jnp.where(fin[..., None], dy_raw, 0.0)
+        dlse = jnp.where(fin, dlse_raw, 0.0)
+        (g0,) = jax.vjp(lambda p: dense_attention(terms, p, batch), prob)[1]((dy, dlse))
+        y1, lse1 = accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16,
+                                        interpret=True, mask=mask)
+        grads = accel.pallas_backward(terms, prob, batch, y1, lse1, dy, dlse, block_q=16,
+                                      block_k=32, interpret=True, mask=mask)
+        return y0, lse0, fin, g0, y1, lse1, grads
+
+    y0, lse0, fin, g0, y1, lse1, (d_row, d_col, _, d_glob, d_v) = run(prob, dy_raw, dlse_raw)
+    fin = np.asarray(fin)
+    np.testing.assert_array_equal(np.isfinite(lse1), fin)
+    np.testing.assert_allclose(np.where(fin, lse1, 0.0), np.where(fin, lse0, 0.0), atol=1e-5)
+    np.testing.assert_allclose(np.where(fin[..., None], y1, 0.0),
+                               np.where(fin[..., None], y0, 0.0), atol=1e-5)
+    for a, b in ((g0.row.q, d_row.q), (g0.col.k, d_col.k), (g0.v, d_v),
+                 (g0.glob.relpos, d_glob.relpos)):
+        np.testing.assert_allclose(b, a, atol=5e-5)
+    return fin
+
+
 #: (dmin, dmax, offset, exclude_zero)
 BANDS = [(None, -3, 0, False), (None, 4, -10, True), (2, None, 20, False), (-20, 30, 15, True),
          (5, 9, -3, False), (None, None, 7, True), (40, None, 0, False)]
@@ -335,8 +371,6 @@ def test_pallas_passes_over_many_blocks_equal_the_dense_kernel(band):
     the forward, the dK/dV pass and the dQ pass."""
     import dataclasses
 
-    from structinfer.lowering.dense import dense_attention
-
     dmin, dmax, offset, exclude_zero = band
     n, m = 35, 50
     r = np.random.default_rng(9)
@@ -348,32 +382,7 @@ def test_pallas_passes_over_many_blocks_equal_the_dense_kernel(band):
                      (1,))
     terms = dataclasses.replace(low.terms, dmin=dmin, dmax=dmax, offset=offset,
                                 exclude_zero=exclude_zero)
-    prob, batch = low.problem, low.batch_shape
-    y_shape, lse_shape = (x.shape for x in jax.eval_shape(
-        lambda p: dense_attention(terms, p, batch), prob))
-    dy_raw = jnp.asarray(r.normal(size=y_shape), jnp.float32)
-    dlse_raw = jnp.asarray(r.normal(size=lse_shape), jnp.float32)
-
-    @jax.jit  # one program: the interpreted kernels run op by op when eager
-    def run(prob, dy_raw, dlse_raw):
-        y0, lse0 = dense_attention(terms, prob, batch)
-        fin = jnp.isfinite(lse0)
-        dy = jnp.where(fin[..., None], dy_raw, 0.0)
-        dlse = jnp.where(fin, dlse_raw, 0.0)
-        (g0,) = jax.vjp(lambda p: dense_attention(terms, p, batch), prob)[1]((dy, dlse))
-        y1, lse1 = accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16,
-                                        interpret=True)
-        grads = accel.pallas_backward(terms, prob, batch, y1, lse1, dy, dlse, block_q=16,
-                                      block_k=32, interpret=True)
-        return y0, lse0, fin, g0, y1, lse1, grads
-
-    y0, lse0, fin, g0, y1, lse1, (d_row, d_col, _, d_glob, d_v) = run(prob, dy_raw, dlse_raw)
-    np.testing.assert_allclose(np.where(fin, lse1, 0.0), np.where(fin, lse0, 0.0), atol=1e-5)
-    np.testing.assert_allclose(np.where(fin[..., None], y1, 0.0),
-                               np.where(fin[..., None], y0, 0.0), atol=1e-5)
-    for a, b in ((g0.row.q, d_row.q), (g0.col.k, d_col.k), (g0.v, d_v),
-                 (g0.glob.relpos, d_glob.relpos)):
-        np.testing.assert_allclose(b, a, atol=5e-5)
+    _passes_against_dense(terms, low.problem, low.batch_shape, r)
 
 
 def _mask_case(case: str, n: int, m: int) -> np.ndarray:
@@ -423,36 +432,13 @@ def test_pallas_per_edge_mask_equals_the_dense_kernel(case, band, concrete):
     terms = dataclasses.replace(low.terms, pair_ok=True, dmin=band[0], dmax=band[1])
     prob = dataclasses.replace(low.problem, const=Consts(pair_ok=jnp.asarray(mask)))
     batch, given = low.batch_shape, mask if concrete else None
-    y_shape, lse_shape = (x.shape for x in jax.eval_shape(
-        lambda p: dense_attention(terms, p, batch), prob))
-    dy_raw = jnp.asarray(r.normal(size=y_shape), jnp.float32)
-    dlse_raw = jnp.asarray(r.normal(size=lse_shape), jnp.float32)
+    fin = _passes_against_dense(terms, prob, batch, r, mask=given)
+    assert not fin.all() or case == "block_sparse"  # rows with no parent are checked too
 
     def forward(p):
         return accel.pallas_forward(terms, p, batch, block_q=16, block_k=16, interpret=True,
                                     mask=given)
 
-    @jax.jit  # one program: the interpreted kernels run op by op when eager
-    def run(prob, dy_raw, dlse_raw):
-        y0, lse0 = dense_attention(terms, prob, batch)
-        fin = jnp.isfinite(lse0)
-        dy = jnp.where(fin[..., None], dy_raw, 0.0)
-        dlse = jnp.where(fin, dlse_raw, 0.0)
-        (g0,) = jax.vjp(lambda p: dense_attention(terms, p, batch), prob)[1]((dy, dlse))
-        y1, lse1 = forward(prob)
-        grads = accel.pallas_backward(terms, prob, batch, y1, lse1, dy, dlse, block_q=16,
-                                      block_k=32, interpret=True, mask=given)
-        return y0, lse0, fin, g0, y1, lse1, grads
-
-    y0, lse0, fin, g0, y1, lse1, (d_row, d_col, _, d_glob, d_v) = run(prob, dy_raw, dlse_raw)
-    assert not fin.all() or case == "block_sparse"  # rows with no parent are checked too
-    np.testing.assert_array_equal(np.isfinite(lse1), fin)
-    np.testing.assert_allclose(np.where(fin, lse1, 0.0), np.where(fin, lse0, 0.0), atol=1e-5)
-    np.testing.assert_allclose(np.where(fin[..., None], y1, 0.0),
-                               np.where(fin[..., None], y0, 0.0), atol=1e-5)
-    for a, b in ((g0.row.q, d_row.q), (g0.col.k, d_col.k), (g0.v, d_v),
-                 (g0.glob.relpos, d_glob.relpos)):
-        np.testing.assert_allclose(b, a, atol=5e-5)
     # which operands the forward reads: the block lists, and the mask itself (int8)
     # unless every live block is whole
     (call,) = [q for q in jax.make_jaxpr(forward)(prob).eqns if q.primitive.name == "pallas_call"]
