@@ -761,8 +761,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     blocks its distance band allows, computing the block logits (dot product, per-parent
     bias, relative-position bias, geometric log-prior, band and padding masks — no mask
     in a block whose every edge is allowed) and the online softmax in float32: the
-    matmuls multiply in the inputs' dtype and accumulate in float32, the prior's terms are added in float32. Feature and value dims are
-    zero-padded to a power of two (at least 16), lengths to the block sizes.
+    matmuls multiply in the inputs' dtype and accumulate in float32, the prior's terms
+    are added in float32. Feature and value dims are zero-padded to a power of two (at
+    least 16), lengths to the block sizes.
 
     A per-edge mask (``prob.const.pair_ok``: block-sparse, graph and other `Restricted`
     priors) is read per tile. Given its value at trace time (``mask``), each program
