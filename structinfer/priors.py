@@ -82,7 +82,11 @@ def _check_offset(offset, who: str) -> int:
 def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
     if not is_concrete(log_table):
         return
-    allowed = np.isfinite(np.asarray(log_table))
+    _check_allowed_rows(np.isfinite(np.asarray(log_table)), prior_name)
+
+
+def _check_allowed_rows(allowed: np.ndarray, prior_name: str) -> None:
+    """Raise unless every child (row of the boolean ``allowed``) has an allowed parent."""
     empty = ~allowed.any(axis=-1)
     if empty.any():
         idx = tuple(int(i) for i in np.argwhere(empty)[0])
@@ -539,7 +543,7 @@ class Restricted(StructuralPrior):
         # checked here, not when the prior is built, so that the edge site using the
         # prior names itself in the error; numpy: jnp would stage the mask in a trace
         if self.concrete_mask is not None:
-            _check_rows_nonempty(np.where(self.concrete_mask, 0.0, -np.inf), "Restricted")
+            _check_allowed_rows(self.concrete_mask.astype(bool, copy=False), "Restricted")
         mask = self.mask
         if self._mask_is_pattern:
             mask = _pattern_mask(self.pattern, mask.shape[0], mask.shape[1])

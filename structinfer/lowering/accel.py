@@ -677,12 +677,16 @@ def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
         mk = np.broadcast_to(mk, mk.shape[:-2] + (n, m)).reshape((-1, n, m))
 
         def grid(x, fill, reduce):  # (n, m) -> (nqb, nkb) over the padded blocks
-            pad = np.full((lay.n_pad, lay.m_pad), fill)
-            pad[:n, :m] = x
-            return reduce(pad.reshape(lay.nqb, lay.bq, lay.nkb, lay.bk), axis=(1, 3))
+            if (n, m) != (lay.n_pad, lay.m_pad):
+                pad = np.full((lay.n_pad, lay.m_pad), fill)
+                pad[:n, :m] = x
+                x = pad
+            return reduce(x.reshape(lay.nqb, lay.bq, lay.nkb, lay.bk), axis=(1, 3))
 
-        live &= grid(mk.any(0), False, np.any)
-        whole = grid(mk.all(0), True, np.all)  # the mask allows every edge (padding aside)
+        one = len(mk) == 1  # one mask for the whole batch: no reduction over it
+        live &= grid(mk[0] if one else mk.any(0), False, np.any)
+        # the mask allows every edge of the block (padding aside)
+        whole = grid(mk[0] if one else mk.all(0), True, np.all)
         needs_mask = bool((live & ~whole).any())
         for a, b in band.full:  # every edge in the band, no padded parent
             full[a, b] = True
