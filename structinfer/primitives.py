@@ -280,13 +280,18 @@ class EdgeDistribution(dist.CategoricalLogits):
         validate_args: NumPyro's argument validation, off by default (it rejects the
             ``-inf`` of forbidden parents); values outside the support read NaN.
 
+    Attributes:
+        log_normalizer: the row log-normaliser $\log \sum_{j} e^{\ell_{ij}}$ of the
+            ``logits`` given (set on construction; copies NumPyro makes of the
+            distribution as a pytree do not carry it).
+
     The edge site of Singh & Buckley sec. 3.1 (eq. 1), enumerated by NumPyro's funsor
     backend.
     """
 
     def __init__(self, logits: jax.Array, *, log_normalizer: jax.Array | None = None,
                  validate_args: bool = False):
-        logits, _ = normalise_log_weights(logits, log_normalizer)
+        logits, self.log_normalizer = normalise_log_weights(logits, log_normalizer)
         super().__init__(logits, validate_args=validate_args)
 
     @validate_sample
@@ -501,14 +506,13 @@ def edge(
         table = EdgeDistribution(logits, validate_args=False).logits
         rows = Vindex(jnp.expand_dims(table, -3))[..., child, :]
         return numpyro.sample(name, EdgeDistribution(rows, validate_args=False), infer=site_infer)
-    lse = normalise_log_weights(logits)[1] if score_table is not None else None
-    fn = EdgeDistribution(logits, log_normalizer=lse, validate_args=False)
+    fn = EdgeDistribution(logits, validate_args=False)
     phi = numpyro.sample(name, fn, infer=site_infer)
     if score_table is not None:
         # log p(phi_i = j) + psi_ij = log softmax_j(log p + psi) + log sum_j' p e^psi:
         # the edge's own factor is normalised and the row normaliser does not depend
         # on the edge, so no contraction mixes two factors over one edge
-        numpyro.factor(name + SCORE_SUFFIX, lse)
+        numpyro.factor(name + SCORE_SUFFIX, fn.log_normalizer)
     return phi
 
 
@@ -544,7 +548,6 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
     batch = _batch_shape(plates) if plates else ()
     logits = prior.row(previous)
     score_obj = None
-    lse = None
     if score is not None:
         if isinstance(score, Score):
             score_obj, table = score, score.dense()
@@ -557,20 +560,20 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             )
         check_finite(table, f"edge site '{name}': score")
         logits = logits + table
-        lse = normalise_log_weights(logits)[1]
     plate = next((p for p in plates if p.dim == -1), None)
     info = EdgeInfo(name, prior, score_obj, batch[-1] if batch else 1, k,
                     plate.name if plate is not None else "", previous=previous)
     site_infer = {"enumerate": "parallel", EDGE_INFO_KEY: info}
     if infer:
         site_infer.update(infer)
-    phi = numpyro.sample(name, EdgeDistribution(logits, log_normalizer=lse), infer=site_infer)
+    fn = EdgeDistribution(logits)
+    phi = numpyro.sample(name, fn, infer=site_infer)
     if SCAN_INDEX_KEY not in site_infer:
         raise ValueError(
             f"edge site '{name}': a Markov prior couples consecutive edges over time, so "
             "the edge must be inside a numpyro.contrib.control_flow.scan over the time "
             "steps (the carry holds the previous edge); it was called outside a time dim"
         )
-    if lse is not None:
-        potential(name + SCORE_SUFFIX, lse)
+    if score is not None:
+        potential(name + SCORE_SUFFIX, fn.log_normalizer)
     return phi.astype(previous.dtype)  # the scan's carry keeps its type (int32 / int64)
