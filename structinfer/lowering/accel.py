@@ -432,7 +432,7 @@ def _over_blocks(named: dict, lo, hi, full, body, init):
     every edge is allowed with ``masked=False`` (no mask built), the others masked
     (FlashAttention's split of a causal loop, FlexAttention's full and partial blocks).
     With block lists (operand ``"blocks"``: ``[full count, partial count, full
-    blocks..., partial blocks...]``, `_block_lists`), the program's row of them;
+    blocks..., partial blocks...]``, `_block_table`), the program's row of them;
     else the band's range ``lo .. hi``, of which ``full = (f_lo, f_hi)`` are full
     (`_full_parents`, `_full_children`; ``None``: none is)."""
     if "blocks" in named:
@@ -645,12 +645,11 @@ def _use_tiles(terms: Terms, prob: Problem, lay: _Layout, shift, tiles: bool | N
     return lay.tiles_bytes(prob.glob.relpos) <= RELPOS_TILES_MAX_BYTES
 
 
-def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
-                 by_parent: bool = False) -> tuple[np.ndarray, bool]:
-    r"""The blocks each program of a launch visits when the edge has a per-edge mask: one
-    row per child block (per parent block with ``by_parent``), ``[full count, partial
-    count, full blocks..., partial blocks..., 0...]`` (int32, a power-of-two width), and
-    whether some listed block needs the mask itself.
+def _block_grids(terms: Terms, mask: np.ndarray | None, lay: _Layout
+                 ) -> tuple[np.ndarray, np.ndarray, bool]:
+    r"""The blocks of a launch's grid when the edge has a per-edge mask: ``(live, full,
+    needs_mask)``, two ``(nqb, nkb)`` boolean grids and whether some live block needs the
+    mask itself.
 
     A block is live when the distance band allows some edge of it and the concrete
     ``mask`` (the per-edge mask's value, OR-ed over its batch dims) some edge too, and
@@ -670,27 +669,34 @@ def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
     for a, row in enumerate(band.fwd):
         live[a, list(row)] = True
     full = np.zeros_like(live)
-    needs_mask = mask is None
-    if mask is not None:
-        n, m = terms.num_children, terms.num_parents
-        mk = np.asarray(mask, bool)
-        mk = np.broadcast_to(mk, mk.shape[:-2] + (n, m)).reshape((-1, n, m))
+    if mask is None:
+        return live, full, True
+    n, m = terms.num_children, terms.num_parents
+    mk = np.asarray(mask, bool)
+    mk = np.broadcast_to(mk, mk.shape[:-2] + (n, m)).reshape((-1, n, m))
 
-        def grid(x, fill, reduce):  # (n, m) -> (nqb, nkb) over the padded blocks
-            if (n, m) != (lay.n_pad, lay.m_pad):
-                pad = np.full((lay.n_pad, lay.m_pad), fill)
-                pad[:n, :m] = x
-                x = pad
-            return reduce(x.reshape(lay.nqb, lay.bq, lay.nkb, lay.bk), axis=(1, 3))
+    def grid(x, fill, reduce):  # (n, m) -> (nqb, nkb) over the padded blocks
+        if (n, m) != (lay.n_pad, lay.m_pad):
+            pad = np.full((lay.n_pad, lay.m_pad), fill)
+            pad[:n, :m] = x
+            x = pad
+        return reduce(x.reshape(lay.nqb, lay.bq, lay.nkb, lay.bk), axis=(1, 3))
 
-        one = len(mk) == 1  # one mask for the whole batch: no reduction over it
-        live &= grid(mk[0] if one else mk.any(0), False, np.any)
-        # the mask allows every edge of the block (padding aside)
-        whole = grid(mk[0] if one else mk.all(0), True, np.all)
-        needs_mask = bool((live & ~whole).any())
-        for a, b in band.full:  # every edge in the band, no padded parent
-            full[a, b] = True
-        full &= whole & live
+    one = len(mk) == 1  # one mask for the whole batch: no reduction over it
+    live &= grid(mk[0] if one else mk.any(0), False, np.any)
+    # the mask allows every edge of the block (padding aside)
+    whole = grid(mk[0] if one else mk.all(0), True, np.all)
+    for a, b in band.full:  # every edge in the band, no padded parent
+        full[a, b] = True
+    return live, full & whole & live, bool((live & ~whole).any())
+
+
+def _block_table(grids: tuple[np.ndarray, np.ndarray, bool], by_parent: bool = False
+                 ) -> np.ndarray:
+    """The blocks each program visits, from `_block_grids`: one row per child block (per
+    parent block with ``by_parent``), ``[full count, partial count, full blocks...,
+    partial blocks..., 0...]`` (int32, a power-of-two width)."""
+    live, full, _ = grids
     if by_parent:
         live, full = live.T, full.T
     rows = [(np.flatnonzero(f), np.flatnonzero(lv & ~f)) for lv, f in zip(live, full)]
@@ -699,26 +705,30 @@ def _block_lists(terms: Terms, mask: np.ndarray | None, lay: _Layout,
     for r, (f, p) in enumerate(rows):
         out[r, :2] = len(f), len(p)
         out[r, 2:2 + len(f) + len(p)] = np.concatenate([f, p])
-    return out, needs_mask
+    return out
+
+
+def _launch_grids(terms: Terms, mask: np.ndarray | None, lay: _Layout, shift):
+    """`_block_grids` of a launch whose programs walk block lists: an edge with a per-edge
+    mask and no traced ``shift`` (whose band is traced); else ``None``."""
+    return _block_grids(terms, mask, lay) if terms.pair_ok and shift is None else None
 
 
 def _mask_operands(terms: Terms, prob: Problem, lay: _Layout, arrays: dict, specs: dict,
-                   mask: np.ndarray | None, shift, *, by_parent: bool = False,
-                   lists: bool = True) -> None:
+                   grids, *, by_parent: bool = False) -> None:
     """Add a launch's per-edge mask operands, if the edge has one: its block lists
-    (``"blocks"``, `_block_lists`; not with a traced ``shift``, whose band is traced, nor
-    without ``lists``) and, when some block needs it, the mask itself (``"pmask"``, int8,
-    one copy per distinct mask of the batch)."""
+    (``"blocks"``, `_block_table` of ``grids``; none without them) and, when some block
+    needs it, the mask itself (``"pmask"``, int8, one copy per distinct mask of the
+    batch)."""
     from jax.experimental import pallas as pl
 
     if not terms.pair_ok:
         return
-    needs_mask = True
-    if lists and shift is None:
-        table, needs_mask = _block_lists(terms, mask, lay, by_parent)
+    if grids is not None:
+        table = _block_table(grids, by_parent)
         arrays["blocks"] = jnp.asarray(table)
         specs["blocks"] = pl.BlockSpec((None, table.shape[1]), lambda i, b: (i, 0))
-    if needs_mask:
+    if grids is None or grids[2]:
         rows, row_of = lay.distinct(prob.const.pair_ok, 2)
         arrays["pmask"] = lay.pad(rows.astype(jnp.int8), lay.n_pad, lay.m_pad)
         specs["pmask"] = pl.BlockSpec((None, lay.n_pad, lay.m_pad),
@@ -831,7 +841,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     shift = _shift(starts)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
                                  tiles=bool(tiles) and _use_tiles(terms, prob, lay, shift, tiles))
-    _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
+    _mask_operands(terms, prob, lay, arrays, specs, _launch_grids(terms, mask, lay, shift))
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
                                keys=keys, acc_dtype=lay.acc, precision=precision)
@@ -1096,7 +1106,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
 
     # pass 1: parent blocks (dK, dV, per-parent bias)
     arrays, specs = whole_rows(lay)
-    _mask_operands(terms, prob, lay, arrays, specs, mask, shift, by_parent=True)
+    grids = _launch_grids(terms, mask, lay, shift)  # both passes' blocks
+    _mask_operands(terms, prob, lay, arrays, specs, grids, by_parent=True)
     keys = tuple(arrays)
     col_grad = bool(terms.col_bias)
     out_specs = [pl.BlockSpec((None, bk, fp), lambda i, b: (b, i, 0)),
@@ -1121,7 +1132,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
     specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
-    _mask_operands(terms, prob, lay, arrays, specs, mask, shift)
+    _mask_operands(terms, prob, lay, arrays, specs, grids)
     keys = tuple(arrays)
     out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, n_pad, fp), acc)]
@@ -1169,7 +1180,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         drel = jnp.zeros((B, rel.shape[-1]), acc)
         if last >= first:
             arrays, specs = whole_rows(rlay)
-            _mask_operands(terms, prob, rlay, arrays, specs, None, shift, lists=False)
+            _mask_operands(terms, prob, rlay, arrays, specs, None)  # every tile masked
             keys = tuple(arrays)
             spec = pl.BlockSpec((None, drel.shape[-1]), lambda i, b: (b, 0))
             drel = pl.pallas_call(
