@@ -565,6 +565,24 @@ def test_a_concrete_mask_reaches_the_pallas_passes():
             assert jnp.dtype(jnp.int32) in dtypes  # the block table
 
 
+def test_a_mask_of_the_wrong_shape_is_named():
+    """``mask=`` of the Pallas passes must broadcast to the edge's ``(..., n, m)``: else a
+    ValueError names the argument, the shape given and the one expected."""
+    n = 40
+    mask = _mask_case("graph", n, n)
+    q, k, v = _inputs(jnp.float32, n=n)
+    low = lower_edge(si.priors.Restricted(mask), si.scores.Dot(q, k), v, n, (H,))
+    y, lse = jnp.zeros((H, n, v.shape[-1])), jnp.zeros((H, n))
+    for call in (
+        lambda mk: accel.pallas_forward(low.terms, low.problem, (H,), interpret=True,
+                                        mask=mk),
+        lambda mk: accel.pallas_backward(low.terms, low.problem, (H,), y, lse, y, lse,
+                                         interpret=True, mask=mk),
+    ):
+        with pytest.raises(ValueError, match=r"mask of shape \(40, 39\).*\(\.\.\., 40, 40\)"):
+            call(mask[:, :-1])
+
+
 def test_a_replacement_pass_without_a_mask_argument_is_not_given_one():
     """``blocked_attention`` hands the concrete per-edge mask only to a replacement pass
     that takes a ``mask`` argument: one written before (no such argument) still runs,

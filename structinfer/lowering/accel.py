@@ -708,6 +708,15 @@ def _block_table(grids: tuple[np.ndarray, np.ndarray, bool], by_parent: bool = F
     return out
 
 
+def _check_mask(mask: np.ndarray | None, terms: Terms, who: str) -> None:
+    """A concrete per-edge mask must broadcast to the edge's ``(..., n, m)``."""
+    if mask is None:
+        return
+    shape, n, m = np.shape(mask), terms.num_children, terms.num_parents
+    if len(shape) < 2 or shape[-2:] != (n, m):
+        raise ValueError(f"{who}: mask of shape {shape}, expected (..., {n}, {m})")
+
+
 def _launch_grids(terms: Terms, mask: np.ndarray | None, lay: _Layout, shift):
     """`_block_grids` of a launch whose programs walk block lists: an edge with a per-edge
     mask and no traced ``shift`` (whose band is traced); else ``None``."""
@@ -834,6 +843,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     why = pallas_unsupported(terms, prob, batch_shape)
     if why:
         raise ValueError(f"pallas_forward: {why}")
+    _check_mask(mask, terms, "pallas_forward")
     wide = _wide_rows(prob)
     block_q = block_q or (64 if wide else 128)
     num_stages = num_stages or (2 if wide else 3)
@@ -1080,6 +1090,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     why = pallas_unsupported(terms, prob, batch_shape)
     if why:
         raise ValueError(f"pallas_backward: {why}")
+    _check_mask(mask, terms, "pallas_backward")
     block = 32 if _wide_rows(prob) else 64
     lay = _Layout(terms, prob, batch_shape, block_q or block, block_k or block)
     acc, n, m, B = lay.acc, terms.num_children, terms.num_parents, lay.B
