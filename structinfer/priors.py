@@ -85,12 +85,15 @@ def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
     _check_allowed_rows(np.isfinite(np.asarray(log_table)), prior_name)
 
 
-def _check_allowed_rows(allowed: np.ndarray, prior_name: str) -> None:
-    """Raise unless every child (row of the boolean ``allowed``) has an allowed parent."""
+def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: int = 1
+                        ) -> None:
+    """Raise unless every child (row of the boolean ``allowed``) has an allowed parent.
+
+    ``rows_per_entry``: children per row of ``allowed`` (a block mask's block height)."""
     empty = ~allowed.any(axis=-1)
     if empty.any():
         idx = tuple(int(i) for i in np.argwhere(empty)[0])
-        child = idx[-1]
+        child = idx[-1] * rows_per_entry
         batch = idx[:-1]
         where = f"child {child}" + (f" (batch index {batch})" if batch else "")
         raise ValueError(
@@ -469,6 +472,12 @@ def _pattern_mask(pattern: RestrictionPattern, num_children: int, num_parents: i
     return band_mask(num_children, num_parents, offset=pattern.offset, xp=xp, **band)
 
 
+def _expand_blocks(blocks: Any, block_size: tuple[int, int], xp: Any) -> Any:
+    """The ``(..., nbc * bc, nbp * bp)`` mask of a ``(..., nbc, nbp)`` block mask."""
+    bc, bp = block_size
+    return xp.repeat(xp.repeat(blocks, bc, axis=-2), bp, axis=-1)
+
+
 class Restricted(StructuralPrior):
     r"""Uniform prior restricted to a set of allowed edges (graph / sparse attention).
 
@@ -508,9 +517,7 @@ class Restricted(StructuralPrior):
     def __init__(
         self, mask: ArrayLike, pattern: RestrictionPattern | None = None, offset: int | None = None
     ):
-        #: the mask as a NumPy array when known at trace time (lets the lowered
-        #: engine verify ``pattern`` and skip empty blocks under ``jit``), else None
-        self.concrete_mask = np.asarray(mask) if is_concrete(mask) else None
+        self._concrete = np.asarray(mask) if is_concrete(mask) else None
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             raise TypeError(
@@ -521,8 +528,16 @@ class Restricted(StructuralPrior):
                 "Restricted prior: mask must have shape (..., children, parents), "
                 f"got shape {tuple(mask.shape)}"
             )
-        self.mask = mask
-        self.num_parents = int(mask.shape[-1])
+        self._mask = mask
+        #: the block mask $B$ of a prior built by `block_sparse` (``None`` otherwise): the
+        #: mask is kept per block, and expanded only where an ``(n, m)`` mask is asked for
+        self.blocks: jax.Array | None = None
+        #: ``blocks`` as a NumPy array when known at trace time, else ``None``
+        self.concrete_blocks: np.ndarray | None = None
+        self._setup(int(mask.shape[-1]), pattern, offset)
+
+    def _setup(self, num_parents: int, pattern, offset) -> None:
+        self.num_parents = num_parents
         #: the ``RestrictionPattern`` the mask is known to follow
         self.pattern = _as_pattern(pattern)
         own = getattr(self.pattern, "offset", None)
@@ -534,16 +549,40 @@ class Restricted(StructuralPrior):
         # a known mask that is exactly its pattern's (Restricted.causal / window) is
         # rebuilt from iota in the table: a constant (n, m) mask would be folded by XLA at
         # compile time (tens of seconds for n in the thousands)
-        c = self.concrete_mask
+        c = self._concrete if self.blocks is None else None
         want = (None if c is None or c.ndim != 2
                 else _pattern_mask(self.pattern, c.shape[0], c.shape[1], xp=np))
         self._mask_is_pattern = want is not None and np.array_equal(c, want)
 
+    @property
+    def mask(self) -> jax.Array:
+        """The boolean ``(..., children, parents)`` mask $M$ (a block-sparse prior's is
+        expanded from its ``blocks`` on each read, inside a trace as broadcasts of the
+        small block mask)."""
+        if self.blocks is None:
+            return self._mask
+        return _expand_blocks(self.blocks, self.pattern.block_size, jnp)
+
+    @property
+    def concrete_mask(self) -> np.ndarray | None:
+        """The mask as a NumPy array when known at trace time (lets the lowered engine
+        verify ``pattern`` and skip empty blocks under ``jit``), else ``None``. A
+        block-sparse prior expands ``concrete_blocks`` on each read: the lowered engine
+        reads the blocks instead."""
+        if self.blocks is None:
+            return self._concrete
+        c = self.concrete_blocks
+        return None if c is None else _expand_blocks(c, self.pattern.block_size, np)
+
     def _log_weights(self, num_children: int) -> jax.Array:
         # checked here, not when the prior is built, so that the edge site using the
         # prior names itself in the error; numpy: jnp would stage the mask in a trace
-        if self.concrete_mask is not None:
-            _check_allowed_rows(self.concrete_mask.astype(bool, copy=False), "Restricted")
+        if self.blocks is not None:
+            if self.concrete_blocks is not None:
+                _check_allowed_rows(self.concrete_blocks, "Restricted",
+                                    rows_per_entry=self.pattern.block_size[0])
+        elif self._concrete is not None:
+            _check_allowed_rows(self._concrete.astype(bool, copy=False), "Restricted")
         mask = self.mask
         if self._mask_is_pattern:
             mask = _pattern_mask(self.pattern, mask.shape[0], mask.shape[1])
@@ -655,18 +694,39 @@ class Restricted(StructuralPrior):
         parents ``b*bp:(b+1)*bp``; the pattern is
         [`BlockSparse((bc, bp))`][structinfer.priors.BlockSparse].
 
+        The prior keeps $B$, not the ``(n, m)`` mask: the lowered engine skips the
+        empty blocks and reads no per-edge mask where its tiles line up with the blocks
+        (memory $O(n)$ beside the block mask, like FlexAttention's ``BlockMask``); the
+        exact engine expands it.
+
         Args:
-            block_mask: boolean ``(children / bc, parents / bp)`` block pattern $B$.
+            block_mask: boolean (or 0/1) ``(..., children / bc, parents / bp)`` block
+                pattern $B$; leading dims (heads, batch) broadcast against the plates. May
+                be traced (then no block is skipped).
             block_size: ``(bc, bp)``, or one int for square blocks.
 
         Returns:
             The prior, uniform over the parents in the allowed blocks.
+
+        Raises:
+            ValueError: if ``block_mask`` has fewer than two dims, or ``block_size`` is not
+                one or two positive ints.
         """
         pattern = BlockSparse(block_size=block_size)
-        bc, bp = pattern.block_size
-        bm = np.asarray(block_mask, dtype=bool)
-        mask = np.repeat(np.repeat(bm, bc, axis=-2), bp, axis=-1)
-        return cls(mask, pattern=pattern)
+        concrete = None
+        if is_concrete(block_mask):
+            concrete = np.asarray(block_mask).astype(bool, copy=False)
+            blocks = jnp.asarray(concrete)
+        else:
+            blocks = jnp.asarray(block_mask).astype(bool)
+        if blocks.ndim < 2:
+            raise ValueError("Restricted.block_sparse: block_mask must have shape (..., "
+                             f"children / bc, parents / bp), got shape {tuple(blocks.shape)}")
+        self = cls.__new__(cls)
+        self._mask = self._concrete = None
+        self.blocks, self.concrete_blocks = blocks, concrete
+        self._setup(int(blocks.shape[-1]) * pattern.block_size[1], pattern, None)
+        return self
 
 
 class Categorical(StructuralPrior):

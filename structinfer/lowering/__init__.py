@@ -13,8 +13,9 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
   of a prior / score / restriction-pattern type (your own included); a rule adds the
   terms of $\ell_{ij} = \psi_{ij} + \log\tilde p(\phi_i = j)$ to a
   [`TermBuilder`][structinfer.lowering.TermBuilder], a pattern rule returns a
-  [`DistanceBand`][structinfer.lowering.DistanceBand], and a rule raises
-  [`NotLowered`][structinfer.lowering.NotLowered] to decline. See
+  [`DistanceBand`][structinfer.lowering.DistanceBand], a rule may give a per-edge
+  mask's value per block as a [`BlockMask`][structinfer.lowering.BlockMask], and a rule
+  raises [`NotLowered`][structinfer.lowering.NotLowered] to decline. See
   ``docs/performance.md``.
 * Windowed kernels on plain arrays, for expanding attention's mean-field loop:
   [`windowed_scores`][structinfer.lowering.windowed_scores],
@@ -51,6 +52,7 @@ from ._lower import (
     register_prior_rule,
     register_score_rule,
 )
+from ._masks import BlockMask
 from ._spec import accum_dtype
 from .api import BACKENDS, Explanation, NotLowerableError, attention, check_rows, explain
 from .kernels import KERNELS, Kernel, KernelConfig, KernelTable
@@ -78,6 +80,7 @@ __all__ = [
     "register_pattern_rule",
     "TermBuilder",
     "DistanceBand",
+    "BlockMask",
     "NotLowered",
     "windowed_scores",
     "geometric_band_log_prior",

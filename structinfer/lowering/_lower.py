@@ -53,6 +53,7 @@ from jax.typing import ArrayLike
 
 from ..priors import RestrictionPattern, StructuralPrior, band_mask
 from ..scores import Score
+from ._masks import BlockMask, ConcreteMask, mask_and
 from ._spec import Cols, Consts, Globals, Pairs, Problem, RelPos, Rows, Terms, accum_dtype
 
 __all__ = [
@@ -153,7 +154,7 @@ class TermBuilder:
         self._relpos: jax.Array | None = None
         self._col_ok: jax.Array | None = None
         self._pair_ok: jax.Array | None = None
-        self._mask: np.ndarray | None = None
+        self._mask: ConcreteMask | None = None
         self._pair_traced = False  # some per-edge mask came without its concrete value
         self._notes: list[str] = []
 
@@ -276,14 +277,16 @@ class TermBuilder:
         self._col_ok = ok if prev is None else prev & ok
         self._kw["col_ok"] = True
 
-    def restrict_pairs(self, ok: jax.Array, concrete: np.ndarray | None = None) -> None:
+    def restrict_pairs(self, ok: jax.Array, concrete: ConcreteMask | None = None) -> None:
         """Allow only edges with ``ok[..., i, j]`` (``(..., n | 1, m)`` boolean, may be traced).
 
-        ``concrete``: the same mask as a NumPy array when known at trace time; the kernels
-        then skip blocks with no allowed edge, and the Pallas kernel computes blocks whose
-        every edge is allowed without reading the mask. A one-row mask is a column mask.
-        When some per-edge mask of the site comes without its concrete value, no concrete
-        mask is kept (`Lowered.mask` is the whole per-edge mask or nothing).
+        ``concrete``: the same mask known at trace time, a NumPy array or a
+        [`BlockMask`][structinfer.lowering.BlockMask] (a block-sparse mask kept per
+        block, never expanded at trace time); the kernels then skip blocks with no
+        allowed edge, and the Pallas kernel computes blocks whose every edge is allowed
+        without reading the mask. A one-row mask is a column mask. When some per-edge
+        mask of the site comes without its concrete value, no concrete mask is kept
+        (`Lowered.mask` is the whole per-edge mask or nothing).
         """
         if ok.shape[-2] == 1:
             self.restrict_columns(ok[..., 0, :])
@@ -293,10 +296,9 @@ class TermBuilder:
             self._kw["pair_ok"] = True
             self._pair_traced |= concrete is None
         if concrete is not None:
-            c = np.asarray(concrete, bool)
-            if self._mask is not None:
-                c = self._mask & c
-            self._mask = c
+            if not isinstance(concrete, BlockMask):
+                concrete = np.asarray(concrete, bool)
+            self._mask = mask_and(self._mask, concrete)
 
     def _set_offset(self, offset: int) -> None:
         offset = int(offset)
@@ -461,8 +463,9 @@ def register_pattern_rule(*pattern_types: type) -> Callable[[Rule], Rule]:
 
 class Lowered:
     """A lowered edge site: static ``terms``, arrays ``problem``, and an optional
-    concrete ``mask`` (NumPy): the value of the site's per-edge mask known at trace time
-    (AND its column masks, where those are known). The kernels skip the blocks it
+    concrete ``mask`` (a NumPy array or a [`BlockMask`][structinfer.lowering.BlockMask]):
+    the value of the site's per-edge mask known at trace time (AND its column masks,
+    where those are known). The kernels skip the blocks it
     forbids, and the Pallas kernel computes the blocks it allows whole without a mask
     (the contract: `structinfer.lowering.accel.pallas_forward`'s ``mask``); ``None``
     when some per-edge mask is traced."""

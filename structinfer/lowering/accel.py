@@ -64,6 +64,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from ._masks import BlockMask, ConcreteMask, mask_shape, tile_grid
 from ._softmax import backward_delta, backward_probs, online_finish, online_start, online_step
 from ._spec import (
     Problem,
@@ -75,7 +76,7 @@ from ._spec import (
     relpos_weights,
     sum_to,
 )
-from .blocked import make_schedule
+from .blocked import block_grids
 
 __all__ = [
     "GPU_KERNELS",
@@ -645,7 +646,7 @@ def _use_tiles(terms: Terms, prob: Problem, lay: _Layout, shift, tiles: bool | N
     return lay.tiles_bytes(prob.glob.relpos) <= RELPOS_TILES_MAX_BYTES
 
 
-def _block_grids(terms: Terms, mask: np.ndarray | None, lay: _Layout
+def _block_grids(terms: Terms, mask: ConcreteMask | None, lay: _Layout
                  ) -> tuple[np.ndarray, np.ndarray, bool]:
     r"""The blocks of a launch's grid when the edge has a per-edge mask: ``(live, full,
     needs_mask)``, two ``(nqb, nkb)`` boolean grids and whether some live block needs the
@@ -663,32 +664,17 @@ def _block_grids(terms: Terms, mask: np.ndarray | None, lay: _Layout
     drop padded rows and the dK/dV pass gives them $p = 0$ (their $L$ is padded with
     $-\infty$, `backward_probs`).
     """
-    band = make_schedule(dataclasses.replace(terms, pair_ok=False, col_ok=False),
-                         lay.bq, lay.bk)
-    live = np.zeros((lay.nqb, lay.nkb), bool)
-    for a, row in enumerate(band.fwd):
-        live[a, list(row)] = True
-    full = np.zeros_like(live)
+    live, band_full = block_grids(dataclasses.replace(terms, pair_ok=False, col_ok=False),
+                                  lay.bq, lay.bk)
     if mask is None:
-        return live, full, True
+        return live, np.zeros_like(live), True
     n, m = terms.num_children, terms.num_parents
-    mk = np.asarray(mask, bool)
-    mk = np.broadcast_to(mk, mk.shape[:-2] + (n, m)).reshape((-1, n, m))
-
-    def grid(x, fill, reduce):  # (n, m) -> (nqb, nkb) over the padded blocks
-        if (n, m) != (lay.n_pad, lay.m_pad):
-            pad = np.full((lay.n_pad, lay.m_pad), fill)
-            pad[:n, :m] = x
-            x = pad
-        return reduce(x.reshape(lay.nqb, lay.bq, lay.nkb, lay.bk), axis=(1, 3))
-
-    one = len(mk) == 1  # one mask for the whole batch: no reduction over it
-    live &= grid(mk[0] if one else mk.any(0), False, np.any)
+    tiles = (n, m, lay.bq, lay.bk, lay.nqb, lay.nkb)
+    live &= tile_grid(mask, *tiles, reduce=np.any, over_batch=np.any, fill=False)
     # the mask allows every edge of the block (padding aside)
-    whole = grid(mk[0] if one else mk.all(0), True, np.all)
-    for a, b in band.full:  # every edge in the band, no padded parent
-        full[a, b] = True
-    return live, full & whole & live, bool((live & ~whole).any())
+    whole = tile_grid(mask, *tiles, reduce=np.all, over_batch=np.all, fill=True)
+    # full: every edge in the band, no padded parent, and the mask allows them all
+    return live, band_full & whole & live, bool((live & ~whole).any())
 
 
 def _block_table(grids: tuple[np.ndarray, np.ndarray, bool], by_parent: bool = False
@@ -708,16 +694,27 @@ def _block_table(grids: tuple[np.ndarray, np.ndarray, bool], by_parent: bool = F
     return out
 
 
-def _check_mask(mask: np.ndarray | None, terms: Terms, who: str) -> None:
+def _fit_blocks(size: int, mask: ConcreteMask | None, axis: int) -> int:
+    """A default block size lowered to divide a `BlockMask`'s block size along ``axis``
+    (0: children, 1: parents) when a power of two of at least 16 divides it: blocks then
+    never straddle two of the mask's, so none needs the per-edge mask."""
+    if not isinstance(mask, BlockMask):
+        return size
+    b = mask.block_size[axis]
+    p = b & -b  # the largest power of two dividing b
+    return min(size, p) if p >= 16 else size
+
+
+def _check_mask(mask: ConcreteMask | None, terms: Terms, who: str) -> None:
     """A concrete per-edge mask must broadcast to the edge's ``(..., n, m)``."""
     if mask is None:
         return
-    shape, n, m = np.shape(mask), terms.num_children, terms.num_parents
+    shape, n, m = mask_shape(mask), terms.num_children, terms.num_parents
     if len(shape) < 2 or shape[-2:] != (n, m):
         raise ValueError(f"{who}: mask of shape {shape}, expected (..., {n}, {m})")
 
 
-def _launch_grids(terms: Terms, mask: np.ndarray | None, lay: _Layout, shift):
+def _launch_grids(terms: Terms, mask: ConcreteMask | None, lay: _Layout, shift):
     """`_block_grids` of a launch whose programs walk block lists: an edge with a per-edge
     mask and no traced ``shift`` (whose band is traced); else ``None``."""
     return _block_grids(terms, mask, lay) if terms.pair_ok and shift is None else None
@@ -773,11 +770,11 @@ def _interpret(interpret: bool | None) -> bool:
 
 
 def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
-                   block_q: int | None = None, block_k: int = 64,
+                   block_q: int | None = None, block_k: int | None = None,
                    interpret: bool | None = None, precision: lax.PrecisionLike = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    starts: tuple | None = None, tiles: bool | None = None,
-                   mask: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
+                   mask: ConcreteMask | None = None) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -802,7 +799,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             that of ``n``; default 128, or 64 for rows of more than 256 bytes, e.g.
             float32 with head dim 128, to stay within a GPU's shared memory).
         block_k: parents per block (rounded up to a power of two, at least 16, at most
-            that of ``m``).
+            that of ``m``; default 64). With a `BlockMask` ``mask``, either default is
+            lowered to divide the mask's block size when a power of two of at least 16
+            does, so that no block straddles two of the mask's and none reads the mask.
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
         precision: the matmuls' ``precision`` (``None``: JAX's default, which follows
             ``jax.default_matmul_precision``; for float32 inputs on a GPU that default is
@@ -821,7 +820,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             H100 the forward ran 3-10 % slower with tiles, the backward 1.1-1.7x faster).
             The logits are the same either way.
         mask: the per-edge mask's value when known at trace time, a NumPy boolean
-            ``(..., n, m)`` array (ignored with ``starts`` and without a per-edge mask).
+            ``(..., n, m)`` array or a [`BlockMask`][structinfer.lowering.BlockMask]
+            (ignored with ``starts`` and without a per-edge mask).
             Its contract: OR-ed over its batch dims it allows every edge the site allows
             in any batch element (blocks it forbids are skipped), and AND-ed over them it
             allows only edges ``prob.const.pair_ok`` allows in every batch element (blocks
@@ -845,7 +845,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         raise ValueError(f"pallas_forward: {why}")
     _check_mask(mask, terms, "pallas_forward")
     wide = _wide_rows(prob)
-    block_q = block_q or (64 if wide else 128)
+    block_q = block_q or _fit_blocks(64 if wide else 128, mask, 0)
+    block_k = block_k or _fit_blocks(64, mask, 1)
     num_stages = num_stages or (2 if wide else 3)
     lay = _Layout(terms, prob, batch_shape, block_q, block_k)
     shift = _shift(starts)
@@ -1028,7 +1029,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                     precision: lax.PrecisionLike = None, num_warps: int | None = 4,
                     num_stages: int = 2, need_glob: frozenset[str] | None = None,
                     starts: tuple | None = None, tiles: bool | None = None,
-                    mask: np.ndarray | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
+                    mask: ConcreteMask | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
 
     FlashAttention-2's schedule on the forward's $y$ and $L$ alone: with
@@ -1058,7 +1059,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         d_out: the cotangent of $y$.
         d_lse: the cotangent of $L$.
         block_q: children per block in both passes (rounded up to a power of two, at
-            least 16; default 64, or 32 for rows of more than 256 bytes).
+            least 16; default 64, or 32 for rows of more than 256 bytes; fitted to a
+            `BlockMask` ``mask`` as in `pallas_forward`).
         block_k: parents per block (the same rule).
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
         precision: the matmuls' ``precision`` (as for `pallas_forward`).
@@ -1092,7 +1094,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         raise ValueError(f"pallas_backward: {why}")
     _check_mask(mask, terms, "pallas_backward")
     block = 32 if _wide_rows(prob) else 64
-    lay = _Layout(terms, prob, batch_shape, block_q or block, block_k or block)
+    lay = _Layout(terms, prob, batch_shape, block_q or _fit_blocks(block, mask, 0),
+                  block_k or _fit_blocks(block, mask, 1))
     acc, n, m, B = lay.acc, terms.num_children, terms.num_parents, lay.B
     bq, bk, n_pad, m_pad, fp, dvp = lay.bq, lay.bk, lay.n_pad, lay.m_pad, lay.fp, lay.dvp
     delta = backward_delta(out, d_out, lse, d_lse, acc)

@@ -39,7 +39,6 @@ VJP of the block-logit function itself.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from ._masks import BlockMask, ConcreteMask, mask_key, tile_grid
 from ._softmax import (
     Running,
     backward_delta,
@@ -147,7 +147,7 @@ def make_schedule(
     terms: Terms,
     block_q: int,
     block_k: int,
-    mask: np.ndarray | None = None,
+    mask: ConcreteMask | None = None,
     min_piece: int = 64,
 ) -> Schedule:
     """Live blocks from the distance band of ``terms`` and an optional concrete mask.
@@ -155,8 +155,9 @@ def make_schedule(
     Args:
         terms: the static terms (its ``dmin``/``dmax``/``offset`` give the band).
         block_q, block_k: block sizes.
-        mask: optional NumPy boolean ``(..., n, m)`` mask of allowed edges known at
-            trace time (block-sparse / graph priors); batch dims are OR-ed.
+        mask: optional concrete mask of allowed edges known at trace time (block-sparse
+            / graph priors), a NumPy boolean ``(..., n, m)`` array or a
+            [`BlockMask`][structinfer.lowering.BlockMask]; batch dims are OR-ed.
         min_piece: a partial block is cut into rectangles (`Schedule.pieces`) only when
             halves of it are at least this long on both sides (smaller matmuls than
             that cost more than the skipped work saves).
@@ -170,6 +171,17 @@ def make_schedule(
     blocks = frozenset((int(i), int(j)) for i, j in zip(*np.nonzero(full)))
     pieces = _pieces(terms, bq, bk, nqb, nkb, mask, live & ~full, min_piece)
     return Schedule(bq, bk, n, m, fwd, bwd, blocks, pieces)
+
+
+def block_grids(terms: Terms, block_q: int, block_k: int, mask: ConcreteMask | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``(live, full)``: boolean grids of the ``block_q x block_k`` blocks (``nqb x nkb``,
+    ceil-divided) that some edge of the distance band of ``terms`` and of the concrete
+    ``mask`` allows / whose every edge the band allows with no padded parent (never with
+    a mask or column mask in ``terms``: those blocks are read masked)."""
+    bq, bk = int(block_q), int(block_k)
+    nqb, nkb = _cdiv(terms.num_children, bq), _cdiv(terms.num_parents, bk)
+    return _live_full(terms, bq, bk, nqb, nkb, mask)
 
 
 def _live_full(terms: Terms, bq: int, bk: int, nqb: int, nkb: int, mask) -> tuple:
@@ -196,11 +208,8 @@ def _live_full(terms: Terms, bq: int, bk: int, nqb: int, nkb: int, mask) -> tupl
     if terms.pair_ok or terms.col_ok:
         full[:] = False
     if mask is not None:
-        mk = np.asarray(mask, bool).reshape((-1,) + mask.shape[-2:]).any(0)
-        mk = np.broadcast_to(mk, (n, m))
-        pad = np.zeros((nqb * bq, nkb * bk), bool)
-        pad[:n, :m] = mk
-        live &= pad.reshape(nqb, bq, nkb, bk).any(axis=(1, 3))
+        live &= tile_grid(mask, n, m, bq, bk, nqb, nkb, reduce=np.any, over_batch=np.any,
+                          fill=False)
     return live, full & live
 
 
@@ -656,11 +665,9 @@ class _ArrayKey:
     (so that equal masks give equal static arguments from call to call). Not a copy: a
     key is made and read within one trace (at n = 16384 a copy of a mask took 0.5 s)."""
 
-    def __init__(self, array: np.ndarray):
-        self.array = np.asarray(array)
-        data = self.array.tobytes() if self.array.dtype != bool else np.packbits(self.array)
-        self._key = (self.array.shape, self.array.dtype.str,
-                     hashlib.sha1(data).hexdigest())
+    def __init__(self, array: ConcreteMask):
+        self.array = array if isinstance(array, BlockMask) else np.asarray(array)
+        self._key = mask_key(self.array)
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -814,15 +821,15 @@ def blocked_attention(
         # with both passes replaced, this kernel's own blocks are never visited: no need
         # to read the mask for them
         replaced = forward is not None and backward is not None
-        schedule = make_schedule(terms, bq, bk, None if replaced else mask)
+        schedule = None if replaced else make_schedule(terms, bq, bk, mask)
     dtype = prob.v.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"blocked_attention: value table must be floating, got {dtype}")
     has_starts = starts is not None
     if not has_starts:
         starts = (0, 0)
-    else:  # distances come from shifted (traced) indices: mask every block
-        schedule = schedule.without_full()
+    elif schedule is not None:  # distances come from shifted (traced) indices: mask
+        schedule = schedule.without_full()  # every block
     # a replacement pass is given the concrete per-edge mask (its own blocks differ)
     hook_mask = (_ArrayKey(mask) if mask is not None and terms.pair_ok and not has_starts
                  and (forward is not None or backward is not None) else None)

@@ -40,6 +40,7 @@ from ._lower import (
     register_prior_rule,
     register_score_rule,
 )
+from ._masks import BlockMask
 
 __all__: list[str] = []  # everything here is registered, nothing is called by name;
 # the module is public so that its rules can be read as examples of registering one
@@ -188,6 +189,9 @@ def _restricted(prior: P.Restricted, terms: TermBuilder) -> None:
         raise TypeError(f"pattern rule {getattr(rule, '__qualname__', rule)!r} for "
                         f"{type(prior.pattern).__name__} returned {band!r}; a pattern rule "
                         "returns a structinfer.lowering.DistanceBand or None")
+    if getattr(prior, "blocks", None) is not None:
+        _block_sparse(prior, terms, t)
+        return
     conc = getattr(prior, "concrete_mask", None)
     if band is not None:
         if conc is not None:
@@ -208,6 +212,24 @@ def _restricted(prior: P.Restricted, terms: TermBuilder) -> None:
         terms.note(f"prior Restricted ({t} mask; empty blocks skipped)")
     elif band is None:
         terms.note(f"prior Restricted ({t} mask, traced: no block skipping)")
+
+
+def _block_sparse(prior: P.Restricted, terms: TermBuilder, name: str) -> None:
+    """A block-sparse prior: its mask expanded from the block mask inside the trace (the
+    kernels that read it per tile), and the block mask itself as the concrete mask."""
+    bc, bp = prior.pattern.block_size
+    rows = prior.blocks.shape[-2] * bc
+    if rows != terms.num_children:
+        raise NotLowered("prior", f"Restricted.block_sparse: its block mask covers {rows} "
+                         f"children ({prior.blocks.shape[-2]} blocks of {bc}), the children "
+                         f"plate has {terms.num_children}")
+    conc = prior.concrete_blocks
+    terms.restrict_pairs(prior.mask, None if conc is None else BlockMask(conc, (bc, bp)))
+    if conc is not None:
+        terms.note(f"prior Restricted ({name} mask, blocks of {bc} x {bp}; empty blocks "
+                   "skipped)")
+    else:
+        terms.note(f"prior Restricted ({name} mask, traced: no block skipping)")
 
 
 def _band_text(band: DistanceBand) -> str:

@@ -126,14 +126,13 @@ def sparse_attention(
         if block_size is None:
             raise ValueError("sparse_attention: `block_mask` needs `block_size`")
         check_static_int(block_size, "block_size", "sparse_attention")
-        blocks = jnp.asarray(block_mask).astype(bool)  # a constant JAX array under jit
-        mask = jnp.repeat(jnp.repeat(blocks, block_size, axis=-2), block_size, axis=-1)
-        if mask.shape != (n, n):
+        prior = priors.Restricted.block_sparse(block_mask, block_size)
+        shape = tuple(block_size * s for s in prior.blocks.shape)
+        if shape != (n, n):
             raise ValueError(
-                f"sparse_attention: block_mask {tuple(blocks.shape)} x block_size {block_size} "
-                f"gives a {tuple(mask.shape)} pattern, expected ({n}, {n})"
+                f"sparse_attention: block_mask {tuple(prior.blocks.shape)} x block_size "
+                f"{block_size} gives a {shape} pattern, expected ({n}, {n})"
             )
-        prior = priors.Restricted(mask, pattern=priors.BlockSparse((block_size, block_size)))
     check_matrix(wq, "wq", "sparse_attention", x.shape[-1])
     check_matrix(wk, "wk", "sparse_attention", x.shape[-1])
     values = project(

@@ -1,0 +1,235 @@
+"""Block-sparse priors kept per block: `Restricted.block_sparse` and the lowering's
+`BlockMask`.
+
+* `tile_grid` on a `BlockMask` against the same reduction of its expanded ``(n, m)``
+  mask (the independent reference: NumPy on the dense mask), every combination of
+  block and tile sizes that do and do not line up, with batch dims and padding.
+* The prior: its mask, table and errors against a `Restricted` prior of the expanded
+  mask; a traced block mask.
+* The model path: the Pallas kernel (interpreted) and the blocked kernel against the
+  exact engine, values and gradients, float32 and bfloat16, eager and under ``jit``,
+  one block mask per head, blocks that line up with the tiles and blocks that do not,
+  the block mask known at trace time and traced; which operands each Pallas pass reads.
+* Trace-time memory: a block-sparse model at n = 32768 is traced for the Pallas kernel
+  with no ``(n, m)`` array on the host.
+"""
+
+import tracemalloc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+from structinfer.lowering import BlockMask, explain
+from structinfer.lowering._masks import mask_and, mask_key, mask_shape, tile_grid
+
+H = 2
+
+
+def _blocks(shape, seed=0, p=0.4):
+    r = np.random.default_rng(seed)
+    b = r.random(shape) < p
+    b[..., :, 0] = True  # every child block has a parent block
+    return b
+
+
+def _dense(blocks, bc, bp):
+    return np.kron(blocks, np.ones((bc, bp), bool))
+
+
+@pytest.mark.parametrize("bc,bp", [(16, 16), (48, 32), (64, 128), (24, 40), (128, 64)])
+@pytest.mark.parametrize("bq,bk", [(16, 16), (64, 32), (128, 64)])
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_tile_grid_of_a_block_mask_equals_that_of_its_expansion(bc, bp, bq, bk, batch):
+    blocks = _blocks(batch + (5, 4), seed=bc + bp + bq, p=0.5)
+    n, m = 5 * bc, 4 * bp
+    nqb, nkb = -(-n // bq), -(-m // bk)
+    bm, dense = BlockMask(blocks, (bc, bp)), _dense(blocks, bc, bp)
+    assert mask_shape(bm) == dense.shape
+    for reduce, over, fill in ((np.any, np.any, False), (np.all, np.all, True),
+                               (np.all, np.any, False)):
+        want = tile_grid(dense, n, m, bq, bk, nqb, nkb, reduce=reduce, over_batch=over,
+                         fill=fill)
+        got = tile_grid(bm, n, m, bq, bk, nqb, nkb, reduce=reduce, over_batch=over, fill=fill)
+        np.testing.assert_array_equal(got, want)
+    # the brute-force reading of one tile
+    a, b = nqb - 1, 0
+    tile = dense.reshape((-1, n, m)).any(0)[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
+    assert tile_grid(bm, n, m, bq, bk, nqb, nkb, reduce=np.any, over_batch=np.any,
+                     fill=False)[a, b] == tile.any()
+
+
+def test_mask_and_and_key():
+    b1, b2 = _blocks((4, 4), 1), _blocks((4, 4), 2)
+    one, two = BlockMask(b1, (8, 8)), BlockMask(b2, (8, 8))
+    both = mask_and(one, two)
+    assert isinstance(both, BlockMask) and both.block_size == (8, 8)
+    np.testing.assert_array_equal(both.dense(), one.dense() & two.dense())
+    # other block sizes and plain masks: a plain mask
+    other = BlockMask(_blocks((8, 2), 3), (4, 16))
+    np.testing.assert_array_equal(mask_and(one, other), one.dense() & other.dense())
+    plain = np.random.default_rng(0).random((32, 32)) < 0.5
+    np.testing.assert_array_equal(mask_and(one, plain), one.dense() & plain)
+    assert mask_and(None, one) is one
+    # equal contents, equal keys; block size and contents both count
+    assert mask_key(BlockMask(b1.copy(), (8, 8))) == mask_key(one)
+    assert mask_key(two) != mask_key(one)
+    assert mask_key(BlockMask(b1, (8, 4))) != mask_key(one)
+    assert mask_key(one) != mask_key(one.dense())
+
+
+def test_block_sparse_prior_keeps_the_blocks():
+    blocks = _blocks((H, 6, 5), 4)
+    prior = si.priors.Restricted.block_sparse(blocks, (8, 16))
+    dense = _dense(blocks, 8, 16)
+    assert prior.num_parents == 80 and prior.pattern.block_size == (8, 16)
+    np.testing.assert_array_equal(prior.concrete_blocks, blocks)
+    np.testing.assert_array_equal(prior.concrete_mask, dense)
+    np.testing.assert_array_equal(prior.mask, dense)
+    plain = si.priors.Restricted(dense)
+    np.testing.assert_array_equal(prior.log_table(48), plain.log_table(48))
+    assert prior.describe()["block_size"] == (8, 16)
+    # 0/1 blocks read as booleans
+    ints = si.priors.Restricted.block_sparse(blocks.astype(np.int32), 8)
+    np.testing.assert_array_equal(ints.mask, _dense(blocks, 8, 8))
+    # traced: no concrete value, the same table
+    table = jax.jit(lambda b: si.priors.Restricted.block_sparse(b, (8, 16)).log_table(48))(
+        jnp.asarray(blocks))
+    np.testing.assert_array_equal(table, plain.log_table(48))
+
+
+def test_block_sparse_prior_errors():
+    blocks = np.ones((4, 4), bool)
+    blocks[2] = False
+    with pytest.raises(ValueError, match="allows no parent for child 16"):
+        si.priors.Restricted.block_sparse(blocks, 8).log_table(32)
+    with pytest.raises(ValueError, match=r"block_mask must have shape .*got shape \(4,\)"):
+        si.priors.Restricted.block_sparse(np.ones(4, bool), 8)
+    with pytest.raises(ValueError, match="block_size"):
+        si.priors.Restricted.block_sparse(np.ones((4, 4), bool), 0)
+
+
+def _model(n, bc, bp, known=None):
+    """The model; its block mask is ``known`` (closed over: known at trace time) or its
+    last argument (traced)."""
+
+    def model(q, k, v, *arg):
+        prior = si.priors.Restricted.block_sparse(known if known is not None else arg[0],
+                                                  (bc, bp))
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("nodes", n, dim=-1):
+            j = si.edge("phi", prior, si.scores.Dot(q, k, scale=0.3))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    return model
+
+
+def _inputs(n, dtype, seed=0):
+    r = np.random.default_rng(seed)
+    return tuple(jnp.asarray(r.normal(size=(H, n, 8)), dtype) for _ in range(3))
+
+
+#: (n, block size, one mask per head, int8 mask read by the Pallas passes): blocks of 32
+#: and 48 x 16 line up with the tiles the kernel fits to them; 24 x 40 cannot (no power
+#: of two of at least 16 divides 24), and masks that differ by head leave some tiles
+#: allowed in one head only
+CASES = [(256, (32, 32), False, False), (240, (48, 16), False, False),
+         (240, (24, 40), True, True)]
+
+
+@pytest.mark.parametrize("n,bs,per_head,reads_mask", CASES)
+@pytest.mark.parametrize("backend", ["pallas", "blocked"])
+def test_block_sparse_model_against_the_exact_engine(n, bs, per_head, reads_mask, backend):
+    bc, bp = bs
+    blocks = _blocks(((H,) if per_head else ()) + (n // bc, n // bp), seed=n + bc)
+    known, traced = _model(n, bc, bp, blocks), _model(n, bc, bp)
+    f, g = si.attention(known, "out", backend), si.attention(traced, "out", backend)
+    exact = si.attention(known, "out", "exact")
+    for model, note in ((known, f"blocks of {bc} x {bp}; empty blocks skipped"),
+                        (traced, "traced: no block skipping")):
+        ex = explain(model, "out", *_inputs(n, jnp.float32), blocks, backend=backend)
+        assert ex.kernels == {"phi": backend} and note in str(ex), str(ex)
+    for dtype, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)):
+        q, k, v = _inputs(n, dtype)
+        ref = exact(*(x.astype(jnp.float32) for x in (q, k, v)))
+        for y in (f(q, k, v), jax.jit(f)(q, k, v), jax.jit(g)(q, k, v, blocks)):
+            assert y.dtype == dtype
+            np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=tol, rtol=tol)
+    q, k, v = _inputs(n, jnp.float32)
+
+    def loss(h, *b):
+        return lambda q, k, v: jnp.sum(jnp.sin(h(q, k, v, *b)))
+
+    g0 = jax.grad(loss(exact), (0, 1, 2))(q, k, v)
+    for g1 in (jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v),
+               jax.jit(jax.grad(loss(g, blocks), (0, 1, 2)))(q, k, v)):
+        for a, c in zip(g0, g1):
+            np.testing.assert_allclose(c, a, atol=5e-5)
+    if backend == "pallas":  # each pass reads its block table; the mask only when needed
+        eqns = _pallas_calls(jax.make_jaxpr(jax.grad(loss(f)))(q, k, v).jaxpr)
+        assert len(eqns) == 3, eqns  # forward, dK/dV, dQ
+        for call in eqns:
+            dtypes = [x.aval.dtype for x in call.invars]
+            assert (jnp.dtype(jnp.int8) in dtypes) == reads_mask
+            assert jnp.dtype(jnp.int32) in dtypes
+
+
+def _pallas_calls(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+        for p in eqn.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                out += _pallas_calls(inner)
+        if eqn.primitive.name == "pallas_call":
+            out.append(eqn)
+    return out
+
+
+def test_sparse_attention_mechanism_keeps_the_blocks():
+    """The catalogue's sparse attention builds its prior per block (and still names a
+    block mask of the wrong size)."""
+    from structinfer.mechanisms import graph
+
+    n, b = 64, 16
+    blocks = _blocks((4, 4), 7)
+    r = np.random.default_rng(0)
+    x, w = r.normal(size=(n, 8)), r.normal(size=(8, 8))
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(graph.sparse_attention, 0)).get_trace(
+        x, w, w, None, block_mask=blocks, block_size=b)
+    prior = tr["phi"]["infer"][si.primitives.EDGE_INFO_KEY].prior
+    assert prior.blocks is not None
+    np.testing.assert_array_equal(prior.mask, _dense(blocks, b, b))
+    with pytest.raises(ValueError, match=r"block_mask \(4, 4\) x block_size 8 gives a "
+                                         r"\(32, 32\) pattern, expected \(64, 64\)"):
+        graph.sparse_attention(x, w, w, None, block_mask=blocks, block_size=8)
+
+
+def test_tracing_a_long_block_sparse_model_allocates_no_n_by_m_array():
+    """Regression: at n = 32768 the prior held the expanded (n, n) mask (1 GiB of
+    booleans) and the lowering reduced it over tiles on the host (about 9 s of tracing);
+    now the host's largest allocations are linear in n."""
+    n, b = 32768, 128
+    nb = n // b
+    blocks = np.abs(np.arange(nb)[:, None] - np.arange(nb)[None, :]) <= 1
+    blocks[:, 0] = True
+
+    def model(q, k, v):
+        prior = si.priors.Restricted.block_sparse(blocks, b)
+        with numpyro.plate("heads", 1, dim=-2), numpyro.plate("nodes", n, dim=-1):
+            j = si.edge("phi", prior, si.scores.Dot(q, k, scale=0.25))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    f = si.attention(model, "out", "pallas")
+    x = jax.ShapeDtypeStruct((1, n, 16), jnp.bfloat16)
+    tracemalloc.start()
+    try:
+        jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)))).trace(
+            x, x, x)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**27, peak  # the (n, n) booleans alone are 2**30 bytes
