@@ -899,7 +899,8 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
     sparse = np.kron(np.tri(4, dtype=bool), np.ones((50, 50), bool))  # partial tiles
     priors = [si.priors.RelativePosition(bias, n, causal=True),
               si.priors.Geometric(jnp.asarray(0.05, dtype), n, max_distance=64),
-              si.priors.Restricted(sparse)]
+              si.priors.Restricted(sparse),
+              si.priors.Restricted.block_sparse(np.tri(4, dtype=bool), 50)]  # a BlockMask
     for prior in priors:
         low = lower_edge(prior, si.scores.Dot(q, k, scale=0.125), v, n, (H,))
         # a per-edge mask: its block lists (scalar loads, loop bounds) with the mask
