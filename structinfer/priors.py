@@ -472,10 +472,13 @@ def _pattern_mask(pattern: RestrictionPattern, num_children: int, num_parents: i
     return band_mask(num_children, num_parents, offset=pattern.offset, xp=xp, **band)
 
 
-def _expand_blocks(blocks: Any, block_size: tuple[int, int], xp: Any) -> Any:
-    """The ``(..., nbc * bc, nbp * bp)`` mask of a ``(..., nbc, nbp)`` block mask."""
+def _expand_blocks(blocks: Any, block_size: tuple[int, int], size: tuple[int, int],
+                   xp: Any) -> Any:
+    """The ``(..., n, m)`` mask of a ``(..., nbc, nbp)`` block mask (expanded to
+    ``(nbc * bc, nbp * bp)``, cut to ``size = (n, m)``)."""
     bc, bp = block_size
-    return xp.repeat(xp.repeat(blocks, bc, axis=-2), bp, axis=-1)
+    n, m = size
+    return xp.repeat(xp.repeat(blocks, bc, axis=-2), bp, axis=-1)[..., :n, :m]
 
 
 class Restricted(StructuralPrior):
@@ -534,6 +537,8 @@ class Restricted(StructuralPrior):
         self.blocks: jax.Array | None = None
         #: ``blocks`` as a NumPy array when known at trace time, else ``None``
         self.concrete_blocks: np.ndarray | None = None
+        #: ``(n, m)``: the numbers of children and parents the mask covers
+        self.size = tuple(int(x) for x in mask.shape[-2:])
         self._setup(int(mask.shape[-1]), pattern, offset)
 
     def _setup(self, num_parents: int, pattern, offset) -> None:
@@ -561,7 +566,7 @@ class Restricted(StructuralPrior):
         small block mask)."""
         if self.blocks is None:
             return self._mask
-        return _expand_blocks(self.blocks, self.pattern.block_size, jnp)
+        return _expand_blocks(self.blocks, self.pattern.block_size, self.size, jnp)
 
     @property
     def concrete_mask(self) -> np.ndarray | None:
@@ -572,7 +577,7 @@ class Restricted(StructuralPrior):
         if self.blocks is None:
             return self._concrete
         c = self.concrete_blocks
-        return None if c is None else _expand_blocks(c, self.pattern.block_size, np)
+        return None if c is None else _expand_blocks(c, self.pattern.block_size, self.size, np)
 
     def _log_weights(self, num_children: int) -> jax.Array:
         # checked here, not when the prior is built, so that the edge site using the
@@ -687,12 +692,16 @@ class Restricted(StructuralPrior):
         return cls(adj, pattern=Graph())
 
     @classmethod
-    def block_sparse(cls, block_mask: ArrayLike, block_size: int | tuple[int, int]) -> Restricted:
+    def block_sparse(cls, block_mask: ArrayLike, block_size: int | tuple[int, int],
+                     num_children: int | None = None, num_parents: int | None = None
+                     ) -> Restricted:
         r"""Block-sparse attention: $M_{ij} = B_{\lfloor i / b_c \rfloor, \lfloor j / b_p \rfloor}$.
 
         ``block_mask[a, b]`` allows the whole block of children ``a*bc:(a+1)*bc`` and
         parents ``b*bp:(b+1)*bp``; the pattern is
-        [`BlockSparse((bc, bp))`][structinfer.priors.BlockSparse].
+        [`BlockSparse((bc, bp))`][structinfer.priors.BlockSparse]. The last block of
+        each axis may be cut short (``num_children`` / ``num_parents``), as for a
+        sequence whose length is not a multiple of the block size.
 
         The prior keeps $B$, not the ``(n, m)`` mask: the lowered engine skips the
         empty blocks and reads no per-edge mask where its tiles line up with the blocks
@@ -704,14 +713,21 @@ class Restricted(StructuralPrior):
                 pattern $B$; leading dims (heads, batch) broadcast against the plates. May
                 be traced (then no block is skipped).
             block_size: ``(bc, bp)``, or one int for square blocks.
+            num_children: $n$, within the last block row (default: ``bc`` times the
+                number of block rows).
+            num_parents: $m$, within the last block column (default: ``bp`` times the
+                number of block columns).
 
         Returns:
             The prior, uniform over the parents in the allowed blocks.
 
         Raises:
-            ValueError: if ``block_mask`` has fewer than two dims, or ``block_size`` is not
-                one or two positive ints.
+            ValueError: if ``block_mask`` has fewer than two dims, ``block_size`` is not
+                one or two positive ints, or ``num_children`` / ``num_parents`` does not
+                end in the last block.
         """
+        check_static_int(num_children, "num_children", "Restricted.block_sparse")
+        check_static_int(num_parents, "num_parents", "Restricted.block_sparse")
         pattern = BlockSparse(block_size=block_size)
         concrete = None
         if is_concrete(block_mask):
@@ -722,10 +738,22 @@ class Restricted(StructuralPrior):
         if blocks.ndim < 2:
             raise ValueError("Restricted.block_sparse: block_mask must have shape (..., "
                              f"children / bc, parents / bp), got shape {tuple(blocks.shape)}")
+        size = []
+        for ax, (name, given, b) in enumerate(zip(("num_children", "num_parents"),
+                                                  (num_children, num_parents),
+                                                  pattern.block_size)):
+            nb = int(blocks.shape[ax - 2])
+            if given is None:
+                given = nb * b
+            elif not (nb - 1) * b < given <= nb * b:
+                raise ValueError(
+                    f"Restricted.block_sparse: {name}={given} does not end in the last of "
+                    f"the {nb} blocks of {b} (expected {(nb - 1) * b + 1} to {nb * b})")
+            size.append(int(given))
         self = cls.__new__(cls)
         self._mask = self._concrete = None
-        self.blocks, self.concrete_blocks = blocks, concrete
-        self._setup(int(blocks.shape[-1]) * pattern.block_size[1], pattern, None)
+        self.blocks, self.concrete_blocks, self.size = blocks, concrete, tuple(size)
+        self._setup(size[1], pattern, None)
         return self
 
 

@@ -43,12 +43,14 @@ def _dense(blocks, bc, bp):
 
 @pytest.mark.parametrize("bc,bp", [(16, 16), (48, 32), (64, 128), (24, 40), (128, 64)])
 @pytest.mark.parametrize("bq,bk", [(16, 16), (64, 32), (128, 64)])
-@pytest.mark.parametrize("batch", [(), (3,)])
-def test_tile_grid_of_a_block_mask_equals_that_of_its_expansion(bc, bp, bq, bk, batch):
+@pytest.mark.parametrize("batch,cut", [((), 0), ((3,), 0), ((), 5)])
+def test_tile_grid_of_a_block_mask_equals_that_of_its_expansion(bc, bp, bq, bk, batch, cut):
+    """``cut``: the last block of each axis that many edges short."""
     blocks = _blocks(batch + (5, 4), seed=bc + bp + bq, p=0.5)
-    n, m = 5 * bc, 4 * bp
+    n, m = 5 * bc - cut, 4 * bp - cut
     nqb, nkb = -(-n // bq), -(-m // bk)
-    bm, dense = BlockMask(blocks, (bc, bp)), _dense(blocks, bc, bp)
+    bm = BlockMask(blocks, (bc, bp), (n, m) if cut else None)
+    dense = _dense(blocks, bc, bp)[..., :n, :m]
     assert mask_shape(bm) == dense.shape
     for reduce, over, fill in ((np.any, np.any, False), (np.all, np.all, True),
                                (np.all, np.any, False)):
@@ -111,6 +113,21 @@ def test_block_sparse_prior_errors():
         si.priors.Restricted.block_sparse(np.ones(4, bool), 8)
     with pytest.raises(ValueError, match="block_size"):
         si.priors.Restricted.block_sparse(np.ones((4, 4), bool), 0)
+    with pytest.raises(ValueError, match=r"num_parents=24 does not end in the last of the "
+                                         r"4 blocks of 8 \(expected 25 to 32\)"):
+        si.priors.Restricted.block_sparse(np.ones((4, 4), bool), 8, 30, 24)
+
+
+def test_block_sparse_prior_with_a_short_last_block():
+    """A length that is not a multiple of the block size: the last block is cut."""
+    blocks = _blocks((H, 4, 3), 6)
+    prior = si.priors.Restricted.block_sparse(blocks, (8, 16), num_children=27,
+                                              num_parents=40)
+    dense = _dense(blocks, 8, 16)[..., :27, :40]
+    assert prior.num_parents == 40 and prior.size == (27, 40)
+    np.testing.assert_array_equal(prior.mask, dense)
+    np.testing.assert_array_equal(prior.concrete_mask, dense)
+    np.testing.assert_array_equal(prior.log_table(27), si.priors.Restricted(dense).log_table(27))
 
 
 def _model(n, bc, bp, known=None):
@@ -119,7 +136,7 @@ def _model(n, bc, bp, known=None):
 
     def model(q, k, v, *arg):
         prior = si.priors.Restricted.block_sparse(known if known is not None else arg[0],
-                                                  (bc, bp))
+                                                  (bc, bp), n, n)
         with numpyro.plate("heads", H, dim=-2), numpyro.plate("nodes", n, dim=-1):
             j = si.edge("phi", prior, si.scores.Dot(q, k, scale=0.3))
             numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
@@ -133,18 +150,18 @@ def _inputs(n, dtype, seed=0):
 
 
 #: (n, block size, one mask per head, int8 mask read by the Pallas passes): blocks of 32
-#: and 48 x 16 line up with the tiles the kernel fits to them; 24 x 40 cannot (no power
-#: of two of at least 16 divides 24), and masks that differ by head leave some tiles
-#: allowed in one head only
-CASES = [(256, (32, 32), False, False), (240, (48, 16), False, False),
-         (240, (24, 40), True, True)]
+#: and 48 x 16 line up with the tiles the kernel fits to them (at n = 200 the last block
+#: is cut short); 24 x 40 cannot (no power of two of at least 16 divides 24), and masks
+#: that differ by head leave some tiles allowed in one head only
+CASES = [(256, (32, 32), False, False), (200, (32, 32), False, False),
+         (240, (48, 16), False, False), (240, (24, 40), True, True)]
 
 
 @pytest.mark.parametrize("n,bs,per_head,reads_mask", CASES)
 @pytest.mark.parametrize("backend", ["pallas", "blocked"])
 def test_block_sparse_model_against_the_exact_engine(n, bs, per_head, reads_mask, backend):
     bc, bp = bs
-    blocks = _blocks(((H,) if per_head else ()) + (n // bc, n // bp), seed=n + bc)
+    blocks = _blocks(((H,) if per_head else ()) + (-(-n // bc), -(-n // bp)), seed=n + bc)
     known, traced = _model(n, bc, bp, blocks), _model(n, bc, bp)
     f, g = si.attention(known, "out", backend), si.attention(traced, "out", backend)
     exact = si.attention(known, "out", "exact")

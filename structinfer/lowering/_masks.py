@@ -32,24 +32,29 @@ class BlockMask:
     \lfloor j / b_p \rfloor}$.
 
     Attributes:
-        blocks: NumPy boolean ``(..., n / b_c, m / b_p)`` block mask $B$.
+        blocks: NumPy boolean ``(..., \lceil n / b_c \rceil, \lceil m / b_p \rceil)``
+            block mask $B$.
         block_size: ``(b_c, b_p)``, children and parents per block.
+        size: ``(n, m)``, within the last block of each axis (default: whole blocks).
     """
 
     blocks: np.ndarray
     block_size: tuple[int, int]
+    size: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the mask, ``(..., n, m)``."""
         *batch, a, b = self.blocks.shape
-        return tuple(batch) + (a * self.block_size[0], b * self.block_size[1])
+        whole = (a * self.block_size[0], b * self.block_size[1])
+        return tuple(batch) + tuple(self.size or whole)
 
     def dense(self) -> np.ndarray:
         """The ``(..., n, m)`` boolean mask (``O(nm)`` memory: for tests and mixing with a
         plain mask)."""
         bc, bp = self.block_size
-        return np.repeat(np.repeat(self.blocks, bc, axis=-2), bp, axis=-1)
+        n, m = self.shape[-2:]
+        return np.repeat(np.repeat(self.blocks, bc, axis=-2), bp, axis=-1)[..., :n, :m]
 
 
 #: what `Lowered.mask` holds: a NumPy boolean ``(..., n, m)`` mask or a `BlockMask`
@@ -64,7 +69,7 @@ def mask_shape(mask: ConcreteMask) -> tuple[int, ...]:
 def mask_key(mask: ConcreteMask) -> tuple:
     """A hashable key of a concrete mask's contents (equal masks, equal keys)."""
     if isinstance(mask, BlockMask):
-        return ("blocks", mask.block_size) + mask_key(mask.blocks)
+        return ("blocks", mask.block_size, mask.shape) + mask_key(mask.blocks)
     a = np.asarray(mask)
     data = a.tobytes() if a.dtype != bool else np.packbits(a)
     return (a.shape, a.dtype.str, hashlib.sha1(data).hexdigest())
@@ -76,8 +81,8 @@ def mask_and(a: ConcreteMask | None, b: ConcreteMask) -> ConcreteMask:
     if a is None:
         return b
     if (isinstance(a, BlockMask) and isinstance(b, BlockMask)
-            and a.block_size == b.block_size):
-        return BlockMask(a.blocks & b.blocks, a.block_size)
+            and a.block_size == b.block_size and a.shape[-2:] == b.shape[-2:]):
+        return BlockMask(a.blocks & b.blocks, a.block_size, a.size)
 
     def dense(x):
         return x.dense() if isinstance(x, BlockMask) else np.asarray(x, bool)
@@ -92,7 +97,7 @@ def tile_grid(mask: ConcreteMask, n: int, m: int, bq: int, bk: int, nqb: int, nk
     The mask is first reduced over its batch dims with ``over_batch`` (``np.any`` or
     ``np.all``), then padded to ``nqb * bq x nkb * bk`` with ``fill``, and each tile is
     reduced with ``reduce`` (``np.any`` or ``np.all``). A `BlockMask` is reduced on cells
-    of ``gcd(b_c, bq) x gcd(b_p, bk)`` edges, never expanded to ``(n, m)``.
+    of ``gcd(b_c, bq, n) x gcd(b_p, bk, m)`` edges, never expanded to ``(n, m)``.
 
     Returns:
         ``(nqb, nkb)`` boolean grid.
@@ -100,11 +105,12 @@ def tile_grid(mask: ConcreteMask, n: int, m: int, bq: int, bk: int, nqb: int, nk
     if isinstance(mask, BlockMask):
         bc, bp = mask.block_size
         x = np.asarray(mask.blocks, bool)
-        cr, cc = math.gcd(bc, bq), math.gcd(bp, bk)  # cell size: divides blocks and tiles
+        # cells: divide the blocks, the tiles and the mask's extent
+        cr, cc = math.gcd(bc, bq, n), math.gcd(bp, bk, m)
         x = x.reshape((-1,) + x.shape[-2:])
         x = x[0] if len(x) == 1 else over_batch(x, axis=0)
-        x = np.repeat(np.repeat(x, bc // cr, axis=0), bp // cc, axis=1)
         rows, cols, tq, tk = n // cr, m // cc, bq // cr, bk // cc
+        x = np.repeat(np.repeat(x, bc // cr, axis=0), bp // cc, axis=1)[:rows, :cols]
     else:
         x = np.asarray(mask, bool)
         x = x.reshape((-1,) + x.shape[-2:])

@@ -218,13 +218,13 @@ def _block_sparse(prior: P.Restricted, terms: TermBuilder, name: str) -> None:
     """A block-sparse prior: its mask expanded from the block mask inside the trace (the
     kernels that read it per tile), and the block mask itself as the concrete mask."""
     bc, bp = prior.pattern.block_size
-    rows = prior.blocks.shape[-2] * bc
+    rows = prior.size[0]
     if rows != terms.num_children:
         raise NotLowered("prior", f"Restricted.block_sparse: its block mask covers {rows} "
-                         f"children ({prior.blocks.shape[-2]} blocks of {bc}), the children "
-                         f"plate has {terms.num_children}")
+                         f"children, the children plate has {terms.num_children}")
     conc = prior.concrete_blocks
-    terms.restrict_pairs(prior.mask, None if conc is None else BlockMask(conc, (bc, bp)))
+    terms.restrict_pairs(prior.mask,
+                         None if conc is None else BlockMask(conc, (bc, bp), prior.size))
     if conc is not None:
         terms.note(f"prior Restricted ({name} mask, blocks of {bc} x {bp}; empty blocks "
                    "skipped)")
