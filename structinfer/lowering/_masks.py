@@ -28,8 +28,12 @@ __all__ = ["BlockMask", "ConcreteMask", "tile_grid", "mask_and", "mask_shape", "
 
 @dataclass(frozen=True, eq=False)
 class BlockMask:
-    r"""A concrete per-edge mask given per block: $M_{ij} = B_{\lfloor i / b_c \rfloor,
-    \lfloor j / b_p \rfloor}$.
+    r"""A concrete per-edge mask given per block, never expanded at trace time.
+
+    $M_{ij} = B_{\lfloor i / b_c \rfloor, \lfloor j / b_p \rfloor}$, cut to ``size``.
+    A prior rule gives it to
+    [`TermBuilder.restrict_pairs`][structinfer.lowering.TermBuilder.restrict_pairs] as
+    the value of its mask (as ``Restricted.block_sparse``'s does).
 
     Attributes:
         blocks: NumPy boolean ``(..., \lceil n / b_c \rceil, \lceil m / b_p \rceil)``
