@@ -731,7 +731,7 @@ class Restricted(StructuralPrior):
         pattern = BlockSparse(block_size=block_size)
         concrete = None
         if is_concrete(block_mask):
-            concrete = np.asarray(block_mask).astype(bool, copy=False)
+            concrete = np.array(block_mask, dtype=bool)  # a copy: the user's may change
             blocks = jnp.asarray(concrete)
         else:
             blocks = jnp.asarray(block_mask).astype(bool)

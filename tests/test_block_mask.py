@@ -52,17 +52,16 @@ def test_tile_grid_of_a_block_mask_equals_that_of_its_expansion(bc, bp, bq, bk, 
     bm = BlockMask(blocks, (bc, bp), (n, m) if cut else None)
     dense = _dense(blocks, bc, bp)[..., :n, :m]
     assert mask_shape(bm) == dense.shape
-    for reduce, over, fill in ((np.any, np.any, False), (np.all, np.all, True),
-                               (np.all, np.any, False)):
-        want = tile_grid(dense, n, m, bq, bk, nqb, nkb, reduce=reduce, over_batch=over,
-                         fill=fill)
-        got = tile_grid(bm, n, m, bq, bk, nqb, nkb, reduce=reduce, over_batch=over, fill=fill)
-        np.testing.assert_array_equal(got, want)
-    # the brute-force reading of one tile
-    a, b = nqb - 1, 0
-    tile = dense.reshape((-1, n, m)).any(0)[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
-    assert tile_grid(bm, n, m, bq, bk, nqb, nkb, reduce=np.any, over_batch=np.any,
-                     fill=False)[a, b] == tile.any()
+    flat = dense.reshape((-1, n, m))
+    for reduce, over in ((np.any, np.any), (np.all, np.all), (np.all, np.any)):
+        got = tile_grid(bm, n, m, bq, bk, nqb, nkb, reduce=reduce, over_batch=over)
+        np.testing.assert_array_equal(
+            got, tile_grid(dense, n, m, bq, bk, nqb, nkb, reduce=reduce, over_batch=over))
+        # brute force: each tile's edges before n and m
+        for a in range(nqb):
+            for b in range(nkb):
+                tile = over(flat, axis=0)[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
+                assert got[a, b] == reduce(tile), (reduce, a, b)
 
 
 def test_mask_and_and_key():
@@ -77,11 +76,39 @@ def test_mask_and_and_key():
     plain = np.random.default_rng(0).random((32, 32)) < 0.5
     np.testing.assert_array_equal(mask_and(one, plain), one.dense() & plain)
     assert mask_and(None, one) is one
+    # batch dims and a cut last block
+    cut1 = BlockMask(_blocks((3, 4, 4), 4), (8, 8), (30, 27))
+    cut2 = BlockMask(_blocks((4, 4), 5), (8, 8), (30, 27))
+    both = mask_and(cut1, cut2)
+    assert isinstance(both, BlockMask) and both.shape == (3, 30, 27)
+    np.testing.assert_array_equal(both.dense(), cut1.dense() & cut2.dense())
+    np.testing.assert_array_equal(mask_and(cut1, one.dense()[:30, :27]),
+                                  cut1.dense() & one.dense()[:30, :27])
     # equal contents, equal keys; block size and contents both count
     assert mask_key(BlockMask(b1.copy(), (8, 8))) == mask_key(one)
     assert mask_key(two) != mask_key(one)
     assert mask_key(BlockMask(b1, (8, 4))) != mask_key(one)
     assert mask_key(one) != mask_key(one.dense())
+
+
+def test_a_block_mask_is_checked_and_is_not_an_array():
+    """Code written for a NumPy mask fails loudly on a BlockMask (it would read one
+    ``True``: every edge allowed); bad fields are named."""
+    bm = BlockMask(_blocks((4, 4)), (8, 8))
+    with pytest.raises(TypeError, match=r"not an array: call its \.dense\(\)"):
+        np.asarray(bm, bool)
+    with pytest.raises(TypeError, match="ambiguous"):
+        bool(bm)
+    with pytest.raises(ValueError, match="at least two dims"):
+        BlockMask(np.ones(4, bool), (8, 8))
+    with pytest.raises(ValueError, match="two positive ints"):
+        BlockMask(np.ones((4, 4), bool), (8, 0))
+    with pytest.raises(ValueError, match="size n=40 does not end in the last of 4 blocks"):
+        BlockMask(np.ones((4, 4), bool), (8, 8), (40, 32))
+    with pytest.raises(TypeError, match="known at trace time"):
+        jax.jit(lambda b: BlockMask(b, (8, 8)).shape)(jnp.ones((4, 4), bool))
+    with pytest.raises(ValueError, match=r"BlockMask of shape \(32, 32\), expected"):
+        tile_grid(bm, 30, 32, 16, 16, 2, 2, reduce=np.any, over_batch=np.any)
 
 
 def test_block_sparse_prior_keeps_the_blocks():
@@ -150,11 +177,13 @@ def _inputs(n, dtype, seed=0):
 
 
 #: (n, block size, one mask per head, int8 mask read by the Pallas passes): blocks of 32
-#: and 48 x 16 line up with the tiles the kernel fits to them (at n = 200 the last block
-#: is cut short); 24 x 40 cannot (no power of two of at least 16 divides 24), and masks
-#: that differ by head leave some tiles allowed in one head only
+#: line up with the tiles the kernel fits to them (at n = 200 the last block is cut
+#: short); blocks of 48 x 16 and 24 x 40 are not fitted (no power of two of at least 32
+#: divides 48, 16 or 24); masks that differ by head leave some tiles allowed in one head
+#: only, which read the mask
 CASES = [(256, (32, 32), False, False), (200, (32, 32), False, False),
-         (240, (48, 16), False, False), (240, (24, 40), True, True)]
+         (256, (64, 128), True, True), (200, (32, 32), True, True),
+         (240, (48, 16), False, True), (240, (24, 40), True, True)]
 
 
 @pytest.mark.parametrize("n,bs,per_head,reads_mask", CASES)
@@ -162,6 +191,8 @@ CASES = [(256, (32, 32), False, False), (200, (32, 32), False, False),
 def test_block_sparse_model_against_the_exact_engine(n, bs, per_head, reads_mask, backend):
     bc, bp = bs
     blocks = _blocks(((H,) if per_head else ()) + (-(-n // bc), -(-n // bp)), seed=n + bc)
+    if per_head:  # the heads' masks differ
+        blocks[1, 0, -1] = not blocks[0, 0, -1]
     known, traced = _model(n, bc, bp, blocks), _model(n, bc, bp)
     f, g = si.attention(known, "out", backend), si.attention(traced, "out", backend)
     exact = si.attention(known, "out", "exact")
@@ -225,17 +256,39 @@ def test_sparse_attention_mechanism_keeps_the_blocks():
         graph.sparse_attention(x, w, w, None, block_mask=blocks, block_size=8)
 
 
-def test_tracing_a_long_block_sparse_model_allocates_no_n_by_m_array():
+def test_a_one_row_block_mask_takes_the_exact_engine():
+    """One block row of one child, broadcast over the children plate by the exact
+    engine: not lowered (the kernels read a block mask of the plate's children), and
+    explain says why."""
+    n = 16
+    blocks = np.array([[True, False, True, True]])
+
+    def model(q, k, v):
+        prior = si.priors.Restricted.block_sparse(blocks, (1, 4))
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("nodes", n, dim=-1):
+            j = si.edge("phi", prior, si.scores.Dot(q, k, scale=0.3))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    q, k, v = _inputs(n, jnp.float32)
+    ex = explain(model, "out", q, k, v)
+    assert ex.path == "exact" and "covers 1 children, the children plate has 16" in str(ex)
+    y = si.attention(model, "out")(q, k, v)
+    np.testing.assert_allclose(y, si.attention(model, "out", "exact")(q, k, v))
+
+
+@pytest.mark.parametrize("n", [32768, 32767])
+def test_tracing_a_long_block_sparse_model_allocates_no_n_by_m_array(n):
     """Regression: at n = 32768 the prior held the expanded (n, n) mask (1 GiB of
     booleans) and the lowering reduced it over tiles on the host (about 9 s of tracing);
-    now the host's largest allocations are linear in n."""
-    n, b = 32768, 128
-    nb = n // b
+    now the host's largest allocations are linear in n, with the last block cut short
+    too (n = 32767)."""
+    b = 128
+    nb = -(-n // b)
     blocks = np.abs(np.arange(nb)[:, None] - np.arange(nb)[None, :]) <= 1
     blocks[:, 0] = True
 
     def model(q, k, v):
-        prior = si.priors.Restricted.block_sparse(blocks, b)
+        prior = si.priors.Restricted.block_sparse(blocks, b, n, n)
         with numpyro.plate("heads", 1, dim=-2), numpyro.plate("nodes", n, dim=-1):
             j = si.edge("phi", prior, si.scores.Dot(q, k, scale=0.25))
             numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])

@@ -900,7 +900,9 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
     priors = [si.priors.RelativePosition(bias, n, causal=True),
               si.priors.Geometric(jnp.asarray(0.05, dtype), n, max_distance=64),
               si.priors.Restricted(sparse),
-              si.priors.Restricted.block_sparse(np.tri(4, dtype=bool), 50)]  # a BlockMask
+              si.priors.Restricted.block_sparse(np.tri(4, dtype=bool), 50),  # a BlockMask
+              # a BlockMask with tiles fitted to its blocks (the last one cut short)
+              si.priors.Restricted.block_sparse(np.tri(7, dtype=bool), 32, n, n)]
     for prior in priors:
         low = lower_edge(prior, si.scores.Dot(q, k, scale=0.125), v, n, (H,))
         # a per-edge mask: its block lists (scalar loads, loop bounds) with the mask

@@ -282,7 +282,8 @@ class TermBuilder:
 
         ``concrete``: the same mask known at trace time, a NumPy array or a
         [`BlockMask`][structinfer.lowering.BlockMask] (a block-sparse mask kept per
-        block, never expanded at trace time); the kernels then skip blocks with no
+        block, expanded only when intersected with a NumPy mask or another block size);
+        the kernels then skip blocks with no
         allowed edge, and the Pallas kernel computes blocks whose every edge is allowed
         without reading the mask. A one-row mask is a column mask. When some per-edge
         mask of the site comes without its concrete value, no concrete mask is kept
@@ -298,6 +299,9 @@ class TermBuilder:
         if concrete is not None:
             if not isinstance(concrete, BlockMask):
                 concrete = np.asarray(concrete, bool)
+            elif concrete.shape[-2:] != tuple(ok.shape[-2:]):
+                raise ValueError(f"restrict_pairs: a BlockMask of shape {concrete.shape} "
+                                 f"for a mask of shape {tuple(ok.shape)}")
             self._mask = mask_and(self._mask, concrete)
 
     def _set_offset(self, offset: int) -> None:

@@ -35,16 +35,54 @@ class BlockMask:
     [`TermBuilder.restrict_pairs`][structinfer.lowering.TermBuilder.restrict_pairs] as
     the value of its mask (as ``Restricted.block_sparse``'s does).
 
+    It is not an array: NumPy conversion raises (``dense()`` expands it), so code
+    written for a NumPy mask fails loudly rather than reading it as one ``True``.
+
     Attributes:
-        blocks: NumPy boolean ``(..., \lceil n / b_c \rceil, \lceil m / b_p \rceil)``
-            block mask $B$.
+        blocks: boolean ``(..., \lceil n / b_c \rceil, \lceil m / b_p \rceil)`` block
+            mask $B$, known at trace time (kept as a NumPy array).
         block_size: ``(b_c, b_p)``, children and parents per block.
         size: ``(n, m)``, within the last block of each axis (default: whole blocks).
+
+    Raises:
+        ValueError: if ``blocks`` has fewer than two dims, a block size is not a positive
+            int, or ``size`` does not end in the last block of its axis.
+        TypeError: if ``blocks`` is traced.
     """
 
     blocks: np.ndarray
     block_size: tuple[int, int]
     size: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        try:
+            blocks = np.array(self.blocks, dtype=bool)
+        except Exception as err:  # a tracer
+            raise TypeError(f"BlockMask: blocks must be known at trace time ({err})") from None
+        if blocks.ndim < 2:
+            raise ValueError(f"BlockMask: blocks must have at least two dims, got shape "
+                             f"{blocks.shape}")
+        sizes = tuple(self.block_size)
+        if len(sizes) != 2 or not all(isinstance(b, (int, np.integer)) and b > 0
+                                      for b in sizes):
+            raise ValueError(f"BlockMask: block_size must be two positive ints, got "
+                             f"{self.block_size!r}")
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "block_size", tuple(int(b) for b in sizes))
+        if self.size is not None:
+            size = tuple(int(x) for x in self.size)
+            for name, x, nb, b in zip(("n", "m"), size, blocks.shape[-2:], self.block_size):
+                if not (nb - 1) * b < x <= nb * b:
+                    raise ValueError(f"BlockMask: size {name}={x} does not end in the last "
+                                     f"of {nb} blocks of {b}")
+            object.__setattr__(self, "size", size)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("a BlockMask is not an array: call its .dense() for the (n, m) mask, "
+                        "or read .blocks")
+
+    def __bool__(self):
+        raise TypeError("the truth value of a BlockMask is ambiguous (test `is None`)")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -95,25 +133,33 @@ def mask_and(a: ConcreteMask | None, b: ConcreteMask) -> ConcreteMask:
 
 
 def tile_grid(mask: ConcreteMask, n: int, m: int, bq: int, bk: int, nqb: int, nkb: int, *,
-              reduce: Callable, over_batch: Callable, fill: bool) -> np.ndarray:
+              reduce: Callable, over_batch: Callable) -> np.ndarray:
     """A concrete ``(..., n, m)`` mask reduced over the ``(nqb, nkb)`` tiles of ``bq x bk``.
 
     The mask is first reduced over its batch dims with ``over_batch`` (``np.any`` or
-    ``np.all``), then padded to ``nqb * bq x nkb * bk`` with ``fill``, and each tile is
-    reduced with ``reduce`` (``np.any`` or ``np.all``). A `BlockMask` is reduced on cells
-    of ``gcd(b_c, bq, n) x gcd(b_p, bk, m)`` edges, never expanded to ``(n, m)``.
+    ``np.all``), then each tile's edges before ``n`` and ``m`` are reduced with ``reduce``
+    (``np.any`` or ``np.all``; the padding does not count: a tile wholly in it gives
+    ``reduce``'s value on nothing, False for any and True for all). A `BlockMask` is
+    reduced on cells of ``gcd(b_c, bq) x gcd(b_p, bk)`` edges, never expanded to
+    ``(n, m)``.
 
     Returns:
         ``(nqb, nkb)`` boolean grid.
     """
+    if reduce not in (np.any, np.all):
+        raise ValueError(f"tile_grid: reduce must be np.any or np.all, got {reduce!r}")
     if isinstance(mask, BlockMask):
+        if mask.shape[-2:] != (n, m):
+            raise ValueError(f"tile_grid: a BlockMask of shape {mask.shape}, expected "
+                             f"(..., {n}, {m})")
         bc, bp = mask.block_size
-        x = np.asarray(mask.blocks, bool)
-        # cells: divide the blocks, the tiles and the mask's extent
-        cr, cc = math.gcd(bc, bq, n), math.gcd(bp, bk, m)
+        x = mask.blocks
+        # cells divide both the blocks and the tiles; a cell past n (m) lies in the last
+        # block, whose value its edges before n (m) have (the padding does not count)
+        cr, cc = math.gcd(bc, bq), math.gcd(bp, bk)
         x = x.reshape((-1,) + x.shape[-2:])
         x = x[0] if len(x) == 1 else over_batch(x, axis=0)
-        rows, cols, tq, tk = n // cr, m // cc, bq // cr, bk // cc
+        rows, cols, tq, tk = -(-n // cr), -(-m // cc), bq // cr, bk // cc
         x = np.repeat(np.repeat(x, bc // cr, axis=0), bp // cc, axis=1)[:rows, :cols]
     else:
         x = np.asarray(mask, bool)
@@ -122,7 +168,7 @@ def tile_grid(mask: ConcreteMask, n: int, m: int, bq: int, bk: int, nqb: int, nk
         x = np.broadcast_to(x, (n, m))
         rows, cols, tq, tk = n, m, bq, bk
     if (rows, cols) != (nqb * tq, nkb * tk):
-        pad = np.full((nqb * tq, nkb * tk), fill)
+        pad = np.full((nqb * tq, nkb * tk), reduce is np.all)  # the identity of reduce
         pad[:rows, :cols] = x
         x = pad
     return reduce(x.reshape(nqb, tq, nkb, tk), axis=(1, 3))

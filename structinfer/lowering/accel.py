@@ -670,9 +670,9 @@ def _block_grids(terms: Terms, mask: ConcreteMask | None, lay: _Layout
         return live, np.zeros_like(live), True
     n, m = terms.num_children, terms.num_parents
     tiles = (n, m, lay.bq, lay.bk, lay.nqb, lay.nkb)
-    live &= tile_grid(mask, *tiles, reduce=np.any, over_batch=np.any, fill=False)
+    live &= tile_grid(mask, *tiles, reduce=np.any, over_batch=np.any)
     # the mask allows every edge of the block (padding aside)
-    whole = tile_grid(mask, *tiles, reduce=np.all, over_batch=np.all, fill=True)
+    whole = tile_grid(mask, *tiles, reduce=np.all, over_batch=np.all)
     # full: every edge in the band, no padded parent, and the mask allows them all
     return live, band_full & whole & live, bool((live & ~whole).any())
 
@@ -694,15 +694,21 @@ def _block_table(grids: tuple[np.ndarray, np.ndarray, bool], by_parent: bool = F
     return out
 
 
+#: smallest tile `_fit_blocks` narrows a kernel's tiles to (smaller tiles waste the
+#: matmul units more than reading the mask in the tiles that straddle two blocks costs;
+#: a guess, not measured on a GPU)
+FIT_MIN = 32
+
+
 def _fit_blocks(size: int, mask: ConcreteMask | None, axis: int) -> int:
     """A default block size lowered to divide a `BlockMask`'s block size along ``axis``
-    (0: children, 1: parents) when a power of two of at least 16 divides it: blocks then
-    never straddle two of the mask's, so none needs the per-edge mask."""
+    (0: children, 1: parents) when a power of two of at least `FIT_MIN` divides it: blocks
+    then never straddle two of the mask's, so none needs the per-edge mask."""
     if not isinstance(mask, BlockMask):
         return size
     b = mask.block_size[axis]
     p = b & -b  # the largest power of two dividing b
-    return min(size, p) if p >= 16 else size
+    return min(size, p) if p >= FIT_MIN else size
 
 
 def _check_mask(mask: ConcreteMask | None, terms: Terms, who: str) -> None:
@@ -800,8 +806,9 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             float32 with head dim 128, to stay within a GPU's shared memory).
         block_k: parents per block (rounded up to a power of two, at least 16, at most
             that of ``m``; default 64). With a `BlockMask` ``mask``, either default is
-            lowered to divide the mask's block size when a power of two of at least 16
-            does, so that no block straddles two of the mask's and none reads the mask.
+            lowered to divide the mask's block size when a power of two of at least
+            `FIT_MIN` (32) does, so that no block straddles two of the mask's and none
+            reads the mask.
         interpret: run in Pallas' interpreter (default: when JAX's backend is not a GPU).
         precision: the matmuls' ``precision`` (``None``: JAX's default, which follows
             ``jax.default_matmul_precision``; for float32 inputs on a GPU that default is

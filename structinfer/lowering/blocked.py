@@ -71,7 +71,7 @@ from ._spec import (
     sum_to,
 )
 
-__all__ = ["Schedule", "make_schedule", "blocked_attention", "band_blocks"]
+__all__ = ["Schedule", "make_schedule", "block_grids", "blocked_attention", "band_blocks"]
 
 
 #: one rectangle of a block that a kernel computes: ``(r0, rn, c0, cn, masked)`` — rows
@@ -208,8 +208,7 @@ def _live_full(terms: Terms, bq: int, bk: int, nqb: int, nkb: int, mask) -> tupl
     if terms.pair_ok or terms.col_ok:
         full[:] = False
     if mask is not None:
-        live &= tile_grid(mask, n, m, bq, bk, nqb, nkb, reduce=np.any, over_batch=np.any,
-                          fill=False)
+        live &= tile_grid(mask, n, m, bq, bk, nqb, nkb, reduce=np.any, over_batch=np.any)
     return live, full & live
 
 
@@ -661,7 +660,8 @@ def _takes(fn: Callable, name: str) -> bool:
 
 
 class _ArrayKey:
-    """A NumPy array as part of a static argument: hashed and compared by its contents
+    """A concrete mask (NumPy array or `BlockMask`) as part of a static argument: hashed
+    and compared by its contents
     (so that equal masks give equal static arguments from call to call). Not a copy: a
     key is made and read within one trace (at n = 16384 a copy of a mask took 0.5 s)."""
 
@@ -756,7 +756,7 @@ def blocked_attention(
     *,
     block_q: int = 128,
     block_k: int = 128,
-    mask: np.ndarray | None = None,
+    mask: ConcreteMask | None = None,
     schedule: Schedule | None = None,
     starts: tuple | None = None,
     forward: Callable | None = None,
@@ -771,8 +771,10 @@ def blocked_attention(
         terms, prob: a lowered edge site (`structinfer.lowering._spec`).
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         block_q, block_k: block sizes (any lengths; the last block is padded).
-        mask: optional concrete NumPy mask used to skip empty blocks: the value of the
-            per-edge mask when the terms have one (``terms.pair_ok``), with the contract
+        mask: optional concrete mask used to skip empty blocks, a NumPy boolean array or
+            a [`BlockMask`][structinfer.lowering.BlockMask] (a replacement pass that
+            takes ``mask=`` may be given either): the value of the per-edge mask when the
+            terms have one (``terms.pair_ok``), with the contract
             `structinfer.lowering.accel.pallas_forward` states for its ``mask``.
         schedule: a precomputed `Schedule` (overrides the three above).
         starts: optional traced ``(i_start, j_start)`` global indices of the first

@@ -183,15 +183,15 @@ def _pattern_name(pattern: P.RestrictionPattern) -> str:
 def _restricted(prior: P.Restricted, terms: TermBuilder) -> None:
     n, m = terms.num_children, terms.num_parents
     t = _pattern_name(prior.pattern)
+    if prior.blocks is not None:
+        _block_sparse(prior, terms, t)
+        return
     rule = PATTERN_RULES.lookup(prior.pattern)
     band = rule(prior.pattern)
     if band is not None and not isinstance(band, DistanceBand):
         raise TypeError(f"pattern rule {getattr(rule, '__qualname__', rule)!r} for "
                         f"{type(prior.pattern).__name__} returned {band!r}; a pattern rule "
                         "returns a structinfer.lowering.DistanceBand or None")
-    if getattr(prior, "blocks", None) is not None:
-        _block_sparse(prior, terms, t)
-        return
     conc = getattr(prior, "concrete_mask", None)
     if band is not None:
         if conc is not None:
