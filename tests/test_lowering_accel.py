@@ -261,6 +261,49 @@ def test_cudnn_call_reads_and_writes_the_arrays_in_place(case, monkeypatch):
         assert not copies, copies
 
 
+@pytest.mark.parametrize("case", ["window", "relpos"])
+def test_cudnn_model_path_adds_no_pass_over_the_queries(case, gpu, monkeypatch):
+    """Regression (H200): the model path around cuDNN added whole passes over (heads, n,
+    head dim) arrays beside the fused call: the score's scale multiplied the queries
+    before it and their gradient after it, and the NaN-row ``where`` had a backward
+    ``select`` on the output's cotangent. Lowered for CUDA on this CPU (JAX's cuDNN
+    version check answered), through ``si.attention``: the scale is cuDNN's own
+    (``fmha_scale``), the forward's only such pass is the NaN-row ``select`` on the
+    output, and a gradient is the two cuDNN calls alone."""
+    import re
+
+    fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    if not hasattr(fa, "check_cudnn_version"):
+        pytest.skip("this JAX's cuDNN wrapper has no version check to answer")
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91900)
+    n, d = 132, 16
+    prior = {"window": lambda e: si.priors.Restricted.window(n, 9),
+             "relpos": lambda e: si.priors.RelativePosition(e, n, causal=True)}[case]
+
+    def model(q, k, v, e):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            j = si.edge("phi", prior(e), si.scores.Dot(q, k, scale=d ** -0.5))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    f = si.attention(model, "out", "cudnn")
+    x = jax.ShapeDtypeStruct((H, n, d), jnp.bfloat16)
+    e = jax.ShapeDtypeStruct((H, 2 * n - 1), jnp.float32)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))
+    passes = {}
+    for name, g in (("forward", f), ("gradient", grad)):
+        try:
+            text = jax.jit(g).trace(x, x, x, e).lower(lowering_platforms=("cuda",)).as_text()
+        except (NotImplementedError, TypeError) as err:  # an older JAX's wrapper refuses
+            pytest.skip(f"JAX's cuDNN wrapper does not lower here: {err}")
+        assert text.count("__cudnn$fmha") == (1 if name == "forward" else 2), name
+        assert re.findall(r"fmha_scale\\22: ([\d.e-]+)", text) == (
+            ["0.25"] * (1 if name == "forward" else 2)), name
+        passes[name] = [ln.split("=")[1].split()[0] for ln in text.splitlines()
+                        if re.search(r"stablehlo\.(multiply|select|divide) .*"
+                                     rf"tensor<{H}x{n}x{d}x", ln)]
+    assert passes == {"forward": ["stablehlo.select"], "gradient": []}, passes
+
+
 PALLAS_CASES = {  # prior(n, m, extra) on n = 37 children, m = 45 parents
     "causal_offset": lambda n, m, e: si.priors.Restricted.causal(n, m, offset=m - n),
     "window_no_self": lambda n, m, e: si.priors.Restricted.window(

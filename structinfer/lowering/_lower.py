@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from .._checks import is_concrete
 from ..priors import RestrictionPattern, StructuralPrior, band_mask
 from ..scores import Score
 from ._masks import BlockMask, ConcreteMask, mask_and
@@ -146,6 +147,7 @@ class TermBuilder:
         self.num_children, self.num_parents = int(num_children), int(num_parents)
         self._dot_q: list[jax.Array] = []
         self._dot_k: list[jax.Array] = []
+        self._dot_scale: list[float | None] = []
         self._idw: list[tuple[jax.Array, jax.Array, jax.Array, jax.Array]] = []
         self._col_bias: list[jax.Array] = []
         self._pair: list[jax.Array] = []
@@ -182,10 +184,25 @@ class TermBuilder:
 
     # --- additive terms --------------------------------------------------------------
 
-    def add_dot(self, q: jax.Array, k: jax.Array) -> None:
-        r"""$\ell_{ij} \mathrel{+}= q_i^\top k_j$; ``q``: ``(..., n, f)``, ``k``: ``(..., m, f)``."""
+    def add_dot(self, q: jax.Array, k: jax.Array, scale: ArrayLike | None = None) -> None:
+        r"""$\ell_{ij} \mathrel{+}= s\, q_i^\top k_j$; ``q``: ``(..., n, f)``, ``k``:
+        ``(..., m, f)``.
+
+        ``scale``: $s$ (default 1), any scalar. The kernels multiply ``q`` by it, as
+        ``q * scale`` does (its dtype included); when it is a number known at trace time
+        that keeps ``q``'s dtype and the site has no other dot term, the cuDNN kernel
+        takes it as its own scale instead, reading ``q`` where it is.
+        """
+        static = None
+        if scale is not None:
+            if (is_concrete(scale) and np.ndim(scale) == 0
+                    and jnp.result_type(q, scale) == jnp.result_type(q)):
+                static = float(scale)
+            else:
+                q = q * scale
         self._dot_q.append(q)
         self._dot_k.append(k)
+        self._dot_scale.append(static)
 
     def add_inverse_distance(self, q: jax.Array, k: jax.Array, p: ArrayLike,
                              eps: ArrayLike) -> None:
@@ -474,11 +491,23 @@ class Lowered:
     (the contract: `structinfer.lowering.accel.pallas_forward`'s ``mask``); ``None``
     when some per-edge mask is traced."""
 
-    def __init__(self, terms: Terms, problem: Problem, batch_shape, mask=None):
+    def __init__(self, terms: Terms, problem: Problem, batch_shape, mask=None,
+                 unscaled: tuple[jax.Array, float] | None = None):
         self.terms = terms
         self.problem = problem
         self.batch_shape = tuple(batch_shape)
         self.mask = mask
+        self._unscaled = unscaled
+
+    def unscaled_dot(self, problem: Problem) -> tuple[jax.Array, float] | None:
+        """``(q, s)`` when the site's dot product is $s\\, q^\top k$ with a static scale $s$
+        and ``problem`` reads this site's own ``q`` (``problem.row.q`` is ``s * q``); else
+        ``None`` (a shard's or another problem: its ``row.q`` is already scaled). A
+        kernel that takes a scale of its own (cuDNN) reads ``q`` where it is instead of
+        the scaled copy."""
+        if self._unscaled is None or problem.row.q is not self.problem.row.q:
+            return None
+        return self._unscaled
 
     def __repr__(self) -> str:
         return f"Lowered({', '.join(self.terms.notes)}; batch={self.batch_shape})"
@@ -542,9 +571,13 @@ def lower_edge(
         acc.add_score(score)
     kw = dict(acc._kw)
     q = k = bias = logits = None
+    raw_q = scale = None
     if acc._dot_q:
-        q, k = _bcast_cat(acc._dot_q), _bcast_cat(acc._dot_k)
+        scaled = [x if c is None else x * c for x, c in zip(acc._dot_q, acc._dot_scale)]
+        q, k = _bcast_cat(scaled), _bcast_cat(acc._dot_k)
         kw["dot"] = True
+        if len(acc._dot_q) == 1 and acc._dot_scale[0] is not None:
+            raw_q, scale = acc._dot_q[0], acc._dot_scale[0]
     kw["idw"] = len(acc._idw)
     if acc._col_bias:
         b = acc._col_bias[0]
@@ -625,4 +658,5 @@ def lower_edge(
         )
     terms = Terms(n, m, notes=tuple(acc._notes), **kw)
     mask = None if acc._pair_traced else acc._mask
-    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, mask)
+    unscaled = None if raw_q is None else (operand(raw_q), scale)
+    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, mask, unscaled)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["Running", "online_start", "online_shift", "online_step", "online_finish",
-           "online_merge", "backward_delta", "backward_probs"]
+           "online_merge", "with_nan_rows", "backward_delta", "backward_probs"]
 
 
 class Running(NamedTuple):
@@ -104,6 +104,33 @@ def online_merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
     m = online_shift(jnp.maximum(la, lb))
     ea, eb = jnp.exp(la - m), jnp.exp(lb - m)
     return online_finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))
+
+
+@jax.custom_jvp
+def with_nan_rows(y: jax.Array, lse: jax.Array) -> jax.Array:
+    r"""The engine's convention on a kernel's output: NaN in the rows whose log-normaliser
+    $L_i$ is not finite (no allowed parent, a NaN / inf score), ``y`` elsewhere.
+
+    Differentiated as the identity in ``y`` (nothing from ``L``): every row it changes is
+    NaN, so a loss that reads one is NaN whatever its gradient, and one that drops it (a
+    ``where``) gives it a zero cotangent anyway. The reverse pass is then no pass over
+    the cotangent (a ``where``'s would be one more beside a fused kernel's backward), and
+    forward-mode and higher derivatives still work.
+
+    Args:
+        y: ``(..., rows, dv)`` output.
+        lse: ``(..., rows)`` row log-normalisers.
+
+    Returns:
+        ``y`` with its rows of non-finite ``lse`` set to NaN.
+    """
+    return jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+
+
+@with_nan_rows.defjvp
+def _with_nan_rows_jvp(primals, tangents):
+    y, lse = primals
+    return with_nan_rows(y, lse), tangents[0]
 
 
 def backward_delta(out: jax.Array, d_out: jax.Array, lse: jax.Array, d_lse: jax.Array,

@@ -220,20 +220,26 @@ def _bias_table(terms: Terms, prob: Problem, dtype) -> jax.Array:
     return b.astype(dtype)
 
 
-def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
+def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                    unscaled: tuple[jax.Array, float] | None = None
                     ) -> tuple[jax.Array, jax.Array]:
     r"""$y = \mathrm{softmax}(q k^\top + b)\,V$ and $L$ through cuDNN's fused attention.
 
     Requires `cudnn_unsupported` to return `None`. The batch dims (heads, batch) become
     cuDNN's batch, one head each, so the call reads and writes our arrays where they are
     (queries, keys or values shared across the batch are broadcast first); with an
-    additive bias they become the heads of one batch element instead. The score's scale
-    is already folded into `q`.
+    additive bias they become the heads of one batch element instead. The dot product's
+    scale is folded into ``prob.row.q``, or given with the unscaled queries as
+    ``unscaled`` (`Lowered.unscaled_dot`): cuDNN then applies it to $q^\top k$ in float32,
+    and the call reads the queries where they are (no scaled copy, and no pass scaling
+    their gradient).
 
     Args:
         terms: the static terms of a lowered edge site.
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
+        unscaled: optional ``(q, s)``: queries to use in place of ``prob.row.q`` (which
+            is ``s * q``) and the static scale ``s``.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32.
@@ -250,6 +256,9 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     n, m = terms.num_children, terms.num_parents
     B = _prod(batch)
     q, k, v = prob.row.q, prob.col.k, prob.v
+    scale = 1.0
+    if unscaled is not None:
+        q, scale = unscaled
 
     # Without a bias, our batch is cuDNN's batch of one head each: (B, L, 1, f) in its BTNH
     # layout is our (B, L, f) in memory, so no operand or result is copied. With a bias,
@@ -272,7 +281,7 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     causal = terms.has_band
     window = (terms.dmax, 0) if terms.dmax is not None else None
     y, res = jax.nn.dot_product_attention(
-        to_cudnn(q), to_cudnn(k), to_cudnn(v), bias=bias, scale=1.0, is_causal=causal,
+        to_cudnn(q), to_cudnn(k), to_cudnn(v), bias=bias, scale=scale, is_causal=causal,
         local_window_size=window, implementation="cudnn", return_residual=True,
     )
     y = from_cudnn(y).reshape(batch + (n, v.shape[-1]))

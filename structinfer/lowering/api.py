@@ -30,6 +30,7 @@ import numpy as np
 from .._checks import is_concrete
 from ..exact import expectation, inspect_model, log_marginal, marginals
 from ._recognise import Fallback, Plan, recognise
+from ._softmax import with_nan_rows
 from .kernels import KERNELS, KernelConfig, auto_kernel
 from .markov import markov_scan
 
@@ -175,7 +176,7 @@ def _execute(plan: Plan, kernels: dict, config: KernelConfig,
         if used != kind:
             ran[ep.name] = (used, notes)
         if runner is not None or not KERNELS[used].nan_rows:  # else the kernel wrote them
-            y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+            y = with_nan_rows(y, lse)
         Y[ep.name] = y
         lses[ep.name] = lse
     out = None

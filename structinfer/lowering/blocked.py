@@ -58,6 +58,7 @@ from ._softmax import (
     online_finish,
     online_start,
     online_step,
+    with_nan_rows,
 )
 from ._spec import (
     Cols,
@@ -465,7 +466,7 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
         init = tuple(online_start(batch + (bq,), dv, dtype))
         out, lse = online_finish(Running(*_loops(tables, a, body_of, init)))
         if nan_rows:  # the engine's convention, in the same pass as the division
-            out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
+            out = with_nan_rows(out, lse)
         return out.astype(out_dtype), lse
 
     def write(a, bufs):
@@ -683,7 +684,7 @@ def _run_forward(static, prob: Problem, starts):
         out, lse = forward(terms, prob, batch,
                            **_hook_kwargs(forward, precision, has_starts, starts, mask))
         if nan_rows:
-            out = jnp.where(jnp.isfinite(lse)[..., None], out, jnp.nan)
+            out = with_nan_rows(out, lse)
         return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
     return _forward(terms, sched, batch, prob, starts, nan_rows, precision, out_dtype)
 

@@ -157,7 +157,8 @@ def _cudnn_unsupported(lowered: Lowered) -> str | None:
 
 
 def _run_cudnn(lowered, prob, batch, config):
-    return accel.cudnn_attention(lowered.terms, prob, batch)
+    return accel.cudnn_attention(lowered.terms, prob, batch,
+                                 unscaled=lowered.unscaled_dot(prob))
 
 
 def _pallas_unsupported(lowered: Lowered) -> str | None:

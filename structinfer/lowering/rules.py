@@ -58,7 +58,7 @@ def _sum(score: S.Sum, terms: TermBuilder) -> None:
 
 @register_score_rule(S.Dot)  # and Bilinear, which is a Dot of its projections
 def _dot(score: S.Dot, terms: TermBuilder) -> None:
-    terms.add_dot(score.q if score.scale is None else score.q * score.scale, score.k)
+    terms.add_dot(score.q, score.k, score.scale)
     terms.note(f"score {type(score).__name__} (matmul)")
 
 

@@ -41,7 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._lower import Lowered
-from ._softmax import online_merge
+from ._softmax import online_merge, with_nan_rows
 from ._spec import Problem, Terms, accum_dtype
 from .blocked import blocked_attention, make_schedule
 from .kernels import KERNELS, KernelConfig
@@ -137,7 +137,7 @@ def head_sharded_attention(
         p = Problem(row, col, pair, glob, const, v)
         y, lse = entry.run(Lowered(terms, p, local, mask), p, local, config)
         if not entry.nan_rows:
-            y = jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+            y = with_nan_rows(y, lse)
         return y, lse
 
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)),
