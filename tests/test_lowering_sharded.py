@@ -40,9 +40,14 @@ SCRIPT = textwrap.dedent(
     k = r.normal(size=(H, m, D)).astype(np.float32)
     v = r.normal(size=(H, m, 3)).astype(np.float32)
     bias = r.normal(size=(H, 2 * m - 1)).astype(np.float32)  # offset m - n
+    HB = r.random((H, 5, 7)) < 0.5   # blocks of 4 x 4, one mask per head
+    HB[..., 0] = True
     cases = {
         "relpos_causal": si.priors.RelativePosition(bias, m, causal=True, offset=m - n),
         "window": si.priors.Restricted.window(n, 3, m, offset=m - n),   # empty chunk pairs
+        # on one device the blocked kernel reads the heads' block mask per block; on a
+        # shard of the heads it reads the shard's (n, m) mask
+        "block_sparse_heads": si.priors.Restricted.block_sparse(HB, 4),
     }
     for name, prior in cases.items():
         low = lower_edge(prior, si.scores.Dot(q, k, scale=0.5), v, n, (H,))
@@ -60,12 +65,18 @@ SCRIPT = textwrap.dedent(
         np.testing.assert_allclose(l1, l0, atol=1e-6, rtol=0)
         np.testing.assert_allclose(y2, y0, atol=2e-6)
         np.testing.assert_allclose(l2, l0, atol=2e-6)
-        if name == "relpos_causal":
+        if name == "block_sparse_heads":  # without the mask's value: the (n, m) mask
+            y3, _ = jax.jit(lambda p: blocked_attention(low.terms, p, (H,), block_q=4,
+                                                        block_k=8))(low.problem)
+            np.testing.assert_allclose(y0, y3, atol=1e-6)
+        if name in ("relpos_causal", "block_sparse_heads"):
             loss = lambda f: (lambda p: jnp.sum(jnp.sin(f(p)[0])))
-            g0 = jax.jit(jax.grad(loss(single)))(low.problem)
-            g2 = jax.jit(jax.grad(loss(ring)))(low.problem)
-            for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g2)):
-                np.testing.assert_allclose(b, a, atol=2e-5)
+            g0 = jax.jit(jax.grad(loss(single), allow_int=True))(low.problem)
+            for f in (ring, heads):
+                g = jax.jit(jax.grad(loss(f), allow_int=True))(low.problem)
+                for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g)):
+                    if a.dtype != jax.dtypes.float0:
+                        np.testing.assert_allclose(b, a, atol=2e-5)
         print("ok", name)
 
     # the whole model, sharded over heads and over the sequence, vs the exact engine
@@ -177,7 +188,7 @@ def test_sharded_and_ring_attention_on_four_simulated_devices():
     # one subprocess (JAX starts once): the blocked kernel's checks, then the Pallas
     # kernel's default case
     _run(SCRIPT + f"\nCASES = {PALLAS_CASES[:DEFAULT_PALLAS]!r}\n" + PALLAS_SCRIPT,
-         6 + DEFAULT_PALLAS)
+         7 + DEFAULT_PALLAS)
 
 
 @pytest.mark.exhaustive

@@ -113,6 +113,10 @@ class Terms:
     #: boolean masks in const: pair_ok (..., n, m), col_ok (..., m)
     pair_ok: bool = False
     col_ok: bool = False
+    #: the per-edge mask read per block from const.block_ok (..., nbc, nbp): edge (i, j)
+    #: is allowed when block_ok[..., i // bc, j // bp] for these (bc, bp) (the blocked
+    #: kernel's form of a block-sparse mask known at trace time)
+    mask_blocks: tuple[int, int] | None = None
     #: human-readable description of the recognised parts (for explain)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -196,16 +200,21 @@ class Consts:
     Attributes:
         pair_ok: per edge, ``(..., n, m)``.
         col_ok: per parent, ``(..., m)``.
+        block_ok: per block of edges, ``(..., n / b_c, m / b_p)`` (``Terms.mask_blocks``
+            gives ``(b_c, b_p)``), read whole: a block reads it at its edges' indices.
     """
 
     pair_ok: jax.Array | None = None
     col_ok: jax.Array | None = None
+    block_ok: jax.Array | None = None
 
     def map(self, per_edge: Callable, per_parent: Callable) -> Consts:
         """The masks with ``per_edge`` applied to ``pair_ok`` and ``per_parent`` to
-        ``col_ok`` (each where present): the two slice differently."""
+        ``col_ok`` (each where present): the two slice differently; ``block_ok`` is read
+        whole and kept."""
         return Consts(None if self.pair_ok is None else per_edge(self.pair_ok),
-                      None if self.col_ok is None else per_parent(self.col_ok))
+                      None if self.col_ok is None else per_parent(self.col_ok),
+                      self.block_ok)
 
 
 @_pytree
@@ -377,4 +386,9 @@ def block_logits(
         ok = conj(ok, per_parent(const.col_ok))
     if t.pair_ok:
         ok = conj(ok, per_edge(const.pair_ok))
+    if t.mask_blocks is not None:  # padded indices read the last block (masked anyway)
+        b = const.block_ok
+        rows = jnp.minimum(i_idx // t.mask_blocks[0], b.shape[-2] - 1)
+        cols = jnp.minimum(j_idx // t.mask_blocks[1], b.shape[-1] - 1)
+        ok = conj(ok, per_edge(b[..., rows, :][..., cols]))
     return s.astype(dtype), ok

@@ -206,7 +206,7 @@ def _live_full(terms: Terms, bq: int, bk: int, nqb: int, nkb: int, mask) -> tupl
         full &= d_hi <= terms.dmax
     if terms.exclude_zero:
         full &= (d_lo > 0) | (d_hi < 0)
-    if terms.pair_ok or terms.col_ok:
+    if terms.pair_ok or terms.col_ok or terms.mask_blocks is not None:
         full[:] = False
     if mask is not None:
         live &= tile_grid(mask, n, m, bq, bk, nqb, nkb, reduce=np.any, over_batch=np.any)
@@ -443,7 +443,7 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
                 col_b = _rows(p.col, j0, bk)
                 v_b = _slice(p.v, j0, bk, -2)
                 pair_b = jax.tree.map(lambda x: _slice(x, j0, bk, -1), pair_r)
-                const_b = jax.tree.map(lambda x: _slice(x, j0, bk, -1), const_r)
+                const_b = const_r.map(*(lambda x: _slice(x, j0, bk, -1),) * 2)
                 j_loc = j0 + jnp.arange(bk)
                 # each rectangle updates its own rows; rows of no rectangle keep the carry
                 rows = [None] * len(pattern)
@@ -677,6 +677,27 @@ class _ArrayKey:
         return isinstance(other, _ArrayKey) and self._key == other._key
 
 
+def _mask_by_blocks(terms: Terms, prob: Problem, batch_shape, mask
+                    ) -> tuple[Terms, Problem]:
+    """The edge with its per-edge mask read per block from a `BlockMask` (`Terms.
+    mask_blocks`, ``const.block_ok``) in place of the ``(n, m)`` mask, which XLA would
+    hold in memory for the loops to slice: when ``mask`` is a `BlockMask` (a concrete
+    `Lowered.mask` is the whole per-edge mask) whose batch dims are those of the batch
+    (not, e.g., a shard's). Otherwise unchanged."""
+    if not (isinstance(mask, BlockMask) and terms.pair_ok):
+        return terms, prob
+    blocks = mask.blocks
+    batch = tuple(batch_shape)
+    try:
+        if np.broadcast_shapes(blocks.shape[:-2], batch) != batch:
+            return terms, prob
+    except ValueError:
+        return terms, prob
+    terms = dataclasses.replace(terms, pair_ok=False, mask_blocks=mask.block_size)
+    const = dataclasses.replace(prob.const, pair_ok=None, block_ok=jnp.asarray(blocks))
+    return terms, dataclasses.replace(prob, const=const)
+
+
 def _run_forward(static, prob: Problem, starts):
     terms, sched, batch, forward, _, nan_rows, precision, out_dtype, has_starts, mask = (
         static.value)
@@ -836,6 +857,8 @@ def blocked_attention(
     # a replacement pass is given the concrete per-edge mask (its own blocks differ)
     hook_mask = (_ArrayKey(mask) if mask is not None and terms.pair_ok and not has_starts
                  and (forward is not None or backward is not None) else None)
+    if forward is None and backward is None and not has_starts:
+        terms, prob = _mask_by_blocks(terms, prob, batch_shape, mask)
     static = _Static((terms, schedule, tuple(batch_shape), forward, backward, bool(nan_rows),
                       precision, None if out_dtype is None else jnp.dtype(out_dtype),
                       has_starts, hook_mask))

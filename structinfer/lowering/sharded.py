@@ -249,7 +249,7 @@ def ring_attention(
             def cols_of(x, j_start=j_start):  # this step's parents: last axis of pair / const
                 return lax.dynamic_slice_in_dim(x, j_start, ml, axis=x.ndim - 1)
 
-            pair_c, const_c = jax.tree.map(cols_of, pair), jax.tree.map(cols_of, const)
+            pair_c, const_c = jax.tree.map(cols_of, pair), const.map(cols_of, cols_of)
             chunk = Problem(row, col, pair_c, glob, const_c, v)
 
             def compute(chunk, j_start=j_start):
