@@ -350,3 +350,42 @@ def test_the_blocked_kernel_reads_a_block_mask_per_block():
         if ma is None:
             pytest.skip("this JAX reports no memory analysis")
         assert ma.temp_size_in_bytes < n * n // 4, ma.temp_size_in_bytes
+
+
+def test_blocked_attention_reads_a_given_block_mask_only_for_skipping():
+    """``blocked_attention``'s ``mask`` need only bound the per-edge mask (OR over the
+    batch allows every allowed edge, AND only allowed ones): a BlockMask that does so
+    without being it (the heads' masks swapped) skips blocks but is never read as the
+    mask. Only the kernel table's blocked entry, given a site's whole mask, reads it per
+    block (`mask_per_block`)."""
+    from structinfer.lowering._lower import lower_edge
+    from structinfer.lowering.blocked import blocked_attention, mask_per_block
+    from structinfer.lowering.dense import dense_attention
+
+    n = 32
+    blocks = _blocks((H, 4, 4), 8)
+    blocks[1, 0, -1] = not blocks[0, 0, -1]
+    q, k, v = _inputs(n, jnp.float32)
+    low = lower_edge(si.priors.Restricted.block_sparse(blocks, 8), si.scores.Dot(q, k), v,
+                     n, (H,))
+    ref, _ = dense_attention(low.terms, low.problem, (H,))
+    swapped = BlockMask(blocks[::-1], (8, 8))
+    y, _ = blocked_attention(low.terms, low.problem, (H,), block_q=8, block_k=8, mask=swapped)
+    np.testing.assert_allclose(y, ref, atol=1e-6)
+    terms, prob = mask_per_block(low.terms, low.problem, (H,), low.mask)
+    assert terms.mask_blocks == (8, 8) and prob.const.pair_ok is None
+    y, _ = blocked_attention(terms, prob, (H,), block_q=8, block_k=8, mask=low.mask)
+    np.testing.assert_allclose(y, ref, atol=1e-6)
+    # a shard's arrays (one head) with the whole batch's mask: unchanged
+    assert mask_per_block(low.terms, low.problem, (1,), low.mask)[0] is low.terms
+
+
+def test_a_one_row_block_mask_from_a_rule_is_a_column_mask():
+    """A prior rule that restricts with a one-row mask gives its BlockMask: kept as the
+    (one-row, O(m)) column mask it is."""
+    from structinfer.lowering import TermBuilder
+
+    terms = TermBuilder(16, 16)
+    row = np.array([[True, False]])
+    terms.restrict_pairs(jnp.asarray(np.repeat(row, 8, -1)), BlockMask(row, (1, 8)))
+    np.testing.assert_array_equal(terms._mask, np.repeat(row, 8, -1))

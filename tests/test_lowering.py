@@ -853,38 +853,40 @@ def test_relpos_lowering_uses_the_prior_lookup(x64):
 
 
 def test_the_dense_backend_keeps_forward_mode_and_second_derivatives():
-    """The NaN-row convention around a kernel is differentiated as the identity in its
-    output (so that a reverse pass adds no pass over the cotangent) through a
-    ``custom_jvp``: forward mode and second derivatives of the dense backend still work
-    and equal the exact engine's; a NaN row (a NaN query, under ``jit``) is NaN and
-    leaves the others and their gradient alone."""
+    """Forward mode and second derivatives of the dense backend work and equal the exact
+    engine's; a row with no allowed parent (a traced mask, under ``jit``) is NaN and
+    leaves the others alone, and a loss that drops it after a nonlinearity has the exact
+    engine's gradient (the row's cotangent is zeroed where the NaN rows are written:
+    passed through, the NaN made the values' gradient NaN)."""
     n, d = 6, 2
     r = np.random.default_rng(0)
     q, k, v = (jnp.asarray(r.normal(size=(n, d))) for _ in range(3))
 
-    def model(q, k, v):
+    def model(q, k, v, mask):
         with numpyro.plate("nodes", n):
-            j = si.edge("phi", si.priors.Restricted.causal(n), si.scores.Dot(q, k, scale=0.7))
+            j = si.edge("phi", si.priors.Restricted(mask), si.scores.Dot(q, k, scale=0.7))
             numpyro.deterministic("out", v[j])
 
     dense, exact = attention(model, "out", "dense"), attention(model, "out", "exact")
+    causal = np.tril(np.ones((n, n), bool))
 
     def loss(f):
-        return lambda q: jnp.sum(jnp.sin(f(q, k, v)))
+        return lambda q: jnp.sum(jnp.sin(f(q, k, v, causal)))
 
     for fn in (jax.hessian, jax.jacfwd):
         np.testing.assert_allclose(fn(loss(dense))(q), fn(loss(exact))(q), atol=1e-5)
-    bad = q.at[3, 0].set(jnp.nan)
-    y = jax.jit(dense)(bad, k, v)
-    rows = np.isnan(np.asarray(y)).any(-1)
-    assert rows.tolist() == [i == 3 for i in range(n)]
+    empty = causal.copy()
+    empty[3] = False  # child 3 has no allowed parent
+    y = jax.jit(dense)(q, k, v, empty)
+    assert np.isnan(np.asarray(y)).any(-1).tolist() == [i == 3 for i in range(n)]
     np.testing.assert_allclose(np.delete(np.asarray(y), 3, 0),
-                               np.delete(np.asarray(exact(q, k, v)), 3, 0), atol=1e-6)
+                               np.delete(np.asarray(exact(q, k, v, causal)), 3, 0), atol=1e-6)
 
-    def kept(f):  # the loss without row 3: its gradient to the other queries
-        return lambda q: jnp.sum(jnp.where(np.arange(n)[:, None] == 3, 0.0, f(q, k, v)))
+    def kept(f, mask):  # the loss without row 3, after a nonlinearity
+        return lambda q, v: jnp.sum(jnp.where(np.arange(n)[:, None] == 3, 0.0,
+                                              jnp.sin(f(q, k, v, mask))))
 
-    g = jax.jit(jax.grad(kept(dense)))(bad)
-    np.testing.assert_allclose(np.delete(np.asarray(g), 3, 0),
-                               np.delete(np.asarray(jax.grad(kept(exact))(q)), 3, 0),
-                               atol=1e-5)
+    g = jax.jit(jax.grad(kept(dense, empty), (0, 1)))(q, v)
+    ref = jax.grad(kept(exact, causal), (0, 1))(q, v)  # row 3 dropped: its mask is moot
+    for a, b in zip(ref, g):
+        np.testing.assert_allclose(b, a, atol=1e-5)

@@ -314,6 +314,8 @@ class TermBuilder:
             self._kw["pair_ok"] = True
             self._pair_traced |= concrete is None
         if concrete is not None:
+            if isinstance(concrete, BlockMask) and ok.shape[-2] == 1:
+                concrete = concrete.dense()  # one row: a column mask, O(m)
             if not isinstance(concrete, BlockMask):
                 concrete = np.asarray(concrete, bool)
             elif concrete.shape[-2:] != tuple(ok.shape[-2:]):
@@ -500,7 +502,7 @@ class Lowered:
         self._unscaled = unscaled
 
     def unscaled_dot(self, problem: Problem) -> tuple[jax.Array, float] | None:
-        """``(q, s)`` when the site's dot product is $s\\, q^\top k$ with a static scale $s$
+        r"""``(q, s)`` when the site's dot product is $s\\, q^\top k$ with a static scale $s$
         and ``problem`` reads this site's own ``q`` (``problem.row.q`` is ``s * q``); else
         ``None`` (a shard's or another problem: its ``row.q`` is already scaled). A
         kernel that takes a scale of its own (cuDNN) reads ``q`` where it is instead of

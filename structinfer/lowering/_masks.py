@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 __all__ = ["BlockMask", "ConcreteMask", "tile_grid", "mask_and", "mask_shape", "mask_key"]
@@ -41,7 +42,7 @@ class BlockMask:
     Attributes:
         blocks: boolean ``(..., \lceil n / b_c \rceil, \lceil m / b_p \rceil)`` block
             mask $B$, known at trace time (kept as a NumPy array).
-        block_size: ``(b_c, b_p)``, children and parents per block.
+        block_size: ``(b_c, b_p)``, children and parents per block (one int: square).
         size: ``(n, m)``, within the last block of each axis (default: whole blocks).
 
     Raises:
@@ -55,14 +56,15 @@ class BlockMask:
     size: tuple[int, int] | None = None
 
     def __post_init__(self):
-        try:
-            blocks = np.array(self.blocks, dtype=bool)
-        except Exception as err:  # a tracer
-            raise TypeError(f"BlockMask: blocks must be known at trace time ({err})") from None
+        if isinstance(self.blocks, jax.core.Tracer):
+            raise TypeError("BlockMask: blocks must be known at trace time, got a traced "
+                            "array")
+        blocks = np.array(self.blocks, dtype=bool)
         if blocks.ndim < 2:
             raise ValueError(f"BlockMask: blocks must have at least two dims, got shape "
                              f"{blocks.shape}")
-        sizes = tuple(self.block_size)
+        bs = self.block_size
+        sizes = (bs, bs) if isinstance(bs, (int, np.integer)) else tuple(bs)
         if len(sizes) != 2 or not all(isinstance(b, (int, np.integer)) and b > 0
                                       for b in sizes):
             raise ValueError(f"BlockMask: block_size must be two positive ints, got "

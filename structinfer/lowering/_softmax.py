@@ -106,31 +106,40 @@ def online_merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
     return online_finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))
 
 
-@jax.custom_jvp
-def with_nan_rows(y: jax.Array, lse: jax.Array) -> jax.Array:
+def with_nan_rows(y: jax.Array, lse: jax.Array, *, pass_through: bool = False) -> jax.Array:
     r"""The engine's convention on a kernel's output: NaN in the rows whose log-normaliser
     $L_i$ is not finite (no allowed parent, a NaN / inf score), ``y`` elsewhere.
 
-    Differentiated as the identity in ``y`` (nothing from ``L``): every row it changes is
-    NaN, so a loss that reads one is NaN whatever its gradient, and one that drops it (a
-    ``where``) gives it a zero cotangent anyway. The reverse pass is then no pass over
-    the cotangent (a ``where``'s would be one more beside a fused kernel's backward), and
-    forward-mode and higher derivatives still work.
+    Differentiated as a ``where`` by default: those rows' cotangent is zeroed, so a loss
+    that drops the NaN rows, even after a nonlinearity (``where(ok, sin(y), 0)``), keeps
+    finite gradients. With ``pass_through`` it is differentiated as the identity in
+    ``y`` (nothing from ``L``), and the reverse pass adds no pass over the cotangent
+    beside a fused kernel's backward: for a kernel whose every row has an allowed parent
+    (`Kernel.rows_allowed`), where $L_i$ is not finite only for non-finite inputs.
+    Forward mode and higher derivatives work either way.
 
     Args:
         y: ``(..., rows, dv)`` output.
         lse: ``(..., rows)`` row log-normalisers.
+        pass_through: differentiate as the identity in ``y``.
 
     Returns:
         ``y`` with its rows of non-finite ``lse`` set to NaN.
     """
+    if pass_through:
+        return _nan_rows_identity(y, lse)
     return jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
 
 
-@with_nan_rows.defjvp
-def _with_nan_rows_jvp(primals, tangents):
+@jax.custom_jvp
+def _nan_rows_identity(y: jax.Array, lse: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+
+
+@_nan_rows_identity.defjvp
+def _nan_rows_identity_jvp(primals, tangents):
     y, lse = primals
-    return with_nan_rows(y, lse), tangents[0]
+    return _nan_rows_identity(y, lse), tangents[0]
 
 
 def backward_delta(out: jax.Array, d_out: jax.Array, lse: jax.Array, d_lse: jax.Array,

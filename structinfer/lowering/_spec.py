@@ -10,13 +10,14 @@ slices them:
 * ``col``   — `Cols`, per-parent arrays ``(..., m, f)`` (key features, per-parent biases),
 * ``pair``  — `Pairs`, per-edge arrays ``(..., n, m)`` (categorical prior logits, custom scores),
 * ``glob``  — `Globals`, arrays read whole (relative-position bias over distances),
-* ``const`` — `Consts`, non-differentiable boolean masks (``(..., n, m)`` or ``(..., m)``),
+* ``const`` — `Consts`, non-differentiable boolean masks (``(..., n, m)`` or ``(..., m)``,
+  or a block mask read whole),
 * ``v``     — the value table ``(..., m, dv)``: the output is
   $y_i = \sum_j p(\phi_i = j \mid x)\, V_j$.
 
 The arrays of `Rows`, `Cols` and `Pairs` each slice alike, so a kernel slices, pads or
 accumulates a whole group with ``jax.tree.map`` (`Consts.map` for the masks, whose
-two arrays slice differently), and reads a term by name (``prob.row.q``,
+arrays slice differently), and reads a term by name (``prob.row.q``,
 ``prob.glob.relpos``).
 
 `block_logits` evaluates the unnormalised log-posterior
@@ -200,7 +201,8 @@ class Consts:
     Attributes:
         pair_ok: per edge, ``(..., n, m)``.
         col_ok: per parent, ``(..., m)``.
-        block_ok: per block of edges, ``(..., n / b_c, m / b_p)`` (``Terms.mask_blocks``
+        block_ok: per block of edges, ``(..., ceil(n / b_c), ceil(m / b_p))``
+            (``Terms.mask_blocks``
             gives ``(b_c, b_p)``), read whole: a block reads it at its edges' indices.
     """
 

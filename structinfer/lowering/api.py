@@ -176,7 +176,7 @@ def _execute(plan: Plan, kernels: dict, config: KernelConfig,
         if used != kind:
             ran[ep.name] = (used, notes)
         if runner is not None or not KERNELS[used].nan_rows:  # else the kernel wrote them
-            y = with_nan_rows(y, lse)
+            y = with_nan_rows(y, lse, pass_through=KERNELS[used].rows_allowed)
         Y[ep.name] = y
         lses[ep.name] = lse
     out = None

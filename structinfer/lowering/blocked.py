@@ -72,7 +72,8 @@ from ._spec import (
     sum_to,
 )
 
-__all__ = ["Schedule", "make_schedule", "block_grids", "blocked_attention", "band_blocks"]
+__all__ = ["Schedule", "make_schedule", "block_grids", "blocked_attention", "band_blocks",
+           "mask_per_block"]
 
 
 #: one rectangle of a block that a kernel computes: ``(r0, rn, c0, cn, masked)`` — rows
@@ -677,13 +678,18 @@ class _ArrayKey:
         return isinstance(other, _ArrayKey) and self._key == other._key
 
 
-def _mask_by_blocks(terms: Terms, prob: Problem, batch_shape, mask
-                    ) -> tuple[Terms, Problem]:
+def mask_per_block(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None
+                   ) -> tuple[Terms, Problem]:
     """The edge with its per-edge mask read per block from a `BlockMask` (`Terms.
-    mask_blocks`, ``const.block_ok``) in place of the ``(n, m)`` mask, which XLA would
-    hold in memory for the loops to slice: when ``mask`` is a `BlockMask` (a concrete
-    `Lowered.mask` is the whole per-edge mask) whose batch dims are those of the batch
-    (not, e.g., a shard's). Otherwise unchanged."""
+    mask_blocks`, ``const.block_ok``) in place of the ``(n, m)`` ``const.pair_ok``, which
+    XLA would hold in memory for the blocked kernel's loops to slice.
+
+    ``mask`` must *be* the per-edge mask, equal to ``const.pair_ok`` in every batch
+    element, as a site's `Lowered.mask` is (not only meet the looser contract of
+    `blocked_attention`'s ``mask``). The edge is returned unchanged unless ``mask`` is a
+    `BlockMask` whose batch dims are those of ``batch_shape`` (not, e.g., those of the
+    whole batch when these are a shard's arrays). For the blocked kernel's own passes
+    (not replacement passes, which read ``const.pair_ok``)."""
     if not (isinstance(mask, BlockMask) and terms.pair_ok):
         return terms, prob
     blocks = mask.blocks
@@ -857,8 +863,6 @@ def blocked_attention(
     # a replacement pass is given the concrete per-edge mask (its own blocks differ)
     hook_mask = (_ArrayKey(mask) if mask is not None and terms.pair_ok and not has_starts
                  and (forward is not None or backward is not None) else None)
-    if forward is None and backward is None and not has_starts:
-        terms, prob = _mask_by_blocks(terms, prob, batch_shape, mask)
     static = _Static((terms, schedule, tuple(batch_shape), forward, backward, bool(nan_rows),
                       precision, None if out_dtype is None else jnp.dtype(out_dtype),
                       has_starts, hook_mask))

@@ -30,7 +30,7 @@ import jax
 from . import accel
 from ._lower import Lowered
 from ._spec import Problem
-from .blocked import band_blocks, blocked_attention
+from .blocked import band_blocks, blocked_attention, mask_per_block
 from .dense import dense_attention
 from .windowed import windowed_kernel
 
@@ -76,6 +76,11 @@ class Kernel:
         nan_rows: whether ``run`` itself writes NaN in the rows whose log-normaliser is
             not finite (no allowed parent, a NaN / inf score): otherwise
             `structinfer.attention` writes them (the exact engine's answer under ``jit``).
+        rows_allowed: whether every child of an edge the kernel can run has an allowed
+            parent (its ``unsupported`` refuses every mask that could leave one
+            without): a row's log-normaliser is then not finite only for non-finite
+            inputs, and the NaN rows `structinfer.attention` writes are differentiated
+            as the identity (no pass over the output's cotangent; `with_nan_rows`).
         title: how explanations name it ("cuDNN"); the name when empty.
         refusals: exception types ``run`` may raise when traced, meaning the kernel
             cannot run here after all (JAX's cuDNN wrapper checks the installed cuDNN and
@@ -98,6 +103,7 @@ class Kernel:
     run: Callable[[Lowered, Problem, tuple[int, ...], KernelConfig],
                   tuple[jax.Array, jax.Array]]
     nan_rows: bool = False
+    rows_allowed: bool = False
     title: str = ""
     refusals: tuple[type[BaseException], ...] = ()
     fallback: tuple[str, ...] = ()
@@ -118,8 +124,11 @@ def _can_run(lowered: Lowered) -> None:
 def _run_blocked_family(kernel: Kernel, lowered: Lowered, prob: Problem, batch,
                         config: KernelConfig):
     forward, backward = kernel.passes
-    bq, bk = band_blocks(lowered.terms, config.block_q, config.block_k)
-    return blocked_attention(lowered.terms, prob, batch, block_q=bq, block_k=bk,
+    terms = lowered.terms
+    bq, bk = band_blocks(terms, config.block_q, config.block_k)
+    if forward is None and backward is None:  # the blocked kernel's own passes
+        terms, prob = mask_per_block(terms, prob, batch, lowered.mask)
+    return blocked_attention(terms, prob, batch, block_q=bq, block_k=bk,
                              mask=lowered.mask, forward=forward, backward=backward,
                              nan_rows=True, precision=config.precision)
 
@@ -173,7 +182,7 @@ _ENTRIES = (
     Kernel("dense", _can_run, _run_dense),
     Kernel("blocked", _can_run, _run_blocked, nan_rows=True, passes=(None, None)),
     Kernel("windowed", _windowed_unsupported, _run_windowed),
-    Kernel("cudnn", _cudnn_unsupported, _run_cudnn, title="cuDNN",
+    Kernel("cudnn", _cudnn_unsupported, _run_cudnn, title="cuDNN", rows_allowed=True,
            refusals=(NotImplementedError, ValueError, RuntimeError, TypeError),
            fallback=("pallas", "blocked"), passed_over=_pallas_measured_faster,
            ring_step="pallas"),

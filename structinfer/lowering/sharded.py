@@ -137,7 +137,7 @@ def head_sharded_attention(
         p = Problem(row, col, pair, glob, const, v)
         y, lse = entry.run(Lowered(terms, p, local, mask), p, local, config)
         if not entry.nan_rows:
-            y = with_nan_rows(y, lse)
+            y = with_nan_rows(y, lse, pass_through=entry.rows_allowed)
         return y, lse
 
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)),
