@@ -300,11 +300,11 @@ class TermBuilder:
         ``concrete``: the same mask known at trace time, a NumPy array or a
         [`BlockMask`][structinfer.lowering.BlockMask] (a block-sparse mask kept per
         block, expanded only when intersected with a NumPy mask or another block size);
-        the kernels then skip blocks with no
-        allowed edge, and the Pallas kernel computes blocks whose every edge is allowed
-        without reading the mask. A one-row mask is a column mask. When some per-edge
-        mask of the site comes without its concrete value, no concrete mask is kept
-        (`Lowered.mask` is the whole per-edge mask or nothing).
+        the kernels then skip blocks with no allowed edge, and the Pallas kernel computes
+        blocks whose every edge is allowed without reading the mask. A one-row mask is a
+        column mask. When some per-edge mask of the site comes without its concrete
+        value, no concrete mask is kept (`Lowered.mask` is the whole per-edge mask or
+        nothing).
         """
         if ok.shape[-2] == 1:
             self.restrict_columns(ok[..., 0, :])
@@ -502,7 +502,7 @@ class Lowered:
         self._unscaled = unscaled
 
     def unscaled_dot(self, problem: Problem) -> tuple[jax.Array, float] | None:
-        r"""``(q, s)`` when the site's dot product is $s\\, q^\top k$ with a static scale $s$
+        r"""``(q, s)`` when the site's dot product is $s\, q^\top k$ with a static scale $s$
         and ``problem`` reads this site's own ``q`` (``problem.row.q`` is ``s * q``); else
         ``None`` (a shard's or another problem: its ``row.q`` is already scaled). A
         kernel that takes a scale of its own (cuDNN) reads ``q`` where it is instead of
