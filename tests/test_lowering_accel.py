@@ -845,6 +845,45 @@ def _kernel_eqns(jaxpr, name):
     return out
 
 
+def _outside_kernels(jaxpr, name):
+    """Equations named ``name`` of ``jaxpr`` and its sub-jaxprs, not inside a kernel."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for p in eqn.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                out += _outside_kernels(inner, name)
+        if eqn.primitive.name == name:
+            out.append(eqn)
+    return out
+
+
+def test_pallas_model_path_writes_the_nan_rows_in_the_kernel():
+    """The Pallas forward writes the rows of non-finite L as NaN itself (a traced mask
+    with an empty row: NaN there, the dense kernel's values elsewhere), so the model
+    path holds no select over the output outside the kernel (one pass over y less)."""
+    n = N
+    q, k, v = _inputs(jnp.float32, n=n)
+    mask = np.tril(np.ones((n, n), bool))
+    mask[5] = False
+
+    def model(q, k, v, mask):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            j = si.edge("phi", si.priors.Restricted(mask), si.scores.Dot(q, k, scale=0.3))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    f = si.attention(model, "out", "pallas")
+    y = np.asarray(jax.jit(f)(q, k, v, mask))
+    assert np.isnan(y).any(-1).tolist() == [[i == 5 for i in range(n)]] * H
+    ref = np.asarray(jax.jit(si.attention(model, "out", "dense"))(q, k, v, mask))
+    np.testing.assert_allclose(np.delete(y, 5, 1), np.delete(ref, 5, 1), atol=2e-5)
+    selects = [e for e in _outside_kernels(jax.make_jaxpr(f)(q, k, v, mask).jaxpr, "select_n")
+               if e.outvars[0].aval.shape == y.shape]
+    assert not selects, selects
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_pallas_relative_position_atomics_mask_in_the_values_shape_or_none(causal):
     """Regression (H200, JAX 0.11.2): Triton refused the relative-position table's atomic
@@ -952,7 +991,7 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
         # known, every block reading the int8 mask without
         for mask in ((low.mask, None) if low.terms.pair_ok else (None,)):
             f = jax.jit(lambda p, low=low, mask=mask: accel.pallas_forward(
-                low.terms, p, low.batch_shape, interpret=False, mask=mask))
+                low.terms, p, low.batch_shape, interpret=False, mask=mask, nan_rows=True))
             text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text
 

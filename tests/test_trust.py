@@ -407,7 +407,7 @@ def two_masked_edges(q, k, v, good, bad):
         numpyro.deterministic("out", Vindex(v)[a] + Vindex(v)[b])
 
 
-@pytest.mark.parametrize("backend", ["auto", "dense", "blocked"])
+@pytest.mark.parametrize("backend", ["auto", "dense", "blocked", "pallas"])
 def test_attention_empty_mask_row_names_the_edge_site(backend):
     """A Restricted mask (an argument: traced inside attention's jit) with an empty row:
     the eager error names the edge site, as the exact engine's own checks do."""

@@ -460,9 +460,10 @@ def _over_blocks(named: dict, lo, hi, full, body, init):
 
 
 def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
-                   acc_dtype, precision):
+                   acc_dtype, precision, nan_rows: bool):
     """Forward: one child block of one batch element, online softmax over its live parent
-    blocks; writes $y$ and the row log-normaliser $L$."""
+    blocks; writes $y$ (NaN in the rows of non-finite $L$ with ``nan_rows``) and the row
+    log-normaliser $L$."""
     from jax.experimental import pallas as pl
 
     named = dict(zip(keys, refs[: len(keys)]))
@@ -490,6 +491,8 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
     state = _over_blocks(named, lo, hi, full, body,
                          online_start((bq,), o_ref.shape[-1], acc_dtype))
     y, lse = online_finish(state)
+    if nan_rows:  # |L| < inf: False for -inf, +inf and NaN
+        y = jnp.where((jnp.abs(lse) < jnp.inf)[:, None], y, jnp.nan)
     o_ref[...] = y.astype(o_ref.dtype)
     lse_ref[...] = lse
 
@@ -789,7 +792,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    interpret: bool | None = None, precision: lax.PrecisionLike = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    starts: tuple | None = None, tiles: bool | None = None,
-                   mask: ConcreteMask | None = None) -> tuple[jax.Array, jax.Array]:
+                   mask: ConcreteMask | None = None, nan_rows: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -843,11 +847,14 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             allows only edges ``prob.const.pair_ok`` allows in every batch element (blocks
             it allows whole are computed without the mask). `Lowered.mask` keeps it, also
             for a shard of the batch.
+        nan_rows: write NaN in the rows whose $L$ is not finite, in the kernel (the
+            engine's convention, with no pass of its own over $y$); default $y = 0$ there,
+            which ring attention's steps merge.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
-        (float64 for float64 inputs). A row with no allowed parent has $y = 0$ and
-        $L = -\infty$.
+        (float64 for float64 inputs). A row with no allowed parent has $y = 0$ (NaN with
+        ``nan_rows``) and $L = -\infty$.
 
     Raises:
         ValueError: `pallas_unsupported` names a reason the kernel cannot run the edge.
@@ -871,7 +878,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     _mask_operands(terms, prob, lay, arrays, specs, _launch_grids(terms, mask, lay, shift))
     keys = tuple(arrays)
     kernel = functools.partial(_pallas_kernel, terms=terms, bq=lay.bq, bk=lay.bk, nkb=lay.nkb,
-                               keys=keys, acc_dtype=lay.acc, precision=precision)
+                               keys=keys, acc_dtype=lay.acc, precision=precision,
+                               nan_rows=bool(nan_rows))
     v = prob.v
     out, lse = pl.pallas_call(
         kernel,

@@ -651,6 +651,15 @@ def _hook_kwargs(hook: Callable, precision, has_starts: bool, starts, mask) -> d
     return kw
 
 
+def _names(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` has a keyword parameter called ``name`` (not only ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name and p.kind != p.POSITIONAL_ONLY for p in params)
+
+
 def _takes(fn: Callable, name: str) -> bool:
     """Whether ``fn`` takes a keyword argument ``name`` (or any, ``**kwargs``)."""
     try:
@@ -708,9 +717,13 @@ def _run_forward(static, prob: Problem, starts):
     terms, sched, batch, forward, _, nan_rows, precision, out_dtype, has_starts, mask = (
         static.value)
     if forward is not None:
-        out, lse = forward(terms, prob, batch,
-                           **_hook_kwargs(forward, precision, has_starts, starts, mask))
-        if nan_rows:
+        kw = _hook_kwargs(forward, precision, has_starts, starts, mask)
+        # a replacement that names `nan_rows` writes the NaN rows itself (one pass less)
+        writes = nan_rows and _names(forward, "nan_rows")
+        if writes:
+            kw["nan_rows"] = True
+        out, lse = forward(terms, prob, batch, **kw)
+        if nan_rows and not writes:
             out = with_nan_rows(out, lse)
         return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
     return _forward(terms, sched, batch, prob, starts, nan_rows, precision, out_dtype)
@@ -814,7 +827,9 @@ def blocked_attention(
             `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
             and ``starts=`` too when they are given, and with ``mask=`` when it takes a
             ``mask`` argument, there is a per-edge mask, ``mask`` is given and
-            ``starts`` is not; the gradient is still this kernel's
+            ``starts`` is not, and with ``nan_rows=True`` when ``nan_rows`` is set and it
+            has a parameter of that name (it then writes the NaN rows itself; otherwise
+            this function does); the gradient is still this kernel's
             backward (which needs only ``y`` and ``L``) unless ``backward`` is given too.
         backward: optional ``backward(terms, prob, batch_shape, y, L, dy, dL, *,
             need_glob) -> (d_row, d_col, d_pair, d_glob, d_v)`` that replaces this
