@@ -219,6 +219,21 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
+def eqns_named(jaxpr, name: str, into_kernels: bool = True) -> list:
+    """The equations called ``name`` in ``jaxpr`` and every jaxpr nested in its equations'
+    parameters (``into_kernels=False``: not inside a ``pallas_call``'s kernel)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if into_kernels or eqn.primitive.name != "pallas_call":
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    out += eqns_named(inner, name, into_kernels)
+        if eqn.primitive.name == name:
+            out.append(eqn)
+    return out
+
+
 def matrix(cases, keep, ids=None):
     """A parametrize list over ``cases``: the representatives (``keep(*case)`` is true)
     run by default, the others carry the ``exhaustive`` marker (CI's second leg,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
+from conftest import eqns_named
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -217,7 +218,7 @@ def test_block_sparse_model_against_the_exact_engine(n, bs, per_head, reads_mask
         for a, c in zip(g0, g1):
             np.testing.assert_allclose(c, a, atol=5e-5)
     if backend == "pallas":  # each pass reads its block table; the mask only when needed
-        eqns = _pallas_calls(jax.make_jaxpr(jax.grad(loss(f)))(q, k, v).jaxpr)
+        eqns = eqns_named(jax.make_jaxpr(jax.grad(loss(f)))(q, k, v).jaxpr, "pallas_call")
         assert len(eqns) == 3, eqns  # forward, dK/dV, dQ
         for call in eqns:
             dtypes = [x.aval.dtype for x in call.invars]
@@ -246,18 +247,6 @@ def test_block_sparse_model_in_float64(x64, backend):
     for a, c in zip(jax.grad(loss(exact), (0, 1, 2))(q, k, v),
                     jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v)):
         np.testing.assert_allclose(c, a, atol=1e-12)
-
-
-def _pallas_calls(jaxpr):
-    out = []
-    for eqn in jaxpr.eqns:
-        for p in eqn.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                out += _pallas_calls(inner)
-        if eqn.primitive.name == "pallas_call":
-            out.append(eqn)
-    return out
 
 
 def test_sparse_attention_mechanism_keeps_the_blocks():

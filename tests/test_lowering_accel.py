@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
-from conftest import matrix
+from conftest import eqns_named, matrix
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -601,7 +601,7 @@ def test_a_concrete_mask_reaches_the_pallas_passes():
     mask = jnp.asarray(np.kron(blocks, np.ones((128, 128), bool)))
     for extra, reads_mask in (((), False), ((mask,), True)):
         grad = jax.grad(lambda q, *a, extra=extra: jnp.sum(f(q, *a, *extra) ** 2))
-        calls = _kernel_eqns(jax.make_jaxpr(grad)(q, k, v).jaxpr, "pallas_call")
+        calls = eqns_named(jax.make_jaxpr(grad)(q, k, v).jaxpr, "pallas_call")
         assert len(calls) == 3, calls  # forward, dK/dV, dQ
         for call in calls:
             dtypes = [x.aval.dtype for x in call.invars]
@@ -832,34 +832,6 @@ def test_pallas_bfloat16_values_and_gradients_within_bfloat16_tolerance():
             np.testing.assert_allclose(np.asarray(b, np.float32), a, atol=3e-2 * scale)
 
 
-def _kernel_eqns(jaxpr, name):
-    """Equations named ``name`` inside the kernels of every pallas_call of ``jaxpr``."""
-    out = []
-    for eqn in jaxpr.eqns:
-        for p in eqn.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                out += _kernel_eqns(inner, name)
-        if eqn.primitive.name == name:
-            out.append(eqn)
-    return out
-
-
-def _outside_kernels(jaxpr, name):
-    """Equations named ``name`` of ``jaxpr`` and its sub-jaxprs, not inside a kernel."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for p in eqn.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                out += _outside_kernels(inner, name)
-        if eqn.primitive.name == name:
-            out.append(eqn)
-    return out
-
-
 def test_pallas_model_path_writes_the_nan_rows_in_the_kernel():
     """The Pallas forward writes the rows of non-finite L as NaN itself (a traced mask
     with an empty row: NaN there, the dense kernel's values elsewhere), so the model
@@ -879,7 +851,8 @@ def test_pallas_model_path_writes_the_nan_rows_in_the_kernel():
     assert np.isnan(y).any(-1).tolist() == [[i == 5 for i in range(n)]] * H
     ref = np.asarray(jax.jit(si.attention(model, "out", "dense"))(q, k, v, mask))
     np.testing.assert_allclose(np.delete(y, 5, 1), np.delete(ref, 5, 1), atol=2e-5)
-    selects = [e for e in _outside_kernels(jax.make_jaxpr(f)(q, k, v, mask).jaxpr, "select_n")
+    selects = [e for e in eqns_named(jax.make_jaxpr(f)(q, k, v, mask).jaxpr, "select_n",
+                                     into_kernels=False)
                if e.outvars[0].aval.shape == y.shape]
     assert not selects, selects
 
@@ -903,7 +876,7 @@ def test_pallas_relative_position_atomics_mask_in_the_values_shape_or_none(causa
         return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse, jnp.ones_like(y),
                                      jnp.zeros_like(lse), interpret=False)[3]
 
-    eqns = _kernel_eqns(jax.make_jaxpr(grads)(low.problem).jaxpr, "atomic_rmw")
+    eqns = eqns_named(jax.make_jaxpr(grads)(low.problem).jaxpr, "atomic_rmw")
     assert eqns
     for eqn in eqns:
         _, _, val, mask = eqn.params["args_tree"].unflatten(eqn.invars)

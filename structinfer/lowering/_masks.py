@@ -21,8 +21,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jax
 import numpy as np
+
+from .._checks import is_concrete
 
 __all__ = ["BlockMask", "ConcreteMask", "tile_grid", "mask_and", "mask_shape", "mask_key"]
 
@@ -36,6 +37,8 @@ class BlockMask:
     [`TermBuilder.restrict_pairs`][structinfer.lowering.TermBuilder.restrict_pairs] as
     the value of its mask (as ``Restricted.block_sparse``'s does).
 
+    The block-level mask of block-sparse attention (Zaheer et al., "Big Bird", 2020;
+    FlexAttention's ``BlockMask``, Dong et al. 2024), read at trace time to skip blocks.
     It is not an array: NumPy conversion raises (``dense()`` expands it), so code
     written for a NumPy mask fails loudly rather than reading it as one ``True``.
 
@@ -56,7 +59,7 @@ class BlockMask:
     size: tuple[int, int] | None = None
 
     def __post_init__(self):
-        if isinstance(self.blocks, jax.core.Tracer):
+        if not is_concrete(self.blocks):
             raise TypeError("BlockMask: blocks must be known at trace time, got a traced "
                             "array")
         blocks = np.array(self.blocks, dtype=bool)

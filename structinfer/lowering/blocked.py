@@ -651,23 +651,15 @@ def _hook_kwargs(hook: Callable, precision, has_starts: bool, starts, mask) -> d
     return kw
 
 
-def _names(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` has a keyword parameter called ``name`` (not only ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name and p.kind != p.POSITIONAL_ONLY for p in params)
-
-
-def _takes(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` takes a keyword argument ``name`` (or any, ``**kwargs``)."""
+def _takes(fn: Callable, name: str, catch_all: bool = True) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (or any, ``**kwargs``, unless
+    ``catch_all`` is False: then only a parameter of that name counts)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # no signature to read: do not pass it
         return False
-    return any(p.name == name and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD
-               for p in params)
+    return any(p.name == name and p.kind != p.POSITIONAL_ONLY
+               or catch_all and p.kind == p.VAR_KEYWORD for p in params)
 
 
 class _ArrayKey:
@@ -719,7 +711,7 @@ def _run_forward(static, prob: Problem, starts):
     if forward is not None:
         kw = _hook_kwargs(forward, precision, has_starts, starts, mask)
         # a replacement that names `nan_rows` writes the NaN rows itself (one pass less)
-        writes = nan_rows and _names(forward, "nan_rows")
+        writes = nan_rows and _takes(forward, "nan_rows", catch_all=False)
         if writes:
             kw["nan_rows"] = True
         out, lse = forward(terms, prob, batch, **kw)
