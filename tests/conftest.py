@@ -234,6 +234,20 @@ def eqns_named(jaxpr, name: str, into_kernels: bool = True) -> list:
     return out
 
 
+def numpyro_provenance_works() -> bool:
+    """NumPyro's eval_provenance (run by TraceEnum_ELBO) on a function closing over an array:
+    it fails on NumPyro 0.21 and older with JAX 0.11.1 and newer (fixed in NumPyro 0.22)."""
+    import jax.numpy as jnp
+    from numpyro.ops.provenance import eval_provenance
+
+    c = jnp.arange(2.0)
+    try:
+        eval_provenance(lambda z: jnp.sum(c * z), z=jnp.ones(()))
+    except AssertionError:
+        return False
+    return True
+
+
 def matrix(cases, keep, ids=None):
     """A parametrize list over ``cases``: the representatives (``keep(*case)`` is true)
     run by default, the others carry the ``exhaustive`` marker (CI's second leg,

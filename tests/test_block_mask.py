@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
-from conftest import eqns_named
+from conftest import eqns_named, numpyro_provenance_works
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -378,3 +378,38 @@ def test_a_one_row_block_mask_from_a_rule_is_a_column_mask():
     row = np.array([[True, False]])
     terms.restrict_pairs(jnp.asarray(np.repeat(row, 8, -1)), BlockMask(row, (1, 8)))
     np.testing.assert_array_equal(terms._mask, np.repeat(row, 8, -1))
+
+
+def test_numpyros_tools_on_a_block_sparse_model(x64):
+    """NumPyro's own tools on a model whose edge has a block-sparse prior with a cut last
+    block: TraceEnum_ELBO's loss with an empty guide is minus the log marginal computed by
+    hand from the expanded mask (and equals ``si.log_marginal``), and Predictive draws
+    only allowed parents."""
+    import numpyro.distributions as dist
+    from numpyro.infer import Predictive, TraceEnum_ELBO
+
+    n, b = 10, 4
+    blocks = np.array([[True, False, False], [True, True, False], [False, True, True]])
+    prior = si.priors.Restricted.block_sparse(blocks, b, n, n)
+    mask = _dense(blocks, b, b)[:n, :n]
+    r = np.random.default_rng(3)
+    x, y = r.normal(size=(n, 2)), r.normal(size=n)
+    v = r.normal(size=n)
+
+    def model(x, y=None):
+        with numpyro.plate("nodes", n):
+            j = si.edge("phi", prior, si.scores.Dot(x, x, scale=0.5))
+            numpyro.sample("y", dist.Normal(jnp.asarray(v)[j], 0.5), obs=y)
+
+    # the prior (uniform on the allowed parents) times the score's potential and the
+    # likelihood, summed over each child's parents
+    log_prior = np.where(mask, -np.log(mask.sum(1, keepdims=True)), -np.inf)
+    lik = -0.5 * ((y[:, None] - v[None]) / 0.5) ** 2 - np.log(0.5 * np.sqrt(2 * np.pi))
+    want = np.log(np.exp(log_prior + 0.5 * x @ x.T + lik).sum(1)).sum()
+    np.testing.assert_allclose(si.log_marginal(model, x, y), want, rtol=1e-10)
+    if numpyro_provenance_works():  # else NumPyro <= 0.21 on JAX >= 0.11.1 (upstream)
+        loss = TraceEnum_ELBO().loss(jax.random.key(0), {}, model, lambda x, y=None: None,
+                                     x, y)
+        np.testing.assert_allclose(-loss, want, rtol=1e-10)
+    draws = Predictive(model, num_samples=50)(jax.random.key(1), x)["phi"]
+    assert mask[np.arange(n), np.asarray(draws)].all()

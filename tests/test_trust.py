@@ -17,7 +17,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from conftest import float64, matrix
+from conftest import float64, matrix, numpyro_provenance_works
 from numpyro.contrib.funsor import enum, infer_discrete
 from numpyro.contrib.funsor import log_density as funsor_log_density
 from numpyro.handlers import substitute, trace
@@ -297,19 +297,6 @@ def test_numpyro_log_density_under_enum_is_float32_safe():
     lp, _ = funsor_log_density(enum(substitute(far_forbidden, data={"w": 0.5}), -2),
                                (0.0, Y), {}, {})
     np.testing.assert_allclose(lp, want, rtol=1e-5)
-
-
-def numpyro_provenance_works() -> bool:
-    """NumPyro's eval_provenance (run by TraceEnum_ELBO) on a function closing over an array:
-    it fails on NumPyro 0.21 and older with JAX 0.11.1 and newer (fixed in NumPyro 0.22)."""
-    from numpyro.ops.provenance import eval_provenance
-
-    c = jnp.arange(2.0)
-    try:
-        eval_provenance(lambda z: jnp.sum(c * z), z=jnp.ones(()))
-    except AssertionError:
-        return False
-    return True
 
 
 def test_trace_enum_elbo_is_float32_safe():
