@@ -506,7 +506,7 @@ def test_pallas_block_lists_hold_the_live_blocks(case):
     low = lower_edge(si.priors.Restricted(mask), si.scores.Dot(q, q[:, :1].repeat(m, 1)),
                      jnp.zeros((H, m, 4)), n, (H,))
     terms = dataclasses.replace(low.terms, dmin=dmin)
-    lay = accel._Layout(terms, low.problem, low.batch_shape, 16, 16)
+    lay = accel.Layout(terms, low.problem, low.batch_shape, 16, 16)
     d = np.arange(n)[:, None] - np.arange(m)[None, :]
     ok = np.broadcast_to(mask & (d >= (-np.inf if dmin is None else dmin)), (H, n, m))
     padded = np.ones((H, lay.n_pad, lay.m_pad), bool)  # padding: allowed for "full"
@@ -656,7 +656,7 @@ def test_a_replacement_pass_without_a_mask_argument_is_not_given_one():
 
 
 def test_pallas_full_block_ranges_hold_exactly_the_blocks_with_every_edge_allowed():
-    """The tiles computed without a mask (`_full_parents` for the forward and dQ passes,
+    """The tiles computed without a mask (`full_parents` for the forward and dQ passes,
     `_full_children` for dK/dV) against a brute-force reading of the band: exactly the
     blocks whose every edge (padded children included, no padded parent) is inside the
     distance band, over bands with both, one or no bound, positive, zero and negative
@@ -683,7 +683,7 @@ def test_pallas_full_block_ranges_hold_exactly_the_blocks_with_every_edge_allowe
             every = ok.all(axis=(2, 3))  # (a, t)
             a = jnp.arange(nqb, dtype=jnp.int32)
             lo, hi = (np.broadcast_to(x, a.shape)
-                      for x in accel._full_parents(terms, a, bq, bk, offset))
+                      for x in accel.full_parents(terms, a, bq, bk, offset))
             got = np.arange(nkb)[None, :] >= lo[:, None]
             got &= np.arange(nkb)[None, :] < hi[:, None]
             np.testing.assert_array_equal(got, every, err_msg=str((dmin, dmax, offset, bq, bk)))
@@ -694,7 +694,7 @@ def test_pallas_full_block_ranges_hold_exactly_the_blocks_with_every_edge_allowe
             got &= np.arange(nqb)[None, :] < hi[:, None]
             np.testing.assert_array_equal(got, every.T, err_msg=str((dmin, dmax, offset, bq, bk)))
     excluded = dataclasses.replace(low.terms, dmin=-4, dmax=4, exclude_zero=True)
-    assert accel._full_parents(excluded, 0, 16, 16, 0) is None
+    assert accel.full_parents(excluded, 0, 16, 16, 0) is None
     assert accel._full_children(excluded, 0, 16, 16, 3, 0) is None
 
 

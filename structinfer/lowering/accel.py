@@ -119,7 +119,7 @@ def _additive(t: Terms) -> bool:
     return bool(t.col_bias or t.relpos is not None or t.geometric)
 
 
-def _dot_only(t: Terms, prob: Problem) -> str | None:
+def dot_only(t: Terms, prob: Problem) -> str | None:
     """Reason the edge is outside the dot-product family (or None)."""
     if t.idw:
         return "an IDW score (pairwise distances per block)"
@@ -137,7 +137,7 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
     and compute-capability checks run when the call is traced, and a failure there falls
     back to the next kernel.
     """
-    why = _dot_only(terms, prob)
+    why = dot_only(terms, prob)
     if why:
         return why
     if terms.col_ok:
@@ -181,7 +181,7 @@ def _pallas_missing() -> str | None:
 def pallas_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> str | None:
     """Why the Pallas kernel cannot run this edge (its structure, or a JAX without the
     Pallas Triton backend), or `None` when it can."""
-    return _pallas_missing() or _dot_only(terms, prob)
+    return _pallas_missing() or dot_only(terms, prob)
 
 
 def pallas_measured_faster(terms: Terms) -> str | None:
@@ -333,7 +333,7 @@ def _block_span(first, last, b: int, nb: int):
     return lo, jnp.maximum(hi, lo)
 
 
-def _live_range(terms: Terms, a, bq: int, bk: int, nkb: int, off):
+def live_range(terms: Terms, a, bq: int, bk: int, nkb: int, off):
     r"""Parent blocks child block `a` (traced) can see: the parents $j$ with
     $d_{\min} \le i + \text{off} - j \le d_{\max}$ for an $i$ of it (``off``: the
     offset, traced when the arrays are a shard of a longer sequence)."""
@@ -356,7 +356,7 @@ def _floor_div(x, b: int):
     return jnp.where(x >= 0, lax.div(x, b), -lax.div(b - 1 - x, b))
 
 
-def _full_parents(terms: Terms, a, bq: int, bk: int, off):
+def full_parents(terms: Terms, a, bq: int, bk: int, off):
     r"""Parent blocks ``f_lo .. f_hi - 1`` whose every edge with child block `a` (traced)
     is allowed: all distances $d_{ij} = i + \text{off} - j$ of the tile (its padded rows
     too) in the band, and no padded parent. ``None`` with an excluded self-edge (the
@@ -375,7 +375,7 @@ def _full_parents(terms: Terms, a, bq: int, bk: int, off):
 
 def _full_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
     r"""Child blocks ``f_lo .. f_hi - 1`` whose every edge with parent block `t` (traced)
-    is allowed (as `_full_parents`); none when the parent block holds padding."""
+    is allowed (as `full_parents`); none when the parent block holds padding."""
     if terms.exclude_zero:
         return None
     j0 = t * bk
@@ -444,7 +444,7 @@ def _over_blocks(named: dict, lo, hi, full, body, init):
     With block lists (operand ``"blocks"``: ``[full count, partial count, full
     blocks..., partial blocks...]``, `_block_table`), the program's row of them;
     else the band's range ``lo .. hi``, of which ``full = (f_lo, f_hi)`` are full
-    (`_full_parents`, `_full_children`; ``None``: none is)."""
+    (`full_parents`, `_full_children`; ``None``: none is)."""
     if "blocks" in named:
         row = named["blocks"]
         nf = row[0]
@@ -475,7 +475,7 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
         g0 = named["geo0"][...].astype(acc_dtype)
         g1 = named["geo1"][...].astype(acc_dtype)
     off = _offset(terms, named)
-    lo, hi = _live_range(terms, a, bq, bk, nkb, off)
+    lo, hi = live_range(terms, a, bq, bk, nkb, off)
 
     def matmul(p, v):
         return _dot(p, v, precision, acc_dtype)
@@ -487,7 +487,7 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
                         tile_masked)
         return online_step(state, s, named["v"][_pl_ds(j0, bk), :], matmul)
 
-    full = None if terms.pair_ok else _full_parents(terms, a, bq, bk, off)
+    full = None if terms.pair_ok else full_parents(terms, a, bq, bk, off)
     state = _over_blocks(named, lo, hi, full, body,
                          online_start((bq,), o_ref.shape[-1], acc_dtype))
     y, lse = online_finish(state)
@@ -504,10 +504,12 @@ def _dot(a, b, precision, acc_dtype, trans_a: bool = False, trans_b: bool = Fals
                      precision=precision).astype(acc_dtype)
 
 
-class _Layout:
-    """Block sizes and padded shapes of one Pallas launch, and the operands it reads."""
+class Layout:
+    """Block sizes and padded shapes of one Pallas launch, and the operands it reads
+    (feature and value dims padded to a power of two of at least ``min_dim``)."""
 
-    def __init__(self, terms: Terms, prob: Problem, batch_shape, block_q: int, block_k: int):
+    def __init__(self, terms: Terms, prob: Problem, batch_shape, block_q: int, block_k: int,
+                 min_dim: int = 16):
         self.batch = tuple(batch_shape)
         self.B = _prod(self.batch)
         n, m = terms.num_children, terms.num_parents
@@ -516,7 +518,7 @@ class _Layout:
         self.nqb, self.nkb = -(-n // self.bq), -(-m // self.bk)
         self.n_pad, self.m_pad = self.nqb * self.bq, self.nkb * self.bk
         q, v = prob.row.q, prob.v
-        self.fp, self.dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+        self.fp, self.dvp = _pow2(q.shape[-1], min_dim), _pow2(v.shape[-1], min_dim)
         self.acc = accum_dtype(v.dtype)
 
     def flat(self, x, core: int):
@@ -647,7 +649,7 @@ def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
     return jnp.take(table, relpos_index(terms.relpos, d), axis=-1)
 
 
-def _use_tiles(terms: Terms, prob: Problem, lay: _Layout, shift, tiles: bool | None) -> bool:
+def _use_tiles(terms: Terms, prob: Problem, lay: Layout, shift, tiles: bool | None) -> bool:
     """Whether a launch reads `relpos_tiles`: a relative-position table, a static offset
     (not a shard of a longer sequence), and within `RELPOS_TILES_MAX_BYTES` (``tiles``:
     forced on or off, for tests and tuning)."""
@@ -658,7 +660,7 @@ def _use_tiles(terms: Terms, prob: Problem, lay: _Layout, shift, tiles: bool | N
     return lay.tiles_bytes(prob.glob.relpos) <= RELPOS_TILES_MAX_BYTES
 
 
-def _block_grids(terms: Terms, mask: ConcreteMask | None, lay: _Layout
+def _block_grids(terms: Terms, mask: ConcreteMask | None, lay: Layout
                  ) -> tuple[np.ndarray, np.ndarray, bool]:
     r"""The blocks of a launch's grid when the edge has a per-edge mask: ``(live, full,
     needs_mask)``, two ``(nqb, nkb)`` boolean grids and whether some live block needs the
@@ -732,13 +734,13 @@ def _check_mask(mask: ConcreteMask | None, terms: Terms, who: str) -> None:
         raise ValueError(f"{who}: mask of shape {shape}, expected (..., {n}, {m})")
 
 
-def _launch_grids(terms: Terms, mask: ConcreteMask | None, lay: _Layout, shift):
+def _launch_grids(terms: Terms, mask: ConcreteMask | None, lay: Layout, shift):
     """`_block_grids` of a launch whose programs walk block lists: an edge with a per-edge
     mask and no traced ``shift`` (whose band is traced); else ``None``."""
     return _block_grids(terms, mask, lay) if terms.pair_ok and shift is None else None
 
 
-def _mask_operands(terms: Terms, prob: Problem, lay: _Layout, arrays: dict, specs: dict,
+def _mask_operands(terms: Terms, prob: Problem, lay: Layout, arrays: dict, specs: dict,
                    grids, *, by_parent: bool = False) -> None:
     """Add a launch's per-edge mask operands, if the edge has one: its block lists
     (``"blocks"``, `_block_table` of ``grids``; none without them) and, when some block
@@ -871,7 +873,7 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     block_q = block_q or _fit_blocks(64 if wide else 128, mask, 0)
     block_k = block_k or _fit_blocks(64, mask, 1)
     num_stages = num_stages or (2 if wide else 3)
-    lay = _Layout(terms, prob, batch_shape, block_q, block_k)
+    lay = Layout(terms, prob, batch_shape, block_q, block_k)
     shift = _shift(starts)
     arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
                                  tiles=bool(tiles) and _use_tiles(terms, prob, lay, shift, tiles))
@@ -971,7 +973,7 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
     a = pl.program_id(0)
     q, do, lse, delta, g0, g1 = _child_rows(terms, named, ..., acc_dtype)
     off = _offset(terms, named)
-    lo, hi = _live_range(terms, a, bq, bk, nkb, off)
+    lo, hi = live_range(terms, a, bq, bk, nkb, off)
 
     def body(t, tile_masked, carry):
         dq, dg0, dg1 = carry
@@ -988,7 +990,7 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
 
     init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), jnp.zeros((bq,), acc_dtype),
             jnp.zeros((bq,), acc_dtype))
-    full = None if terms.pair_ok else _full_parents(terms, a, bq, bk, off)
+    full = None if terms.pair_ok else full_parents(terms, a, bq, bk, off)
     dq, dg0, dg1 = _over_blocks(named, lo, hi, full, body, init)
     outs[0][...] = dq.astype(outs[0].dtype)
     if terms.geometric:
@@ -1118,7 +1120,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         raise ValueError(f"pallas_backward: {why}")
     _check_mask(mask, terms, "pallas_backward")
     block = 32 if _wide_rows(prob) else 64
-    lay = _Layout(terms, prob, batch_shape, block_q or _fit_blocks(block, mask, 0),
+    lay = Layout(terms, prob, batch_shape, block_q or _fit_blocks(block, mask, 0),
                   block_k or _fit_blocks(block, mask, 1))
     acc, n, m, B = lay.acc, terms.num_children, terms.num_parents, lay.B
     bq, bk, n_pad, m_pad, fp, dvp = lay.bq, lay.bk, lay.n_pad, lay.m_pad, lay.fp, lay.dvp
@@ -1212,7 +1214,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     # blocks (its own launch, only when the table is differentiated)
     if terms.relpos is not None and (need_glob is None or "relpos" in need_glob):
         rel = prob.glob.relpos
-        rlay = _Layout(terms, prob, batch_shape, min(bq, bk), min(bq, bk))
+        rlay = Layout(terms, prob, batch_shape, min(bq, bk), min(bq, bk))
         first, last = ((-(rlay.nqb - 1), rlay.nkb - 1) if shift is not None
                        else _diagonals(terms, rlay.bq, rlay.nqb, rlay.nkb))
         drel = jnp.zeros((B, rel.shape[-1]), acc)

@@ -32,6 +32,7 @@ from ._lower import Lowered
 from ._spec import Problem
 from .blocked import band_blocks, blocked_attention, mask_per_block
 from .dense import dense_attention
+from .mosaic import mosaic_forward, mosaic_unsupported
 from .windowed import windowed_kernel
 
 __all__ = ["Kernel", "KernelConfig", "KernelTable", "KERNELS", "DENSE_MAX", "auto_kernel"]
@@ -174,6 +175,22 @@ def _pallas_unsupported(lowered: Lowered) -> str | None:
     return accel.pallas_unsupported(lowered.terms, lowered.problem, lowered.batch_shape)
 
 
+def _mosaic_unsupported(lowered: Lowered) -> str | None:
+    why = mosaic_unsupported(lowered.terms, lowered.problem, lowered.batch_shape)
+    if why is None and accel.platform() != "gpu":
+        why = f"Mosaic GPU runs on an NVIDIA GPU (the platform is {accel.platform()})"
+    if why is None and jax.default_backend() == "gpu":  # the real device (tests fake platform)
+        cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+        if not cc.startswith("9"):
+            why = (f"the Mosaic GPU kernel's warpgroup matmuls need an NVIDIA Hopper GPU "
+                   f"(compute capability 9.x; this one: {cc or 'unknown'})")
+    return why
+
+
+def _run_mosaic(lowered, prob, batch, config):
+    return _run_blocked_family(KERNELS["mosaic"], lowered, prob, batch, config)
+
+
 def _pallas_measured_faster(lowered: Lowered) -> str | None:
     return accel.pallas_measured_faster(lowered.terms)
 
@@ -188,12 +205,17 @@ _ENTRIES = (
            ring_step="pallas"),
     Kernel("pallas", _pallas_unsupported, _run_pallas, nan_rows=True, title="Pallas",
            passes=(accel.pallas_forward, accel.pallas_backward), ring_step="pallas"),
+    # not in accel.GPU_KERNELS: "auto" takes it once it is measured against the Triton
+    # kernel on a GPU; until then it runs when forced (backend="mosaic")
+    Kernel("mosaic", _mosaic_unsupported, _run_mosaic, nan_rows=True, title="Mosaic GPU",
+           passes=(mosaic_forward, accel.pallas_backward), ring_step="pallas"),
 )
 
 class KernelTable(Mapping[str, Kernel]):
     """The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel] (read-only).
 
-    ``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``, in the order of
+    ``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``, ``"mosaic"``, in
+    the order of
     `BACKENDS` (which are ``"auto"``, ``"exact"`` and these). `structinfer.attention`
     checks a forced ``backend`` against its entry, runs every edge through the entry
     chosen (on one device or on each shard of a mesh) and writes the NaN rows where the
@@ -220,7 +242,7 @@ class KernelTable(Mapping[str, Kernel]):
 KERNELS: KernelTable = KernelTable(_ENTRIES)
 """The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel], a read-only
 [`KernelTable`][structinfer.lowering.KernelTable] (``"dense"``, ``"blocked"``,
-``"windowed"``, ``"cudnn"``, ``"pallas"``)."""
+``"windowed"``, ``"cudnn"``, ``"pallas"``, ``"mosaic"``)."""
 
 
 def auto_kernel(lowered: Lowered) -> tuple[str, tuple[str, ...]]:

@@ -1,0 +1,419 @@
+r"""A Mosaic GPU (NVIDIA Hopper) forward kernel for the dot-product edge with structure.
+
+`mosaic_forward` computes the same $y$ and row log-normaliser $L$ as
+`structinfer.lowering.accel.pallas_forward` (the Triton kernel) for an edge site with
+logits
+
+$$
+\ell_{ij} = q_i^\top k_j + b_j + r_{d_{ij}} + \log q_i + (d_{ij} - d_0)\log(1 - q_i),
+\qquad d_{ij} = i + \text{offset} - j,
+$$
+
+on the allowed distances $d_{\min} \le d_{ij} \le d_{\max}$ (any of the terms may be
+absent: per-parent bias $b$ and mask, relative-position table $r$, geometric prior),
+written in Pallas' Mosaic GPU dialect: warpgroup matrix multiplies (``wgmma``) on
+shared-memory tiles that a third, memory warpgroup streams in with the tensor memory
+accelerator (TMA) ahead of the two compute warpgroups, FlashAttention-3's
+warp-specialised schedule as in JAX's reference kernel
+``jax.experimental.pallas.ops.gpu.attention_mgpu``. Each program takes 128 children
+(64 per compute warpgroup) of one batch element and walks the parent blocks of 64 that
+the distance band allows; the blocks whose every edge is allowed build no mask. A
+relative-position table is read as one `relpos_tiles` tile per step (no gather in the
+kernel); the geometric prior is computed from the distance grid.
+
+Only the forward is here: the gradient is the Triton kernel's (`pallas_backward`), which
+reads the same $y$ and $L$. The kernel table's ``"mosaic"`` entry runs the two through
+`blocked_attention`. Queries, keys and values must be float16 or bfloat16 (one dtype),
+head dims 64, 128 or 256 after padding to a power of two; the matmuls accumulate in
+float32 and the prior's terms are added in float32.
+
+Reference: Shah et al., "FlashAttention-3" (2024) for the warp-specialised Hopper
+schedule; Dao, "FlashAttention-2" (2023); the relative-position and geometric priors of
+Singh & Buckley (appendix 8.2, Table 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._spec import Problem, Terms, band_ok
+from .accel import RELPOS_TILES_MAX_BYTES, Layout, dot_only, full_parents, live_range, relpos_tiles
+
+__all__ = ["MOSAIC_SMEM_BYTES", "mosaic_unsupported", "mosaic_forward"]
+
+#: children per compute warpgroup (a program takes two of these)
+_BQ = 64
+#: parents per step
+_BK = 64
+#: compute warpgroups per program
+_WGS = 2
+#: shared memory a program may use (an H100 / H200 gives a block 227 KiB)
+MOSAIC_SMEM_BYTES = 200 * 1024
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@functools.cache
+def _mosaic_missing() -> str | None:
+    """Why this JAX has no Pallas Mosaic GPU backend, or `None`."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        for name in ("kernel", "wgmma", "copy_gmem_to_smem", "load", "Layout", "ACC"):
+            getattr(plgpu, name)
+    except (ImportError, AttributeError) as err:
+        return f"this JAX ({jax.__version__}) has no Pallas Mosaic GPU backend ({err})"
+    return None
+
+
+def _layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
+    """The launch's blocks: ``_WGS * _BQ`` children per program, ``_BK`` parents per
+    step, feature and value dims padded to a power of two of at least 64."""
+    return Layout(terms, prob, batch_shape, _WGS * _BQ, _BK, min_dim=64)
+
+
+def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int) -> int:
+    """Shared memory of one program: queries (and outputs), ``steps`` slots of keys,
+    values and the step's tiles of the prior."""
+    item = jnp.dtype(prob.v.dtype).itemsize
+    total = _WGS * _BQ * (lay.fp + (lay.dvp if lay.dvp != lay.fp else 0)) * item
+    total += steps * _BK * (lay.fp + lay.dvp) * item + _WGS * _BQ * 4
+    if terms.relpos is not None:
+        total += steps * _WGS * _BQ * _BK * jnp.dtype(prob.glob.relpos.dtype).itemsize
+    if terms.col_bias or terms.col_ok:
+        total += steps * _BK * 4
+    if terms.geometric:
+        total += 2 * _WGS * _BQ * 4
+    return total
+
+
+def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
+                       ) -> str | None:
+    """Why the Mosaic GPU forward cannot run this edge (its structure, dtypes, sizes, or
+    a JAX without the Mosaic GPU backend), or `None` when it can."""
+    why = _mosaic_missing() or dot_only(terms, prob)
+    if why:
+        return why
+    if terms.pair_ok or terms.mask_blocks is not None:
+        return "a per-edge mask (the Mosaic GPU kernel reads none)"
+    q, k, v = prob.row.q, prob.col.k, prob.v
+    dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dts) != 1 or next(iter(dts)) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return (f"inputs are {sorted(str(d) for d in dts)} (the Mosaic GPU kernel takes "
+                "float16 / bfloat16, one dtype)")
+    n, m = terms.num_children, terms.num_parents
+    if n < _WGS * _BQ or m < _BK:
+        return f"{n} children and {m} parents (the Mosaic GPU kernel needs at least " \
+               f"{_WGS * _BQ} and {_BK})"
+    lay = _layout(terms, prob, batch_shape)
+    if max(lay.fp, lay.dvp) > 256:
+        return f"head dims {q.shape[-1]} and {v.shape[-1]} (the Mosaic GPU kernel: at most 256)"
+    if terms.relpos is not None and lay.tiles_bytes(prob.glob.relpos) > RELPOS_TILES_MAX_BYTES:
+        return "its relative-position tiles are over RELPOS_TILES_MAX_BYTES"
+    need = _smem_bytes(terms, prob, lay, 2)
+    if need > MOSAIC_SMEM_BYTES:
+        return (f"its tiles need {need // 1024} KiB of shared memory (over "
+                f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
+    return None
+
+
+def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout, steps: int,
+            row_of, nan_rows: bool, dtype):
+    """One program: children ``pair * 128 ...`` of batch element ``b``, two compute
+    warpgroups of 64 children each and a memory warpgroup streaming the parent blocks."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    smem, bars, consumed, schedule = scoped
+    q_smem, o_smem, k_smem, v_smem, lse_smem, rt_smem, bias_smem, geo_smem = smem
+    q_bar, g_bar, k_bar, v_bar, r_bar, b_bar = bars
+    k_cons, v_cons = consumed
+    b = lax.axis_index("batch")
+    pair = lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    f32 = jnp.float32
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    off = terms.offset
+    lo, hi = live_range(terms, pair, _WGS * _BQ, _BK, lay.nkb, off)
+
+    def slot_of(t):
+        return lax.rem(t - lo, jnp.int32(steps))
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    def row_bcast(x, shape):
+        return lax.broadcast_in_dim(x, shape, [0])
+
+    @pl.when(wg < _WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        a = pair * _WGS + wg  # this warpgroup's block of _BQ children
+        i0 = a * _BQ
+        q_s = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(named["q"].at[b, pl.ds(i0, _BQ)], q_s, q_bar.at[wg])
+        if terms.geometric:
+            for r in (0, 1):
+                plgpu.copy_gmem_to_smem(named[f"geo{r}"].at[b, pl.ds(i0, _BQ)],
+                                        geo_smem.at[r, wg], g_bar.at[2 * wg + r])
+        plgpu.barrier_wait(q_bar.at[wg])
+        g0 = g1 = None
+        if terms.geometric:
+            plgpu.barrier_wait(g_bar.at[2 * wg])
+            plgpu.barrier_wait(g_bar.at[2 * wg + 1])
+            g0 = plgpu.load(geo_smem.at[0, wg], (), layout=row_layout)
+            g1 = plgpu.load(geo_smem.at[1, wg], (), layout=row_layout)
+
+        m = plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, f32), row_layout)
+        lsum = plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((_BQ, lay.dvp), 0.0, f32), wgmma_layout)
+
+        @pl.when(hi > lo)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(schedule_barrier)
+
+        def step(t, carry, masked: bool):
+            acc, m, lsum = carry
+            slot = slot_of(t)
+            j0 = t * _BK
+
+            def compute_qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            s = pl.run_scoped(compute_qk, plgpu.ACC((_BQ, _BK), f32))
+            if terms.relpos is not None:  # this warpgroup's rows of the step's tile
+                plgpu.barrier_wait(r_bar.at[slot])
+                s = s + plgpu.load(rt_smem.at[slot], (pl.ds(wg * _BQ, _BQ), slice(None)),
+                                   layout=wgmma_layout).astype(f32)
+            if terms.col_bias or terms.col_ok:  # per-parent bias, -inf where masked
+                plgpu.barrier_wait(b_bar.at[slot])
+                bias = plgpu.load(bias_smem.at[slot], (), layout=col_layout)
+                s = s + lax.broadcast_in_dim(bias, (_BQ, _BK), [1])
+            plgpu.barrier_arrive(k_cons.at[slot])
+            if terms.geometric or masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 0, layout=wgmma_layout)
+                cols = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 1, layout=wgmma_layout)
+                d = rows - cols + (i0 + off - j0)
+            if terms.geometric:
+                s = s + row_bcast(g0, s.shape) + (d - terms.geo_d0).astype(f32) * row_bcast(
+                    g1, s.shape)
+            if masked:
+                ok = cols < terms.num_parents - j0
+                band = band_ok(terms, d)
+                if band is not None:
+                    ok = ok & band
+                s = jnp.where(ok, s, -jnp.inf)
+
+            # the online softmax, in base 2 (one fused multiply-add per logit)
+            m_new = jnp.maximum(m, s.max(axis=1) * _LOG2E)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            corr = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s * _LOG2E - row_bcast(m_safe, s.shape))
+            acc = acc * row_bcast(corr, acc.shape)
+            lsum = lsum * corr + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, lsum, m_new, p16 = lax.optimization_barrier((acc, lsum, m_new, p16))
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(schedule)
+
+            def compute_pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                @pl.when(t + 1 < hi)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[slot_of(t + 1)])
+
+            acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_cons.at[slot])
+            return acc, m_new, lsum
+
+        full = full_parents(terms, a, _BQ, _BK, off)
+        f_lo = f_hi = lo
+        if full is not None:
+            f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
+            f_hi = jnp.maximum(jnp.minimum(full[1], hi), f_lo)
+        carry = (acc, m, lsum)
+        carry = lax.fori_loop(lo, f_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(f_lo, f_hi, functools.partial(step, masked=False), carry)
+        acc, m, lsum = lax.fori_loop(f_hi, hi, functools.partial(step, masked=True), carry)
+        pl.when(wg == 0)(schedule_barrier)
+
+        pos = lsum > 0
+        l_safe = jnp.where(pos, lsum, 1.0)
+        lse = jnp.where(pos, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+        y = acc / row_bcast(l_safe, acc.shape)
+        if nan_rows:  # y + NaN in the rows of a non-finite L (|L| < inf: False for NaN)
+            y = y + row_bcast(jnp.where(jnp.abs(lse) < jnp.inf, 0.0, jnp.nan), acc.shape)
+        o_s = q_s if o_smem is None else o_smem.at[wg]
+        o_s[...] = y.astype(dtype)
+        lse_smem.at[wg][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, out_ref.at[b, pl.ds(i0, _BQ)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, pl.ds(i0, _BQ)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        i_pair = pair * (_WGS * _BQ)
+
+        def load_k(t, slot):  # the step's keys and the prior's tiles
+            j0 = t * _BK
+            plgpu.copy_gmem_to_smem(named["k"].at[b, pl.ds(j0, _BK)], k_smem.at[slot],
+                                    k_bar.at[slot])
+            if terms.relpos is not None:
+                c = lax.div(i_pair - j0 + (lay.m_pad - _BK), jnp.int32(min(lay.bq, _BK)))
+                plgpu.copy_gmem_to_smem(named["rtiles"].at[row_of(b), c], rt_smem.at[slot],
+                                        r_bar.at[slot])
+            if terms.col_bias or terms.col_ok:
+                plgpu.copy_gmem_to_smem(named["bias"].at[b, pl.ds(j0, _BK)],
+                                        bias_smem.at[slot], b_bar.at[slot])
+
+        def load_v(t, slot):
+            plgpu.copy_gmem_to_smem(named["v"].at[b, pl.ds(t * _BK, _BK)], v_smem.at[slot],
+                                    v_bar.at[slot])
+
+        def prefetch(i):  # the first slots, without waiting
+            @pl.when(lo + i < hi)
+            def _():
+                load_k(lo + i, i)
+                load_v(lo + i, i)
+
+        for i in range(steps):
+            prefetch(i)
+
+        @pl.loop(lo + steps, hi)
+        def _(t):
+            slot = slot_of(t)
+            plgpu.barrier_wait(k_cons.at[slot])
+            load_k(t, slot)
+            plgpu.barrier_wait(v_cons.at[slot])
+            load_v(t, slot)
+
+
+def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
+                   max_concurrent_steps: int = 2, nan_rows: bool = False,
+                   precision: lax.PrecisionLike = None) -> tuple[jax.Array, jax.Array]:
+    r"""Forward pass of the Mosaic GPU flash-attention kernel: $y$ and $L$ of one edge site.
+
+    The grid runs one program per (128 children, batch element); its memory warpgroup
+    streams the parent blocks of 64 that the distance band allows into
+    ``max_concurrent_steps`` shared-memory slots (keys, values, and the step's
+    relative-position tile and per-parent bias), and its two compute warpgroups each run
+    the online softmax of 64 children over them, with ``wgmma`` for $q k^\top$ and
+    $p V$ (inputs' dtype in, float32 accumulation), taking turns on the tensor cores.
+    Blocks whose every edge is allowed build no mask. Lengths are padded to the blocks,
+    feature and value dims to a power of two of at least 64.
+
+    Args:
+        terms: the static terms of a lowered edge site with `mosaic_unsupported` `None`.
+        prob: the arrays those terms read (queries already scaled).
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
+        max_concurrent_steps: shared-memory slots of the parent-block pipeline (at
+            least 2).
+        nan_rows: write NaN in the rows whose $L$ is not finite, in the kernel; default
+            $y = 0$ there.
+        precision: accepted for the kernel table's interface; the matmuls are ``wgmma``
+            in the inputs' dtype with float32 accumulation whatever it says.
+
+    Returns:
+        `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32.
+        A row with no allowed parent has $y = 0$ (NaN with ``nan_rows``) and
+        $L = -\infty$.
+
+    Raises:
+        ValueError: `mosaic_unsupported` names a reason the kernel cannot run the edge.
+
+    Cost: $O(\text{live blocks}\cdot 64^2 (d + d_v))$ time, $O(n d)$ memory (with a
+    relative-position table, $O((n + m) \cdot 64)$ per table for its tiles).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    del precision
+    why = mosaic_unsupported(terms, prob, batch_shape)
+    if why:
+        raise ValueError(f"mosaic_forward: {why}")
+    if max_concurrent_steps < 2:
+        raise ValueError(f"mosaic_forward: max_concurrent_steps={max_concurrent_steps}, "
+                         "expected at least 2")
+    lay = _layout(terms, prob, batch_shape)
+    need = _smem_bytes(terms, prob, lay, max_concurrent_steps)
+    if need > MOSAIC_SMEM_BYTES:
+        raise ValueError(f"mosaic_forward: max_concurrent_steps={max_concurrent_steps} "
+                         f"needs {need // 1024} KiB of shared memory (over "
+                         f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
+    arrays, _ = lay.operands(terms, prob, whole_rows=True)
+    arrays.pop("relpos", None)
+    for r in (0, 1) if terms.geometric else ():  # the prior's terms are added in float32
+        arrays[f"geo{r}"] = arrays[f"geo{r}"].astype(jnp.float32)
+    row_of = None
+    if terms.relpos is not None:  # the table's own values (float32 for a wider table)
+        rows, row_of = lay.distinct(prob.glob.relpos, 1)
+        if jnp.dtype(rows.dtype).itemsize > 4:
+            rows = rows.astype(jnp.float32)
+        arrays["rtiles"] = relpos_tiles(terms, rows, lay.bq, lay.bk, lay.n_pad, lay.m_pad)
+    keys = tuple(arrays)
+    dtype = prob.v.dtype
+    steps = max_concurrent_steps
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+
+    def tiled(shape):
+        return plgpu.SMEM(shape, dtype, transforms=(tiling, swizzle))
+
+    def entry(*refs):
+        named = dict(zip(keys, refs[: len(keys)]))
+        out_ref, lse_ref = refs[len(keys):]
+        rt = None
+        if terms.relpos is not None:
+            rt_dtype = arrays["rtiles"].dtype  # swizzled 128-byte rows, as the tiles above
+            rt = plgpu.SMEM((steps, _WGS * _BQ, _BK), rt_dtype, transforms=(
+                plgpu.TilingTransform((8, 128 // jnp.dtype(rt_dtype).itemsize)), swizzle))
+        smem = (
+            tiled((_WGS, _BQ, lay.fp)),
+            None if lay.fp == lay.dvp else tiled((_WGS, _BQ, lay.dvp)),
+            tiled((steps, _BK, lay.fp)),
+            tiled((steps, _BK, lay.dvp)),
+            plgpu.SMEM((_WGS, _BQ), jnp.float32),
+            rt,
+            plgpu.SMEM((steps, _BK), jnp.float32) if "bias" in named else None,
+            plgpu.SMEM((2, _WGS, _BQ), jnp.float32) if terms.geometric else None,
+        )
+        bars = (plgpu.Barrier(num_barriers=_WGS), plgpu.Barrier(num_barriers=2 * _WGS),
+                *(plgpu.Barrier(num_barriers=steps) for _ in range(4)))
+        consumed = (plgpu.Barrier(num_arrivals=_WGS, num_barriers=steps),) * 2
+        pl.run_scoped(
+            lambda *scoped: _kernel(named, out_ref, lse_ref, scoped, terms=terms, lay=lay,
+                                    steps=steps, row_of=row_of, nan_rows=bool(nan_rows),
+                                    dtype=dtype),
+            smem, bars, consumed, plgpu.Barrier(num_arrivals=_WGS),
+            collective_axes="wg",
+        )
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), dtype),
+                  jax.ShapeDtypeStruct((lay.B, lay.n_pad), jnp.float32)),
+        grid=(lay.B, lay.nqb),
+        grid_names=("batch", "q_seq"),
+        num_threads=_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*[arrays[x] for x in keys])
+    n, dv = terms.num_children, prob.v.shape[-1]
+    y = out[:, :n, :dv].reshape(lay.batch + (n, dv))
+    return y, lse[:, :n].reshape(lay.batch + (n,))

@@ -1,0 +1,244 @@
+"""The Mosaic GPU (Hopper) forward kernel, `structinfer.lowering.mosaic`.
+
+What it refuses (here), its lowering for CUDA on this CPU, and on an NVIDIA Hopper GPU
+its values and gradients against the dense kernel (`pytest -m gpu`).
+
+Lowering needs JAX's Mosaic GPU bindings, which ship with JAX's CUDA plugin: CI installs
+the plugin, without its GPU runtime, for this file (`.ci/run`); elsewhere those tests
+skip. Lowering runs the whole Mosaic GPU compiler down to NVVM: shared-memory layouts and
+transfers, warpgroup matmul shapes, barriers, register layouts of every term. No CPU can
+run the kernel: Pallas' Mosaic GPU interpreter (JAX 0.10) cannot read transposed
+shared-memory operands, which the kernel's q k^T takes, so values are checked on a GPU.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+from conftest import on_gpu
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+from structinfer.lowering import KERNELS, NotLowerableError, explain
+from structinfer.lowering._lower import lower_edge
+from structinfer.lowering.mosaic import mosaic_forward, mosaic_unsupported
+
+pytestmark = pytest.mark.gpu
+
+H = 2
+
+PRIORS = {
+    "causal": lambda n, e: si.priors.Restricted.causal(n),
+    "window": lambda n, e: si.priors.Restricted.window(n, 100),
+    "strict_causal": lambda n, e: si.priors.Restricted.causal(n, include_self=False),
+    "relpos": lambda n, e: si.priors.RelativePosition(e, n, causal=True),
+    "relpos_full": lambda n, e: si.priors.RelativePosition(e, n),
+    "geometric": lambda n, e: si.priors.Geometric(jnp.full((H, n), 0.02), n),
+    "geometric_band": lambda n, e: si.priors.Geometric(jnp.full((H, n), 0.05), n,
+                                                       max_distance=150),
+    "bias": lambda n, e: si.priors.Categorical(e[:, None, :n]),
+    "uniform": lambda n, e: si.priors.Uniform(n),
+}
+
+
+def _bindings():
+    try:
+        from jax._src.lib import mosaic_gpu  # noqa: F401
+    except Exception as err:  # noqa: BLE001 (ModuleNotFoundError, or the plugin's own)
+        pytest.skip(f"no Mosaic GPU bindings here (they come with JAX's CUDA plugin): {err}")
+
+
+def _inputs(n, d, dtype, dv=None, seed=0):
+    r = np.random.default_rng(seed)
+    q, k = (jnp.asarray(r.normal(size=(H, n, d)), dtype) for _ in range(2))
+    v = jnp.asarray(r.normal(size=(H, n, dv or d)), dtype)
+    e = jnp.asarray(r.normal(size=(H, 2 * n - 1)), jnp.float32)
+    return q, k, v, e
+
+
+def _low(case, n, d, dtype, dv=None):
+    q, k, v, e = _inputs(n, d, dtype, dv)
+    return lower_edge(PRIORS[case](n, e), si.scores.Dot(q, k, scale=d ** -0.5), v, n, (H,))
+
+
+def _model(case, n):
+    def model(q, k, v, e):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            j = si.edge("phi", PRIORS[case](n, e),
+                        si.scores.Dot(q, k, scale=q.shape[-1] ** -0.5))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    return model
+
+
+def _custom_calls(text: str) -> list[str]:
+    return re.findall(r"custom_call @([\w$.]+)", text)
+
+
+# --- what it refuses ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (dict(dtype=jnp.float32), r"float16 / bfloat16"),
+    (dict(n=100), r"100 children and 100 parents \(the Mosaic GPU kernel needs at least 128"),
+    (dict(d=512), r"head dims 512 and 512 \(the Mosaic GPU kernel: at most 256\)"),
+    (dict(d=256, case="relpos"), r"shared memory \(over 200 KiB\)"),
+])
+def test_mosaic_refuses_what_it_cannot_run_and_says_why(change, why):
+    args = dict(case="causal", n=256, d=128, dtype=jnp.bfloat16) | change
+    low = _low(args["case"], args["n"], args["d"], args["dtype"])
+    assert re.search(why, mosaic_unsupported(low.terms, low.problem, low.batch_shape))
+    with pytest.raises(ValueError, match="mosaic_forward: .*" + why):
+        mosaic_forward(low.terms, low.problem, low.batch_shape)
+
+
+def test_mosaic_refuses_masks_and_non_dot_scores():
+    n = 256
+    q, k, v, _ = _inputs(n, 64, jnp.bfloat16)
+    sparse = si.priors.Restricted.block_sparse(np.tri(2, dtype=bool), 128)
+    low = lower_edge(sparse, si.scores.Dot(q, k), v, n, (H,))
+    assert "per-edge mask" in mosaic_unsupported(low.terms, low.problem, low.batch_shape)
+    low = lower_edge(si.priors.Restricted.causal(n), si.scores.NegLogDist(q, k), v, n, (H,))
+    assert "IDW" in mosaic_unsupported(low.terms, low.problem, low.batch_shape)
+
+
+@pytest.mark.cpu_only
+def test_forced_mosaic_off_a_gpu_says_so():
+    """Forced on a CPU, with an edge it could run on a GPU: the kernel table's entry says
+    the platform, from `attention` and `explain` alike; ``"auto"`` never takes it (it is
+    not among the fused kernels ``"auto"`` tries until measured on a GPU)."""
+    n = 256
+    q, k, v, e = _inputs(n, 64, jnp.bfloat16)
+    model = _model("relpos", n)
+    with pytest.raises(NotLowerableError, match="backend 'mosaic' cannot run edge site "
+                       "'phi': Mosaic GPU runs on an NVIDIA GPU \\(the platform is cpu"):
+        si.attention(model, "out", "mosaic")(q, k, v, e)
+    with pytest.raises(NotLowerableError, match="Mosaic GPU runs on an NVIDIA GPU"):
+        explain(model, "out", q, k, v, e, backend="mosaic")
+    assert "mosaic" in si.lowering.BACKENDS
+    assert KERNELS["mosaic"].label == "Mosaic GPU"
+
+
+def test_auto_does_not_take_mosaic_yet(gpu):
+    n = 256
+    ex = explain(_model("relpos", n), "out", *_inputs(n, 64, jnp.bfloat16))
+    assert ex.kernels["phi"] != "mosaic"
+
+
+# --- lowered for CUDA on this CPU --------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(PRIORS))
+@pytest.mark.parametrize(("n", "d", "dtype"), [(256, 128, jnp.bfloat16),
+                                               (200, 64, jnp.float16)])
+def test_mosaic_forward_lowers_for_cuda(case, n, d, dtype):
+    """Every term, both warpgroup sizes of head dim and both 16-bit dtypes (n = 200: the
+    children and parents padded, the last parent block masked): one Mosaic GPU kernel,
+    compiled down to warpgroup matmuls."""
+    _bindings()
+    low = _low(case, n, d, dtype)
+    assert mosaic_unsupported(low.terms, low.problem, low.batch_shape) is None
+    f = jax.jit(lambda p: mosaic_forward(low.terms, p, low.batch_shape, nan_rows=True))
+    text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert "wgmma.mma_async" in text
+
+
+@pytest.mark.parametrize(("d", "dv"), [(256, 256), (64, 128), (96, 40)])
+def test_mosaic_forward_lowers_other_head_dims(d, dv):
+    """Head dim 256 (the largest), value dims other than the query's (a separate output
+    tile), dims padded up to 64 / 128."""
+    _bindings()
+    n = 384
+    q, k, v, _ = _inputs(n, d, jnp.bfloat16, dv)
+    low = lower_edge(si.priors.Restricted.window(n, 200), si.scores.Dot(q, k), v, n, (H,))
+    steps = 2 if d == 256 else 3  # three slots of 256-wide keys and values do not fit
+    f = jax.jit(lambda p: mosaic_forward(low.terms, p, low.batch_shape,
+                                         max_concurrent_steps=steps))
+    text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    if d == 256:
+        with pytest.raises(ValueError, match="max_concurrent_steps=3 needs 256 KiB"):
+            mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
+
+
+@pytest.mark.parametrize("case", ["relpos", "geometric", "bias"])
+def test_mosaic_model_path_lowers_for_cuda(case, gpu):
+    """``si.attention(model, "out", "mosaic")`` and its gradient (the Pallas backward's
+    passes on the Mosaic forward's y and L), lowered for CUDA: one Mosaic GPU kernel
+    each, and explain names it."""
+    _bindings()
+    n, d = 256, 64
+    model = _model(case, n)
+    f = si.attention(model, "out", "mosaic")
+    x = jax.ShapeDtypeStruct((H, n, d), jnp.bfloat16)
+    e = jax.ShapeDtypeStruct((H, 2 * n - 1), jnp.float32)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2, 3))
+    for g in (f, grad):
+        text = jax.jit(g).trace(x, x, x, e).lower(lowering_platforms=("cuda",)).as_text()
+        assert _custom_calls(text).count("mosaic_gpu_v2") == 1
+    ex = explain(model, "out", *_inputs(n, d, jnp.bfloat16), backend="mosaic")
+    assert ex.kernels == {"phi": "mosaic"}
+
+
+# --- run on a Hopper GPU -----------------------------------------------------------------
+
+
+def _hopper():
+    if not on_gpu():
+        pytest.skip("runs the Mosaic GPU kernel: needs a GPU")
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not cc.startswith("9"):
+        pytest.skip(f"the Mosaic GPU kernel needs a Hopper GPU (compute capability {cc})")
+
+
+def _dense(model, *args):
+    up = [jnp.asarray(x, jnp.float32) for x in args]
+    return si.attention(model, "out", "dense")(*up)
+
+
+@pytest.mark.parametrize("case", list(PRIORS))
+@pytest.mark.parametrize(("n", "d", "dtype"), [(384, 128, jnp.bfloat16),
+                                               (200, 64, jnp.float16)])
+def test_mosaic_matches_the_dense_kernel_on_a_gpu(case, n, d, dtype):
+    """Values and gradients (to the queries, keys, values and the prior's table) against
+    the dense kernel on float32 copies, within 16-bit tolerance, eager and under jit."""
+    _hopper()
+    model = _model(case, n)
+    q, k, v, e = _inputs(n, d, dtype)
+    want = np.asarray(_dense(model, q, k, v, e))
+    f = si.attention(model, "out", "mosaic")
+    for g in (f, jax.jit(f)):
+        got = g(q, k, v, e)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=want.shape), jnp.float32)
+
+    def loss(fn, *a):
+        return jnp.sum(fn(*a).astype(jnp.float32) * w)
+
+    got = jax.grad(lambda *a: loss(f, *a), (0, 1, 2, 3))(q, k, v, e)
+    ref = jax.grad(lambda *a: loss(lambda *b: _dense(model, *b), *a), (0, 1, 2, 3))(q, k, v, e)
+    for a, b in zip(got, ref):
+        scale = float(jnp.max(jnp.abs(b))) + 1e-6
+        np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                                   np.asarray(b, np.float32) / scale, atol=3e-2)
+
+
+def test_mosaic_writes_nan_rows_on_a_gpu():
+    """A row with a NaN query is NaN in the output (never a finite number); the others
+    match the dense kernel."""
+    _hopper()
+    n, d = 256, 64
+    model = _model("relpos", n)
+    q, k, v, e = _inputs(n, d, jnp.bfloat16)
+    q = q.at[0, 5].set(jnp.nan)
+    got = np.asarray(jax.jit(si.attention(model, "out", "mosaic"))(q, k, v, e), np.float32)
+    assert np.isnan(got[0, 5]).all()
+    want = np.asarray(_dense(model, q, k, v, e))
+    keep = np.ones(got.shape[:2], bool)
+    keep[0, 5] = False
+    np.testing.assert_allclose(got[keep], want[keep], atol=3e-2, rtol=3e-2)
