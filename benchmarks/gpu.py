@@ -27,6 +27,9 @@ reported as ``failed: <reason>`` and the run goes on):
   ``si.explain`` says it chose (and why not cuDNN) is printed beside it;
 * ``structinfer-pallas`` -- the same model with ``backend="pallas"`` forced (skipped
   where auto already chose Pallas; interpreted off a GPU);
+* ``structinfer-mosaic`` -- the same model with ``backend="mosaic"`` forced: the Mosaic
+  GPU (Hopper) forward with the Pallas backward (skipped, with the kernel's reason, where
+  it cannot run: off a Hopper GPU, block_sparse's per-edge mask);
 * ``cudnn`` -- ``jax.nn.dot_product_attention(implementation="cudnn")``: ``is_causal`` /
   ``local_window_size`` for the masks, the bias table materialised for relpos (per head),
   geometric (one table, with ``is_causal``), bias (per head) and block_sparse (one table
@@ -117,6 +120,7 @@ IMPLS = {
     "structinfer": (0, "structinfer (auto)"),
     "cudnn": (0, "jax.nn cuDNN"),
     "structinfer-pallas": (1, "structinfer (pallas)"),
+    "structinfer-mosaic": (1, "structinfer (mosaic)"),
     "torch-sdpa": (1, "torch SDPA"),
     "pallas-mha": (2, "JAX Pallas mha"),
     "tokamax-triton": (2, "tokamax triton"),
@@ -339,7 +343,12 @@ def build_structinfer(ctx, backend: str):
     model = make_model(case, p.H, p.n)
     args = p.args(case)
     info = {}
-    ex = si.explain(model, "out", *args, backend=backend)
+    try:
+        ex = si.explain(model, "out", *args, backend=backend)
+    except si.lowering.NotLowerableError as err:
+        if backend == "auto":
+            raise
+        raise Skip(str(err)) from err
     if ex.path != "lowered":
         raise RuntimeError(f"not lowered: {ex}")
     kernel = ex.kernels["phi"]
@@ -582,6 +591,7 @@ def _flex_block_sparse_fn(torch, p: Problem):
 BUILDERS = {
     "structinfer": lambda ctx: build_structinfer(ctx, "auto"),
     "structinfer-pallas": lambda ctx: build_structinfer(ctx, "pallas"),
+    "structinfer-mosaic": lambda ctx: build_structinfer(ctx, "mosaic"),
     "cudnn": build_cudnn,
     "pallas-mha": build_pallas_mha,
     "torch-sdpa": build_torch_sdpa,

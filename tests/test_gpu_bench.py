@@ -17,7 +17,8 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--quick",
          "--out", str(tmp_path), "--cases", *cases,
-         "--impls", "structinfer", "structinfer-pallas", "cudnn", "tokamax-triton"],
+         "--impls", "structinfer", "structinfer-pallas", "structinfer-mosaic", "cudnn",
+         "tokamax-triton"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -39,6 +40,8 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
         assert ("out" in r["check"]) == (r["mode"] == "fwd")
     assert all(r["kernel"] == "pallas" for r in ours if r["impl"] == "structinfer-pallas")
     assert all(r["status"] == "skipped" for r in data["rows"] if r["impl"] == "cudnn")
+    mosaic = [r for r in data["rows"] if r["impl"] == "structinfer-mosaic"]
+    assert len(mosaic) == 4 and all(r["status"] == "skipped" for r in mosaic), mosaic
 
     md = mds[0].read_text()
     assert "## n = 128, 2 heads, head dim 32" in md and "## n = 128" in proc.stdout  # printed

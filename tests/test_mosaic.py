@@ -1,16 +1,26 @@
 """The Mosaic GPU (Hopper) forward kernel, `structinfer.lowering.mosaic`.
 
-What it refuses (here), its lowering for CUDA on this CPU, and on an NVIDIA Hopper GPU
-its values and gradients against the dense kernel (`pytest -m gpu`).
+What it refuses; its values in Pallas' Mosaic GPU interpreter on this CPU; its lowering
+for CUDA on this CPU; and on an NVIDIA Hopper GPU its values and gradients against the
+dense kernel (`pytest -m gpu`).
 
-Lowering needs JAX's Mosaic GPU bindings, which ship with JAX's CUDA plugin: CI installs
-the plugin, without its GPU runtime, for this file (`.ci/run`); elsewhere those tests
-skip. Lowering runs the whole Mosaic GPU compiler down to NVVM: shared-memory layouts and
-transfers, warpgroup matmul shapes, barriers, register layouts of every term. No CPU can
-run the kernel: Pallas' Mosaic GPU interpreter (JAX 0.10) cannot read transposed
-shared-memory operands, which the kernel's q k^T takes, so values are checked on a GPU.
+* Interpreted: JAX's Mosaic GPU interpreter (``jax._src``, JAX 0.10) runs the kernel's
+  three warpgroups as threads over emulated shared memory, TMA copies and barriers (it
+  raises when a barrier phase is skipped or completed twice, and reads of memory never
+  written give NaN), but lacks a few primitives the kernel uses; `mosaic_interpreted`
+  stands in for them: register layout casts are the identity, a layout-annotated load is
+  a plain read, a pre-initialised accumulator is a fresh one added to its initial value,
+  and ``wgmma`` also takes a transposed shared-memory operand and a register one (the
+  kernel's $q k^\top$ and $p V$). Where that API differs (other JAX releases) these
+  tests skip.
+* Lowered: needs JAX's Mosaic GPU bindings, which ship with JAX's CUDA plugin; CI
+  installs the plugin, without its GPU runtime, for this file (`.ci/run`); elsewhere those
+  tests skip. Lowering runs the whole Mosaic GPU compiler down to NVVM: shared-memory
+  layouts and transfers, warpgroup matmul shapes, register layouts of every term.
 """
 
+import contextlib
+import functools
 import re
 
 import jax
@@ -24,6 +34,7 @@ from numpyro.ops.indexing import Vindex
 import structinfer as si
 from structinfer.lowering import KERNELS, NotLowerableError, explain
 from structinfer.lowering._lower import lower_edge
+from structinfer.lowering.dense import dense_attention
 from structinfer.lowering.mosaic import mosaic_forward, mosaic_unsupported
 
 pytestmark = pytest.mark.gpu
@@ -78,6 +89,112 @@ def _custom_calls(text: str) -> list[str]:
     return re.findall(r"custom_call @([\w$.]+)", text)
 
 
+def _interpreter_patches():
+    """``[(object, name, stand-in)]`` that let the Mosaic GPU interpreter run the kernel
+    (see the module docstring), or a pytest skip where this JAX's interpreter differs."""
+    try:
+        from jax._src import callback
+        from jax._src.pallas.mosaic.interpret import utils as iutils
+        from jax._src.pallas.mosaic_gpu import core as gpu_core
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        from jax._src.state import types as state_types
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        interpreter = jaxpr_interpret.JaxprInterpreter
+        interpreter._interpret_wgmma_ref_p  # noqa: B018
+        gpu_callbacks._get_shared_memory, gpu_callbacks.HostAllocationKey  # noqa: B018
+    except (ImportError, AttributeError) as err:
+        pytest.skip(f"this JAX's Mosaic GPU interpreter differs: {err}")
+
+    def run_state(f):  # a pre-initialised accumulator: a fresh one plus its initial value
+        def run(init_ref):
+            init = init_ref._init
+
+            def body(acc_ref):
+                f(acc_ref)
+                return acc_ref[...]
+
+            return init + pl.run_scoped(body, plgpu.ACC(init.shape, init.dtype))
+
+        return run
+
+    def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_key, acc_transforms,
+              acc_dtype, a_key, a_transforms, b_key, b_transforms, a_value, source_info):
+        device_id, thread_id = int(device_id), int(thread_id)
+        memory = gpu_callbacks._get_shared_memory()
+        tid = memory.get_global_thread_id(device_id, thread_id)
+        info = iutils.GPULoggingInfo(
+            device_id=device_id, grid_point_coords=tuple(int(x) for x in grid_point_coords),
+            thread_id=thread_id, source_info=source_info)
+
+        def ref_range(key, transforms):  # the ref's window, and its transposes after it
+            transforms = gpu_callbacks._remove_noop_transforms(transforms)
+            idx = [t for t in transforms if not isinstance(t, state_types.TransposeTransform)]
+            perms = [t.permutation for t in transforms
+                     if isinstance(t, state_types.TransposeTransform)]
+            key = gpu_callbacks.HostAllocationKey.from_array(key)
+            return key, iutils.to_range(jax.tree.map(int, tuple(idx))), perms
+
+        def read(key, transforms):
+            key, rng, perms = ref_range(key, transforms)
+            x = memory.get_buffer_content(key, rng, tid, logging_info=info)[0]
+            for p in perms:
+                x = np.transpose(x, p)
+            return x
+
+        a = np.asarray(a_value) if a_value is not None else read(a_key, a_transforms)
+        b = read(b_key, b_transforms)
+        key, rng, _ = ref_range(acc_key, acc_transforms)
+        acc = memory.get_buffer_content(key, rng, tid, logging_info=info)[0]
+        out = acc + np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(acc_dtype)
+        memory.store_buffer_content(key, rng, out, tid, logging_info=info)
+        return token
+
+    def wgmma_rule(self, eqn, token, get_invals):
+        acc, a, b, *leaves = get_invals()
+        empty = jax.tree.structure([])
+        acc_t, a_t, b_t = jax.tree.unflatten(jax.tree_util.treedef_tuple(tuple(
+            eqn.params[f"{x}_transforms_tree"] or empty for x in ("acc", "a", "b"))), leaves)
+        a_in_regs = not isinstance(eqn.invars[1].aval, state_types.AbstractRef)
+        return callback.io_callback(
+            functools.partial(wgmma, acc_dtype=eqn.invars[0].aval.dtype,
+                              source_info=eqn.source_info),
+            gpu_callbacks.TOKEN_SHAPE_DTYPE, token=token,
+            device_id=self.device_info.device_id, grid_point_coords=self.grid_point_coords,
+            thread_id=self.thread_id, acc_key=acc, acc_transforms=acc_t,
+            a_key=acc if a_in_regs else a, a_transforms=() if a_in_regs else a_t,
+            b_key=b, b_transforms=b_t, a_value=a if a_in_regs else None, ordered=True), []
+
+    def load(src, idx, *, layout=None, optimized=True):
+        return src[...] if idx == () else src[idx]
+
+    def same(x, layout):
+        return x
+
+    params = InterpretGPUParams(detect_races=True)
+    return [(gpu_core, "layout_cast", same), (plgpu, "layout_cast", same),
+            (plgpu, "load", load), (pl, "run_state", run_state),
+            (interpreter, "_interpret_wgmma_ref_p", wgmma_rule),
+            (plgpu, "kernel", functools.partial(plgpu.kernel, interpret=params))]
+
+
+@pytest.fixture
+def mosaic_interpreted(monkeypatch):
+    """`mosaic_forward` runs in Pallas' Mosaic GPU interpreter (module docstring);
+    yields a function that says whether its race detector found a race."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    for obj, name, value in _interpreter_patches():
+        monkeypatch.setattr(obj, name, value)
+    yield lambda: bool(gpu_callbacks.get_races().races_found)
+    with contextlib.suppress(Exception):  # after a failure the interpreter needs a reset
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+        interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
 # --- what it refuses ---------------------------------------------------------------------
 
 
@@ -126,6 +243,76 @@ def test_auto_does_not_take_mosaic_yet(gpu):
     n = 256
     ex = explain(_model("relpos", n), "out", *_inputs(n, 64, jnp.bfloat16))
     assert ex.kernels["phi"] != "mosaic"
+
+
+# --- interpreted on this CPU ------------------------------------------------------------
+
+
+def _dense_of(low):
+    """The dense kernel's (y, L) on float32 copies of the lowered site's arrays."""
+    up = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16)
+                      else x, low.problem)
+    return dense_attention(low.terms, up, low.batch_shape, "highest")
+
+
+INTERPRETED = [("relpos", 256, 64, jnp.bfloat16), ("geometric", 200, 64, jnp.float16),
+               ("strict_causal", 256, 64, jnp.bfloat16), ("window", 384, 64, jnp.bfloat16)]
+INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("relpos_full", 320, 64, jnp.bfloat16),
+                    ("geometric_band", 384, 64, jnp.bfloat16), ("bias", 256, 128, jnp.bfloat16),
+                    ("uniform", 200, 128, jnp.float16)]
+
+
+@pytest.mark.parametrize(("case", "n", "d", "dtype"), INTERPRETED + [
+    pytest.param(*c, marks=pytest.mark.exhaustive) for c in INTERPRETED_REST])
+def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
+                                                             mosaic_interpreted):
+    """The kernel's schedule run as written, its three warpgroups as threads: y within
+    16-bit tolerance of the dense kernel on float32 copies, L to float32 rounding, the
+    rows with no allowed parent NaN with ``nan_rows`` (y = 0 without) and L = -inf, no
+    barrier phase skipped, no race. Lengths over 2 parent blocks per slot pair reuse the
+    pipeline's slots; n = 200 pads children and parents; the window skips blocks."""
+    low = _low(case, n, d, dtype)
+    want_y, want_l = (np.asarray(x) for x in _dense_of(low))
+    for nan_rows in (True, False):
+        y, lse = mosaic_forward(low.terms, low.problem, low.batch_shape, nan_rows=nan_rows)
+        assert y.dtype == dtype and lse.dtype == jnp.float32
+        y, lse = np.asarray(y, np.float32), np.asarray(lse)
+        empty = ~np.isfinite(want_l)
+        assert empty.any() == (case == "strict_causal")
+        np.testing.assert_array_equal(lse[empty], -np.inf)
+        np.testing.assert_allclose(lse[~empty], want_l[~empty], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y[~empty], want_y[~empty], atol=2e-2, rtol=2e-2)
+        assert np.isnan(y[empty]).all() if nan_rows else (y[empty] == 0).all()
+    assert not mosaic_interpreted()
+
+
+def test_mosaic_model_path_interpreted(gpu, mosaic_interpreted):
+    """``si.attention(model, "out", "mosaic")`` (a GPU faked for the dispatch): the
+    Mosaic forward interpreted, its gradient the Pallas backward's passes (in Pallas'
+    Triton interpreter) on the forward's y and L, to the queries, keys, values and the
+    relative-position table, against the dense kernel. Eagerly: under an outer ``jit``
+    the interpreter's warpgroup threads wait on each other for ever here (the program
+    under ``jit`` is lowered for CUDA in `test_mosaic_model_path_lowers_for_cuda`)."""
+    n, d = 256, 64
+    model = _model("relpos", n)
+    q, k, v, e = _inputs(n, d, jnp.bfloat16)
+    f = si.attention(model, "out", "mosaic")
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(H, n, d)), jnp.float32)
+
+    def loss(fn, *a):
+        return jnp.sum(fn(*a).astype(jnp.float32) * w)
+
+    got = jax.value_and_grad(lambda *a: loss(f, *a), (0, 1, 2, 3))(q, k, v, e)
+    dense = si.attention(model, "out", "dense")
+    up = [x.astype(jnp.float32) for x in (q, k, v)] + [e]
+    want = jax.value_and_grad(lambda *a: loss(dense, *a), (0, 1, 2, 3))(*up)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=2e-2)
+    for a, b in zip(got[1], want[1]):
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                                   np.asarray(b) / scale, atol=3e-2)
+    assert explain(model, "out", q, k, v, e, backend="mosaic").kernels == {"phi": "mosaic"}
+    assert not mosaic_interpreted()
 
 
 # --- lowered for CUDA on this CPU --------------------------------------------------------

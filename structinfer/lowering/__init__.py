@@ -28,7 +28,8 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
 * The kernel table: [`KERNELS`][structinfer.lowering.KERNELS] (a read-only
   [`KernelTable`][structinfer.lowering.KernelTable]), one
   [`Kernel`][structinfer.lowering.Kernel] entry per kernel (``"dense"``, ``"blocked"``,
-  ``"windowed"``, ``"cudnn"``, ``"pallas"``): what it cannot run, how it runs (with a
+  ``"windowed"``, ``"cudnn"``, ``"pallas"``, ``"mosaic"``): what it cannot run, how it
+  runs (with a
   [`KernelConfig`][structinfer.lowering.KernelConfig]), whether it writes the NaN rows,
   what runs when it refuses when traced. `attention` (a forced ``backend``, the
   ``"auto"`` rule, ``mesh=``) and `explain` read it.
@@ -37,7 +38,8 @@ A model whose edge has a [`Markov`][structinfer.priors.Markov] prior (a chain in
 ``scan``) runs through [`markov`][structinfer.lowering.markov]'s forward-backward scan.
 
 The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``), the GPU
-kernels and their static checks ([`accel`][structinfer.lowering.accel]: cuDNN, Pallas)
+kernels and their static checks ([`accel`][structinfer.lowering.accel]: cuDNN, Pallas;
+[`mosaic`][structinfer.lowering.mosaic]: the Mosaic GPU forward for Hopper)
 and the multi-device wrappers (`structinfer.lowering.sharded`, whose shards run the
 table's kernels) read the lowered form of an edge site; they are reached through
 [`attention`][structinfer.lowering.attention] (``backend=``, ``mesh=``).

@@ -32,6 +32,11 @@ the platform's fused kernels instead of the portable blocked kernel
 * Everything else (IDW scores, per-edge tables of logits) keeps the blocked kernel,
   which runs on every platform.
 
+A third fused forward, for NVIDIA Hopper GPUs, is in `structinfer.lowering.mosaic`
+(Pallas' Mosaic GPU dialect: warpgroup matmuls fed by the tensor memory accelerator); it
+runs when forced (``backend="mosaic"``), with `pallas_backward` for its gradient, and is
+not in `GPU_KERNELS` until measured against the Triton kernel on a GPU.
+
 These are entries of the kernel table (`structinfer.lowering.kernels.KERNELS`), which
 holds the order above (`auto_kernel`) and what runs when cuDNN refuses when traced. On a
 mesh (``mesh=``) every shard runs them too: head sharding the chosen kernel on each

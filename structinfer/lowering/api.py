@@ -44,8 +44,8 @@ class NotLowerableError(ValueError):
     """A kernel backend was requested for a model that has no lowering.
 
     Raised by [`attention`][structinfer.lowering.attention] when ``backend`` forces a
-    kernel (``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``) and
-    the model is not recognised, or the kernel cannot run the recognised edge; the
+    kernel (``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``,
+    ``"mosaic"``) and the model is not recognised, or the kernel cannot run the recognised edge; the
     message names the site and the reason. A subclass of ``ValueError``.
     """
 
@@ -63,7 +63,7 @@ class Explanation:
         backend: the requested backend.
         kernels: edge site -> kernel (``"dense"``, ``"blocked"``, ``"windowed"``,
             ``"markov_scan"`` for a chain of Markov edges, and on a GPU ``"cudnn"`` or
-            ``"pallas"``).
+            ``"pallas"``, or ``"mosaic"`` when forced).
         follows: edge site -> the edge it follows (multi-hop), or ``None``.
         notes: edge site -> what was recognised in its prior and score.
         fallback: on the exact path, the site and part that was not recognised.
@@ -351,9 +351,11 @@ def attention(
             ``"exact"`` ([`structinfer.expectation`][structinfer.expectation]), or force
             a kernel: ``"dense"``, ``"blocked"`` (online softmax over blocks,
             memory-light custom VJP), ``"windowed"`` (distance band; geometric / window
-            priors), ``"cudnn"`` (cuDNN fused attention on a GPU) or ``"pallas"`` (the
-            Pallas flash kernel; interpreted off a GPU) — see
-            [`structinfer.lowering.accel`][structinfer.lowering.accel]; the kernels are
+            priors), ``"cudnn"`` (cuDNN fused attention on a GPU), ``"pallas"`` (the
+            Pallas flash kernel; interpreted off a GPU) or ``"mosaic"`` (its forward in
+            Mosaic GPU, on an NVIDIA Hopper GPU) — see
+            [`structinfer.lowering.accel`][structinfer.lowering.accel] and
+            [`structinfer.lowering.mosaic`][structinfer.lowering.mosaic]; the kernels are
             the entries of [`KERNELS`][structinfer.lowering.KERNELS]. On a GPU,
             ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A chain of
             [`Markov`][structinfer.priors.Markov] edges runs (``"auto"`` only) as a

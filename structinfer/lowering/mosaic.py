@@ -22,7 +22,8 @@ relative-position table is read as one `relpos_tiles` tile per step (no gather i
 kernel); the geometric prior is computed from the distance grid.
 
 Only the forward is here: the gradient is the Triton kernel's (`pallas_backward`), which
-reads the same $y$ and $L$. The kernel table's ``"mosaic"`` entry runs the two through
+reads the same $y$ and $L$. Not yet measured on a GPU: its values are checked in JAX's
+Mosaic GPU interpreter and its compilation for CUDA on a CPU (``tests/test_mosaic.py``). The kernel table's ``"mosaic"`` entry runs the two through
 `blocked_attention`. Queries, keys and values must be float16 or bfloat16 (one dtype),
 head dims 64, 128 or 256 after padding to a power of two; the matmuls accumulate in
 float32 and the prior's terms are added in float32.
@@ -302,6 +303,12 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
             load_k(t, slot)
             plgpu.barrier_wait(v_cons.at[slot])
             load_v(t, slot)
+
+        @pl.loop(jnp.maximum(lo, hi - steps), hi)
+        def _(t):  # the last slots' releases: every phase of a barrier is waited for
+            slot = slot_of(t)
+            plgpu.barrier_wait(k_cons.at[slot])
+            plgpu.barrier_wait(v_cons.at[slot])
 
 
 def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,

@@ -276,7 +276,8 @@ class Attention(nnx.Module):
         in_kv_features: features of ``inputs_k`` / ``inputs_v`` (default ``in_features``).
         value: the mechanism's value site.
         backend: [`attention`][structinfer.attention]'s backend (``"auto"``, ``"exact"``,
-            ``"dense"``, ``"blocked"``, ``"windowed"``).
+            or a kernel of `structinfer.lowering.BACKENDS`: ``"dense"``, ``"blocked"``,
+            ``"windowed"``, ``"cudnn"``, ``"pallas"``, ``"mosaic"``).
         block_q: query block size of the blocked and windowed kernels.
         block_k: key block size of the blocked kernel.
         dtype: computation dtype, as in ``flax.nnx.MultiHeadAttention``: the
