@@ -52,6 +52,10 @@ PRIORS = {
                                                        max_distance=150),
     "bias": lambda n, e: si.priors.Categorical(e[:, None, :n]),
     "uniform": lambda n, e: si.priors.Uniform(n),
+    # blocks of 128: its own and the earlier ones, and the first block column; the last
+    # block cut short when n is not a multiple of 128
+    "block_sparse": lambda n, e: si.priors.Restricted.block_sparse(
+        np.tri(-(-n // 128), dtype=bool) | (np.arange(-(-n // 128)) == 0), 128, n, n),
 }
 
 
@@ -207,17 +211,29 @@ def mosaic_interpreted(monkeypatch):
 def test_mosaic_refuses_what_it_cannot_run_and_says_why(change, why):
     args = dict(case="causal", n=256, d=128, dtype=jnp.bfloat16) | change
     low = _low(args["case"], args["n"], args["d"], args["dtype"])
-    assert re.search(why, mosaic_unsupported(low.terms, low.problem, low.batch_shape))
+    assert re.search(why, mosaic_unsupported(low.terms, low.problem, low.batch_shape,
+                                             low.mask))
     with pytest.raises(ValueError, match="mosaic_forward: .*" + why):
-        mosaic_forward(low.terms, low.problem, low.batch_shape)
+        mosaic_forward(low.terms, low.problem, low.batch_shape, mask=low.mask)
 
 
-def test_mosaic_refuses_masks_and_non_dot_scores():
-    n = 256
+def test_mosaic_refuses_masks_it_would_read_and_non_dot_scores():
+    """A per-edge mask runs as block lists only when it allows all or none of every
+    128 x 64 tile (the kernel never reads a mask): blocks of 96 do not, nor does a mask
+    not known at trace time; an IDW score is not a dot product."""
+    n = 384
     q, k, v, _ = _inputs(n, 64, jnp.bfloat16)
-    sparse = si.priors.Restricted.block_sparse(np.tri(2, dtype=bool), 128)
+    sparse = si.priors.Restricted.block_sparse(np.tri(4, dtype=bool), 96)
     low = lower_edge(sparse, si.scores.Dot(q, k), v, n, (H,))
-    assert "per-edge mask" in mosaic_unsupported(low.terms, low.problem, low.batch_shape)
+    why = mosaic_unsupported(low.terms, low.problem, low.batch_shape, low.mask)
+    assert "allows part of a 128 x 64 tile" in why
+    with pytest.raises(ValueError, match="allows part of a 128 x 64 tile"):
+        mosaic_forward(low.terms, low.problem, low.batch_shape, mask=low.mask)
+    aligned = si.priors.Restricted.block_sparse(np.tri(3, dtype=bool), 128)
+    low = lower_edge(aligned, si.scores.Dot(q, k), v, n, (H,))
+    assert mosaic_unsupported(low.terms, low.problem, low.batch_shape, low.mask) is None
+    assert "not known at trace time" in mosaic_unsupported(low.terms, low.problem,
+                                                           low.batch_shape)
     low = lower_edge(si.priors.Restricted.causal(n), si.scores.NegLogDist(q, k), v, n, (H,))
     assert "IDW" in mosaic_unsupported(low.terms, low.problem, low.batch_shape)
 
@@ -258,6 +274,7 @@ def _dense_of(low):
 INTERPRETED = [("relpos", 256, 64, jnp.bfloat16), ("geometric", 200, 64, jnp.float16),
                ("strict_causal", 256, 64, jnp.bfloat16), ("window", 384, 64, jnp.bfloat16)]
 INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("relpos_full", 320, 64, jnp.bfloat16),
+                    ("block_sparse", 400, 64, jnp.bfloat16),
                     ("geometric_band", 384, 64, jnp.bfloat16), ("bias", 256, 128, jnp.bfloat16),
                     ("uniform", 200, 128, jnp.float16)]
 
@@ -270,11 +287,13 @@ def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
     16-bit tolerance of the dense kernel on float32 copies, L to float32 rounding, the
     rows with no allowed parent NaN with ``nan_rows`` (y = 0 without) and L = -inf, no
     barrier phase skipped, no race. Lengths over 2 parent blocks per slot pair reuse the
-    pipeline's slots; n = 200 pads children and parents; the window skips blocks."""
+    pipeline's slots; n = 200 pads children and parents; the window skips blocks; the
+    block-sparse mask (n = 400, the last block cut) is walked as block lists."""
     low = _low(case, n, d, dtype)
     want_y, want_l = (np.asarray(x) for x in _dense_of(low))
     for nan_rows in (True, False):
-        y, lse = mosaic_forward(low.terms, low.problem, low.batch_shape, nan_rows=nan_rows)
+        y, lse = mosaic_forward(low.terms, low.problem, low.batch_shape, nan_rows=nan_rows,
+                                mask=low.mask)
         assert y.dtype == dtype and lse.dtype == jnp.float32
         y, lse = np.asarray(y, np.float32), np.asarray(lse)
         empty = ~np.isfinite(want_l)
@@ -327,8 +346,9 @@ def test_mosaic_forward_lowers_for_cuda(case, n, d, dtype):
     compiled down to warpgroup matmuls."""
     _bindings()
     low = _low(case, n, d, dtype)
-    assert mosaic_unsupported(low.terms, low.problem, low.batch_shape) is None
-    f = jax.jit(lambda p: mosaic_forward(low.terms, p, low.batch_shape, nan_rows=True))
+    assert mosaic_unsupported(low.terms, low.problem, low.batch_shape, low.mask) is None
+    f = jax.jit(lambda p: mosaic_forward(low.terms, p, low.batch_shape, nan_rows=True,
+                                         mask=low.mask))
     text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     assert "wgmma.mma_async" in text
@@ -352,7 +372,7 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
             mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
 
 
-@pytest.mark.parametrize("case", ["relpos", "geometric", "bias"])
+@pytest.mark.parametrize("case", ["relpos", "geometric", "bias", "block_sparse"])
 def test_mosaic_model_path_lowers_for_cuda(case, gpu):
     """``si.attention(model, "out", "mosaic")`` and its gradient (the Pallas backward's
     passes on the Mosaic forward's y and L), lowered for CUDA: one Mosaic GPU kernel

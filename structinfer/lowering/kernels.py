@@ -176,7 +176,8 @@ def _pallas_unsupported(lowered: Lowered) -> str | None:
 
 
 def _mosaic_unsupported(lowered: Lowered) -> str | None:
-    why = mosaic_unsupported(lowered.terms, lowered.problem, lowered.batch_shape)
+    why = mosaic_unsupported(lowered.terms, lowered.problem, lowered.batch_shape,
+                             lowered.mask)
     if why is None and accel.platform() != "gpu":
         why = f"Mosaic GPU runs on an NVIDIA GPU (the platform is {accel.platform()})"
     if why is None and jax.default_backend() == "gpu":  # the real device (tests fake platform)

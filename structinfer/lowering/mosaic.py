@@ -19,7 +19,10 @@ warp-specialised schedule as in JAX's reference kernel
 (64 per compute warpgroup) of one batch element and walks the parent blocks of 64 that
 the distance band allows; the blocks whose every edge is allowed build no mask. A
 relative-position table is read as one `relpos_tiles` tile per step (no gather in the
-kernel); the geometric prior is computed from the distance grid.
+kernel); the geometric prior is computed from the distance grid. A per-edge mask known
+at trace time that allows all or none of each 128 x 64 tile (block-sparse on blocks of
+multiples of 128 x 64) is walked as per-program block lists, as FlexAttention's block
+masks are, and never read.
 
 Only the forward is here: the gradient is the Triton kernel's (`pallas_backward`), which
 reads the same $y$ and $L$. Not yet measured on a GPU: its values are checked in JAX's
@@ -35,15 +38,19 @@ Singh & Buckley (appendix 8.2, Table 1).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from ._masks import ConcreteMask, mask_shape, tile_grid
 from ._spec import Problem, Terms, band_ok
 from .accel import RELPOS_TILES_MAX_BYTES, Layout, dot_only, full_parents, live_range, relpos_tiles
+from .blocked import block_grids
 
 __all__ = ["MOSAIC_SMEM_BYTES", "mosaic_unsupported", "mosaic_forward"]
 
@@ -93,15 +100,49 @@ def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int) -> int:
     return total
 
 
-def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
-                       ) -> str | None:
-    """Why the Mosaic GPU forward cannot run this edge (its structure, dtypes, sizes, or
-    a JAX without the Mosaic GPU backend), or `None` when it can."""
+def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | str:
+    """A per-edge mask's block lists, one row per program (128 children): ``[full count,
+    partial count, full blocks..., partial blocks..., 0...]`` (int32; full: no edge of
+    the block is outside the band or padded), or why the mask cannot be read as lists:
+    it must allow all or none of each 128 x 64 tile in every batch element (it is never
+    read in the kernel), as a block-sparse mask on blocks of multiples of 128 x 64 does."""
+    n, m = terms.num_children, terms.num_parents
+    shape = mask_shape(mask)
+    if len(shape) < 2 or shape[-2:] != (n, m):
+        return f"a per-edge mask of shape {shape}, expected (..., {n}, {m})"
+    grid = (n, m, lay.bq, lay.bk, lay.nqb, lay.nkb)
+    some = tile_grid(mask, *grid, reduce=np.any, over_batch=np.any)
+    every = tile_grid(mask, *grid, reduce=np.all, over_batch=np.all)
+    live, full = block_grids(dataclasses.replace(terms, pair_ok=False, col_ok=False),
+                             lay.bq, lay.bk)
+    live &= some
+    if (live & ~every).any():
+        return (f"a per-edge mask that allows part of a {lay.bq} x {lay.bk} tile (the "
+                "Mosaic GPU kernel reads no mask in a tile: block-sparse masks on blocks "
+                "of multiples of 128 x 64 run)")
+    rows = [(np.flatnonzero(lv & f), np.flatnonzero(lv & ~f)) for lv, f in zip(live, full)]
+    # a row of at least 128 bytes: the copy moves a multiple of a warpgroup (128 threads)
+    width = max(32, 1 << (1 + max(len(f) + len(p) for f, p in rows)).bit_length())
+    out = np.zeros((len(rows), width), np.int32)
+    for r, (f, p) in enumerate(rows):
+        out[r, :2] = len(f), len(p)
+        out[r, 2:2 + len(f) + len(p)] = np.concatenate([f, p])
+    return out
+
+
+def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                       mask: ConcreteMask | None = None) -> str | None:
+    """Why the Mosaic GPU forward cannot run this edge (its structure, dtypes, sizes, a
+    per-edge mask it cannot read as block lists, or a JAX without the Mosaic GPU
+    backend), or `None` when it can. ``mask``: the per-edge mask's value when known at
+    trace time (as `mosaic_forward`'s)."""
     why = _mosaic_missing() or dot_only(terms, prob)
     if why:
         return why
-    if terms.pair_ok or terms.mask_blocks is not None:
-        return "a per-edge mask (the Mosaic GPU kernel reads none)"
+    if terms.mask_blocks is not None:
+        return "a per-edge mask read per block (the blocked kernel's form)"
+    if terms.pair_ok and mask is None:
+        return "a per-edge mask not known at trace time (the Mosaic GPU kernel reads none)"
     q, k, v = prob.row.q, prob.col.k, prob.v
     dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dts) != 1 or next(iter(dts)) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
@@ -120,6 +161,10 @@ def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     if need > MOSAIC_SMEM_BYTES:
         return (f"its tiles need {need // 1024} KiB of shared memory (over "
                 f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
+    if terms.pair_ok:
+        lists = _block_lists(terms, mask, lay)
+        if isinstance(lists, str):
+            return lists
     return None
 
 
@@ -131,8 +176,8 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     smem, bars, consumed, schedule = scoped
-    q_smem, o_smem, k_smem, v_smem, lse_smem, rt_smem, bias_smem, geo_smem = smem
-    q_bar, g_bar, k_bar, v_bar, r_bar, b_bar = bars
+    q_smem, o_smem, k_smem, v_smem, lse_smem, rt_smem, bias_smem, geo_smem, list_smem = smem
+    q_bar, g_bar, k_bar, v_bar, r_bar, b_bar, list_bar = bars
     k_cons, v_cons = consumed
     b = lax.axis_index("batch")
     pair = lax.axis_index("q_seq")
@@ -142,10 +187,29 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     off = terms.offset
-    lo, hi = live_range(terms, pair, _WGS * _BQ, _BK, lay.nkb, off)
+    # the program's steps u = 0 .. count - 1 visit parent blocks block_of(u): the band's
+    # range lo .. hi - 1, or (a per-edge mask known at trace time) the program's row of
+    # the block lists, [full count, partial count, full blocks..., partial blocks...]
+    if list_smem is None:
+        lo, hi = live_range(terms, pair, _WGS * _BQ, _BK, lay.nkb, off)
+        count = hi - lo
 
-    def slot_of(t):
-        return lax.rem(t - lo, jnp.int32(steps))
+        def block_of(u):
+            return lo + u
+    else:
+        @pl.when(wg == _WGS)
+        def _():
+            plgpu.copy_gmem_to_smem(named["blocks"].at[pair], list_smem, list_bar.at[0])
+
+        plgpu.barrier_wait(list_bar.at[0])
+        n_full = list_smem[0]
+        count = n_full + list_smem[1]
+
+        def block_of(u):
+            return list_smem[2 + u]
+
+    def slot_of(u):
+        return lax.rem(u, jnp.int32(steps))
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -177,16 +241,16 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
         lsum = plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout)
         acc = plgpu.layout_cast(jnp.full((_BQ, lay.dvp), 0.0, f32), wgmma_layout)
 
-        @pl.when(hi > lo)
+        @pl.when(count > 0)
         def _():
             plgpu.barrier_wait(k_bar.at[0])
 
         pl.when(wg == 1)(schedule_barrier)
 
-        def step(t, carry, masked: bool):
+        def step(u, carry, masked: bool):
             acc, m, lsum = carry
-            slot = slot_of(t)
-            j0 = t * _BK
+            slot = slot_of(u)
+            j0 = block_of(u) * _BK
 
             def compute_qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -233,23 +297,27 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
             def compute_pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-                @pl.when(t + 1 < hi)
+                @pl.when(u + 1 < count)
                 def _():
-                    plgpu.barrier_wait(k_bar.at[slot_of(t + 1)])
+                    plgpu.barrier_wait(k_bar.at[slot_of(u + 1)])
 
             acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_cons.at[slot])
             return acc, m_new, lsum
 
-        full = full_parents(terms, a, _BQ, _BK, off)
-        f_lo = f_hi = lo
-        if full is not None:
-            f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
-            f_hi = jnp.maximum(jnp.minimum(full[1], hi), f_lo)
+        # steps u_lo .. u_hi - 1 visit blocks whose every edge is allowed: no mask built
+        if list_smem is not None:
+            u_lo, u_hi = jnp.int32(0), n_full
+        else:
+            full = full_parents(terms, a, _BQ, _BK, off)
+            u_lo = u_hi = jnp.int32(0)
+            if full is not None:
+                f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
+                u_lo, u_hi = f_lo - lo, jnp.maximum(jnp.minimum(full[1], hi), f_lo) - lo
         carry = (acc, m, lsum)
-        carry = lax.fori_loop(lo, f_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(f_lo, f_hi, functools.partial(step, masked=False), carry)
-        acc, m, lsum = lax.fori_loop(f_hi, hi, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+        acc, m, lsum = lax.fori_loop(u_hi, count, functools.partial(step, masked=True), carry)
         pl.when(wg == 0)(schedule_barrier)
 
         pos = lsum > 0
@@ -271,8 +339,8 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
         plgpu.set_max_registers(40, action="decrease")
         i_pair = pair * (_WGS * _BQ)
 
-        def load_k(t, slot):  # the step's keys and the prior's tiles
-            j0 = t * _BK
+        def load_k(u, slot):  # the step's keys and the prior's tiles
+            j0 = block_of(u) * _BK
             plgpu.copy_gmem_to_smem(named["k"].at[b, pl.ds(j0, _BK)], k_smem.at[slot],
                                     k_bar.at[slot])
             if terms.relpos is not None:
@@ -283,37 +351,38 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
                 plgpu.copy_gmem_to_smem(named["bias"].at[b, pl.ds(j0, _BK)],
                                         bias_smem.at[slot], b_bar.at[slot])
 
-        def load_v(t, slot):
-            plgpu.copy_gmem_to_smem(named["v"].at[b, pl.ds(t * _BK, _BK)], v_smem.at[slot],
-                                    v_bar.at[slot])
+        def load_v(u, slot):
+            plgpu.copy_gmem_to_smem(named["v"].at[b, pl.ds(block_of(u) * _BK, _BK)],
+                                    v_smem.at[slot], v_bar.at[slot])
 
         def prefetch(i):  # the first slots, without waiting
-            @pl.when(lo + i < hi)
+            @pl.when(i < count)
             def _():
-                load_k(lo + i, i)
-                load_v(lo + i, i)
+                load_k(jnp.int32(i), i)
+                load_v(jnp.int32(i), i)
 
         for i in range(steps):
             prefetch(i)
 
-        @pl.loop(lo + steps, hi)
-        def _(t):
-            slot = slot_of(t)
+        @pl.loop(jnp.int32(steps), count)
+        def _(u):
+            slot = slot_of(u)
             plgpu.barrier_wait(k_cons.at[slot])
-            load_k(t, slot)
+            load_k(u, slot)
             plgpu.barrier_wait(v_cons.at[slot])
-            load_v(t, slot)
+            load_v(u, slot)
 
-        @pl.loop(jnp.maximum(lo, hi - steps), hi)
-        def _(t):  # the last slots' releases: every phase of a barrier is waited for
-            slot = slot_of(t)
+        @pl.loop(jnp.maximum(count - steps, 0), count)
+        def _(u):  # the last slots' releases: every phase of a barrier is waited for
+            slot = slot_of(u)
             plgpu.barrier_wait(k_cons.at[slot])
             plgpu.barrier_wait(v_cons.at[slot])
 
 
 def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    max_concurrent_steps: int = 2, nan_rows: bool = False,
-                   precision: lax.PrecisionLike = None) -> tuple[jax.Array, jax.Array]:
+                   mask: ConcreteMask | None = None, precision: lax.PrecisionLike = None
+                   ) -> tuple[jax.Array, jax.Array]:
     r"""Forward pass of the Mosaic GPU flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (128 children, batch element); its memory warpgroup
@@ -333,6 +402,12 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             least 2).
         nan_rows: write NaN in the rows whose $L$ is not finite, in the kernel; default
             $y = 0$ there.
+        mask: the per-edge mask's value (``prob.const.pair_ok``), needed when the edge
+            has one: a NumPy boolean ``(..., n, m)`` array or a
+            [`BlockMask`][structinfer.lowering.BlockMask] that allows all or none of
+            each 128 x 64 tile in every batch element (block-sparse on blocks of
+            multiples of 128 x 64). Each program then visits only its list of blocks
+            (FlexAttention's block masks) and reads no mask.
         precision: accepted for the kernel table's interface; the matmuls are ``wgmma``
             in the inputs' dtype with float32 accumulation whatever it says.
 
@@ -351,7 +426,7 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     del precision
-    why = mosaic_unsupported(terms, prob, batch_shape)
+    why = mosaic_unsupported(terms, prob, batch_shape, mask)
     if why:
         raise ValueError(f"mosaic_forward: {why}")
     if max_concurrent_steps < 2:
@@ -365,6 +440,8 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                          f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
     arrays, _ = lay.operands(terms, prob, whole_rows=True)
     arrays.pop("relpos", None)
+    if terms.pair_ok:  # the block lists stand for the mask, which is never read
+        arrays["blocks"] = jnp.asarray(_block_lists(terms, mask, lay))
     for r in (0, 1) if terms.geometric else ():  # the prior's terms are added in float32
         arrays[f"geo{r}"] = arrays[f"geo{r}"].astype(jnp.float32)
     row_of = None
@@ -399,9 +476,11 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             rt,
             plgpu.SMEM((steps, _BK), jnp.float32) if "bias" in named else None,
             plgpu.SMEM((2, _WGS, _BQ), jnp.float32) if terms.geometric else None,
+            plgpu.SMEM(arrays["blocks"].shape[1:], jnp.int32) if "blocks" in named else None,
         )
         bars = (plgpu.Barrier(num_barriers=_WGS), plgpu.Barrier(num_barriers=2 * _WGS),
-                *(plgpu.Barrier(num_barriers=steps) for _ in range(4)))
+                *(plgpu.Barrier(num_barriers=steps) for _ in range(4)),
+                plgpu.Barrier(num_barriers=1) if "blocks" in named else None)
         consumed = (plgpu.Barrier(num_arrivals=_WGS, num_barriers=steps),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(named, out_ref, lse_ref, scoped, terms=terms, lay=lay,
