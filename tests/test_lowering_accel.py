@@ -518,7 +518,7 @@ def test_pallas_block_lists_hold_the_live_blocks(case):
     every = tiles(padded).all(axis=(0, 2, 4))
     for by_parent in (False, True):
         grids = accel._block_grids(terms, mask, lay)
-        table, needs_mask = accel._block_table(grids, by_parent), grids[2]
+        table, needs_mask = accel.block_table(grids, by_parent), grids[2]
         assert needs_mask == (case != "block_sparse")
         listed = np.zeros((lay.nqb, lay.nkb), int)
         full = np.zeros((lay.nqb, lay.nkb), bool)

@@ -447,7 +447,7 @@ def _over_blocks(named: dict, lo, hi, full, body, init):
     every edge is allowed with ``masked=False`` (no mask built), the others masked
     (FlashAttention's split of a causal loop, FlexAttention's full and partial blocks).
     With block lists (operand ``"blocks"``: ``[full count, partial count, full
-    blocks..., partial blocks...]``, `_block_table`), the program's row of them;
+    blocks..., partial blocks...]``, `block_table`), the program's row of them;
     else the band's range ``lo .. hi``, of which ``full = (f_lo, f_hi)`` are full
     (`full_parents`, `_full_children`; ``None``: none is)."""
     if "blocks" in named:
@@ -696,16 +696,19 @@ def _block_grids(terms: Terms, mask: ConcreteMask | None, lay: Layout
     return live, band_full & whole & live, bool((live & ~whole).any())
 
 
-def _block_table(grids: tuple[np.ndarray, np.ndarray, bool], by_parent: bool = False
-                 ) -> np.ndarray:
-    """The blocks each program visits, from `_block_grids`: one row per child block (per
-    parent block with ``by_parent``), ``[full count, partial count, full blocks...,
-    partial blocks..., 0...]`` (int32, a power-of-two width)."""
-    live, full, _ = grids
+def block_table(grids: tuple[np.ndarray, ...], by_parent: bool = False,
+                min_width: int = 16) -> np.ndarray:
+    """The blocks each program visits, from ``(live, full, ...)`` boolean ``(nqb, nkb)``
+    block grids (`_block_grids`): one row per child block (per parent block with
+    ``by_parent``), ``[full count, partial count, full blocks..., partial blocks...,
+    0...]`` (int32, a power-of-two width of at least ``min_width``). Full blocks are
+    computed without a mask, partial ones masked (FlexAttention's block masks)."""
+    live, full = grids[0], grids[1]
     if by_parent:
         live, full = live.T, full.T
+    full = full & live
     rows = [(np.flatnonzero(f), np.flatnonzero(lv & ~f)) for lv, f in zip(live, full)]
-    width = _pow2(2 + max(len(f) + len(p) for f, p in rows))
+    width = _pow2(2 + max(len(f) + len(p) for f, p in rows), min_width)
     out = np.zeros((len(rows), width), np.int32)
     for r, (f, p) in enumerate(rows):
         out[r, :2] = len(f), len(p)
@@ -748,7 +751,7 @@ def _launch_grids(terms: Terms, mask: ConcreteMask | None, lay: Layout, shift):
 def _mask_operands(terms: Terms, prob: Problem, lay: Layout, arrays: dict, specs: dict,
                    grids, *, by_parent: bool = False) -> None:
     """Add a launch's per-edge mask operands, if the edge has one: its block lists
-    (``"blocks"``, `_block_table` of ``grids``; none without them) and, when some block
+    (``"blocks"``, `block_table` of ``grids``; none without them) and, when some block
     needs it, the mask itself (``"pmask"``, int8, one copy per distinct mask of the
     batch)."""
     from jax.experimental import pallas as pl
@@ -756,7 +759,7 @@ def _mask_operands(terms: Terms, prob: Problem, lay: Layout, arrays: dict, specs
     if not terms.pair_ok:
         return
     if grids is not None:
-        table = _block_table(grids, by_parent)
+        table = block_table(grids, by_parent)
         arrays["blocks"] = jnp.asarray(table)
         specs["blocks"] = pl.BlockSpec((None, table.shape[1]), lambda i, b: (i, 0))
     if grids is None or grids[2]:

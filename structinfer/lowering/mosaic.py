@@ -49,7 +49,15 @@ from jax import lax
 
 from ._masks import ConcreteMask, mask_shape, tile_grid
 from ._spec import Problem, Terms, band_ok
-from .accel import RELPOS_TILES_MAX_BYTES, Layout, dot_only, full_parents, live_range, relpos_tiles
+from .accel import (
+    RELPOS_TILES_MAX_BYTES,
+    Layout,
+    block_table,
+    dot_only,
+    full_parents,
+    live_range,
+    relpos_tiles,
+)
 from .blocked import block_grids
 
 __all__ = ["MOSAIC_SMEM_BYTES", "mosaic_unsupported", "mosaic_forward"]
@@ -120,14 +128,8 @@ def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | 
         return (f"a per-edge mask that allows part of a {lay.bq} x {lay.bk} tile (the "
                 "Mosaic GPU kernel reads no mask in a tile: block-sparse masks on blocks "
                 "of multiples of 128 x 64 run)")
-    rows = [(np.flatnonzero(lv & f), np.flatnonzero(lv & ~f)) for lv, f in zip(live, full)]
-    # a row of at least 128 bytes: the copy moves a multiple of a warpgroup (128 threads)
-    width = max(32, 1 << (1 + max(len(f) + len(p) for f, p in rows)).bit_length())
-    out = np.zeros((len(rows), width), np.int32)
-    for r, (f, p) in enumerate(rows):
-        out[r, :2] = len(f), len(p)
-        out[r, 2:2 + len(f) + len(p)] = np.concatenate([f, p])
-    return out
+    # rows of at least 128 bytes: a copy moves a multiple of a warpgroup (128 threads)
+    return block_table((live, full), min_width=32)
 
 
 def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
