@@ -87,6 +87,25 @@ def _mosaic_missing() -> str | None:
     return None
 
 
+def _layouts(plgpu):
+    """The register layouts of a ``wgmma`` tile, of its rows' and of its columns'
+    vectors (``Layout.WGMMA.reduce(1)`` in JAX 0.10, ``WGMMA_ROW`` in some releases)."""
+    wgmma = plgpu.Layout.WGMMA
+    try:
+        return wgmma, wgmma.reduce(1), wgmma.reduce(0)
+    except AttributeError:
+        return wgmma, plgpu.Layout.WGMMA_ROW, plgpu.Layout.WGMMA_COL
+
+
+def _kernel_call(plgpu, entry, out, **kw):
+    """``plgpu.kernel(entry, ...)`` with the outputs' types under this JAX's keyword
+    (``out_type``; ``out_shape`` in releases before it)."""
+    import inspect
+
+    name = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
+    return plgpu.kernel(entry, **{name: out}, **kw)
+
+
 def _layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
     """The launch's blocks: ``_WGS * _BQ`` children per program, ``_BK`` parents per
     step, feature and value dims padded to a power of two of at least 64."""
@@ -185,9 +204,7 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
     pair = lax.axis_index("q_seq")
     wg = lax.axis_index("wg")
     f32 = jnp.float32
-    wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    wgmma_layout, row_layout, col_layout = _layouts(plgpu)
     off = terms.offset
     # the program's steps u = 0 .. count - 1 visit parent blocks block_of(u): the band's
     # range lo .. hi - 1, or (a per-edge mask known at trace time) the program's row of
@@ -492,10 +509,10 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             collective_axes="wg",
         )
 
-    out, lse = plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), dtype),
-                  jax.ShapeDtypeStruct((lay.B, lay.n_pad), jnp.float32)),
+    out, lse = _kernel_call(
+        plgpu, entry,
+        (jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), dtype),
+         jax.ShapeDtypeStruct((lay.B, lay.n_pad), jnp.float32)),
         grid=(lay.B, lay.nqb),
         grid_names=("batch", "q_seq"),
         num_threads=_WGS + 1,
