@@ -29,7 +29,7 @@ reported as ``failed: <reason>`` and the run goes on):
   where auto already chose Pallas; interpreted off a GPU);
 * ``structinfer-mosaic`` -- the same model with ``backend="mosaic"`` forced: the Mosaic
   GPU (Hopper) forward with the Pallas backward (skipped, with the kernel's reason, where
-  it cannot run: off a Hopper GPU, block_sparse's per-edge mask);
+  it cannot run, e.g. off a Hopper GPU);
 * ``cudnn`` -- ``jax.nn.dot_product_attention(implementation="cudnn")``: ``is_causal`` /
   ``local_window_size`` for the masks, the bias table materialised for relpos (per head),
   geometric (one table, with ``is_causal``), bias (per head) and block_sparse (one table

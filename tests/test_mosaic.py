@@ -5,14 +5,15 @@ for CUDA on this CPU; and on an NVIDIA Hopper GPU its values and gradients again
 dense kernel (`pytest -m gpu`).
 
 * Interpreted: JAX's Mosaic GPU interpreter (``jax._src``, JAX 0.10) runs the kernel's
-  three warpgroups as threads over emulated shared memory, TMA copies and barriers (it
-  raises when a barrier phase is skipped or completed twice, and reads of memory never
-  written give NaN), but lacks a few primitives the kernel uses; `mosaic_interpreted`
+  three warpgroups as threads over emulated shared memory, TMA copies and barriers (a
+  barrier phase skipped or completed twice raises, or leaves a thread waiting for ever,
+  which a watchdog turns into a failure; reads of memory never written give NaN), but
+  lacks a few primitives the kernel uses; `mosaic_interpreted`
   stands in for them: register layout casts are the identity, a layout-annotated load is
   a plain read, a pre-initialised accumulator is a fresh one added to its initial value,
   and ``wgmma`` also takes a transposed shared-memory operand and a register one (the
   kernel's $q k^\top$ and $p V$). Where that API differs (other JAX releases) these
-  tests skip.
+  tests skip, or fail where ``STRUCTINFER_TEST_MOSAIC_INTERPRETER=require`` (CI).
 * Lowered: needs JAX's Mosaic GPU bindings, which ship with JAX's CUDA plugin; CI
   installs the plugin, without its GPU runtime, for this file (`.ci/run`); elsewhere those
   tests skip. Lowering runs the whole Mosaic GPU compiler down to NVVM: shared-memory
@@ -20,7 +21,10 @@ dense kernel (`pytest -m gpu`).
 """
 
 import contextlib
+import dataclasses
+import faulthandler
 import functools
+import os
 import re
 
 import jax
@@ -110,7 +114,10 @@ def _interpreter_patches():
         interpreter._interpret_wgmma_ref_p  # noqa: B018
         gpu_callbacks._get_shared_memory, gpu_callbacks.HostAllocationKey  # noqa: B018
     except (ImportError, AttributeError) as err:
-        pytest.skip(f"this JAX's Mosaic GPU interpreter differs: {err}")
+        why = f"this JAX's Mosaic GPU interpreter differs: {err}"
+        if os.environ.get("STRUCTINFER_TEST_MOSAIC_INTERPRETER") == "require":
+            pytest.fail(why)
+        pytest.skip(why)
 
     def run_state(f):  # a pre-initialised accumulator: a fresh one plus its initial value
         def run(init_ref):
@@ -184,15 +191,26 @@ def _interpreter_patches():
             (plgpu, "kernel", functools.partial(plgpu.kernel, interpret=params))]
 
 
+#: seconds an interpreted test may take before the watchdog ends its process (a thread
+#: left waiting on a barrier; the tests take 4-10 s)
+WATCHDOG_S = 240
+
+
 @pytest.fixture
 def mosaic_interpreted(monkeypatch):
     """`mosaic_forward` runs in Pallas' Mosaic GPU interpreter (module docstring);
-    yields a function that says whether its race detector found a race."""
+    yields a function that says whether its race detector found a race. A watchdog ends
+    the process, printing every thread's stack, if the test outlives `WATCHDOG_S`."""
+    patches = _interpreter_patches()
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-    for obj, name, value in _interpreter_patches():
+    for obj, name, value in patches:
         monkeypatch.setattr(obj, name, value)
-    yield lambda: bool(gpu_callbacks.get_races().races_found)
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    try:
+        yield lambda: bool(gpu_callbacks.get_races().races_found)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     with contextlib.suppress(Exception):  # after a failure the interpreter needs a reset
         from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
@@ -279,6 +297,7 @@ INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("relpos_full", 320, 64, j
                     ("uniform", 200, 128, jnp.float16)]
 
 
+@pytest.mark.cpu_only  # on a GPU the kernel itself runs (below)
 @pytest.mark.parametrize(("case", "n", "d", "dtype"), INTERPRETED + [
     pytest.param(*c, marks=pytest.mark.exhaustive) for c in INTERPRETED_REST])
 def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
@@ -305,6 +324,28 @@ def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
     assert not mosaic_interpreted()
 
 
+@pytest.mark.cpu_only
+def test_mosaic_forward_interpreted_nan_inputs_give_nan_rows(mosaic_interpreted):
+    """A NaN query makes its row NaN (L not finite), a NaN key every row that sees it:
+    never a finite number; the other rows match the dense kernel."""
+    n = 256
+    low = _low("window", n, 64, jnp.bfloat16)
+    q = low.problem.row.q.at[1, 5].set(jnp.nan)
+    k = low.problem.col.k.at[0, 200].set(jnp.nan)  # seen by children 200 .. 255 of head 0
+    prob = dataclasses.replace(low.problem, row=dataclasses.replace(low.problem.row, q=q),
+                               col=dataclasses.replace(low.problem.col, k=k))
+    y, lse = (np.asarray(x, np.float32) for x in mosaic_forward(
+        low.terms, prob, low.batch_shape, nan_rows=True))
+    bad = np.zeros((H, n), bool)
+    bad[1, 5] = True
+    bad[0, 200:] = True
+    assert np.isnan(y[bad]).all() and not np.isfinite(lse[bad]).any()
+    want_y = np.asarray(_dense_of(low)[0])
+    np.testing.assert_allclose(y[~bad], want_y[~bad], atol=2e-2, rtol=2e-2)
+    assert not mosaic_interpreted()
+
+
+@pytest.mark.cpu_only
 def test_mosaic_model_path_interpreted(gpu, mosaic_interpreted):
     """``si.attention(model, "out", "mosaic")`` (a GPU faked for the dispatch): the
     Mosaic forward interpreted, its gradient the Pallas backward's passes (in Pallas'
@@ -368,7 +409,7 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
     text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     if d == 256:
-        with pytest.raises(ValueError, match="max_concurrent_steps=3 needs 256 KiB"):
+        with pytest.raises(ValueError, match="max_concurrent_steps=3 needs 262 KiB"):
             mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
 
 

@@ -533,6 +533,8 @@ class Layout:
 
     @staticmethod
     def pad(x, *sizes, value=0):
+        """``x`` ``(B, ...)`` padded with ``value`` at the end of each later dim to
+        ``sizes``."""
         return jnp.pad(x, [(0, 0)] + [(0, s - x.shape[i + 1]) for i, s in enumerate(sizes)],
                        constant_values=value)
 

@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 
 from ._masks import ConcreteMask, mask_shape, tile_grid
-from ._spec import Problem, Terms, band_ok
+from ._spec import Problem, Terms, band_ok, geometric_log_prior
 from .accel import (
     RELPOS_TILES_MAX_BYTES,
     Layout,
@@ -112,19 +112,26 @@ def _layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
     return Layout(terms, prob, batch_shape, _WGS * _BQ, _BK, min_dim=64)
 
 
-def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int) -> int:
+#: shared memory Mosaic GPU adds to a program's buffers (reduction scratch, alignment;
+#: measured 2.7-4.8 KiB on the lowered programs)
+_SMEM_SLACK = 6 * 1024
+
+
+def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int, lists: int = 0) -> int:
     """Shared memory of one program: queries (and outputs), ``steps`` slots of keys,
-    values and the step's tiles of the prior."""
+    values and the step's tiles of the prior, the block list (``lists`` entries) and
+    the compiler's own."""
     item = jnp.dtype(prob.v.dtype).itemsize
     total = _WGS * _BQ * (lay.fp + (lay.dvp if lay.dvp != lay.fp else 0)) * item
     total += steps * _BK * (lay.fp + lay.dvp) * item + _WGS * _BQ * 4
     if terms.relpos is not None:
-        total += steps * _WGS * _BQ * _BK * jnp.dtype(prob.glob.relpos.dtype).itemsize
+        # the table's dtype, float32 for a wider one
+        total += steps * _WGS * _BQ * _BK * min(jnp.dtype(prob.glob.relpos.dtype).itemsize, 4)
     if terms.col_bias or terms.col_ok:
         total += steps * _BK * 4
     if terms.geometric:
         total += 2 * _WGS * _BQ * 4
-    return total
+    return total + 4 * lists + _SMEM_SLACK
 
 
 def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | str:
@@ -136,7 +143,7 @@ def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | 
     n, m = terms.num_children, terms.num_parents
     shape = mask_shape(mask)
     if len(shape) < 2 or shape[-2:] != (n, m):
-        return f"a per-edge mask of shape {shape}, expected (..., {n}, {m})"
+        return f"mask= of shape {shape}, expected (..., {n}, {m})"
     grid = (n, m, lay.bq, lay.bk, lay.nqb, lay.nkb)
     some = tile_grid(mask, *grid, reduce=np.any, over_batch=np.any)
     every = tile_grid(mask, *grid, reduce=np.all, over_batch=np.all)
@@ -144,9 +151,10 @@ def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | 
                              lay.bq, lay.bk)
     live &= some
     if (live & ~every).any():
-        return (f"a per-edge mask that allows part of a {lay.bq} x {lay.bk} tile (the "
-                "Mosaic GPU kernel reads no mask in a tile: block-sparse masks on blocks "
-                "of multiples of 128 x 64 run)")
+        return (f"a per-edge mask that allows part of a {lay.bq} x {lay.bk} tile, or a "
+                "tile in some batch elements only (the Mosaic GPU kernel reads no mask: "
+                "block-sparse masks on blocks of multiples of 128 x 64, the same in "
+                "every batch element, run)")
     # rows of at least 128 bytes: a copy moves a multiple of a warpgroup (128 threads)
     return block_table((live, full), min_width=32)
 
@@ -178,14 +186,16 @@ def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
         return f"head dims {q.shape[-1]} and {v.shape[-1]} (the Mosaic GPU kernel: at most 256)"
     if terms.relpos is not None and lay.tiles_bytes(prob.glob.relpos) > RELPOS_TILES_MAX_BYTES:
         return "its relative-position tiles are over RELPOS_TILES_MAX_BYTES"
-    need = _smem_bytes(terms, prob, lay, 2)
-    if need > MOSAIC_SMEM_BYTES:
-        return (f"its tiles need {need // 1024} KiB of shared memory (over "
-                f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
+    width = 0
     if terms.pair_ok:
         lists = _block_lists(terms, mask, lay)
         if isinstance(lists, str):
             return lists
+        width = lists.shape[1]
+    need = _smem_bytes(terms, prob, lay, 2, width)
+    if need > MOSAIC_SMEM_BYTES:
+        return (f"its tiles need {need // 1024} KiB of shared memory (over "
+                f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
     return None
 
 
@@ -291,8 +301,8 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
                 cols = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 1, layout=wgmma_layout)
                 d = rows - cols + (i0 + off - j0)
             if terms.geometric:
-                s = s + row_bcast(g0, s.shape) + (d - terms.geo_d0).astype(f32) * row_bcast(
-                    g1, s.shape)
+                s = s + geometric_log_prior(row_bcast(g0, s.shape), row_bcast(g1, s.shape),
+                                            d - terms.geo_d0)
             if masked:
                 ok = cols < terms.num_parents - j0
                 band = band_ok(terms, d)
@@ -452,15 +462,17 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         raise ValueError(f"mosaic_forward: max_concurrent_steps={max_concurrent_steps}, "
                          "expected at least 2")
     lay = _layout(terms, prob, batch_shape)
-    need = _smem_bytes(terms, prob, lay, max_concurrent_steps)
+    lists = _block_lists(terms, mask, lay) if terms.pair_ok else None
+    need = _smem_bytes(terms, prob, lay, max_concurrent_steps,
+                       0 if lists is None else lists.shape[1])
     if need > MOSAIC_SMEM_BYTES:
         raise ValueError(f"mosaic_forward: max_concurrent_steps={max_concurrent_steps} "
                          f"needs {need // 1024} KiB of shared memory (over "
                          f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
     arrays, _ = lay.operands(terms, prob, whole_rows=True)
     arrays.pop("relpos", None)
-    if terms.pair_ok:  # the block lists stand for the mask, which is never read
-        arrays["blocks"] = jnp.asarray(_block_lists(terms, mask, lay))
+    if lists is not None:  # the block lists stand for the mask, which is never read
+        arrays["blocks"] = jnp.asarray(lists)
     for r in (0, 1) if terms.geometric else ():  # the prior's terms are added in float32
         arrays[f"geo{r}"] = arrays[f"geo{r}"].astype(jnp.float32)
     row_of = None
