@@ -409,7 +409,7 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
     text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     if d == 256:
-        with pytest.raises(ValueError, match="max_concurrent_steps=3 needs 262 KiB"):
+        with pytest.raises(ValueError, match="max_concurrent_steps=3: its tiles need 262 KiB"):
             mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
 
 

@@ -159,44 +159,51 @@ def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | 
     return block_table((live, full), min_width=32)
 
 
-def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
-                       mask: ConcreteMask | None = None) -> str | None:
-    """Why the Mosaic GPU forward cannot run this edge (its structure, dtypes, sizes, a
-    per-edge mask it cannot read as block lists, or a JAX without the Mosaic GPU
-    backend), or `None` when it can. ``mask``: the per-edge mask's value when known at
-    trace time (as `mosaic_forward`'s)."""
+def _plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None, steps: int
+          ) -> tuple[str | None, Layout | None, np.ndarray | None]:
+    """``(why not, layout, block lists)`` of a launch with ``steps`` slots: the reason
+    the kernel cannot run the edge (else ``None``), and when it can, its `Layout` and a
+    per-edge mask's `_block_lists` (``None`` without one)."""
     why = _mosaic_missing() or dot_only(terms, prob)
     if why:
-        return why
+        return why, None, None
     if terms.mask_blocks is not None:
-        return "a per-edge mask read per block (the blocked kernel's form)"
+        return "a per-edge mask read per block (the blocked kernel's form)", None, None
     if terms.pair_ok and mask is None:
-        return "a per-edge mask not known at trace time (the Mosaic GPU kernel reads none)"
+        return ("a per-edge mask not known at trace time (the Mosaic GPU kernel reads none)",
+                None, None)
     q, k, v = prob.row.q, prob.col.k, prob.v
     dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dts) != 1 or next(iter(dts)) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return (f"inputs are {sorted(str(d) for d in dts)} (the Mosaic GPU kernel takes "
-                "float16 / bfloat16, one dtype)")
+                "float16 / bfloat16, one dtype)"), None, None
     n, m = terms.num_children, terms.num_parents
     if n < _WGS * _BQ or m < _BK:
-        return f"{n} children and {m} parents (the Mosaic GPU kernel needs at least " \
-               f"{_WGS * _BQ} and {_BK})"
+        return (f"{n} children and {m} parents (the Mosaic GPU kernel needs at least "
+                f"{_WGS * _BQ} and {_BK})"), None, None
     lay = _layout(terms, prob, batch_shape)
     if max(lay.fp, lay.dvp) > 256:
-        return f"head dims {q.shape[-1]} and {v.shape[-1]} (the Mosaic GPU kernel: at most 256)"
+        return (f"head dims {q.shape[-1]} and {v.shape[-1]} (the Mosaic GPU kernel: at most "
+                "256)"), None, None
     if terms.relpos is not None and lay.tiles_bytes(prob.glob.relpos) > RELPOS_TILES_MAX_BYTES:
-        return "its relative-position tiles are over RELPOS_TILES_MAX_BYTES"
-    width = 0
-    if terms.pair_ok:
-        lists = _block_lists(terms, mask, lay)
-        if isinstance(lists, str):
-            return lists
-        width = lists.shape[1]
-    need = _smem_bytes(terms, prob, lay, 2, width)
+        return "its relative-position tiles are over RELPOS_TILES_MAX_BYTES", None, None
+    lists = _block_lists(terms, mask, lay) if terms.pair_ok else None
+    if isinstance(lists, str):
+        return lists, None, None
+    need = _smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1])
     if need > MOSAIC_SMEM_BYTES:
-        return (f"its tiles need {need // 1024} KiB of shared memory (over "
-                f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
-    return None
+        return (f"max_concurrent_steps={steps}: its tiles need {need // 1024} KiB of shared "
+                f"memory (over {MOSAIC_SMEM_BYTES // 1024} KiB)"), None, None
+    return None, lay, lists
+
+
+def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                       mask: ConcreteMask | None = None) -> str | None:
+    """Why the Mosaic GPU forward cannot run this edge with its default two slots (its
+    structure, dtypes, sizes, shared memory, a per-edge mask it cannot read as block
+    lists, or a JAX without the Mosaic GPU backend), or `None` when it can. ``mask``: the
+    per-edge mask's value when known at trace time (as `mosaic_forward`'s)."""
+    return _plan(terms, prob, batch_shape, mask, 2)[0]
 
 
 def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout, steps: int,
@@ -455,20 +462,12 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     del precision
-    why = mosaic_unsupported(terms, prob, batch_shape, mask)
-    if why:
-        raise ValueError(f"mosaic_forward: {why}")
     if max_concurrent_steps < 2:
         raise ValueError(f"mosaic_forward: max_concurrent_steps={max_concurrent_steps}, "
                          "expected at least 2")
-    lay = _layout(terms, prob, batch_shape)
-    lists = _block_lists(terms, mask, lay) if terms.pair_ok else None
-    need = _smem_bytes(terms, prob, lay, max_concurrent_steps,
-                       0 if lists is None else lists.shape[1])
-    if need > MOSAIC_SMEM_BYTES:
-        raise ValueError(f"mosaic_forward: max_concurrent_steps={max_concurrent_steps} "
-                         f"needs {need // 1024} KiB of shared memory (over "
-                         f"{MOSAIC_SMEM_BYTES // 1024} KiB)")
+    why, lay, lists = _plan(terms, prob, batch_shape, mask, max_concurrent_steps)
+    if why:
+        raise ValueError(f"mosaic_forward: {why}")
     arrays, _ = lay.operands(terms, prob, whole_rows=True)
     arrays.pop("relpos", None)
     if lists is not None:  # the block lists stand for the mask, which is never read
