@@ -325,6 +325,26 @@ def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
 
 
 @pytest.mark.cpu_only
+@pytest.mark.exhaustive
+def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpreted):
+    """Batched plates: heads x batch (2 x 3), the relative-position table one per head,
+    shared by the batch (each program reads its head's tiles), against the dense kernel."""
+    n, d = 256, 64
+    r = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(r.normal(size=(2, 3, n, d)), jnp.bfloat16) for _ in range(3))
+    e = jnp.asarray(r.normal(size=(2, 1, 2 * n - 1)), jnp.float32)
+    low = lower_edge(si.priors.RelativePosition(e, n, causal=True),
+                     si.scores.Dot(q, k, scale=d ** -0.5), v, n, (2, 3))
+    y, lse = mosaic_forward(low.terms, low.problem, low.batch_shape, nan_rows=True)
+    want_y, want_l = _dense_of(low)
+    assert y.shape == (2, 3, n, d) and y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_l), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y), atol=2e-2,
+                               rtol=2e-2)
+    assert not mosaic_interpreted()
+
+
+@pytest.mark.cpu_only
 def test_mosaic_forward_interpreted_nan_inputs_give_nan_rows(mosaic_interpreted):
     """A NaN query makes its row NaN (L not finite), a NaN key every row that sees it:
     never a finite number; the other rows match the dense kernel."""
