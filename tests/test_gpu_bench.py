@@ -48,3 +48,20 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
     for text in ("| bias", "| block_sparse", "structinfer (auto)", "structinfer (pallas)",
                  "## Correctness", "cuDNN needs a GPU"):
         assert text in md, text
+
+
+def test_gpu_tune_quick_mode_times_pallas_and_says_why_not_mosaic():
+    """benchmarks/gpu_tune.py --quick on a CPU: a timed Pallas cell per case (interpreted),
+    and Mosaic GPU cells that name the platform (no GPU)."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_tune.py"), "--quick",
+         "--cases", "relpos", "geometric"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["relpos", "geometric"], proc.stdout
+    for r in rows:
+        pallas, *mosaic = (c.strip() for c in r.split("|")[4:-2])
+        assert " ms / " in pallas, r
+        assert len(mosaic) == 2 and all("the platform is cpu" in c for c in mosaic), r

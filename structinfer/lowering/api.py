@@ -132,7 +132,9 @@ def _run_edge(name: str, site: str, low, prob, batch, config: KernelConfig,
             if forced:
                 raise NotLowerableError(f"backend '{name}': edge site '{site}': {k.label} "
                                         f"refused: {err}") from err
-            nxt = next((f for f in k.fallback if KERNELS[f].unsupported(low) is None), None)
+            nxt = next((f for f in k.fallback if KERNELS[f].unsupported(low) is None
+                        and (KERNELS[f].passed_over is None
+                             or KERNELS[f].passed_over(low) is None)), None)
             if nxt is None:
                 raise
             first = str(err).splitlines()[0] if str(err) else ""

@@ -87,7 +87,8 @@ class Kernel:
             cannot run here after all (JAX's cuDNN wrapper checks the installed cuDNN and
             GPU only then); ``()``: it never refuses.
         fallback: the kernels to try, in order, when ``run`` refused: the first whose
-            ``unsupported`` is ``None`` runs (`structinfer.explain` says why).
+            ``unsupported`` and ``passed_over`` are ``None`` runs (`structinfer.explain`
+            says why).
         passed_over: optional ``passed_over(lowered) -> str | None``: why ``"auto"``
             does not take the kernel although it can run the edge (another measured
             faster there); a forced ``backend`` still runs it.
@@ -192,6 +193,16 @@ def _run_mosaic(lowered, prob, batch, config):
     return _run_blocked_family(KERNELS["mosaic"], lowered, prob, batch, config)
 
 
+def _mosaic_device_unseen(lowered: Lowered) -> str | None:
+    """Why ``"auto"`` passes the Mosaic GPU kernel over: it takes it only on the Hopper
+    GPU this process runs on (lowering for CUDA from another host takes the Triton
+    kernel, which lowers without the CUDA plugin's Mosaic GPU compiler)."""
+    if jax.default_backend() != "gpu":
+        return (f"auto takes it only on a Hopper GPU of this process (JAX's default "
+                f"backend is {jax.default_backend()})")
+    return None
+
+
 def _pallas_measured_faster(lowered: Lowered) -> str | None:
     return accel.pallas_measured_faster(lowered.terms)
 
@@ -202,14 +213,13 @@ _ENTRIES = (
     Kernel("windowed", _windowed_unsupported, _run_windowed),
     Kernel("cudnn", _cudnn_unsupported, _run_cudnn, title="cuDNN", rows_allowed=True,
            refusals=(NotImplementedError, ValueError, RuntimeError, TypeError),
-           fallback=("pallas", "blocked"), passed_over=_pallas_measured_faster,
+           fallback=("mosaic", "pallas", "blocked"), passed_over=_pallas_measured_faster,
            ring_step="pallas"),
     Kernel("pallas", _pallas_unsupported, _run_pallas, nan_rows=True, title="Pallas",
            passes=(accel.pallas_forward, accel.pallas_backward), ring_step="pallas"),
-    # not in accel.GPU_KERNELS: "auto" takes it once it is measured against the Triton
-    # kernel on a GPU; until then it runs when forced (backend="mosaic")
     Kernel("mosaic", _mosaic_unsupported, _run_mosaic, nan_rows=True, title="Mosaic GPU",
-           passes=(mosaic_forward, accel.pallas_backward), ring_step="pallas"),
+           passes=(mosaic_forward, accel.pallas_backward), ring_step="pallas",
+           passed_over=_mosaic_device_unseen),
 )
 
 class KernelTable(Mapping[str, Kernel]):
@@ -251,7 +261,7 @@ def auto_kernel(lowered: Lowered) -> tuple[str, tuple[str, ...]]:
 
     The rule: with more than `DENSE_MAX` logits per batch element, on a GPU, the first
     of the platform's fused kernels (`structinfer.lowering.accel.GPU_KERNELS`: cuDNN,
-    then Pallas) that can run the edge and is not passed over for a faster one; else the
+    then Mosaic GPU on a Hopper GPU, then Pallas) that can run the edge and is not passed over for a faster one; else the
     windowed kernel for a geometric prior whose distance band is at most half the
     parents; else the blocked kernel (large) or the dense one (small). The notes say why
     each fused kernel before the one taken was not.

@@ -25,9 +25,12 @@ multiples of 128 x 64) is walked as per-program block lists, as FlexAttention's 
 masks are, and never read.
 
 Only the forward is here: the gradient is the Triton kernel's (`pallas_backward`), which
-reads the same $y$ and $L$. Not yet measured on a GPU: its values are checked in JAX's
-Mosaic GPU interpreter and its compilation for CUDA on a CPU (``tests/test_mosaic.py``). The kernel table's ``"mosaic"`` entry runs the two through
-`blocked_attention`. Queries, keys and values must be float16 or bfloat16 (one dtype),
+reads the same $y$ and $L$. The kernel table's ``"mosaic"`` entry runs the two through
+`blocked_attention`, and ``backend="auto"`` takes it on a Hopper GPU of the running
+process (on an H100 its forward ran 1.3-1.9x faster than the Triton kernel's at every
+prior measured; ``docs/benchmarks.md``). Its values are checked on a GPU and, without
+one, in JAX's Mosaic GPU interpreter, and its compilation for CUDA on a CPU
+(``tests/test_mosaic.py``). Queries, keys and values must be float16 or bfloat16 (one dtype),
 head dims 64, 128 or 256 after padding to a power of two; the matmuls accumulate in
 float32 and the prior's terms are added in float32.
 
@@ -95,6 +98,17 @@ def _layouts(plgpu):
         return wgmma, wgmma.reduce(1), wgmma.reduce(0)
     except AttributeError:
         return wgmma, plgpu.Layout.WGMMA_ROW, plgpu.Layout.WGMMA_COL
+
+
+def _load(plgpu, ref, layout):
+    """``plgpu.load`` of the whole of an indexed ref (``ref.at[...]``) into ``layout``:
+    JAX 0.10 takes the index as a second argument, later releases deprecate it."""
+    import inspect
+
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def _kernel_call(plgpu, entry, out, **kw):
@@ -270,8 +284,8 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
         if terms.geometric:
             plgpu.barrier_wait(g_bar.at[2 * wg])
             plgpu.barrier_wait(g_bar.at[2 * wg + 1])
-            g0 = plgpu.load(geo_smem.at[0, wg], (), layout=row_layout)
-            g1 = plgpu.load(geo_smem.at[1, wg], (), layout=row_layout)
+            g0 = _load(plgpu, geo_smem.at[0, wg], row_layout)
+            g1 = _load(plgpu, geo_smem.at[1, wg], row_layout)
 
         m = plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, f32), row_layout)
         lsum = plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout)
@@ -289,18 +303,18 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
             j0 = block_of(u) * _BK
 
             def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_s, k_smem.at[slot].transpose((1, 0)))
                 schedule_barrier()
                 return acc_ref[...]
 
             s = pl.run_scoped(compute_qk, plgpu.ACC((_BQ, _BK), f32))
             if terms.relpos is not None:  # this warpgroup's rows of the step's tile
                 plgpu.barrier_wait(r_bar.at[slot])
-                s = s + plgpu.load(rt_smem.at[slot], (pl.ds(wg * _BQ, _BQ), slice(None)),
-                                   layout=wgmma_layout).astype(f32)
+                s = s + _load(plgpu, rt_smem.at[slot, pl.ds(wg * _BQ, _BQ)],
+                              wgmma_layout).astype(f32)
             if terms.col_bias or terms.col_ok:  # per-parent bias, -inf where masked
                 plgpu.barrier_wait(b_bar.at[slot])
-                bias = plgpu.load(bias_smem.at[slot], (), layout=col_layout)
+                bias = _load(plgpu, bias_smem.at[slot], col_layout)
                 s = s + lax.broadcast_in_dim(bias, (_BQ, _BK), [1])
             plgpu.barrier_arrive(k_cons.at[slot])
             if terms.geometric or masked:
