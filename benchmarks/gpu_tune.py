@@ -1,20 +1,23 @@
-"""Tune and check structinfer's GPU forward kernels on one card (no model path, no peers).
+"""Tune and check structinfer's GPU kernels on one card (no model path, no peers).
 
 For each case of ``benchmarks/gpu.py`` and each size, the edge site is lowered once and
-its forward kernels timed on it: the Pallas (Triton) forward at its defaults, and the
-Mosaic GPU (Hopper) forward at each pipeline depth (``max_concurrent_steps``). Each
-Mosaic GPU output is checked against the Pallas forward's (relative to its largest
-magnitude) and its row log-normaliser to float32 rounding. ``benchmarks/gpu.py`` times
-the whole model path against the peers; this script answers which kernel and which
-depth to pick.
+its kernels timed on it: the Pallas (Triton) forward at its defaults and the Mosaic GPU
+(Hopper) forward at each pipeline depth (``max_concurrent_steps``); then the backward on
+the Triton forward's output (the queries', keys' and values' gradients, the prior's
+parameters not differentiated): the Triton kernel's own passes, with the Mosaic GPU dQ
+pass (`mosaic_dq`), and with both Mosaic GPU passes (`mosaic_dkdv` too). Each Mosaic GPU
+result is checked against the Triton kernel's (relative to its largest magnitude; the
+row log-normaliser to float32 rounding). ``benchmarks/gpu.py`` times the whole model
+path against the peers; this script answers which kernel and which depth to pick.
 
     python benchmarks/gpu_tune.py                         # n = 4096 x 32 heads, 16384 x 16
     python benchmarks/gpu_tune.py --sizes 4096 --heads 32 --steps 2 3 --cases relpos
     python benchmarks/gpu_tune.py --quick     # tiny sizes on a CPU (Pallas interpreted;
                                               # the Mosaic GPU cells say why not)
 
-Cells: milliseconds per forward call (best of 3 groups of 10 after a warm-up, compile
-excluded) / dense-equivalent TFLOP/s on the allowed pairs, as in ``benchmarks/gpu.py``.
+Cells: milliseconds per call (best of 3 groups of 10 after a warm-up, compile excluded) /
+dense-equivalent TFLOP/s on the allowed pairs, as in ``benchmarks/gpu.py`` (the backward
+counted as 2.5 forwards).
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ import gpu  # noqa: E402  (benchmarks/gpu.py: cases, inputs, timing)
 import structinfer as si  # noqa: E402
 from structinfer.lowering import KERNELS  # noqa: E402
 from structinfer.lowering._lower import lower_edge  # noqa: E402
-from structinfer.lowering.accel import pallas_forward  # noqa: E402
-from structinfer.lowering.mosaic import mosaic_forward  # noqa: E402
+from structinfer.lowering.accel import pallas_backward, pallas_forward  # noqa: E402
+from structinfer.lowering.mosaic import (  # noqa: E402
+    mosaic_dkdv,
+    mosaic_dkdv_unsupported,
+    mosaic_dq,
+    mosaic_dq_unsupported,
+    mosaic_forward,
+)
 
 CASES = ("dense", "causal", "window", "relpos", "geometric", "bias", "block_sparse")
 
@@ -76,50 +85,86 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.dtype}, "
           f"head dim {args.head_dim}; load {os.getloadavg()[0]:.2f}", flush=True)
-    cols = ["pallas"] + [f"mosaic s={s}" for s in args.steps]
-    print("| n | heads | case | " + " | ".join(cols) + " | mosaic err (y rel., L abs.) |")
+    cols = (["pallas"] + [f"mosaic s={s}" for s in args.steps]
+            + ["bwd pallas", "bwd mosaic dQ", "bwd mosaic dK/dV + dQ"])
+    print("| n | heads | case | " + " | ".join(cols)
+          + " | mosaic err (y rel., L abs.; dQ, dK, dV rel.) |")
     print("|" + " --- |" * (len(cols) + 4), flush=True)
-    sync = jax.block_until_ready
     for n, H in zip(args.sizes, heads):
         p = gpu.Problem(n, H, args.head_dim, dtype)
         for case in args.cases:
             if time.perf_counter() - t_start > args.budget_seconds:
                 print(f"| {n} | {H} | {case} | skipped (budget) |", flush=True)
                 continue
-            low = lower_edge(prior(case, p, args.window),
-                             si.scores.Dot(p.q, p.k, scale=args.head_dim ** -0.5),
-                             p.v, n, (H,))
-            terms, bs, mask = low.terms, low.batch_shape, low.mask
-            rate = gpu.flops(case, H, n, args.head_dim, "fwd", args.window) / 1e12
-            cells, ref, errs = [], None, []
-            runs = [("pallas", lambda pr: pallas_forward(terms, pr, bs, mask=mask))]
-            for s in args.steps:
-                runs.append((f"mosaic s={s}", lambda pr, s=s: mosaic_forward(
-                    terms, pr, bs, max_concurrent_steps=s, mask=mask)))
-            for name, fn in runs:
-                why = KERNELS[name.split()[0]].unsupported(low)
-                if why:
-                    cells.append(f"refused: {why}")
-                    continue
-                try:
-                    f = jax.jit(fn)
-                    first, _, best, _ = gpu.time_calls(lambda f=f: f(low.problem), sync,
-                                                       3, 10, 15.0)
-                except Exception as err:  # noqa: BLE001 (report and go on)
-                    cells.append(f"failed: {gpu._short(err, 300)}")
-                    continue
-                cells.append(f"{best * 1e3:.3g} ms / {rate / best:.0f}")
-                y, lse = (np.asarray(x, np.float32) for x in first)
-                if ref is None:
-                    ref = (y, lse)
-                    continue
-                scale = float(np.abs(ref[0]).max()) or 1.0
-                fin = np.isfinite(ref[1])
-                errs.append(f"{float(np.abs(y - ref[0]).max()) / scale:.1e}, "
-                            f"{float(np.abs(lse[fin] - ref[1][fin]).max()):.1e}")
-            print(f"| {n} | {H} | {case} | " + " | ".join(cells) + " | "
-                  + "; ".join(errs) + " |", flush=True)
+            print(row(p, case, args), flush=True)
     return 0
+
+
+def timed(fn, arg, rate: float):
+    """``(cell, first result or None)`` of ``jax.jit(fn)(arg)``: best of 3 groups of 10
+    calls after a warm-up, or why it failed."""
+    f = jax.jit(fn)
+    try:
+        first, _, best, _ = gpu.time_calls(lambda: f(arg), jax.block_until_ready, 3, 10, 15.0)
+    except Exception as err:  # noqa: BLE001 (report and go on)
+        return f"failed: {gpu._short(err, 300)}", None
+    return f"{best * 1e3:.3g} ms / {rate / best:.0f}", first
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.abs(got - want).max()) / (float(np.abs(want).max()) or 1.0)
+
+
+def row(p: gpu.Problem, case: str, args) -> str:
+    """One table row: the forwards at each depth, then the backward (the queries', keys'
+    and values' gradients): the Triton kernel's, with the Mosaic GPU dQ pass, and with
+    both Mosaic GPU passes."""
+    n, H, d = p.n, p.H, p.d
+    low = lower_edge(prior(case, p, args.window), si.scores.Dot(p.q, p.k, scale=d ** -0.5),
+                     p.v, n, (H,))
+    terms, bs, mask = low.terms, low.batch_shape, low.mask
+    rate = gpu.flops(case, H, n, d, "fwd", args.window) / 1e12
+    cells, errs = [], []
+    fwd, first = timed(lambda pr: pallas_forward(terms, pr, bs, mask=mask), low.problem, rate)
+    cells.append(fwd)
+    for s in args.steps:
+        why = KERNELS["mosaic"].unsupported(low)
+        if why:
+            cells.append(f"refused: {why}")
+            continue
+        cell, got = timed(lambda pr, s=s: mosaic_forward(
+            terms, pr, bs, max_concurrent_steps=s, mask=mask), low.problem, rate)
+        cells.append(cell)
+        if got is not None and first is not None:
+            fin = np.isfinite(np.asarray(first[1]))
+            dl = np.abs(np.asarray(got[1])[fin] - np.asarray(first[1])[fin])
+            errs.append(f"{rel_err(got[0], first[0]):.1e}, {float(dl.max()):.1e}")
+    if first is None:
+        return f"| {n} | {H} | {case} | " + " | ".join(cells) + " |"
+    y, lse = first
+    d_out = p.w.astype(y.dtype)
+    d_lse = jnp.zeros_like(lse)
+    none = frozenset()  # the prior's parameters not differentiated (as benchmarks/gpu.py)
+    own, ref = timed(lambda pr: pallas_backward(terms, pr, bs, y, lse, d_out, d_lse, mask=mask,
+                                                need_glob=none), low.problem, 2.5 * rate)
+    cells.append(own)
+    mosaic_why = KERNELS["mosaic"].unsupported(low)
+    for passes, why in (
+            ({"dq_pass": mosaic_dq}, mosaic_dq_unsupported(terms, low.problem, bs, mask)),
+            ({"dq_pass": mosaic_dq, "dkdv_pass": mosaic_dkdv},
+             mosaic_dkdv_unsupported(terms, low.problem, bs, mask))):
+        if mosaic_why or why:
+            cells.append(f"refused: {mosaic_why or why}")
+            continue
+        cell, got = timed(lambda pr, kw=passes: pallas_backward(
+            terms, pr, bs, y, lse, d_out, d_lse, mask=mask, need_glob=none, **kw),
+            low.problem, 2.5 * rate)
+        cells.append(cell)
+        if got is not None and ref is not None:
+            errs.append(", ".join(f"{rel_err(a, b):.1e}" for a, b in (
+                (got[0].q, ref[0].q), (got[1].k, ref[1].k), (got[4], ref[4]))))
+    return f"| {n} | {H} | {case} | " + " | ".join(cells) + " | " + "; ".join(errs) + " |"
 
 
 if __name__ == "__main__":

@@ -661,7 +661,7 @@ def test_a_replacement_pass_without_a_mask_argument_is_not_given_one():
 
 def test_pallas_full_block_ranges_hold_exactly_the_blocks_with_every_edge_allowed():
     """The tiles computed without a mask (`full_parents` for the forward and dQ passes,
-    `_full_children` for dK/dV) against a brute-force reading of the band: exactly the
+    `full_children` for dK/dV) against a brute-force reading of the band: exactly the
     blocks whose every edge (padded children included, no padded parent) is inside the
     distance band, over bands with both, one or no bound, positive, zero and negative
     offsets and block sizes of 16 and 32, for each program."""
@@ -693,13 +693,13 @@ def test_pallas_full_block_ranges_hold_exactly_the_blocks_with_every_edge_allowe
             np.testing.assert_array_equal(got, every, err_msg=str((dmin, dmax, offset, bq, bk)))
             t = jnp.arange(nkb, dtype=jnp.int32)
             lo, hi = (np.broadcast_to(x, t.shape)
-                      for x in accel._full_children(terms, t, bq, bk, nqb, offset))
+                      for x in accel.full_children(terms, t, bq, bk, nqb, offset))
             got = np.arange(nqb)[None, :] >= lo[:, None]
             got &= np.arange(nqb)[None, :] < hi[:, None]
             np.testing.assert_array_equal(got, every.T, err_msg=str((dmin, dmax, offset, bq, bk)))
     excluded = dataclasses.replace(low.terms, dmin=-4, dmax=4, exclude_zero=True)
     assert accel.full_parents(excluded, 0, 16, 16, 0) is None
-    assert accel._full_children(excluded, 0, 16, 16, 3, 0) is None
+    assert accel.full_children(excluded, 0, 16, 16, 3, 0) is None
 
 
 TILE_CASES = {  # prior(n, m, e), children n, parents m, blocks, the queries' batch

@@ -38,8 +38,17 @@ from numpyro.ops.indexing import Vindex
 import structinfer as si
 from structinfer.lowering import KERNELS, NotLowerableError, explain
 from structinfer.lowering._lower import lower_edge
+from structinfer.lowering.accel import pallas_backward
 from structinfer.lowering.dense import dense_attention
-from structinfer.lowering.mosaic import mosaic_forward, mosaic_unsupported
+from structinfer.lowering.mosaic import (
+    mosaic_backward,
+    mosaic_dkdv,
+    mosaic_dkdv_unsupported,
+    mosaic_dq,
+    mosaic_dq_unsupported,
+    mosaic_forward,
+    mosaic_unsupported,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -119,15 +128,17 @@ def _interpreter_patches():
             pytest.fail(why)
         pytest.skip(why)
 
-    def run_state(f):  # a pre-initialised accumulator: a fresh one plus its initial value
-        def run(init_ref):
-            init = init_ref._init
+    def run_state(f):  # pre-initialised accumulators: fresh ones plus their initial values
+        def run(inits):
+            leaves, tree = jax.tree.flatten(inits, is_leaf=lambda x: hasattr(x, "_init"))
+            init = [x._init for x in leaves]
 
-            def body(acc_ref):
-                f(acc_ref)
-                return acc_ref[...]
+            def body(*refs):
+                f(jax.tree.unflatten(tree, refs))
+                return tuple(r[...] for r in refs)
 
-            return init + pl.run_scoped(body, plgpu.ACC(init.shape, init.dtype))
+            outs = pl.run_scoped(body, *[plgpu.ACC(x.shape, x.dtype) for x in init])
+            return jax.tree.unflatten(tree, [a + b for a, b in zip(init, outs)])
 
         return run
 
@@ -330,14 +341,136 @@ def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
     assert not mosaic_interpreted()
 
 
+def _cotangents(low, seed=3):
+    """``(d_out, lse, delta)`` for the dQ pass: a random output cotangent, the dense
+    kernel's L, and delta from its y with a random cotangent of L."""
+    y, lse = _dense_of(low)
+    r = np.random.default_rng(seed)
+    d_out = jnp.asarray(r.normal(size=y.shape), low.problem.v.dtype)
+    d_lse = jnp.asarray(r.normal(size=lse.shape), jnp.float32)
+    from structinfer.lowering._softmax import backward_delta
+
+    return d_out, lse, backward_delta(y, d_out, lse, d_lse, jnp.float32)
+
+
+DQ_INTERPRETED = [("relpos", 256, 64, jnp.bfloat16), ("geometric", 200, 64, jnp.float16),
+                  ("block_sparse", 400, 64, jnp.bfloat16)]
+DQ_INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("window", 384, 64, jnp.bfloat16),
+                       ("bias", 256, 128, jnp.bfloat16), ("strict_causal", 256, 64,
+                                                          jnp.bfloat16),
+                       ("geometric_band", 384, 64, jnp.bfloat16)]
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize(("case", "n", "d", "dtype"), DQ_INTERPRETED + [
+    pytest.param(*c, marks=pytest.mark.exhaustive) for c in DQ_INTERPRETED_REST])
+def test_mosaic_dq_interpreted_matches_the_dense_gradient(case, n, d, dtype,
+                                                          mosaic_interpreted):
+    """The backward's dQ pass run as written (three warpgroups as threads): the queries'
+    gradient and the geometric prior's against the dense kernel's VJP on float32 copies
+    (16-bit tolerance), zero in a row with no allowed parent; and through
+    `pallas_backward`'s ``dq_pass`` the rest of the gradient is the Triton kernel's."""
+    low = _low(case, n, d, dtype)
+    d_out, lse, delta = _cotangents(low)
+    dq, dgeo = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, lse, delta,
+                         low.mask)
+    assert dq.shape == low.problem.row.q.shape and dq.dtype == dtype
+    up = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16)
+                      else x, low.problem)
+    (y, _), vjp = jax.vjp(lambda p: dense_attention(low.terms, p, low.batch_shape, "highest"),
+                          up)
+    # the cotangent of L that gives this delta: sum(d_out * y) - delta
+    d_lse = jnp.sum(d_out.astype(jnp.float32) * jnp.where(jnp.isfinite(lse)[..., None], y, 0),
+                    -1) - delta
+    (want,) = vjp((d_out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), d_lse, 0.0)))
+    ok = np.isfinite(np.asarray(lse))
+    assert ok.all() == (case != "strict_causal")
+    scale = float(jnp.max(jnp.abs(want.row.q))) + 1e-6
+    np.testing.assert_allclose(np.asarray(dq, np.float32)[ok] / scale,
+                               np.asarray(want.row.q)[ok] / scale, atol=2e-2)
+    assert (np.asarray(dq, np.float32)[~ok] == 0).all()
+    if low.terms.geometric:
+        for r in (0, 1):
+            g, w = np.asarray(dgeo[..., r]), np.asarray(want.row.geo[..., r])
+            gs = float(np.abs(w).max()) + 1e-6
+            np.testing.assert_allclose(g[ok] / gs, w[ok] / gs, atol=2e-2)
+    else:
+        assert dgeo is None
+    if case in ("relpos", "geometric"):  # the hook: only the dQ pass differs
+        mixed = pallas_backward(low.terms, low.problem, low.batch_shape, y, lse, d_out,
+                                d_lse, mask=low.mask, dq_pass=mosaic_dq)
+        own = pallas_backward(low.terms, low.problem, low.batch_shape, y, lse, d_out,
+                              d_lse, mask=low.mask)
+        np.testing.assert_array_equal(np.asarray(mixed[0].q), np.asarray(dq))
+        for a, b in zip(jax.tree.leaves(mixed[1:]), jax.tree.leaves(own[1:])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not mosaic_interpreted()
+
+
+def _dense_vjp(low, d_out, lse, delta):
+    """The dense kernel's gradients on float32 copies of the problem, for the cotangent of
+    y ``d_out`` and the cotangent of L that gives ``delta``."""
+    up = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16)
+                      else x, low.problem)
+    (y, _), vjp = jax.vjp(lambda p: dense_attention(low.terms, p, low.batch_shape, "highest"),
+                          up)
+    d_lse = jnp.sum(d_out.astype(jnp.float32) * jnp.where(jnp.isfinite(lse)[..., None], y, 0),
+                    -1) - delta
+    (want,) = vjp((d_out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), d_lse, 0.0)))
+    return want, y, d_lse
+
+
+def _close(got, want, atol=2e-2):
+    """Within 16-bit tolerance, relative to the reference's largest magnitude."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = float(np.abs(want).max()) + 1e-6
+    np.testing.assert_allclose(got / scale, want / scale, atol=atol)
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize(("case", "n", "d", "dtype"), DQ_INTERPRETED + [
+    pytest.param(*c, marks=pytest.mark.exhaustive) for c in DQ_INTERPRETED_REST])
+def test_mosaic_dkdv_interpreted_matches_the_dense_gradient(case, n, d, dtype,
+                                                            mosaic_interpreted):
+    """The backward's dK/dV pass run as written: the keys', values' and per-parent bias'
+    gradients against the dense kernel's VJP on float32 copies (16-bit tolerance); the
+    whole `mosaic_backward` (both passes in Mosaic GPU) against it too."""
+    low = _low(case, n, d, dtype)
+    d_out, lse, delta = _cotangents(low)
+    dk, dv, db = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta,
+                             low.mask)
+    assert dk.dtype == dv.dtype == dtype
+    want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
+    _close(dk, jnp.broadcast_to(want.col.k, dk.shape) if dk.ndim == want.col.k.ndim
+           else want.col.k)
+    _close(dv, want.v)
+    if low.terms.col_bias:
+        _close(db, want.col.bias[..., 0])
+    else:
+        assert db is None
+    if case in ("relpos", "geometric", "bias"):
+        got = mosaic_backward(low.terms, low.problem, low.batch_shape, y, lse, d_out, d_lse,
+                              mask=low.mask)
+        ok = np.isfinite(np.asarray(lse))
+        _close(np.asarray(got[0].q, np.float32)[ok], np.asarray(want.row.q)[ok])
+        _close(got[1].k, want.col.k)
+        _close(got[4], want.v)
+        if low.terms.relpos is not None:  # the table's pass: the Triton kernel's
+            _close(got[3].relpos, want.glob.relpos)
+    assert not mosaic_interpreted()
+
+
 @pytest.mark.cpu_only
 @pytest.mark.exhaustive
 def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpreted):
     """Batched plates: heads x batch (2 x 3), the relative-position table one per head,
-    shared by the batch (each program reads its head's tiles), against the dense kernel."""
+    shared by the batch (each program reads its head's tiles), and the keys shared by
+    the batch too, against the dense kernel: the forward, and the backward with both
+    Mosaic GPU passes (the shared keys' and table's gradients summed over the batch)."""
     n, d = 256, 64
     r = np.random.default_rng(2)
-    q, k, v = (jnp.asarray(r.normal(size=(2, 3, n, d)), jnp.bfloat16) for _ in range(3))
+    q, v = (jnp.asarray(r.normal(size=(2, 3, n, d)), jnp.bfloat16) for _ in range(2))
+    k = jnp.asarray(r.normal(size=(2, 1, n, d)), jnp.bfloat16)
     e = jnp.asarray(r.normal(size=(2, 1, 2 * n - 1)), jnp.float32)
     low = lower_edge(si.priors.RelativePosition(e, n, causal=True),
                      si.scores.Dot(q, k, scale=d ** -0.5), v, n, (2, 3))
@@ -347,6 +480,13 @@ def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpre
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_l), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y), atol=2e-2,
                                rtol=2e-2)
+    d_out, lse, delta = _cotangents(low)
+    want, y32, d_lse = _dense_vjp(low, d_out, lse, delta)
+    got = mosaic_backward(low.terms, low.problem, low.batch_shape, y32, lse, d_out, d_lse)
+    assert got[1].k.shape == low.problem.col.k.shape == (2, 1, n, d)
+    for a, b in ((got[0].q, want.row.q), (got[1].k, want.col.k), (got[4], want.v),
+                 (got[3].relpos, want.glob.relpos)):
+        _close(a, b)
     assert not mosaic_interpreted()
 
 
@@ -417,6 +557,36 @@ def test_mosaic_forward_lowers_for_cuda(case, n, d, dtype):
     f = jax.jit(lambda p: mosaic_forward(low.terms, p, low.batch_shape, nan_rows=True,
                                          mask=low.mask))
     text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert "wgmma.mma_async" in text
+
+
+@pytest.mark.parametrize("case", list(PRIORS))
+def test_mosaic_dq_lowers_for_cuda(case):
+    """The backward's dQ pass, every term (head dim 128, bfloat16, n = 200: padded and
+    the last parent block masked), compiled down to warpgroup matmuls."""
+    _bindings()
+    n, d = 200, 128
+    low = _low(case, n, d, jnp.bfloat16)
+    assert mosaic_dq_unsupported(low.terms, low.problem, low.batch_shape, low.mask) is None
+    rows = _cotangents(low)
+    f = jax.jit(lambda p, r: mosaic_dq(low.terms, p, low.batch_shape, *r, low.mask))
+    text = f.trace(low.problem, rows).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert "wgmma.mma_async" in text
+
+
+@pytest.mark.parametrize("case", list(PRIORS))
+def test_mosaic_dkdv_lowers_for_cuda(case):
+    """The backward's dK/dV pass, every term (head dim 128, bfloat16, n = 200), compiled
+    down to warpgroup matmuls."""
+    _bindings()
+    n, d = 200, 128
+    low = _low(case, n, d, jnp.bfloat16)
+    assert mosaic_dkdv_unsupported(low.terms, low.problem, low.batch_shape, low.mask) is None
+    rows = _cotangents(low)
+    f = jax.jit(lambda p, r: mosaic_dkdv(low.terms, p, low.batch_shape, *r, low.mask))
+    text = f.trace(low.problem, rows).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     assert "wgmma.mma_async" in text
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -349,7 +350,7 @@ def live_range(terms: Terms, a, bq: int, bk: int, nkb: int, off):
                        None if t.dmin is None else i_lo + bq - 1 + off - t.dmin, bk, nkb)
 
 
-def _live_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
+def live_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
     r"""Child blocks that can see parent block `t` (traced): the children $i$ with
     $d_{\min} \le i + \text{off} - j \le d_{\max}$ for a $j$ of it."""
     j_lo, tm = t * bk, terms
@@ -380,7 +381,7 @@ def full_parents(terms: Terms, a, bq: int, bk: int, off):
     return f_lo, f_hi
 
 
-def _full_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
+def full_children(terms: Terms, t, bq: int, bk: int, nqb: int, off):
     r"""Child blocks ``f_lo .. f_hi - 1`` whose every edge with parent block `t` (traced)
     is allowed (as `full_parents`); none when the parent block holds padding."""
     if terms.exclude_zero:
@@ -451,7 +452,7 @@ def _over_blocks(named: dict, lo, hi, full, body, init):
     With block lists (operand ``"blocks"``: ``[full count, partial count, full
     blocks..., partial blocks...]``, `block_table`), the program's row of them;
     else the band's range ``lo .. hi``, of which ``full = (f_lo, f_hi)`` are full
-    (`full_parents`, `_full_children`; ``None``: none is)."""
+    (`full_parents`, `full_children`; ``None``: none is)."""
     if "blocks" in named:
         row = named["blocks"]
         nf = row[0]
@@ -950,7 +951,7 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
     k = named["k"][_pl_ds(t * bk, bk), :]
     v = named["v"][_pl_ds(t * bk, bk), :]
     off = _offset(terms, named)
-    lo, hi = _live_children(terms, t, bq, bk, nqb, off)
+    lo, hi = live_children(terms, t, bq, bk, nqb, off)
 
     def body(a, tile_masked, carry):
         dk, dv, db = carry
@@ -966,7 +967,7 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
 
     init = (jnp.zeros((bk, k.shape[-1]), acc_dtype), jnp.zeros((bk, v.shape[-1]), acc_dtype),
             jnp.zeros((bk,), acc_dtype))
-    full = None if terms.pair_ok else _full_children(terms, t, bq, bk, nqb, off)
+    full = None if terms.pair_ok else full_children(terms, t, bq, bk, nqb, off)
     dk, dv, db = _over_blocks(named, lo, hi, full, body, init)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -1060,6 +1061,40 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
         plgpu.atomic_add(table, (idx,), acc)
 
 
+def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, tiles,
+             grids, params, interp: bool, precision) -> tuple[jax.Array, jax.Array | None]:
+    """`pallas_backward`'s own dQ pass (child blocks: dQ and the geometric prior's
+    gradients), as its ``dq_pass`` returns them."""
+    from jax.experimental import pallas as pl
+
+    bq, bk, fp, dvp, acc = lay.bq, lay.bk, lay.fp, lay.dvp, lay.acc
+    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
+                                 tiles=_use_tiles(terms, prob, lay, shift, tiles))
+    arrays.update(shared(lay))
+    specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
+    specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
+    _mask_operands(terms, prob, lay, arrays, specs, grids)
+    keys = tuple(arrays)
+    out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
+    out_shape = [jax.ShapeDtypeStruct((lay.B, lay.n_pad, fp), acc)]
+    if terms.geometric:
+        out_specs += [pl.BlockSpec((None, bq), lambda i, b: (b, i))] * 2
+        out_shape += [jax.ShapeDtypeStruct((lay.B, lay.n_pad), acc)] * 2
+    res = pl.pallas_call(
+        functools.partial(_dq_kernel, terms=terms, bq=bq, bk=bk, nkb=lay.nkb, keys=keys,
+                          acc_dtype=acc, precision=precision),
+        grid=(lay.nqb, lay.B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
+        out_shape=out_shape, compiler_params=params, interpret=interp,
+        name="structinfer_attention_dq",
+    )(*[arrays[x] for x in keys])
+    n, d = terms.num_children, prob.row.q.shape[-1]
+    dq = res[0][:, :n, :d].reshape(lay.batch + (n, d))
+    dgeo = None
+    if terms.geometric:
+        dgeo = jnp.stack([res[1][:, :n], res[2][:, :n]], -1).reshape(lay.batch + (n, 2))
+    return dq, dgeo
+
+
 def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], out: jax.Array,
                     lse: jax.Array, d_out: jax.Array, d_lse: jax.Array, *,
                     block_q: int | None = None, block_k: int | None = None,
@@ -1067,7 +1102,9 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                     precision: lax.PrecisionLike = None, num_warps: int | None = 4,
                     num_stages: int = 2, need_glob: frozenset[str] | None = None,
                     starts: tuple | None = None, tiles: bool | None = None,
-                    mask: ConcreteMask | None = None) -> tuple[dict, dict, dict, dict, jax.Array]:
+                    mask: ConcreteMask | None = None, dq_pass: Callable | None = None,
+                    dkdv_pass: Callable | None = None
+                    ) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
 
     FlashAttention-2's schedule on the forward's $y$ and $L$ alone: with
@@ -1118,6 +1155,14 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             and 16384, the passes ran 1.1-1.7x faster than with the lookup per element;
             ``True`` forces them, except with ``starts``; ``False``: the lookup).
         mask: the per-edge mask's value at trace time, as for `pallas_forward`.
+        dq_pass: another kernel's dQ pass in place of this one's:
+            ``dq_pass(terms, prob, batch_shape, d_out, lse, delta, mask) -> (dq, dgeo)``,
+            ``batch + (n, d)`` and (a geometric prior) ``batch + (n, 2)`` or ``None``
+            (`structinfer.lowering.mosaic.mosaic_dq`).
+        dkdv_pass: another kernel's dK/dV pass in place of this one's, called the same
+            way, returning ``(dk, dv, dbias)``: ``batch + (m, d)``, ``batch + (m, dv)``
+            and (a per-parent bias) ``batch + (m,)`` or ``None``
+            (`structinfer.lowering.mosaic.mosaic_dkdv`).
 
     Returns:
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
@@ -1134,8 +1179,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     block = 32 if _wide_rows(prob) else 64
     lay = Layout(terms, prob, batch_shape, block_q or _fit_blocks(block, mask, 0),
                   block_k or _fit_blocks(block, mask, 1))
-    acc, n, m, B = lay.acc, terms.num_children, terms.num_parents, lay.B
-    bq, bk, n_pad, m_pad, fp, dvp = lay.bq, lay.bk, lay.n_pad, lay.m_pad, lay.fp, lay.dvp
+    acc, m, B = lay.acc, terms.num_parents, lay.B
+    bq, bk, m_pad, fp, dvp = lay.bq, lay.bk, lay.m_pad, lay.fp, lay.dvp
     delta = backward_delta(out, d_out, lse, d_lse, acc)
     v_dt = prob.v.dtype
     shift = _shift(starts)
@@ -1157,70 +1202,59 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     interp = _interpret(interpret)
 
     # pass 1: parent blocks (dK, dV, per-parent bias)
-    arrays, specs = whole_rows(lay)
     grids = _launch_grids(terms, mask, lay, shift)  # both passes' blocks
-    _mask_operands(terms, prob, lay, arrays, specs, grids, by_parent=True)
-    keys = tuple(arrays)
-    col_grad = bool(terms.col_bias)
-    out_specs = [pl.BlockSpec((None, bk, fp), lambda i, b: (b, i, 0)),
-                 pl.BlockSpec((None, bk, dvp), lambda i, b: (b, i, 0))]
-    out_shape = [jax.ShapeDtypeStruct((B, m_pad, fp), acc),
-                 jax.ShapeDtypeStruct((B, m_pad, dvp), acc)]
-    if col_grad:
-        out_specs.append(pl.BlockSpec((None, bk), lambda i, b: (b, i)))
-        out_shape.append(jax.ShapeDtypeStruct((B, m_pad), acc))
-    res1 = pl.pallas_call(
-        functools.partial(_dkdv_kernel, terms=terms, bq=bq, bk=bk, nqb=lay.nqb, keys=keys,
-                          acc_dtype=acc, precision=precision, col_grad=col_grad),
-        grid=(lay.nkb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
-        out_shape=out_shape, compiler_params=params, interpret=interp,
-        name="structinfer_attention_dkdv",
-    )(*[arrays[x] for x in keys])
-    dk, dv = res1[0], res1[1]
+    if dkdv_pass is not None:
+        dk, dv, db = dkdv_pass(terms, prob, batch_shape, d_out, lse, delta, mask)
+    else:
+        arrays, specs = whole_rows(lay)
+        _mask_operands(terms, prob, lay, arrays, specs, grids, by_parent=True)
+        keys = tuple(arrays)
+        col_grad = bool(terms.col_bias)
+        out_specs = [pl.BlockSpec((None, bk, fp), lambda i, b: (b, i, 0)),
+                     pl.BlockSpec((None, bk, dvp), lambda i, b: (b, i, 0))]
+        out_shape = [jax.ShapeDtypeStruct((B, m_pad, fp), acc),
+                     jax.ShapeDtypeStruct((B, m_pad, dvp), acc)]
+        if col_grad:
+            out_specs.append(pl.BlockSpec((None, bk), lambda i, b: (b, i)))
+            out_shape.append(jax.ShapeDtypeStruct((B, m_pad), acc))
+        res1 = pl.pallas_call(
+            functools.partial(_dkdv_kernel, terms=terms, bq=bq, bk=bk, nqb=lay.nqb, keys=keys,
+                              acc_dtype=acc, precision=precision, col_grad=col_grad),
+            grid=(lay.nkb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
+            out_shape=out_shape, compiler_params=params, interpret=interp,
+            name="structinfer_attention_dkdv",
+        )(*[arrays[x] for x in keys])
+
+        def unpad(x, core: int):
+            x = x[:, :m, :core] if x.ndim == 3 else x[:, :m]
+            return x.reshape(lay.batch + x.shape[1:])
+
+        dk, dv = unpad(res1[0], prob.col.k.shape[-1]), unpad(res1[1], prob.v.shape[-1])
+        db = unpad(res1[2], 0) if col_grad else None
 
     # pass 2: child blocks (dQ, geometric prior)
-    arrays, specs = lay.operands(terms, prob, whole_rows=False, shift=shift,
-                                 tiles=_use_tiles(terms, prob, lay, shift, tiles))
-    arrays.update(shared(lay))
-    specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
-    specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
-    _mask_operands(terms, prob, lay, arrays, specs, grids)
-    keys = tuple(arrays)
-    out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
-    out_shape = [jax.ShapeDtypeStruct((B, n_pad, fp), acc)]
-    if terms.geometric:
-        out_specs += [pl.BlockSpec((None, bq), lambda i, b: (b, i))] * 2
-        out_shape += [jax.ShapeDtypeStruct((B, n_pad), acc)] * 2
-    res = pl.pallas_call(
-        functools.partial(_dq_kernel, terms=terms, bq=bq, bk=bk, nkb=lay.nkb, keys=keys,
-                          acc_dtype=acc, precision=precision),
-        grid=(lay.nqb, B), in_specs=[specs[x] for x in keys], out_specs=out_specs,
-        out_shape=out_shape, compiler_params=params, interpret=interp,
-        name="structinfer_attention_dq",
-    )(*[arrays[x] for x in keys])
-    dq = res[0]
-
-    def unflat(x, length: int, core: int, like):
-        x = x[:, :length, :core] if x.ndim == 3 else x[:, :length]
-        x = x.reshape(lay.batch + x.shape[1:])
-        return sum_to(x, like.shape).astype(like.dtype)
+    if dq_pass is not None:
+        dq, dgeo = dq_pass(terms, prob, batch_shape, d_out, lse, delta, mask)
+    else:
+        dq, dgeo = _dq_pass(terms, prob, lay, shared, shift, tiles, grids, params, interp,
+                            precision)
 
     def zeros(d):  # a cotangent for every array of the problem (the kernels fill theirs)
         return jax.tree.map(jnp.zeros_like, d)
 
     d_row, d_col, d_pair, d_glob = (zeros(prob.row), zeros(prob.col), zeros(prob.pair),
                                     zeros(prob.glob))
-    d_row = dataclasses.replace(d_row, q=unflat(dq, n, prob.row.q.shape[-1], prob.row.q))
+    d_row = dataclasses.replace(d_row, q=sum_to(dq, prob.row.q.shape).astype(prob.row.q.dtype))
     if terms.geometric:
-        geo = jnp.stack([res[1][:, :n], res[2][:, :n]], -1).reshape(lay.batch + (n, 2))
         d_row = dataclasses.replace(
-            d_row, geo=sum_to(geo, prob.row.geo.shape).astype(prob.row.geo.dtype))
-    d_col = dataclasses.replace(d_col, k=unflat(dk, m, prob.col.k.shape[-1], prob.col.k))
-    if col_grad:
+            d_row, geo=sum_to(dgeo, prob.row.geo.shape).astype(prob.row.geo.dtype))
+
+    d_col = dataclasses.replace(d_col, k=sum_to(dk, prob.col.k.shape).astype(prob.col.k.dtype))
+    if terms.col_bias:
         bias = prob.col.bias
-        db = res1[2][:, :m].reshape(lay.batch + (m,))[..., None]
-        d_col = dataclasses.replace(d_col, bias=sum_to(db, bias.shape).astype(bias.dtype))
-    d_v = unflat(dv, m, prob.v.shape[-1], prob.v)
+        d_col = dataclasses.replace(d_col, bias=sum_to(db[..., None], bias.shape).astype(
+            bias.dtype))
+    d_v = sum_to(dv, prob.v.shape).astype(prob.v.dtype)
 
     # pass 3: the relative-position table, one program per live block diagonal of square
     # blocks (its own launch, only when the table is differentiated)

@@ -24,15 +24,19 @@ at trace time that allows all or none of each 128 x 64 tile (block-sparse on blo
 multiples of 128 x 64) is walked as per-program block lists, as FlexAttention's block
 masks are, and never read.
 
-Only the forward is here: the gradient is the Triton kernel's (`pallas_backward`), which
-reads the same $y$ and $L$. The kernel table's ``"mosaic"`` entry runs the two through
-`blocked_attention`, and ``backend="auto"`` takes it on a Hopper GPU of the running
-process (on an H100 its forward ran 1.3-1.9x faster than the Triton kernel's at every
-prior measured; ``docs/benchmarks.md``). Its values are checked on a GPU and, without
-one, in JAX's Mosaic GPU interpreter, and its compilation for CUDA on a CPU
-(``tests/test_mosaic.py``). Queries, keys and values must be float16 or bfloat16 (one dtype),
-head dims 64, 128 or 256 after padding to a power of two; the matmuls accumulate in
-float32 and the prior's terms are added in float32.
+The kernel table's ``"mosaic"`` entry runs it through `blocked_attention` with the
+Triton kernel's gradient (`pallas_backward`, which reads the same $y$ and $L$), and
+``backend="auto"`` takes it on a Hopper GPU of the running process (on an H100 its
+forward ran 1.3-1.9x faster than the Triton kernel's at every prior measured;
+``docs/benchmarks.md``). The backward's dQ and dK/dV passes are here too, in the same
+dialect (`mosaic_dq`, `mosaic_dkdv`; both through `pallas_backward`'s hooks:
+`mosaic_backward`), checked without a GPU and not yet measured on one, so not yet in
+the kernel table. The forward's values are checked on a GPU; all three kernels' values
+in JAX's Mosaic GPU interpreter and their compilation for CUDA on a CPU
+(``tests/test_mosaic.py``).
+Queries, keys and values must be float16 or bfloat16 (one dtype), head dims 64, 128 or
+256 after padding to a power of two; the matmuls accumulate in float32 and the prior's
+terms are added in float32.
 
 Reference: Shah et al., "FlashAttention-3" (2024) for the warp-specialised Hopper
 schedule; Dao, "FlashAttention-2" (2023); the relative-position and geometric priors of
@@ -57,13 +61,18 @@ from .accel import (
     Layout,
     block_table,
     dot_only,
+    full_children,
     full_parents,
+    live_children,
     live_range,
+    pallas_backward,
     relpos_tiles,
 )
 from .blocked import block_grids
 
-__all__ = ["MOSAIC_SMEM_BYTES", "mosaic_unsupported", "mosaic_forward"]
+__all__ = ["MOSAIC_SMEM_BYTES", "mosaic_unsupported", "mosaic_forward", "mosaic_dq",
+           "mosaic_dq_unsupported", "mosaic_dkdv", "mosaic_dkdv_unsupported",
+           "mosaic_backward"]
 
 #: children per compute warpgroup (a program takes two of these)
 _BQ = 64
@@ -131,13 +140,14 @@ def _layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
 _SMEM_SLACK = 6 * 1024
 
 
-def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int, lists: int = 0) -> int:
-    """Shared memory of one program: queries (and outputs), ``steps`` slots of keys,
-    values and the step's tiles of the prior, the block list (``lists`` entries) and
-    the compiler's own."""
+def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int, lists: int = 0,
+                dq: bool = False) -> int:
+    """Shared memory of one program: queries (and outputs; with ``dq`` the output's
+    cotangent), ``steps`` slots of keys, values and the step's tiles of the prior, the
+    block list (``lists`` entries) and the compiler's own."""
     item = jnp.dtype(prob.v.dtype).itemsize
-    total = _WGS * _BQ * (lay.fp + (lay.dvp if lay.dvp != lay.fp else 0)) * item
-    total += steps * _BK * (lay.fp + lay.dvp) * item + _WGS * _BQ * 4
+    total = _WGS * _BQ * (lay.fp + (lay.dvp if dq or lay.dvp != lay.fp else 0)) * item
+    total += steps * _BK * (lay.fp + lay.dvp) * item + (1 + dq) * _WGS * _BQ * 4
     if terms.relpos is not None:
         # the table's dtype, float32 for a wider one
         total += steps * _WGS * _BQ * _BK * min(jnp.dtype(prob.glob.relpos.dtype).itemsize, 4)
@@ -148,12 +158,15 @@ def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int, lists: int
     return total + 4 * lists + _SMEM_SLACK
 
 
-def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | str:
-    """A per-edge mask's block lists, one row per program (128 children): ``[full count,
-    partial count, full blocks..., partial blocks..., 0...]`` (int32; full: no edge of
-    the block is outside the band or padded), or why the mask cannot be read as lists:
-    it must allow all or none of each 128 x 64 tile in every batch element (it is never
-    read in the kernel), as a block-sparse mask on blocks of multiples of 128 x 64 does."""
+def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout,
+                 by_parent: bool = False) -> np.ndarray | str:
+    """A per-edge mask's block lists, one row per program (128 children; with
+    ``by_parent`` 128 parents, listing child blocks of 64): ``[full count, partial
+    count, full blocks..., partial blocks..., 0...]`` (int32; full: no edge of the block
+    is outside the band or padded), or why the mask cannot be read as lists: it must
+    allow all or none of each tile of the launch in every batch element (it is never
+    read in the kernel), as a block-sparse mask on blocks of multiples of 128 x 128
+    does."""
     n, m = terms.num_children, terms.num_parents
     shape = mask_shape(mask)
     if len(shape) < 2 or shape[-2:] != (n, m):
@@ -170,14 +183,15 @@ def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout) -> np.ndarray | 
                 "block-sparse masks on blocks of multiples of 128 x 64, the same in "
                 "every batch element, run)")
     # rows of at least 128 bytes: a copy moves a multiple of a warpgroup (128 threads)
-    return block_table((live, full), min_width=32)
+    return block_table((live, full), by_parent=by_parent, min_width=32)
 
 
-def _plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None, steps: int
-          ) -> tuple[str | None, Layout | None, np.ndarray | None]:
-    """``(why not, layout, block lists)`` of a launch with ``steps`` slots: the reason
-    the kernel cannot run the edge (else ``None``), and when it can, its `Layout` and a
-    per-edge mask's `_block_lists` (``None`` without one)."""
+def _plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None, steps: int,
+          dq: bool = False) -> tuple[str | None, Layout | None, np.ndarray | None]:
+    """``(why not, layout, block lists)`` of a launch with ``steps`` slots (the forward,
+    or with ``dq`` the backward's dQ pass): the reason the kernel cannot run the edge
+    (else ``None``), and when it can, its `Layout` and a per-edge mask's `_block_lists`
+    (``None`` without one)."""
     why = _mosaic_missing() or dot_only(terms, prob)
     if why:
         return why, None, None
@@ -204,7 +218,7 @@ def _plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None, s
     lists = _block_lists(terms, mask, lay) if terms.pair_ok else None
     if isinstance(lists, str):
         return lists, None, None
-    need = _smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1])
+    need = _smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1], dq)
     if need > MOSAIC_SMEM_BYTES:
         return (f"max_concurrent_steps={steps}: its tiles need {need // 1024} KiB of shared "
                 f"memory (over {MOSAIC_SMEM_BYTES // 1024} KiB)"), None, None
@@ -220,16 +234,19 @@ def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     return _plan(terms, prob, batch_shape, mask, 2)[0]
 
 
-def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout, steps: int,
-            row_of, nan_rows: bool, dtype):
+def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, steps: int,
+            row_of, nan_rows: bool, dtype, dq: bool = False):
     """One program: children ``pair * 128 ...`` of batch element ``b``, two compute
-    warpgroups of 64 children each and a memory warpgroup streaming the parent blocks."""
+    warpgroups of 64 children each and a memory warpgroup streaming the parent blocks.
+    The forward (``outs``: y and L) or, with ``dq``, the backward's dQ pass (``outs``: dQ
+    and, with a geometric prior, the prior's two gradients)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     smem, bars, consumed, schedule = scoped
-    q_smem, o_smem, k_smem, v_smem, lse_smem, rt_smem, bias_smem, geo_smem, list_smem = smem
-    q_bar, g_bar, k_bar, v_bar, r_bar, b_bar, list_bar = bars
+    (q_smem, o_smem, k_smem, v_smem, lse_smem, rt_smem, bias_smem, geo_smem, list_smem,
+     do_smem) = smem
+    q_bar, g_bar, k_bar, v_bar, r_bar, b_bar, list_bar, do_bar = bars
     k_cons, v_cons = consumed
     b = lax.axis_index("batch")
     pair = lax.axis_index("q_seq")
@@ -287,6 +304,113 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
             g0 = _load(plgpu, geo_smem.at[0, wg], row_layout)
             g1 = _load(plgpu, geo_smem.at[1, wg], row_layout)
 
+        def logits(slot, j0, masked: bool, turn: bool):
+            """The step's logits (``-inf`` on masked edges) and distance grid (``None``
+            when not needed); the caller releases the keys' slot. ``turn``: hand the
+            tensor cores to the other compute warpgroup after the matmul."""
+            def compute_qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_s, k_smem.at[slot].transpose((1, 0)))
+                if turn:
+                    schedule_barrier()
+                return acc_ref[...]
+
+            s = pl.run_scoped(compute_qk, plgpu.ACC((_BQ, _BK), f32))
+            if terms.relpos is not None:  # this warpgroup's rows of the step's tile
+                plgpu.barrier_wait(r_bar.at[slot])
+                s = s + _load(plgpu, rt_smem.at[slot, pl.ds(wg * _BQ, _BQ)],
+                              wgmma_layout).astype(f32)
+            if terms.col_bias or terms.col_ok:  # per-parent bias, -inf where masked
+                plgpu.barrier_wait(b_bar.at[slot])
+                bias = _load(plgpu, bias_smem.at[slot], col_layout)
+                s = s + lax.broadcast_in_dim(bias, (_BQ, _BK), [1])
+            d = None
+            if terms.geometric or masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 0, layout=wgmma_layout)
+                cols = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 1, layout=wgmma_layout)
+                d = rows - cols + (i0 + off - j0)
+            if terms.geometric:
+                s = s + geometric_log_prior(row_bcast(g0, s.shape), row_bcast(g1, s.shape),
+                                            d - terms.geo_d0)
+            if masked:
+                ok = cols < terms.num_parents - j0
+                band = band_ok(terms, d)
+                if band is not None:
+                    ok = ok & band
+                s = jnp.where(ok, s, -jnp.inf)
+            return s, d
+
+        # steps u_lo .. u_hi - 1 visit blocks whose every edge is allowed: no mask built
+        if list_smem is not None:
+            u_lo, u_hi = jnp.int32(0), n_full
+        else:
+            full = full_parents(terms, a, _BQ, _BK, off)
+            u_lo = u_hi = jnp.int32(0)
+            if full is not None:
+                f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
+                u_lo, u_hi = f_lo - lo, jnp.maximum(jnp.minimum(full[1], hi), f_lo) - lo
+
+        def over_steps(step, carry):
+            carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+            return lax.fori_loop(u_hi, count, functools.partial(step, masked=True), carry)
+
+        if dq:
+            do_s = do_smem.at[wg]
+            plgpu.copy_gmem_to_smem(named["do"].at[b, pl.ds(i0, _BQ)], do_s, do_bar.at[wg])
+            for r, x in enumerate(("lse", "delta")):
+                plgpu.copy_gmem_to_smem(named[x].at[b, pl.ds(i0, _BQ)], lse_smem.at[r, wg],
+                                        do_bar.at[(r + 1) * _WGS + wg])
+            for r in range(3):
+                plgpu.barrier_wait(do_bar.at[r * _WGS + wg])
+            lse = _load(plgpu, lse_smem.at[0, wg], row_layout)
+            delta = _load(plgpu, lse_smem.at[1, wg], row_layout)
+            # p = 2^(s log2 e - L log2 e); a row with no edge (L = -inf) gets p = 0
+            l2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+
+            def dq_step(u, carry, masked: bool):
+                dq_acc, dg0, dg1 = carry
+                slot = slot_of(u)
+                j0 = block_of(u) * _BK
+                plgpu.barrier_wait(k_bar.at[slot])
+                s, d = logits(slot, j0, masked, turn=False)
+                p = jnp.exp2(s * _LOG2E - row_bcast(l2, s.shape))
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def compute_dp(acc_ref):
+                    plgpu.wgmma(acc_ref, do_s, v_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(compute_dp, plgpu.ACC((_BQ, _BK), f32))
+                plgpu.barrier_arrive(v_cons.at[slot])
+                ds = p * (dp - row_bcast(delta, s.shape))
+
+                def compute_dq(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+                dq_acc = pl.run_state(compute_dq)(plgpu.ACC.init(dq_acc))
+                plgpu.barrier_arrive(k_cons.at[slot])
+                if terms.geometric:
+                    dg0 = dg0 + ds.sum(axis=1)
+                    dg1 = dg1 + (ds * (d - terms.geo_d0).astype(f32)).sum(axis=1)
+                return dq_acc, dg0, dg1
+
+            zero = plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout)
+            carry = (plgpu.layout_cast(jnp.full((_BQ, lay.fp), 0.0, f32), wgmma_layout),
+                     zero, zero)
+            dq_acc, dg0, dg1 = over_steps(dq_step, carry)
+            q_s[...] = dq_acc.astype(dtype)  # the queries' buffer, read no more
+            if terms.geometric:
+                geo_smem.at[0, wg][...] = dg0
+                geo_smem.at[1, wg][...] = dg1
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, outs[0].at[b, pl.ds(i0, _BQ)])
+            if terms.geometric:
+                for r in (0, 1):
+                    plgpu.copy_smem_to_gmem(geo_smem.at[r, wg],
+                                            outs[1].at[b, r, pl.ds(i0, _BQ)])
+            plgpu.wait_smem_to_gmem(0)
+            return
+
         m = plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, f32), row_layout)
         lsum = plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout)
         acc = plgpu.layout_cast(jnp.full((_BQ, lay.dvp), 0.0, f32), wgmma_layout)
@@ -302,34 +426,8 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
             slot = slot_of(u)
             j0 = block_of(u) * _BK
 
-            def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_s, k_smem.at[slot].transpose((1, 0)))
-                schedule_barrier()
-                return acc_ref[...]
-
-            s = pl.run_scoped(compute_qk, plgpu.ACC((_BQ, _BK), f32))
-            if terms.relpos is not None:  # this warpgroup's rows of the step's tile
-                plgpu.barrier_wait(r_bar.at[slot])
-                s = s + _load(plgpu, rt_smem.at[slot, pl.ds(wg * _BQ, _BQ)],
-                              wgmma_layout).astype(f32)
-            if terms.col_bias or terms.col_ok:  # per-parent bias, -inf where masked
-                plgpu.barrier_wait(b_bar.at[slot])
-                bias = _load(plgpu, bias_smem.at[slot], col_layout)
-                s = s + lax.broadcast_in_dim(bias, (_BQ, _BK), [1])
+            s, _ = logits(slot, j0, masked, turn=True)
             plgpu.barrier_arrive(k_cons.at[slot])
-            if terms.geometric or masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 0, layout=wgmma_layout)
-                cols = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 1, layout=wgmma_layout)
-                d = rows - cols + (i0 + off - j0)
-            if terms.geometric:
-                s = s + geometric_log_prior(row_bcast(g0, s.shape), row_bcast(g1, s.shape),
-                                            d - terms.geo_d0)
-            if masked:
-                ok = cols < terms.num_parents - j0
-                band = band_ok(terms, d)
-                if band is not None:
-                    ok = ok & band
-                s = jnp.where(ok, s, -jnp.inf)
 
             # the online softmax, in base 2 (one fused multiply-add per logit)
             m_new = jnp.maximum(m, s.max(axis=1) * _LOG2E)
@@ -355,19 +453,7 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
             plgpu.barrier_arrive(v_cons.at[slot])
             return acc, m_new, lsum
 
-        # steps u_lo .. u_hi - 1 visit blocks whose every edge is allowed: no mask built
-        if list_smem is not None:
-            u_lo, u_hi = jnp.int32(0), n_full
-        else:
-            full = full_parents(terms, a, _BQ, _BK, off)
-            u_lo = u_hi = jnp.int32(0)
-            if full is not None:
-                f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
-                u_lo, u_hi = f_lo - lo, jnp.maximum(jnp.minimum(full[1], hi), f_lo) - lo
-        carry = (acc, m, lsum)
-        carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
-        acc, m, lsum = lax.fori_loop(u_hi, count, functools.partial(step, masked=True), carry)
+        acc, m, lsum = over_steps(step, (acc, m, lsum))
         pl.when(wg == 0)(schedule_barrier)
 
         pos = lsum > 0
@@ -378,10 +464,10 @@ def _kernel(named: dict, out_ref, lse_ref, scoped, *, terms: Terms, lay: Layout,
             y = y + row_bcast(jnp.where(jnp.abs(lse) < jnp.inf, 0.0, jnp.nan), acc.shape)
         o_s = q_s if o_smem is None else o_smem.at[wg]
         o_s[...] = y.astype(dtype)
-        lse_smem.at[wg][...] = lse
+        lse_smem.at[0, wg][...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, out_ref.at[b, pl.ds(i0, _BQ)])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, pl.ds(i0, _BQ)])
+        plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, pl.ds(i0, _BQ)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[0, wg], outs[1].at[b, pl.ds(i0, _BQ)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _WGS)
@@ -472,31 +558,180 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     Cost: $O(\text{live blocks}\cdot 64^2 (d + d_v))$ time, $O(n d)$ memory (with a
     relative-position table, $O((n + m) \cdot 64)$ per table for its tiles).
     """
+    del precision
+    out, lse = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
+                       nan_rows=nan_rows, caller="mosaic_forward")
+    n, dv = terms.num_children, prob.v.shape[-1]
+    lay = _layout(terms, prob, batch_shape)
+    y = out[:, :n, :dv].reshape(lay.batch + (n, dv))
+    return y, lse[:, :n].reshape(lay.batch + (n,))
+
+
+def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
+              lse: jax.Array, delta: jax.Array, mask: ConcreteMask | None = None, *,
+              max_concurrent_steps: int = 2) -> tuple[jax.Array, jax.Array | None]:
+    r"""The backward's dQ pass in the Mosaic GPU kernel: $\mathrm{d}Q$ and the geometric
+    prior's gradients of one edge site.
+
+    FlashAttention-2's second backward pass on the forward's row log-normaliser $L$:
+    per parent block, recomputed, $p_{ij} = e^{\ell_{ij} - L_i}$ ($0$ in a row with
+    $L_i = -\infty$) and $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j -
+    \delta_i)$, then $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and, with a
+    geometric prior, $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} -
+    d_0)$. The schedule is the forward's (`mosaic_forward`: a memory warpgroup streams
+    the parent blocks the band or the block lists allow; two compute warpgroups of 64
+    children), with two ``wgmma`` per step besides $q k^\top$: $\mathrm{d}y\, V^\top$
+    and $\mathrm{d}s\, K$.
+
+    Args:
+        terms, prob, batch_shape: the edge site, as for `mosaic_forward`.
+        d_out: the cotangent of $y$, ``batch + (n, dv)``.
+        lse: the forward's $L$, ``batch + (n,)``.
+        delta: $\delta_i = \sum_c \mathrm{d}y_{ic} y_{ic} - \mathrm{d}L_i$,
+            ``batch + (n,)`` (0 in a row whose $L$ is not finite).
+        mask: the per-edge mask's value, as for `mosaic_forward`.
+        max_concurrent_steps: shared-memory slots of the parent-block pipeline.
+
+    Returns:
+        ``(dq, dgeo)``: ``batch + (n, d)`` in the queries' dtype (the gradient with
+        respect to ``prob.row.q``, the scaled queries), and ``batch + (n, 2)`` float32 for
+        a geometric prior's two parameters (``None`` without one).
+
+    Raises:
+        ValueError: the kernel cannot run the edge (its shared memory with the output's
+            cotangent, or any reason of `mosaic_unsupported`).
+
+    Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
+    """
+    res = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
+                  nan_rows=False, caller="mosaic_dq",
+                  rows={"do": d_out, "lse": lse, "delta": delta})
+    lay = _layout(terms, prob, batch_shape)
+    n, d = terms.num_children, prob.row.q.shape[-1]
+    dq = res[0][:, :n, :d].reshape(lay.batch + (n, d))
+    dgeo = None
+    if terms.geometric:
+        dgeo = jnp.swapaxes(res[1][:, :, :n], 1, 2).reshape(lay.batch + (n, 2))
+    return dq, dgeo
+
+
+def mosaic_dq_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                          mask: ConcreteMask | None = None) -> str | None:
+    """Why `mosaic_dq` cannot run this edge with two slots, or `None` when it can."""
+    return _plan(terms, prob, batch_shape, mask, 2, dq=True)[0]
+
+
+def _dkdv_layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
+    """The dK/dV pass's blocks: ``_BK`` children per step, ``_WGS * _BQ`` parents per
+    program (``_BQ`` per compute warpgroup)."""
+    return Layout(terms, prob, batch_shape, _BK, _WGS * _BQ, min_dim=64)
+
+
+def _dkdv_smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int,
+                     lists: int = 0) -> int:
+    """Shared memory of one dK/dV program: keys and values (then dK and dV) of its
+    parents, ``steps`` slots of queries, output cotangents, the rows' L and delta and
+    the step's tiles of the prior, the block list and the compiler's own."""
+    item = jnp.dtype(prob.v.dtype).itemsize
+    total = _WGS * _BQ * (lay.fp + lay.dvp) * item + _WGS * _BQ * 4
+    total += steps * _BK * ((lay.fp + lay.dvp) * item + 2 * 4)
+    if terms.relpos is not None:
+        total += steps * _WGS * _BQ * _BK * min(jnp.dtype(prob.glob.relpos.dtype).itemsize, 4)
+    if terms.geometric:
+        total += steps * 2 * _BK * 4
+    return total + 4 * lists + _SMEM_SLACK
+
+
+def _dkdv_plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None,
+               steps: int) -> tuple[str | None, Layout | None, np.ndarray | None]:
+    """``(why not, layout, block lists)`` of a dK/dV launch, as `_plan`."""
+    why = _plan(terms, prob, batch_shape, mask, steps)[0]
+    if why:
+        return why, None, None
+    lay = _dkdv_layout(terms, prob, batch_shape)
+    lists = None
+    if terms.pair_ok:
+        lists = _block_lists(terms, mask, lay, by_parent=True)
+        if isinstance(lists, str):
+            return lists, None, None
+    need = _dkdv_smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1])
+    if need > MOSAIC_SMEM_BYTES:
+        return (f"max_concurrent_steps={steps}: the dK/dV pass's tiles need {need // 1024} "
+                f"KiB of shared memory (over {MOSAIC_SMEM_BYTES // 1024} KiB)"), None, None
+    return None, lay, lists
+
+
+def mosaic_dkdv_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                            mask: ConcreteMask | None = None) -> str | None:
+    """Why `mosaic_dkdv` cannot run this edge with two slots, or `None` when it can."""
+    return _dkdv_plan(terms, prob, batch_shape, mask, 2)[0]
+
+
+def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
+                lse: jax.Array, delta: jax.Array, mask: ConcreteMask | None = None, *,
+                max_concurrent_steps: int = 2
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    r"""The backward's dK/dV pass in the Mosaic GPU kernel: $\mathrm{d}K$, $\mathrm{d}V$
+    and the per-parent bias' gradient of one edge site.
+
+    FlashAttention-2's first backward pass, transposed: each program takes 128 parents
+    (64 per compute warpgroup, their keys and values held in shared memory) and a memory
+    warpgroup streams the child blocks of 64 that the band or the block lists allow
+    (queries, output cotangents, $L$ and $\delta$, the geometric prior's parameters,
+    the step's relative-position tiles). Per step, recomputed,
+    $p_{ji} = e^{\ell_{ij} - L_i}$ ($0$ where $L_i = -\infty$) and $\mathrm{d}s_{ji} =
+    p_{ji}(V_j^\top \mathrm{d}y_i - \delta_i)$, then $\mathrm{d}V_j \mathrel{+}=
+    \sum_i p_{ji}\,\mathrm{d}y_i$, $\mathrm{d}K_j \mathrel{+}= \sum_i
+    \mathrm{d}s_{ji}\, q_i$ and the bias' $\sum_i \mathrm{d}s_{ji}$: four ``wgmma``
+    per step.
+
+    Args:
+        terms, prob, batch_shape, d_out, lse, delta, mask, max_concurrent_steps: as for
+            `mosaic_dq`.
+
+    Returns:
+        ``(dk, dv, dbias)``: ``batch + (m, d)`` and ``batch + (m, dv)`` in the inputs'
+        dtype, and ``batch + (m,)`` float32 for a per-parent bias (``None`` without one).
+
+    Raises:
+        ValueError: the kernel cannot run the edge (`mosaic_dkdv_unsupported`).
+
+    Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    del precision
-    if max_concurrent_steps < 2:
-        raise ValueError(f"mosaic_forward: max_concurrent_steps={max_concurrent_steps}, "
-                         "expected at least 2")
-    why, lay, lists = _plan(terms, prob, batch_shape, mask, max_concurrent_steps)
+    steps = max_concurrent_steps
+    if steps < 2:
+        raise ValueError(f"mosaic_dkdv: max_concurrent_steps={steps}, expected at least 2")
+    why, lay, lists = _dkdv_plan(terms, prob, batch_shape, mask, steps)
     if why:
-        raise ValueError(f"mosaic_forward: {why}")
+        raise ValueError(f"mosaic_dkdv: {why}")
+    dtype = prob.v.dtype
+    f32 = jnp.float32
     arrays, _ = lay.operands(terms, prob, whole_rows=True)
     arrays.pop("relpos", None)
-    if lists is not None:  # the block lists stand for the mask, which is never read
+    for r in (0, 1) if terms.geometric else ():
+        arrays.pop(f"geo{r}")
+    if terms.geometric:  # both parameters of a child block in one copy
+        geo = lay.flat(prob.row.geo.astype(f32), 2)
+        arrays["geo"] = lay.pad(jnp.swapaxes(geo, 1, 2), 2, lay.n_pad)
+    if lists is not None:
         arrays["blocks"] = jnp.asarray(lists)
-    for r in (0, 1) if terms.geometric else ():  # the prior's terms are added in float32
-        arrays[f"geo{r}"] = arrays[f"geo{r}"].astype(jnp.float32)
     row_of = None
-    if terms.relpos is not None:  # the table's own values (float32 for a wider table)
-        rows, row_of = lay.distinct(prob.glob.relpos, 1)
-        if jnp.dtype(rows.dtype).itemsize > 4:
-            rows = rows.astype(jnp.float32)
-        arrays["rtiles"] = relpos_tiles(terms, rows, lay.bq, lay.bk, lay.n_pad, lay.m_pad)
+    if terms.relpos is not None:  # square tiles, transposed: parents x children
+        table, row_of = lay.distinct(prob.glob.relpos, 1)
+        if jnp.dtype(table.dtype).itemsize > 4:
+            table = table.astype(f32)
+        tiles = relpos_tiles(terms, table, _BK, _BK, lay.n_pad, lay.m_pad)
+        arrays["rtiles"] = jnp.swapaxes(tiles, -1, -2)
+    arrays["do"] = lay.pad(lay.flat(d_out.astype(dtype), 2), lay.n_pad, lay.dvp)
+    ld = jnp.stack([lay.flat(lse.astype(f32), 1), lay.flat(delta.astype(f32), 1)], 1)
+    arrays["ld"] = jnp.concatenate(  # L = -inf, delta = 0 on padded children
+        [ld, jnp.broadcast_to(jnp.asarray([[-jnp.inf], [0.0]], f32),
+                              (lay.B, 2, lay.n_pad - ld.shape[-1]))], -1)
     keys = tuple(arrays)
-    dtype = prob.v.dtype
-    steps = max_concurrent_steps
+    col_grad = bool(terms.col_bias)
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
 
@@ -505,7 +740,295 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
 
     def entry(*refs):
         named = dict(zip(keys, refs[: len(keys)]))
-        out_ref, lse_ref = refs[len(keys):]
+        outs = refs[len(keys):]
+        rt = None
+        if terms.relpos is not None:
+            rt_dtype = arrays["rtiles"].dtype
+            rt = plgpu.SMEM((steps, _WGS, _BK, _BK), rt_dtype, transforms=(
+                plgpu.TilingTransform((8, 128 // jnp.dtype(rt_dtype).itemsize)), swizzle))
+        smem = (
+            tiled((_WGS, _BQ, lay.fp)),  # keys, then dK
+            tiled((_WGS, _BQ, lay.dvp)),  # values, then dV
+            plgpu.SMEM((_WGS, _BQ), f32),  # bias, then its gradient
+            tiled((steps, _BK, lay.fp)),  # queries
+            tiled((steps, _BK, lay.dvp)),  # output cotangents
+            plgpu.SMEM((steps, 2, _BK), f32),  # L, delta
+            plgpu.SMEM((steps, 2, _BK), f32) if terms.geometric else None,
+            rt,
+            plgpu.SMEM(arrays["blocks"].shape[1:], jnp.int32) if "blocks" in named else None,
+        )
+        bars = (plgpu.Barrier(num_barriers=3 * _WGS),  # keys, values, bias per warpgroup
+                *(plgpu.Barrier(num_barriers=steps) for _ in range(4)),
+                plgpu.Barrier(num_barriers=_WGS * steps),  # a tile per warpgroup and slot
+                plgpu.Barrier(num_barriers=1) if "blocks" in named else None)
+        pl.run_scoped(
+            lambda *scoped: _dkdv_kernel(named, outs, scoped, terms=terms, lay=lay,
+                                         steps=steps, row_of=row_of, dtype=dtype,
+                                         col_grad=col_grad),
+            smem, bars, plgpu.Barrier(num_arrivals=_WGS, num_barriers=steps),
+            collective_axes="wg",
+        )
+
+    out_types = [jax.ShapeDtypeStruct((lay.B, lay.m_pad, lay.fp), dtype),
+                 jax.ShapeDtypeStruct((lay.B, lay.m_pad, lay.dvp), dtype)]
+    if col_grad:
+        out_types.append(jax.ShapeDtypeStruct((lay.B, lay.m_pad), f32))
+    res = _kernel_call(
+        plgpu, entry, tuple(out_types),
+        grid=(lay.B, lay.nkb),
+        grid_names=("batch", "kv_seq"),
+        num_threads=_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*[arrays[x] for x in keys])
+    m = terms.num_parents
+
+    def unpad(x, core: int | None):
+        x = x[:, :m, :core] if core is not None else x[:, :m]
+        return x.reshape(lay.batch + x.shape[1:])
+
+    return (unpad(res[0], prob.col.k.shape[-1]), unpad(res[1], prob.v.shape[-1]),
+            unpad(res[2], None) if col_grad else None)
+
+
+def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, steps: int,
+                 row_of, dtype, col_grad: bool):
+    """One dK/dV program: parents ``pair * 128 ...`` of batch element ``b``, two compute
+    warpgroups of 64 parents each and a memory warpgroup streaming the child blocks."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    smem, bars, consumed = scoped
+    k_smem, v_smem, bias_smem, q_smem, do_smem, ld_smem, geo_smem, rt_smem, list_smem = smem
+    own_bar, q_bar, do_bar, ld_bar, g_bar, r_bar, list_bar = bars
+    b = lax.axis_index("batch")
+    pair = lax.axis_index("kv_seq")
+    wg = lax.axis_index("wg")
+    f32 = jnp.float32
+    wgmma_layout, row_layout, col_layout = _layouts(plgpu)
+    off = terms.offset
+    nqb = lay.n_pad // _BK
+    if list_smem is None:
+        lo, hi = live_children(terms, pair, _BK, _WGS * _BQ, nqb, off)
+        count = hi - lo
+
+        def block_of(u):
+            return lo + u
+    else:
+        @pl.when(wg == _WGS)
+        def _():
+            plgpu.copy_gmem_to_smem(named["blocks"].at[pair], list_smem, list_bar.at[0])
+
+        plgpu.barrier_wait(list_bar.at[0])
+        n_full = list_smem[0]
+        count = n_full + list_smem[1]
+
+        def block_of(u):
+            return list_smem[2 + u]
+
+    def slot_of(u):
+        return lax.rem(u, jnp.int32(steps))
+
+    def col_bcast(x, shape):
+        return lax.broadcast_in_dim(x, shape, [1])
+
+    @pl.when(wg < _WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        j0 = (pair * _WGS + wg) * _BQ  # this warpgroup's parents
+        k_s, v_s = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(named["k"].at[b, pl.ds(j0, _BQ)], k_s, own_bar.at[wg])
+        plgpu.copy_gmem_to_smem(named["v"].at[b, pl.ds(j0, _BQ)], v_s, own_bar.at[_WGS + wg])
+        if "bias" in named:
+            plgpu.copy_gmem_to_smem(named["bias"].at[b, pl.ds(j0, _BQ)], bias_smem.at[wg],
+                                    own_bar.at[2 * _WGS + wg])
+        plgpu.barrier_wait(own_bar.at[wg])
+        plgpu.barrier_wait(own_bar.at[_WGS + wg])
+        bias = None
+        if "bias" in named:
+            plgpu.barrier_wait(own_bar.at[2 * _WGS + wg])
+            bias = _load(plgpu, bias_smem.at[wg], row_layout)
+
+        def step(u, carry, masked: bool):
+            dk, dv, db = carry
+            slot = slot_of(u)
+            i0 = block_of(u) * _BK
+            q_s, do_s = q_smem.at[slot], do_smem.at[slot]
+            plgpu.barrier_wait(q_bar.at[slot])
+
+            def compute_st(acc_ref):
+                plgpu.wgmma(acc_ref, k_s, q_s.transpose((1, 0)))
+                return acc_ref[...]
+
+            st = pl.run_scoped(compute_st, plgpu.ACC((_BQ, _BK), f32))  # parents x children
+            if terms.relpos is not None:  # this warpgroup's tile of the step
+                plgpu.barrier_wait(r_bar.at[wg * steps + slot])
+                st = st + _load(plgpu, rt_smem.at[slot, wg], wgmma_layout).astype(f32)
+            if bias is not None:  # per-parent bias, -inf where masked
+                st = st + lax.broadcast_in_dim(bias, (_BQ, _BK), [0])
+            d = None
+            if terms.geometric or masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 0, layout=wgmma_layout)
+                cols = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 1, layout=wgmma_layout)
+                d = cols - rows + (i0 + off - j0)
+            if terms.geometric:
+                plgpu.barrier_wait(g_bar.at[slot])
+                g0 = _load(plgpu, geo_smem.at[slot, 0], col_layout)
+                g1 = _load(plgpu, geo_smem.at[slot, 1], col_layout)
+                st = st + geometric_log_prior(col_bcast(g0, st.shape), col_bcast(g1, st.shape),
+                                              d - terms.geo_d0)
+            if masked:
+                band = band_ok(terms, d)
+                if band is not None:
+                    st = jnp.where(band, st, -jnp.inf)
+            plgpu.barrier_wait(ld_bar.at[slot])
+            lse = _load(plgpu, ld_smem.at[slot, 0], col_layout)
+            delta = _load(plgpu, ld_smem.at[slot, 1], col_layout)
+            l2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+            pt = jnp.exp2(st * _LOG2E - col_bcast(l2, st.shape))
+            plgpu.barrier_wait(do_bar.at[slot])
+
+            def compute_dv_dpt(refs):
+                dv_ref, dpt_ref = refs
+                plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
+                plgpu.wgmma(dpt_ref, v_s, do_s.transpose((1, 0)))
+
+            zeros = plgpu.layout_cast(jnp.full((_BQ, _BK), 0.0, f32), wgmma_layout)
+            dv, dpt = pl.run_state(compute_dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+            dst = pt * (dpt - col_bcast(delta, st.shape))
+
+            def compute_dk(acc_ref):
+                plgpu.wgmma(acc_ref, dst.astype(dtype), q_s)
+
+            dk = pl.run_state(compute_dk)(plgpu.ACC.init(dk))
+            if col_grad:
+                db = db + dst.sum(axis=1)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dk, dv, db
+
+        if list_smem is not None:
+            u_lo, u_hi = jnp.int32(0), n_full
+        else:
+            full = full_children(terms, pair, _BK, _WGS * _BQ, nqb, off)
+            u_lo = u_hi = jnp.int32(0)
+            if full is not None:
+                f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
+                u_lo, u_hi = f_lo - lo, jnp.maximum(jnp.minimum(full[1], hi), f_lo) - lo
+        carry = (plgpu.layout_cast(jnp.full((_BQ, lay.fp), 0.0, f32), wgmma_layout),
+                 plgpu.layout_cast(jnp.full((_BQ, lay.dvp), 0.0, f32), wgmma_layout),
+                 plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout))
+        carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+        dk, dv, db = lax.fori_loop(u_hi, count, functools.partial(step, masked=True), carry)
+        k_s[...] = dk.astype(dtype)  # the keys' and values' buffers, read no more
+        v_s[...] = dv.astype(dtype)
+        if col_grad:
+            bias_smem.at[wg][...] = db
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, outs[0].at[b, pl.ds(j0, _BQ)])
+        plgpu.copy_smem_to_gmem(v_s, outs[1].at[b, pl.ds(j0, _BQ)])
+        if col_grad:
+            plgpu.copy_smem_to_gmem(bias_smem.at[wg], outs[2].at[b, pl.ds(j0, _BQ)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        j_pair = pair * (_WGS * _BQ)
+
+        def load(u, slot):
+            i0 = block_of(u) * _BK
+            plgpu.copy_gmem_to_smem(named["q"].at[b, pl.ds(i0, _BK)], q_smem.at[slot],
+                                    q_bar.at[slot])
+            if terms.relpos is not None:  # each warpgroup's tile: block diagonal c - w
+                c = lax.div(i0 - j_pair + (lay.m_pad - _BK), jnp.int32(_BK))
+                for w in range(_WGS):
+                    plgpu.copy_gmem_to_smem(named["rtiles"].at[row_of(b), c - w],
+                                            rt_smem.at[slot, w], r_bar.at[w * steps + slot])
+            if terms.geometric:
+                plgpu.copy_gmem_to_smem(named["geo"].at[b, :, pl.ds(i0, _BK)],
+                                        geo_smem.at[slot], g_bar.at[slot])
+            plgpu.copy_gmem_to_smem(named["ld"].at[b, :, pl.ds(i0, _BK)], ld_smem.at[slot],
+                                    ld_bar.at[slot])
+            plgpu.copy_gmem_to_smem(named["do"].at[b, pl.ds(i0, _BK)], do_smem.at[slot],
+                                    do_bar.at[slot])
+
+        def prefetch(i):  # the first slots, without waiting
+            pl.when(i < count)(lambda: load(jnp.int32(i), i))
+
+        for i in range(steps):
+            prefetch(i)
+
+        @pl.loop(jnp.int32(steps), count)
+        def _(u):
+            slot = slot_of(u)
+            plgpu.barrier_wait(consumed.at[slot])
+            load(u, slot)
+
+        @pl.loop(jnp.maximum(count - steps, 0), count)
+        def _(u):  # the last slots' releases: every phase of a barrier is waited for
+            plgpu.barrier_wait(consumed.at[slot_of(u)])
+
+
+def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                    out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array,
+                    **kw) -> tuple[dict, dict, dict, dict, jax.Array]:
+    """The backward with its dK/dV and dQ passes in the Mosaic GPU kernel (`mosaic_dkdv`,
+    `mosaic_dq`) and the relative-position table's pass in the Triton kernel's
+    (`structinfer.lowering.accel.pallas_backward`, whose arguments and result it takes);
+    the Triton kernel's pass where a Mosaic GPU pass cannot run the edge (its shared
+    memory, a shard's traced offsets)."""
+    mask = kw.get("mask")
+    if kw.get("starts") is None:
+        if mosaic_dq_unsupported(terms, prob, batch_shape, mask) is None:
+            kw["dq_pass"] = mosaic_dq
+        if mosaic_dkdv_unsupported(terms, prob, batch_shape, mask) is None:
+            kw["dkdv_pass"] = mosaic_dkdv
+    return pallas_backward(terms, prob, batch_shape, out, lse, d_out, d_lse, **kw)
+
+
+def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_rows: bool,
+            caller: str, rows: dict | None = None) -> list[jax.Array]:
+    """Launch `_kernel` on the edge: the forward's padded ``[y, L]``, or with ``rows``
+    (the backward's ``do``, ``lse``, ``delta`` per child, batch-shaped) the dQ pass's
+    padded ``[dQ]`` (and ``[dg]``, ``(B, 2, n_pad)``, with a geometric prior)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    dq = rows is not None
+    if steps < 2:
+        raise ValueError(f"{caller}: max_concurrent_steps={steps}, expected at least 2")
+    why, lay, lists = _plan(terms, prob, batch_shape, mask, steps, dq=dq)
+    if why:
+        raise ValueError(f"{caller}: {why}")
+    arrays, _ = lay.operands(terms, prob, whole_rows=True)
+    arrays.pop("relpos", None)
+    if lists is not None:  # the block lists stand for the mask, which is never read
+        arrays["blocks"] = jnp.asarray(lists)
+    for r in (0, 1) if terms.geometric else ():  # the prior's terms are added in float32
+        arrays[f"geo{r}"] = arrays[f"geo{r}"].astype(jnp.float32)
+    row_of = None
+    if terms.relpos is not None:  # the table's own values (float32 for a wider table)
+        table, row_of = lay.distinct(prob.glob.relpos, 1)
+        if jnp.dtype(table.dtype).itemsize > 4:
+            table = table.astype(jnp.float32)
+        arrays["rtiles"] = relpos_tiles(terms, table, lay.bq, lay.bk, lay.n_pad, lay.m_pad)
+    dtype = prob.v.dtype
+    if dq:
+        arrays["do"] = lay.pad(lay.flat(rows["do"].astype(dtype), 2), lay.n_pad, lay.dvp)
+        arrays["lse"] = lay.pad(lay.flat(rows["lse"].astype(jnp.float32), 1), lay.n_pad,
+                                value=-jnp.inf)
+        arrays["delta"] = lay.pad(lay.flat(rows["delta"].astype(jnp.float32), 1), lay.n_pad)
+    keys = tuple(arrays)
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+
+    def tiled(shape):
+        return plgpu.SMEM(shape, dtype, transforms=(tiling, swizzle))
+
+    def entry(*refs):
+        named = dict(zip(keys, refs[: len(keys)]))
+        outs = refs[len(keys):]
         rt = None
         if terms.relpos is not None:
             rt_dtype = arrays["rtiles"].dtype  # swizzled 128-byte rows, as the tiles above
@@ -513,37 +1036,42 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                 plgpu.TilingTransform((8, 128 // jnp.dtype(rt_dtype).itemsize)), swizzle))
         smem = (
             tiled((_WGS, _BQ, lay.fp)),
-            None if lay.fp == lay.dvp else tiled((_WGS, _BQ, lay.dvp)),
+            None if dq or lay.fp == lay.dvp else tiled((_WGS, _BQ, lay.dvp)),
             tiled((steps, _BK, lay.fp)),
             tiled((steps, _BK, lay.dvp)),
-            plgpu.SMEM((_WGS, _BQ), jnp.float32),
+            plgpu.SMEM((1 + dq, _WGS, _BQ), jnp.float32),  # L (and the backward's delta)
             rt,
             plgpu.SMEM((steps, _BK), jnp.float32) if "bias" in named else None,
             plgpu.SMEM((2, _WGS, _BQ), jnp.float32) if terms.geometric else None,
             plgpu.SMEM(arrays["blocks"].shape[1:], jnp.int32) if "blocks" in named else None,
+            tiled((_WGS, _BQ, lay.dvp)) if dq else None,
         )
         bars = (plgpu.Barrier(num_barriers=_WGS), plgpu.Barrier(num_barriers=2 * _WGS),
                 *(plgpu.Barrier(num_barriers=steps) for _ in range(4)),
-                plgpu.Barrier(num_barriers=1) if "blocks" in named else None)
+                plgpu.Barrier(num_barriers=1) if "blocks" in named else None,
+                plgpu.Barrier(num_barriers=3 * _WGS) if dq else None)
         consumed = (plgpu.Barrier(num_arrivals=_WGS, num_barriers=steps),) * 2
         pl.run_scoped(
-            lambda *scoped: _kernel(named, out_ref, lse_ref, scoped, terms=terms, lay=lay,
-                                    steps=steps, row_of=row_of, nan_rows=bool(nan_rows),
-                                    dtype=dtype),
+            lambda *scoped: _kernel(named, outs, scoped, terms=terms, lay=lay, steps=steps,
+                                    row_of=row_of, nan_rows=bool(nan_rows), dtype=dtype,
+                                    dq=dq),
             smem, bars, consumed, plgpu.Barrier(num_arrivals=_WGS),
             collective_axes="wg",
         )
 
-    out, lse = _kernel_call(
-        plgpu, entry,
-        (jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), dtype),
-         jax.ShapeDtypeStruct((lay.B, lay.n_pad), jnp.float32)),
+    if dq:
+        out_types = [jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.fp), dtype)]
+        if terms.geometric:
+            out_types.append(jax.ShapeDtypeStruct((lay.B, 2, lay.n_pad), jnp.float32))
+    else:
+        out_types = [jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), dtype),
+                     jax.ShapeDtypeStruct((lay.B, lay.n_pad), jnp.float32)]
+    res = _kernel_call(
+        plgpu, entry, tuple(out_types),
         grid=(lay.B, lay.nqb),
         grid_names=("batch", "q_seq"),
         num_threads=_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(*[arrays[x] for x in keys])
-    n, dv = terms.num_children, prob.v.shape[-1]
-    y = out[:, :n, :dv].reshape(lay.batch + (n, dv))
-    return y, lse[:, :n].reshape(lay.batch + (n,))
+    return list(res)
