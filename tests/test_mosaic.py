@@ -353,6 +353,26 @@ def _cotangents(low, seed=3):
     return d_out, lse, backward_delta(y, d_out, lse, d_lse, jnp.float32)
 
 
+def _dense_vjp(low, d_out, lse, delta):
+    """The dense kernel's gradients on float32 copies of the problem, for the cotangent of
+    y ``d_out`` and the cotangent of L that gives ``delta``."""
+    up = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16)
+                      else x, low.problem)
+    (y, _), vjp = jax.vjp(lambda p: dense_attention(low.terms, p, low.batch_shape, "highest"),
+                          up)
+    d_lse = jnp.sum(d_out.astype(jnp.float32) * jnp.where(jnp.isfinite(lse)[..., None], y, 0),
+                    -1) - delta
+    (want,) = vjp((d_out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), d_lse, 0.0)))
+    return want, y, d_lse
+
+
+def _close(got, want, atol=2e-2):
+    """Within 16-bit tolerance, relative to the reference's largest magnitude."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = float(np.abs(want).max()) + 1e-6
+    np.testing.assert_allclose(got / scale, want / scale, atol=atol)
+
+
 DQ_INTERPRETED = [("relpos", 256, 64, jnp.bfloat16), ("geometric", 200, 64, jnp.float16),
                   ("block_sparse", 400, 64, jnp.bfloat16)]
 DQ_INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("window", 384, 64, jnp.bfloat16),
@@ -375,25 +395,14 @@ def test_mosaic_dq_interpreted_matches_the_dense_gradient(case, n, d, dtype,
     dq, dgeo = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, lse, delta,
                          low.mask)
     assert dq.shape == low.problem.row.q.shape and dq.dtype == dtype
-    up = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16)
-                      else x, low.problem)
-    (y, _), vjp = jax.vjp(lambda p: dense_attention(low.terms, p, low.batch_shape, "highest"),
-                          up)
-    # the cotangent of L that gives this delta: sum(d_out * y) - delta
-    d_lse = jnp.sum(d_out.astype(jnp.float32) * jnp.where(jnp.isfinite(lse)[..., None], y, 0),
-                    -1) - delta
-    (want,) = vjp((d_out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), d_lse, 0.0)))
+    want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
     ok = np.isfinite(np.asarray(lse))
     assert ok.all() == (case != "strict_causal")
-    scale = float(jnp.max(jnp.abs(want.row.q))) + 1e-6
-    np.testing.assert_allclose(np.asarray(dq, np.float32)[ok] / scale,
-                               np.asarray(want.row.q)[ok] / scale, atol=2e-2)
+    _close(np.asarray(dq, np.float32)[ok], np.asarray(want.row.q)[ok])
     assert (np.asarray(dq, np.float32)[~ok] == 0).all()
     if low.terms.geometric:
         for r in (0, 1):
-            g, w = np.asarray(dgeo[..., r]), np.asarray(want.row.geo[..., r])
-            gs = float(np.abs(w).max()) + 1e-6
-            np.testing.assert_allclose(g[ok] / gs, w[ok] / gs, atol=2e-2)
+            _close(np.asarray(dgeo[..., r])[ok], np.asarray(want.row.geo[..., r])[ok])
     else:
         assert dgeo is None
     if case in ("relpos", "geometric"):  # the hook: only the dQ pass differs
@@ -405,26 +414,6 @@ def test_mosaic_dq_interpreted_matches_the_dense_gradient(case, n, d, dtype,
         for a, b in zip(jax.tree.leaves(mixed[1:]), jax.tree.leaves(own[1:])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not mosaic_interpreted()
-
-
-def _dense_vjp(low, d_out, lse, delta):
-    """The dense kernel's gradients on float32 copies of the problem, for the cotangent of
-    y ``d_out`` and the cotangent of L that gives ``delta``."""
-    up = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16)
-                      else x, low.problem)
-    (y, _), vjp = jax.vjp(lambda p: dense_attention(low.terms, p, low.batch_shape, "highest"),
-                          up)
-    d_lse = jnp.sum(d_out.astype(jnp.float32) * jnp.where(jnp.isfinite(lse)[..., None], y, 0),
-                    -1) - delta
-    (want,) = vjp((d_out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), d_lse, 0.0)))
-    return want, y, d_lse
-
-
-def _close(got, want, atol=2e-2):
-    """Within 16-bit tolerance, relative to the reference's largest magnitude."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    scale = float(np.abs(want).max()) + 1e-6
-    np.testing.assert_allclose(got / scale, want / scale, atol=atol)
 
 
 @pytest.mark.cpu_only
@@ -441,8 +430,7 @@ def test_mosaic_dkdv_interpreted_matches_the_dense_gradient(case, n, d, dtype,
                              low.mask)
     assert dk.dtype == dv.dtype == dtype
     want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
-    _close(dk, jnp.broadcast_to(want.col.k, dk.shape) if dk.ndim == want.col.k.ndim
-           else want.col.k)
+    _close(dk, want.col.k)
     _close(dv, want.v)
     if low.terms.col_bias:
         _close(db, want.col.bias[..., 0])
@@ -562,31 +550,18 @@ def test_mosaic_forward_lowers_for_cuda(case, n, d, dtype):
 
 
 @pytest.mark.parametrize("case", list(PRIORS))
-def test_mosaic_dq_lowers_for_cuda(case):
-    """The backward's dQ pass, every term (head dim 128, bfloat16, n = 200: padded and
-    the last parent block masked), compiled down to warpgroup matmuls."""
+@pytest.mark.parametrize("pass_", ["dq", "dkdv"])
+def test_mosaic_backward_passes_lower_for_cuda(case, pass_):
+    """The backward's dQ and dK/dV passes, every term (head dim 128, bfloat16, n = 200:
+    children and parents padded, the last blocks masked), compiled down to warpgroup
+    matmuls."""
     _bindings()
-    n, d = 200, 128
-    low = _low(case, n, d, jnp.bfloat16)
-    assert mosaic_dq_unsupported(low.terms, low.problem, low.batch_shape, low.mask) is None
-    rows = _cotangents(low)
-    f = jax.jit(lambda p, r: mosaic_dq(low.terms, p, low.batch_shape, *r, low.mask))
-    text = f.trace(low.problem, rows).lower(lowering_platforms=("cuda",)).as_text()
-    assert _custom_calls(text) == ["mosaic_gpu_v2"]
-    assert "wgmma.mma_async" in text
-
-
-@pytest.mark.parametrize("case", list(PRIORS))
-def test_mosaic_dkdv_lowers_for_cuda(case):
-    """The backward's dK/dV pass, every term (head dim 128, bfloat16, n = 200), compiled
-    down to warpgroup matmuls."""
-    _bindings()
-    n, d = 200, 128
-    low = _low(case, n, d, jnp.bfloat16)
-    assert mosaic_dkdv_unsupported(low.terms, low.problem, low.batch_shape, low.mask) is None
-    rows = _cotangents(low)
-    f = jax.jit(lambda p, r: mosaic_dkdv(low.terms, p, low.batch_shape, *r, low.mask))
-    text = f.trace(low.problem, rows).lower(lowering_platforms=("cuda",)).as_text()
+    run, why = {"dq": (mosaic_dq, mosaic_dq_unsupported),
+                "dkdv": (mosaic_dkdv, mosaic_dkdv_unsupported)}[pass_]
+    low = _low(case, 200, 128, jnp.bfloat16)
+    assert why(low.terms, low.problem, low.batch_shape, low.mask) is None
+    f = jax.jit(lambda p, r: run(low.terms, p, low.batch_shape, *r, low.mask))
+    text = f.trace(low.problem, _cotangents(low)).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     assert "wgmma.mma_async" in text
 

@@ -219,10 +219,16 @@ def _plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None, s
     if isinstance(lists, str):
         return lists, None, None
     need = _smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1], dq)
-    if need > MOSAIC_SMEM_BYTES:
-        return (f"max_concurrent_steps={steps}: its tiles need {need // 1024} KiB of shared "
-                f"memory (over {MOSAIC_SMEM_BYTES // 1024} KiB)"), None, None
-    return None, lay, lists
+    why = _over_smem(need, steps, "its tiles")
+    return (why, None, None) if why else (None, lay, lists)
+
+
+def _over_smem(need: int, steps: int, what: str) -> str | None:
+    """Why ``need`` bytes of shared memory are too many for a program, or `None`."""
+    if need <= MOSAIC_SMEM_BYTES:
+        return None
+    return (f"max_concurrent_steps={steps}: {what} need {need // 1024} KiB of shared memory "
+            f"(over {MOSAIC_SMEM_BYTES // 1024} KiB)")
 
 
 def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
@@ -232,6 +238,62 @@ def mosaic_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]
     lists, or a JAX without the Mosaic GPU backend), or `None` when it can. ``mask``: the
     per-edge mask's value when known at trace time (as `mosaic_forward`'s)."""
     return _plan(terms, prob, batch_shape, mask, 2)[0]
+
+
+def _swizzled(shape: tuple[int, ...], dtype):
+    """A shared-memory buffer whose last two dims are tiles of 8 rows of 128 bytes with
+    the 128-byte swizzle: what ``wgmma`` reads bank-conflict free and TMA fills."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(128)))
+
+
+def _relpos_rows(lay: Layout, prob: Problem):
+    """The relative-position table's distinct rows (its own values; float32 for a wider
+    table) and the map from a flat batch index to its row (`Layout.distinct`)."""
+    table, row_of = lay.distinct(prob.glob.relpos, 1)
+    if jnp.dtype(table.dtype).itemsize > 4:
+        table = table.astype(jnp.float32)
+    return table, row_of
+
+
+def _walk(named: dict, list_smem, list_bar, pair, wg, live, full):
+    """How a program walks its blocks: ``(count, block_of, u_lo, u_hi)``. Steps
+    ``u = 0 .. count - 1`` visit blocks ``block_of(u)``: the band's range ``lo .. hi - 1``
+    (``live()``), or with a per-edge mask known at trace time the program's row of the
+    block lists, ``[full count, partial count, full blocks..., partial blocks...]``
+    (copied into ``list_smem`` by the memory warpgroup). Steps ``u_lo .. u_hi - 1`` visit
+    blocks whose every edge is allowed (``full()``: that range of blocks, or ``None``),
+    which build no mask."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if list_smem is None:
+        lo, hi = live()
+        f = full()
+        u_lo = u_hi = jnp.int32(0)
+        if f is not None:
+            f_lo = jnp.minimum(jnp.maximum(f[0], lo), hi)
+            u_lo, u_hi = f_lo - lo, jnp.maximum(jnp.minimum(f[1], hi), f_lo) - lo
+        return hi - lo, (lambda u: lo + u), u_lo, u_hi
+
+    @pl.when(wg == _WGS)
+    def _():
+        plgpu.copy_gmem_to_smem(named["blocks"].at[pair], list_smem, list_bar.at[0])
+
+    plgpu.barrier_wait(list_bar.at[0])
+    n_full = list_smem[0]
+    return n_full + list_smem[1], (lambda u: list_smem[2 + u]), jnp.int32(0), n_full
+
+
+def _over_steps(step, carry, u_lo, u_hi, count):
+    """``step(u, carry, masked)`` over ``u = 0 .. count - 1``, unmasked on ``u_lo ..
+    u_hi - 1`` (`_walk`)."""
+    carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(u_hi, count, functools.partial(step, masked=True), carry)
 
 
 def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, steps: int,
@@ -254,26 +316,11 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
     f32 = jnp.float32
     wgmma_layout, row_layout, col_layout = _layouts(plgpu)
     off = terms.offset
-    # the program's steps u = 0 .. count - 1 visit parent blocks block_of(u): the band's
-    # range lo .. hi - 1, or (a per-edge mask known at trace time) the program's row of
-    # the block lists, [full count, partial count, full blocks..., partial blocks...]
-    if list_smem is None:
-        lo, hi = live_range(terms, pair, _WGS * _BQ, _BK, lay.nkb, off)
-        count = hi - lo
-
-        def block_of(u):
-            return lo + u
-    else:
-        @pl.when(wg == _WGS)
-        def _():
-            plgpu.copy_gmem_to_smem(named["blocks"].at[pair], list_smem, list_bar.at[0])
-
-        plgpu.barrier_wait(list_bar.at[0])
-        n_full = list_smem[0]
-        count = n_full + list_smem[1]
-
-        def block_of(u):
-            return list_smem[2 + u]
+    a = pair * _WGS + wg  # a compute warpgroup's block of _BQ children
+    count, block_of, u_lo, u_hi = _walk(
+        named, list_smem, list_bar, pair, wg,
+        lambda: live_range(terms, pair, _WGS * _BQ, _BK, lay.nkb, off),
+        lambda: full_parents(terms, a, _BQ, _BK, off))
 
     def slot_of(u):
         return lax.rem(u, jnp.int32(steps))
@@ -288,7 +335,6 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
     @pl.when(wg < _WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        a = pair * _WGS + wg  # this warpgroup's block of _BQ children
         i0 = a * _BQ
         q_s = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(named["q"].at[b, pl.ds(i0, _BQ)], q_s, q_bar.at[wg])
@@ -339,20 +385,8 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
                 s = jnp.where(ok, s, -jnp.inf)
             return s, d
 
-        # steps u_lo .. u_hi - 1 visit blocks whose every edge is allowed: no mask built
-        if list_smem is not None:
-            u_lo, u_hi = jnp.int32(0), n_full
-        else:
-            full = full_parents(terms, a, _BQ, _BK, off)
-            u_lo = u_hi = jnp.int32(0)
-            if full is not None:
-                f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
-                u_lo, u_hi = f_lo - lo, jnp.maximum(jnp.minimum(full[1], hi), f_lo) - lo
-
         def over_steps(step, carry):
-            carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
-            return lax.fori_loop(u_hi, count, functools.partial(step, masked=True), carry)
+            return _over_steps(step, carry, u_lo, u_hi, count)
 
         if dq:
             do_s = do_smem.at[wg]
@@ -649,16 +683,12 @@ def _dkdv_plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | No
     if why:
         return why, None, None
     lay = _dkdv_layout(terms, prob, batch_shape)
-    lists = None
-    if terms.pair_ok:
-        lists = _block_lists(terms, mask, lay, by_parent=True)
-        if isinstance(lists, str):
-            return lists, None, None
+    lists = _block_lists(terms, mask, lay, by_parent=True) if terms.pair_ok else None
+    if isinstance(lists, str):
+        return lists, None, None
     need = _dkdv_smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1])
-    if need > MOSAIC_SMEM_BYTES:
-        return (f"max_concurrent_steps={steps}: the dK/dV pass's tiles need {need // 1024} "
-                f"KiB of shared memory (over {MOSAIC_SMEM_BYTES // 1024} KiB)"), None, None
-    return None, lay, lists
+    why = _over_smem(need, steps, "the dK/dV pass's tiles")
+    return (why, None, None) if why else (None, lay, lists)
 
 
 def mosaic_dkdv_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
@@ -720,9 +750,7 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
         arrays["blocks"] = jnp.asarray(lists)
     row_of = None
     if terms.relpos is not None:  # square tiles, transposed: parents x children
-        table, row_of = lay.distinct(prob.glob.relpos, 1)
-        if jnp.dtype(table.dtype).itemsize > 4:
-            table = table.astype(f32)
+        table, row_of = _relpos_rows(lay, prob)
         tiles = relpos_tiles(terms, table, _BK, _BK, lay.n_pad, lay.m_pad)
         arrays["rtiles"] = jnp.swapaxes(tiles, -1, -2)
     arrays["do"] = lay.pad(lay.flat(d_out.astype(dtype), 2), lay.n_pad, lay.dvp)
@@ -732,20 +760,16 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
                               (lay.B, 2, lay.n_pad - ld.shape[-1]))], -1)
     keys = tuple(arrays)
     col_grad = bool(terms.col_bias)
-    tiling = plgpu.TilingTransform((8, 64))
-    swizzle = plgpu.SwizzleTransform(128)
 
     def tiled(shape):
-        return plgpu.SMEM(shape, dtype, transforms=(tiling, swizzle))
+        return _swizzled(shape, dtype)
 
     def entry(*refs):
         named = dict(zip(keys, refs[: len(keys)]))
         outs = refs[len(keys):]
         rt = None
         if terms.relpos is not None:
-            rt_dtype = arrays["rtiles"].dtype
-            rt = plgpu.SMEM((steps, _WGS, _BK, _BK), rt_dtype, transforms=(
-                plgpu.TilingTransform((8, 128 // jnp.dtype(rt_dtype).itemsize)), swizzle))
+            rt = _swizzled((steps, _WGS, _BK, _BK), arrays["rtiles"].dtype)
         smem = (
             tiled((_WGS, _BQ, lay.fp)),  # keys, then dK
             tiled((_WGS, _BQ, lay.dvp)),  # values, then dV
@@ -808,23 +832,10 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
     wgmma_layout, row_layout, col_layout = _layouts(plgpu)
     off = terms.offset
     nqb = lay.n_pad // _BK
-    if list_smem is None:
-        lo, hi = live_children(terms, pair, _BK, _WGS * _BQ, nqb, off)
-        count = hi - lo
-
-        def block_of(u):
-            return lo + u
-    else:
-        @pl.when(wg == _WGS)
-        def _():
-            plgpu.copy_gmem_to_smem(named["blocks"].at[pair], list_smem, list_bar.at[0])
-
-        plgpu.barrier_wait(list_bar.at[0])
-        n_full = list_smem[0]
-        count = n_full + list_smem[1]
-
-        def block_of(u):
-            return list_smem[2 + u]
+    count, block_of, u_lo, u_hi = _walk(
+        named, list_smem, list_bar, pair, wg,
+        lambda: live_children(terms, pair, _BK, _WGS * _BQ, nqb, off),
+        lambda: full_children(terms, pair, _BK, _WGS * _BQ, nqb, off))
 
     def slot_of(u):
         return lax.rem(u, jnp.int32(steps))
@@ -906,20 +917,10 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv, db
 
-        if list_smem is not None:
-            u_lo, u_hi = jnp.int32(0), n_full
-        else:
-            full = full_children(terms, pair, _BK, _WGS * _BQ, nqb, off)
-            u_lo = u_hi = jnp.int32(0)
-            if full is not None:
-                f_lo = jnp.minimum(jnp.maximum(full[0], lo), hi)
-                u_lo, u_hi = f_lo - lo, jnp.maximum(jnp.minimum(full[1], hi), f_lo) - lo
         carry = (plgpu.layout_cast(jnp.full((_BQ, lay.fp), 0.0, f32), wgmma_layout),
                  plgpu.layout_cast(jnp.full((_BQ, lay.dvp), 0.0, f32), wgmma_layout),
                  plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout))
-        carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
-        dk, dv, db = lax.fori_loop(u_hi, count, functools.partial(step, masked=True), carry)
+        dk, dv, db = _over_steps(step, carry, u_lo, u_hi, count)
         k_s[...] = dk.astype(dtype)  # the keys' and values' buffers, read no more
         v_s[...] = dv.astype(dtype)
         if col_grad:
@@ -1008,10 +1009,8 @@ def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_r
     for r in (0, 1) if terms.geometric else ():  # the prior's terms are added in float32
         arrays[f"geo{r}"] = arrays[f"geo{r}"].astype(jnp.float32)
     row_of = None
-    if terms.relpos is not None:  # the table's own values (float32 for a wider table)
-        table, row_of = lay.distinct(prob.glob.relpos, 1)
-        if jnp.dtype(table.dtype).itemsize > 4:
-            table = table.astype(jnp.float32)
+    if terms.relpos is not None:
+        table, row_of = _relpos_rows(lay, prob)
         arrays["rtiles"] = relpos_tiles(terms, table, lay.bq, lay.bk, lay.n_pad, lay.m_pad)
     dtype = prob.v.dtype
     if dq:
@@ -1020,20 +1019,16 @@ def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_r
                                 value=-jnp.inf)
         arrays["delta"] = lay.pad(lay.flat(rows["delta"].astype(jnp.float32), 1), lay.n_pad)
     keys = tuple(arrays)
-    tiling = plgpu.TilingTransform((8, 64))
-    swizzle = plgpu.SwizzleTransform(128)
 
     def tiled(shape):
-        return plgpu.SMEM(shape, dtype, transforms=(tiling, swizzle))
+        return _swizzled(shape, dtype)
 
     def entry(*refs):
         named = dict(zip(keys, refs[: len(keys)]))
         outs = refs[len(keys):]
         rt = None
         if terms.relpos is not None:
-            rt_dtype = arrays["rtiles"].dtype  # swizzled 128-byte rows, as the tiles above
-            rt = plgpu.SMEM((steps, _WGS * _BQ, _BK), rt_dtype, transforms=(
-                plgpu.TilingTransform((8, 128 // jnp.dtype(rt_dtype).itemsize)), swizzle))
+            rt = _swizzled((steps, _WGS * _BQ, _BK), arrays["rtiles"].dtype)
         smem = (
             tiled((_WGS, _BQ, lay.fp)),
             None if dq or lay.fp == lay.dvp else tiled((_WGS, _BQ, lay.dvp)),
