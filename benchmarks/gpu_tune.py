@@ -149,13 +149,13 @@ def row(p: gpu.Problem, case: str, args) -> str:
     own, ref = timed(lambda pr: pallas_backward(terms, pr, bs, y, lse, d_out, d_lse, mask=mask,
                                                 need_glob=none), low.problem, 2.5 * rate)
     cells.append(own)
-    mosaic_why = KERNELS["mosaic"].unsupported(low)
-    for passes, why in (
-            ({"dq_pass": mosaic_dq}, mosaic_dq_unsupported(terms, low.problem, bs, mask)),
-            ({"dq_pass": mosaic_dq, "dkdv_pass": mosaic_dkdv},
-             mosaic_dkdv_unsupported(terms, low.problem, bs, mask))):
-        if mosaic_why or why:
-            cells.append(f"refused: {mosaic_why or why}")
+    why_dq = (KERNELS["mosaic"].unsupported(low)
+              or mosaic_dq_unsupported(terms, low.problem, bs, mask))
+    why_dkdv = why_dq or mosaic_dkdv_unsupported(terms, low.problem, bs, mask)
+    for passes, why in (({"dq_pass": mosaic_dq}, why_dq),
+                        ({"dq_pass": mosaic_dq, "dkdv_pass": mosaic_dkdv}, why_dkdv)):
+        if why:
+            cells.append(f"refused: {why}")
             continue
         cell, got = timed(lambda pr, kw=passes: pallas_backward(
             terms, pr, bs, y, lse, d_out, d_lse, mask=mask, need_glob=none, **kw),

@@ -443,8 +443,44 @@ def test_mosaic_dkdv_interpreted_matches_the_dense_gradient(case, n, d, dtype,
         _close(np.asarray(got[0].q, np.float32)[ok], np.asarray(want.row.q)[ok])
         _close(got[1].k, want.col.k)
         _close(got[4], want.v)
+        if low.terms.col_bias:
+            _close(got[1].bias, want.col.bias)
         if low.terms.relpos is not None:  # the table's pass: the Triton kernel's
             _close(got[3].relpos, want.glob.relpos)
+    assert not mosaic_interpreted()
+
+
+@pytest.mark.cpu_only
+def test_mosaic_backward_interpreted_cross_attention(mosaic_interpreted):
+    """Children and parents of different lengths with a per-parent bias (256 queries, 200
+    keys: the parents padded to the dK/dV pass's 128 per program): both passes against
+    the dense kernel's VJP. With 64 keys the dK/dV pass refuses (it takes 128 parents
+    per program) and `mosaic_backward` keeps the Triton pass for it."""
+    r = np.random.default_rng(5)
+
+    def low_of(n, m, d=64):
+        q = jnp.asarray(r.normal(size=(H, n, d)), jnp.bfloat16)
+        k, v = (jnp.asarray(r.normal(size=(H, m, d)), jnp.bfloat16) for _ in range(2))
+        bias = jnp.asarray(r.normal(size=(H, 1, m)), jnp.float32)
+        return lower_edge(si.priors.Categorical(bias), si.scores.Dot(q, k, scale=d ** -0.5),
+                          v, n, (H,))
+
+    low = low_of(256, 200)
+    d_out, lse, delta = _cotangents(low)
+    want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
+    dq, _ = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, lse, delta)
+    dk, dv, db = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta)
+    assert dk.shape == (H, 200, 64) and db.shape == (H, 200)
+    for a, b in ((dq, want.row.q), (dk, want.col.k), (dv, want.v), (db, want.col.bias[..., 0])):
+        _close(a, b)
+    small = low_of(256, 64)
+    assert "64 parents (the Mosaic GPU kernel needs at least 64 and 128)" in (
+        mosaic_dkdv_unsupported(small.terms, small.problem, small.batch_shape))
+    d_out, lse, delta = _cotangents(small)
+    want, y, d_lse = _dense_vjp(small, d_out, lse, delta)
+    got = mosaic_backward(small.terms, small.problem, small.batch_shape, y, lse, d_out, d_lse)
+    for a, b in ((got[0].q, want.row.q), (got[1].k, want.col.k), (got[4], want.v)):
+        _close(a, b)
     assert not mosaic_interpreted()
 
 

@@ -205,8 +205,8 @@ def pallas_measured_faster(terms: Terms) -> str | None:
     smaller head dims were not measured.
     """
     if terms.geometric:
-        return ("the Pallas and Mosaic GPU kernels measured faster than cuDNN with the "
-                "geometric prior's bias table materialised")
+        return ("the Pallas kernel measured faster than cuDNN with the geometric prior's "
+                "bias table materialised (the Mosaic GPU forward faster still than it)")
     return None
 
 
@@ -533,6 +533,12 @@ class Layout:
         """``x`` broadcast to the batch and flattened to ``(B,) + core dims``."""
         return jnp.broadcast_to(x, self.batch + x.shape[x.ndim - core:]).reshape(
             (self.B,) + x.shape[x.ndim - core:])
+
+    def unpad(self, x, length: int, core: int | None = None):
+        """A kernel's ``(B, padded length[, padded core])`` result cut to ``length`` (and
+        ``core``) and shaped ``batch + (length[, core])``."""
+        x = x[:, :length] if core is None else x[:, :length, :core]
+        return x.reshape(self.batch + x.shape[1:])
 
     @staticmethod
     def pad(x, *sizes, value=0):
@@ -1087,11 +1093,11 @@ def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, 
         out_shape=out_shape, compiler_params=params, interpret=interp,
         name="structinfer_attention_dq",
     )(*[arrays[x] for x in keys])
-    n, d = terms.num_children, prob.row.q.shape[-1]
-    dq = res[0][:, :n, :d].reshape(lay.batch + (n, d))
+    n = terms.num_children
+    dq = lay.unpad(res[0], n, prob.row.q.shape[-1])
     dgeo = None
     if terms.geometric:
-        dgeo = jnp.stack([res[1][:, :n], res[2][:, :n]], -1).reshape(lay.batch + (n, 2))
+        dgeo = jnp.stack([lay.unpad(res[1], n), lay.unpad(res[2], n)], -1)
     return dq, dgeo
 
 
@@ -1202,7 +1208,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     interp = _interpret(interpret)
 
     # pass 1: parent blocks (dK, dV, per-parent bias)
-    grids = _launch_grids(terms, mask, lay, shift)  # both passes' blocks
+    grids = (None if dq_pass is not None and dkdv_pass is not None  # both passes' blocks
+             else _launch_grids(terms, mask, lay, shift))
     if dkdv_pass is not None:
         dk, dv, db = dkdv_pass(terms, prob, batch_shape, d_out, lse, delta, mask)
     else:
@@ -1224,13 +1231,9 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             out_shape=out_shape, compiler_params=params, interpret=interp,
             name="structinfer_attention_dkdv",
         )(*[arrays[x] for x in keys])
-
-        def unpad(x, core: int):
-            x = x[:, :m, :core] if x.ndim == 3 else x[:, :m]
-            return x.reshape(lay.batch + x.shape[1:])
-
-        dk, dv = unpad(res1[0], prob.col.k.shape[-1]), unpad(res1[1], prob.v.shape[-1])
-        db = unpad(res1[2], 0) if col_grad else None
+        dk = lay.unpad(res1[0], m, prob.col.k.shape[-1])
+        dv = lay.unpad(res1[1], m, prob.v.shape[-1])
+        db = lay.unpad(res1[2], m) if col_grad else None
 
     # pass 2: child blocks (dQ, geometric prior)
     if dq_pass is not None:

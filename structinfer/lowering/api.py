@@ -62,8 +62,8 @@ class Explanation:
         path: ``"lowered"`` or ``"exact"``.
         backend: the requested backend.
         kernels: edge site -> kernel (``"dense"``, ``"blocked"``, ``"windowed"``,
-            ``"markov_scan"`` for a chain of Markov edges, and on a GPU ``"cudnn"`` or
-            ``"pallas"``, or ``"mosaic"`` when forced).
+            ``"markov_scan"`` for a chain of Markov edges, and on a GPU ``"cudnn"``,
+            ``"mosaic"`` (a Hopper GPU) or ``"pallas"``).
         follows: edge site -> the edge it follows (multi-hop), or ``None``.
         notes: edge site -> what was recognised in its prior and score.
         fallback: on the exact path, the site and part that was not recognised.
@@ -359,7 +359,8 @@ def attention(
             [`structinfer.lowering.accel`][structinfer.lowering.accel] and
             [`structinfer.lowering.mosaic`][structinfer.lowering.mosaic]; the kernels are
             the entries of [`KERNELS`][structinfer.lowering.KERNELS]. On a GPU,
-            ``"auto"`` tries cuDNN, then Pallas, then the blocked kernel. A chain of
+            ``"auto"`` tries cuDNN, then Mosaic GPU (on a Hopper GPU of the running
+            process), then Pallas, then the blocked kernel. A chain of
             [`Markov`][structinfer.priors.Markov] edges runs (``"auto"`` only) as a
             forward-backward scan, kernel ``"markov_scan"``
             ([`structinfer.lowering.markov`][structinfer.lowering.markov]), on one

@@ -91,7 +91,8 @@ class Kernel:
             says why).
         passed_over: optional ``passed_over(lowered) -> str | None``: why ``"auto"``
             does not take the kernel although it can run the edge (another measured
-            faster there); a forced ``backend`` still runs it.
+            faster there, or the device it is for is not this process's); a forced
+            ``backend`` still runs it.
         passes: for a kernel built on the blocked kernel's custom VJP, its replacement
             ``(forward, backward)`` passes (``(None, None)``: the blocked kernel's own);
             such a kernel takes traced global start offsets. ``None`` otherwise.
@@ -226,9 +227,9 @@ class KernelTable(Mapping[str, Kernel]):
     """The kernel table: name -> [`Kernel`][structinfer.lowering.Kernel] (read-only).
 
     ``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``, ``"mosaic"``, in
-    the order of
-    `BACKENDS` (which are ``"auto"``, ``"exact"`` and these). `structinfer.attention`
-    checks a forced ``backend`` against its entry, runs every edge through the entry
+    the order of `BACKENDS` (which are ``"auto"``, ``"exact"`` and these).
+    `structinfer.attention` checks a forced ``backend`` against its entry, runs every
+    edge through the entry
     chosen (on one device or on each shard of a mesh) and writes the NaN rows where the
     entry does not; `structinfer.explain` names the entry that runs each edge. A mapping
     without item assignment: the table is read, never edited.
@@ -261,10 +262,11 @@ def auto_kernel(lowered: Lowered) -> tuple[str, tuple[str, ...]]:
 
     The rule: with more than `DENSE_MAX` logits per batch element, on a GPU, the first
     of the platform's fused kernels (`structinfer.lowering.accel.GPU_KERNELS`: cuDNN,
-    then Mosaic GPU on a Hopper GPU, then Pallas) that can run the edge and is not passed over for a faster one; else the
-    windowed kernel for a geometric prior whose distance band is at most half the
-    parents; else the blocked kernel (large) or the dense one (small). The notes say why
-    each fused kernel before the one taken was not.
+    then Mosaic GPU on a Hopper GPU, then Pallas) that can run the edge and is not
+    passed over (for a faster one, or a Mosaic GPU kernel with no Hopper GPU in the
+    process); else the windowed kernel for a geometric prior whose distance band is at
+    most half the parents; else the blocked kernel (large) or the dense one (small). The
+    notes say why each fused kernel before the one taken was not.
 
     Returns:
         ``(name, notes)``: a key of `KERNELS` and a tuple of sentences.

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -160,13 +161,12 @@ def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int, lists: int
 
 def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout,
                  by_parent: bool = False) -> np.ndarray | str:
-    """A per-edge mask's block lists, one row per program (128 children; with
-    ``by_parent`` 128 parents, listing child blocks of 64): ``[full count, partial
-    count, full blocks..., partial blocks..., 0...]`` (int32; full: no edge of the block
-    is outside the band or padded), or why the mask cannot be read as lists: it must
-    allow all or none of each tile of the launch in every batch element (it is never
-    read in the kernel), as a block-sparse mask on blocks of multiples of 128 x 128
-    does."""
+    """A per-edge mask's block lists, one row per program (a child block of ``lay``; with
+    ``by_parent`` a parent block, listing child blocks): ``[full count, partial count,
+    full blocks..., partial blocks..., 0...]`` (int32; full: no edge of the block is
+    outside the band or padded), or why the mask cannot be read as lists: it must allow
+    all or none of each ``lay.bq x lay.bk`` tile in every batch element (it is never
+    read in the kernel), as a block-sparse mask on blocks of multiples of those does."""
     n, m = terms.num_children, terms.num_parents
     shape = mask_shape(mask)
     if len(shape) < 2 or shape[-2:] != (n, m):
@@ -180,10 +180,43 @@ def _block_lists(terms: Terms, mask: ConcreteMask, lay: Layout,
     if (live & ~every).any():
         return (f"a per-edge mask that allows part of a {lay.bq} x {lay.bk} tile, or a "
                 "tile in some batch elements only (the Mosaic GPU kernel reads no mask: "
-                "block-sparse masks on blocks of multiples of 128 x 64, the same in "
-                "every batch element, run)")
+                f"block-sparse masks on blocks of multiples of {lay.bq} x {lay.bk}, the "
+                "same in every batch element, run)")
     # rows of at least 128 bytes: a copy moves a multiple of a warpgroup (128 threads)
     return block_table((live, full), by_parent=by_parent, min_width=32)
+
+
+def _unsupported(terms: Terms, prob: Problem, mask: ConcreteMask | None,
+                 least: tuple[int, int], layout: Callable[[], Layout]
+                 ) -> tuple[str | None, Layout | None]:
+    """``(why not, layout)``: why the Mosaic GPU kernels cannot run the edge whatever the
+    launch (a JAX without them, the edge's structure, dtypes, head dims, the
+    relative-position tiles' bytes) or with fewer than ``least`` children and parents,
+    else ``None`` and the launch's ``layout()``."""
+    why = _mosaic_missing() or dot_only(terms, prob)
+    if why:
+        return why, None
+    if terms.mask_blocks is not None:
+        return "a per-edge mask read per block (the blocked kernel's form)", None
+    if terms.pair_ok and mask is None:
+        return ("a per-edge mask not known at trace time (the Mosaic GPU kernel reads "
+                "none)"), None
+    q, k, v = prob.row.q, prob.col.k, prob.v
+    dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dts) != 1 or next(iter(dts)) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return (f"inputs are {sorted(str(d) for d in dts)} (the Mosaic GPU kernel takes "
+                "float16 / bfloat16, one dtype)"), None
+    n, m = terms.num_children, terms.num_parents
+    if n < least[0] or m < least[1]:
+        return (f"{n} children and {m} parents (the Mosaic GPU kernel needs at least "
+                f"{least[0]} and {least[1]})"), None
+    lay = layout()
+    if max(lay.fp, lay.dvp) > 256:
+        return (f"head dims {q.shape[-1]} and {v.shape[-1]} (the Mosaic GPU kernel: at most "
+                "256)"), None
+    if terms.relpos is not None and lay.tiles_bytes(prob.glob.relpos) > RELPOS_TILES_MAX_BYTES:
+        return "its relative-position tiles are over RELPOS_TILES_MAX_BYTES", None
+    return None, lay
 
 
 def _plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None, steps: int,
@@ -192,29 +225,13 @@ def _plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None, s
     or with ``dq`` the backward's dQ pass): the reason the kernel cannot run the edge
     (else ``None``), and when it can, its `Layout` and a per-edge mask's `_block_lists`
     (``None`` without one)."""
-    why = _mosaic_missing() or dot_only(terms, prob)
+    why, lay = _unsupported(terms, prob, mask, (_WGS * _BQ, _BK),
+                            lambda: _layout(terms, prob, batch_shape))
     if why:
         return why, None, None
-    if terms.mask_blocks is not None:
-        return "a per-edge mask read per block (the blocked kernel's form)", None, None
-    if terms.pair_ok and mask is None:
-        return ("a per-edge mask not known at trace time (the Mosaic GPU kernel reads none)",
-                None, None)
-    q, k, v = prob.row.q, prob.col.k, prob.v
-    dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if len(dts) != 1 or next(iter(dts)) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        return (f"inputs are {sorted(str(d) for d in dts)} (the Mosaic GPU kernel takes "
-                "float16 / bfloat16, one dtype)"), None, None
-    n, m = terms.num_children, terms.num_parents
-    if n < _WGS * _BQ or m < _BK:
-        return (f"{n} children and {m} parents (the Mosaic GPU kernel needs at least "
-                f"{_WGS * _BQ} and {_BK})"), None, None
-    lay = _layout(terms, prob, batch_shape)
-    if max(lay.fp, lay.dvp) > 256:
-        return (f"head dims {q.shape[-1]} and {v.shape[-1]} (the Mosaic GPU kernel: at most "
-                "256)"), None, None
-    if terms.relpos is not None and lay.tiles_bytes(prob.glob.relpos) > RELPOS_TILES_MAX_BYTES:
-        return "its relative-position tiles are over RELPOS_TILES_MAX_BYTES", None, None
+    if dq and prob.row.q.shape[:-2] != lay.batch:
+        return ("queries shared by some batch dim (the Triton pass sums their gradient in "
+                "float32)"), None, None
     lists = _block_lists(terms, mask, lay) if terms.pair_ok else None
     if isinstance(lists, str):
         return lists, None, None
@@ -257,6 +274,14 @@ def _relpos_rows(lay: Layout, prob: Problem):
     if jnp.dtype(table.dtype).itemsize > 4:
         table = table.astype(jnp.float32)
     return table, row_of
+
+
+def _base2_rows(lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    r"""``(L log2 e, 1.0 where L = -inf else 0.0)`` of the rows' saved log-normalisers
+    (0 in place of ``-inf``): the backward passes' $p = 2^{s \log_2 e - L \log_2 e}$,
+    set to 0 in a row with no edge whatever its logits."""
+    none = lse == -jnp.inf
+    return jnp.where(none, 0.0, lse * _LOG2E), jnp.where(none, 1.0, 0.0)
 
 
 def _walk(named: dict, list_smem, list_bar, pair, wg, live, full):
@@ -399,7 +424,8 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
             lse = _load(plgpu, lse_smem.at[0, wg], row_layout)
             delta = _load(plgpu, lse_smem.at[1, wg], row_layout)
             # p = 2^(s log2 e - L log2 e); a row with no edge (L = -inf) gets p = 0
-            l2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+            # whatever its logits (as the Triton pass: `backward_probs`)
+            l2, none = _base2_rows(lse)
 
             def dq_step(u, carry, masked: bool):
                 dq_acc, dg0, dg1 = carry
@@ -407,7 +433,8 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
                 j0 = block_of(u) * _BK
                 plgpu.barrier_wait(k_bar.at[slot])
                 s, d = logits(slot, j0, masked, turn=False)
-                p = jnp.exp2(s * _LOG2E - row_bcast(l2, s.shape))
+                p = jnp.where(row_bcast(none, s.shape) > 0, 0.0,
+                              jnp.exp2(s * _LOG2E - row_bcast(l2, s.shape)))
                 plgpu.barrier_wait(v_bar.at[slot])
 
                 def compute_dp(acc_ref):
@@ -595,10 +622,8 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     del precision
     out, lse = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
                        nan_rows=nan_rows, caller="mosaic_forward")
-    n, dv = terms.num_children, prob.v.shape[-1]
-    lay = _layout(terms, prob, batch_shape)
-    y = out[:, :n, :dv].reshape(lay.batch + (n, dv))
-    return y, lse[:, :n].reshape(lay.batch + (n,))
+    lay, n = _layout(terms, prob, batch_shape), terms.num_children
+    return lay.unpad(out, n, prob.v.shape[-1]), lay.unpad(lse, n)
 
 
 def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
@@ -622,7 +647,7 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
         d_out: the cotangent of $y$, ``batch + (n, dv)``.
         lse: the forward's $L$, ``batch + (n,)``.
         delta: $\delta_i = \sum_c \mathrm{d}y_{ic} y_{ic} - \mathrm{d}L_i$,
-            ``batch + (n,)`` (0 in a row whose $L$ is not finite).
+            ``batch + (n,)`` (a row whose $L$ is not finite counts no output term).
         mask: the per-edge mask's value, as for `mosaic_forward`.
         max_concurrent_steps: shared-memory slots of the parent-block pipeline.
 
@@ -640,13 +665,11 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
     res = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
                   nan_rows=False, caller="mosaic_dq",
                   rows={"do": d_out, "lse": lse, "delta": delta})
-    lay = _layout(terms, prob, batch_shape)
-    n, d = terms.num_children, prob.row.q.shape[-1]
-    dq = res[0][:, :n, :d].reshape(lay.batch + (n, d))
+    lay, n = _layout(terms, prob, batch_shape), terms.num_children
     dgeo = None
-    if terms.geometric:
-        dgeo = jnp.swapaxes(res[1][:, :, :n], 1, 2).reshape(lay.batch + (n, 2))
-    return dq, dgeo
+    if terms.geometric:  # (B, 2, n_pad) -> batch + (n, 2)
+        dgeo = lay.unpad(jnp.swapaxes(res[1], 1, 2), n, 2)
+    return lay.unpad(res[0], n, prob.row.q.shape[-1]), dgeo
 
 
 def mosaic_dq_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
@@ -679,10 +702,13 @@ def _dkdv_smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int,
 def _dkdv_plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None,
                steps: int) -> tuple[str | None, Layout | None, np.ndarray | None]:
     """``(why not, layout, block lists)`` of a dK/dV launch, as `_plan`."""
-    why = _plan(terms, prob, batch_shape, mask, steps)[0]
+    why, lay = _unsupported(terms, prob, mask, (_BK, _WGS * _BQ),
+                            lambda: _dkdv_layout(terms, prob, batch_shape))
     if why:
         return why, None, None
-    lay = _dkdv_layout(terms, prob, batch_shape)
+    if prob.col.k.shape[:-2] != lay.batch or prob.v.shape[:-2] != lay.batch:
+        return ("keys or values shared by some batch dim (the Triton pass sums their "
+                "gradients in float32)"), None, None
     lists = _block_lists(terms, mask, lay, by_parent=True) if terms.pair_ok else None
     if isinstance(lists, str):
         return lists, None, None
@@ -806,13 +832,8 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(*[arrays[x] for x in keys])
     m = terms.num_parents
-
-    def unpad(x, core: int | None):
-        x = x[:, :m, :core] if core is not None else x[:, :m]
-        return x.reshape(lay.batch + x.shape[1:])
-
-    return (unpad(res[0], prob.col.k.shape[-1]), unpad(res[1], prob.v.shape[-1]),
-            unpad(res[2], None) if col_grad else None)
+    return (lay.unpad(res[0], m, prob.col.k.shape[-1]), lay.unpad(res[1], m, prob.v.shape[-1]),
+            lay.unpad(res[2], m) if col_grad else None)
 
 
 def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, steps: int,
@@ -895,8 +916,9 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
             plgpu.barrier_wait(ld_bar.at[slot])
             lse = _load(plgpu, ld_smem.at[slot, 0], col_layout)
             delta = _load(plgpu, ld_smem.at[slot, 1], col_layout)
-            l2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
-            pt = jnp.exp2(st * _LOG2E - col_bcast(l2, st.shape))
+            l2, none = _base2_rows(lse)
+            pt = jnp.where(col_bcast(none, st.shape) > 0, 0.0,
+                           jnp.exp2(st * _LOG2E - col_bcast(l2, st.shape)))
             plgpu.barrier_wait(do_bar.at[slot])
 
             def compute_dv_dpt(refs):
