@@ -643,7 +643,9 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
     and $\mathrm{d}s\, K$.
 
     Args:
-        terms, prob, batch_shape: the edge site, as for `mosaic_forward`.
+        terms: the static terms of a lowered edge site (as for `mosaic_forward`).
+        prob: the arrays those terms read.
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
         d_out: the cotangent of $y$, ``batch + (n, dv)``.
         lse: the forward's $L$, ``batch + (n,)``.
         delta: $\delta_i = \sum_c \mathrm{d}y_{ic} y_{ic} - \mathrm{d}L_i$,
@@ -742,8 +744,15 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
     per step.
 
     Args:
-        terms, prob, batch_shape, d_out, lse, delta, mask, max_concurrent_steps: as for
-            `mosaic_dq`.
+        terms: the static terms of a lowered edge site (as for `mosaic_forward`).
+        prob: the arrays those terms read.
+        batch_shape: the broadcast batch shape (heads, batch) of the result.
+        d_out: the cotangent of $y$, ``batch + (n, dv)``.
+        lse: the forward's $L$, ``batch + (n,)``.
+        delta: $\delta_i$ per child, ``batch + (n,)`` (as for `mosaic_dq`).
+        mask: the per-edge mask's value when known at trace time (block lists of child
+            blocks of 64 per 128 parents: masks on blocks of multiples of 128 run).
+        max_concurrent_steps: shared-memory slots of the child-block pipeline.
 
     Returns:
         ``(dk, dv, dbias)``: ``batch + (m, d)`` and ``batch + (m, dv)`` in the inputs'
