@@ -101,8 +101,8 @@ def main(argv=None) -> int:
 
 
 def timed(fn, arg, rate: float):
-    """``(cell, first result or None)`` of ``jax.jit(fn)(arg)``: best of 3 groups of 10
-    calls after a warm-up, or why it failed."""
+    """``(cell, first result or None)`` of ``jax.jit(fn)(arg)`` (``arg`` a pytree): best of
+    3 groups of 10 calls after a warm-up, or why it failed."""
     f = jax.jit(fn)
     try:
         first, _, best, _ = gpu.time_calls(lambda: f(arg), jax.block_until_ready, 3, 10, 15.0)
@@ -146,8 +146,9 @@ def row(p: gpu.Problem, case: str, args) -> str:
     d_out = p.w.astype(y.dtype)
     d_lse = jnp.zeros_like(lse)
     none = frozenset()  # the prior's parameters not differentiated (as benchmarks/gpu.py)
-    own, ref = timed(lambda pr: pallas_backward(terms, pr, bs, y, lse, d_out, d_lse, mask=mask,
-                                                need_glob=none), low.problem, 2.5 * rate)
+    args_bwd = (low.problem, y, lse, d_out, d_lse)  # arguments, not constants of the program
+    own, ref = timed(lambda a: pallas_backward(terms, a[0], bs, *a[1:], mask=mask,
+                                               need_glob=none), args_bwd, 2.5 * rate)
     cells.append(own)
     why_dq = (KERNELS["mosaic"].unsupported(low)
               or mosaic_dq_unsupported(terms, low.problem, bs, mask))
@@ -157,9 +158,8 @@ def row(p: gpu.Problem, case: str, args) -> str:
         if why:
             cells.append(f"refused: {why}")
             continue
-        cell, got = timed(lambda pr, kw=passes: pallas_backward(
-            terms, pr, bs, y, lse, d_out, d_lse, mask=mask, need_glob=none, **kw),
-            low.problem, 2.5 * rate)
+        cell, got = timed(lambda a, kw=passes: pallas_backward(
+            terms, a[0], bs, *a[1:], mask=mask, need_glob=none, **kw), args_bwd, 2.5 * rate)
         cells.append(cell)
         if got is not None and ref is not None:
             errs.append(", ".join(f"{rel_err(a, b):.1e}" for a, b in (
