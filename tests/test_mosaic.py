@@ -38,6 +38,7 @@ from numpyro.ops.indexing import Vindex
 import structinfer as si
 from structinfer.lowering import KERNELS, NotLowerableError, explain
 from structinfer.lowering._lower import lower_edge
+from structinfer.lowering._softmax import backward_delta
 from structinfer.lowering.accel import pallas_backward
 from structinfer.lowering.dense import dense_attention
 from structinfer.lowering.mosaic import (
@@ -348,8 +349,6 @@ def _cotangents(low, seed=3):
     r = np.random.default_rng(seed)
     d_out = jnp.asarray(r.normal(size=y.shape), low.problem.v.dtype)
     d_lse = jnp.asarray(r.normal(size=lse.shape), jnp.float32)
-    from structinfer.lowering._softmax import backward_delta
-
     return d_out, lse, backward_delta(y, d_out, lse, d_lse, jnp.float32)
 
 
