@@ -268,6 +268,18 @@ def test_mosaic_refuses_masks_it_would_read_and_non_dot_scores():
     assert "IDW" in mosaic_unsupported(low.terms, low.problem, low.batch_shape)
 
 
+@pytest.mark.parametrize("run", [mosaic_dq, mosaic_dkdv])
+def test_mosaic_backward_passes_name_a_misshapen_argument(run):
+    low = _low("causal", 256, 64, jnp.bfloat16)
+    d_out, lse, delta = _cotangents(low)
+    with pytest.raises(ValueError, match=rf"{run.__name__}: lse of shape \(2, 255\), "
+                                         r"expected \(2, 256\) \(batch, children\)"):
+        run(low.terms, low.problem, low.batch_shape, d_out, lse[:, :255], delta)
+    with pytest.raises(ValueError, match=r"d_out of shape \(2, 256, 32\), expected "
+                                         r"\(2, 256, 64\) \(batch, children, value dim\)"):
+        run(low.terms, low.problem, low.batch_shape, d_out[..., :32], lse, delta)
+
+
 @pytest.mark.cpu_only
 def test_forced_mosaic_off_a_gpu_says_so():
     """Forced on a CPU, with an edge it could run on a GPU: the kernel table's entry says

@@ -98,6 +98,14 @@ __all__ = [
     "pallas_forward",
     "pallas_backward",
     "relpos_tiles",
+    # the building blocks the Mosaic GPU kernels (structinfer.lowering.mosaic) share
+    "Layout",
+    "dot_only",
+    "block_table",
+    "live_range",
+    "live_children",
+    "full_parents",
+    "full_children",
 ]
 
 #: the fused kernels ``backend="auto"`` tries on a GPU, in order (names in the kernel table)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 
@@ -110,24 +111,39 @@ def _layouts(plgpu):
         return wgmma, plgpu.Layout.WGMMA_ROW, plgpu.Layout.WGMMA_COL
 
 
+@functools.cache
+def _param(fn, name: str) -> inspect.Parameter | None:
+    """Parameter ``name`` of ``fn``'s signature (the JAX release's API), or `None`."""
+    return inspect.signature(fn).parameters.get(name)
+
+
 def _load(plgpu, ref, layout):
     """``plgpu.load`` of the whole of an indexed ref (``ref.at[...]``) into ``layout``:
     JAX 0.10 takes the index as a second argument, later releases deprecate it."""
-    import inspect
-
-    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    idx = _param(plgpu.load, "idx")
     if idx is not None and idx.default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
 
 
-def _kernel_call(plgpu, entry, out, **kw):
-    """``plgpu.kernel(entry, ...)`` with the outputs' types under this JAX's keyword
-    (``out_type``; ``out_shape`` in releases before it)."""
-    import inspect
+def _kernel_call(entry, out_types: list, arrays: dict, grid: tuple[int, int],
+                 axis: str) -> list[jax.Array]:
+    """Launch ``entry(named input refs, output refs)`` over ``grid`` (named ``("batch",
+    axis)``) with two compute warpgroups and a memory one, on ``arrays``, giving
+    ``out_types``; the outputs' keyword is this JAX's (``out_type``; ``out_shape`` in
+    releases before it)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    name = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
-    return plgpu.kernel(entry, **{name: out}, **kw)
+    name = "out_type" if _param(plgpu.kernel, "out_type") is not None else "out_shape"
+    keys = tuple(arrays)
+
+    def body(*refs):
+        entry(dict(zip(keys, refs[: len(keys)])), refs[len(keys):])
+
+    call = plgpu.kernel(body, **{name: tuple(out_types)}, grid=grid,
+                        grid_names=("batch", axis), num_threads=_WGS + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True))
+    return list(call(*[arrays[x] for x in keys]))
 
 
 def _layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
@@ -267,13 +283,54 @@ def _swizzled(shape: tuple[int, ...], dtype):
         plgpu.SwizzleTransform(128)))
 
 
-def _relpos_rows(lay: Layout, prob: Problem):
-    """The relative-position table's distinct rows (its own values; float32 for a wider
-    table) and the map from a flat batch index to its row (`Layout.distinct`)."""
-    table, row_of = lay.distinct(prob.glob.relpos, 1)
-    if jnp.dtype(table.dtype).itemsize > 4:
-        table = table.astype(jnp.float32)
-    return table, row_of
+def _check_rows(caller: str, terms: Terms, prob: Problem, lay: Layout, d_out, lse,
+                delta) -> None:
+    """Raise naming the argument when the backward's per-child arrays are not shaped
+    ``batch + (n, dv)`` (``d_out``) and ``batch + (n,)`` (``lse``, ``delta``)."""
+    n, dv = terms.num_children, prob.v.shape[-1]
+    rows = lay.batch + (n,)
+    for name, x, want, what in (("d_out", d_out, rows + (dv,), "children, value dim"),
+                                ("lse", lse, rows, "children"),
+                                ("delta", delta, rows, "children")):
+        if tuple(jnp.shape(x)) != want:
+            raise ValueError(f"{caller}: {name} of shape {tuple(jnp.shape(x))}, expected "
+                             f"{want} (batch, {what})")
+
+
+def _operands(terms: Terms, prob: Problem, lay: Layout, lists: np.ndarray | None,
+              rows: tuple | None = None) -> tuple[dict, jax.Array | None, Callable | None]:
+    """The arrays every Mosaic GPU launch reads, padded to ``lay``: ``q``, ``k``, ``v``,
+    the per-parent bias, the block lists (``lists``: they stand for the mask, which is
+    never read), the geometric prior's parameters as ``geo`` ``(B, 2, n_pad)`` float32
+    (one copy per child block); with the backward's ``rows`` ``(d_out, lse, delta)``,
+    ``do`` ``(B, n_pad, dvp)`` and ``ld`` ``(B, 2, n_pad)`` float32 rows of L and delta
+    (L = -inf and delta = 0 on padded children). Also the relative-position table's
+    distinct rows (its own values; float32 for a wider table) and the map from a flat
+    batch index to its row (`Layout.distinct`), from which the caller builds its tiles;
+    ``None, None`` without one."""
+    f32 = jnp.float32
+    arrays, _ = lay.operands(terms, prob, whole_rows=True)
+    arrays.pop("relpos", None)
+    if terms.geometric:
+        for r in (0, 1):
+            arrays.pop(f"geo{r}")
+        geo = jnp.swapaxes(lay.flat(prob.row.geo.astype(f32), 2), 1, 2)
+        arrays["geo"] = lay.pad(geo, 2, lay.n_pad)
+    if lists is not None:
+        arrays["blocks"] = jnp.asarray(lists)
+    if rows is not None:
+        d_out, lse, delta = rows
+        arrays["do"] = lay.pad(lay.flat(d_out.astype(prob.v.dtype), 2), lay.n_pad, lay.dvp)
+        ld = jnp.stack([lay.flat(lse.astype(f32), 1), lay.flat(delta.astype(f32), 1)], 1)
+        pad = jnp.broadcast_to(jnp.asarray([[-jnp.inf], [0.0]], f32),
+                               (lay.B, 2, lay.n_pad - ld.shape[-1]))
+        arrays["ld"] = jnp.concatenate([ld, pad], -1)
+    table = row_of = None
+    if terms.relpos is not None:
+        table, row_of = lay.distinct(prob.glob.relpos, 1)
+        if jnp.dtype(table.dtype).itemsize > 4:
+            table = table.astype(f32)
+    return arrays, table, row_of
 
 
 def _base2_rows(lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -364,16 +421,14 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
         q_s = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(named["q"].at[b, pl.ds(i0, _BQ)], q_s, q_bar.at[wg])
         if terms.geometric:
-            for r in (0, 1):
-                plgpu.copy_gmem_to_smem(named[f"geo{r}"].at[b, pl.ds(i0, _BQ)],
-                                        geo_smem.at[r, wg], g_bar.at[2 * wg + r])
+            plgpu.copy_gmem_to_smem(named["geo"].at[b, :, pl.ds(i0, _BQ)], geo_smem.at[wg],
+                                    g_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         g0 = g1 = None
         if terms.geometric:
-            plgpu.barrier_wait(g_bar.at[2 * wg])
-            plgpu.barrier_wait(g_bar.at[2 * wg + 1])
-            g0 = _load(plgpu, geo_smem.at[0, wg], row_layout)
-            g1 = _load(plgpu, geo_smem.at[1, wg], row_layout)
+            plgpu.barrier_wait(g_bar.at[wg])
+            g0 = _load(plgpu, geo_smem.at[wg, 0], row_layout)
+            g1 = _load(plgpu, geo_smem.at[wg, 1], row_layout)
 
         def logits(slot, j0, masked: bool, turn: bool):
             """The step's logits (``-inf`` on masked edges) and distance grid (``None``
@@ -416,13 +471,12 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
         if dq:
             do_s = do_smem.at[wg]
             plgpu.copy_gmem_to_smem(named["do"].at[b, pl.ds(i0, _BQ)], do_s, do_bar.at[wg])
-            for r, x in enumerate(("lse", "delta")):
-                plgpu.copy_gmem_to_smem(named[x].at[b, pl.ds(i0, _BQ)], lse_smem.at[r, wg],
-                                        do_bar.at[(r + 1) * _WGS + wg])
-            for r in range(3):
-                plgpu.barrier_wait(do_bar.at[r * _WGS + wg])
-            lse = _load(plgpu, lse_smem.at[0, wg], row_layout)
-            delta = _load(plgpu, lse_smem.at[1, wg], row_layout)
+            plgpu.copy_gmem_to_smem(named["ld"].at[b, :, pl.ds(i0, _BQ)], lse_smem.at[wg],
+                                    do_bar.at[_WGS + wg])
+            plgpu.barrier_wait(do_bar.at[wg])
+            plgpu.barrier_wait(do_bar.at[_WGS + wg])
+            lse = _load(plgpu, lse_smem.at[wg, 0], row_layout)
+            delta = _load(plgpu, lse_smem.at[wg, 1], row_layout)
             # p = 2^(s log2 e - L log2 e); a row with no edge (L = -inf) gets p = 0
             # whatever its logits (as the Triton pass: `backward_probs`)
             l2, none = _base2_rows(lse)
@@ -461,14 +515,12 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
             dq_acc, dg0, dg1 = over_steps(dq_step, carry)
             q_s[...] = dq_acc.astype(dtype)  # the queries' buffer, read no more
             if terms.geometric:
-                geo_smem.at[0, wg][...] = dg0
-                geo_smem.at[1, wg][...] = dg1
+                geo_smem.at[wg, 0][...] = dg0
+                geo_smem.at[wg, 1][...] = dg1
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_s, outs[0].at[b, pl.ds(i0, _BQ)])
             if terms.geometric:
-                for r in (0, 1):
-                    plgpu.copy_smem_to_gmem(geo_smem.at[r, wg],
-                                            outs[1].at[b, r, pl.ds(i0, _BQ)])
+                plgpu.copy_smem_to_gmem(geo_smem.at[wg], outs[1].at[b, :, pl.ds(i0, _BQ)])
             plgpu.wait_smem_to_gmem(0)
             return
 
@@ -525,10 +577,10 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
             y = y + row_bcast(jnp.where(jnp.abs(lse) < jnp.inf, 0.0, jnp.nan), acc.shape)
         o_s = q_s if o_smem is None else o_smem.at[wg]
         o_s[...] = y.astype(dtype)
-        lse_smem.at[0, wg][...] = lse
+        lse_smem.at[wg, 0][...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, pl.ds(i0, _BQ)])
-        plgpu.copy_smem_to_gmem(lse_smem.at[0, wg], outs[1].at[b, pl.ds(i0, _BQ)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg, 0], outs[1].at[b, pl.ds(i0, _BQ)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _WGS)
@@ -666,7 +718,7 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
     """
     res = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
                   nan_rows=False, caller="mosaic_dq",
-                  rows={"do": d_out, "lse": lse, "delta": delta})
+                  rows=(d_out, lse, delta))
     lay, n = _layout(terms, prob, batch_shape), terms.num_children
     dgeo = None
     if terms.geometric:  # (B, 2, n_pad) -> batch + (n, 2)
@@ -772,36 +824,19 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
     why, lay, lists = _dkdv_plan(terms, prob, batch_shape, mask, steps)
     if why:
         raise ValueError(f"mosaic_dkdv: {why}")
+    _check_rows("mosaic_dkdv", terms, prob, lay, d_out, lse, delta)
     dtype = prob.v.dtype
     f32 = jnp.float32
-    arrays, _ = lay.operands(terms, prob, whole_rows=True)
-    arrays.pop("relpos", None)
-    for r in (0, 1) if terms.geometric else ():
-        arrays.pop(f"geo{r}")
-    if terms.geometric:  # both parameters of a child block in one copy
-        geo = lay.flat(prob.row.geo.astype(f32), 2)
-        arrays["geo"] = lay.pad(jnp.swapaxes(geo, 1, 2), 2, lay.n_pad)
-    if lists is not None:
-        arrays["blocks"] = jnp.asarray(lists)
-    row_of = None
-    if terms.relpos is not None:  # square tiles, transposed: parents x children
-        table, row_of = _relpos_rows(lay, prob)
+    arrays, table, row_of = _operands(terms, prob, lay, lists, (d_out, lse, delta))
+    if table is not None:  # square tiles, transposed: parents x children
         tiles = relpos_tiles(terms, table, _BK, _BK, lay.n_pad, lay.m_pad)
         arrays["rtiles"] = jnp.swapaxes(tiles, -1, -2)
-    arrays["do"] = lay.pad(lay.flat(d_out.astype(dtype), 2), lay.n_pad, lay.dvp)
-    ld = jnp.stack([lay.flat(lse.astype(f32), 1), lay.flat(delta.astype(f32), 1)], 1)
-    arrays["ld"] = jnp.concatenate(  # L = -inf, delta = 0 on padded children
-        [ld, jnp.broadcast_to(jnp.asarray([[-jnp.inf], [0.0]], f32),
-                              (lay.B, 2, lay.n_pad - ld.shape[-1]))], -1)
-    keys = tuple(arrays)
     col_grad = bool(terms.col_bias)
 
     def tiled(shape):
         return _swizzled(shape, dtype)
 
-    def entry(*refs):
-        named = dict(zip(keys, refs[: len(keys)]))
-        outs = refs[len(keys):]
+    def entry(named, outs):
         rt = None
         if terms.relpos is not None:
             rt = _swizzled((steps, _WGS, _BK, _BK), arrays["rtiles"].dtype)
@@ -832,14 +867,7 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
                  jax.ShapeDtypeStruct((lay.B, lay.m_pad, lay.dvp), dtype)]
     if col_grad:
         out_types.append(jax.ShapeDtypeStruct((lay.B, lay.m_pad), f32))
-    res = _kernel_call(
-        plgpu, entry, tuple(out_types),
-        grid=(lay.B, lay.nkb),
-        grid_names=("batch", "kv_seq"),
-        num_threads=_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(*[arrays[x] for x in keys])
+    res = _kernel_call(entry, out_types, arrays, (lay.B, lay.nkb), "kv_seq")
     m = terms.num_parents
     return (lay.unpad(res[0], m, prob.col.k.shape[-1]), lay.unpad(res[1], m, prob.v.shape[-1]),
             lay.unpad(res[2], m) if col_grad else None)
@@ -1005,11 +1033,18 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
 def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
                     out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array,
                     **kw) -> tuple[dict, dict, dict, dict, jax.Array]:
-    """The backward with its dK/dV and dQ passes in the Mosaic GPU kernel (`mosaic_dkdv`,
+    r"""The backward with its dK/dV and dQ passes in the Mosaic GPU kernel (`mosaic_dkdv`,
     `mosaic_dq`) and the relative-position table's pass in the Triton kernel's
     (`structinfer.lowering.accel.pallas_backward`, whose arguments and result it takes);
     the Triton kernel's pass where a Mosaic GPU pass cannot run the edge (its shared
-    memory, a shard's traced offsets)."""
+    memory, a shard's traced offsets). The gradients are those `pallas_backward`
+    documents: $\mathrm{d}Q$, $\mathrm{d}K$, $\mathrm{d}V$ and the prior's
+    parameters' from $p_{ij} = e^{\ell_{ij} - L_i}$ and $\mathrm{d}s_{ij} =
+    p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$.
+
+    Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; Shah et al.,
+    "FlashAttention-3" (2024) for the warp-specialised schedule.
+    """
     mask = kw.get("mask")
     if kw.get("starts") is None:
         if mosaic_dq_unsupported(terms, prob, batch_shape, mask) is None:
@@ -1022,8 +1057,8 @@ def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
 def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_rows: bool,
             caller: str, rows: dict | None = None) -> list[jax.Array]:
     """Launch `_kernel` on the edge: the forward's padded ``[y, L]``, or with ``rows``
-    (the backward's ``do``, ``lse``, ``delta`` per child, batch-shaped) the dQ pass's
-    padded ``[dQ]`` (and ``[dg]``, ``(B, 2, n_pad)``, with a geometric prior)."""
+    (the backward's ``(do, lse, delta)`` per child, batch-shaped) the dQ pass's padded
+    ``[dQ]`` (and ``[dg]``, ``(B, 2, n_pad)``, with a geometric prior)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1033,30 +1068,17 @@ def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_r
     why, lay, lists = _plan(terms, prob, batch_shape, mask, steps, dq=dq)
     if why:
         raise ValueError(f"{caller}: {why}")
-    arrays, _ = lay.operands(terms, prob, whole_rows=True)
-    arrays.pop("relpos", None)
-    if lists is not None:  # the block lists stand for the mask, which is never read
-        arrays["blocks"] = jnp.asarray(lists)
-    for r in (0, 1) if terms.geometric else ():  # the prior's terms are added in float32
-        arrays[f"geo{r}"] = arrays[f"geo{r}"].astype(jnp.float32)
-    row_of = None
-    if terms.relpos is not None:
-        table, row_of = _relpos_rows(lay, prob)
+    if dq:
+        _check_rows(caller, terms, prob, lay, *rows)
+    arrays, table, row_of = _operands(terms, prob, lay, lists, rows)
+    if table is not None:
         arrays["rtiles"] = relpos_tiles(terms, table, lay.bq, lay.bk, lay.n_pad, lay.m_pad)
     dtype = prob.v.dtype
-    if dq:
-        arrays["do"] = lay.pad(lay.flat(rows["do"].astype(dtype), 2), lay.n_pad, lay.dvp)
-        arrays["lse"] = lay.pad(lay.flat(rows["lse"].astype(jnp.float32), 1), lay.n_pad,
-                                value=-jnp.inf)
-        arrays["delta"] = lay.pad(lay.flat(rows["delta"].astype(jnp.float32), 1), lay.n_pad)
-    keys = tuple(arrays)
 
     def tiled(shape):
         return _swizzled(shape, dtype)
 
-    def entry(*refs):
-        named = dict(zip(keys, refs[: len(keys)]))
-        outs = refs[len(keys):]
+    def entry(named, outs):
         rt = None
         if terms.relpos is not None:
             rt = _swizzled((steps, _WGS * _BQ, _BK), arrays["rtiles"].dtype)
@@ -1065,17 +1087,17 @@ def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_r
             None if dq or lay.fp == lay.dvp else tiled((_WGS, _BQ, lay.dvp)),
             tiled((steps, _BK, lay.fp)),
             tiled((steps, _BK, lay.dvp)),
-            plgpu.SMEM((1 + dq, _WGS, _BQ), jnp.float32),  # L (and the backward's delta)
+            plgpu.SMEM((_WGS, 1 + dq, _BQ), jnp.float32),  # L (and the backward's delta)
             rt,
             plgpu.SMEM((steps, _BK), jnp.float32) if "bias" in named else None,
-            plgpu.SMEM((2, _WGS, _BQ), jnp.float32) if terms.geometric else None,
+            plgpu.SMEM((_WGS, 2, _BQ), jnp.float32) if terms.geometric else None,
             plgpu.SMEM(arrays["blocks"].shape[1:], jnp.int32) if "blocks" in named else None,
             tiled((_WGS, _BQ, lay.dvp)) if dq else None,
         )
-        bars = (plgpu.Barrier(num_barriers=_WGS), plgpu.Barrier(num_barriers=2 * _WGS),
+        bars = (plgpu.Barrier(num_barriers=_WGS), plgpu.Barrier(num_barriers=_WGS),
                 *(plgpu.Barrier(num_barriers=steps) for _ in range(4)),
                 plgpu.Barrier(num_barriers=1) if "blocks" in named else None,
-                plgpu.Barrier(num_barriers=3 * _WGS) if dq else None)
+                plgpu.Barrier(num_barriers=2 * _WGS) if dq else None)
         consumed = (plgpu.Barrier(num_arrivals=_WGS, num_barriers=steps),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(named, outs, scoped, terms=terms, lay=lay, steps=steps,
@@ -1092,12 +1114,4 @@ def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_r
     else:
         out_types = [jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), dtype),
                      jax.ShapeDtypeStruct((lay.B, lay.n_pad), jnp.float32)]
-    res = _kernel_call(
-        plgpu, entry, tuple(out_types),
-        grid=(lay.B, lay.nqb),
-        grid_names=("batch", "q_seq"),
-        num_threads=_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(*[arrays[x] for x in keys])
-    return list(res)
+    return _kernel_call(entry, out_types, arrays, (lay.B, lay.nqb), "q_seq")
