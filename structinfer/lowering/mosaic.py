@@ -370,6 +370,38 @@ def _walk(named: dict, list_smem, list_bar, pair, wg, live, full):
     return n_full + list_smem[1], (lambda u: list_smem[2 + u]), jnp.int32(0), n_full
 
 
+def _stream(steps: int, count, loads: tuple) -> None:
+    """The memory warpgroup's pipeline over steps ``u = 0 .. count - 1`` in ``steps``
+    slots: ``loads`` are ``(release barrier, load(u, slot))`` pairs. The first slots are
+    filled without waiting; slot ``u mod steps`` is refilled, pair by pair, once its
+    consumers release it; the last slots' releases are waited for too (every phase of
+    a barrier is waited)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def fill(i: int):
+        @pl.when(i < count)
+        def _():
+            for _, load in loads:
+                load(jnp.int32(i), i)
+
+    for i in range(steps):
+        fill(i)
+
+    @pl.loop(jnp.int32(steps), count)
+    def _(u):
+        slot = lax.rem(u, jnp.int32(steps))
+        for bar, load in loads:
+            plgpu.barrier_wait(bar.at[slot])
+            load(u, slot)
+
+    @pl.loop(jnp.maximum(count - steps, 0), count)
+    def _(u):
+        slot = lax.rem(u, jnp.int32(steps))
+        for bar, _ in loads:
+            plgpu.barrier_wait(bar.at[slot])
+
+
 def _over_steps(step, carry, u_lo, u_hi, count):
     """``step(u, carry, masked)`` over ``u = 0 .. count - 1``, unmasked on ``u_lo ..
     u_hi - 1`` (`_walk`)."""
@@ -604,28 +636,7 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
             plgpu.copy_gmem_to_smem(named["v"].at[b, pl.ds(block_of(u) * _BK, _BK)],
                                     v_smem.at[slot], v_bar.at[slot])
 
-        def prefetch(i):  # the first slots, without waiting
-            @pl.when(i < count)
-            def _():
-                load_k(jnp.int32(i), i)
-                load_v(jnp.int32(i), i)
-
-        for i in range(steps):
-            prefetch(i)
-
-        @pl.loop(jnp.int32(steps), count)
-        def _(u):
-            slot = slot_of(u)
-            plgpu.barrier_wait(k_cons.at[slot])
-            load_k(u, slot)
-            plgpu.barrier_wait(v_cons.at[slot])
-            load_v(u, slot)
-
-        @pl.loop(jnp.maximum(count - steps, 0), count)
-        def _(u):  # the last slots' releases: every phase of a barrier is waited for
-            slot = slot_of(u)
-            plgpu.barrier_wait(k_cons.at[slot])
-            plgpu.barrier_wait(v_cons.at[slot])
+        _stream(steps, count, ((k_cons, load_k), (v_cons, load_v)))
 
 
 def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
@@ -1013,21 +1024,7 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
             plgpu.copy_gmem_to_smem(named["do"].at[b, pl.ds(i0, _BK)], do_smem.at[slot],
                                     do_bar.at[slot])
 
-        def prefetch(i):  # the first slots, without waiting
-            pl.when(i < count)(lambda: load(jnp.int32(i), i))
-
-        for i in range(steps):
-            prefetch(i)
-
-        @pl.loop(jnp.int32(steps), count)
-        def _(u):
-            slot = slot_of(u)
-            plgpu.barrier_wait(consumed.at[slot])
-            load(u, slot)
-
-        @pl.loop(jnp.maximum(count - steps, 0), count)
-        def _(u):  # the last slots' releases: every phase of a barrier is waited for
-            plgpu.barrier_wait(consumed.at[slot_of(u)])
+        _stream(steps, count, ((consumed, load),))
 
 
 def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
