@@ -28,7 +28,7 @@ reported as ``failed: <reason>`` and the run goes on):
 * ``structinfer-pallas`` -- the same model with ``backend="pallas"`` forced (skipped
   where auto already chose Pallas; interpreted off a GPU);
 * ``structinfer-mosaic`` -- the same model with ``backend="mosaic"`` forced: the Mosaic
-  GPU (Hopper) forward with the Pallas backward (skipped, with the kernel's reason, where
+  GPU (Hopper) forward and backward (skipped, with the kernel's reason, where
   it cannot run, e.g. off a Hopper GPU);
 * ``cudnn`` -- ``jax.nn.dot_product_attention(implementation="cudnn")``: ``is_causal`` /
   ``local_window_size`` for the masks, the bias table materialised for relpos (per head),

@@ -98,6 +98,12 @@ def on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def on_hopper() -> bool:
+    """Whether JAX's default device is an NVIDIA Hopper GPU (compute capability 9.x), where
+    ``"auto"`` takes the Mosaic GPU kernel over the Triton one."""
+    return on_gpu() and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 _XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 

@@ -214,7 +214,8 @@ def pallas_measured_faster(terms: Terms) -> str | None:
     """
     if terms.geometric:
         return ("the Pallas kernel measured faster than cuDNN with the geometric prior's "
-                "bias table materialised (the Mosaic GPU forward faster still than it)")
+                "bias table materialised (the Mosaic GPU kernel faster still, forward and "
+                "backward)")
     return None
 
 

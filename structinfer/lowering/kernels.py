@@ -32,7 +32,7 @@ from ._lower import Lowered
 from ._spec import Problem
 from .blocked import band_blocks, blocked_attention, mask_per_block
 from .dense import dense_attention
-from .mosaic import mosaic_forward, mosaic_unsupported
+from .mosaic import mosaic_backward, mosaic_forward, mosaic_unsupported
 from .windowed import windowed_kernel
 
 __all__ = ["Kernel", "KernelConfig", "KernelTable", "KERNELS", "DENSE_MAX", "auto_kernel"]
@@ -219,7 +219,7 @@ _ENTRIES = (
     Kernel("pallas", _pallas_unsupported, _run_pallas, nan_rows=True, title="Pallas",
            passes=(accel.pallas_forward, accel.pallas_backward), ring_step="pallas"),
     Kernel("mosaic", _mosaic_unsupported, _run_mosaic, nan_rows=True, title="Mosaic GPU",
-           passes=(mosaic_forward, accel.pallas_backward), ring_step="pallas",
+           passes=(mosaic_forward, mosaic_backward), ring_step="pallas",
            passed_over=_mosaic_device_unseen),
 )
 

@@ -24,15 +24,14 @@ at trace time that allows all or none of each 128 x 64 tile (block-sparse on blo
 multiples of 128 x 64) is walked as per-program block lists, as FlexAttention's block
 masks are, and never read.
 
-The kernel table's ``"mosaic"`` entry runs it through `blocked_attention` with the
-Triton kernel's gradient (`pallas_backward`, which reads the same $y$ and $L$), and
-``backend="auto"`` takes it on a Hopper GPU of the running process (on an H100 its
-forward ran 1.3-1.9x faster than the Triton kernel's at every prior measured;
-``docs/benchmarks.md``). The backward's dQ and dK/dV passes are here too, in the same
-dialect (`mosaic_dq`, `mosaic_dkdv`; both through `pallas_backward`'s hooks:
-`mosaic_backward`), checked without a GPU and not yet measured on one, so not yet in
-the kernel table. The forward's values are checked on a GPU; all three kernels' values
-in JAX's Mosaic GPU interpreter and their compilation for CUDA on a CPU
+The backward's dQ and dK/dV passes are here too, in the same dialect (`mosaic_dq`,
+`mosaic_dkdv`; both through `pallas_backward`'s hooks: `mosaic_backward`, which reads
+the forward's $y$ and $L$). The kernel table's ``"mosaic"`` entry runs the forward and
+`mosaic_backward` through `blocked_attention`, and ``backend="auto"`` takes it on a
+Hopper GPU of the running process (on an H100 the forward ran 1.3-1.9x and the
+backward 1.2-2.4x faster than the Triton kernel's at every prior measured;
+``docs/benchmarks.md``). All three kernels' values and gradients are checked on a
+Hopper GPU, in JAX's Mosaic GPU interpreter, and their compilation for CUDA on a CPU
 (``tests/test_mosaic.py``).
 Queries, keys and values must be float16 or bfloat16 (one dtype), head dims 64, 128 or
 256 after padding to a power of two; the matmuls accumulate in float32 and the prior's
