@@ -17,8 +17,10 @@ causal); ``bias`` (per-head additive bias over parents, written as a
 lowering turns into a per-parent bias); ``block_sparse`` (``si.priors.Restricted.
 block_sparse`` on blocks of 128: each block row sees its own block and its two
 neighbours, the first block row and column are global, and one block in 16 of the rest
-at random, fixed by ``n``). Modes: ``fwd`` and ``fwd+bwd`` (gradient with
-respect to q, k and v of ``sum(out * w)`` for a fixed random ``w``).
+at random, fixed by ``n``); and, asked for by name, ``relpos_grad``: ``relpos`` with
+the table trained, its gradient taken too in ``fwd+bwd`` (checked against the
+reference's). Modes: ``fwd`` and ``fwd+bwd`` (gradient with respect to q, k and v of
+``sum(out * w)`` for a fixed random ``w``).
 
 Implementations, one row each (a missing one is skipped with a note; one that raises is
 reported as ``failed: <reason>`` and the run goes on):
@@ -70,10 +72,10 @@ failed check is reported in the table; it does not stop the run.
 
 Budget: no row is started once the run is past ``--budget-seconds`` (270 by default);
 the rows left are listed as ``skipped (budget)`` and the output says so. Rows run in
-tiers -- structinfer and cuDNN first, then forced Pallas and torch SDPA, then JAX's Pallas
-reference and tokamax, FlexAttention (slow to compile) last -- so a cut loses the least;
-a second command with ``--impls pallas-mha tokamax-triton tokamax-mosaic torch-flex``
-times what a cut left out (its files get the time of day in their name).
+tiers -- structinfer and cuDNN first, then forced Pallas / Mosaic GPU, torch SDPA and
+FlexAttention (the peers the structured priors are measured against), then JAX's Pallas
+reference and tokamax last -- so a cut loses the least; a second command with
+``--impls pallas-mha tokamax-triton tokamax-mosaic`` times what a cut left out (its files get the time of day in their name).
 
 Output: a Markdown table (printed, and written to ``<out>/<device-slug>_<date>.md``) and a
 ``.json`` beside it with every number, the device (``jax.devices()[0].device_kind``), the
@@ -114,6 +116,13 @@ from numpyro.ops.indexing import Vindex  # noqa: E402
 import structinfer as si  # noqa: E402
 
 CASES = ("dense", "causal", "window", "relpos", "geometric", "bias", "block_sparse")
+#: cases run only when named: ``relpos_grad`` is ``relpos`` with the table's gradient
+EXTRA_CASES = ("relpos_grad",)
+
+
+def base_case(case: str) -> str:
+    """The case whose model, prior and inputs ``case`` uses (``relpos_grad``: relpos)."""
+    return "relpos" if case == "relpos_grad" else case
 MODES = ("fwd", "fwd+bwd")
 #: implementations in the order they are tried (tier, label)
 IMPLS = {
@@ -122,10 +131,10 @@ IMPLS = {
     "structinfer-pallas": (1, "structinfer (pallas)"),
     "structinfer-mosaic": (1, "structinfer (mosaic)"),
     "torch-sdpa": (1, "torch SDPA"),
+    "torch-flex": (1, "torch Flex"),
     "pallas-mha": (2, "JAX Pallas mha"),
     "tokamax-triton": (2, "tokamax triton"),
     "tokamax-mosaic": (2, "tokamax mosaic"),
-    "torch-flex": (3, "torch Flex"),
 }
 GEO_Q = bench.GEO_Q
 
@@ -172,6 +181,7 @@ def sparse_mask(n: int) -> np.ndarray:
 def make_model(case: str, H: int, n: int):
     """The mechanism as a NumPyro model; ``bias`` and ``block_sparse`` here are this
     script's own cases (the rest come from benchmarks/attention.py)."""
+    case = base_case(case)
     if case == "block_sparse":
         prior = si.priors.Restricted.block_sparse(*sparse_blocks(n))
 
@@ -195,7 +205,7 @@ def make_model(case: str, H: int, n: int):
 
 def pairs(case: str, n: int, window: int) -> float:
     """Allowed (child, parent) pairs: the useful work of one head."""
-    if case in ("dense", "relpos", "bias"):
+    if case in ("dense", "relpos", "relpos_grad", "bias"):
         return float(n * n)
     if case == "block_sparse":
         blocks, b = sparse_blocks(n)
@@ -254,8 +264,10 @@ def reference(case: str, p: Problem, hs, rs, window: int, need_grad: bool) -> di
     w = p.w[hs][:, rows]
     extra = f32(p.extra(case)[hs])
     ri = jnp.asarray(rows)[:, None]
+    table_grad = case == "relpos_grad"
+    case = base_case(case)
 
-    def attn(q, k, v):
+    def attn(q, k, v, extra):
         s = jnp.einsum("hid,hjd->hij", q, k) * d**-0.5
         dd = ri - jnp.arange(n)[None, :]
         if case in ("causal", "geometric"):
@@ -273,16 +285,16 @@ def reference(case: str, p: Problem, hs, rs, window: int, need_grad: bool) -> di
         return jax.nn.softmax(s, axis=-1) @ v
 
     with jax.default_matmul_precision("highest"):
-        def run(q, k, v, w):
-            out, vjp = jax.vjp(attn, q, k, v)
+        def run(q, k, v, extra, w):
+            out, vjp = jax.vjp(attn, q, k, v, extra)
             return (out, *vjp(w)) if need_grad else (out,)
 
-        res = jax.jit(run)(q, k, v, w)
-    names = ("out", "dq", "dk", "dv")
+        res = jax.jit(run)(q, k, v, extra, w)
+    names = ("out", "dq", "dk", "dv") + (("dtable",) if table_grad else ())
     ref = dict(zip(names, res))
-    if rs is not None:  # dk, dv need every row's contribution
-        ref.pop("dk", None)
-        ref.pop("dv", None)
+    if rs is not None:  # dk, dv and the table's gradient need every row's contribution
+        for name in ("dk", "dv", "dtable"):
+            ref.pop(name, None)
     return ref
 
 
@@ -321,13 +333,14 @@ def _jax_sync(x):
     return jax.block_until_ready(x)
 
 
-def _loss_grad(f, w):
-    """(q, k, v, *rest) -> grads of sum(f(...) * w) w.r.t. q, k, v."""
-    def g(q, k, v, *rest):
-        def loss(q, k, v):
-            return jnp.sum(f(q, k, v, *rest).astype(jnp.float32) * w)
+def _loss_grad(f, w, extra: bool = False):
+    """(q, k, v, x) -> grads of sum(f(q, k, v, x) * w) w.r.t. q, k, v (and x, the prior's
+    parameter, with ``extra``)."""
+    def g(q, k, v, x):
+        def loss(q, k, v, x):
+            return jnp.sum(f(q, k, v, x).astype(jnp.float32) * w)
 
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return jax.grad(loss, argnums=(0, 1, 2, 3) if extra else (0, 1, 2))(q, k, v, x)
 
     return g
 
@@ -335,7 +348,7 @@ def _loss_grad(f, w):
 def _ours_check(mode):
     if mode == "fwd":
         return lambda y: {"out": y}
-    return lambda g: dict(zip(("dq", "dk", "dv"), g))
+    return lambda g: dict(zip(("dq", "dk", "dv", "dtable"), g))
 
 
 def build_structinfer(ctx, backend: str):
@@ -361,7 +374,7 @@ def build_structinfer(ctx, backend: str):
     elif ctx["auto_kernel"].get((p.n, case)) == backend:
         raise Skip(f"auto already runs the {backend} kernel")
     f = si.attention(model, "out", backend=backend)
-    fn = jax.jit(f) if mode == "fwd" else jax.jit(_loss_grad(f, p.w))
+    fn = jax.jit(f) if mode == "fwd" else jax.jit(_loss_grad(f, p.w, case == "relpos_grad"))
     return (lambda: fn(*args)), _jax_sync, _ours_check(mode), info
 
 
@@ -391,21 +404,32 @@ def _bthd_check(mode):
     back = lambda x: jnp.swapaxes(x[0], 0, 1)  # (1, n, H, d) -> (H, n, d)  # noqa: E731
     if mode == "fwd":
         return lambda y: {"out": back(y)}
-    return lambda g: {name: back(x) for name, x in zip(("dq", "dk", "dv"), g)}
+    # the relative-position table's gradient, (H, 2n - 1), as it is
+    return lambda g: {name: back(x) if name != "dtable" else x
+                      for name, x in zip(("dq", "dk", "dv", "dtable"), g)}
 
 
 def _build_bthd(ctx, attend):
     """A peer taking (1, n, H, d) inputs: ``attend(q, k, v, bias=, **static) -> out``."""
     case, p, mode = ctx["case"], ctx["p"], ctx["mode"]
     q, k, v, w = p.bthd
-    static, bias = _peer_kwargs(case, p, ctx["window"], p.dtype)
-    if bias is not None:  # the table is an input, made before the timed calls
-        bias = jax.block_until_ready(bias)
+    if case == "relpos_grad":  # the bias table made from the trained one in the program
+        n = p.n
+        dd = jnp.arange(n)[:, None] - jnp.arange(n)[None, :]
 
-    def f(q, k, v, bias):
-        return attend(q, k, v, bias=bias, **static)
+        def f(q, k, v, rel):
+            return attend(q, k, v, bias=jnp.take(rel, dd + n - 1, axis=-1)[None])
 
-    fn = jax.jit(f) if mode == "fwd" else jax.jit(_loss_grad(f, w))
+        bias = p.relpos
+    else:
+        static, bias = _peer_kwargs(case, p, ctx["window"], p.dtype)
+        if bias is not None:  # the table is an input, made before the timed calls
+            bias = jax.block_until_ready(bias)
+
+        def f(q, k, v, bias):
+            return attend(q, k, v, bias=bias, **static)
+
+    fn = jax.jit(f) if mode == "fwd" else jax.jit(_loss_grad(f, w, case == "relpos_grad"))
     return (lambda: fn(q, k, v, bias)), _jax_sync, _bthd_check(mode), {}
 
 
@@ -466,11 +490,16 @@ def build_torch_sdpa(ctx):
                       for x in (p.q, p.k, p.v, p.extra(case)))
     tw = bench._to_torch(p.w, device).unsqueeze(0)
     dd = None  # (n, n) distances, made only for the cases that need them
-    if case in ("window", "relpos", "geometric"):
+    if case in ("window", "relpos", "relpos_grad", "geometric"):
         dd = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]
     mask, causal = None, case == "causal"
+    table_grad = case == "relpos_grad" and mode != "fwd"
+    if case == "relpos_grad":  # the mask made from the table in each call
+        case = "relpos"
     if case == "window":
         mask = (dd >= 0) & (dd < window)
+    elif case == "relpos" and table_grad:
+        pass
     elif case == "relpos":
         mask = tb[0][:, dd + n - 1].unsqueeze(0)  # (1, H, n, n), built on the device
     elif case == "geometric":
@@ -482,8 +511,9 @@ def build_torch_sdpa(ctx):
         mask = torch.from_numpy(sparse_mask(n)).to(device)
     scale = p.d ** -0.5
 
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+    def attend(q, k, v, table=None):
+        m = mask if table is None else table[:, dd + n - 1].unsqueeze(0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal,
                                               scale=scale)
 
     if mode == "fwd":
@@ -492,6 +522,8 @@ def build_torch_sdpa(ctx):
                 return attend(tq, tk, tv)
     else:
         leaves = tuple(x.detach().requires_grad_(True) for x in (tq, tk, tv))
+        if table_grad:  # (H, 2n - 1), its gradient taken too
+            leaves += (tb[0].detach().requires_grad_(True),)
 
         def call():
             out = attend(*leaves)
@@ -500,7 +532,10 @@ def build_torch_sdpa(ctx):
     def to_check(res):
         if mode == "fwd":
             return {"out": _from_torch(res[0])}
-        return {name: _from_torch(x[0]) for name, x in zip(("dq", "dk", "dv"), res)}
+        got = {name: _from_torch(x[0]) for name, x in zip(("dq", "dk", "dv"), res)}
+        if table_grad:
+            got["dtable"] = _from_torch(res[3])
+        return got
 
     return call, _torch_sync(torch, device), to_check, {}
 
@@ -516,6 +551,8 @@ def build_flex(ctx):
         res, why = _flex_bias_fn(torch, p)
     elif case == "block_sparse":
         res, why = _flex_block_sparse_fn(torch, p)
+    elif case == "relpos_grad":
+        res, why = _flex_relpos_grad_fn(torch, p)
     else:
         res, why = bench.flex_fn(case, p.H, p.n)
     if res is None:
@@ -563,6 +600,22 @@ def _flex_bias_fn(torch, p: Problem):
 
         def score_mod(score, b_, h, q_idx, kv_idx):
             return score + tb[h, kv_idx]
+
+        return {"score_mod": score_mod}
+
+    return _flex_own_fn(torch, mods)
+
+
+def _flex_relpos_grad_fn(torch, p: Problem):
+    """relpos_grad: ``score_mod`` adds ``t[h, i - j + n - 1]`` from a captured table that
+    requires a gradient (its backward accumulates the table's too)."""
+    n = p.n
+
+    def mods(t, device):
+        tb = bench._to_torch(t, device).requires_grad_(True)  # (H, 2n - 1)
+
+        def score_mod(score, b_, h, q_idx, kv_idx):
+            return score + tb[h, q_idx - kv_idx + n - 1]
 
         return {"score_mod": score_mod}
 
@@ -792,7 +845,7 @@ def markdown(meta: dict, rows: list[dict], impls: list[str]) -> str:
             L.append(f"| {r['n']} | {r['case']} | {r['mode']} | {IMPLS[r['impl']][1]} | "
                      f"{r.get('kernel', '')} | — | — | check failed: {c['error']} | no |")
             continue
-        qs = [q for q in ("out", "dq", "dk", "dv") if q in c]
+        qs = [q for q in ("out", "dq", "dk", "dv", "dtable") if q in c]
         err = max(c[q]["max_abs_err"] for q in qs)
         L.append(f"| {r['n']} | {r['case']} | {r['mode']} | {IMPLS[r['impl']][1]} | "
                  f"{r.get('kernel', '')} | {err:.2e} | {c['worst_rel']:.2e} | "
@@ -875,7 +928,7 @@ def main(argv=None) -> int:
                     help="heads, one per size or one for all (default 32 up to n = 8192, "
                     "16 above)")
     ap.add_argument("--head-dim", type=int, default=None, help="default 128")
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + EXTRA_CASES)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],

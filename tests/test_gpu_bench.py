@@ -66,3 +66,23 @@ def test_gpu_tune_quick_mode_times_pallas_and_says_why_not_mosaic():
         assert " ms / " in pallas and " ms / " in bwd, r
         assert len(mosaic_bwd) == 3, r  # dQ, dK/dV, both
         assert all("the platform is cpu" in c for c in (m2, m3, *mosaic_bwd)), r
+
+
+def test_gpu_benchmark_relpos_grad_checks_the_tables_gradient(tmp_path):
+    """--cases relpos_grad (asked for by name: relpos with its table trained): forward +
+    backward differentiates the table too, and the check compares its gradient with the
+    float32 reference's (on the Pallas kernel's table pass, interpreted here)."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--quick",
+         "--out", str(tmp_path), "--cases", "relpos_grad", "--modes", "fwd+bwd",
+         "--impls", "structinfer", "structinfer-pallas"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (data,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    rows = [r for r in data["rows"] if r["status"] == "ok"]
+    assert {r["impl"] for r in rows} == {"structinfer", "structinfer-pallas"}, data["rows"]
+    for r in rows:
+        assert r["case"] == "relpos_grad" and r["check"]["passed"], r
+        assert {"dq", "dk", "dv", "dtable"} <= set(r["check"]), r
+    assert "dq, dk, dv, dtable" in next(tmp_path.glob("*.md")).read_text()
