@@ -638,6 +638,32 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
             mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
 
 
+def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu):
+    """`explain` says which of a Mosaic GPU edge's gradient the Triton kernel computes:
+    nothing with the geometric prior, the table's gradient with a relative-position one,
+    and the dK/dV pass (with the reason) for 64 keys."""
+    n, d = 256, 64
+    args = _inputs(n, d, jnp.bfloat16)
+    geo = explain(_model("geometric", n), "out", *args, backend="mosaic")
+    assert geo.kernels == {"phi": "mosaic"}
+    assert not any("gradient" in s for s in geo.notes["phi"]), str(geo)
+    rel = explain(_model("relpos", n), "out", *args, backend="mosaic")
+    assert ("its gradient runs on the Pallas (Triton) kernel for the relative-position "
+            "table's gradient, when it is trained") in rel.notes["phi"], str(rel)
+
+    def cross(q, k, v, bias):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            j = si.edge("phi", si.priors.Categorical(bias), si.scores.Dot(q, k, scale=d ** -0.5))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    q, k, v, _ = _inputs(64, d, jnp.bfloat16)
+    bias = jnp.zeros((H, 1, 64), jnp.float32)
+    small = explain(cross, "out", args[0], k, v, bias, backend="mosaic")
+    (said,) = [s for s in small.notes["phi"] if "gradient" in s]
+    assert said.startswith("its gradient runs on the Pallas (Triton) kernel for dK/dV ("), said
+    assert "64 parents" in said and "dQ" not in said, said
+
+
 @pytest.mark.parametrize("case", ["relpos", "geometric", "bias", "block_sparse"])
 def test_mosaic_model_path_lowers_for_cuda(case, gpu):
     """``si.attention(model, "out", "mosaic")`` and its gradient (`mosaic_backward` on

@@ -65,7 +65,9 @@ class Explanation:
             ``"markov_scan"`` for a chain of Markov edges, and on a GPU ``"cudnn"``,
             ``"mosaic"`` (a Hopper GPU) or ``"pallas"``).
         follows: edge site -> the edge it follows (multi-hop), or ``None``.
-        notes: edge site -> what was recognised in its prior and score.
+        notes: edge site -> what was recognised in its prior and score, why the
+            fused kernels before the one chosen were not, and what of its gradient
+            another kernel computes.
         fallback: on the exact path, the site and part that was not recognised.
     """
 
@@ -114,6 +116,13 @@ def _kernels(plan: Plan, backend: str) -> dict[str, tuple[str, tuple[str, ...]]]
                 f"backend '{backend}' cannot run edge site '{ep.name}': {why}")
         out[ep.name] = (backend, ())
     return out
+
+
+def _gradient_notes(name: str, lowered) -> tuple[str, ...]:
+    """What of the edge's gradient another kernel than ``name`` computes (for explain)."""
+    gradient = KERNELS[name].gradient if name in KERNELS else None
+    said = gradient(lowered) if gradient is not None else None
+    return (said,) if said else ()
 
 
 def _run_edge(name: str, site: str, low, prob, batch, config: KernelConfig,
@@ -566,5 +575,6 @@ def explain(
         backend,
         kernels={name: k for name, (k, _) in kernels.items()},
         follows={ep.name: ep.parent for ep in plan.edges},
-        notes={ep.name: ep.lowered.terms.notes + kernels[ep.name][1] for ep in plan.edges},
+        notes={ep.name: ep.lowered.terms.notes + kernels[ep.name][1]
+               + _gradient_notes(kernels[ep.name][0], ep.lowered) for ep in plan.edges},
     )

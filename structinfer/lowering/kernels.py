@@ -32,7 +32,13 @@ from ._lower import Lowered
 from ._spec import Problem
 from .blocked import band_blocks, blocked_attention, mask_per_block
 from .dense import dense_attention
-from .mosaic import mosaic_backward, mosaic_forward, mosaic_unsupported
+from .mosaic import (
+    mosaic_backward,
+    mosaic_dkdv_unsupported,
+    mosaic_dq_unsupported,
+    mosaic_forward,
+    mosaic_unsupported,
+)
 from .windowed import windowed_kernel
 
 __all__ = ["Kernel", "KernelConfig", "KernelTable", "KERNELS", "DENSE_MAX", "auto_kernel"]
@@ -96,6 +102,9 @@ class Kernel:
         passes: for a kernel built on the blocked kernel's custom VJP, its replacement
             ``(forward, backward)`` passes (``(None, None)``: the blocked kernel's own);
             such a kernel takes traced global start offsets. ``None`` otherwise.
+        gradient: optional ``gradient(lowered) -> str | None``: what of the edge's
+            gradient another kernel computes (a pass this kernel's backward hands on),
+            for `structinfer.explain`; ``None`` when its own passes compute all of it.
         ring_step: the kernel each step of ring attention (``shard="sequence"``) runs
             in this one's place: one with ``passes`` (it takes the chunk's global
             offsets and returns ``L``, by which the steps are merged).
@@ -112,6 +121,7 @@ class Kernel:
     fallback: tuple[str, ...] = ()
     passed_over: Callable[[Lowered], str | None] | None = None
     passes: tuple[Callable | None, Callable | None] | None = None
+    gradient: Callable[[Lowered], str | None] | None = None
     ring_step: str = "blocked"
 
     @property
@@ -204,6 +214,20 @@ def _mosaic_device_unseen(lowered: Lowered) -> str | None:
     return None
 
 
+def _mosaic_gradient(lowered: Lowered) -> str | None:
+    """Which of the edge's gradient `mosaic_backward` hands to the Triton kernel's passes
+    (a pass the Mosaic GPU kernel refuses, and the relative-position table's)."""
+    args = (lowered.terms, lowered.problem, lowered.batch_shape, lowered.mask)
+    parts = [f"{what} ({why})" for what, why in (
+        ("dQ", mosaic_dq_unsupported(*args)), ("dK/dV", mosaic_dkdv_unsupported(*args)))
+        if why]
+    if lowered.terms.relpos is not None:
+        parts.append("the relative-position table's gradient, when it is trained")
+    if not parts:
+        return None
+    return "its gradient runs on the Pallas (Triton) kernel for " + "; ".join(parts)
+
+
 def _pallas_measured_faster(lowered: Lowered) -> str | None:
     return accel.pallas_measured_faster(lowered.terms)
 
@@ -220,7 +244,7 @@ _ENTRIES = (
            passes=(accel.pallas_forward, accel.pallas_backward), ring_step="pallas"),
     Kernel("mosaic", _mosaic_unsupported, _run_mosaic, nan_rows=True, title="Mosaic GPU",
            passes=(mosaic_forward, mosaic_backward), ring_step="pallas",
-           passed_over=_mosaic_device_unseen),
+           passed_over=_mosaic_device_unseen, gradient=_mosaic_gradient),
 )
 
 class KernelTable(Mapping[str, Kernel]):
