@@ -2,7 +2,7 @@
 user would otherwise call, with every structinfer result checked against a float32
 reference. One command, a few minutes on one H100 / H200.
 
-    python benchmarks/gpu.py                      # default table (two sizes, 6 cases)
+    python benchmarks/gpu.py                      # default table (two sizes, 7 cases)
     python benchmarks/gpu.py --out $OUT           # write the files somewhere else
     python benchmarks/gpu.py --quick --out /tmp/x # tiny sizes on a CPU (a test runs this)
     python benchmarks/gpu.py --sizes 8192 --heads 16 --cases causal window --impls \\
@@ -18,9 +18,12 @@ lowering turns into a per-parent bias); ``block_sparse`` (``si.priors.Restricted
 block_sparse`` on blocks of 128: each block row sees its own block and its two
 neighbours, the first block row and column are global, and one block in 16 of the rest
 at random, fixed by ``n``); and, asked for by name, ``relpos_grad``: ``relpos`` with
-the table trained, its gradient taken too in ``fwd+bwd`` (checked against the
-reference's). Modes: ``fwd`` and ``fwd+bwd`` (gradient with respect to q, k and v of
-``sum(out * w)`` for a fixed random ``w``).
+a float32 table trained, its gradient taken too in ``fwd+bwd`` (structinfer's own pass;
+cuDNN / tokamax on the bias table made from it in the program; SDPA on the float mask
+made from it in each call; FlexAttention through its ``score_mod``'s captured table)
+and checked against the reference's (FlexAttention's backward is not checked). Modes:
+``fwd`` and ``fwd+bwd`` (gradient with respect to q, k and v of ``sum(out * w)`` for a
+fixed random ``w``).
 
 Implementations, one row each (a missing one is skipped with a note; one that raises is
 reported as ``failed: <reason>`` and the run goes on):
@@ -64,18 +67,20 @@ Correctness: every structinfer row -- and every peer whose result is comparable 
 FlexAttention's fwd+bwd) -- is checked against the dense softmax formula in float32 under
 ``jax.default_matmul_precision("highest")`` on the same (rounded) inputs, on a subset of
 heads (``--check-heads``) and, when ``heads x n^2`` is large, of query rows
-(``--check-rows``): the output for ``fwd``; dq, and dk / dv when all rows are checked,
-for ``fwd+bwd``. The error is the max absolute difference over the
-largest reference magnitude; a row passes under ``--tol`` (default 2e-2 for bfloat16,
-1e-2 for float16 and float32 -- float32 products run in TF32 on a GPU by default). A
-failed check is reported in the table; it does not stop the run.
+(``--check-rows``): the output for ``fwd``; dq, and dk / dv (and ``relpos_grad``'s
+table gradient) when all rows are checked, for ``fwd+bwd``. The error is the max
+absolute difference over the largest reference magnitude; a row passes under ``--tol``
+(default 2e-2 for bfloat16, 1e-2 for float16 and float32 -- float32 products run in
+TF32 on a GPU by default). A failed check is reported in the table; it does not stop
+the run.
 
 Budget: no row is started once the run is past ``--budget-seconds`` (270 by default);
 the rows left are listed as ``skipped (budget)`` and the output says so. Rows run in
 tiers -- structinfer and cuDNN first, then forced Pallas / Mosaic GPU, torch SDPA and
 FlexAttention (the peers the structured priors are measured against), then JAX's Pallas
 reference and tokamax last -- so a cut loses the least; a second command with
-``--impls pallas-mha tokamax-triton tokamax-mosaic`` times what a cut left out (its files get the time of day in their name).
+``--impls pallas-mha tokamax-triton tokamax-mosaic`` times what a cut left out (its files
+get the time of day in their name).
 
 Output: a Markdown table (printed, and written to ``<out>/<device-slug>_<date>.md``) and a
 ``.json`` beside it with every number, the device (``jax.devices()[0].device_kind``), the
@@ -118,11 +123,6 @@ import structinfer as si  # noqa: E402
 CASES = ("dense", "causal", "window", "relpos", "geometric", "bias", "block_sparse")
 #: cases run only when named: ``relpos_grad`` is ``relpos`` with the table's gradient
 EXTRA_CASES = ("relpos_grad",)
-
-
-def base_case(case: str) -> str:
-    """The case whose model, prior and inputs ``case`` uses (``relpos_grad``: relpos)."""
-    return "relpos" if case == "relpos_grad" else case
 MODES = ("fwd", "fwd+bwd")
 #: implementations in the order they are tried (tier, label)
 IMPLS = {
@@ -141,6 +141,11 @@ GEO_Q = bench.GEO_Q
 
 class Skip(Exception):
     """An implementation that does not apply here (not installed, not this case)."""
+
+
+def base_case(case: str) -> str:
+    """The case whose model and prior ``case`` uses (``relpos_grad``: relpos)."""
+    return "relpos" if case == "relpos_grad" else case
 
 
 def _short(err: BaseException, width: int = 160) -> str:
@@ -230,13 +235,15 @@ class Problem:
         self.q, self.k, self.v = (jax.random.normal(key[i], (H, n, d), jnp.float32).astype(dtype)
                                   for i in range(3))
         self.w = jax.random.normal(key[3], (H, n, d), jnp.float32)
-        self.relpos = (0.1 * jax.random.normal(key[4], (H, 2 * n - 1), jnp.float32)).astype(dtype)
+        # relpos_grad trains a float32 table (its gradient summed in float32 by everyone)
+        self.relpos32 = 0.1 * jax.random.normal(key[4], (H, 2 * n - 1), jnp.float32)
+        self.relpos = self.relpos32.astype(dtype)
         self.colbias = jax.random.normal(key[5], (H, 1, n), jnp.float32).astype(dtype)
         t = lambda x: jnp.swapaxes(x, 0, 1)[None]  # (H, n, d) -> (1, n, H, d)  # noqa: E731
         self.bthd = tuple(t(x) for x in (self.q, self.k, self.v, self.w))
 
     def extra(self, case: str):
-        return self.colbias if case == "bias" else self.relpos
+        return {"bias": self.colbias, "relpos_grad": self.relpos32}.get(case, self.relpos)
 
     def args(self, case: str):
         return self.q, self.k, self.v, self.extra(case)
@@ -379,7 +386,8 @@ def build_structinfer(ctx, backend: str):
 
 
 def _peer_kwargs(case: str, p: Problem, window: int, dtype) -> tuple[dict, jax.Array | None]:
-    """(static keyword arguments, bias table or None) of jax.nn / tokamax attention."""
+    """(static keyword arguments, bias table or None) of jax.nn / tokamax attention
+    (``relpos_grad``'s forward: relpos' on its float32 table)."""
     n = p.n
     dd = None if case in ("dense", "causal", "window", "bias", "block_sparse") else (
         jnp.arange(n)[:, None] - jnp.arange(n)[None, :])  # (n, n): only where a bias needs it
@@ -389,8 +397,8 @@ def _peer_kwargs(case: str, p: Problem, window: int, dtype) -> tuple[dict, jax.A
         return {"is_causal": True}, None
     if case == "window":
         return {"is_causal": True, "local_window_size": (window - 1, 0)}, None
-    if case == "relpos":  # (1, H, n, n): one table per head
-        return {}, jnp.take(p.relpos, dd + n - 1, axis=-1).astype(dtype)[None]
+    if case in ("relpos", "relpos_grad"):  # (1, H, n, n): one table per head
+        return {}, jnp.take(p.extra(case), dd + n - 1, axis=-1).astype(dtype)[None]
     if case == "geometric":  # (1, 1, n, n), finite (the causal flag masks)
         w = math.log(GEO_Q) + jnp.maximum(dd, 0) * math.log1p(-GEO_Q)
         return {"is_causal": True}, w.astype(dtype)[None, None]
@@ -413,14 +421,14 @@ def _build_bthd(ctx, attend):
     """A peer taking (1, n, H, d) inputs: ``attend(q, k, v, bias=, **static) -> out``."""
     case, p, mode = ctx["case"], ctx["p"], ctx["mode"]
     q, k, v, w = p.bthd
-    if case == "relpos_grad":  # the bias table made from the trained one in the program
+    if case == "relpos_grad" and mode != "fwd":  # the table made in the program, trained
         n = p.n
-        dd = jnp.arange(n)[:, None] - jnp.arange(n)[None, :]
 
         def f(q, k, v, rel):
-            return attend(q, k, v, bias=jnp.take(rel, dd + n - 1, axis=-1)[None])
+            dd = jax.lax.iota(jnp.int32, n)[:, None] - jax.lax.iota(jnp.int32, n)[None, :]
+            return attend(q, k, v, bias=jnp.take(rel, dd + n - 1, axis=-1).astype(p.dtype)[None])
 
-        bias = p.relpos
+        bias = p.extra(case)
     else:
         static, bias = _peer_kwargs(case, p, ctx["window"], p.dtype)
         if bias is not None:  # the table is an input, made before the timed calls
@@ -493,15 +501,13 @@ def build_torch_sdpa(ctx):
     if case in ("window", "relpos", "relpos_grad", "geometric"):
         dd = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]
     mask, causal = None, case == "causal"
+    # relpos_grad's forward + backward makes the mask from the (trained) table in each call
     table_grad = case == "relpos_grad" and mode != "fwd"
-    if case == "relpos_grad":  # the mask made from the table in each call
-        case = "relpos"
     if case == "window":
         mask = (dd >= 0) & (dd < window)
-    elif case == "relpos" and table_grad:
-        pass
-    elif case == "relpos":
-        mask = tb[0][:, dd + n - 1].unsqueeze(0)  # (1, H, n, n), built on the device
+    elif case in ("relpos", "relpos_grad") and not table_grad:
+        # (1, H, n, n), built on the device
+        mask = tb[0][:, dd + n - 1].unsqueeze(0).to(tq.dtype)
     elif case == "geometric":
         g = math.log(GEO_Q) + dd.to(torch.float32) * math.log1p(-GEO_Q)
         mask = torch.where(dd >= 0, g, -math.inf).to(tq.dtype)[None, None]
@@ -512,7 +518,7 @@ def build_torch_sdpa(ctx):
     scale = p.d ** -0.5
 
     def attend(q, k, v, table=None):
-        m = mask if table is None else table[:, dd + n - 1].unsqueeze(0)
+        m = mask if table is None else table[:, dd + n - 1].unsqueeze(0).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal,
                                               scale=scale)
 
@@ -607,8 +613,9 @@ def _flex_bias_fn(torch, p: Problem):
 
 
 def _flex_relpos_grad_fn(torch, p: Problem):
-    """relpos_grad: ``score_mod`` adds ``t[h, i - j + n - 1]`` from a captured table that
-    requires a gradient (its backward accumulates the table's too)."""
+    """relpos_grad: ``score_mod`` adds ``t[h, i - j + n - 1]`` from a captured float32
+    table that requires a gradient (each backward adds the table's into its ``.grad``,
+    across the timed calls: a sum of (H, 2n - 1) entries per call)."""
     n = p.n
 
     def mods(t, device):

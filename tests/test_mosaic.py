@@ -1,8 +1,9 @@
-"""The Mosaic GPU (Hopper) forward kernel, `structinfer.lowering.mosaic`.
+"""The Mosaic GPU (Hopper) kernels, `structinfer.lowering.mosaic`: the forward and the
+backward's dQ and dK/dV passes.
 
-What it refuses; its values in Pallas' Mosaic GPU interpreter on this CPU; its lowering
-for CUDA on this CPU; and on an NVIDIA Hopper GPU its values and gradients against the
-dense kernel (`pytest -m gpu`).
+What they refuse; their values in Pallas' Mosaic GPU interpreter on this CPU; their lowering
+for CUDA on this CPU; and on an NVIDIA Hopper GPU their values and gradients against
+the dense kernel (`pytest -m gpu`).
 
 * Interpreted: JAX's Mosaic GPU interpreter (``jax._src``, JAX 0.10) runs the kernel's
   three warpgroups as threads over emulated shared memory, TMA copies and barriers (a
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
-from conftest import on_gpu
+from conftest import on_hopper
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -236,7 +237,7 @@ def mosaic_interpreted(monkeypatch):
     (dict(dtype=jnp.float32), r"float16 / bfloat16"),
     (dict(n=100), r"100 children and 100 parents \(the Mosaic GPU kernel needs at least 128"),
     (dict(d=512), r"head dims 512 and 512 \(the Mosaic GPU kernel: at most 256\)"),
-    (dict(d=256, case="relpos"), r"shared memory \(over 200 KiB\)"),
+    (dict(d=256, case="relpos"), r"shared memory with 2 pipeline slots \(over 200 KiB\)"),
 ])
 def test_mosaic_refuses_what_it_cannot_run_and_says_why(change, why):
     args = dict(case="causal", n=256, d=128, dtype=jnp.bfloat16) | change
@@ -430,8 +431,7 @@ def _check_dq(case, n, d, dtype):
         np.testing.assert_array_equal(np.asarray(mixed[0].q), np.asarray(dq))
         for a, b in zip(jax.tree.leaves(mixed[1:]), jax.tree.leaves(own[1:])):
             # (on a GPU the table's float32 atomics are not bit-reproducible)
-            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                       rtol=1e-5, atol=1e-6)
+            _close(a, b, atol=1e-5)
 
 
 @pytest.mark.cpu_only
@@ -634,7 +634,7 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
     text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     if d == 256:
-        with pytest.raises(ValueError, match="max_concurrent_steps=3: its tiles need 262 KiB"):
+        with pytest.raises(ValueError, match="its tiles need 262 KiB of shared memory with 3 pipeline slots"):
             mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
 
 
@@ -648,8 +648,8 @@ def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu):
     assert geo.kernels == {"phi": "mosaic"}
     assert not any("gradient" in s for s in geo.notes["phi"]), str(geo)
     rel = explain(_model("relpos", n), "out", *args, backend="mosaic")
-    assert ("its gradient runs on the Pallas (Triton) kernel for the relative-position "
-            "table's gradient, when it is trained") in rel.notes["phi"], str(rel)
+    assert ("the Pallas (Triton) kernel computes, of its gradient: the relative-position "
+            "table's gradient (when the table is trained)") in rel.notes["phi"], str(rel)
 
     def cross(q, k, v, bias):
         with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
@@ -660,8 +660,15 @@ def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu):
     bias = jnp.zeros((H, 1, 64), jnp.float32)
     small = explain(cross, "out", args[0], k, v, bias, backend="mosaic")
     (said,) = [s for s in small.notes["phi"] if "gradient" in s]
-    assert said.startswith("its gradient runs on the Pallas (Triton) kernel for dK/dV ("), said
+    assert said.startswith("the Pallas (Triton) kernel computes, of its gradient: the dK/dV "
+                           "pass ("), said
     assert "64 parents" in said and "dQ" not in said, said
+    # queries shared by the heads: the dQ pass is the Triton kernel's
+    shared = explain(cross, "out", args[0][0], args[1], args[2], jnp.zeros((H, 1, n)),
+                     backend="mosaic")
+    (said,) = [s for s in shared.notes["phi"] if "gradient" in s]
+    assert "the dQ pass (queries shared by some batch dim" in said, said
+    assert "dK/dV" not in said, said
 
 
 @pytest.mark.parametrize("case", ["relpos", "geometric", "bias", "block_sparse"])
@@ -687,11 +694,8 @@ def test_mosaic_model_path_lowers_for_cuda(case, gpu):
 
 
 def _hopper():
-    if not on_gpu():
-        pytest.skip("runs the Mosaic GPU kernel: needs a GPU")
-    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-    if not cc.startswith("9"):
-        pytest.skip(f"the Mosaic GPU kernel needs a Hopper GPU (compute capability {cc})")
+    if not on_hopper():
+        pytest.skip("runs the Mosaic GPU kernel: needs an NVIDIA Hopper GPU")
 
 
 def _dense(model, *args):
@@ -721,18 +725,19 @@ def test_mosaic_matches_the_dense_kernel_on_a_gpu(case, n, d, dtype):
     def loss(fn, *a):
         return jnp.sum(fn(*a).astype(jnp.float32) * w)
 
-    got = jax.grad(lambda *a: loss(f, *a), (0, 1, 2, 3))(q, k, v, e)
     ref = jax.grad(lambda *a: loss(lambda *b: _dense(model, *b), *a), (0, 1, 2, 3))(q, k, v, e)
-    for a, b in zip(got, ref):
-        scale = float(jnp.max(jnp.abs(b))) + 1e-6
-        np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
-                                   np.asarray(b, np.float32) / scale, atol=3e-2)
+    grad = jax.grad(lambda *a: loss(f, *a), (0, 1, 2, 3))
+    for g in (grad, jax.jit(grad)):
+        for a, b in zip(g(q, k, v, e), ref):
+            scale = float(jnp.max(jnp.abs(b))) + 1e-6
+            np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                                       np.asarray(b, np.float32) / scale, atol=3e-2)
 
 
 @pytest.mark.parametrize("case", ["geometric", "block_sparse"])
 def test_auto_takes_mosaic_on_a_hopper_gpu(case):
-    """On a Hopper GPU auto runs the priors cuDNN does not take on the Mosaic GPU forward
-    (measured faster than the Triton kernel at every prior)."""
+    """On a Hopper GPU auto runs the priors cuDNN does not take on the Mosaic GPU kernels
+    (measured faster than the Triton kernel at every prior, forward and backward)."""
     _hopper()
     n = 256
     ex = explain(_model(case, n), "out", *_inputs(n, 64, jnp.bfloat16))

@@ -39,7 +39,7 @@ A model whose edge has a [`Markov`][structinfer.priors.Markov] prior (a chain in
 
 The block kernels themselves (``blocked``, ``dense``, ``windowed_kernel``), the GPU
 kernels and their static checks ([`accel`][structinfer.lowering.accel]: cuDNN, Pallas;
-[`mosaic`][structinfer.lowering.mosaic]: the Mosaic GPU forward for Hopper)
+[`mosaic`][structinfer.lowering.mosaic]: the Mosaic GPU kernels for Hopper)
 and the multi-device wrappers (`structinfer.lowering.sharded`, whose shards run the
 table's kernels) read the lowered form of an edge site; they are reached through
 [`attention`][structinfer.lowering.attention] (``backend=``, ``mesh=``).

@@ -32,11 +32,12 @@ the platform's fused kernels instead of the portable blocked kernel
 * Everything else (IDW scores, per-edge tables of logits) keeps the blocked kernel,
   which runs on every platform.
 
-A third fused forward, for NVIDIA Hopper GPUs, is in `structinfer.lowering.mosaic`
-(Pallas' Mosaic GPU dialect: warpgroup matmuls fed by the tensor memory accelerator),
-with `pallas_backward` for its gradient. In `GPU_KERNELS` it comes before the Triton
-kernel: on an H100 (bfloat16, head dim 128) its forward measured 1.3-1.9x faster at
-every prior and size measured (docs/results/gpu/). ``"auto"`` takes it only on a Hopper
+A third fused kernel, for NVIDIA Hopper GPUs, is in `structinfer.lowering.mosaic`
+(Pallas' Mosaic GPU dialect: warpgroup matmuls fed by the tensor memory accelerator):
+its forward, and a backward whose dQ and dK/dV passes enter `pallas_backward` through
+its ``dq_pass`` / ``dkdv_pass`` hooks. In `GPU_KERNELS` it comes before the Triton
+kernel: on an H100 (bfloat16, head dim 128) its forward measured 1.3-1.9x and its
+backward 1.2-2.4x faster at every prior and size measured (docs/results/gpu/). ``"auto"`` takes it only on a Hopper
 GPU of the running process; lowering for CUDA elsewhere takes the Triton kernel.
 
 These are entries of the kernel table (`structinfer.lowering.kernels.KERNELS`), which

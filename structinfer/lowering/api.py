@@ -363,8 +363,8 @@ def attention(
             a kernel: ``"dense"``, ``"blocked"`` (online softmax over blocks,
             memory-light custom VJP), ``"windowed"`` (distance band; geometric / window
             priors), ``"cudnn"`` (cuDNN fused attention on a GPU), ``"pallas"`` (the
-            Pallas flash kernel; interpreted off a GPU) or ``"mosaic"`` (its forward in
-            Mosaic GPU, on an NVIDIA Hopper GPU) — see
+            Pallas flash kernel; interpreted off a GPU) or ``"mosaic"`` (forward and
+            backward in Mosaic GPU, on an NVIDIA Hopper GPU) — see
             [`structinfer.lowering.accel`][structinfer.lowering.accel] and
             [`structinfer.lowering.mosaic`][structinfer.lowering.mosaic]; the kernels are
             the entries of [`KERNELS`][structinfer.lowering.KERNELS]. On a GPU,

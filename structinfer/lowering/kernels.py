@@ -218,14 +218,14 @@ def _mosaic_gradient(lowered: Lowered) -> str | None:
     """Which of the edge's gradient `mosaic_backward` hands to the Triton kernel's passes
     (a pass the Mosaic GPU kernel refuses, and the relative-position table's)."""
     args = (lowered.terms, lowered.problem, lowered.batch_shape, lowered.mask)
-    parts = [f"{what} ({why})" for what, why in (
+    parts = [f"the {what} pass ({why})" for what, why in (
         ("dQ", mosaic_dq_unsupported(*args)), ("dK/dV", mosaic_dkdv_unsupported(*args)))
         if why]
     if lowered.terms.relpos is not None:
-        parts.append("the relative-position table's gradient, when it is trained")
+        parts.append("the relative-position table's gradient (when the table is trained)")
     if not parts:
         return None
-    return "its gradient runs on the Pallas (Triton) kernel for " + "; ".join(parts)
+    return "the Pallas (Triton) kernel computes, of its gradient: " + "; ".join(parts)
 
 
 def _pallas_measured_faster(lowered: Lowered) -> str | None:

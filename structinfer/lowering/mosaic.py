@@ -1,4 +1,4 @@
-r"""A Mosaic GPU (NVIDIA Hopper) forward kernel for the dot-product edge with structure.
+r"""Mosaic GPU (NVIDIA Hopper) kernels for the dot-product edge with structure.
 
 `mosaic_forward` computes the same $y$ and row log-normaliser $L$ as
 `structinfer.lowering.accel.pallas_forward` (the Triton kernel) for an edge site with
@@ -259,7 +259,7 @@ def _over_smem(need: int, steps: int, what: str) -> str | None:
     """Why ``need`` bytes of shared memory are too many for a program, or `None`."""
     if need <= MOSAIC_SMEM_BYTES:
         return None
-    return (f"max_concurrent_steps={steps}: {what} need {need // 1024} KiB of shared memory "
+    return (f"{what} need {need // 1024} KiB of shared memory with {steps} pipeline slots "
             f"(over {MOSAIC_SMEM_BYTES // 1024} KiB)")
 
 
