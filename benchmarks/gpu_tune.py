@@ -5,7 +5,9 @@ its kernels timed on it: the Pallas (Triton) forward at its defaults and the Mos
 (Hopper) forward at each pipeline depth (``max_concurrent_steps``); then the backward on
 the Triton forward's output (the queries', keys' and values' gradients, the prior's
 parameters not differentiated): the Triton kernel's own passes, with the Mosaic GPU dQ
-pass (`mosaic_dq`), with the Mosaic GPU dK/dV pass (`mosaic_dkdv`), and with both. Each Mosaic GPU
+pass (`mosaic_dq`), with the Mosaic GPU dK/dV pass (`mosaic_dkdv`), and with both; then,
+for a relative-position prior, both with the table's gradient too (the Triton kernel's
+table pass: what training the table adds). Each Mosaic GPU
 result is checked against the Triton kernel's (relative to its largest magnitude; the
 row log-normaliser to float32 rounding). ``benchmarks/gpu.py`` times the whole model
 path against the peers; this script answers which kernel and which depth to pick.
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.dtype}, "
           f"head dim {args.head_dim}; load {os.getloadavg()[0]:.2f}", flush=True)
     cols = (["pallas"] + [f"mosaic s={s}" for s in args.steps]
-            + ["bwd pallas", "bwd mosaic dQ", "bwd mosaic dK/dV", "bwd mosaic both"])
+            + ["bwd pallas", "bwd mosaic dQ", "bwd mosaic dK/dV", "bwd mosaic both",
+               "+ table's gradient"])
     print("| n | heads | case | " + " | ".join(cols)
           + " | mosaic err (y rel., L abs.; dQ, dK, dV rel.) |")
     print("|" + " --- |" * (len(cols) + 4), flush=True)
@@ -166,6 +169,14 @@ def row(p: gpu.Problem, case: str, args) -> str:
         if got is not None and ref is not None:
             errs.append(", ".join(f"{rel_err(a, b):.1e}" for a, b in (
                 (got[0].q, ref[0].q), (got[1].k, ref[1].k), (got[4], ref[4]))))
+    if terms.relpos is None:
+        cells.append("—")
+    elif why_dq or why_dkdv:
+        cells.append("refused: " + (why_dq or why_dkdv))
+    else:  # every parameter differentiated: the table's pass runs
+        cells.append(timed(lambda a: pallas_backward(
+            terms, a[0], bs, *a[1:], mask=mask, dq_pass=mosaic_dq, dkdv_pass=mosaic_dkdv),
+            args_bwd, 2.5 * rate)[0])
     return f"| {n} | {H} | {case} | " + " | ".join(cells) + " | " + "; ".join(errs) + " |"
 
 
