@@ -122,7 +122,7 @@ def rel_err(got, want) -> float:
 def row(p: gpu.Problem, case: str, args) -> str:
     """One table row: the forwards at each depth, then the backward (the queries', keys'
     and values' gradients): the Triton kernel's, with the Mosaic GPU dQ pass, with its
-    dK/dV pass, and with both."""
+    dK/dV pass, and with both; then both with a relative-position table's gradient."""
     n, H, d = p.n, p.H, p.d
     low = lower_edge(prior(case, p, args.window), si.scores.Dot(p.q, p.k, scale=d ** -0.5),
                      p.v, n, (H,))

@@ -634,7 +634,8 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
     text = f.trace(low.problem).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     if d == 256:
-        with pytest.raises(ValueError, match="its tiles need 262 KiB of shared memory with 3 pipeline slots"):
+        with pytest.raises(ValueError,
+                           match="its tiles need 262 KiB of shared memory with 3 pipeline slots"):
             mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
 
 

@@ -37,8 +37,9 @@ A third fused kernel, for NVIDIA Hopper GPUs, is in `structinfer.lowering.mosaic
 its forward, and a backward whose dQ and dK/dV passes enter `pallas_backward` through
 its ``dq_pass`` / ``dkdv_pass`` hooks. In `GPU_KERNELS` it comes before the Triton
 kernel: on an H100 (bfloat16, head dim 128) its forward measured 1.3-1.9x and its
-backward 1.2-2.4x faster at every prior and size measured (docs/results/gpu/). ``"auto"`` takes it only on a Hopper
-GPU of the running process; lowering for CUDA elsewhere takes the Triton kernel.
+backward 1.2-2.4x faster at every prior and size measured (docs/results/gpu/).
+``"auto"`` takes it only on a Hopper GPU of the running process; lowering for CUDA
+elsewhere takes the Triton kernel.
 
 These are entries of the kernel table (`structinfer.lowering.kernels.KERNELS`), which
 holds the order above (`auto_kernel`) and what runs when cuDNN refuses when traced. On a
