@@ -394,12 +394,14 @@ DQ_INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("window", 384, 64, jnp
 
 
 @pytest.mark.cpu_only
+@pytest.mark.parametrize("check", ["dq", "dkdv"])
 @pytest.mark.parametrize(("case", "n", "d", "dtype"), DQ_INTERPRETED + [
     pytest.param(*c, marks=pytest.mark.exhaustive) for c in DQ_INTERPRETED_REST])
-def test_mosaic_dq_interpreted_matches_the_dense_gradient(case, n, d, dtype,
-                                                          mosaic_interpreted):
-    """The backward's dQ pass run as written (three warpgroups as threads): `_check_dq`."""
-    _check_dq(case, n, d, dtype)
+def test_mosaic_backward_pass_interpreted_matches_the_dense_gradient(check, case, n, d, dtype,
+                                                                     mosaic_interpreted):
+    """The backward's dQ and dK/dV passes run as written (three warpgroups as threads):
+    `_check_dq`, `_check_dkdv`."""
+    {"dq": _check_dq, "dkdv": _check_dkdv}[check](case, n, d, dtype)
     assert not mosaic_interpreted()
 
 
@@ -432,16 +434,6 @@ def _check_dq(case, n, d, dtype):
         for a, b in zip(jax.tree.leaves(mixed[1:]), jax.tree.leaves(own[1:])):
             # (on a GPU the table's float32 atomics are not bit-reproducible)
             _close(a, b, atol=1e-5)
-
-
-@pytest.mark.cpu_only
-@pytest.mark.parametrize(("case", "n", "d", "dtype"), DQ_INTERPRETED + [
-    pytest.param(*c, marks=pytest.mark.exhaustive) for c in DQ_INTERPRETED_REST])
-def test_mosaic_dkdv_interpreted_matches_the_dense_gradient(case, n, d, dtype,
-                                                            mosaic_interpreted):
-    """The backward's dK/dV pass run as written: `_check_dkdv`."""
-    _check_dkdv(case, n, d, dtype)
-    assert not mosaic_interpreted()
 
 
 def _check_dkdv(case, n, d, dtype):

@@ -34,8 +34,7 @@ from .blocked import band_blocks, blocked_attention, mask_per_block
 from .dense import dense_attention
 from .mosaic import (
     mosaic_backward,
-    mosaic_dkdv_unsupported,
-    mosaic_dq_unsupported,
+    mosaic_backward_refusals,
     mosaic_forward,
     mosaic_unsupported,
 )
@@ -217,10 +216,9 @@ def _mosaic_device_unseen(lowered: Lowered) -> str | None:
 def _mosaic_gradient(lowered: Lowered) -> str | None:
     """Which of the edge's gradient `mosaic_backward` hands to the Triton kernel's passes
     (a pass the Mosaic GPU kernel refuses, and the relative-position table's)."""
-    args = (lowered.terms, lowered.problem, lowered.batch_shape, lowered.mask)
-    parts = [f"the {what} pass ({why})" for what, why in (
-        ("dQ", mosaic_dq_unsupported(*args)), ("dK/dV", mosaic_dkdv_unsupported(*args)))
-        if why]
+    refused = mosaic_backward_refusals(lowered.terms, lowered.problem, lowered.batch_shape,
+                                       lowered.mask)
+    parts = [f"the {name} pass ({why})" for name, why in refused.items()]
     if lowered.terms.relpos is not None:
         parts.append("the relative-position table's gradient (when the table is trained)")
     if not parts:

@@ -73,7 +73,7 @@ from .blocked import block_grids
 
 __all__ = ["MOSAIC_SMEM_BYTES", "mosaic_unsupported", "mosaic_forward", "mosaic_dq",
            "mosaic_dq_unsupported", "mosaic_dkdv", "mosaic_dkdv_unsupported",
-           "mosaic_backward"]
+           "mosaic_backward", "mosaic_backward_refusals"]
 
 #: children per compute warpgroup (a program takes two of these)
 _BQ = 64
@@ -1041,13 +1041,24 @@ def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; Shah et al.,
     "FlashAttention-3" (2024) for the warp-specialised schedule.
     """
-    mask = kw.get("mask")
     if kw.get("starts") is None:
-        if mosaic_dq_unsupported(terms, prob, batch_shape, mask) is None:
-            kw["dq_pass"] = mosaic_dq
-        if mosaic_dkdv_unsupported(terms, prob, batch_shape, mask) is None:
-            kw["dkdv_pass"] = mosaic_dkdv
+        refused = mosaic_backward_refusals(terms, prob, batch_shape, kw.get("mask"))
+        for name, run, hook in (("dQ", mosaic_dq, "dq_pass"),
+                                ("dK/dV", mosaic_dkdv, "dkdv_pass")):
+            if name not in refused:
+                kw[hook] = run
     return pallas_backward(terms, prob, batch_shape, out, lse, d_out, d_lse, **kw)
+
+
+def mosaic_backward_refusals(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
+                             mask: ConcreteMask | None = None) -> dict[str, str]:
+    """The passes of `mosaic_backward` that the Triton kernel runs on this edge instead of
+    the Mosaic GPU kernel, with why: ``{"dQ": reason, "dK/dV": reason}`` for those
+    `mosaic_dq_unsupported` / `mosaic_dkdv_unsupported` refuse (empty when both run in
+    Mosaic GPU). The relative-position table's pass is always the Triton kernel's."""
+    why = {"dQ": mosaic_dq_unsupported(terms, prob, batch_shape, mask),
+           "dK/dV": mosaic_dkdv_unsupported(terms, prob, batch_shape, mask)}
+    return {name: reason for name, reason in why.items() if reason}
 
 
 def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_rows: bool,
