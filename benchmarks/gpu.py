@@ -75,12 +75,17 @@ TF32 on a GPU by default). A failed check is reported in the table; it does not 
 the run.
 
 Budget: no row is started once the run is past ``--budget-seconds`` (270 by default);
-the rows left are listed as ``skipped (budget)`` and the output says so. Rows run in
-tiers -- structinfer and cuDNN first, then forced Pallas / Mosaic GPU, torch SDPA and
+the rows left are listed as ``skipped (budget)`` and the output says so. Each row costs
+its compile (10-20 s for a fused forward + backward) more than its timing, so a budget
+is reached sooner than the timings suggest. With ``--order case`` (the default) every
+implementation runs a case (a size, a case, a mode) before the next case starts, so a
+cut drops whole cases and each row run has its peers beside it; within a case they run
+in tiers -- structinfer and cuDNN first, then forced Pallas / Mosaic GPU, torch SDPA and
 FlexAttention (the peers the structured priors are measured against), then JAX's Pallas
-reference and tokamax last -- so a cut loses the least; a second command with
-``--impls pallas-mha tokamax-triton tokamax-mosaic`` times what a cut left out (its files
-get the time of day in their name).
+reference and tokamax. ``--order impl`` runs the tiers one after the other over every
+case instead (structinfer's rows first, the peers' only if the budget allows). A second
+command (say, ``--impls pallas-mha tokamax-triton tokamax-mosaic``) times what a cut
+left out (its files get the time of day in their name).
 
 Output: a Markdown table (printed, and written to ``<out>/<device-slug>_<date>.md``) and a
 ``.json`` beside it with every number, the device (``jax.devices()[0].device_kind``), the
@@ -945,6 +950,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--row-seconds", type=float, default=15.0,
                     help="timed seconds one row may take before it gets fewer calls")
+    ap.add_argument("--order", choices=("case", "impl"), default="case",
+                    help="case: every implementation runs a case before the next (a "
+                    "budget cut drops whole cases); impl: each tier over every case")
     ap.add_argument("--budget-seconds", type=float, default=270.0,
                     help="start no new row after this many seconds of the run")
     ap.add_argument("--tol", type=float, default=None,
@@ -1012,38 +1020,40 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     budget_note = False
     said: set = set()
+    # (tier, size, case, mode) in the order they run: a case's tiers together by default
     tiers = sorted({IMPLS[i][0] for i in impls})
-    for tier in tiers:
-        for n, H in zip(sizes, heads):
-            p = problems[n]
-            for case in args.cases:
-                hs, rs = check_subset(n, H, args.check_heads, args.check_rows,
-                                      args.check_max_entries)
-                for mode in args.modes:
-                    need_grad = "fwd+bwd" in args.modes
+    order = [(tier, n, H, case, mode) for tier in tiers for n, H in zip(sizes, heads)
+             for case in args.cases for mode in args.modes]
+    if args.order == "case":
+        order.sort(key=lambda c: (sizes.index(c[1]), args.cases.index(c[3]),
+                                  args.modes.index(c[4]), c[0]))
+    need_grad = "fwd+bwd" in args.modes
+    for tier, n, H, case, mode in order:
+        p = problems[n]
+        hs, rs = check_subset(n, H, args.check_heads, args.check_rows, args.check_max_entries)
 
-                    def ref(case=case, p=p, hs=hs, rs=rs, need_grad=need_grad):
-                        key = (p.n, case)
-                        if key not in refs:
-                            refs[key] = reference(case, p, hs, rs, args.window, need_grad)
-                        return refs[key]
+        def ref(case=case, p=p, hs=hs, rs=rs):
+            key = (p.n, case)
+            if key not in refs:
+                refs[key] = reference(case, p, hs, rs, args.window, need_grad)
+            return refs[key]
 
-                    ctx = {"p": p, "case": case, "mode": mode, "window": args.window,
-                           "ref": ref, "hs": hs, "rs": rs, "auto_kernel": auto_kernel}
-                    for impl in (i for i in impls if IMPLS[i][0] == tier):
-                        row = run_row(ctx, impl, args)
-                        rows.append(row)
-                        if row.get("note") == "budget":
-                            if not budget_note:
-                                print(f"budget of {args.budget_seconds:g} s reached at "
-                                      f"{_elapsed():.0f} s: starting no more rows", flush=True)
-                                budget_note = True
-                        elif row["status"] != "skipped" or (impl, row.get("note")) not in said:
-                            if row["status"] == "skipped":  # once per reason
-                                said.add((impl, row.get("note")))
-                            print(fmt_row(row), flush=True)
-                            # every finished row is on disk: a killed run keeps its rows
-                            write(args.out, stem, meta, rows, impls)
+        ctx = {"p": p, "case": case, "mode": mode, "window": args.window,
+               "ref": ref, "hs": hs, "rs": rs, "auto_kernel": auto_kernel}
+        for impl in (i for i in impls if IMPLS[i][0] == tier):
+            row = run_row(ctx, impl, args)
+            rows.append(row)
+            if row.get("note") == "budget":
+                if not budget_note:
+                    print(f"budget of {args.budget_seconds:g} s reached at "
+                          f"{_elapsed():.0f} s: starting no more rows", flush=True)
+                    budget_note = True
+            elif row["status"] != "skipped" or (impl, row.get("note")) not in said:
+                if row["status"] == "skipped":  # once per reason
+                    said.add((impl, row.get("note")))
+                print(fmt_row(row), flush=True)
+                # every finished row is on disk: a killed run keeps its rows
+                write(args.out, stem, meta, rows, impls)
     skipped = sum(1 for r in rows if r.get("note") == "budget")
     meta.update(budget_hit=skipped > 0, budget_skipped=skipped)
     md = write(args.out, stem, meta, rows, impls)

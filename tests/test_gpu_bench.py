@@ -42,6 +42,11 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
     assert all(r["status"] == "skipped" for r in data["rows"] if r["impl"] == "cudnn")
     mosaic = [r for r in data["rows"] if r["impl"] == "structinfer-mosaic"]
     assert len(mosaic) == 4 and all(r["status"] == "skipped" for r in mosaic), mosaic
+    # every implementation runs a case before the next starts (a budget cut drops whole
+    # cases), structinfer first within it
+    ran = [(cases.index(r["case"]), ("fwd", "fwd+bwd").index(r["mode"])) for r in data["rows"]]
+    assert ran == sorted(ran), ran
+    assert data["rows"][0]["impl"] == "structinfer"
 
     md = mds[0].read_text()
     assert "## n = 128, 2 heads, head dim 32" in md and "## n = 128" in proc.stdout  # printed
