@@ -890,3 +890,82 @@ def test_the_dense_backend_keeps_forward_mode_and_second_derivatives():
     ref = jax.grad(kept(exact, causal), (0, 1))(q, v)  # row 3 dropped: its mask is moot
     for a, b in zip(ref, g):
         np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("prior", ["uniform", "relpos", "geometric"])
+def test_a_single_parent_is_lowered_on_every_kernel(n, prior):
+    """One parent (m = 1): every child takes it, ``y_i = v_0``; the model is lowered (a
+    probe over one parent cannot show the value depending on the edge, and needs not) and
+    each kernel gives the exact engine's value and gradient."""
+    xq, xk, v = _feats(21, np.float32, n=n, m=1)
+    make = {"uniform": lambda n, m: si.priors.Uniform(m),
+            "relpos": lambda n, m: si.priors.RelativePosition(np.linspace(-1, 1, n + m - 1,
+                                                                          dtype=np.float32), m),
+            "geometric": lambda n, m: si.priors.Geometric(np.float32(0.3), m, max_distance=n)}
+    model = _simple(make[prior], lambda a, b: si.scores.Dot(a, b))
+    ex = explain(model, "out", xq, xk, v)
+    assert ex.path == "lowered", str(ex)
+    exact = attention(model, "out", "exact")
+    want = np.broadcast_to(v[0], (n, DV))
+    np.testing.assert_allclose(exact(xq, xk, v), want, atol=1e-6)
+    kernels = ["auto", "dense", "blocked", "pallas"] + (["windowed"] if prior == "geometric"
+                                                        else [])
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    g_exact = jax.grad(loss(exact), (0, 1, 2))(xq, xk, v)
+    for backend in kernels:
+        f = attention(model, "out", backend, block_q=4, block_k=8)
+        try:
+            y = f(xq, xk, v)
+        except NotLowerableError as err:  # Pallas (interpreted) needs its Triton backend
+            assert backend == "pallas" and "Triton backend" in str(err), str(err)
+            continue
+        np.testing.assert_allclose(y, want, atol=1e-6, err_msg=backend)
+        g = jax.grad(loss(f), (0, 1, 2))(xq, xk, v)
+        for a, b in zip(g, g_exact):
+            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=backend)
+
+
+@pytest.mark.parametrize("arg", ["block_q", "block_k"])
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, "8"])
+def test_block_sizes_are_checked(arg, bad):
+    model = _simple(lambda n, m: si.priors.Uniform(m), lambda a, b: si.scores.Dot(a, b))
+    with pytest.raises(ValueError, match=f"{arg} must be a positive integer.*got {bad!r}"):
+        attention(model, "out", "blocked", **{arg: bad})
+
+
+def test_forward_mode_through_a_fused_kernel_names_the_site_and_the_way_out():
+    """The fused kernels' gradients are custom VJPs (reverse mode): ``jax.jvp`` through
+    one raises naming the edge site, the kernel and the backends with forward mode."""
+    xq, xk, v = _feats(22, np.float32)
+    model = _simple(lambda n, m: si.priors.Restricted.causal(n, m, offset=m - n),
+                    lambda a, b: si.scores.Dot(a, b))
+    f = attention(model, "out", "blocked", block_q=4, block_k=8)
+    with pytest.raises(TypeError, match=r"edge site 'phi' runs on the blocked kernel.*reverse mode.*'dense'"):
+        jax.jvp(lambda q: f(q, xk, v), (xq,), (xq,))
+    auto = attention(model, "out")  # small: the dense kernel, forward mode works
+    jax.jvp(lambda q: auto(q, xk, v), (xq,), (xq,))
+
+
+def test_second_derivatives_run_on_the_blocked_kernel_and_the_fused_passes_say_so(x64):
+    """Forward mode over the gradient (``jax.hessian``): the blocked kernel's backward is
+    plain JAX, so it gives the exact engine's Hessian; the Pallas kernel's passes have no
+    derivative of their own, and say so with the backends that have one."""
+    n = 9
+    r = np.random.default_rng(23)
+    q, k, v = (jnp.asarray(r.normal(size=(n, 3))) for _ in range(3))
+    model = _simple(lambda n, m: si.priors.Restricted.causal(n, m),
+                    lambda a, b: si.scores.Dot(a, b))
+
+    def loss(backend):
+        f = attention(model, "out", backend, block_q=4, block_k=4)
+        return lambda q: jnp.sum(jnp.sin(f(q, k, v)))
+
+    np.testing.assert_allclose(jax.hessian(loss("blocked"))(q), jax.hessian(loss("exact"))(q),
+                               atol=1e-10)
+    try:
+        jax.grad(loss("pallas"))(q)
+    except NotLowerableError as err:  # Pallas (interpreted) needs its Triton backend
+        pytest.skip(str(err))
+    with pytest.raises(TypeError, match="second derivatives.*'blocked'"):
+        jax.hessian(loss("pallas"))(q)

@@ -413,7 +413,13 @@ def attention(
             NaN/inf score raises the exact engine's error (found from the kernel's
             per-row log-normaliser, no second pass), and so does a model that gives every
             structure zero probability; under an outer ``jit`` that row is NaN. ``f`` is jitted internally and can be jitted, vmapped and
-            differentiated again. ``f.explain(*args)`` describes the path;
+            differentiated again: in reverse mode on every kernel (the fused kernels'
+            gradients are custom VJPs); forward mode (``jax.jvp``, ``jax.jacfwd``) on
+            the dense kernel and the exact engine; second derivatives (``jax.hessian``)
+            there and on the blocked kernel, not on the Pallas / Mosaic GPU kernels
+            (a ``TypeError`` names the backends that have them) nor on cuDNN's (JAX's
+            wrapper differentiates it once).
+            ``f.explain(*args)`` describes the path;
             ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
             log-normaliser})`` without the eager check (empty on the exact path), for a
             caller that maps ``f`` itself and checks once with
@@ -424,7 +430,8 @@ def attention(
 
     Raises:
         ValueError: ``backend`` is not one of `BACKENDS`, ``shard`` is not
-            ``"heads"`` / ``"sequence"``, or ``precision`` is not a matmul precision.
+            ``"heads"`` / ``"sequence"``, ``block_q`` / ``block_k`` is not a positive
+            integer, or ``precision`` is not a matmul precision.
         TypeError: ``model`` is not callable, or ``value`` is not a site name.
 
     Reference:
@@ -481,15 +488,22 @@ def attention(
         try:
             hash(key)
         except TypeError:
-            return impl(*args, **kwargs)
-        jitted = cache.get(key)
-        if jitted is None:
-            def run(dyn, key=key):
-                a, kw = _join(dyn, key)
-                return impl(*a, **kw)
+            call = functools.partial(impl, *args, **kwargs)
+        else:
+            jitted = cache.get(key)
+            if jitted is None:
+                def run(dyn, key=key):
+                    a, kw = _join(dyn, key)
+                    return impl(*a, **kw)
 
-            jitted = cache[key] = jax.jit(run)
-        return jitted(dyn)
+                jitted = cache[key] = jax.jit(run)
+            call = functools.partial(jitted, dyn)
+        try:
+            return call()
+        except TypeError as err:  # JAX's message names neither the site nor a way out
+            if "forward-mode autodiff" not in str(err):
+                raise
+            raise TypeError(_reverse_mode_only(model, value, backend, args, kwargs)) from err
 
     @functools.wraps(model)
     def fn(*args, **kwargs):
@@ -503,6 +517,21 @@ def attention(
         f"(structinfer.attention, backend={backend!r}).\n\n" + (model.__doc__ or "")
     )
     return fn
+
+
+def _reverse_mode_only(model, value, backend, args, kwargs) -> str:
+    """Why forward-mode autodiff failed through `attention`: the edge sites whose kernel
+    has a custom VJP (every kernel but the dense one), and the backends that have it."""
+    try:
+        kernels = explain(model, value, *args, backend=backend, **kwargs).kernels
+    except Exception:  # noqa: BLE001 - the message only
+        kernels = {}
+    where = "; ".join(f"edge site '{site}' runs on the {KERNELS[k].label} kernel"
+                      for site, k in kernels.items() if k in KERNELS and k != "dense")
+    return (f"structinfer.attention[{backend}]: {where or 'a fused kernel runs'}, whose "
+            "gradient is a custom VJP, reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
+            "forward mode (jax.jvp, jax.jacfwd, jax.linearize) runs on backend='dense' or "
+            "'exact'")
 
 
 def explain(

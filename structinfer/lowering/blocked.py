@@ -742,6 +742,8 @@ def _attend_fwd(static, row, col, pair, glob, const, v, starts):
         lambda x: x.value if _is_primal(x) else x, (row, col, pair, glob, const, v, starts),
         is_leaf=_is_primal)
     prob = Problem(row, col, pair, glob, const, v)
+    if static.value[3] is not None:  # a fused kernel's forward
+        prob = _no_derivative(prob)
     out, lse = _run_forward(static, prob, starts)
     return (out, lse), (static, _Static(frozenset(need)), prob, starts, out, lse)
 
@@ -756,6 +758,7 @@ def _attend_bwd(res, cts):
     d_out, d_lse = (jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c
                     for c in cts)
     if backward is not None:
+        prob, out, lse, d_out, d_lse = _no_derivative((prob, out, lse, d_out, d_lse))
         d_row, d_col, d_pair, d_glob, d_v = backward(
             terms, prob, batch, out, lse, d_out, d_lse, need_glob=need.value,
             **_hook_kwargs(backward, precision, has_starts, starts, mask))
@@ -767,6 +770,25 @@ def _attend_bwd(res, cts):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
+
+
+@jax.custom_jvp
+def _no_derivative(x):
+    """The identity on the inputs of a replacement forward or backward (the fused
+    kernels' passes, which have no derivative of their own), refusing to be
+    differentiated with a message that names the way out (Pallas' own error is a bare
+    ``AssertionError``). A gradient never differentiates it: the custom VJP runs the
+    passes on primal values; a second derivative does."""
+    return x
+
+
+@_no_derivative.defjvp
+def _no_derivative_jvp(primals, tangents):
+    raise TypeError(
+        "second derivatives (jax.hessian, jax.jacfwd(jax.grad(f)), "
+        "jax.grad(jax.grad(f))) of the fused kernels (Pallas, Mosaic GPU) are not "
+        "available: their passes have no derivative of their own; backend='blocked', "
+        "'dense' or 'exact' differentiate their gradient")
 
 
 class _Static:

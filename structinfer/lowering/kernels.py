@@ -22,6 +22,7 @@ the single-device path would). Adding a kernel is adding one entry.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -60,6 +61,13 @@ class KernelConfig:
     block_q: int = 256
     block_k: int = 256
     precision: jax.lax.PrecisionLike = None
+
+    def __post_init__(self):
+        for name, what in (("block_q", "children"), ("block_k", "parents")):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+                raise ValueError(f"{name} must be a positive integer ({what} per block), "
+                                 f"got {x!r}")
 
 
 @dataclass(frozen=True)
