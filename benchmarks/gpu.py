@@ -76,10 +76,11 @@ the run.
 
 Budget: no row is started once the run is past ``--budget-seconds`` (270 by default);
 the rows left are listed as ``skipped (budget)`` and the output says so. Each row costs
-its compile (10-20 s for a fused forward + backward) more than its timing, so a budget
-is reached sooner than the timings suggest. With ``--order case`` (the default) every
-implementation runs a case (a size, a case, a mode) before the next case starts, so a
-cut drops whole cases and each row run has its peers beside it; within a case they run
+its compile (2-19 s; 10-19 s for a fused forward + backward) more than its timing, so a
+budget is reached sooner than the timings suggest. With ``--order case`` (the default)
+every implementation runs a case (a size, a case, a mode) before the next case starts,
+so a cut loses the rest of the case it falls in and every later case, and the cases
+before it have all their rows; within a case they run
 in tiers -- structinfer and cuDNN first, then forced Pallas / Mosaic GPU, torch SDPA and
 FlexAttention (the peers the structured priors are measured against), then JAX's Pallas
 reference and tokamax. ``--order impl`` runs the tiers one after the other over every

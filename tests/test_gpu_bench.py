@@ -93,3 +93,19 @@ def test_gpu_benchmark_relpos_grad_checks_the_tables_gradient(tmp_path):
         assert r["case"] == "relpos_grad" and r["check"]["passed"], r
         assert {"dq", "dk", "dv", "dtable"} <= set(r["check"]), r
     assert "dq, dk, dv, dtable" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_gpu_benchmark_order_impl_runs_each_tier_over_every_case(tmp_path):
+    """--order impl: structinfer's rows of every case, then the forced kernels' (the
+    order before case-major became the default)."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--quick",
+         "--out", str(tmp_path), "--cases", "bias", "block_sparse", "--modes", "fwd",
+         "--impls", "structinfer", "structinfer-pallas", "--order", "impl"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (data,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert [(r["impl"], r["case"]) for r in data["rows"]] == [
+        ("structinfer", "bias"), ("structinfer", "block_sparse"),
+        ("structinfer-pallas", "bias"), ("structinfer-pallas", "block_sparse")]

@@ -908,6 +908,10 @@ def test_a_single_parent_is_lowered_on_every_kernel(n, prior):
     assert ex.path == "lowered", str(ex)
     exact = attention(model, "out", "exact")
     want = np.broadcast_to(v[0], (n, DV))
+    # a value that does not read the edge still falls back (the exact engine refuses it)
+    const = _simple(make[prior], lambda a, b: si.scores.Dot(a, b),
+                    value_fn=lambda j, xq, v: jnp.broadcast_to(v[0], (n, DV)))
+    assert explain(const, "out", xq, xk, v).path == "exact"
     np.testing.assert_allclose(exact(xq, xk, v), want, atol=1e-6)
     kernels = ["auto", "dense", "blocked", "pallas"] + (["windowed"] if prior == "geometric"
                                                         else [])
@@ -941,10 +945,17 @@ def test_forward_mode_through_a_fused_kernel_names_the_site_and_the_way_out():
     model = _simple(lambda n, m: si.priors.Restricted.causal(n, m, offset=m - n),
                     lambda a, b: si.scores.Dot(a, b))
     f = attention(model, "out", "blocked", block_q=4, block_k=8)
-    with pytest.raises(TypeError, match=r"edge site 'phi' runs on the blocked kernel.*reverse mode.*'dense'"):
+    with pytest.raises(TypeError, match=r"edge site 'phi' runs on the blocked kernel.*"
+                       r"reverse mode.*'dense', 'windowed' or 'exact'"):
         jax.jvp(lambda q: f(q, xk, v), (xq,), (xq,))
     auto = attention(model, "out")  # small: the dense kernel, forward mode works
     jax.jvp(lambda q: auto(q, xk, v), (xq,), (xq,))
+    geo = _simple(lambda n, m: si.priors.Geometric(0.3, m, offset=m - n, max_distance=4),
+                  lambda a, b: si.scores.Dot(a, b))
+    windowed = attention(geo, "out", "windowed")  # plain JAX too
+    y, t = jax.jvp(lambda q: windowed(q, xk, v), (xq,), (xq,))
+    y_ref, t_ref = jax.jvp(lambda q: attention(geo, "out", "exact")(q, xk, v), (xq,), (xq,))
+    np.testing.assert_allclose(t, t_ref, atol=2e-5)
 
 
 def test_second_derivatives_run_on_the_blocked_kernel_and_the_fused_passes_say_so(x64):
@@ -967,5 +978,5 @@ def test_second_derivatives_run_on_the_blocked_kernel_and_the_fused_passes_say_s
         jax.grad(loss("pallas"))(q)
     except NotLowerableError as err:  # Pallas (interpreted) needs its Triton backend
         pytest.skip(str(err))
-    with pytest.raises(TypeError, match="second derivatives.*'blocked'"):
+    with pytest.raises(TypeError, match="derivative of a gradient.*'blocked'"):
         jax.hessian(loss("pallas"))(q)

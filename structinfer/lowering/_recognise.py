@@ -531,8 +531,9 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         Fe = jnp.asarray(F[e])
         nb = Fe.ndim - ev
         ax = N + 1 + k
-        # one parent: the probe cannot show a dependence, and the table needs none
-        if sizes[e] == 1 or (nb >= ax and Fe.shape[nb - ax] != 1):
+        # the value has the edge's axis, and varies along it (with one parent it cannot:
+        # having the axis is the dependence, as in the exact engine)
+        if nb >= ax and (Fe.shape[nb - ax] != 1 or sizes[e] == 1):
             depends = True
         tables[e], ev_shape = _extract(Fe, k, N, K, ev, sizes[e], value, info.float_dtype)
     if not depends:

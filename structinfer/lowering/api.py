@@ -412,13 +412,14 @@ def attention(
             static. Called on concrete arrays, a child with no allowed parent or a
             NaN/inf score raises the exact engine's error (found from the kernel's
             per-row log-normaliser, no second pass), and so does a model that gives every
-            structure zero probability; under an outer ``jit`` that row is NaN. ``f`` is jitted internally and can be jitted, vmapped and
-            differentiated again: in reverse mode on every kernel (the fused kernels'
-            gradients are custom VJPs); forward mode (``jax.jvp``, ``jax.jacfwd``) on
-            the dense kernel and the exact engine; second derivatives (``jax.hessian``)
-            there and on the blocked kernel, not on the Pallas / Mosaic GPU kernels
-            (a ``TypeError`` names the backends that have them) nor on cuDNN's (JAX's
-            wrapper differentiates it once).
+            structure zero probability; under an outer ``jit`` that row is NaN. ``f``
+            is jitted internally and can be jitted, vmapped and differentiated again:
+            in reverse mode on every kernel (the blocked and fused kernels' gradients
+            are custom VJPs); forward mode (``jax.jvp``, ``jax.jacfwd``) on the dense
+            and windowed kernels and the exact engine; second derivatives
+            (``jax.hessian``) there and on the blocked kernel, not on the Pallas /
+            Mosaic GPU kernels (a ``TypeError`` names the backends that have them) nor
+            on cuDNN's (JAX's wrapper differentiates it once).
             ``f.explain(*args)`` describes the path;
             ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
             log-normaliser})`` without the eager check (empty on the exact path), for a
@@ -521,17 +522,18 @@ def attention(
 
 def _reverse_mode_only(model, value, backend, args, kwargs) -> str:
     """Why forward-mode autodiff failed through `attention`: the edge sites whose kernel
-    has a custom VJP (every kernel but the dense one), and the backends that have it."""
+    has a custom VJP (`Kernel.forward_mode` false), and the backends that have it."""
     try:
         kernels = explain(model, value, *args, backend=backend, **kwargs).kernels
     except Exception:  # noqa: BLE001 - the message only
         kernels = {}
     where = "; ".join(f"edge site '{site}' runs on the {KERNELS[k].label} kernel"
-                      for site, k in kernels.items() if k in KERNELS and k != "dense")
+                      for site, k in kernels.items()
+                      if k in KERNELS and not KERNELS[k].forward_mode)
+    ways = ", ".join(f"'{k.name}'" for k in KERNELS.values() if k.forward_mode)
     return (f"structinfer.attention[{backend}]: {where or 'a fused kernel runs'}, whose "
             "gradient is a custom VJP, reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
-            "forward mode (jax.jvp, jax.jacfwd, jax.linearize) runs on backend='dense' or "
-            "'exact'")
+            f"forward mode (jax.jvp, jax.jacfwd) runs on backend {ways} or 'exact'")
 
 
 def explain(

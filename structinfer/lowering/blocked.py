@@ -742,7 +742,8 @@ def _attend_fwd(static, row, col, pair, glob, const, v, starts):
         lambda x: x.value if _is_primal(x) else x, (row, col, pair, glob, const, v, starts),
         is_leaf=_is_primal)
     prob = Problem(row, col, pair, glob, const, v)
-    if static.value[3] is not None:  # a fused kernel's forward
+    _, _, _, forward, *_ = static.value
+    if forward is not None:  # a fused kernel's forward
         prob = _no_derivative(prob)
     out, lse = _run_forward(static, prob, starts)
     return (out, lse), (static, _Static(frozenset(need)), prob, starts, out, lse)
@@ -785,10 +786,10 @@ def _no_derivative(x):
 @_no_derivative.defjvp
 def _no_derivative_jvp(primals, tangents):
     raise TypeError(
-        "second derivatives (jax.hessian, jax.jacfwd(jax.grad(f)), "
-        "jax.grad(jax.grad(f))) of the fused kernels (Pallas, Mosaic GPU) are not "
-        "available: their passes have no derivative of their own; backend='blocked', "
-        "'dense' or 'exact' differentiate their gradient")
+        "structinfer.attention: a derivative of a gradient (jax.hessian, "
+        "jax.jacfwd(jax.grad(f)), jax.grad(jax.grad(f))) through the fused kernels "
+        "(Pallas, Mosaic GPU) is not available: their passes have no derivative of their "
+        "own; backend 'blocked', 'dense', 'windowed' or 'exact' differentiates its gradient")
 
 
 class _Static:

@@ -115,6 +115,8 @@ class Kernel:
         ring_step: the kernel each step of ring attention (``shard="sequence"``) runs
             in this one's place: one with ``passes`` (it takes the chunk's global
             offsets and returns ``L``, by which the steps are merged).
+        forward_mode: whether its output differentiates in forward mode (``jax.jvp``,
+            ``jax.jacfwd``): plain JAX operations, no custom VJP.
     """
 
     name: str
@@ -130,6 +132,7 @@ class Kernel:
     passes: tuple[Callable | None, Callable | None] | None = None
     gradient: Callable[[Lowered], str | None] | None = None
     ring_step: str = "blocked"
+    forward_mode: bool = False
 
     @property
     def label(self) -> str:
@@ -239,9 +242,9 @@ def _pallas_measured_faster(lowered: Lowered) -> str | None:
 
 
 _ENTRIES = (
-    Kernel("dense", _can_run, _run_dense),
+    Kernel("dense", _can_run, _run_dense, forward_mode=True),
     Kernel("blocked", _can_run, _run_blocked, nan_rows=True, passes=(None, None)),
-    Kernel("windowed", _windowed_unsupported, _run_windowed),
+    Kernel("windowed", _windowed_unsupported, _run_windowed, forward_mode=True),
     Kernel("cudnn", _cudnn_unsupported, _run_cudnn, title="cuDNN", rows_allowed=True,
            refusals=(NotImplementedError, ValueError, RuntimeError, TypeError),
            fallback=("mosaic", "pallas", "blocked"), passed_over=_pallas_measured_faster,
