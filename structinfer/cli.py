@@ -18,9 +18,11 @@ the benchmark script is run only from the source checkout holding the imported p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import inspect
+import io
 import os
 import subprocess
 import sys
@@ -574,12 +576,18 @@ def cmd_reproduce(args) -> int:
             *args.extra]
     what = f"reproduction '{args.name}' ({module})"
     _setup_jax(args)
+    made = out  # the outermost folder this command creates (removed again if left empty)
+    while not os.path.exists(os.path.dirname(made)):
+        made = os.path.dirname(made)
+    made = None if os.path.exists(made) else made
     try:
         main = importlib.import_module(module).main
         os.makedirs(out, exist_ok=True)
         if not args.quiet:
             print(f"running {module}, output in {out}", flush=True)
-        rc = main(argv)
+        with contextlib.redirect_stdout(io.StringIO()) if args.quiet else (
+                contextlib.nullcontext()):
+            rc = main(argv)
     except ModuleNotFoundError as e:
         hint = R.missing_dependency(e)
         if hint is None:
@@ -587,9 +595,21 @@ def cmd_reproduce(args) -> int:
         raise CLIError(f"{what} needs {hint}") from e
     except SystemExit as e:  # the script's own argparse or sys.exit
         rc = e.code
+    finally:
+        if made is not None:  # a smoke run writes nothing: leave no empty folders
+            _remove_empty(out, made)
     if rc not in (None, 0):
         raise CLIError(f"{what} failed with exit status {rc}")
     return EXIT_OK
+
+
+def _remove_empty(path: str, top: str) -> None:
+    """Remove ``path`` and its parents up to ``top`` while they are empty folders."""
+    while os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)
+        if path == top:
+            return
+        path = os.path.dirname(path)
 
 
 def cmd_bench(args) -> int:

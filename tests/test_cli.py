@@ -106,6 +106,9 @@ def files(tmp_path_factory):
             return 0
     '''))
     (mods / "si_test_broken.py").write_text('"""Always fails."""\n\ndef main(argv=None):\n    return 3\n')
+    (mods / "si_test_talker.py").write_text(
+        '"""Prints its table, writes nothing."""\n\ndef main(argv=None):\n'
+        '    print("a table of results")\n    return 0\n')
     (mods / "si_test_needs_sklearn.py").write_text(
         '"""Needs scikit-learn."""\nimport sklearn\n\ndef main(argv=None):\n    return 0\n')
     bench = d / "bench"
@@ -248,7 +251,7 @@ def test_console_script_is_declared():
 def registered(files, monkeypatch):
     """The test modules of ``files/mods`` registered as reproductions (run in-process)."""
     monkeypatch.syspath_prepend(str(files / "mods"))
-    for name in ("tiny-thing", "broken", "needs-sklearn"):
+    for name in ("tiny-thing", "broken", "needs-sklearn", "talker"):
         monkeypatch.setitem(reproductions.REPRODUCTIONS, name,
                             "si_test_" + name.replace("-", "_"))
     monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")
@@ -277,6 +280,18 @@ def test_reproduce_registry_and_run(registered, capsys):
     rc, _, err = _main(capsys, "reproduce", "broken", "--quiet", "--out", registered / "b")
     assert rc == 1 and err == ["structinfer reproduce: error: reproduction 'broken' "
                                "(si_test_broken) failed with exit status 3"], err
+
+
+def test_reproduce_quiet_prints_nothing_and_an_unused_out_folder_is_removed(
+        registered, capsys, monkeypatch, tmp_path):
+    """--quiet silences the reproduction's own printing too; the folder the command made
+    for a run that wrote nothing in it (a --quick smoke run) is removed again."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _main(capsys, "reproduce", "talker", "--quick", "--quiet")
+    assert rc == 0 and out == "" and err == [], (out, err)
+    assert os.listdir(".") == []  # no structinfer-reproduce/talker/ left behind
+    rc, out, _ = _main(capsys, "reproduce", "talker", "--quick")
+    assert rc == 0 and "a table of results" in out and os.listdir(".") == []
 
 
 def test_reproduce_names_the_extra_of_a_missing_optional_dependency(registered, capsys,

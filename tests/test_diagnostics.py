@@ -375,6 +375,50 @@ def test_loo_warns_with_the_badly_approximated_children():
         dg.loo(synthetic_idata(0.0), name="good")  # no warning for a well-behaved one
 
 
+#: one child's log-likelihood over 60 draws (from a demo fit) that ties at PSIS's tail
+#: cutoff, where ArviZ's smoothing gives NaN weights
+TIED_AT_CUTOFF = [
+    -4.0086, -4.0086, -4.0086, -4.2148, -4.2148, -4.2148, -4.2148, -3.8552, -4.6751,
+    -4.6751, -5.0587, -5.0587, -5.0587, -5.0587, -3.7899, -3.7899, -3.7899, -3.5295,
+    -3.2719, -4.7032, -4.4773, -3.6334, -4.4267, -4.6207, -4.6207, -4.6207, -4.6207,
+    -4.6207, -4.6207, -4.6207, -4.6207, -4.6207, -4.6207, -4.6207, -4.611, -4.611, -3.6952,
+    -5.7742, -5.7742, -5.7742, -5.6811, -3.4649, -6.1937, -3.6816, -3.59, -3.8789, -3.9145,
+    -3.473, -3.5887, -3.8967, -6.3763, -6.3763, -4.252, -3.7955, -3.3258, -3.3337, -5.7697,
+    -5.1198, -3.6956, -3.6409,
+]
+
+
+def test_loo_falls_back_to_truncated_importance_sampling_where_psis_fails():
+    """Ties in the log-likelihood break ArviZ's Pareto smoothing: NaN weights when they
+    straddle the tail's cutoff, an error when the whole tail ties. Those children's
+    leave-one-out density is then truncated importance sampling (Ionides 2008), written
+    here, with a warning naming them; the others keep ArviZ's PSIS. Never a NaN elpd."""
+    import arviz_stats as azs
+
+    r = np.random.default_rng(0)
+    ll = -1.0 + 0.1 * r.normal(size=(1, 60, 4))
+    ll[0, :, 1] = TIED_AT_CUTOFF
+    ll[0, :, 2] = np.repeat([-3.0, -4.0, -5.0, -6.0], 15)  # the whole tail tied
+
+    def idata(ll):
+        return azb.from_dict({"posterior": {"mu": r.normal(size=ll.shape[:2])},
+                              "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+
+    with pytest.warns(dg.ParetoKWarning, match=r"model 'tied'.*children 1, children 2.*truncated"):
+        res = dg.loo(idata(ll), name="tied")
+    elpd_i = np.asarray(res.elpd_i)
+    assert np.isfinite(elpd_i).all() and np.isfinite(res.elpd), elpd_i
+    for i in (1, 2):  # w_s proportional to 1 / p(y_i | theta_s), capped at sqrt(S) mean(w)
+        lw = -ll[0, :, i] - logsumexp(-ll[0, :, i])
+        lw = np.minimum(lw, np.log(np.sqrt(60) / 60))
+        lw -= logsumexp(lw)
+        assert elpd_i[i] == pytest.approx(logsumexp(lw + ll[0, :, i]), rel=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        psis = np.asarray(azs.loo(idata(ll[..., [0, 3]]), pointwise=True).elpd_i)
+    np.testing.assert_allclose(elpd_i[[0, 3]], psis, rtol=1e-9)
+
+
 def test_compare_table_ranks_by_elpd():
     models = {"worse": synthetic_idata(0.5, seed=1), "better": synthetic_idata(0.0, seed=2)}
     table = dg.compare(models)

@@ -77,7 +77,10 @@ def loo(
     `arviz_stats.loo` on the collapsed per-child log-likelihood. An observation whose
     log-likelihood is the same at every draw (it depends on no sampled parameter) gets
     uniform importance weights and $\hat k = 0$: its leave-one-out density is exactly
-    its likelihood, where ArviZ's tail fit would fail. For an SVI fit the draws are the
+    its likelihood, where ArviZ's tail fit would fail. One whose values tie where Pareto
+    smoothing fits its tail (ArviZ then gives NaN weights or raises) gets truncated
+    importance sampling (Ionides 2008) and $\hat k$ NaN, with a `ParetoKWarning` naming
+    it: never a NaN elpd. For an SVI fit the draws are the
     guide's, used as posterior draws without an importance correction for $q \ne p$:
     an approximation as good as the guide; a point estimate (every draw the same) is
     refused.
@@ -116,35 +119,56 @@ def loo(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")
         warnings.filterwarnings("ignore", category=RuntimeWarning)
-        res = azs.loo(idata, pointwise=True, var_name=var_name, **_constant_terms(idata, var_name))
+        terms, truncated = _psis_terms(idata, var_name)
+        res = azs.loo(idata, pointwise=True, var_name=var_name, **terms)
+    if truncated:
+        shown = ", ".join(truncated[:8]) + (f" and {len(truncated) - 8} more"
+                                            if len(truncated) > 8 else "")
+        warnings.warn(
+            f"model '{name}': Pareto smoothing failed for {len(truncated)} observations "
+            f"({shown}: ties in their log-likelihood over the draws); their leave-one-out "
+            "densities use truncated importance sampling (Ionides 2008) instead, with "
+            "Pareto k not estimated (NaN). Use more draws before trusting the comparison.",
+            ParetoKWarning,
+            stacklevel=2,
+        )
     _warn_pareto(res, name, pareto_k_threshold)
     return res
 
 
-def _constant_terms(idata: Any, var_name: str | None) -> dict:
-    r"""PSIS weights when some observations' log-likelihood is the same at every draw.
+def _psis_terms(idata: Any, var_name: str | None) -> tuple[dict, list[str]]:
+    r"""PSIS weights for `arviz_stats.loo` where ArviZ's own would fail, and the
+    observations given truncated importance sampling.
 
-    Such an observation does not depend on the sampled parameters (e.g. a first child
-    with a single possible parent and fixed weights): its leave-one-out predictive
-    density is exactly its likelihood, the importance weights are uniform and Pareto
-    $\hat k$ is not defined (ArviZ's tail fit raises). We pass uniform weights and
-    $\hat k = 0$ for them and ArviZ's PSIS weights for the rest.
+    An observation whose log-likelihood is the same at every draw does not depend on the
+    sampled parameters (e.g. a first child with a single possible parent and fixed
+    weights): its leave-one-out predictive density is exactly its likelihood, the
+    importance weights are uniform and Pareto $\hat k$ is not defined (ArviZ's tail fit
+    raises); it gets uniform weights and $\hat k = 0$. An observation whose values tie
+    at the tail Pareto smoothing fits (NaN weights, or an error when the whole tail ties)
+    gets truncated importance sampling instead (Ionides 2008): raw weights
+    $w_s \propto 1 / p(y_i \mid \theta_s)$ capped at $\sqrt{S}\,\bar w$, and
+    $\hat k$ NaN. The rest keep ArviZ's PSIS weights.
+
+    Returns:
+        ``(keyword arguments for arviz_stats.loo, names of the truncated observations)``;
+        ``({}, [])`` when ArviZ's own weights serve every observation.
     """
     import xarray as xr
+    from scipy.special import logsumexp
 
     ll_group = idata["log_likelihood"].to_dataset()
     names = list(ll_group.data_vars)
     var = var_name if var_name is not None else (names[0] if len(names) == 1 else None)
     if var is None or var not in ll_group:
-        return {}
+        return {}, []
     ll = ll_group[var]
     sample_dims = [d for d in ("chain", "draw") if d in ll.dims]
     if len(sample_dims) != 2 or ll.ndim == 2:
-        return {}
+        return {}, []
+    obs_dims = [d for d in ll.dims if d not in sample_dims]
     spread = ll.max(sample_dims) - ll.min(sample_dims)
     const = spread <= 1e-9 * (1.0 + np.abs(ll).max(sample_dims))
-    if not bool(const.any()):
-        return {}
     n_chains, n_draws = ll.sizes["chain"], ll.sizes["draw"]
     n_samples = n_chains * n_draws
     reff = _relative_efficiency(idata, n_samples)
@@ -153,10 +177,45 @@ def _constant_terms(idata: Any, var_name: str | None) -> dict:
         dims=("chain", "draw"),
     )
     placeholder = xr.where(const, ramp, ll)  # any non-constant values: overwritten below
-    log_weights, pareto_k = placeholder.azstats.psislw(r_eff=reff, dim=sample_dims)
+    try:
+        log_weights, pareto_k = placeholder.azstats.psislw(r_eff=reff, dim=sample_dims)
+    except ValueError:  # some observation's whole tail ties: smooth each one alone
+        log_weights, pareto_k = _psislw_each(placeholder, reff, sample_dims, obs_dims)
+    failed = ~(np.isfinite(log_weights).all(sample_dims) | const)
+    if not bool(const.any()) and not bool(failed.any()):
+        return {}, []
+    raw = -ll.transpose(*sample_dims, *obs_dims).values.reshape(n_samples, -1)
+    raw = raw - logsumexp(raw, axis=0)
+    raw = np.minimum(raw, 0.5 * np.log(n_samples) - np.log(n_samples))  # sqrt(S) mean(w)
+    raw = raw - logsumexp(raw, axis=0)
+    tis = xr.DataArray(raw.reshape((n_chains, n_draws) + tuple(ll.sizes[d] for d in obs_dims)),
+                       dims=(*sample_dims, *obs_dims), coords=ll.coords)
+    log_weights = xr.where(failed, tis, log_weights)
     log_weights = xr.where(const, -np.log(n_samples), log_weights)
-    pareto_k = xr.where(const, 0.0, pareto_k)
-    return {"reff": reff, "log_weights": log_weights, "pareto_k": pareto_k}
+    pareto_k = xr.where(const, 0.0, xr.where(failed, np.nan, pareto_k))
+    truncated = [_format_index(failed, tuple(int(i) for i in b))
+                 for b in np.argwhere(np.asarray(failed))]
+    return {"reff": reff, "log_weights": log_weights, "pareto_k": pareto_k}, truncated
+
+
+def _psislw_each(ll: Any, reff: float, sample_dims: list[str], obs_dims: list[str]):
+    """`psislw` observation by observation: NaN weights where ArviZ raises."""
+    import xarray as xr
+
+    stacked = ll.stack(obs=obs_dims)
+    weights, ks = [], []
+    for i in range(stacked.sizes["obs"]):
+        one = stacked.isel(obs=[i])
+        try:
+            w, k = one.azstats.psislw(r_eff=reff, dim=sample_dims)
+        except ValueError:
+            w, k = xr.full_like(one, np.nan), xr.full_like(one.isel({d: 0 for d in sample_dims}),
+                                                          np.nan)
+        weights.append(w.transpose(*sample_dims, "obs"))
+        ks.append(k)
+    log_weights = xr.concat(weights, "obs").unstack("obs")
+    pareto_k = xr.concat(ks, "obs").unstack("obs")
+    return log_weights, pareto_k
 
 
 def _relative_efficiency(idata: Any, n_samples: int) -> float:
