@@ -233,6 +233,12 @@ def test_model_expansion_finds_the_missing_component(x64):
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="gmm_em: x .* means .* covariances"):
         gmm_em(np.zeros((5, 2)), np.zeros((3, 3)), np.zeros((3, 3, 3)))
+    x, m, c = np.zeros((5, 2)), np.zeros((3, 2)), np.stack([np.eye(2)] * 3)
+    with pytest.raises(ValueError, match=r"gmm_em: weights of shape \(2,\), expected \(3,\)"):
+        gmm_em(x, m, c, np.full(2, 0.5))
+    for bad in ([-0.5, 1.0, 0.5], [0.2, 0.2, 0.2]):  # negative; not summing to 1
+        with pytest.raises(ValueError, match="gmm_em: weights .* non-negative and sum to 1"):
+            gmm_em(x, m, c, np.asarray(bad))
     with pytest.raises(ValueError, match="linear_mixture_em"):
         linear_mixture_em(np.zeros((5, 2)), np.zeros((5, 2)), np.zeros((2, 2, 3)),
                           np.zeros((2, 2)), np.zeros((2, 2, 2)))

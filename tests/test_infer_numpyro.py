@@ -158,6 +158,9 @@ def test_nuts_and_svi_refuse_bad_input():
         si.infer.nuts(0, tilt_model, Y3, [])
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
         si.infer.nuts(jax.random.PRNGKey(0), tilt_model, Y3, [], num_samples=0)
+    for bad in (1.5, 0, True, "0.8"):
+        with pytest.raises(ValueError, match=r"target_accept_prob must be a number in \(0, 1\)"):
+            si.infer.nuts(jax.random.PRNGKey(0), tilt_model, Y3, [], target_accept_prob=bad)
     with pytest.raises(ValueError, match="guide must be 'normal', 'delta' or a callable"):
         si.infer.svi(jax.random.PRNGKey(0), tilt_model, Y3, [], guide="laplace")
 

@@ -18,9 +18,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim
+from .._checks import as_float_array, check_ndim, is_concrete
 from ..exact import log_marginal, marginals
 from ..mechanisms.mixtures import gaussian_mixture
 from ._common import rel_change_small, safe_log
@@ -78,7 +79,15 @@ def _prepare(x, means, covariances, weights):
             f"gmm_em: x {tuple(x.shape)}, means {tuple(means.shape)} and covariances "
             f"{tuple(covs.shape)} must be (points, d), (K, d), (K, d, d)"
         )
-    w = jnp.full((k,), 1.0 / k, x.dtype) if weights is None else jnp.asarray(weights, x.dtype)
+    if weights is None:
+        return x, means, covs, jnp.full((k,), 1.0 / k, x.dtype)
+    w = jnp.asarray(weights, x.dtype)
+    if w.shape != (k,):
+        raise ValueError(f"gmm_em: weights of shape {tuple(w.shape)}, expected ({k},) (one "
+                         "per component of means)")
+    if is_concrete(w) and not (bool(jnp.all(w >= 0)) and abs(float(w.sum()) - 1.0) < 1e-4):
+        raise ValueError(f"gmm_em: weights {np.asarray(w).round(4).tolist()} must be "
+                         "non-negative and sum to 1")
     return x, means, covs, w
 
 

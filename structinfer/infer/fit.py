@@ -26,6 +26,7 @@ expanding attention (sec. 5.2).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -161,7 +162,8 @@ def nuts(
 
     Raises:
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
-        ValueError: a bad count, a `numpyro.param` site (NUTS would hold it fixed),
+        ValueError: a bad count or `target_accept_prob` (outside (0, 1)), a
+            `numpyro.param` site (NUTS would hold it fixed),
             a discrete latent site that is not enumerated, or no continuous latent
             site to sample.
         FloatingPointError: a draw is not finite (naming the site).
@@ -190,6 +192,10 @@ def nuts(
     num_warmup = _check_count(num_warmup, "nuts: num_warmup", minimum=0)
     num_samples = _check_count(num_samples, "nuts: num_samples")
     num_chains = _check_count(num_chains, "nuts: num_chains")
+    if isinstance(target_accept_prob, bool) or not (
+            isinstance(target_accept_prob, numbers.Real) and 0 < target_accept_prob < 1):
+        raise ValueError(f"nuts: target_accept_prob must be a number in (0, 1), got "
+                         f"{target_accept_prob!r}")
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = _sampled_sites(model, args, kwargs, "nuts")
     params = list(info.of_role("param"))
