@@ -152,7 +152,7 @@ def _psis_terms(idata: Any, var_name: str | None) -> tuple[dict, list[str]]:
 
     Returns:
         ``(keyword arguments for arviz_stats.loo, names of the truncated observations)``;
-        ``({}, [])`` when ArviZ's own weights serve every observation.
+        ``({}, [])`` for a log-likelihood without both sample dims (ArviZ then weighs).
     """
     import xarray as xr
     from scipy.special import logsumexp
@@ -182,8 +182,9 @@ def _psis_terms(idata: Any, var_name: str | None) -> tuple[dict, list[str]]:
     except ValueError:  # some observation's whole tail ties: smooth each one alone
         log_weights, pareto_k = _psislw_each(placeholder, reff, sample_dims, obs_dims)
     failed = ~(np.isfinite(log_weights).all(sample_dims) | const)
+    terms = {"reff": reff, "log_weights": log_weights, "pareto_k": pareto_k}
     if not bool(const.any()) and not bool(failed.any()):
-        return {}, []
+        return terms, []  # ArviZ's own weights (computed once, here)
     raw = -ll.transpose(*sample_dims, *obs_dims).values.reshape(n_samples, -1)
     raw = raw - logsumexp(raw, axis=0)
     raw = np.minimum(raw, 0.5 * np.log(n_samples) - np.log(n_samples))  # sqrt(S) mean(w)
