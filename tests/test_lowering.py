@@ -972,8 +972,18 @@ def test_second_derivatives_run_on_the_blocked_kernel_and_the_fused_passes_say_s
         f = attention(model, "out", backend, block_q=4, block_k=4)
         return lambda q: jnp.sum(jnp.sin(f(q, k, v)))
 
-    np.testing.assert_allclose(jax.hessian(loss("blocked"))(q), jax.hessian(loss("exact"))(q),
-                               atol=1e-10)
+    t = jnp.asarray(r.normal(size=q.shape))  # a Hessian-vector product: forward over reverse
+
+    def hvp(backend):
+        return jax.jvp(jax.grad(loss(backend)), (q,), (t,))[1]
+
+    try:
+        np.testing.assert_allclose(hvp("blocked"), hvp("exact"), atol=1e-10)
+        np.testing.assert_allclose(jax.hessian(loss("blocked"))(q),
+                                   jax.hessian(loss("exact"))(q), atol=1e-10)
+    except NotImplementedError as err:  # an old JAX (the floor's 0.4.33): the kernel's
+        # loop barrier has no derivative or batching rule there
+        assert "optimization_barrier" in str(err) and jax.__version_info__ < (0, 10), err
     try:
         jax.grad(loss("pallas"))(q)
     except NotLowerableError as err:  # Pallas (interpreted) needs its Triton backend

@@ -417,9 +417,10 @@ def attention(
             in reverse mode on every kernel (the blocked and fused kernels' gradients
             are custom VJPs); forward mode (``jax.jvp``, ``jax.jacfwd``) on the dense
             and windowed kernels and the exact engine; second derivatives
-            (``jax.hessian``) there and on the blocked kernel, not on the Pallas /
-            Mosaic GPU kernels (a ``TypeError`` names the backends that have them) nor
-            on cuDNN's (JAX's wrapper differentiates it once).
+            (``jax.hessian``) there and on the blocked kernel with a recent JAX (0.10
+            has them; 0.4.33 lacks a rule its loop needs), not on the Pallas / Mosaic
+            GPU kernels (a ``TypeError`` names the backends that have them) nor on
+            cuDNN's (JAX's wrapper differentiates it once).
             ``f.explain(*args)`` describes the path;
             ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
             log-normaliser})`` without the eager check (empty on the exact path), for a
