@@ -559,6 +559,10 @@ def test_convergence_report():
     rep = dg.convergence_report(Info((np.array([3.0, 2.0, 2.5, 1.0, np.nan, np.nan]), 3)))
     assert not rep.monotone and rep.first_increase == 1 and rep.max_increase == pytest.approx(0.5)
     assert rep.num_iterations == 4
+    # a non-finite value before the last finite one is a step the descent did not take
+    rep = dg.convergence_report(np.array([1.0, np.nan, 0.5, 0.4, np.nan]))
+    assert not rep.monotone and rep.first_increase == 0 and rep.max_increase == np.inf
+    assert rep.num_iterations == 4 and rep.final == 0.4
     with pytest.raises(ValueError, match="1-d"):
         dg.convergence_report(np.zeros((2, 3)))
 

@@ -68,7 +68,9 @@ def as_trace(trace: Any) -> np.ndarray:
 def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
     r"""Check an objective trace $F_0, F_1, \dots$ (to be minimised) for monotone descent.
 
-    Non-finite entries (NaN after an algorithm stopped) are dropped first.
+    Non-finite entries after the last finite one (the NaN padding after an algorithm
+    stopped) are dropped first. One before it is a step the descent did not take: the
+    steps into and out of it count as increases (``max_increase`` is then ``inf``).
 
     Args:
         trace: a 1-d array, or an `info` NamedTuple with a `free_energy` / `energy` /
@@ -83,14 +85,18 @@ def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
         ValueError: the trace is not a non-empty 1-d array.
     """
     t = as_trace(trace)
-    t = t[np.isfinite(t)] if np.isfinite(t).any() else t
+    finite = np.isfinite(t)
+    if finite.any():  # the padding after the last finite entry
+        t = t[: np.nonzero(finite)[0][-1] + 1]
     inc = np.diff(t)
-    bad = np.nonzero(inc > tol * (1 + np.abs(t[:-1])))[0]
+    with np.errstate(invalid="ignore"):
+        up = (inc > tol * (1 + np.abs(t[:-1]))) | ~np.isfinite(inc)
+    bad = np.nonzero(up)[0]
     return ConvergenceReport(
         num_iterations=int(t.size),
         initial=float(t[0]),
         final=float(t[-1]),
         monotone=bool(bad.size == 0),
-        max_increase=float(inc.max()) if inc.size else 0.0,
+        max_increase=float(np.where(np.isfinite(inc), inc, np.inf).max()) if inc.size else 0.0,
         first_increase=int(bad[0]) if bad.size else -1,
     )
