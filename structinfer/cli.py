@@ -378,9 +378,12 @@ def _check_out(out: str) -> None:
 
 def _draws(args) -> tuple[int, int, int]:
     """Warm-up, draws and chains of ``compare`` (``--quick`` defaults), enough for PSIS-LOO."""
-    nw = args.num_warmup or (60 if args.quick else 500)
-    ns = args.num_samples or (60 if args.quick else 500)
-    nc = args.num_chains or (1 if args.quick else 2)
+    def given(value, quick, full):
+        return value if value is not None else (quick if args.quick else full)
+
+    nw = given(args.num_warmup, 60, 500)
+    ns = given(args.num_samples, 60, 500)
+    nc = given(args.num_chains, 1, 2)
     if nc * ns < MIN_LOO_DRAWS:
         raise CLIError(
             f"argument --num-samples/--num-chains: PSIS-LOO needs at least {MIN_LOO_DRAWS} "
@@ -657,6 +660,17 @@ def _positive(s: str) -> int:
     return v
 
 
+def _non_negative(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a non-negative integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
+    return v
+
+
 def _seed(s: str) -> int:
     try:
         v = int(s)
@@ -712,9 +726,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--true-edges", metavar="KEY", help="array in DATA.npz with the true parent "
                    "of each child (not passed to the models)")
     c.add_argument("--quick", action="store_true", help="short chains (smoke run)")
-    c.add_argument("--num-warmup", type=_positive, default=None)
-    c.add_argument("--num-samples", type=_positive, default=None)
-    c.add_argument("--num-chains", type=_positive, default=None)
+    c.add_argument("--num-warmup", type=_non_negative, default=None,
+                   help="NUTS warm-up steps per chain; 0 keeps the initial step size "
+                   "(default 500, 60 with --quick)")
+    c.add_argument("--num-samples", type=_positive, default=None,
+                   help="posterior draws per chain (default 500, 60 with --quick)")
+    c.add_argument("--num-chains", type=_positive, default=None,
+                   help="Markov chains (default 2, 1 with --quick)")
     c.add_argument("--score-factors", choices=("error", "normalize"), default="error",
                    help="factor potentials in the likelihood: refuse (default) or normalise "
                    "them as a conditional prior over the edges")

@@ -94,7 +94,7 @@ def work(tmp_path, monkeypatch):
     monkeypatch.setenv("STRUCTINFER_BENCHMARKS", str(tmp_path / "nothing"))
 
     def stub(*args, **kwargs):
-        raise RuntimeError(REACHED)
+        raise RuntimeError(f"{REACHED} with num_warmup={kwargs.get('num_warmup')}")
 
     monkeypatch.setattr(infer, "nuts", stub)
     return tmp_path
@@ -154,17 +154,18 @@ def test_good_true_edges_reach_the_fit(work, capsys):
     (["--num-samples", "12", "--num-chains", "2"], "2 chain(s) x 12 draws = 24"),
     (["--quick", "--num-samples", "20"], "1 chain(s) x 20 draws = 20"),
     (["--num-chains", "0"], "argument --num-chains: expected a positive integer, got 0"),
-    (["--num-warmup", "-3"], "argument --num-warmup: expected a positive integer, got -3"),
+    (["--num-warmup", "-3"], "argument --num-warmup: expected a non-negative integer, got -3"),
     (["--num-samples", "many"], "argument --num-samples: expected a positive integer, got 'many'"),
 ])
 def test_too_few_draws_for_loo_stop_before_fitting(work, capsys, argv, expected):
     _usage_error(capsys, ["compare", "models.py", "data.npz", *argv], expected)
 
 
-def test_enough_draws_reach_the_fit(work, capsys):
+@pytest.mark.parametrize("warmup", ["1", "0"])  # 0: no adaptation, as `infer.nuts` allows
+def test_enough_draws_reach_the_fit(work, capsys, warmup):
     rc, lines = _run(capsys, "compare", "models.py", "data.npz", "--num-samples", "13",
-                     "--num-chains", "2", "--num-warmup", "1")
-    assert rc == 1 and REACHED in lines[-1], lines
+                     "--num-chains", "2", "--num-warmup", warmup)
+    assert rc == 1 and f"{REACHED} with num_warmup={warmup}" in lines[-1], lines
 
 
 @pytest.mark.parametrize("command", [["compare", "models.py", "data.npz"], ["demo"],
