@@ -108,6 +108,23 @@ def test_svi_nonfinite_names_the_step_and_the_site():
     assert "'bad'" in err.value.site
 
 
+@pytest.mark.filterwarnings("ignore:Out-of-support values")  # NumPyro's, on the NaN
+@pytest.mark.parametrize("fit", ["nuts", "svi"])
+def test_nan_data_is_named_where_numpyro_finds_no_start(fit):
+    def model(y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("children", 3):
+            phi = si.edge("phi", si.priors.Uniform(2))
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[phi], s), obs=y)
+
+    run = {"nuts": lambda *a, **k: si.infer.nuts(*a, num_warmup=2, num_samples=2, **k),
+           "svi": lambda *a, **k: si.infer.svi(*a, num_steps=2, **k)}[fit]
+    with pytest.raises(si.infer.NonFiniteEnergyError,
+                       match=fit + r": no initial point .* model argument 0 .*NaN") as err:
+        run(jax.random.key(0), model, jnp.array([-1.0, jnp.nan, 1.1]), progress_bar=False)
+    assert err.value.step == 0 and "NaN" in err.value.site
+
+
 def tilt_model(y, log):
     """Three children copy one of two parents; `log` records each run's edge value."""
     s = numpyro.sample("s", dist.HalfNormal(1.0))

@@ -110,7 +110,7 @@ class NonFiniteEnergyError(FloatingPointError):
     Attributes:
         step: the step whose energy was not finite (the iterative loops count from 1;
             `structinfer.infer.svi` gives the number of updates made before the
-            non-finite loss, 0 at the initial parameters).
+            non-finite loss, 0 at the initial parameters; `structinfer.infer.nuts` 0).
         site: the model site or term responsible, when it could be found.
         index: the batch index of the first failing element (``()`` if unbatched).
     """

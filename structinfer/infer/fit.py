@@ -26,6 +26,7 @@ expanding attention (sec. 5.2).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -167,6 +168,9 @@ def nuts(
             a discrete latent site that is not enumerated, or no continuous latent
             site to sample.
         FloatingPointError: a draw is not finite (naming the site).
+        NonFiniteEnergyError: (a `FloatingPointError`) NumPyro found no initial point with
+            a finite log density, and the argument or site responsible (NaN data, say)
+            was found; it is named. NumPyro's own RuntimeError where none was found.
 
     Examples:
         ```python
@@ -218,7 +222,8 @@ def nuts(
         chain_method="vectorized" if num_chains > 1 else "sequential",
         progress_bar=progress_bar,
     )
-    mcmc.run(rng_key, *args, extra_fields=EXTRA_FIELDS, **kwargs)
+    with _init_failure("nuts", model, args, kwargs):
+        mcmc.run(rng_key, *args, extra_fields=EXTRA_FIELDS, **kwargs)
     for name, draws in mcmc.get_samples().items():
         if not bool(jnp.all(jnp.isfinite(draws))):
             raise FloatingPointError(
@@ -295,8 +300,9 @@ def svi(
         its `SVIRunResult` (`params`, `state`, `losses`: the negative ELBO at each step).
 
     Raises:
-        NonFiniteEnergyError: the loss became NaN or infinite; the message names the
-            step and the parameter or site responsible.
+        NonFiniteEnergyError: the loss became NaN or infinite, or NumPyro found no
+            initial point with a finite loss (NaN data, say); the message names the
+            step and the parameter, argument or site responsible.
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
         ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
             that is not enumerated.
@@ -315,12 +321,31 @@ def svi(
     guide = _guide(guide, model, info)
     optim = numpyro.optim.Adam(0.01) if optim is None else optim
     fitter = SVI(model, guide, optim, TraceEnum_ELBO(max_plate_nesting=info.max_plate_nesting))
-    result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar, **kwargs)
+    with _init_failure("svi", model, args, kwargs):
+        result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar, **kwargs)
     losses = np.asarray(result.losses)
     bad = np.flatnonzero(~np.isfinite(losses))
     if bad.size:
         _raise_nonfinite(fitter, rng_key, int(bad[0]), args, kwargs)
     return fitter, result
+
+
+@contextlib.contextmanager
+def _init_failure(what: str, model: Callable, args: tuple, kwargs: dict):
+    """Name the argument or site behind NumPyro's "Cannot find valid initial parameters"
+    (NaN data, say), where one is found; NumPyro's error otherwise."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "Cannot find valid initial parameters" not in str(err):
+            raise
+        site = nonfinite_site(model, *args, **kwargs)
+        if site is None:
+            raise
+        raise NonFiniteEnergyError(
+            f"{what}: no initial point has a finite log density (NumPyro: {err}); "
+            f"responsible: {site}. Check the data for NaN/inf, or give forbidden edges a "
+            "Restricted prior instead of -inf scores.", 0, site, ()) from err
 
 
 def _check_numpyro_provenance(where: str) -> None:
