@@ -35,6 +35,8 @@ reported as ``failed: <reason>`` and the run goes on):
 * ``structinfer-mosaic`` -- the same model with ``backend="mosaic"`` forced: the Mosaic
   GPU (Hopper) forward and backward (skipped, with the kernel's reason, where
   it cannot run, e.g. off a Hopper GPU);
+* ``structinfer-cudnn`` -- the same model with ``backend="cudnn"`` forced (skipped where
+  auto already chose cuDNN, or with cuDNN's reason where it cannot run the edge);
 * ``cudnn`` -- ``jax.nn.dot_product_attention(implementation="cudnn")``: ``is_causal`` /
   ``local_window_size`` for the masks, the bias table materialised for relpos (per head),
   geometric (one table, with ``is_causal``), bias (per head) and block_sparse (one table
@@ -136,6 +138,7 @@ IMPLS = {
     "cudnn": (0, "jax.nn cuDNN"),
     "structinfer-pallas": (1, "structinfer (pallas)"),
     "structinfer-mosaic": (1, "structinfer (mosaic)"),
+    "structinfer-cudnn": (1, "structinfer (cudnn)"),
     "torch-sdpa": (1, "torch SDPA"),
     "torch-flex": (1, "torch Flex"),
     "pallas-mha": (2, "JAX Pallas mha"),
@@ -658,6 +661,7 @@ BUILDERS = {
     "structinfer": lambda ctx: build_structinfer(ctx, "auto"),
     "structinfer-pallas": lambda ctx: build_structinfer(ctx, "pallas"),
     "structinfer-mosaic": lambda ctx: build_structinfer(ctx, "mosaic"),
+    "structinfer-cudnn": lambda ctx: build_structinfer(ctx, "cudnn"),
     "cudnn": build_cudnn,
     "pallas-mha": build_pallas_mha,
     "torch-sdpa": build_torch_sdpa,

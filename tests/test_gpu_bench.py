@@ -17,8 +17,8 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--quick",
          "--out", str(tmp_path), "--cases", *cases,
-         "--impls", "structinfer", "structinfer-pallas", "structinfer-mosaic", "cudnn",
-         "tokamax-triton"],
+         "--impls", "structinfer", "structinfer-pallas", "structinfer-mosaic",
+         "structinfer-cudnn", "cudnn", "tokamax-triton"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -42,6 +42,9 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
     assert all(r["status"] == "skipped" for r in data["rows"] if r["impl"] == "cudnn")
     mosaic = [r for r in data["rows"] if r["impl"] == "structinfer-mosaic"]
     assert len(mosaic) == 4 and all(r["status"] == "skipped" for r in mosaic), mosaic
+    forced = [r for r in data["rows"] if r["impl"] == "structinfer-cudnn"]  # with the reason
+    assert len(forced) == 4 and all(r["status"] == "skipped" for r in forced), forced
+    assert all("backend 'cudnn' cannot run" in r["note"] for r in forced), forced
     # every implementation runs a case before the next starts (a budget cut drops whole
     # cases), structinfer first within it
     ran = [(cases.index(r["case"]), ("fwd", "fwd+bwd").index(r["mode"])) for r in data["rows"]]

@@ -13,8 +13,9 @@ the platform's fused kernels instead of the portable blocked kernel
   $(n, m)$ table per head, so only up to `CUDNN_BIAS_MAX` entries), and the queries,
   keys and values are float16 / bfloat16 (the prior's parameters may be float32: they
   never promote them) with query and value head dims equal, a multiple of 8 and at most
-  128 (what cuDNN accepts on every GPU it supports) — except where the Pallas kernel
-  measured faster (`pallas_measured_faster`: the geometric prior).
+  128 (what cuDNN accepts on every GPU it supports) — except where our kernels
+  measured faster (`pallas_measured_faster`: the geometric prior; and a
+  relative-position table where the Mosaic GPU kernel runs, the kernel table's rule).
 * A **Pallas** (Triton) flash-attention kernel, `pallas_forward`, for the rest of
   the dot-product family in any floating dtype: it computes on each block the same logits
   the blocked kernel does — dot product, per-parent bias, relative-position bias looked up
