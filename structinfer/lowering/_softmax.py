@@ -112,34 +112,57 @@ def with_nan_rows(y: jax.Array, lse: jax.Array, *, pass_through: bool = False) -
 
     Differentiated as a ``where`` by default: those rows' cotangent is zeroed, so a loss
     that drops the NaN rows, even after a nonlinearity (``where(ok, sin(y), 0)``), keeps
-    finite gradients. With ``pass_through`` it is differentiated as the identity in
-    ``y`` (nothing from ``L``), and the reverse pass adds no pass over the cotangent
-    beside a fused kernel's backward: for a kernel whose every row has an allowed parent
-    (`Kernel.rows_allowed`), where $L_i$ is not finite only for non-finite inputs.
-    Forward mode and higher derivatives work either way.
+    finite gradients; forward mode and higher derivatives work. With ``pass_through``
+    (for a kernel whose every row has an allowed parent, `Kernel.rows_allowed`, where
+    $L_i$ is not finite only for non-finite inputs) it is differentiated as the identity
+    in ``y`` (nothing from ``L``), in reverse mode only, and adds no pass over ``y``
+    beside the kernel's: not differentiated, the NaN rows are scattered into ``y`` (which
+    XLA does in place: nothing of ``y`` is read, and only those rows written);
+    differentiated, the ``where`` is left to fuse into the consumer of ``y`` (the loss),
+    and the reverse pass adds nothing over the cotangent.
 
     Args:
         y: ``(..., rows, dv)`` output.
         lse: ``(..., rows)`` row log-normalisers.
-        pass_through: differentiate as the identity in ``y``.
+        pass_through: differentiate as the identity in ``y`` (reverse mode only).
 
     Returns:
         ``y`` with its rows of non-finite ``lse`` set to NaN.
     """
     if pass_through:
-        return _nan_rows_identity(y, lse)
+        return _nan_rows_in_place(y, lse)
+    return _nan_rows_where(y, lse)
+
+
+def _nan_rows_where(y: jax.Array, lse: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
 
 
-@jax.custom_jvp
-def _nan_rows_identity(y: jax.Array, lse: jax.Array) -> jax.Array:
-    return jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+@jax.custom_vjp
+def _nan_rows_in_place(y: jax.Array, lse: jax.Array) -> jax.Array:
+    """NaN scattered into the rows of non-finite ``lse``: the update of row ``r`` goes to
+    ``r``, or past the end (dropped) where ``lse`` is finite; all indices distinct."""
+    dv = y.shape[-1]
+    flat = y.reshape((-1, dv))
+    rows = flat.shape[0]
+    at = jnp.arange(rows, dtype=jnp.int32)
+    at = jnp.where(jnp.isfinite(lse.reshape(-1)), at + rows, at)[:, None]
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                           scatter_dims_to_operand_dims=(0,))
+    out = jax.lax.scatter(flat, at, jnp.full(flat.shape, jnp.nan, flat.dtype), dims,
+                          unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    return out.reshape(y.shape)
 
 
-@_nan_rows_identity.defjvp
-def _nan_rows_identity_jvp(primals, tangents):
-    y, lse = primals
-    return _nan_rows_identity(y, lse), tangents[0]
+def _nan_rows_in_place_fwd(y, lse):
+    return _nan_rows_where(y, lse), None
+
+
+def _nan_rows_in_place_bwd(_, ct):
+    return ct, None
+
+
+_nan_rows_in_place.defvjp(_nan_rows_in_place_fwd, _nan_rows_in_place_bwd)
 
 
 def backward_delta(out: jax.Array, d_out: jax.Array, lse: jax.Array, d_lse: jax.Array,

@@ -93,8 +93,9 @@ class Kernel:
         rows_allowed: whether every child of an edge the kernel can run has an allowed
             parent (its ``unsupported`` refuses every mask that could leave one
             without): a row's log-normaliser is then not finite only for non-finite
-            inputs, and the NaN rows `structinfer.attention` writes are differentiated
-            as the identity (no pass over the output's cotangent; `with_nan_rows`).
+            inputs, and the NaN rows `structinfer.attention` writes add no pass over
+            the output: scattered into it, and differentiated as the identity
+            (`with_nan_rows`).
         title: how explanations name it ("cuDNN"); the name when empty.
         refusals: exception types ``run`` may raise when traced, meaning the kernel
             cannot run here after all (JAX's cuDNN wrapper checks the installed cuDNN and
