@@ -660,17 +660,6 @@ def _positive(s: str) -> int:
     return v
 
 
-def _non_negative(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a non-negative integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
-    return v
-
-
 def _seed(s: str) -> int:
     try:
         v = int(s)
@@ -726,9 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--true-edges", metavar="KEY", help="array in DATA.npz with the true parent "
                    "of each child (not passed to the models)")
     c.add_argument("--quick", action="store_true", help="short chains (smoke run)")
-    c.add_argument("--num-warmup", type=_non_negative, default=None,
-                   help="NUTS warm-up steps per chain; 0 keeps the initial step size "
-                   "(default 500, 60 with --quick)")
+    c.add_argument("--num-warmup", type=_positive, default=None,
+                   help="NUTS warm-up (step-size and mass-matrix adaptation) steps per "
+                   "chain (default 500, 60 with --quick)")
     c.add_argument("--num-samples", type=_positive, default=None,
                    help="posterior draws per chain (default 500, 60 with --quick)")
     c.add_argument("--num-chains", type=_positive, default=None,

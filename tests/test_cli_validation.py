@@ -154,14 +154,16 @@ def test_good_true_edges_reach_the_fit(work, capsys):
     (["--num-samples", "12", "--num-chains", "2"], "2 chain(s) x 12 draws = 24"),
     (["--quick", "--num-samples", "20"], "1 chain(s) x 20 draws = 20"),
     (["--num-chains", "0"], "argument --num-chains: expected a positive integer, got 0"),
-    (["--num-warmup", "-3"], "argument --num-warmup: expected a non-negative integer, got -3"),
+    (["--num-warmup", "-3"], "argument --num-warmup: expected a positive integer, got -3"),
+    # no adaptation would leave NUTS at its initial step size: a stuck chain
+    (["--num-warmup", "0"], "argument --num-warmup: expected a positive integer, got 0"),
     (["--num-samples", "many"], "argument --num-samples: expected a positive integer, got 'many'"),
 ])
 def test_too_few_draws_for_loo_stop_before_fitting(work, capsys, argv, expected):
     _usage_error(capsys, ["compare", "models.py", "data.npz", *argv], expected)
 
 
-@pytest.mark.parametrize("warmup", ["1", "0"])  # 0: no adaptation, as `infer.nuts` allows
+@pytest.mark.parametrize("warmup", ["1", "7"])
 def test_enough_draws_reach_the_fit(work, capsys, warmup):
     rc, lines = _run(capsys, "compare", "models.py", "data.npz", "--num-samples", "13",
                      "--num-chains", "2", "--num-warmup", warmup)
