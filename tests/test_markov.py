@@ -626,6 +626,39 @@ def test_numpyro_nuts_with_the_chain_enumerated_matches_the_engine():
     assert abs(theta.std() - sd) < 0.15 * sd, (theta.std(), sd)
 
 
+def test_per_child_diagnostics_refuse_a_chain_by_name():
+    """Regression: the pointwise log-likelihood, `check_comparable` (the CLI's `compare`
+    runs it first) and `to_inference_data` of a Markov model raised a bare
+    ``KeyError: '_PREV_z'``. A chain couples its steps' observations, so there is no
+    per-child term: each says so, naming the site and what to use instead."""
+    import numpyro.distributions as dist
+
+    from structinfer import diagnostics as dg
+
+    def model(y):
+        stay = numpyro.sample("stay", dist.Beta(5.0, 2.0))
+        prior = si.priors.Markov(jnp.log(jnp.array([[stay, 1 - stay], [1 - stay, stay]])),
+                                 jnp.zeros(2))
+
+        def step(prev, yt):
+            z = si.edge("z", prior, previous=prev)
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[z], 0.7), obs=yt)
+            return z, None
+
+        scan(step, jnp.asarray(-1), y)
+
+    y = jnp.array([-1.1, -0.8, -1.2, 0.9, 1.1, 1.3, 0.7])
+    said = r"model 'model': site 'z' lies on a Markov chain .* \(structinfer.log_marginal\)"
+    with pytest.raises(ValueError, match=said):
+        si.exact.pointwise_log_likelihood(model, {"stay": jnp.array(0.7)}, y)
+    with pytest.raises(ValueError, match=said):
+        dg.check_comparable(model, y)
+    fit = si.infer.nuts(jax.random.key(0), model, y, num_warmup=5, num_samples=5,
+                        progress_bar=False)
+    with pytest.raises(ValueError, match=said):
+        dg.to_inference_data(fit, y)
+
+
 def test_alignment_against_pytorch_struct_linear_chain_crf(x64):
     """Optional (runs where torch and torch-struct are installed): the monotonic alignment's
     log Z and posterior against pytorch-struct's LinearChainCRF (its partition function and

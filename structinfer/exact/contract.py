@@ -389,6 +389,16 @@ def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: Scor
         tr = packed_trace(em).get_trace(*args, **kwargs)
 
     sites = [s for s in tr.values() if s["type"] == "sample"]
+    for s in sites:
+        if any(n.startswith("_time") for n in s["infer"].get("dim_to_name", {}).values()):
+            raise ValueError(
+                f"model '{model_name(model)}': site '{s['name']}' lies on a Markov chain "
+                "(numpyro.contrib.control_flow.scan), which couples the observations of "
+                "its time steps, so there is no pointwise log-likelihood (and no "
+                "PSIS-LOO); compare such models by their evidence "
+                "(structinfer.log_marginal), and read a fit's draws with "
+                "arviz_base.from_numpyro"
+            )
     role = {s["name"]: info[s["name"]].role for s in sites}
     observed = [s for s in sites if role[s["name"]] == "observed"]
     factors = [s for s in sites if role[s["name"]] == "factor"]
@@ -441,12 +451,6 @@ def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: Scor
                 f"model '{model_name(model)}': enumerated site '{s['name']}' lies outside "
                 f"the plate(s) {sorted(missing)} of the observations, so it couples them "
                 "and the log-likelihood does not split into one term per element"
-            )
-    for s in sites:
-        if any(n.startswith("_time") for n in s["infer"].get("dim_to_name", {}).values()):
-            raise ValueError(
-                f"model '{model_name(model)}': markov (time) dims at site '{s['name']}' are "
-                "not supported by the pointwise log-likelihood"
             )
     enum_names = {s["name"] for s in enumerated}
     local_factors = []
