@@ -400,12 +400,14 @@ def test_loo_falls_back_to_truncated_importance_sampling_where_psis_fails():
     ll[0, :, 1] = TIED_AT_CUTOFF
     ll[0, :, 2] = np.repeat([-3.0, -4.0, -5.0, -6.0], 15)  # the whole tail tied
 
-    def idata(ll):
+    def idata(ll, dim="children"):
         return azb.from_dict({"posterior": {"mu": r.normal(size=ll.shape[:2])},
-                              "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+                              "log_likelihood": {"x": ll}}, dims={"x": [dim]})
 
     with pytest.warns(dg.ParetoKWarning, match=r"model 'tied'.*children 1, children 2.*truncated"):
         res = dg.loo(idata(ll), name="tied")
+    with pytest.warns(dg.ParetoKWarning):  # a dim named as the fallback's own stacked dim
+        assert float(dg.loo(idata(ll, "obs")).elpd) == pytest.approx(float(res.elpd))
     elpd_i = np.asarray(res.elpd_i)
     assert np.isfinite(elpd_i).all() and np.isfinite(res.elpd), elpd_i
     for i in (1, 2):  # w_s proportional to 1 / p(y_i | theta_s), capped at sqrt(S) mean(w)
@@ -631,3 +633,56 @@ def test_batch_plate_with_a_shared_prior(method):
     np.testing.assert_allclose(ep["phi_prior"].values, np.broadcast_to(want, (2, n, n)),
                                atol=1e-5)
     np.testing.assert_allclose(ep["phi"].values.sum(-1), 1.0, atol=1e-5)
+
+
+KEYS3 = jnp.array([0.0, 2.0, 4.0])
+
+
+def masked_model(x, m):
+    """Children observed where ``m`` (missing ones NaN, masked out)."""
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with numpyro.plate("batch", x.shape[0], dim=-2), numpyro.plate("children", x.shape[1]):
+        phi = si.edge("phi", si.priors.Uniform(3))
+        with numpyro.handlers.mask(mask=m):
+            numpyro.sample("x", dist.Normal(KEYS3[phi], tau), obs=x)
+
+
+@pytest.mark.filterwarnings("ignore:.*PSIS-LOO is unreliable")  # 40 draws
+def test_masked_children_are_not_observations():
+    """Regression: children masked out (`handlers.mask`, missing values as NaN) entered
+    the log_likelihood group as observations with log-likelihood 0, so `loo` counted
+    them (inflating its standard error), and `to_inference_data` refused the fit's own
+    NaN data. Now only the observed children are terms (their positions as coordinates),
+    and `loo` on them equals `loo` of the same draws' terms over the observed children."""
+    x = jnp.array([[0.1, 2.2, 3.9, 0.3], [1.9, jnp.nan, 4.2, jnp.nan]])
+    m = ~jnp.isnan(x)
+    fit = si.infer.nuts(jax.random.PRNGKey(0), masked_model, x, m, num_warmup=30,
+                        num_samples=40, progress_bar=False)
+    dt = dg.to_inference_data(fit, x, m, posterior_predictive=False)
+    ll = dt["log_likelihood"]["x"]
+    assert ll.dims == ("chain", "draw", "x_observed") and ll.shape == (1, 40, 6)
+    np.testing.assert_array_equal(ll["batch"].values, [0, 0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(ll["children"].values, [0, 1, 2, 3, 0, 2])
+    tau = np.asarray(fit.get_samples()["tau"])
+    xs = np.asarray(x)[np.asarray(m)]  # the observed children, in the same order
+    want = logsumexp(norm.logpdf(xs[None, :, None], np.asarray(KEYS3), tau[:, None, None]),
+                     axis=-1) - np.log(3)
+    np.testing.assert_allclose(ll.values[0], want, rtol=1e-4, atol=1e-4)
+    res = dg.loo(dt)
+    assert res.n_data_points == 6 and np.isfinite(res.elpd)
+    # one plate: the children kept along it, their positions its coordinate
+
+    def one_plate(x, m):
+        tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        with numpyro.plate("children", x.shape[0]):
+            phi = si.edge("phi", si.priors.Uniform(3))
+            numpyro.sample("x", dist.Normal(KEYS3[phi], tau).mask(m), obs=x)
+
+    fit1 = si.infer.nuts(jax.random.PRNGKey(0), one_plate, x[1], m[1], num_warmup=30,
+                         num_samples=40, progress_bar=False)
+    ll1 = dg.to_inference_data(fit1, x[1], m[1], posterior_predictive=False)[
+        "log_likelihood"]["x"]
+    assert ll1.dims == ("chain", "draw", "children") and ll1.shape == (1, 40, 2)
+    np.testing.assert_array_equal(ll1["children"].values, [0, 2])
+    assert dg.loo(dg.to_inference_data(fit1, x[1], m[1], posterior_predictive=False)
+                  ).n_data_points == 2

@@ -203,19 +203,20 @@ def _psislw_each(ll: Any, reff: float, sample_dims: list[str], obs_dims: list[st
     """`psislw` observation by observation: NaN weights where ArviZ raises."""
     import xarray as xr
 
-    stacked = ll.stack(obs=obs_dims)
+    obs = "_".join(["stacked", *ll.dims])  # a name no dim of `ll` has (e.g. "obs")
+    stacked = ll.stack({obs: obs_dims})
     weights, ks = [], []
-    for i in range(stacked.sizes["obs"]):
-        one = stacked.isel(obs=[i])
+    for i in range(stacked.sizes[obs]):
+        one = stacked.isel({obs: [i]})
         try:
             w, k = one.azstats.psislw(r_eff=reff, dim=sample_dims)
         except ValueError:
             w, k = xr.full_like(one, np.nan), xr.full_like(one.isel({d: 0 for d in sample_dims}),
                                                           np.nan)
-        weights.append(w.transpose(*sample_dims, "obs"))
+        weights.append(w.transpose(*sample_dims, obs))
         ks.append(k)
-    log_weights = xr.concat(weights, "obs").unstack("obs")
-    pareto_k = xr.concat(ks, "obs").unstack("obs")
+    log_weights = xr.concat(weights, obs).unstack(obs)
+    pareto_k = xr.concat(ks, obs).unstack(obs)
     return log_weights, pareto_k
 
 

@@ -175,13 +175,57 @@ def _check_same_data(dt: Any, model: Callable, args: tuple, kwargs: dict) -> Non
     differ = [
         n for n, site in tr.items()
         if site["type"] == "sample" and site.get("is_observed") and n in obs
-        and not np.array_equal(np.asarray(site["value"]), obs[n].values)
+        and not np.array_equal(np.asarray(site["value"]), obs[n].values, equal_nan=True)
     ]
     if differ:
         raise ValueError(
             f"to_inference_data: the observed site(s) {differ} given here differ from the "
             "data the fit ran on; pass the fit's own data"
         )
+
+
+def _observed_elements(model: Callable, args: tuple, kwargs: dict,
+                       struct: LikelihoodStructure) -> np.ndarray | None:
+    """Which elements of the pointwise log-likelihood hold an observation: those where
+    some observed site is not masked out (`numpyro.handlers.mask`, `Distribution.mask`;
+    a masked element's term is 0, not an observation). ``None`` when all are."""
+    from numpyro.distributions import MaskedDistribution
+
+    tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
+    seen = np.zeros(struct.shape, bool)
+    for name in struct.observed:
+        site = tr[name]
+        fn, mask = site["fn"], np.ones((), bool)
+        while isinstance(fn, MaskedDistribution):
+            mask = mask & np.asarray(fn._mask, bool)
+            fn = fn.base_dist
+        mask = np.broadcast_to(mask, tuple(site["fn"].batch_shape))
+        frames = {f.name: f.dim for f in site["cond_indep_stack"] if f.dim is not None}
+        axes = [mask.ndim + frames[p] for p in struct.plates]
+        other = tuple(a for a in range(mask.ndim) if a not in axes)
+        mask = np.moveaxis(mask.any(axis=other, keepdims=True), axes, range(len(axes)))
+        seen |= mask.reshape(mask.shape[:len(axes)])
+    return None if seen.all() else seen
+
+
+def _log_likelihood_group(ll: np.ndarray, struct: LikelihoodStructure,
+                          seen: np.ndarray | None) -> xr.Dataset:
+    """The `log_likelihood` dataset: one term per element of the kept plates, or only
+    the observed ones (``seen``): along the one plate (its coordinate the elements'
+    positions), or on one ``<name>_observed`` dim with a position coordinate per plate."""
+    import arviz_base as azb
+
+    if seen is None:
+        return azb.dict_to_dataset({struct.name: ll}, dims={struct.name: list(struct.plates)})
+    at = np.nonzero(seen)
+    kept = ll[(slice(None), slice(None), *at)]
+    if len(struct.plates) == 1:
+        (plate,) = struct.plates
+        return azb.dict_to_dataset({struct.name: kept}, dims={struct.name: [plate]},
+                                   coords={plate: at[0]})
+    dim = f"{struct.name}_observed"
+    ds = azb.dict_to_dataset({struct.name: kept}, dims={struct.name: [dim]})
+    return ds.assign_coords({p: (dim, i) for p, i in zip(struct.plates, at)})
 
 
 def to_inference_data(
@@ -291,8 +335,8 @@ def to_inference_data(
     ll, struct, marg, prior_tables = _draw_quantities(
         model, samples, args, kwargs, edges, score_factors, batch_size)
 
-    dt["log_likelihood"] = xr.DataTree(azb.dict_to_dataset(
-        {struct.name: ll}, dims={struct.name: list(struct.plates)}))
+    seen = _observed_elements(model, args, kwargs, struct)
+    dt["log_likelihood"] = xr.DataTree(_log_likelihood_group(ll, struct, seen))
     obs = dt["observed_data"].to_dataset() if "observed_data" in dt.children else None
     if posterior_predictive:
         pp = _posterior_predictive(model, samples, args, kwargs, list(info.enumerated),
