@@ -250,7 +250,11 @@ def to_inference_data(
       draws kept as one chain, since ArviZ's LOO reads `(chain, draw)`);
     * `log_likelihood` — the collapsed per-child terms
       $\log p(x_i \mid \theta^{(s)})$ at every draw (edges summed out), one variable
-      named after the observed site, dims `(chain, draw, <plates>)`;
+      named after the observed site, dims `(chain, draw, <plates>)`. Elements masked
+      out at every observed site (`numpyro.handlers.mask`, `Distribution.mask`: missing
+      data) are not observations and are left out: kept along the one plate (its
+      coordinate their positions), or, with several plates, on one `<site>_observed`
+      dim with a position coordinate per plate;
     * `posterior_predictive` — replicated observations: at each draw the edges are drawn
       from $p(\phi \mid x, \theta^{(s)})$ (`Predictive(..., infer_discrete=True)`) and
       the observed sites from $p(x \mid \phi, \theta^{(s)})$;
