@@ -250,3 +250,26 @@ def test_restricted_offset_cannot_contradict_its_pattern():
     with pytest.raises(ValueError, match="offset"):
         P.Restricted(np.ones((3, 3), bool), pattern=P.Causal(include_self=True, offset=1),
                      offset=0)
+
+
+def test_a_row_that_is_not_finite_or_short_of_the_mass_is_nan():
+    """Regression: a NaN row (a child with no allowed parent, under `jit`) came out of
+    `effective_window` as window 0 and of `edge_agreement` as a correct MAP edge (the
+    argmax of a NaN row is 0), inflating the accuracy; a row whose mass never reaches
+    `mass` got window 0. Never a finite wrong number: NaN, and not correct."""
+    def model(mask):
+        with numpyro.plate("children", 3):
+            si.edge("phi", si.priors.Restricted(mask))
+
+    mask = jnp.array([[True, False, False], [True, True, False], [False, False, False]])
+    a = jax.jit(lambda m: si.marginals(model, m)["phi"])(mask)
+    assert np.isnan(np.asarray(a[2])).all()
+    w = np.asarray(dg.effective_window(a))
+    np.testing.assert_array_equal(w[:2], [0, 1])
+    assert np.isnan(w[2]) and w.dtype == np.float32
+    ag = dg.edge_agreement(a, np.array([0, 0, 0]))
+    assert np.asarray(ag.correct).tolist() == [True, True, False]
+    assert np.isnan(ag.accuracy) and np.isnan(ag.true_parent_prob)
+    short = dg.effective_window(jnp.array([[0.5, 0.3, 0.0], [0.6, 0.3, 0.1]]), mass=0.9)
+    assert np.isnan(short[0]) and short[1] == 1
+    assert jax.jit(dg.effective_window)(a).shape == (3,)

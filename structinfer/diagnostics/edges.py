@@ -98,7 +98,9 @@ def effective_window(
         mass: the posterior mass the window must hold, in `(0, 1]`.
 
     Returns:
-        An int array `(..., children)`.
+        `(..., children)` in the marginals' dtype: whole numbers, NaN for a row that is
+        not finite (a child with no allowed parent under `jit`) or whose mass never
+        reaches `mass` (an unnormalised row).
 
     Raises:
         ValueError: `mass` outside `(0, 1]`.
@@ -113,7 +115,10 @@ def effective_window(
     inside = (d[..., None] <= ws).astype(a.dtype)  # (n, m, W)
     cum = jnp.einsum("...ij,ijw->...iw", a, inside)
     tol = 1e-6 if a.dtype == jnp.float32 else 1e-12
-    return jnp.argmax(cum >= mass - tol, axis=-1)
+    held = cum >= mass - tol
+    w = jnp.argmax(held, axis=-1).astype(a.dtype)
+    ok = held[..., -1] & jnp.all(jnp.isfinite(a), axis=-1)
+    return jnp.where(ok, w, jnp.nan)
 
 
 def distance_posterior(
@@ -143,9 +148,11 @@ class EdgeAgreement(NamedTuple):
     """Agreement of the posterior edges with a known structure.
 
     Attributes:
-        accuracy: fraction of children whose MAP parent (argmax of the marginals) is the true one.
+        accuracy: fraction of children whose MAP parent (argmax of the marginals) is the
+            true one; NaN when a child's row is not finite.
         true_parent_prob: mean posterior probability of the true parent.
-        correct: `(..., children)` bool, MAP parent equals the true one.
+        correct: `(..., children)` bool, MAP parent equals the true one (False for a
+            row that is not finite).
     """
 
     accuracy: jax.Array
@@ -175,9 +182,11 @@ def edge_agreement(marginals: jax.Array, true_edges: Any) -> EdgeAgreement:
     if not isinstance(true_edges, jax.core.Tracer):
         true_edges = check_true_edges(true_edges, a)
     t = jnp.asarray(true_edges)
-    correct = jnp.argmax(a, axis=-1) == t
+    finite = jnp.all(jnp.isfinite(a), axis=-1)
+    correct = (jnp.argmax(a, axis=-1) == t) & finite
     p_true = jnp.take_along_axis(a, t[..., None], axis=-1)[..., 0]
-    return EdgeAgreement(jnp.mean(correct), jnp.mean(p_true), correct)
+    accuracy = jnp.where(jnp.all(finite), jnp.mean(correct), jnp.nan)
+    return EdgeAgreement(accuracy, jnp.mean(p_true), correct)
 
 
 def edge_summary(
