@@ -456,6 +456,19 @@ def test_head_arguments_are_validated(make, match):
         make()
 
 
+def test_numpy_integer_sizes_are_taken_as_ints():
+    """Regression: `window` and `relative_position` refused NumPy integers (`geometric`
+    took them); every size of a ready-made head takes one, as a static int, and runs
+    the same mechanism as the Python int."""
+    x = inputs((H, N, D), jnp.float32)
+    for make in (sinn.window, sinn.relative_position,
+                 lambda s: sinn.geometric(0.3, max_distance=s)):
+        want = si.attention(make(3), "out")(x, x, x)
+        np.testing.assert_array_equal(si.attention(make(np.int64(3)), "out")(x, x, x), want)
+    with pytest.raises(ValueError, match=r"window: size must be an int >= 1, got (np.int32\()?0"):
+        sinn.window(np.int32(0))
+
+
 def test_head_arguments_stay_traceable():
     """The checks read concrete values only: traced arguments still work under jit."""
     f = jax.jit(lambda a, b: beta_geometric_log_pmf(a, b, 4))
@@ -466,3 +479,18 @@ def test_head_arguments_stay_traceable():
     # the reference with concrete arguments (checked as such) in one program of its own
     ref = jax.jit(lambda x: si.expectation(sinn.geometric_beta(2.0, 2.0), "out", x, x, x))(x)
     np.testing.assert_allclose(g(jnp.asarray(2.0)), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [False, True])
+def test_a_bfloat16_layer_with_a_temperature_keeps_bfloat16_kernels(temperature, gpu):
+    """Regression: with ``temperature=True`` the heads divided the bfloat16 queries by
+    the float32 temperature parameter, so the score, and the kernel, ran in float32 (on
+    a GPU: no cuDNN, and twice the memory), though the output was bfloat16. The
+    queries keep the layer's dtype (the platform faked as a GPU: cuDNN's dtype check
+    passes; it then refuses here for want of cuDNN)."""
+    x = jax.random.normal(jax.random.key(0), (1, 256, 32))  # over the dense kernel's size
+    layer = sinn.Attention(sinn.causal(temperature=temperature), num_heads=2, in_features=32,
+                           dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    said = str(layer.explain(x))
+    assert "cuDNN takes float16" not in said and "cuDNN refused at trace time" in said, said
+    assert layer(x).dtype == jnp.bfloat16

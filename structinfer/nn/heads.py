@@ -34,6 +34,7 @@ Reference:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,14 @@ def _check_values(x, who: str, what: str, ok: Callable[[np.ndarray], np.ndarray]
         raise ValueError(f"{who}: {what} {expected}, got {a.tolist()}")
 
 
+def _count(x: Any, who: str, what: str, minimum: int) -> int:
+    """``x`` as a Python int (a NumPy integer too: sizes are static), at least
+    ``minimum``; else a ValueError naming it."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < minimum:
+        raise ValueError(f"{who}: {what} must be an int >= {minimum}, got {x!r}")
+    return int(x)
+
+
 def _positive(a: np.ndarray) -> np.ndarray:
     return np.isfinite(a) & (a > 0)
 
@@ -106,7 +115,7 @@ def _attend(prior: priors.StructuralPrior, q, k, v, temperature: bool) -> None:
         tau = numpyro.param(
             "temperature", jnp.ones((H, 1, 1), q.dtype), constraint=constraints.positive
         )
-        q = q / tau
+        q = q / tau.astype(q.dtype)  # a float32 tau would make the score (and kernel) float32
     with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
         j = edge("phi", prior, scores.Dot(q, k, scale=d**-0.5))
         numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
@@ -171,8 +180,7 @@ def window(size: int, *, temperature: bool = False) -> Mechanism:
     Raises:
         ValueError: ``size`` is not an int $\ge 1$.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"window: size must be an int >= 1, got {size!r}")
+    size = _count(size, "window", "size", 1)
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "window")
@@ -205,8 +213,7 @@ def relative_position(
     Reference:
         Singh & Buckley appendix 8.2 (relative position).
     """
-    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
-        raise ValueError(f"relative_position: max_distance must be an int >= 0, got {max_distance!r}")
+    max_distance = _count(max_distance, "relative_position", "max_distance", 0)
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "relative_position")
@@ -250,10 +257,8 @@ def geometric(
         Singh & Buckley sec. 5.2 (expanding attention).
     """
     _check_values(q, "geometric", "q", _rate, "must lie in (0, 1)")
-    if max_distance is not None and (isinstance(max_distance, bool) or not isinstance(
-            max_distance, (int, np.integer)) or max_distance < 0):
-        raise ValueError(f"geometric: max_distance must be None or an int >= 0, got "
-                         f"{max_distance!r}")
+    if max_distance is not None:
+        max_distance = _count(max_distance, "geometric", "max_distance", 0)
 
     def mechanism(qq, k, v):
         H, n, m = _heads(qq, k, v, "geometric")
@@ -289,8 +294,7 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
             only outside ``jit``), or ``size`` not an int $\ge 1$.
     """
     who = "beta_geometric_log_pmf"
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-        raise ValueError(f"{who}: size must be an int >= 1, got {size!r}")
+    size = _count(size, who, "size", 1)
     _check_values(alpha, who, "alpha", _positive, "must be positive and finite")
     _check_values(beta, who, "beta", _positive, "must be positive and finite")
     t = jnp.arange(1, size, dtype=jnp.result_type(alpha, beta))
