@@ -162,7 +162,8 @@ class Dot(_PairScore):
     Args:
         q: child features ``(..., children, d)`` (e.g. ``x W_Q^T``).
         k: parent features ``(..., parents, d)`` (e.g. ``x W_K^T``).
-        scale: optional scalar multiplier $s$.
+        scale: optional multiplier $s$: a scalar, or an array broadcasting against the
+            score table ``(..., children, parents)`` (per head, per child or per parent).
     """
 
     kind = "dot"
@@ -184,7 +185,8 @@ class Bilinear(Dot):
         xp: parent node features ``(..., parents, d_in)``.
         wq: query weights $W_Q$, ``(d_k, d_in)``.
         wk: key weights $W_K$, ``(d_k, d_in)``.
-        scale: optional scalar multiplier $s$.
+        scale: optional multiplier $s$: a scalar, or an array broadcasting against the
+            score table ``(..., children, parents)`` (per head, per child or per parent).
 
     Raises:
         ValueError: if the weights do not match the features' size ``d_in``.
@@ -432,7 +434,8 @@ class Cosine(_PairScore):
     Args:
         q: child features ``(..., children, d)``.
         k: parent features ``(..., parents, d)``.
-        scale: the multiplier $s$.
+        scale: the multiplier $s$: a scalar, or an array broadcasting against the score
+            table ``(..., children, parents)``.
         eps: added to the squared norms before the square root.
     """
 

@@ -349,3 +349,39 @@ def test_a_concrete_mask_is_kept_only_when_every_per_edge_mask_is_concrete():
     masks = []
     jax.jit(lambda b: masks.append(lowered(b, False).mask) or b)(jnp.asarray(b))
     assert masks == [None]
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (4,), (2, 1, 4), (2, 6, 1), (6, 1), (2, 1, 1),
+                                   (6, 4)])
+@pytest.mark.parametrize("score", ["Dot", "Cosine"])
+@pytest.mark.parametrize("d", [4, 3])  # d = 4: as many features as parents
+def test_a_scale_array_scales_the_scores_not_the_features(shape, score, d):
+    """Regression: an array ``scale`` multiplies the score table, as the exact engine
+    reads it; the lowering multiplied the queries' features by it, so a per-parent scale
+    gave a finite wrong answer when the parents were as many as the features, and a
+    broadcasting error otherwise. A scale per child, per parent or per head is lowered;
+    one varying with both child and parent falls back to the exact engine."""
+    import jax
+    from numpyro.ops.indexing import Vindex
+
+    H, n, m = 2, 6, 4
+    r = np.random.default_rng(9)
+    q, k = (jnp.asarray(r.normal(size=(H, s, d)), jnp.float32) for s in (n, m))
+    v = jnp.asarray(r.normal(size=(H, m, 2)), jnp.float32)
+    scale = jnp.asarray(r.uniform(0.2, 3.0, size=shape), jnp.float32)
+    make = {"Dot": si.scores.Dot, "Cosine": si.scores.Cosine}[score]
+
+    def model(q, k, v, scale):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("q", n, dim=-1):
+            j = si.edge("phi", si.priors.Uniform(m), make(q, k, scale=scale))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    want = si.expectation(model, "out", q, k, v, scale)
+    ex = L.explain(model, "out", q, k, v, scale)
+    assert ex.path == ("exact" if shape == (6, 4) else "lowered"), str(ex)
+    if shape == (6, 4):
+        assert "varies with both the child and the parent" in str(ex), str(ex)
+    for backend in ("auto", "dense", "blocked"):
+        got = jax.jit(si.attention(model, "out", backend if ex.path == "lowered" else "auto",
+                                   block_q=4, block_k=2))(q, k, v, scale)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)

@@ -56,9 +56,29 @@ def _sum(score: S.Sum, terms: TermBuilder) -> None:
     terms.note(f"score Sum of {len(score.scores)} terms")
 
 
+def _scaled_dot(terms: TermBuilder, q, k, scale, what: str) -> None:
+    r"""$s_{ij}\, q_i^	op k_j$ for a scale broadcasting against the score table
+    $(\dots, n, m)$: a scalar, or one per child (it scales $q_i$) or per parent (it
+    scales $k_j$), per batch element too; a scale varying with both is not a matmul."""
+    if scale is None or np.ndim(scale) == 0:
+        terms.add_dot(q, k, scale)
+        return
+    scale = jnp.asarray(scale)
+    if scale.ndim == 1:
+        scale = scale[None, :]
+    per_child, per_parent = scale.shape[-2] != 1, scale.shape[-1] != 1
+    if per_child and per_parent:
+        raise NotLowered(f"score {what}", f"a scale of shape {scale.shape} varies with both "
+                         "the child and the parent (not a matmul)")
+    if per_parent:
+        terms.add_dot(q, k * jnp.swapaxes(scale, -1, -2))
+    else:
+        terms.add_dot(q * scale, k)
+
+
 @register_score_rule(S.Dot)  # and Bilinear, which is a Dot of its projections
 def _dot(score: S.Dot, terms: TermBuilder) -> None:
-    terms.add_dot(score.q, score.k, score.scale)
+    _scaled_dot(terms, score.q, score.k, score.scale, type(score).__name__)
     terms.note(f"score {type(score).__name__} (matmul)")
 
 
@@ -66,7 +86,7 @@ def _dot(score: S.Dot, terms: TermBuilder) -> None:
 def _cosine(score: S.Cosine, terms: TermBuilder) -> None:
     qn = score.q / jnp.sqrt(jnp.sum(score.q**2, -1, keepdims=True) + score.eps)
     kn = score.k / jnp.sqrt(jnp.sum(score.k**2, -1, keepdims=True) + score.eps)
-    terms.add_dot(score.scale * qn, kn)
+    _scaled_dot(terms, qn, kn, score.scale, "Cosine")
     terms.note("score Cosine (matmul of normalised features)")
 
 
