@@ -385,3 +385,32 @@ def test_a_scale_array_scales_the_scores_not_the_features(shape, score, d):
         got = jax.jit(si.attention(model, "out", backend if ex.path == "lowered" else "auto",
                                    block_q=4, block_k=2))(q, k, v, scale)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)
+
+
+@pytest.mark.parametrize("p_shape", [(), (1, 1), (300,), (300, 1)])
+def test_an_idw_exponent_per_child_or_parent_falls_back(p_shape):
+    """Regression: `NegLogDist` with an exponent (or eps) per parent or child was
+    reported lowered, and `attention` then failed with a broadcasting error past one
+    block (the kernels slice no table of them). A scalar is lowered; one per child or
+    parent falls back to the exact engine, which `explain` says."""
+    import jax
+    from numpyro.ops.indexing import Vindex
+
+    H, n, d = 2, 300, 4
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(H, n, d)), jnp.float32) for _ in range(3))
+    p = jnp.asarray(r.uniform(1.0, 3.0, size=p_shape), jnp.float32)
+
+    def model(q, k, v, p):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("q", n, dim=-1):
+            j = si.edge("phi", si.priors.Uniform(n), si.scores.NegLogDist(q, k, p=p, eps=0.1))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    ex = L.explain(model, "out", q, k, v, p)
+    varies = p_shape in ((300,), (300, 1))
+    assert ex.path == ("exact" if varies else "lowered"), str(ex)
+    if varies:
+        assert "its p of shape" in str(ex) and "varies with the child or the parent" in str(ex)
+    got = jax.jit(si.attention(model, "out"))(q, k, v, p)
+    np.testing.assert_allclose(got, si.expectation(model, "out", q, k, v, p), rtol=1e-4,
+                               atol=1e-5)

@@ -154,6 +154,11 @@ def _linear_gaussian(score: S.LinearGaussian, terms: TermBuilder) -> None:
 
 @register_score_rule(S.NegLogDist)
 def _neg_log_dist(score: S.NegLogDist, terms: TermBuilder) -> None:
+    for name in ("p", "eps"):  # one per batch element at most: the kernels slice no table
+        shape = (1, 1) + np.shape(getattr(score, name))
+        if shape[-2:] != (1, 1):
+            raise NotLowered("score NegLogDist", f"its {name} of shape {shape[2:]} varies "
+                             "with the child or the parent (not lowered)")
     terms.add_inverse_distance(score.q, score.k, score.p, score.eps)
     terms.note("score NegLogDist (IDW, per block)")
 
