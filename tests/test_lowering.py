@@ -990,3 +990,24 @@ def test_second_derivatives_run_on_the_blocked_kernel_and_the_fused_passes_say_s
         pytest.skip(str(err))
     with pytest.raises(TypeError, match="derivative of a gradient.*'blocked'"):
         jax.hessian(loss("pallas"))(q)
+
+
+def test_numpy_integer_arguments_are_static_like_ints():
+    """Regression: a NumPy integer argument (a size read from a config array) was traced,
+    so a model using it as a window size failed in `attention` and `explain` while the
+    exact engine ran it. It is static, like a Python int: the same answer, one compile
+    per value."""
+    n, d = 8, 4
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(n, d)), jnp.float32) for _ in range(3))
+
+    def model(q, k, v, w):
+        with numpyro.plate("q", n):
+            j = si.edge("phi", si.priors.Restricted.window(n, w), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    want = si.expectation(model, "out", q, k, v, 3)
+    f = attention(model, "out")
+    for w in (3, np.int64(3), np.int32(3)):
+        np.testing.assert_allclose(f(q, k, v, w), want, rtol=1e-6, atol=1e-6)
+        assert explain(model, "out", q, k, v, w).path == "lowered"

@@ -266,9 +266,11 @@ def check_rows(model: Callable, log_normalisers: Mapping[str, Any], /, *args: An
 
 
 def _is_dynamic(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, float, complex)) and not isinstance(
-        x, bool
-    )
+    """Traced: arrays, floats and NumPy float scalars; static: ints (NumPy's too), bools,
+    strings and the rest (sizes a model needs at trace time)."""
+    if isinstance(x, (bool, np.bool_, np.integer)):
+        return False
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, float, complex))
 
 
 def _split(args, kwargs):
@@ -408,8 +410,8 @@ def attention(
             dtype of the queries, keys and values and accumulates in float32 (the
             logits, the prior's terms, the softmax and the p·v product; float64 for
             float64 inputs), as flash-attention kernels do.
-            Array (and float) arguments are traced; other arguments (ints, strings) are
-            static. Called on concrete arrays, a child with no allowed parent or a
+            Array (and float) arguments are traced; other arguments (ints, NumPy
+            integers, strings) are static. Called on concrete arrays, a child with no allowed parent or a
             NaN/inf score raises the exact engine's error (found from the kernel's
             per-row log-normaliser, no second pass), and so does a model that gives every
             structure zero probability; under an outer ``jit`` that row is NaN. ``f``
