@@ -497,6 +497,8 @@ def edge(
     if infer:
         site_infer.update(infer)
     logits = log_prior if score_table is None else log_prior + score_table
+    if jnp.finfo(logits.dtype).bits < 32:  # 16-bit logits: the table and the contraction in
+        logits = logits.astype(jnp.float32)  # float32, as the kernels accumulate
     if child is not None:
         # node `child`'s edge, with its exact posterior conditional as distribution:
         # row `child` of the (..., children, parents) table, where the children dim

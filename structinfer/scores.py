@@ -152,6 +152,16 @@ class _PairScore(Score):
     def num_parents(self) -> int:
         return int(self.k.shape[-2])
 
+    def _features(self) -> tuple[jax.Array, jax.Array]:
+        """``(q, k)`` for `dense`: 16-bit features in float32, so that the table is
+        summed and kept in float32 (as the kernels accumulate), not rounded to 16 bits."""
+        return _accumulated(self.q), _accumulated(self.k)
+
+
+def _accumulated(x: jax.Array) -> jax.Array:
+    """``x`` in float32 if it is a 16-bit float, else as it is."""
+    return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+
 
 class Dot(_PairScore):
     r"""Scaled dot product $\psi_{ij} = s\, q_i^\top k_j$.
@@ -173,7 +183,8 @@ class Dot(_PairScore):
         self.scale = scale
 
     def dense(self) -> jax.Array:
-        s = jnp.einsum("...id,...jd->...ij", self.q, self.k)
+        q, k = self._features()
+        s = jnp.einsum("...id,...jd->...ij", q, k)
         return s if self.scale is None else s * self.scale
 
 
@@ -327,7 +338,7 @@ class NegSqDist(_PairScore):
                     )
 
     def dense(self) -> jax.Array:
-        diff = _pairwise_diff(self.q, self.k)  # (..., n, m, d)
+        diff = _pairwise_diff(*self._features())  # (..., n, m, d)
         d = self.q.shape[-1]
         P = self.precision
         kind = self.precision_form
@@ -379,7 +390,7 @@ class NegLogDist(_PairScore):
         self.p, self.eps = p, eps
 
     def dense(self) -> jax.Array:
-        return -jnp.log(self.eps + safe_pow_dist(_sq_dist(self.q, self.k), self.p))
+        return -jnp.log(self.eps + safe_pow_dist(_sq_dist(*self._features()), self.p))
 
 
 class InvDist(_PairScore):
@@ -403,7 +414,7 @@ class InvDist(_PairScore):
         self.p, self.eps = p, eps
 
     def dense(self) -> jax.Array:
-        return 1.0 / (self.eps + safe_pow_dist(_sq_dist(self.q, self.k), self.p))
+        return 1.0 / (self.eps + safe_pow_dist(_sq_dist(*self._features()), self.p))
 
 
 class GaussianKernel(_PairScore):
@@ -422,7 +433,7 @@ class GaussianKernel(_PairScore):
         self.sigma = sigma
 
     def dense(self) -> jax.Array:
-        return jnp.exp(-_sq_dist(self.q, self.k) / (self.sigma**2))
+        return jnp.exp(-_sq_dist(*self._features()) / (self.sigma**2))
 
 
 class Cosine(_PairScore):
@@ -446,8 +457,9 @@ class Cosine(_PairScore):
         self.scale, self.eps = scale, eps
 
     def dense(self) -> jax.Array:
-        qn = self.q / jnp.sqrt(jnp.sum(self.q**2, -1, keepdims=True) + self.eps)
-        kn = self.k / jnp.sqrt(jnp.sum(self.k**2, -1, keepdims=True) + self.eps)
+        q, k = self._features()
+        qn = q / jnp.sqrt(jnp.sum(q**2, -1, keepdims=True) + self.eps)
+        kn = k / jnp.sqrt(jnp.sum(k**2, -1, keepdims=True) + self.eps)
         return self.scale * jnp.einsum("...id,...jd->...ij", qn, kn)
 
 

@@ -316,7 +316,10 @@ def expectation(
                 f"site '{n}' is a {kind} site, not a deterministic one"
                 + ("; use structinfer.marginals for edge sites" if n in info.enumerated else "")
             )
-    zeros = {n: jnp.zeros(info.deterministic[n][0], info.float_dtype) for n in names}
+    # the tilts (and so the value contraction) in float32 at least, as the kernels
+    # accumulate: a 16-bit one would sum p v in 16 bits
+    tilt_dtype = jnp.promote_types(info.float_dtype, jnp.float32)
+    zeros = {n: jnp.zeros(info.deterministic[n][0], tilt_dtype) for n in names}
 
     def f(t):
         return log_z(
