@@ -242,8 +242,9 @@ def check_rows(model: Callable, log_normalisers: Mapping[str, Any], /, *args: An
     [`attention`][structinfer.lowering.attention] under their own transformation (e.g.
     ``jax.vmap`` over a batch, where ``f``'s own check is skipped): after the call,
     on concrete results, pick the batch element with a bad row and call this with its
-    arguments and its slice of the log-normalisers $\log Z_i = \log \sum_j p(\phi_i = j)
-    e^{\psi_{ij}}$. Nothing happens when every row is finite.
+    arguments and its slice of the log-normalisers (each finite exactly where
+    $\log Z_i = \log \sum_j p(\phi_i = j) e^{\psi_{ij}}$ is; they may differ from it by a
+    constant per child). Nothing happens when every row is finite.
 
     Args:
         model: the model given to `attention`.
@@ -427,7 +428,12 @@ def attention(
             ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
             log-normaliser})`` without the eager check (empty on the exact path), for a
             caller that maps ``f`` itself and checks once with
-            [`check_rows`][structinfer.lowering.check_rows]. On the cuDNN kernel the
+            [`check_rows`][structinfer.lowering.check_rows]. A row's log-normaliser is
+            $\log\sum_j e^{\ell_{ij}}$ of the kernel's logits, which are the prior's and
+            the score's terms up to a constant per child (the kernels drop a prior's row
+            normaliser, a Gaussian score's $-\tfrac12|x_i|^2$): finite exactly where
+            $\log Z_i$ is, but not $\log Z_i$ itself (their sum is not
+            `log_marginal`). On the cuDNN kernel the
             log-normaliser comes rounded to the inputs' dtype and without a gradient
             (JAX's cuDNN wrapper returns it so): a gradient through it raises; the
             other kernels differentiate it.
