@@ -480,13 +480,22 @@ def edge(
         log_prior = prior.log_table(num_children)
     except ValueError as e:
         raise ValueError(f"edge site '{name}': {e}") from None
+    except TypeError as e:  # e.g. JAX's broadcasting of parameters of mismatched shapes
+        if type(e) is not TypeError:  # JAX's own subclasses (a concretization error) as is
+            raise
+        raise TypeError(f"edge site '{name}': prior {type(prior).__name__}: {e}") from e
     _check_table(log_prior, "prior table", name, batch, num_parents)
 
     score_obj = None
     score_table = None
     if score is not None:
         score_obj = as_score(score, name)
-        score_table = score_obj.dense()
+        try:
+            score_table = score_obj.dense()
+        except (TypeError, ValueError) as e:  # parameters whose shapes do not broadcast
+            if type(e) not in (TypeError, ValueError):  # JAX's own subclasses as they are
+                raise
+            raise type(e)(f"edge site '{name}': score {type(score_obj).__name__}: {e}") from e
         _check_table(score_table, "score", name, batch, num_parents)
         check_finite(score_table, f"edge site '{name}': score")
         if prior.parameter_dtype is None:  # uniform / a mask: the score sets the dtype

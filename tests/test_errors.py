@@ -241,3 +241,31 @@ def test_relative_position_bias_checks_are_static():
         si.priors.RelativePosition(np.zeros(9), M, max_distance=2).log_table(N)
     with pytest.raises(ValueError, match="offset -3 puts distances below"):
         si.priors.RelativePosition(np.zeros(20), M, offset=-3).log_table(N)
+
+
+@pytest.mark.parametrize("prior, score, error, said", [
+    (lambda n, X: si.priors.Geometric(jnp.full((n + 1,), 0.3), n),
+     lambda X: si.scores.Dot(X, X), TypeError, "prior Geometric: "),
+    (lambda n, X: si.priors.Uniform(n),
+     lambda X: si.scores.NegSqDist(X, X, log_weights=jnp.zeros((3, X.shape[-2]))),
+     TypeError, "score NegSqDist: "),
+    (lambda n, X: si.priors.Uniform(n), lambda X: si.scores.Dot(X, X, scale=jnp.ones(3)),
+     ValueError, "score Dot: "),
+    (lambda n, X: si.priors.Uniform(n),
+     lambda X: si.scores.LinearGaussian(X, X, jnp.ones((3, X.shape[-1], X.shape[-1]))),
+     ValueError, "score LinearGaussian: "),
+])
+def test_parameters_whose_shapes_do_not_broadcast_name_the_site(prior, score, error, said):
+    """Regression: a prior's or score's parameter of a shape that does not broadcast
+    against the table gave JAX's bare broadcasting error; it now names the edge site and
+    the prior or score (JAX's message follows, in its release's words)."""
+    H, n, d = 2, 5, 3
+    X = jnp.ones((H, n, d))
+
+    def model(X):
+        with numpyro.plate("h", H, dim=-2), numpyro.plate("q", n, dim=-1):
+            j = si.edge("phi", prior(n, X), score(X))
+            numpyro.deterministic("out", j * 1.0)
+
+    with pytest.raises(error, match=f"edge site 'phi': {said}"):
+        si.expectation(model, "out", X)
