@@ -99,8 +99,10 @@ def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: in
         raise ValueError(
             f"{prior_name} prior allows no parent for {where}: every child needs at "
             "least one parent with non-zero prior probability "
-            "(for causal priors without a self-edge the first child has no earlier parent; "
-            "use include_self=True or drop that child)"
+            "(a causal prior without a self-edge leaves its first child no earlier "
+            "parent: use include_self=True or drop that child; one with more children "
+            "than parents, the children ending with the parents, leaves its first "
+            "children none: give at least as many parents as children)"
         )
 
 

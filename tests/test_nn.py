@@ -494,3 +494,13 @@ def test_a_bfloat16_layer_with_a_temperature_keeps_bfloat16_kernels(temperature,
     said = str(layer.explain(x))
     assert "cuDNN takes float16" not in said and "cuDNN refused at trace time" in said, said
     assert layer(x).dtype == jnp.bfloat16
+
+
+def test_more_queries_than_keys_in_a_causal_layer_says_so():
+    """Regression: cross attention with more queries than keys in a causal layer (the
+    queries are the last n of the m keys: the first n - m have none) was told to use
+    include_self=True, which the layer's causal prior already has."""
+    layer = sinn.Attention(sinn.causal(), num_heads=2, in_features=8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="allows no parent for child 0.*more children than "
+                       "parents.*give at least as many parents as children"):
+        layer(jnp.ones((5, 8)), jnp.ones((3, 8)))
