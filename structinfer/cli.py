@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import io
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -365,15 +366,58 @@ def _log(args) -> Callable[[str], None]:
     return (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
 
 
-def _check_out(out: str) -> None:
-    """``--out`` must be a folder or a path where one can be made (checked, not made)."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise CLIError(f"argument --out: '{out}' exists and is not a folder", EXIT_USAGE)
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
+def _check_out(out: str, shown: str | None = None) -> None:
+    """``--out`` must be a folder or a path where one can be made (checked, not made);
+    errors name it as ``shown`` (default ``out``): what the user typed."""
+    path, out = Path(out), shown or out
+    try:
+        if path.exists() and not path.is_dir():
+            raise CLIError(f"argument --out: '{out}' exists and is not a folder", EXIT_USAGE)
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+    except OSError as e:  # a name too long, say
+        raise CLIError(f"argument --out: cannot make folder '{out}': {e}", EXIT_USAGE) from e
     if not path.exists() and parent is not None and not parent.is_dir():
         raise CLIError(f"argument --out: '{out}' lies under '{parent}', which is not a folder",
                        EXIT_USAGE)
+
+
+def _make_out(out: str, shown: str | None = None) -> None:
+    """Make the ``--out`` folder (and its parents); a usage error naming it as ``shown``
+    (default ``out``) when it cannot be made."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"argument --out: cannot make folder '{shown or out}': {e}",
+                       EXIT_USAGE) from e
+
+
+def _file_stems(names: Sequence[str]) -> dict[str, str]:
+    """A file-name part for each model name: its letters, digits, ``.``, ``-`` and ``_``,
+    other characters replaced by ``_`` (a name may hold ``/``), at most 100 bytes, made
+    distinct (ignoring case) by a suffix ``_2``, ``_3``, ..."""
+    stems: dict[str, str] = {}
+    used: set[str] = set()
+    for name in names:
+        base = re.sub(r"[^\w.-]", "_", name) or "_"
+        while len(base.encode()) > 100:
+            base = base[:-1]
+        stem, i = base, 2
+        while stem.lower() in used:
+            stem, i = f"{base}_{i}", i + 1
+        used.add(stem.lower())
+        stems[name] = stem
+    return stems
+
+
+#: Python keywords in library messages -> the options that set them at the command line
+_OPTION_WORDS = {"score_factors='normalize'": "--score-factors normalize"}
+
+
+def _cli_words(message: str) -> str:
+    """A library message with its Python keyword arguments named as command-line options."""
+    for python, option in _OPTION_WORDS.items():
+        message = message.replace(python, option)
+    return message
 
 
 def _draws(args) -> tuple[int, int, int]:
@@ -395,6 +439,7 @@ def _draws(args) -> tuple[int, int, int]:
 
 def cmd_demo(args) -> int:
     _check_out(args.out)
+    _make_out(args.out)
     _setup_jax(args)
     from .demo import run_demo
 
@@ -469,18 +514,15 @@ def cmd_compare(args) -> int:
             dg.check_comparable(fn, score_factors=args.score_factors, **bound[name])
             sites[name] = _edge_sites(fn, bound[name])
         except dg.EnergyOnlyModelError as e:
-            raise CLIError(f"model '{name}': {e}") from e
+            raise CLIError(f"model '{name}': {_cli_words(str(e))}") from e
         except Exception as e:
             raise CLIError(
                 f"model '{name}' ({models_path}) fails on {data_path} ({_shapes(bound[name])}): "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"{type(e).__name__}: {_cli_words(str(e).splitlines()[0]) if str(e) else ''}"
             ) from e
     if true_edges is not None:
         _check_true_edges(args.true_edges, true_edges, models, sites)
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        raise CLIError(f"argument --out: cannot make folder '{args.out}': {e}", EXIT_USAGE) from e
+    _make_out(args.out)
     idatas = {}
     bar = tqdm(list(models), desc="fitting models", disable=not args.progress)
     for name in bar:
@@ -510,6 +552,7 @@ def cmd_compare(args) -> int:
     if edges is not None:
         edges.to_csv(os.path.join(args.out, "edges.csv"))
         files.append("edges.csv")
+        stems = _file_stems(list(idatas))  # a model's name may hold "/"
         for name, dt in idatas.items():
             ep = dt["edge_posterior"]
             site = [v for v in ep.data_vars if not v.endswith(("_prior", "_true"))][0]
@@ -518,10 +561,10 @@ def cmd_compare(args) -> int:
                 fig, ax = plt.subplots(figsize=(5, 4))
                 t = true_edges if true_edges is not None and true_edges.shape == a.shape[:-1] else None
                 dg.plot_attention(a, true_edges=t, ax=ax, title=name)
-                fig.savefig(os.path.join(args.out, f"attention_{name}.png"), dpi=110,
-                            bbox_inches="tight")
+                png = f"attention_{stems[name]}.png"
+                fig.savefig(os.path.join(args.out, png), dpi=110, bbox_inches="tight")
                 plt.close(fig)
-                files.append(f"attention_{name}.png")
+                files.append(png)
     dg.plot_compare(cmp).savefig(os.path.join(args.out, "compare.png"))
     plt.close("all")
     files.append("compare.png")
@@ -573,37 +616,63 @@ def cmd_reproduce(args) -> int:
             f"unknown reproduction '{args.name}' (available: {', '.join(avail)})", EXIT_USAGE
         )
     module = avail[args.name]
-    out = os.path.abspath(args.out or os.path.join("structinfer-reproduce", args.name))
-    _check_out(out)
-    argv = ["--seed", str(args.seed), *(["--quick"] if args.quick else []), "--out", out,
+    # a smoke run writes nothing unless the user gives --out (a full run: the default)
+    shown = args.out or os.path.join("structinfer-reproduce", args.name)
+    out = None if args.quick and args.out is None else os.path.abspath(shown)
+    argv = ["--seed", str(args.seed), *(["--quick"] if args.quick else []),
+            *(["--out", out] if out else []), *([] if args.progress else ["--no-progress"]),
             *args.extra]
-    what = f"reproduction '{args.name}' ({module})"
+    what = f"reproduction '{args.name}'"
+    made = None  # the outermost folder this command creates (removed again if left empty)
+    if out is not None:
+        _check_out(out, shown)
+        made = out
+        while not os.path.exists(os.path.dirname(made)):
+            made = os.path.dirname(made)
+        made = None if os.path.exists(made) else made
     _setup_jax(args)
-    made = out  # the outermost folder this command creates (removed again if left empty)
-    while not os.path.exists(os.path.dirname(made)):
-        made = os.path.dirname(made)
-    made = None if os.path.exists(made) else made
     try:
+        if out is not None:
+            _make_out(out, shown)
         main = importlib.import_module(module).main
-        os.makedirs(out, exist_ok=True)
         if not args.quiet:
-            print(f"running {module}, output in {out}", flush=True)
-        with contextlib.redirect_stdout(io.StringIO()) if args.quiet else (
-                contextlib.nullcontext()):
+            where = f"output in {out}" if out else "a smoke run: writes nothing without --out"
+            print(f"running {module} ({where})", flush=True)
+        silent = (contextlib.redirect_stdout(io.StringIO()) if args.quiet
+                  else contextlib.nullcontext())
+        usage = _usage_errors(f"{what}: ", f" (see structinfer reproduce {args.name} -- --help)")
+        with silent, usage:
             rc = main(argv)
     except ModuleNotFoundError as e:
         hint = R.missing_dependency(e)
         if hint is None:
             raise
-        raise CLIError(f"{what} needs {hint}") from e
-    except SystemExit as e:  # the script's own argparse or sys.exit
+        raise CLIError(f"{what} ({module}) needs {hint}") from e
+    except SystemExit as e:  # the script's sys.exit
         rc = e.code
     finally:
-        if made is not None:  # a smoke run writes nothing: leave no empty folders
+        if made is not None:  # a run that wrote nothing leaves no empty folders
             _remove_empty(out, made)
+    if isinstance(rc, str):  # sys.exit("message")
+        raise CLIError(f"{what} ({module}): {rc}")
     if rc not in (None, 0):
-        raise CLIError(f"{what} failed with exit status {rc}")
+        raise CLIError(f"{what} ({module}) failed with exit status {rc}")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _usage_errors(prefix: str, suffix: str):
+    """While a reproduction runs in-process, its own ``argparse`` usage error (printed as a
+    usage block and exit status 2 by default) is a one-line usage error of the command."""
+    def error(parser, message):
+        raise CLIError(f"{prefix}{message}{suffix}", EXIT_USAGE)
+
+    saved = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = saved
 
 
 def _remove_empty(path: str, top: str) -> None:
@@ -617,9 +686,10 @@ def _remove_empty(path: str, top: str) -> None:
 
 def cmd_bench(args) -> int:
     script = bench_script()
-    out = os.path.abspath(args.out or "structinfer-bench")
-    _check_out(out)
-    os.makedirs(out, exist_ok=True)
+    shown = args.out or "structinfer-bench"
+    out = os.path.abspath(shown)
+    _check_out(out, shown)
+    _make_out(out, shown)
     src = script.read_text(errors="replace")
     cmd = [sys.executable, str(script)]
     if '"--seed"' in src:
@@ -701,7 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
         "report folder (default ./structinfer-demo).",
     )
     d.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
-    d.set_defaults(func=cmd_demo, default_out="structinfer-demo")
+    d.set_defaults(func=cmd_demo, parser=d, default_out="structinfer-demo")
 
     c = sub.add_parser(
         "compare", parents=[common], help="compare your own models on your data",
@@ -725,18 +795,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--score-factors", choices=("error", "normalize"), default="error",
                    help="factor potentials in the likelihood: refuse (default) or normalise "
                    "them as a conditional prior over the edges")
-    c.set_defaults(func=cmd_compare, default_out="structinfer-compare")
+    c.set_defaults(func=cmd_compare, parser=c, default_out="structinfer-compare")
 
     r = sub.add_parser(
         "reproduce", parents=[common], help="run a paper reproduction (shipped with the package)",
         description="Run one of the papers' experiments shipped with the package, "
-        "structinfer.reproductions (list them with --list; they need the 'examples' extra). "
-        "Arguments after -- go to the reproduction.",
+        "structinfer.reproductions (list them with --list; they need the 'examples' extra, "
+        "lm also the 'nn' extra). A full run writes into --out (default "
+        "./structinfer-reproduce/NAME). The reproduction's own options go after --, as in "
+        "structinfer reproduce lm --out results/lm -- --resume.",
     )
     r.add_argument("name", nargs="?", metavar="NAME")
     r.add_argument("--list", action="store_true", help="list the available reproductions")
-    r.add_argument("--quick", action="store_true", help="the script's smoke mode")
-    r.set_defaults(func=cmd_reproduce, default_out=None)
+    r.add_argument("--quick", action="store_true",
+                   help="the reproduction's smoke run: checks its numbers and writes nothing "
+                   "unless --out is given")
+    r.set_defaults(func=cmd_reproduce, parser=r, default_out=None)
 
     b = sub.add_parser(
         "bench", parents=[common], help="run benchmarks/attention.py of a source checkout",
@@ -745,8 +819,19 @@ def build_parser() -> argparse.ArgumentParser:
         "are not part of the wheel. Arguments after -- go to the script.",
     )
     b.add_argument("--quick", action="store_true", help="small sizes")
-    b.set_defaults(func=cmd_bench, default_out=None)
+    b.set_defaults(func=cmd_bench, parser=b, default_out=None)
     return p
+
+
+def _after_dashes(args, unknown: list[str]) -> str:
+    """For ``reproduce`` and ``bench``: where the script's own arguments go."""
+    if args.command == "reproduce":
+        return ("; a reproduction's own arguments go after --: structinfer reproduce "
+                f"{args.name or 'NAME'} -- {' '.join(unknown)}")
+    if args.command == "bench":
+        return ("; the benchmark script's own arguments go after --: structinfer bench -- "
+                f"{' '.join(unknown)}")
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -765,18 +850,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        command = getattr(args, "command", None)
+        if unknown and not command:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if unknown:  # named by the subcommand that does not take them
+            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}"
+                              + _after_dashes(args, unknown))
+        if extra and command not in (None, "reproduce", "bench"):
+            args.parser.error(f"unexpected arguments after --: {' '.join(extra)}")
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
-    if not getattr(args, "command", None):
+    if not command:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     if args.out is None and args.default_out:
         args.out = args.default_out
-    if extra and args.command not in ("reproduce", "bench"):
-        print(f"structinfer {args.command}: error: unexpected arguments after --: "
-              f"{' '.join(extra)}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.quiet:  # nothing but errors: no progress bars either
+        args.progress = False
     args.extra = extra
     try:
         return args.func(args)

@@ -111,6 +111,44 @@ def files(tmp_path_factory):
         '    print("a table of results")\n    return 0\n')
     (mods / "si_test_needs_sklearn.py").write_text(
         '"""Needs scikit-learn."""\nimport sklearn\n\ndef main(argv=None):\n    return 0\n')
+    (mods / "si_test_writer.py").write_text(textwrap.dedent('''
+        """Writes results.json to --out; a --quick run only when --out is given (as lm)."""
+        import argparse, json, os, sys
+
+
+        def main(argv=None):
+            p = argparse.ArgumentParser()
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--quick", action="store_true")
+            p.add_argument("--out", default=None)
+            p.add_argument("--no-progress", action="store_true")
+            a = p.parse_args(argv)
+            if a.out is None and a.quick:
+                return 0
+            out = a.out or os.path.join("results", "writer")
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "results.json"), "w") as f:
+                json.dump({"argv": sys.argv[1:] if argv is None else list(argv)}, f)
+            return 0
+    '''))
+    (mods / "si_test_bars.py").write_text(textwrap.dedent('''
+        """Shows a progress bar unless --no-progress, writes nothing."""
+        import argparse, sys
+
+        from tqdm import tqdm
+
+
+        def main(argv=None):
+            p = argparse.ArgumentParser()
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--quick", action="store_true")
+            p.add_argument("--out", default=None)
+            p.add_argument("--no-progress", dest="progress", action="store_false")
+            a = p.parse_args(argv)
+            for _ in tqdm(range(3), desc="training", disable=not a.progress, file=sys.stderr):
+                pass
+            return 0
+    '''))
     bench = d / "bench"
     bench.mkdir()
     (bench / "attention.py").write_text(
@@ -251,7 +289,7 @@ def test_console_script_is_declared():
 def registered(files, monkeypatch):
     """The test modules of ``files/mods`` registered as reproductions (run in-process)."""
     monkeypatch.syspath_prepend(str(files / "mods"))
-    for name in ("tiny-thing", "broken", "needs-sklearn", "talker"):
+    for name in ("tiny-thing", "broken", "needs-sklearn", "talker", "writer", "bars"):
         monkeypatch.setitem(reproductions.REPRODUCTIONS, name,
                             "si_test_" + name.replace("-", "_"))
     monkeypatch.setenv("STRUCTINFER_JAX_CACHE", "0")
@@ -311,6 +349,82 @@ def test_reproduce_names_the_extra_of_a_missing_optional_dependency(registered, 
     assert not (registered / "never").exists()
 
 
+def test_reproduce_quick_writes_only_with_out(registered, capsys, monkeypatch, tmp_path):
+    """A --quick run gets --out only when the user gave one: a reproduction that writes a
+    smoke run's outputs to --out (as lm does) writes nothing otherwise."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _main(capsys, "reproduce", "writer", "--quick", "--quiet")
+    assert rc == 0 and err == [] and os.listdir(".") == [], (err, os.listdir("."))
+    rc, _, err = _main(capsys, "reproduce", "writer", "--quick", "--quiet", "--out", "mine")
+    assert rc == 0 and os.listdir("mine") == ["results.json"], err
+    rc, _, err = _main(capsys, "reproduce", "writer", "--quiet")  # a full run: the default
+    assert rc == 0 and os.listdir("structinfer-reproduce/writer") == ["results.json"], err
+
+
+@pytest.mark.parametrize("flags", [[], ["--quiet"], ["--no-progress"]], ids=str)
+def test_reproduce_quiet_and_no_progress_hide_the_reproductions_bars(
+        registered, capsys, monkeypatch, tmp_path, flags):
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _main(capsys, "reproduce", "bars", "--quick", *flags)
+    assert rc == 0
+    assert ("training" in " ".join(err)) == (not flags), err
+
+
+def test_every_shipped_reproduction_takes_no_progress(capsys):
+    """`reproduce --quiet` / `--no-progress` pass --no-progress on to the reproduction."""
+    import importlib
+
+    for name, module in reproductions.REPRODUCTIONS.items():
+        try:
+            main = importlib.import_module(module).main
+        except ModuleNotFoundError as e:  # an optional dependency is not installed
+            assert reproductions.missing_dependency(e), e
+            continue
+        with pytest.raises(SystemExit) as exc:
+            main(["--no-progress", "--help"])
+        assert exc.value.code == 0 and "--no-progress" in capsys.readouterr().out, name
+
+
+def test_unrecognized_arguments_name_the_subcommand(registered, capsys, monkeypatch,
+                                                   tmp_path):
+    """An option the subcommand does not take names the subcommand; for `reproduce`, it
+    says that a reproduction's own options go after --; a reproduction's own argparse
+    error is a usage error too."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _main(capsys, "reproduce", "lm", "--resume")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("structinfer reproduce: error: unrecognized arguments: --resume")
+    assert "structinfer reproduce lm -- --resume" in err[0], err
+    assert err[0].endswith("(see structinfer reproduce --help)"), err
+    rc, _, err = _main(capsys, "demo", "extra")
+    assert (rc, err) == (2, ["structinfer demo: error: unrecognized arguments: extra "
+                             "(see structinfer demo --help)"])
+    rc, _, err = _main(capsys, "reproduce", "tiny-thing", "--quick", "--", "--bogus")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("structinfer reproduce: error: reproduction 'tiny-thing'"), err
+    assert "unrecognized arguments: --bogus" in err[0], err
+    assert "structinfer reproduce tiny-thing -- --help" in err[0], err
+    assert os.listdir(".") == []
+    rc, out, err = _main(capsys, "reproduce", "tiny-thing", "--", "--help")
+    assert rc == 0 and "--extra" in out and err == [], err
+
+
+def test_an_out_folder_that_cannot_be_made_is_a_usage_error(registered, capsys,
+                                                           monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STRUCTINFER_BENCHMARKS", str(registered / "bench"))
+    outs = ["x" * 300 + "/out"]  # a name too long for the file system
+    if os.path.isdir("/proc/sys"):  # a folder no one may make a folder in
+        outs.append("/proc/sys/structinfer-test")
+    for out in outs:
+        for command in (["demo", "--quick"], ["reproduce", "tiny-thing"], ["bench"],
+                        ["compare", registered / "models.py", registered / "data.npz"]):
+            rc, _, err = _main(capsys, *command, "--out", out, "--quiet", "--no-progress")
+            assert rc == 2 and len(err) == 1, (command, out, err)
+            assert f"error: argument --out: cannot make folder '{out}'" in err[0], err
+    assert os.listdir(".") == []
+
+
 def test_bench_runs_the_benchmark_script(files):
     r = run(files, "bench", "--quick", "--", "--n", "7", env={"STRUCTINFER_BENCHMARKS":
                                                              str(files / "bench")})
@@ -319,18 +433,33 @@ def test_bench_runs_the_benchmark_script(files):
 
 
 def test_compare_user_models(files):
+    """A full run; a model's name is any string (its plot's file name keeps the letters,
+    digits, '.', '-' and '_')."""
+    (files / "named.py").write_text(
+        MODELS + '\nMODELS = {"geometric/v1": model_geometric, "window": model_window}\n')
     out = files / "cmp-out"
-    r = run(files, "compare", "models.py", "data.npz", "--quick", "--true-edges", "parents",
+    r = run(files, "compare", "named.py", "data.npz", "--quick", "--true-edges", "parents",
             "--out", out, "--no-progress")
     assert r.returncode == 0, r.stderr
     table = pd.read_csv(out / "comparison.csv", index_col=0)
-    assert set(table.index) == {"geometric", "window"}
+    assert set(table.index) == {"geometric/v1", "window"}
     edges = pd.read_csv(out / "edges.csv", index_col=0)
     assert {"map_accuracy", "effective_parents"} <= set(edges.columns)
     report = (out / "report.md").read_text()
-    assert "| geometric |" in report and "elpd" in report
+    assert "| geometric/v1 |" in report and "elpd" in report
+    assert "`attention_geometric_v1.png`" in report
     assert (out / "compare.png").stat().st_size > 0
     assert (out / "attention_window.png").stat().st_size > 0
+    assert (out / "attention_geometric_v1.png").stat().st_size > 0
+
+
+def test_model_names_become_distinct_file_names():
+    names = ["geo/v1", "geo_v1", "GEO_V1", "a b:c", "", "..", "é" * 300]
+    got = cli._file_stems(names)
+    assert list(got) == names
+    assert list(got.values())[:6] == ["geo_v1", "geo_v1_2", "GEO_V1_3", "a_b_c", "_", ".."]
+    assert len({v.lower() for v in got.values()}) == len(names)  # case-insensitive disks
+    assert all(len(f"attention_{v}.png".encode()) < 255 for v in got.values())
 
 
 SIBLING_HELPER = """

@@ -60,6 +60,32 @@ def model_plain(x, w):
         numpyro.sample("x", dist.Normal(0.0, sigma).expand([x.shape[1]]).to_event(1), obs=x)
 '''
 
+SCORED = """
+import numpyro
+import numpyro.distributions as dist
+from numpyro.ops.indexing import Vindex
+
+import structinfer as si
+
+
+def _observe(x, w, scale):
+    n = x.shape[0] - 1
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("children", n):
+        prior = si.priors.Restricted.causal(n, include_self=False, offset=1)
+        phi = si.edge("phi", prior, si.scores.Dot(x[1:], x[:-1], scale=scale))
+        mu = x[:-1] @ w.T
+        numpyro.sample("x", dist.Normal(Vindex(mu)[..., phi, :], sigma).to_event(1), obs=x[1:])
+
+
+def model_sharp(x, w):
+    _observe(x, w, 1.0)
+
+
+def model_flat(x, w):
+    _observe(x, w, 0.1)
+"""
+
 REACHED = "REACHED THE FIT"
 
 
@@ -71,6 +97,7 @@ def work(tmp_path, monkeypatch):
     (tmp_path / "two.py").write_text(TWO_SITES)
     (tmp_path / "noedges.py").write_text(NO_EDGES)
     (tmp_path / "models.txt").write_text(MODELS)
+    (tmp_path / "scored.py").write_text(SCORED)
     p = task.parents
     np.savez(tmp_path / "data.npz", x=task.x, w=task.weight, parents=p,
              short=p[:-1], wide=np.stack([p, p]), floats=p.astype(np.float32),
@@ -240,3 +267,22 @@ def test_models_file_imports_a_module_beside_it_and_sys_path_is_restored(work, c
         assert sys.path == before
     finally:
         sys.modules.pop("si_test_validation_helper", None)
+
+
+def test_score_factor_error_names_the_command_line_option(work, capsys):
+    rc, lines = _run(capsys, "compare", "scored.py", "data.npz")
+    assert rc == 1 and len(lines) == 1, lines
+    assert "model 'sharp'" in lines[0] and "pass --score-factors normalize" in lines[0], lines
+    assert "score_factors=" not in lines[0], lines
+    rc, lines = _run(capsys, "compare", "scored.py", "data.npz", "--score-factors", "normalize")
+    assert rc == 1 and REACHED in lines[-1], lines
+
+
+@pytest.mark.parametrize("flags", [[], ["--quiet"], ["--no-progress"]], ids=str)
+@pytest.mark.parametrize("command", [["compare", "models.py", "data.npz"], ["demo"]],
+                         ids=lambda c: c[0])
+def test_quiet_and_no_progress_hide_the_progress_bars(work, capsys, command, flags):
+    rc = cli.main([*command, "--quick", *flags])
+    err = capsys.readouterr().err
+    assert rc == 1 and REACHED in err, err  # the bar starts before the first fit
+    assert ("fitting" in err) == (not flags), err

@@ -1,15 +1,19 @@
 """The papers' experiments, shipped with the package: ``structinfer reproduce NAME``.
 
 Each reproduction is one module of this package with a ``main(argv=None) -> int`` that
-parses ``--seed``, ``--quick`` (a smoke run that checks its numbers and writes nothing)
-and ``--out DIR`` (where a full run writes ``results.json`` and its figures), and exits
+parses ``--seed``, ``--quick`` (a smoke run that checks its numbers and writes nothing,
+at most what it writes when ``--out`` is given), ``--out DIR`` (where a full run writes
+``results.json`` and its figures) and ``--no-progress`` (hide progress bars), and exits
 0 on success. ``structinfer reproduce NAME`` calls it in-process (so a file in the
-current directory is never run); ``python -m structinfer.reproductions.NAME`` runs it
-too. Adding a reproduction is one module here and one line in `REPRODUCTIONS`.
+current directory is never run), passing ``--out`` for a ``--quick`` run only when the
+user gave one, and ``--no-progress`` for ``--quiet`` or ``--no-progress``;
+``python -m structinfer.reproductions.NAME`` runs it too. Adding a reproduction is one
+module here and one line in `REPRODUCTIONS`.
 
 The reproductions train with optax and compare with scikit-learn: install the
-``examples`` extra (``pip install "structinfer[examples]"``). The results and how they
-compare with the papers are in ``docs/reproductions.md``.
+``examples`` extra (``pip install "structinfer[examples]"``); ``lm`` also needs the
+``nn`` extra (flax). The results and how they compare with the papers are in
+``docs/reproductions.md``.
 """
 
 from __future__ import annotations

@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run: one setting, few steps")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="hide progress bars (this one shows none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=10000, help="Adam steps (batch size 1)")
     ap.add_argument("--lr", type=float, default=5e-4)

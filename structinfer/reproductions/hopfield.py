@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="hide progress bars (this one shows none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--queries", type=int, default=500)

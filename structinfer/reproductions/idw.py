@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="hide progress bars (this one shows none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--noise", type=float, default=0.1, help="two-moons noise")
     ap.add_argument("--moons-epochs", type=int, default=25)

@@ -36,9 +36,12 @@ distance, plus the raw ``q`` / ``(α, β)``.
     structinfer reproduce lm --quick                 # seconds, writes nothing
     structinfer reproduce lm --quick --out /tmp/lm   # the same, with the outputs (a test)
     structinfer reproduce lm --out results/lm        # the full run (see --help)
+    structinfer reproduce lm --out results/lm -- --resume   # goes on after an interruption
 
 Writes ``results.json``, ``results.md`` (the table) and ``lm.png`` to ``--out`` (default
-``results/lm``; a ``--quick`` run writes only when ``--out`` is given).
+``results/lm``, ``structinfer-reproduce/lm`` through ``structinfer reproduce``; a
+``--quick`` run writes only when ``--out`` is given). Its own options (``--resume``,
+``--priors``, ``--seeds``, ...) go after ``--`` in ``structinfer reproduce lm``.
 """
 
 from __future__ import annotations
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-windows", type=int, default=512)
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--no-progress", "--quiet", dest="quiet", action="store_true",
+                    help="hide the progress bars")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in OUT/results.json (written after every "
                          "run) and train only the missing (prior, seed) pairs; the file "

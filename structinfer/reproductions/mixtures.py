@@ -371,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run: one seed")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="hide progress bars (this one shows none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--slot-seeds", type=int, default=10, help="seeds for the slot scenes")

@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the reproduction from the command line (``argv``); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 seeds, few epochs")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="hide progress bars (this one shows none)")
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--epochs", type=int, default=100)
