@@ -142,6 +142,33 @@ def all_positive(x: ArrayLike) -> bool:
     return bool(np.all(np.asarray(x) > 0))
 
 
+def check_count(value: Any, what: str, minimum: int = 1, *, none_ok: bool = False,
+                role: str = "") -> int | None:
+    """A count argument (steps, draws, a size) as a Python int (a NumPy integer too).
+
+    Args:
+        value: the argument.
+        what: ``"<function>: <argument>"``, for the message.
+        minimum: the smallest value allowed.
+        none_ok: ``None`` is allowed (and returned).
+        role: what the count is, for the message.
+
+    Returns:
+        ``int(value)``, or ``None`` where allowed.
+
+    Raises:
+        ValueError: not an int (a bool neither) of at least ``minimum``, naming ``what``.
+    """
+    if none_ok and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        kind = {1: "a positive int", 0: "a non-negative int"}.get(minimum,
+                                                                  f"an int >= {minimum}")
+        raise ValueError(f"{what} must be {kind}{' or None' if none_ok else ''}"
+                         f"{f' ({role})' if role else ''}, got {value!r}")
+    return int(value)
+
+
 def check_static_int(x: Any, name: str, what: str) -> Any:
     """Refuse a traced structural int (a size, window or offset that sets a shape).
 

@@ -11,6 +11,7 @@
 Sizes are distinct primes: 7 or 11 children, 3 dims, 2 batch elements, 5 slots.
 """
 
+import re
 import warnings
 
 import arviz_base as azb
@@ -253,6 +254,40 @@ def test_bad_fits_are_refused(q_task):
     unrun = numpyro.infer.MCMC(si.infer.NUTS(q_model), num_warmup=1, num_samples=1)
     with pytest.raises(ValueError, match="no draws"):
         dg.to_inference_data(unrun, task.x, task.weight, 0.3)
+
+
+@pytest.fixture(scope="module")
+def small_svi_fit(q_task):
+    task = q_task[0]
+    return si.infer.svi(jax.random.PRNGKey(0), q_model, task.x, task.weight, 0.3,
+                        num_steps=20, progress_bar=False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_draws=0), "num_draws must be a positive int, got 0"),
+    (dict(num_draws=-3), "num_draws must be a positive int, got -3"),
+    (dict(num_draws=2.5), "num_draws must be a positive int, got 2.5"),
+    (dict(num_prior_draws=-2), "num_prior_draws must be a non-negative int, got -2"),
+    (dict(num_prior_draws=2.5), "num_prior_draws must be a non-negative int, got 2.5"),
+    (dict(num_prior_draws=True), "num_prior_draws must be a non-negative int, got True"),
+    (dict(batch_size=-1), "batch_size must be a positive int or None, got -1"),
+    (dict(batch_size=0), "batch_size must be a positive int or None, got 0"),
+])
+def test_to_inference_data_refuses_bad_counts(q_task, small_svi_fit, kw, match):
+    """Regression: bad counts gave an IndexError, an MLIRError or a reshape TypeError, or
+    (a fractional num_prior_draws) were silently truncated."""
+    task = q_task[0]
+    with pytest.raises(ValueError, match=r"to_inference_data: " + re.escape(match)):
+        dg.to_inference_data(small_svi_fit, task.x, task.weight, 0.3,
+                             posterior_predictive=False, **kw)
+
+
+def test_to_inference_data_accepts_good_counts(q_task, small_svi_fit):
+    task = q_task[0]
+    dt = dg.to_inference_data(small_svi_fit, task.x, task.weight, 0.3, num_draws=7,
+                              num_prior_draws=np.int64(3), batch_size=None,
+                              posterior_predictive=False)
+    assert dt["posterior"]["q"].shape == (1, 7) and dt["prior"]["q"].shape == (1, 3)
 
 
 def test_the_data_must_be_the_fits_own(q_task, q_fit):
@@ -567,6 +602,40 @@ def test_convergence_report():
     assert rep.num_iterations == 4 and rep.final == 0.4
     with pytest.raises(ValueError, match="1-d"):
         dg.convergence_report(np.zeros((2, 3)))
+
+
+def test_convergence_report_counts_a_nonfinite_stop_as_an_increase():
+    """Regression: a run that stopped on a non-finite energy was reported monotone (its
+    failing value was dropped as if it were the NaN padding after the run), and so was
+    a trace ending in inf. The report reads `num_steps` from an `info` and keeps the
+    failing value."""
+    r = np.random.default_rng(0)
+    x = np.round(r.normal(size=(20, 2)) * 10)  # duplicated points: a component collapses
+    _, info = si.infer.gmm_em(x, x[:3], np.stack([np.eye(2)] * 3), raise_on_nonfinite=False)
+    k = int(info.num_steps)
+    assert bool(info.nonfinite) and k >= 2
+    rep = dg.convergence_report(info)
+    assert not rep.monotone and rep.max_increase == np.inf
+    assert rep.first_increase == k - 1 and rep.num_iterations == k + 1
+    assert not np.isfinite(rep.final)
+    for last in (np.inf, -np.inf):
+        rep = dg.convergence_report(np.array([3.0, 2.0, last]))
+        assert not rep.monotone and rep.first_increase == 1 and rep.max_increase == np.inf
+        assert rep.num_iterations == 3
+    # a finite run: the NaN after num_steps is padding
+    _, ok = si.infer.gmm_em(x + r.normal(size=x.shape), x[:3], np.stack([np.eye(2)] * 3),
+                            max_iters=500)
+    rep = dg.convergence_report(ok)
+    assert rep.monotone and rep.num_iterations == int(ok.num_steps) + 1
+
+
+def test_convergence_report_max_increase_is_zero_when_the_trace_never_rises():
+    """Regression: a decreasing trace reported its smallest decrease, negated, as
+    `max_increase` (e.g. -1.0)."""
+    for trace in ([5.0, 4.0, 3.0], [2.0, 2.0], [1.0]):
+        rep = dg.convergence_report(np.array(trace))
+        assert rep.monotone and rep.max_increase == 0.0 and rep.first_increase == -1
+    assert dg.convergence_report(np.array([1.0, 1.5, 0.0])).max_increase == 0.5
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from scipy.stats import multivariate_normal
 
 import structinfer as si
 from structinfer.infer import (
+    em_energy,
     em_gmm,
     em_linear_mixture,
     em_slot,
@@ -16,6 +17,7 @@ from structinfer.infer import (
     expand,
     gmm_em,
     linear_mixture_em,
+    markov_switching_em,
     slot_m_step,
 )
 
@@ -242,3 +244,200 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="linear_mixture_em"):
         linear_mixture_em(np.zeros((5, 2)), np.zeros((5, 2)), np.zeros((2, 2, 3)),
                           np.zeros((2, 2)), np.zeros((2, 2, 2)))
+
+
+def test_energy_em_surfaces_a_failed_e_step():
+    """Regression: the E-step's gradient descent ran with raise_on_nonfinite=False and
+    handed back its last finite point with a finite energy when it diverged, so the run
+    reported converged=True, nonfinite=False at latents that are not a minimum of E. A
+    diverged E-step is now a non-finite energy at that step."""
+    def quartic(v, th):  # min over v at v = 0; a step of 1e10 overflows at once
+        return jnp.sum(v**4) + jnp.sum((th - 1.0) ** 2)
+
+    v0, th0 = jnp.array([1.0]), jnp.array([0.0])
+    kw = dict(e_step_size=1e10, m_step_size=0.4, max_iters=200)
+    assert not np.isfinite(float(em_energy.init(quartic, v0, th0, e_step_size=1e10).energy))
+    with pytest.raises(si.infer.NonFiniteEnergyError, match="energy_em: .* initial state.*"
+                       "E-step.*e_step_size") as err:
+        energy_em(quartic, v0, th0, **kw)
+    assert err.value.step == 0
+    _, info = energy_em(quartic, v0, th0, raise_on_nonfinite=False, **kw)
+    assert bool(info.nonfinite) and not bool(info.converged)
+
+    def stiff(v, th):  # the E-step's descent is stable while exp(th) * e_step_size < 1
+        return jnp.sum(jnp.exp(th) * v**2) + jnp.sum((th - 3.0) ** 2)
+
+    kw = dict(e_step_size=0.3, m_step_size=0.4, max_iters=50)
+    with pytest.raises(si.infer.NonFiniteEnergyError, match="energy_em: .* step 1;.*"
+                       "E-step.*e_step_size") as err:
+        energy_em(stiff, v0, th0, **kw)
+    assert err.value.step == 1
+    st, info = energy_em(stiff, v0, th0, raise_on_nonfinite=False, **kw)
+    assert bool(info.nonfinite) and int(info.num_steps) == 1
+    assert not np.isfinite(float(info.energy[1]))
+    # the state returned is the first E-step's (the last finite one): v near 0, theta = 0
+    assert abs(float(st.latents[0])) < 1e-5 and float(st.params[0]) == 0.0
+    # one step by hand shows the same
+    s0 = em_energy.init(stiff, v0, th0, e_step_size=0.3)
+    s1, _ = em_energy.step(stiff, s0, e_step_size=0.3, m_step_size=0.4)
+    assert np.isfinite(float(s0.energy)) and not np.isfinite(float(s1.energy))
+
+
+def test_energy_em_names_an_m_step_that_leaves_e_non_finite():
+    """A non-finite E at the new parameters (before any E-step descent) is the M-step's."""
+    def log_barrier(v, th):  # finite for th < 1 only; the M-step jumps past it
+        return jnp.sum(v**2) - jnp.sum(jnp.log1p(-th)) - jnp.sum(10.0 * th)
+
+    with pytest.raises(si.infer.NonFiniteEnergyError, match="energy_em: .* step 1;.*"
+                       "M-step.*m_step_size"):
+        energy_em(log_barrier, jnp.array([1.0]), jnp.array([0.5]), m_step_size=1.0)
+
+
+def dead_mode_data(seed=0, T=41):
+    """Two-mode data where mode 1 starts far from every target: it gets no data."""
+    r = np.random.default_rng(seed)
+    u = r.normal(size=(T, D))
+    y = 0.9 * u + 0.1 * r.normal(size=(T, D))
+    A0 = np.stack([np.eye(D), np.eye(D)])
+    b0 = np.array([[0.0, 0.0], [1e3, 1e3]])
+    return u, y, A0, b0, np.stack([np.eye(D)] * 2)
+
+
+@pytest.mark.parametrize("reg", [0.0, 1e-3])
+def test_linear_mixture_em_keeps_a_dead_mode_off(x64, reg):
+    """Regression: a mode with no data made the weighted least squares 0/0 (NaN) and the
+    run raised "a mode lost its data? set reg > 0", although reg never reached the least
+    squares. As in gmm_em, such a mode now keeps its parameters at weight 0, and the
+    others are fitted as without it."""
+    u, y, A0, b0, C0 = dead_mode_data()
+    st, info = linear_mixture_em(u, y, A0, b0, C0, reg=reg, tol=1e-12)
+    assert bool(info.converged)
+    assert float(st.weights[1]) == 0.0 and np.all(np.asarray(st.responsibilities)[:, 1] == 0)
+    np.testing.assert_array_equal(st.A[1], A0[1])
+    np.testing.assert_array_equal(st.b[1], b0[1])
+    np.testing.assert_array_equal(st.covariances[1], C0[1])
+    one, _ = linear_mixture_em(u, y, A0[:1], b0[:1], C0[:1], reg=reg, tol=1e-12)
+    np.testing.assert_allclose(st.log_likelihood, one.log_likelihood, rtol=1e-10)
+    for a, b in ((st.A, one.A), (st.b, one.b), (st.covariances, one.covariances)):
+        np.testing.assert_allclose(np.asarray(a)[0], np.asarray(b)[0], rtol=1e-8, atol=1e-12)
+    e = np.asarray(info.energy[: int(info.num_steps) + 1])
+    assert np.all(np.isfinite(e))
+
+
+def test_linear_mixture_em_reg_regularises_the_least_squares(x64):
+    """A mode with data at a single target has a singular least-squares Gram matrix: with
+    reg = 0 the step is not finite, with reg > 0 (the ridge the message asks for) it is
+    the ridge regression."""
+    u, y, A0, b0, C0 = dead_mode_data()
+    st = em_linear_mixture.init(u, y, A0, b0 * 0, C0)
+    resp = np.zeros((len(u), 2))
+    resp[:, 0], resp[3] = 1.0, [0.0, 1.0]  # mode 1 owns target 3 alone
+    st = st._replace(responsibilities=jnp.asarray(resp))
+    step = jax.jit(lambda st, reg: em_linear_mixture.step(u, y, st, reg=reg))
+    new, _ = step(st, 0.0)
+    assert not np.isfinite(float(new.log_likelihood))
+    reg = 1e-2
+    new, _ = step(st, reg)
+    assert np.isfinite(float(new.log_likelihood))
+    ut = np.concatenate([u, np.ones((len(u), 1))], 1)[3:4]
+    ridge = np.linalg.solve(ut.T @ ut + reg * np.eye(D + 1), ut.T @ y[3:4]).T
+    np.testing.assert_allclose(new.A[1], ridge[:, :D], rtol=1e-10)
+    np.testing.assert_allclose(new.b[1], ridge[:, D], rtol=1e-10)
+    # a single target: the message's advice works
+    with pytest.raises(si.infer.NonFiniteEnergyError, match="linear_mixture_em: .*set reg > 0"):
+        linear_mixture_em(u[:1], y[:1], A0, b0 * 0, C0)
+    _, info = linear_mixture_em(u[:1], y[:1], A0, b0 * 0, C0, reg=reg)
+    assert not bool(info.nonfinite)
+
+
+def test_markov_switching_em_keeps_a_dead_mode_off(x64):
+    """Regression: a mode with no data made the M-step's variance 0/0 (NaN) whatever the
+    ridge; it now keeps its parameters (and its row of the transition matrix)."""
+    r = np.random.default_rng(1)
+    x = np.cumsum(0.1 * r.normal(size=(43, D)), 0)
+    A0, b0 = np.stack([np.eye(D)] * 2), np.array([[0.0, 0.0], [1e3, 1e3]])
+    p0 = np.ones((2, D))
+    st, info = markov_switching_em(x, A0, b0, p0, tol=1e-12)
+    assert bool(info.converged)
+    assert np.all(np.asarray(st.responsibilities)[:, 1] == 0)
+    np.testing.assert_array_equal(st.A[1], A0[1])
+    np.testing.assert_array_equal(st.b[1], b0[1])
+    np.testing.assert_array_equal(st.precisions[1], p0[1])
+    np.testing.assert_allclose(st.log_transition[1], np.log([0.5, 0.5]))  # never left
+    assert np.all(np.isfinite(np.asarray(st.log_transition)))
+    one, _ = markov_switching_em(x, A0[:1], b0[:1], p0[:1], tol=1e-12)
+    np.testing.assert_allclose(st.log_likelihood, one.log_likelihood, rtol=1e-10)
+    np.testing.assert_allclose(st.A[0], one.A[0], rtol=1e-8, atol=1e-12)
+
+
+def test_em_refuses_a_negative_reg():
+    """Regression: gmm_em(reg=-10) made every covariance negative definite, its energy
+    went up and the run reported converged=True. A negative ridge is refused; under
+    jit (where it cannot be checked) the energy is NaN and the run stops on it."""
+    r = np.random.default_rng(0)
+    x = r.normal(size=(23, D))
+    c2, c3 = np.stack([np.eye(D)] * 2), np.stack([np.eye(D)] * 3)
+    runs = {
+        "gmm_em": lambda reg: gmm_em(x, x[:3], c3, reg=reg),
+        "linear_mixture_em": lambda reg: linear_mixture_em(x[:-1], x[1:], c2, np.zeros((2, D)),
+                                                           c2, reg=reg),
+        "markov_switching_em": lambda reg: markov_switching_em(x, c2, np.zeros((2, D)),
+                                                               np.ones((2, D)), reg=reg),
+    }
+    for name, fn in runs.items():
+        for bad in (-10.0, np.float32(-1e-3), np.nan):
+            with pytest.raises(ValueError, match=f"{name}: reg must be a non-negative"):
+                fn(bad)
+        _, info = jax.jit(fn)(-10.0)
+        assert bool(info.nonfinite) and not bool(info.converged), name
+        _, info = jax.jit(fn)(1e-3)
+        assert not bool(info.nonfinite), name
+    st = em_gmm.init(x, x[:3], c3)
+    with pytest.raises(ValueError, match="gmm_em: reg must be a non-negative"):
+        em_gmm.step(x, st, reg=-1.0)
+
+
+def test_linear_mixture_em_checks_its_weights():
+    """Regression: a negative weight was accepted and ended in a misleading "a mode lost
+    its data" error. The weights are checked as gmm_em checks them."""
+    u, y = np.zeros((5, 2)), np.zeros((5, 2))
+    A, b, c = np.stack([np.eye(2)] * 2), np.zeros((2, 2)), np.stack([np.eye(2)] * 2)
+    for bad in ([1.5, -0.5], [0.2, 0.2]):
+        with pytest.raises(ValueError, match=r"linear_mixture_em: weights .* non-negative "
+                           "and sum to 1"):
+            linear_mixture_em(u, y, A, b, c, np.asarray(bad))
+    with pytest.raises(ValueError, match=r"linear_mixture_em: weights of shape \(3,\), "
+                       r"expected \(2,\)"):
+        linear_mixture_em(u, y, A, b, c, np.full(3, 1 / 3))
+    with pytest.raises(ValueError, match="linear_mixture_em: weights"):
+        em_linear_mixture.init(u, y, A, b, c, np.asarray([1.5, -0.5]))
+
+
+def test_arguments_are_named_in_errors():
+    """Regression: these raised "not enough values to unpack", a dot_general TypeError or
+    "max_iters must be a positive int" (for e_iters)."""
+    r = np.random.default_rng(0)
+    x, c = r.normal(size=(19, D)), np.stack([np.eye(D)] * 3)
+    with pytest.raises(ValueError, match=r"gmm_em: means must be \(K, d\), got shape \(2,\)"):
+        gmm_em(x, x[0], c)
+    with pytest.raises(ValueError, match=r"gmm_em: covariances must be \(K, d, d\)"):
+        gmm_em(x, x[:3], np.eye(D))
+    with pytest.raises(ValueError, match=r"gmm_em: x must be \(points, d\), got shape "
+                       r"\(1, 19, 2\).*jax.vmap"):
+        gmm_em(x[None], x[:3], c)
+    with pytest.raises(ValueError, match=r"linear_mixture_em: inputs must be \(T, d_u\)"):
+        linear_mixture_em(x[None], x, c[:2], np.zeros((2, D)), c[:2])
+    with pytest.raises(ValueError, match=r"linear_mixture_em: A must be \(K, d_y, d_u\)"):
+        linear_mixture_em(x, x, np.eye(D), np.zeros((2, D)), c[:2])
+    with pytest.raises(ValueError, match=r"markov_switching_em: x must be \(T, d\)"):
+        markov_switching_em(x[None], c[:2], np.zeros((2, D)), np.ones((2, D)))
+
+    def energy(v, t):
+        return jnp.sum((v - t) ** 2)
+
+    for e_iters in (0, -1, 2.5, True):
+        match = f"energy_em: e_iters must be a positive int.*got {e_iters!r}"
+        with pytest.raises(ValueError, match=match):
+            energy_em(energy, jnp.ones(2), jnp.zeros(2), e_iters=e_iters)
+        with pytest.raises(ValueError, match=match):
+            em_energy.init(energy, jnp.ones(2), jnp.zeros(2), e_iters=e_iters)

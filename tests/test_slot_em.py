@@ -222,3 +222,50 @@ def test_slot_em_m_step_solves_the_tied_least_squares(x64):
 
     g = np.asarray(jax.grad(objective)(jnp.asarray(wq1)))
     assert np.abs(g).max() < 1e-8 * float(objective(wq1))
+
+
+def test_slot_em_surfaces_a_failed_e_step():
+    """Regression: the E-step's CCCP ran with raise_on_nonfinite=False and, when it
+    overflowed, handed back its starting slots with a finite energy, so a failed E-step
+    looked like a finished one. It is now a non-finite energy at that step (here the
+    first E-step: the initial state)."""
+    from structinfer.infer import NonFiniteEnergyError, em_slot
+
+    x, _ = two_blobs(np.float32)
+    x = x * np.float32(1e19)  # the slots' squared norm overflows float32 after one step
+    slots = np.array([[1e-3, 0.0], [0.0, 1e-3]], np.float32)
+    wk, wq = np.eye(2, 3, dtype=np.float32), np.eye(2, dtype=np.float32)
+    st = em_slot.init(x, slots, wk, wq, e_iters=5)
+    assert not np.isfinite(float(st.energy))
+    with pytest.raises(NonFiniteEnergyError, match="slot_em: .*initial state.*E-step") as err:
+        slot_em(x, slots, wk, wq, e_iters=5)
+    assert err.value.step == 0
+    _, info = slot_em(x, slots, wk, wq, e_iters=5, raise_on_nonfinite=False)
+    assert bool(info.nonfinite) and int(info.num_steps) == 0
+
+
+def test_slot_em_names_bad_arguments():
+    """Regression: e_iters=0 said "max_iters must be a positive int" and 1-D slots gave an
+    IndexError."""
+    from structinfer.infer import em_slot
+
+    x, _ = two_blobs(np.float32)
+    slots, wk, wq = x[[0, 9]][:, :2], np.eye(2, 3), np.eye(2)
+    for e_iters in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=f"slot_em: e_iters must be a positive int.*got "
+                           f"{e_iters!r}"):
+            slot_em(x, slots, wk, wq, e_iters=e_iters)
+    with pytest.raises(ValueError, match="slot_em: e_iters must be a positive int"):
+        em_slot.init(x, slots, wk, wq, e_iters=0)
+    with pytest.raises(ValueError, match=r"slot_em: slots must be \(S, d_mu\), got shape \(2,\)"):
+        slot_em(x, slots[0], wk, wq)
+    with pytest.raises(ValueError, match=r"slot_em: x must be \(tokens, d_x\), got shape "
+                       r"\(1, 14, 3\)"):
+        slot_em(x[None], slots, wk, wq)
+    with pytest.raises(ValueError, match=r"slot_em: wk must be \(d_k, d_x\)"):
+        slot_em(x, slots, np.ones(3), wq)
+    with pytest.raises(ValueError, match="slot_em: ridge must be a non-negative number.*got -1"):
+        slot_em(x, slots, wk, wq, ridge=-1.0)
+    att = np.full((len(x), 2), 0.5)
+    with pytest.raises(ValueError, match="slot_m_step: ridge must be a non-negative number"):
+        slot_m_step(x, slots, att, wk, wq, ridge=-1.0)

@@ -21,11 +21,14 @@ class ConvergenceReport(NamedTuple):
     Attributes:
         num_iterations: length of the trace.
         initial: the first value.
-        final: the last value.
-        monotone: the trace never increased by more than the tolerance.
-        max_increase: largest single-step increase.
-        first_increase: index of the first step that increased by more than the
-            tolerance (-1 if none).
+        final: the last value (not finite when the run stopped on a non-finite energy).
+        monotone: every value is finite and no step increased by more than the
+            tolerance.
+        max_increase: largest single-step increase, 0.0 when no step increased, inf
+            when a step went into or out of a non-finite value.
+        first_increase: index $t$ of the first step $F_t \\to F_{t+1}$ that increased
+            by more than the tolerance or went into or out of a non-finite value (-1 if
+            none).
     """
 
     num_iterations: int
@@ -65,12 +68,28 @@ def as_trace(trace: Any) -> np.ndarray:
     return t
 
 
+def _taken(trace: Any, t: np.ndarray) -> np.ndarray:
+    """The values the algorithm produced: without the NaN padding after it stopped."""
+    steps = getattr(trace, "num_steps", None) if hasattr(trace, "_fields") else None
+    if steps is not None and np.ndim(steps) == 0:
+        # an `info` of `structinfer.infer`: F_0 .. F_{num_steps}; the last one is the
+        # non-finite energy the run stopped on, if it did
+        return t[: min(int(steps), t.size - 1) + 1]
+    nan = np.isnan(t)
+    if nan.all():
+        return t
+    return t[: np.nonzero(~nan)[0][-1] + 1]
+
+
 def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
     r"""Check an objective trace $F_0, F_1, \dots$ (to be minimised) for monotone descent.
 
-    Non-finite entries after the last finite one (the NaN padding after an algorithm
-    stopped) are dropped first. One before it is a step the descent did not take: the
-    steps into and out of it count as increases (``max_increase`` is then ``inf``).
+    For the `info` of an algorithm of `structinfer.infer` the trace is its first
+    `num_steps + 1` entries: a run that stopped on a non-finite energy ends in that
+    value, and is not monotone. For an array, trailing NaN (padding after an algorithm
+    stopped) are dropped; a trailing $\pm\infty$ is kept. A non-finite value is a step
+    the descent did not take: the steps into and out of it count as increases
+    (``max_increase`` is then ``inf``).
 
     Args:
         trace: a 1-d array, or an `info` NamedTuple with a `free_energy` / `energy` /
@@ -84,19 +103,17 @@ def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
     Raises:
         ValueError: the trace is not a non-empty 1-d array.
     """
-    t = as_trace(trace)
-    finite = np.isfinite(t)
-    if finite.any():  # the padding after the last finite entry
-        t = t[: np.nonzero(finite)[0][-1] + 1]
+    t = _taken(trace, as_trace(trace))
     inc = np.diff(t)
     with np.errstate(invalid="ignore"):
         up = (inc > tol * (1 + np.abs(t[:-1]))) | ~np.isfinite(inc)
     bad = np.nonzero(up)[0]
+    rise = np.where(np.isfinite(inc), inc, np.inf)
     return ConvergenceReport(
         num_iterations=int(t.size),
         initial=float(t[0]),
         final=float(t[-1]),
-        monotone=bool(bad.size == 0),
-        max_increase=float(np.where(np.isfinite(inc), inc, np.inf).max()) if inc.size else 0.0,
+        monotone=bool(bad.size == 0 and np.isfinite(t).all()),
+        max_increase=float(max(0.0, rise.max())) if inc.size else 0.0,
         first_increase=int(bad[0]) if bad.size else -1,
     )

@@ -19,6 +19,7 @@ $p(\phi_i = j \mid x) = \mathbb E_{\theta \mid x}[p(\phi_i = j \mid x, \theta)]$
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ except ImportError:  # NumPyro < 0.20 (the releases for JAX < 0.7) has no uncond
                 msg["is_observed"], msg["value"] = False, None
 
 from .. import exact
-from .._checks import as_arrays, model_name
+from .._checks import as_arrays, check_count, model_name
 from ..exact import LikelihoodStructure, ScoreFactors
 from ._common import check_true_edges, latent_sites, offset_of, read_fit
 
@@ -188,18 +189,28 @@ def _observed_elements(model: Callable, args: tuple, kwargs: dict,
                        struct: LikelihoodStructure) -> np.ndarray | None:
     """Which elements of the pointwise log-likelihood hold an observation: those where
     some observed site is not masked out (`numpyro.handlers.mask`, `Distribution.mask`;
-    a masked element's term is 0, not an observation). ``None`` when all are."""
+    a masked element's term is 0, not an observation). A masked element is one whose
+    log-density is 0 where its unmasked distribution's is not (read from the site's
+    values: an element whose unmasked log-density is exactly 0 counts as observed).
+    ``None`` when all are."""
     from numpyro.distributions import MaskedDistribution
 
     tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
     seen = np.zeros(struct.shape, bool)
     for name in struct.observed:
         site = tr[name]
-        fn, mask = site["fn"], np.ones((), bool)
-        while isinstance(fn, MaskedDistribution):
-            mask = mask & np.asarray(fn._mask, bool)
-            fn = fn.base_dist
-        mask = np.broadcast_to(mask, tuple(site["fn"].batch_shape))
+        fn = base = site["fn"]
+        while isinstance(base, MaskedDistribution):
+            base = base.base_dist
+        if base is fn:
+            mask = np.ones(tuple(fn.batch_shape), bool)
+        else:  # masked out: log-density exactly 0 where the unmasked one is not (or NaN)
+            with warnings.catch_warnings():  # missing values (NaN) are out of support
+                warnings.simplefilter("ignore")
+                lp = np.asarray(fn.log_prob(site["value"]))
+                unmasked = np.asarray(base.log_prob(site["value"]))
+            mask = ~((lp == 0) & (unmasked != 0))
+            mask = np.broadcast_to(mask, tuple(fn.batch_shape))
         frames = {f.name: f.dim for f in site["cond_indep_stack"] if f.dim is not None}
         axes = [mask.ndim + frames[p] for p in struct.plates]
         other = tuple(a for a in range(mask.ndim) if a not in axes)
@@ -276,9 +287,11 @@ def to_inference_data(
         true_edges: `{edge site: the true parent of each child}`, stored as `<site>_true`.
         posterior_predictive: add the `posterior_predictive` group (one compiled pass of
             NumPyro's `infer_discrete` over the draws).
-        num_prior_draws: prior draws for the `prior` group (0: no group).
-        num_draws: draws of an SVI guide (ignored for MCMC).
-        batch_size: draws per step of the per-draw passes (`jax.lax.map`).
+        num_prior_draws: prior draws for the `prior` group (a non-negative int; 0: no
+            group).
+        num_draws: draws of an SVI guide (a positive int; not used for MCMC).
+        batch_size: draws per step of the per-draw passes (`jax.lax.map`; a positive
+            int, or None for all draws at once).
         rng_key: key of the posterior predictive and prior draws (default `PRNGKey(0)`).
         **model_kwargs: the model's keyword arguments, as given to the fit.
 
@@ -290,11 +303,16 @@ def to_inference_data(
         EnergyOnlyModelError: the model has no normalised observation.
         TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair.
         ValueError: a `numpyro.param` site, a discrete latent site that is not
-            enumerated, no latent site, a bad `true_edges`, or observations other than
-            those the MCMC ran on.
+            enumerated, no latent site, a bad `true_edges`, observations other than
+            those the MCMC ran on, or a count (`num_draws`, `num_prior_draws`,
+            `batch_size`) that is not an int in its range.
     """
     import arviz_base as azb
     import xarray as xr
+
+    num_draws = check_count(num_draws, "to_inference_data: num_draws")
+    num_prior_draws = check_count(num_prior_draws, "to_inference_data: num_prior_draws", 0)
+    batch_size = check_count(batch_size, "to_inference_data: batch_size", none_ok=True)
 
     parts = read_fit(fit, "to_inference_data")
     model = parts.model
@@ -351,7 +369,7 @@ def to_inference_data(
     if const:
         dt["constant_data"] = xr.DataTree(azb.dict_to_dataset(const, sample_dims=[]))
     if num_prior_draws:
-        prior = _prior_draws(model, args, kwargs, latent, int(num_prior_draws), key_prior)
+        prior = _prior_draws(model, args, kwargs, latent, num_prior_draws, key_prior)
         dt["prior"] = xr.DataTree(azb.dict_to_dataset(prior, dims=dims))
 
     edge_vars, attrs = {}, {}

@@ -326,7 +326,7 @@ def plot_convergence(
     items = traces.items() if isinstance(traces, Mapping) else [("trace", traces)]
     for label, tr in items:
         t = as_trace(tr)
-        rep = convergence_report(t)
+        rep = convergence_report(tr)  # an info: its steps taken, a non-finite stop too
         y = t - np.nanmin(t) + 1e-12 if log_gap else t
         ax.plot(np.arange(t.size), y, label=label + ("" if rep.monotone else " (non-monotone)"))
     if log_gap:

@@ -6,7 +6,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .._checks import is_concrete
 from ._model_fn import ModelFunction
 
 __all__ = [
@@ -18,6 +20,9 @@ __all__ = [
     "as_float_tree",
     "like_tree",
     "site_finder",
+    "check_layout",
+    "check_nonnegative",
+    "check_weights",
 ]
 
 
@@ -72,3 +77,66 @@ def site_finder(fn: Any, mu_of_failure: Any) -> Any:
     if isinstance(fn, ModelFunction):
         return lambda idx: fn.site(mu_of_failure(idx))
     return None
+
+
+def check_layout(x: jax.Array, ndim: int, what: str, layout: str, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``x`` has exactly ``ndim`` dimensions.
+
+    Args:
+        x: the array (its shape is static: this runs under ``jit`` too).
+        ndim: the number of dimensions expected.
+        what: ``"<function>: <argument>"``, for the message.
+        layout: the expected layout, e.g. ``"(K, d)"``.
+        hint: appended to the message.
+    """
+    if jnp.ndim(x) != ndim:
+        raise ValueError(f"{what} must be {layout}, got shape {tuple(jnp.shape(x))}{hint}")
+
+
+def check_nonnegative(value: Any, what: str, role: str) -> Any:
+    """A ridge or other amount that must be ``>= 0``.
+
+    Concrete: raise ``ValueError`` when it is negative or NaN. Traced (under ``jit``,
+    where it cannot be checked): a negative value becomes NaN, so the algorithm stops
+    on a non-finite energy instead of returning a finite wrong result.
+
+    Args:
+        value: the amount (a scalar).
+        what: ``"<function>: <argument>"``, for the message.
+        role: what the amount does, for the message.
+
+    Returns:
+        ``value``, or (traced) NaN where it is negative.
+    """
+    if is_concrete(value):
+        if not bool(np.all(np.asarray(value) >= 0)):
+            raise ValueError(f"{what} must be a non-negative number ({role}), got {value!r}")
+        return value
+    return jnp.where(value >= 0, value, jnp.nan)
+
+
+def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
+    """Mixture weights: ``(k,)``, and (when concrete) non-negative and summing to 1.
+
+    Args:
+        weights: the weights, or None for uniform ones.
+        k: the number of components.
+        dtype: their dtype.
+        what: ``"<function>: weights"``, for the messages.
+
+    Returns:
+        The weights as a ``(k,)`` array.
+
+    Raises:
+        ValueError: another shape, or (concrete) a negative weight or a sum other than 1.
+    """
+    if weights is None:
+        return jnp.full((k,), 1.0 / k, dtype)
+    w = jnp.asarray(weights, dtype)
+    if w.shape != (k,):
+        raise ValueError(f"{what} of shape {tuple(w.shape)}, expected ({k},) (one per "
+                         "component)")
+    if is_concrete(w) and not (bool(jnp.all(w >= 0)) and abs(float(w.sum()) - 1.0) < 1e-4):
+        raise ValueError(f"{what} {np.asarray(w).round(4).tolist()} must be non-negative and "
+                         "sum to 1")
+    return w

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_count
 from . import gradient
 from ._common import like_tree, rel_change_small
 from ._loop import LoopInfo, check, run_loop
@@ -36,9 +37,36 @@ class EMState(NamedTuple):
 
 
 def _e_step(energy_fn, v, th, e_step_size, e_iters, e_tol):
-    st, _ = gradient.run(lambda z: energy_fn(z, th), v, step_size=e_step_size, tol=e_tol,
-                         max_iters=e_iters, raise_on_nonfinite=False)
-    return st.mu, st.energy
+    """Gradient descent on the latents: ``(v*, E)``, ``E`` not finite if it diverged.
+
+    The descent stops at its last finite point when its energy is not finite; that
+    point is no minimum, so its non-finite energy is passed on for the outer loop to
+    stop on.
+    """
+    e_iters = check_count(e_iters, "energy_em: e_iters",
+                          role="the most gradient steps of each E-step")
+    st, info = gradient.run(lambda z: energy_fn(z, th), v, step_size=e_step_size, tol=e_tol,
+                            max_iters=e_iters, raise_on_nonfinite=False)
+    return st.mu, jnp.where(info.nonfinite, info.final_energy(), st.energy)
+
+
+def _m_step(energy_fn, state, m_step_size):
+    g = jax.grad(energy_fn, argnums=1)(state.latents, state.params)
+    lr = like_tree(m_step_size, g)
+    return jax.tree.map(lambda p, gi, h: (p - h * gi).astype(jnp.result_type(p)),
+                        state.params, g, lr)
+
+
+def _failing_phase(energy_fn, state, m_step_size, e_step_size, e_iters, e_tol, step):
+    """Which half of the failing step (or of the first E-step) left E non-finite."""
+    th = state.params if step == 0 else _m_step(energy_fn, state, m_step_size)
+    if not bool(jnp.isfinite(energy_fn(state.latents, th))):
+        if step == 0:
+            return "E is not finite at the initial latents and params"
+        return ("the M-step: E is not finite at its new params and the current latents "
+                "(lower m_step_size)")
+    return ("the E-step: its gradient descent on the latents diverged (lower "
+            "e_step_size)")
 
 
 def init(
@@ -57,11 +85,16 @@ def init(
         latents: initial latents (pytree).
         params: initial parameters (pytree).
         e_step_size: step size of the inner gradient descent.
-        e_iters: its most steps.
+        e_iters: its most steps (a positive int).
         e_tol: its gradient tolerance.
 
     Returns:
-        The `EMState` with $v^*_0$, `params` and $E(v^*_0; \theta_0)$.
+        The `EMState` with $v^*_0$, `params` and $E(v^*_0; \theta_0)$; the energy is
+            not finite when the gradient descent diverged (the latents are then its last
+            finite point).
+
+    Raises:
+        ValueError: `e_iters` is not a positive int.
     """
     v0, e0 = _e_step(energy_fn, latents, params, e_step_size, e_iters, e_tol)
     return EMState(v0, params, e0)
@@ -92,12 +125,13 @@ def step(
         tol: the convergence tolerance.
 
     Returns:
-        `(new_state, converged)`: $E$ changed by at most `tol * max(1, |E|)`.
+        `(new_state, converged)`: $E$ changed by at most `tol * max(1, |E|)`. The new
+            energy is not finite when the E-step's gradient descent diverged.
+
+    Raises:
+        ValueError: `e_iters` is not a positive int.
     """
-    g = jax.grad(energy_fn, argnums=1)(state.latents, state.params)
-    lr = like_tree(m_step_size, g)
-    th = jax.tree.map(lambda p, gi, h: (p - h * gi).astype(jnp.result_type(p)),
-                      state.params, g, lr)
+    th = _m_step(energy_fn, state, m_step_size)
     v, e = _e_step(energy_fn, state.latents, th, e_step_size, e_iters, e_tol)
     return EMState(v, th, e), rel_change_small(e, state.energy, tol)
 
@@ -128,7 +162,7 @@ def run(
         latents: initial latents (pytree).
         params: initial parameters (pytree).
         e_step_size: step size of the inner `structinfer.infer.gradient_descent`.
-        e_iters: its most steps.
+        e_iters: its most steps (a positive int).
         e_tol: its gradient tolerance.
         m_step_size: $\eta_\theta$ (scalar or pytree like `params`).
         tol: converged when $E$ changes by at most `tol * max(1, |E|)`.
@@ -138,7 +172,14 @@ def run(
 
     Returns:
         `(EMState, LoopInfo)`; `info.energy[t]` is $E(v^*_t; \theta_t)$ after the E-step
-            of iteration `t` at the parameters of iteration `t`.
+            of iteration `t` at the parameters of iteration `t`. An E-step whose gradient
+            descent diverged counts as a non-finite energy at that iteration
+            (`info.nonfinite`; the state is the last one with a finite energy).
+
+    Raises:
+        ValueError: `e_iters` is not a positive int.
+        NonFiniteEnergyError: see `raise_on_nonfinite`; the message says whether the
+            E-step or the M-step left $E$ non-finite.
 
     Reference:
         Tschantz, "log-sum-exp expectation maximisation".
@@ -152,5 +193,9 @@ def run(
 
     state, info = run_loop(body, state, state.energy, max_iters)
     if raise_on_nonfinite:
-        check(info, "energy_em", None)
+        def phase(_):  # evaluated only on a concrete failure
+            return _failing_phase(energy_fn, state, m_step_size, e_step_size, e_iters, e_tol,
+                                  int(info.num_steps))
+
+        check(info, "energy_em", phase)
     return state, info

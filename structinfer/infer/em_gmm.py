@@ -18,13 +18,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim, is_concrete
+from .._checks import as_float_array
 from ..exact import log_marginal, marginals
 from ..mechanisms.mixtures import gaussian_mixture
-from ._common import rel_change_small, safe_log
+from ._common import (
+    check_layout,
+    check_nonnegative,
+    check_weights,
+    rel_change_small,
+    safe_log,
+)
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GMMState", "init", "step", "run"]
@@ -70,25 +75,23 @@ def _m_step(x, resp, old_means, old_covs, reg):
 
 def _prepare(x, means, covariances, weights):
     x = as_float_array(x, "gmm_em: x")
-    check_ndim(x, 2, "gmm_em: x", "(points, d)")
+    check_layout(x, 2, "gmm_em: x", "(points, d)",
+                 "; for a batch of data sets map gmm_em over it with jax.vmap")
     means = jnp.asarray(means, x.dtype)
     covs = jnp.asarray(covariances, x.dtype)
+    check_layout(means, 2, "gmm_em: means", "(K, d)")
+    check_layout(covs, 3, "gmm_em: covariances", "(K, d, d)")
     k, d = means.shape
     if x.shape[-1] != d or covs.shape != (k, d, d):
         raise ValueError(
             f"gmm_em: x {tuple(x.shape)}, means {tuple(means.shape)} and covariances "
             f"{tuple(covs.shape)} must be (points, d), (K, d), (K, d, d)"
         )
-    if weights is None:
-        return x, means, covs, jnp.full((k,), 1.0 / k, x.dtype)
-    w = jnp.asarray(weights, x.dtype)
-    if w.shape != (k,):
-        raise ValueError(f"gmm_em: weights of shape {tuple(w.shape)}, expected ({k},) (one "
-                         "per component of means)")
-    if is_concrete(w) and not (bool(jnp.all(w >= 0)) and abs(float(w.sum()) - 1.0) < 1e-4):
-        raise ValueError(f"gmm_em: weights {np.asarray(w).round(4).tolist()} must be "
-                         "non-negative and sum to 1")
-    return x, means, covs, w
+    return x, means, covs, check_weights(weights, k, x.dtype, "gmm_em: weights")
+
+
+def _check_reg(reg):
+    return check_nonnegative(reg, "gmm_em: reg", "the ridge added to every covariance")
 
 
 def _init(x, means, covs, w) -> GMMState:
@@ -113,7 +116,8 @@ def init(
         The `GMMState` at the initial parameters.
 
     Raises:
-        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`.
+        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`, or weights
+            that are negative or do not sum to 1.
     """
     return _init(*_prepare(x, means, covariances, weights))
 
@@ -128,13 +132,17 @@ def step(
     Args:
         x: `(points, d)` data (as cast by `init`).
         state: the current `GMMState`.
-        reg: ridge added to every covariance.
+        reg: ridge added to every covariance (non-negative).
         tol: the convergence tolerance.
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
             `tol * max(1, |ll|)`.
+
+    Raises:
+        ValueError: a negative `reg` (a traced one makes the state NaN instead).
     """
+    reg = _check_reg(reg)
     mu, cov, wt = _m_step(x, state.responsibilities, state.means, state.covariances, reg)
     ll, resp = _e_step(x, mu, cov, wt)
     return GMMState(mu, cov, wt, resp, ll), rel_change_small(ll, state.log_likelihood, tol)
@@ -166,7 +174,9 @@ def run(
         means: `(K, d)`.
         covariances: `(K, d, d)`.
         weights: `(K,)` (default uniform).
-        reg: ridge added to every covariance (keeps them invertible).
+        reg: ridge added to every covariance (keeps them invertible); non-negative
+            (under `jax.jit`, where it cannot be checked, a negative `reg` gives a NaN
+            energy: `info.nonfinite`).
         tol: converged when the log-likelihood changes by at most `tol * max(1, |ll|)`.
         max_iters: the most EM iterations.
         raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite log-likelihood
@@ -177,13 +187,16 @@ def run(
             (non-increasing).
 
     Raises:
-        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`.
+        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)` (for a batch
+            of data sets use `jax.vmap`), weights that are negative or do not sum to 1,
+            or a negative `reg`.
 
     Reference:
         Tschantz, "log-sum-exp expectation maximisation", sec. 2; Dempster et al.
         (1977).
     """
     x, means, covs, w = _prepare(x, means, covariances, weights)
+    reg = _check_reg(reg)
     state = _init(x, means, covs, w)
 
     def body(st: GMMState):

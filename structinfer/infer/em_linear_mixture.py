@@ -20,10 +20,16 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim
+from .._checks import as_float_array
 from ..exact import log_marginal, marginals
 from ..mechanisms.dynamics import switching_linear_dynamics
-from ._common import rel_change_small, safe_log
+from ._common import (
+    check_layout,
+    check_nonnegative,
+    check_weights,
+    rel_change_small,
+    safe_log,
+)
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["LinearMixtureState", "init", "step", "run"]
@@ -52,11 +58,15 @@ class LinearMixtureState(NamedTuple):
 def _prepare(inputs, targets, A, b, covariances, weights):
     u = as_float_array(inputs, "linear_mixture_em: inputs")
     y = as_float_array(targets, "linear_mixture_em: targets")
-    check_ndim(u, 2, "linear_mixture_em: inputs", "(T, d_u)")
-    check_ndim(y, 2, "linear_mixture_em: targets", "(T, d_y)")
+    vmap = "; for a batch of data sets map linear_mixture_em over it with jax.vmap"
+    check_layout(u, 2, "linear_mixture_em: inputs", "(T, d_u)", vmap)
+    check_layout(y, 2, "linear_mixture_em: targets", "(T, d_y)", vmap)
     A = jnp.asarray(A, y.dtype)
     b = jnp.asarray(b, y.dtype)
     covs = jnp.asarray(covariances, y.dtype)
+    check_layout(A, 3, "linear_mixture_em: A", "(K, d_y, d_u)")
+    check_layout(b, 2, "linear_mixture_em: b", "(K, d_y)")
+    check_layout(covs, 3, "linear_mixture_em: covariances", "(K, d_y, d_y)")
     k = A.shape[0]
     if (u.shape[0] != y.shape[0] or A.shape[1:] != (y.shape[1], u.shape[1])
             or b.shape != (k, y.shape[1]) or covs.shape != (k, y.shape[1], y.shape[1])):
@@ -65,8 +75,13 @@ def _prepare(inputs, targets, A, b, covariances, weights):
             f"{tuple(A.shape)}, b {tuple(b.shape)}, covariances {tuple(covs.shape)} must be "
             "(T, d_u), (T, d_y), (K, d_y, d_u), (K, d_y), (K, d_y, d_y)"
         )
-    w = jnp.full((k,), 1.0 / k, y.dtype) if weights is None else jnp.asarray(weights, y.dtype)
+    w = check_weights(weights, k, y.dtype, "linear_mixture_em: weights")
     return u, y, A, b, covs, w
+
+
+def _check_reg(reg):
+    return check_nonnegative(reg, "linear_mixture_em: reg",
+                             "the ridge added to every covariance and least-squares Gram matrix")
 
 
 def _e_step(u, y, A, b, covs, w):
@@ -106,7 +121,8 @@ def init(
         The `LinearMixtureState` at the initial parameters.
 
     Raises:
-        ValueError: shapes other than those above.
+        ValueError: shapes other than those above, or weights that are negative or do
+            not sum to 1.
     """
     return _init(*_prepare(inputs, targets, A, b, covariances, weights))
 
@@ -114,14 +130,19 @@ def init(
 def _m_step(u, y, st: LinearMixtureState, reg):
     ut = jnp.concatenate([u, jnp.ones((u.shape[0], 1), u.dtype)], -1)
     r = st.responsibilities  # (T, K)
-    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut)
+    nk = jnp.sum(r, 0)
+    live = ~(nk <= 0)  # a mode without data keeps its parameters, at weight 0 (as gmm_em)
+    eye = jnp.eye(ut.shape[1], dtype=y.dtype)
+    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut) + reg * eye
+    gram = jnp.where(live[:, None, None], gram, eye)
     cross = jnp.einsum("tk,ti,tj->kij", r, y, ut)
     Ab = jnp.swapaxes(jnp.linalg.solve(gram, jnp.swapaxes(cross, -1, -2)), -1, -2)
-    A_new, b_new = Ab[..., :-1], Ab[..., -1]
+    A_new = jnp.where(live[:, None, None], Ab[..., :-1], st.A)
+    b_new = jnp.where(live[:, None], Ab[..., -1], st.b)
     err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])  # (K, T, d)
-    nk = jnp.sum(r, 0)
-    cov = jnp.einsum("tk,kti,ktj->kij", r, err, err) / nk[:, None, None]
+    cov = jnp.einsum("tk,kti,ktj->kij", r, err, err) / jnp.where(live, nk, 1.0)[:, None, None]
     cov = cov + reg * jnp.eye(y.shape[1], dtype=y.dtype)
+    cov = jnp.where(live[:, None, None], cov, st.covariances)
     return A_new, b_new, cov, nk / y.shape[0]
 
 
@@ -141,14 +162,18 @@ def step(
         inputs: `(T, d_u)` (as cast by `init`).
         targets: `(T, d_y)` (as cast by `init`).
         state: the current `LinearMixtureState`.
-        reg: ridge added to every covariance.
+        reg: ridge added to every covariance and least-squares Gram matrix
+            (non-negative).
         tol: the convergence tolerance.
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
             `tol * max(1, |ll|)`.
+
+    Raises:
+        ValueError: a negative `reg` (a traced one makes the state NaN instead).
     """
-    A, b, cov, w = _m_step(inputs, targets, state, reg)
+    A, b, cov, w = _m_step(inputs, targets, state, _check_reg(reg))
     ll, resp = _e_step(inputs, targets, A, b, cov, w)
     new = LinearMixtureState(A, b, cov, w, resp, ll)
     return new, rel_change_small(ll, state.log_likelihood, tol)
@@ -174,14 +199,17 @@ def run(
     `targets=y, normalize=True`). M-step, weighted least squares with
     $\tilde u_t = (u_t, 1)$:
 
-    $$[A_k\; b_k] = \Big(\sum_t r_{tk} y_t \tilde u_t^\top\Big)\Big(\sum_t r_{tk}\tilde u_t\tilde u_t^\top\Big)^{-1},
+    $$[A_k\; b_k] = \Big(\sum_t r_{tk} y_t \tilde u_t^\top\Big)
+    \Big(\sum_t r_{tk}\tilde u_t\tilde u_t^\top + \text{reg}\,I\Big)^{-1},
     \quad
     \Sigma_k = \frac{\sum_t r_{tk} e_{tk} e_{tk}^\top}{\sum_t r_{tk}} + \text{reg}\,I,
     \quad w_k = \frac1T\sum_t r_{tk},$$
 
     $e_{tk} = y_t - A_k u_t - b_k$ (the zero of Tschantz's $\partial E/\partial A_k$,
-    $\partial E/\partial b_k$). For a time series $x$, pass `inputs = x[:-1]`,
-    `targets = x[1:]`.
+    $\partial E/\partial b_k$; with `reg > 0` a ridge regression). A mode with no data
+    ($\sum_t r_{tk} = 0$) keeps its parameters at weight 0, so it stays off (as in
+    [`gmm_em`][structinfer.infer.gmm_em]). For a time series $x$, pass
+    `inputs = x[:-1]`, `targets = x[1:]`.
 
     Args:
         inputs: `(T, d_u)`.
@@ -189,8 +217,11 @@ def run(
         A: `(K, d_y, d_u)`.
         b: `(K, d_y)`.
         covariances: `(K, d_y, d_y)`.
-        weights: `(K,)` (default uniform).
-        reg: ridge added to every covariance.
+        weights: `(K,)` (default uniform): non-negative, summing to 1.
+        reg: ridge added to every covariance and to every mode's least-squares Gram
+            matrix: keeps both invertible when a mode has fewer points than $d_u + 1$
+            or fits them exactly. Non-negative (under `jax.jit`, where it cannot be
+            checked, a negative `reg` gives a NaN energy: `info.nonfinite`).
         tol: converged when the log-likelihood changes by at most `tol * max(1, |ll|)`.
         max_iters: the most EM iterations.
         raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite log-likelihood
@@ -201,13 +232,16 @@ def run(
             (non-increasing for `reg = 0`).
 
     Raises:
-        ValueError: shapes other than those above.
+        ValueError: shapes other than those above (for a batch of data sets use
+            `jax.vmap`), weights that are negative or do not sum to 1, or a negative
+            `reg`.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy" v2 sec. 10 and the slides' linear
         mixture.
     """
     u, y, A, b, covs, w = _prepare(inputs, targets, A, b, covariances, weights)
+    reg = _check_reg(reg)
     state = _init(u, y, A, b, covs, w)
 
     def body(st):
@@ -216,5 +250,6 @@ def run(
 
     state, info = run_loop(body, state, -state.log_likelihood, max_iters)
     if raise_on_nonfinite:
-        check(info, "linear_mixture_em", "'mode' (a mode lost its data? set reg > 0)")
+        check(info, "linear_mixture_em", "'mode' (a mode with too few points to fit its A, b "
+              "and covariance? set reg > 0)")
     return state, info

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim
+from .._checks import as_float_array
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
-from ._common import rel_change_small, safe_log
+from ._common import check_layout, check_nonnegative, rel_change_small, safe_log
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["MarkovSwitchingState", "init", "step", "run"]
@@ -58,8 +58,10 @@ class MarkovSwitchingState(NamedTuple):
 
 def _prepare(x, A, b, precisions, log_transition, log_initial):
     x = as_float_array(x, "markov_switching_em: x")
-    check_ndim(x, 2, "markov_switching_em: x", "(T, d)")
+    check_layout(x, 2, "markov_switching_em: x", "(T, d)",
+                 "; for a batch of time series map markov_switching_em over it with jax.vmap")
     A, b, prec = (jnp.asarray(a, x.dtype) for a in (A, b, precisions))
+    check_layout(A, 3, "markov_switching_em: A", "(K, d, d)")
     k, d = A.shape[0], x.shape[1]
     lt = jnp.zeros((k, k), x.dtype) if log_transition is None else jnp.asarray(log_transition, x.dtype)
     li = jnp.zeros((k,), x.dtype) if log_initial is None else jnp.asarray(log_initial, x.dtype)
@@ -71,6 +73,11 @@ def _prepare(x, A, b, precisions, log_transition, log_initial):
             f"{tuple(li.shape)} must be (T, d), (K, d, d), (K, d), (K, d), (K, K), (K,)"
         )
     return x, A, b, prec, jax.nn.log_softmax(lt, -1), jax.nn.log_softmax(li)
+
+
+def _check_reg(reg):
+    return check_nonnegative(reg, "markov_switching_em: reg",
+                             "the ridge added to every variance and Gram matrix")
 
 
 def _e_step(x, A, b, prec, lt, li):
@@ -114,14 +121,31 @@ def _m_step(x, st: MarkovSwitchingState, reg):
     u, y = x[:-1], x[1:]
     ut = jnp.concatenate([u, jnp.ones((u.shape[0], 1), u.dtype)], -1)
     r = st.responsibilities
-    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut) + reg * jnp.eye(ut.shape[1], dtype=x.dtype)
+    nk = jnp.sum(r, 0)
+    live = ~(nk <= 0)  # a mode without data keeps its parameters (NaN is not "no data")
+    eye = jnp.eye(ut.shape[1], dtype=x.dtype)
+    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut) + reg * eye
+    gram = jnp.where(live[:, None, None], gram, eye)
     cross = jnp.einsum("tk,ti,tj->kij", r, y, ut)
     Ab = jnp.swapaxes(jnp.linalg.solve(gram, jnp.swapaxes(cross, -1, -2)), -1, -2)
-    A_new, b_new = Ab[..., :-1], Ab[..., -1]
+    A_new = jnp.where(live[:, None, None], Ab[..., :-1], st.A)
+    b_new = jnp.where(live[:, None], Ab[..., -1], st.b)
     err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])
-    nk = jnp.sum(r, 0)
-    var = jnp.einsum("tk,kti->ki", r, err * err) / nk[:, None] + reg
-    return A_new, b_new, 1.0 / var
+    var = jnp.einsum("tk,kti->ki", r, err * err) / jnp.where(live, nk, 1.0)[:, None] + reg
+    return A_new, b_new, jnp.where(live[:, None], 1.0 / var, st.precisions)
+
+
+def _transition(counts, old):
+    """Row-normalised log counts.
+
+    A row without counts (a mode never left) keeps ``old``. Probabilities are floored
+    at the dtype's smallest normal number: the exact engine's smoothed marginals are
+    NaN for a log-transition of -inf.
+    """
+    total = jnp.sum(counts, -1, keepdims=True)
+    empty = total <= 0
+    p = counts / jnp.where(empty, 1.0, total)
+    return jnp.where(empty, old, jnp.log(jnp.maximum(p, jnp.finfo(p.dtype).tiny)))
 
 
 def step(
@@ -136,16 +160,18 @@ def step(
     Args:
         x: the time series `(T, d)` (as cast by `init`).
         state: the current `MarkovSwitchingState`.
-        reg: ridge added to every variance and Gram matrix.
+        reg: ridge added to every variance and Gram matrix (non-negative).
         tol: the convergence tolerance.
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
             `tol * max(1, |ll|)`.
+
+    Raises:
+        ValueError: a negative `reg` (a traced one makes the state NaN instead).
     """
-    A, b, prec = _m_step(x, state, reg)
-    counts = state.transitions
-    lt = safe_log(counts / jnp.sum(counts, -1, keepdims=True))
+    A, b, prec = _m_step(x, state, _check_reg(reg))
+    lt = _transition(state.transitions, state.log_transition)
     li = safe_log(state.responsibilities[0])
     new = MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
     return new, rel_change_small(new.log_likelihood, state.log_likelihood, tol)
@@ -176,6 +202,11 @@ def run(
     \Lambda_{k}^{-1} = \frac{\sum_t \gamma_{tk}\, e_{tk}^{2}}{\sum_t \gamma_{tk}}, \quad
     P_{ij} = \frac{N_{ij}}{\sum_{j'} N_{ij'}}, \quad \pi = \gamma_1.$$
 
+    A mode with no data ($\sum_t \gamma_{tk} = 0$) keeps its $A_k$, $b_k$, precisions
+    and row of $P$, so it stays off. Transition probabilities are floored at the dtype's
+    smallest normal number (a zero count gives $\log P_{ij} \approx -708$ in float64,
+    not $-\infty$).
+
     Args:
         x: the time series `(T, d)`.
         A: `(K, d, d)` initial linear maps.
@@ -183,7 +214,10 @@ def run(
         precisions: `(K, d)` initial diagonal precisions.
         log_transition: `(K, K)` initial log-weights (default uniform).
         log_initial: `(K,)` initial log-weights (default uniform).
-        reg: ridge added to every variance and Gram matrix.
+        reg: ridge added to every variance and Gram matrix: keeps them invertible when a
+            mode has fewer points than $d + 1$ or fits them exactly. Non-negative (under
+            `jax.jit`, where it cannot be checked, a negative `reg` gives a NaN energy:
+            `info.nonfinite`).
         tol: converged when the log-likelihood changes by at most `tol * max(1, |ll|)`.
         max_iters: the most EM iterations.
         raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite log-likelihood
@@ -194,13 +228,15 @@ def run(
             (non-increasing up to the ridge).
 
     Raises:
-        ValueError: shapes other than those above.
+        ValueError: shapes other than those above (for a batch of time series use
+            `jax.vmap`), or a negative `reg`.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy" v2 sec. 7 (switching systems with a
         Markov mode); Baum-Welch's transition update.
     """
     x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
+    reg = _check_reg(reg)
     state = MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
 
     def body(st):
@@ -209,5 +245,6 @@ def run(
 
     state, info = run_loop(body, state, -state.log_likelihood, max_iters)
     if raise_on_nonfinite:
-        check(info, "markov_switching_em", "'mode' (a mode lost its data? raise reg)")
+        check(info, "markov_switching_em", "'mode' (a mode with too few points to fit its A, "
+              "b and precisions? raise reg)")
     return state, info

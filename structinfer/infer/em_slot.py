@@ -22,11 +22,16 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from numpyro.handlers import substitute
 
-from .._checks import as_float_array
+from .._checks import as_float_array, check_count
 from ..exact import log_marginal, marginals
 from ..mechanisms.slot import slot_attention
 from . import convex_concave
-from ._common import rel_change_small, rel_change_small_tree
+from ._common import (
+    check_layout,
+    check_nonnegative,
+    rel_change_small,
+    rel_change_small_tree,
+)
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["SlotState", "m_step", "tied_m_step", "init", "step", "run"]
@@ -110,18 +115,23 @@ def m_step(
         wk: ``(d_k, d_x)``.
         wq: ``(d_k, d_mu)``.
         whiten: apply the scale constraint above.
-        ridge: added to both Gram matrices.
+        ridge: added to both Gram matrices (non-negative; under `jax.jit`, where it
+            cannot be checked, a negative `ridge` gives NaN).
         rtol: eigenvalue cut-off relative to the largest eigenvalue for the
             pseudo-inverses and the whitening; default ``10 * max(shape) * eps(dtype)``.
 
     Returns:
         ``(wk, wq)``, the new $W_K$ and $W_Q$.
 
+    Raises:
+        ValueError: a negative ``ridge``.
+
     Reference:
         Singh & Buckley sec. 4.3 (the score $\mu_i^\top W_Q^\top W_K x_j$); Tschantz,
         coordinate ascent for $W_K, W_Q$.
     """
     A = attention
+    ridge = check_nonnegative(ridge, "slot_m_step: ridge", "added to both Gram matrices")
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
     cxx = jnp.einsum("js,ja,jb->ab", A, x, x) + ridge * jnp.eye(x.shape[-1], dtype=x.dtype)
     cmm = jnp.einsum("js,sa,sb->ab", A, slots, slots) + ridge * jnp.eye(
@@ -226,14 +236,24 @@ class SlotState(NamedTuple):
 
 def _prepare(x, slots, wk, wq):
     x = as_float_array(x, "slot_em: x")
+    check_layout(x, 2, "slot_em: x", "(tokens, d_x)",
+                 "; for a batch of token sets map slot_em over it with jax.vmap")
     slots = jnp.asarray(slots, x.dtype)
     wk, wq = jnp.asarray(wk, x.dtype), jnp.asarray(wq, x.dtype)
+    check_layout(slots, 2, "slot_em: slots", "(S, d_mu)")
+    check_layout(wk, 2, "slot_em: wk", "(d_k, d_x)")
+    check_layout(wq, 2, "slot_em: wq", "(d_k, d_mu)")
     if wk.shape[-1] != x.shape[-1] or wq.shape[-1] != slots.shape[-1] or wk.shape[0] != wq.shape[0]:
         raise ValueError(
             f"slot_em: wk {tuple(wk.shape)} must be (d_k, d_x={x.shape[-1]}) and wq "
             f"{tuple(wq.shape)} (d_k, d_mu={slots.shape[-1]})"
         )
     return x, slots, wk, wq
+
+
+def _check_ridge(ridge):
+    return check_nonnegative(ridge, "slot_em: ridge",
+                             "added to the token Gram matrix and the within-slot scatter")
 
 
 def _model(x, slots, wk, wq):
@@ -243,14 +263,23 @@ def _model(x, slots, wk, wq):
 
 
 def _e_step(x, slots, wk, wq, e_iters):
+    """CCCP on the slots and the attention at its result.
+
+    A CCCP that stopped on a non-finite energy hands back its last finite slots; that is
+    no fixed point, so the state's energy is the non-finite one, for the outer loop to
+    stop on.
+    """
+    e_iters = check_count(e_iters, "slot_em: e_iters", role="the CCCP steps of each E-step")
+
     def log_z(mu):
         model, args, kw = _model(x, mu, wk, wq)
         return log_marginal(model, *args, **kw)
 
-    st, _ = convex_concave.run(log_z, slots, max_iters=e_iters, raise_on_nonfinite=False)
+    st, info = convex_concave.run(log_z, slots, max_iters=e_iters, raise_on_nonfinite=False)
     model, args, kw = _model(x, st.mu, wk, wq)
     att = marginals(model, *args, **kw)["phi"].astype(x.dtype)
-    return SlotState(st.mu, wk, wq, att, st.energy.astype(x.dtype))
+    energy = jnp.where(info.nonfinite, info.final_energy(), st.energy)
+    return SlotState(st.mu, wk, wq, att, energy.astype(x.dtype))
 
 
 def init(
@@ -263,13 +292,16 @@ def init(
         slots: `(S, d_mu)` initial slots.
         wk: `(d_k, d_x)`.
         wq: `(d_k, d_mu)`.
-        e_iters: CCCP steps of the E-step.
+        e_iters: CCCP steps of the E-step (a positive int).
 
     Returns:
-        The `SlotState` after `e_iters` CCCP steps from `slots` at `wk`, `wq`.
+        The `SlotState` after `e_iters` CCCP steps from `slots` at `wk`, `wq`; its energy
+            is not finite when the CCCP stopped on a non-finite energy (the slots are
+            then its last finite ones).
 
     Raises:
-        ValueError: `wk`, `wq` that do not fit `x` and `slots`.
+        ValueError: arrays that are not `(tokens, d_x)`, `(S, d_mu)`, `(d_k, d_x)`,
+            `(d_k, d_mu)` with matching sizes, or `e_iters` not a positive int.
     """
     return _e_step(*_prepare(x, slots, wk, wq), e_iters)
 
@@ -289,17 +321,24 @@ def step(
     Args:
         x: `(tokens, d_x)` (as cast by `init`).
         state: the current `SlotState`.
-        e_iters: CCCP steps per E-step.
+        e_iters: CCCP steps per E-step (a positive int).
         whiten: steps 2–3 of [`slot_em`][structinfer.infer.slot_em].
-        ridge: added to $\sum A x x^\top$ and to the within-slot scatter.
+        ridge: added to $\sum A x x^\top$ and to the within-slot scatter
+            (non-negative).
         tol: relative tolerance of the convergence test.
         rtol: eigenvalue cut-off relative to the largest eigenvalue; default
             ``10 * max(shape) * eps(dtype)``.
 
     Returns:
         `(new_state, converged)`: the energy, $W_K$, $W_Q$ and the slots all changed
-            by at most `tol` relatively.
+            by at most `tol` relatively. The new energy is not finite when the E-step's
+            CCCP stopped on a non-finite energy.
+
+    Raises:
+        ValueError: `e_iters` not a positive int, or a negative `ridge` (a traced one
+            makes the state NaN instead).
     """
+    ridge = _check_ridge(ridge)
     if rtol is None:
         rtol = _default_rtol(x.dtype, *state.wk.shape, *state.wq.shape, *state.slots.shape)
     wk, wq, mu0 = tied_m_step(x, state.slots, state.attention, state.wk, state.wq,
@@ -393,12 +432,16 @@ def run(
         slots: ``(S, d_mu)`` initial slots.
         wk: ``(d_k, d_x)``; any ``d_k`` (also ``d_k > S``).
         wq: ``(d_k, d_mu)``.
-        e_iters: CCCP steps per E-step.
+        e_iters: CCCP steps per E-step (a positive int). A CCCP that stops on a
+            non-finite energy is a non-finite energy of its EM iteration
+            (`info.nonfinite`; the state is the last one with a finite energy).
         whiten: steps 2–3; without them the scale of $W_K$ is not fixed (the WLS
             objective is minimised by $W = 0$).
         ridge: added to $\sum A x x^\top$ and to the within-slot scatter
             $\sum A (x-\bar x)(x-\bar x)^\top$; use it when a slot's tokens can
             coincide (zero within-slot spread makes the attention arbitrarily sharp).
+            Non-negative (under `jax.jit`, where it cannot be checked, a negative
+            `ridge` gives a NaN energy: `info.nonfinite`).
         tol: relative tolerance for the convergence test above.
         max_iters: the most EM iterations; stopping there is reported in
             ``info.max_iters_reached``.
@@ -411,13 +454,17 @@ def run(
         ``(SlotState, LoopInfo)``.
 
     Raises:
-        ValueError: ``wk``, ``wq`` that do not fit ``x`` and ``slots``.
+        ValueError: arrays that are not ``(tokens, d_x)``, ``(S, d_mu)``,
+            ``(d_k, d_x)``, ``(d_k, d_mu)`` with matching sizes (for a batch use
+            ``jax.vmap``), ``e_iters`` not a positive int, or a negative ``ridge``.
+        NonFiniteEnergyError: see ``raise_on_nonfinite``.
 
     Reference:
         Singh & Buckley sec. 4.3 and Table 1 (slot attention, eq. 8 E-step);
         Tschantz, coordinate ascent for $W_K, W_Q$.
     """
     x, slots, wk, wq = _prepare(x, slots, wk, wq)
+    ridge = _check_ridge(ridge)
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
     state = _e_step(x, slots, wk, wq, e_iters)
 
@@ -427,5 +474,5 @@ def run(
 
     state, info = run_loop(body, state, state.energy, max_iters)
     if raise_on_nonfinite:
-        check(info, "slot_em", "'phi'")
+        check(info, "slot_em", "'phi' (in the E-step's CCCP on the slots)")
     return state, info

@@ -42,7 +42,7 @@ from numpyro.infer.autoguide import AutoDelta, AutoNormal
 from numpyro.infer.svi import SVIRunResult
 from numpyro.util import is_prng_key
 
-from .._checks import as_arrays, model_name
+from .._checks import as_arrays, check_count, model_name
 from ..exact import ModelInfo, inspect_model
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site
@@ -102,13 +102,6 @@ def _check_key(rng_key: Any, what: str) -> jax.Array:
             f"{getattr(rng_key, 'shape', '')}"
         )
     return rng_key
-
-
-def _check_count(value: Any, what: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        kind = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{what} must be a {kind} int, got {value!r}")
-    return int(value)
 
 
 def _sampled_sites(model: Callable, args: tuple, kwargs: dict, what: str) -> ModelInfo:
@@ -193,9 +186,9 @@ def nuts(
     (Singh & Buckley sec. 5.2).
     """
     rng_key = _check_key(rng_key, "nuts")
-    num_warmup = _check_count(num_warmup, "nuts: num_warmup", minimum=0)
-    num_samples = _check_count(num_samples, "nuts: num_samples")
-    num_chains = _check_count(num_chains, "nuts: num_chains")
+    num_warmup = check_count(num_warmup, "nuts: num_warmup", minimum=0)
+    num_samples = check_count(num_samples, "nuts: num_samples")
+    num_chains = check_count(num_chains, "nuts: num_chains")
     if isinstance(target_accept_prob, bool) or not (
             isinstance(target_accept_prob, numbers.Real) and 0 < target_accept_prob < 1):
         raise ValueError(f"nuts: target_accept_prob must be a number in (0, 1), got "
@@ -314,7 +307,7 @@ def svi(
     evidence.
     """
     rng_key = _check_key(rng_key, "svi")
-    num_steps = _check_count(num_steps, "svi: num_steps")
+    num_steps = check_count(num_steps, "svi: num_steps")
     _check_numpyro_provenance("svi")
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = _sampled_sites(model, args, kwargs, "svi")

@@ -34,7 +34,6 @@ Reference:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +43,7 @@ from numpyro.distributions import constraints
 from numpyro.ops.indexing import Vindex
 
 from .. import priors, scores
-from .._checks import is_concrete
+from .._checks import check_count, is_concrete
 from ..primitives import edge
 
 __all__ = [
@@ -74,14 +73,6 @@ def _check_values(x, who: str, what: str, ok: Callable[[np.ndarray], np.ndarray]
         raise ValueError(f"{who}: {what} {expected}, got {x!r}") from None
     if not np.all(ok(a)):
         raise ValueError(f"{who}: {what} {expected}, got {a.tolist()}")
-
-
-def _count(x: Any, who: str, what: str, minimum: int) -> int:
-    """``x`` as a Python int (a NumPy integer too: sizes are static), at least
-    ``minimum``; else a ValueError naming it."""
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < minimum:
-        raise ValueError(f"{who}: {what} must be an int >= {minimum}, got {x!r}")
-    return int(x)
 
 
 def _positive(a: np.ndarray) -> np.ndarray:
@@ -180,7 +171,7 @@ def window(size: int, *, temperature: bool = False) -> Mechanism:
     Raises:
         ValueError: ``size`` is not an int $\ge 1$.
     """
-    size = _count(size, "window", "size", 1)
+    size = check_count(size, "window: size")
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "window")
@@ -213,7 +204,7 @@ def relative_position(
     Reference:
         Singh & Buckley appendix 8.2 (relative position).
     """
-    max_distance = _count(max_distance, "relative_position", "max_distance", 0)
+    max_distance = check_count(max_distance, "relative_position: max_distance", 0)
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "relative_position")
@@ -258,7 +249,7 @@ def geometric(
     """
     _check_values(q, "geometric", "q", _rate, "must lie in (0, 1)")
     if max_distance is not None:
-        max_distance = _count(max_distance, "geometric", "max_distance", 0)
+        max_distance = check_count(max_distance, "geometric: max_distance", 0)
 
     def mechanism(qq, k, v):
         H, n, m = _heads(qq, k, v, "geometric")
@@ -294,7 +285,7 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
             only outside ``jit``), or ``size`` not an int $\ge 1$.
     """
     who = "beta_geometric_log_pmf"
-    size = _count(size, who, "size", 1)
+    size = check_count(size, f"{who}: size")
     _check_values(alpha, who, "alpha", _positive, "must be positive and finite")
     _check_values(beta, who, "beta", _positive, "must be positive and finite")
     t = jnp.arange(1, size, dtype=jnp.result_type(alpha, beta))
