@@ -202,3 +202,44 @@ def test_sharded_runners_run_the_pallas_kernel_on_four_simulated_devices():
     and a block-sparse prior, with each sharding (the default tier runs two pairs)."""
     _run(f"CASES = {PALLAS_CASES[DEFAULT_PALLAS:]!r}\n" + PALLAS_SCRIPT,
          len(PALLAS_CASES) - DEFAULT_PALLAS)
+
+
+CUDNN_MESH_SCRIPT = '''
+import jax, jax.numpy as jnp, numpy as np, numpyro
+from numpyro.ops.indexing import Vindex
+import structinfer as si
+from structinfer.lowering import accel
+accel.platform = lambda: "gpu"  # cuDNN stood in for by JAX's XLA implementation
+real = jax.nn.dot_product_attention
+def fake(q, k, v, bias=None, *, implementation=None, **kw):
+    up = lambda x: None if x is None else x.astype(jnp.float32)
+    y, res = real(up(q), up(k), up(v), up(bias), implementation="xla", **kw)
+    return y.astype(q.dtype), res
+accel.jax.nn.dot_product_attention = fake
+H, n, d = 8, 64, 16
+def model(q, k, v):
+    with numpyro.plate("heads", H, dim=-2), numpyro.plate("q", n, dim=-1):
+        j = si.edge("phi", si.priors.Restricted.causal(n), si.scores.Dot(q, k, scale=0.25))
+        numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+mesh = jax.make_mesh((4,), ("heads",), axis_types=(jax.sharding.AxisType.Auto,))
+r = np.random.default_rng(0)
+q, k, v = (jnp.asarray(r.normal(size=(H, n, d)), jnp.bfloat16) for _ in range(3))
+f = jax.jit(si.attention(model, "out", "cudnn", mesh=mesh))
+text = f.lower(q, k, v).compile().as_text()
+assert not any(c in text for c in ("all-gather", "all-reduce", "all-to-all")), text
+want = jax.jit(si.attention(model, "out", "cudnn"))(q, k, v)
+np.testing.assert_allclose(np.asarray(f(q, k, v), np.float32), np.asarray(want, np.float32),
+                           atol=1e-2)
+print("ok")
+'''
+
+
+def test_cudnn_on_a_mesh_writes_its_nan_rows_without_a_collective():
+    """Regression (review): on a mesh the cuDNN path wrote its NaN rows a second time on
+    the global output with a scatter, whose row indices the partitioner gathered across
+    the devices. The rows are written per shard; the program has no collective."""
+    import jax
+
+    if not hasattr(jax.sharding, "AxisType"):
+        pytest.skip("this JAX has no mesh axis types")
+    _run(CUDNN_MESH_SCRIPT, 1)

@@ -34,6 +34,7 @@ kernel's loops, the Pallas passes) computes both here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -106,7 +107,8 @@ def online_merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
     return online_finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))
 
 
-def with_nan_rows(y: jax.Array, lse: jax.Array, *, pass_through: bool = False) -> jax.Array:
+def with_nan_rows(y: jax.Array, lse: jax.Array, *, pass_through: bool = False,
+                  scatter: bool = True) -> jax.Array:
     r"""The engine's convention on a kernel's output: NaN in the rows whose log-normaliser
     $L_i$ is not finite (no allowed parent, a NaN / inf score), ``y`` elsewhere.
 
@@ -115,27 +117,43 @@ def with_nan_rows(y: jax.Array, lse: jax.Array, *, pass_through: bool = False) -
     finite gradients; forward mode and higher derivatives work. With ``pass_through``
     (for a kernel whose every row has an allowed parent, `Kernel.rows_allowed`, where
     $L_i$ is not finite only for non-finite inputs) it is differentiated as the identity
-    in ``y`` (nothing from ``L``), in reverse mode only, and adds no pass over ``y``
-    beside the kernel's: not differentiated, the NaN rows are scattered into ``y`` (which
-    XLA does in place: nothing of ``y`` is read, and only those rows written);
-    differentiated, the ``where`` is left to fuse into the consumer of ``y`` (the loss),
-    and the reverse pass adds nothing over the cotangent.
+    in ``y`` (nothing from ``L``), and the reverse pass adds nothing over the cotangent.
+    Then, with ``scatter`` (reverse mode only), a ``y`` that is not differentiated gets
+    its NaN rows by a scatter into it, which XLA may run in place (reading one index per
+    row and writing only the NaN rows, not a pass over ``y``; not yet timed on a GPU),
+    and a differentiated one by the ``where``, left to fuse into its consumer (the
+    loss). Without ``scatter`` (an array sharded over a mesh, where a scatter's indices
+    would be gathered across devices) it is the ``where``, in any mode.
 
     Args:
         y: ``(..., rows, dv)`` output.
-        lse: ``(..., rows)`` row log-normalisers.
-        pass_through: differentiate as the identity in ``y`` (reverse mode only).
+        lse: ``(..., rows)`` row log-normalisers (broadcasting against ``y``'s batch).
+        pass_through: differentiate as the identity in ``y``.
+        scatter: with ``pass_through``, scatter the NaN rows where not differentiated.
 
     Returns:
         ``y`` with its rows of non-finite ``lse`` set to NaN.
     """
-    if pass_through:
+    if not pass_through:
+        return _nan_rows_where(y, lse)
+    if scatter:
         return _nan_rows_in_place(y, lse)
-    return _nan_rows_where(y, lse)
+    return _nan_rows_identity(y, lse)
 
 
 def _nan_rows_where(y: jax.Array, lse: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(lse)[..., None], y, jnp.nan)
+
+
+@jax.custom_jvp
+def _nan_rows_identity(y: jax.Array, lse: jax.Array) -> jax.Array:
+    return _nan_rows_where(y, lse)
+
+
+@_nan_rows_identity.defjvp
+def _nan_rows_identity_jvp(primals, tangents):
+    y, lse = primals
+    return _nan_rows_identity(y, lse), tangents[0]
 
 
 @jax.custom_vjp
@@ -143,10 +161,11 @@ def _nan_rows_in_place(y: jax.Array, lse: jax.Array) -> jax.Array:
     """NaN scattered into the rows of non-finite ``lse``: the update of row ``r`` goes to
     ``r``, or past the end (dropped) where ``lse`` is finite; all indices distinct."""
     dv = y.shape[-1]
-    flat = y.reshape((-1, dv))
-    rows = flat.shape[0]
+    rows = math.prod(y.shape[:-1])
+    flat = y.reshape((rows, dv))
+    finite = jnp.broadcast_to(jnp.isfinite(lse), y.shape[:-1]).reshape(rows)
     at = jnp.arange(rows, dtype=jnp.int32)
-    at = jnp.where(jnp.isfinite(lse.reshape(-1)), at + rows, at)[:, None]
+    at = jnp.where(finite, at + rows, at)[:, None]
     dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
                                            scatter_dims_to_operand_dims=(0,))
     out = jax.lax.scatter(flat, at, jnp.full(flat.shape, jnp.nan, flat.dtype), dims,

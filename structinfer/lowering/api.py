@@ -187,7 +187,10 @@ def _execute(plan: Plan, kernels: dict, config: KernelConfig,
         if used != kind:
             ran[ep.name] = (used, notes)
         if runner is not None or not KERNELS[used].nan_rows:  # else the kernel wrote them
-            y = with_nan_rows(y, lse, pass_through=KERNELS[used].rows_allowed)
+            # (a runner's output is sharded over the mesh: no scatter, whose indices the
+            # partitioner would gather across the devices)
+            y = with_nan_rows(y, lse, pass_through=KERNELS[used].rows_allowed,
+                              scatter=runner is None)
         Y[ep.name] = y
         lses[ep.name] = lse
     out = None
