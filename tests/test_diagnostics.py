@@ -755,3 +755,18 @@ def test_masked_children_are_not_observations():
     np.testing.assert_array_equal(ll1["children"].values, [0, 2])
     assert dg.loo(dg.to_inference_data(fit1, x[1], m[1], posterior_predictive=False)
                   ).n_data_points == 2
+
+    # a mask inside another wrapper (`.mask(...).to_event(1)`: an Independent around it)
+    def event_mask(x, m):
+        tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        with numpyro.plate("children", x.shape[0]):
+            phi = si.edge("phi", si.priors.Uniform(3))
+            mu = KEYS3[phi][..., None] * jnp.ones(2)
+            numpyro.sample("x", dist.Normal(mu, tau).mask(m[:, None]).to_event(1), obs=x)
+
+    x2 = jnp.stack([x[1], x[1] + 0.1], -1)
+    fit2 = si.infer.nuts(jax.random.PRNGKey(0), event_mask, x2, m[1], num_warmup=30,
+                         num_samples=40, progress_bar=False)
+    ll2 = dg.to_inference_data(fit2, x2, m[1], posterior_predictive=False)[
+        "log_likelihood"]["x"]
+    np.testing.assert_array_equal(ll2["children"].values, [0, 2])

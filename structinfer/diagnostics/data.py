@@ -193,15 +193,12 @@ def _observed_elements(model: Callable, args: tuple, kwargs: dict,
     log-density is 0 where its unmasked distribution's is not (read from the site's
     values: an element whose unmasked log-density is exactly 0 counts as observed).
     ``None`` when all are."""
-    from numpyro.distributions import MaskedDistribution
-
     tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
     seen = np.zeros(struct.shape, bool)
     for name in struct.observed:
         site = tr[name]
-        fn = base = site["fn"]
-        while isinstance(base, MaskedDistribution):
-            base = base.base_dist
+        fn = site["fn"]
+        base = _unmasked(fn)
         if base is fn:
             mask = np.ones(tuple(fn.batch_shape), bool)
         else:  # masked out: log-density exactly 0 where the unmasked one is not (or NaN)
@@ -217,6 +214,24 @@ def _observed_elements(model: Callable, args: tuple, kwargs: dict,
         mask = np.moveaxis(mask.any(axis=other, keepdims=True), axes, range(len(axes)))
         seen |= mask.reshape(mask.shape[:len(axes)])
     return None if seen.all() else seen
+
+
+def _unmasked(fn: Any) -> Any:
+    """``fn`` without its masks (`Distribution.mask`, the mask handler's), through the
+    wrappers that keep a mask inside them (`Independent`, an expanded distribution);
+    ``fn`` itself when it has none."""
+    from numpyro.distributions import ExpandedDistribution, Independent, MaskedDistribution
+
+    if isinstance(fn, MaskedDistribution):
+        return _unmasked(fn.base_dist)
+    if isinstance(fn, Independent):
+        inner = _unmasked(fn.base_dist)
+        return fn if inner is fn.base_dist else Independent(inner,
+                                                            fn.reinterpreted_batch_ndims)
+    if isinstance(fn, ExpandedDistribution):
+        inner = _unmasked(fn.base_dist)
+        return fn if inner is fn.base_dist else inner.expand(fn.batch_shape)
+    return fn
 
 
 def _log_likelihood_group(ll: np.ndarray, struct: LikelihoodStructure,
