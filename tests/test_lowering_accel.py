@@ -307,9 +307,9 @@ def test_cudnn_model_path_adds_no_pass_over_the_queries(case, gpu, monkeypatch):
     the whole output (about 0.025 ms of a 0.12 ms window forward on an H100). Lowered
     for CUDA on this CPU (JAX's cuDNN version check answered), through
     ``si.attention``: the scale is cuDNN's own (``fmha_scale``), the forward writes its
-    NaN rows with one scatter into the output (in place; nothing of it read), and a
-    gradient is the two cuDNN calls alone (the NaN rows' ``where`` fused into the
-    loss)."""
+    NaN rows with one scatter into the output (which XLA may run in place: not timed on
+    a GPU yet), and a gradient is the two cuDNN calls alone (the NaN rows' ``where``
+    fused into the loss)."""
     import re
 
     fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")

@@ -465,7 +465,8 @@ def test_numpy_integer_sizes_are_taken_as_ints():
                  lambda s: sinn.geometric(0.3, max_distance=s)):
         want = si.attention(make(3), "out")(x, x, x)
         np.testing.assert_array_equal(si.attention(make(np.int64(3)), "out")(x, x, x), want)
-    with pytest.raises(ValueError, match=r"window: size must be a positive int, got (np.int32\()?0"):
+    with pytest.raises(ValueError,
+                       match=r"window: size must be a positive int, got (np.int32\()?0"):
         sinn.window(np.int32(0))
 
 

@@ -415,10 +415,10 @@ def attention(
             logits, the prior's terms, the softmax and the p·v product; float64 for
             float64 inputs), as flash-attention kernels do.
             Array (and float) arguments are traced; other arguments (ints, NumPy
-            integers, strings) are static. Called on concrete arrays, a child with no allowed parent or a
-            NaN/inf score raises the exact engine's error (found from the kernel's
-            per-row log-normaliser, no second pass), and so does a model that gives every
-            structure zero probability; under an outer ``jit`` that row is NaN. ``f``
+            integers, strings) are static. Called on concrete arrays, a child with no
+            allowed parent or a NaN/inf score raises the exact engine's error (found
+            from the kernel's per-row log-normaliser, no second pass), and so does a
+            model that gives every structure zero probability; under an outer ``jit`` that row is NaN. ``f``
             is jitted internally and can be jitted, vmapped and differentiated again:
             in reverse mode on every kernel (the blocked and fused kernels' gradients
             are custom VJPs); forward mode (``jax.jvp``, ``jax.jacfwd``) on the dense

@@ -94,8 +94,9 @@ class Kernel:
             parent (its ``unsupported`` refuses every mask that could leave one
             without): a row's log-normaliser is then not finite only for non-finite
             inputs, and the NaN rows `structinfer.attention` writes add no pass over
-            the output: scattered into it, and differentiated as the identity
-            (`with_nan_rows`).
+            the output where it is not differentiated (a scatter into it, which XLA may
+            run in place; not yet timed on a GPU), and are differentiated as the
+            identity (`with_nan_rows`).
         title: how explanations name it ("cuDNN"); the name when empty.
         refusals: exception types ``run`` may raise when traced, meaning the kernel
             cannot run here after all (JAX's cuDNN wrapper checks the installed cuDNN and
@@ -239,23 +240,25 @@ def _mosaic_gradient(lowered: Lowered) -> str | None:
 
 
 def _cudnn_passed_over(lowered: Lowered) -> str | None:
-    """Why ``"auto"`` passes cuDNN over for one of our kernels measured faster: the
-    geometric prior (`accel.pallas_measured_faster`), and a relative-position table where
-    the Mosaic GPU kernel runs on this process's Hopper GPU.
+    """Why ``"auto"`` passes cuDNN over for one of our kernels: the geometric prior
+    (measured, `accel.pallas_measured_faster`), and a relative-position table where the
+    Mosaic GPU kernel runs on this process's Hopper GPU (inferred, below).
 
-    The second rule, on an NVIDIA H100 (JAX 0.11.2, bfloat16, head dim 128): at n = 4096
-    with 32 heads the Mosaic GPU kernel ran relpos in 0.70-0.72 ms forward and 2.41 ms
-    forward + backward, cuDNN with the bias table materialised (`jax.nn`, called
-    directly: the table is over `accel.CUDNN_BIAS_MAX`) in 0.94-1.00 and 4.75-5.28 ms. At n = 1024 and 2048 with 16 heads, where
-    the table fits cuDNN, the Pallas kernel matched cuDNN (forward 0.063 / 0.191 ms
-    against 0.097 / 0.262; forward + backward 0.271 / 0.948 against 0.268 / 0.793) and
-    the Mosaic GPU kernel measured 1.3-1.9x (forward) and 1.2-2.4x (backward) faster than
-    the Pallas one at every prior and size: Mosaic GPU against cuDNN there is inferred
-    from those two comparisons, not measured directly."""
+    The second rule, from an NVIDIA H100 (JAX 0.11.2, bfloat16, head dim 128): at n =
+    4096 with 32 heads the Mosaic GPU kernel ran relpos in 0.70-0.72 ms forward and 2.41
+    ms forward + backward, `jax.nn`'s cuDNN with the bias table materialised in 0.94-1.00
+    and 4.75-5.28 ms (a table over `accel.CUDNN_BIAS_MAX`, so not one this path hands to
+    cuDNN). At n = 1024 and 2048 with 16 heads, where the table fits, the Pallas kernel
+    was faster forward (0.063 / 0.191 ms against 0.097 / 0.262) and as fast or 20% slower
+    forward + backward (0.271 / 0.948 against 0.268 / 0.793), and the Mosaic GPU kernel
+    measured 1.3-1.9x (forward) and 1.2-2.4x (backward) faster than the Pallas one where
+    both were timed (n = 4096 and 16384). Mosaic GPU against cuDNN at the sizes this
+    rule decides is inferred from those, not measured side by side, and a trained
+    table's gradient was not compared."""
     why = accel.pallas_measured_faster(lowered.terms)
     if why is None and lowered.terms.relpos is not None and _mosaic_runs_here(lowered):
-        why = ("the Mosaic GPU kernel measured faster than cuDNN with the "
-               "relative-position bias table materialised, forward and backward")
+        why = ("the Mosaic GPU kernel is preferred for a relative-position table (faster "
+               "than cuDNN with the table materialised where measured, n = 4096)")
     return why
 
 

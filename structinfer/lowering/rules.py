@@ -57,7 +57,7 @@ def _sum(score: S.Sum, terms: TermBuilder) -> None:
 
 
 def _scaled_dot(terms: TermBuilder, q, k, scale, what: str) -> None:
-    r"""$s_{ij}\, q_i^	op k_j$ for a scale broadcasting against the score table
+    r"""$s_{ij}\, q_i^\top k_j$ for a scale broadcasting against the score table
     $(\dots, n, m)$: a scalar, or one per child (it scales $q_i$) or per parent (it
     scales $k_j$), per batch element too; a scale varying with both is not a matmul."""
     if scale is None or np.ndim(scale) == 0:
