@@ -169,6 +169,13 @@ def check_count(value: Any, what: str, minimum: int = 1, *, none_ok: bool = Fals
     return int(value)
 
 
+def float32_at_least(x: jax.Array) -> jax.Array:
+    """``x`` in float32 if it is a 16-bit float, else as it is: the dtype the exact engine
+    builds and contracts its tables in (as the kernels accumulate), so that a bfloat16
+    model's scores are not rounded to 16 bits."""
+    return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+
+
 def check_static_int(x: Any, name: str, what: str) -> Any:
     """Refuse a traced structural int (a size, window or offset that sets a shape).
 

@@ -34,7 +34,7 @@ from numpyro.distributions.util import validate_sample
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
-from ._checks import check_finite, is_concrete, normalise_log_weights
+from ._checks import check_finite, float32_at_least, is_concrete, normalise_log_weights
 from .priors import Markov, StructuralPrior, as_prior
 from .scores import Score, as_score
 
@@ -505,9 +505,10 @@ def edge(
     site_infer = {"enumerate": "parallel", EDGE_INFO_KEY: info}
     if infer:
         site_infer.update(infer)
-    logits = log_prior if score_table is None else log_prior + score_table
-    if jnp.finfo(logits.dtype).bits < 32:  # 16-bit logits: the table and the contraction in
-        logits = logits.astype(jnp.float32)  # float32, as the kernels accumulate
+    # 16-bit tables are summed and contracted in float32, as the kernels accumulate
+    logits = float32_at_least(log_prior)
+    if score_table is not None:
+        logits = logits + float32_at_least(score_table)
     if child is not None:
         # node `child`'s edge, with its exact posterior conditional as distribution:
         # row `child` of the (..., children, parents) table, where the children dim
@@ -557,7 +558,7 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
         )
     plates = active_plates()
     batch = _batch_shape(plates) if plates else ()
-    logits = prior.row(previous)
+    logits = float32_at_least(prior.row(previous))  # 16 bits: summed in float32
     score_obj = None
     if score is not None:
         if isinstance(score, Score):
@@ -570,7 +571,7 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
                 f"(..., {k}) (one log-potential per parent of this step)"
             )
         check_finite(table, f"edge site '{name}': score")
-        logits = logits + table
+        logits = logits + float32_at_least(table)
     plate = next((p for p in plates if p.dim == -1), None)
     info = EdgeInfo(name, prior, score_obj, batch[-1] if batch else 1, k,
                     plate.name if plate is not None else "", previous=previous)

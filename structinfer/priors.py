@@ -42,7 +42,13 @@ import numpy as np
 import numpyro.distributions as dist
 from jax.typing import ArrayLike
 
-from ._checks import as_float_array, check_static_int, is_concrete, normalise_log_weights
+from ._checks import (
+    as_float_array,
+    check_static_int,
+    float32_at_least,
+    is_concrete,
+    normalise_log_weights,
+)
 
 __all__ = [
     "StructuralPrior",
@@ -145,7 +151,7 @@ class StructuralPrior:
 
         Returns:
             The table $\log p(\phi_i = j)$, normalised over parents (``-inf`` marks a
-                forbidden edge).
+                forbidden edge); in float32 for 16-bit parameters (normalised in it).
 
         Raises:
             ValueError: if some child has no allowed parent (checked on concrete values).
@@ -163,7 +169,7 @@ class StructuralPrior:
                 f"{tuple(w.shape)}), but the children plate has size {num_children}"
             )
         w = jnp.broadcast_to(w, w.shape[:-2] + (num_children, self.num_parents))
-        table, _ = normalise_log_weights(w)
+        table, _ = normalise_log_weights(float32_at_least(w))  # 16 bits: in float32
         _check_rows_nonempty(table, type(self).__name__)
         return table
 
@@ -1141,11 +1147,12 @@ class Markov(StructuralPrior):
                 ``previous < 0`` (NaN there when the prior has no ``log_initial``).
         """
         previous = jnp.asarray(previous)
-        lt, _ = normalise_log_weights(self.log_transition)
+        # 16-bit tables normalised in float32, where the engine sums them
+        lt, _ = normalise_log_weights(float32_at_least(self.log_transition))
         start = (
             jnp.full((self.num_parents,), jnp.nan, lt.dtype)
             if self.log_initial is None
-            else normalise_log_weights(self.log_initial)[0].astype(lt.dtype)
+            else normalise_log_weights(float32_at_least(self.log_initial))[0].astype(lt.dtype)
         )
         rows = jnp.take(lt, jnp.clip(previous, 0, self.num_parents - 1), axis=0)
         return jnp.where((previous < 0)[..., None], start, rows)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from ._checks import all_positive, as_float_array, check_ndim, is_concrete
+from ._checks import all_positive, as_float_array, check_ndim, float32_at_least, is_concrete
 
 __all__ = [
     "Score",
@@ -155,12 +155,7 @@ class _PairScore(Score):
     def _features(self) -> tuple[jax.Array, jax.Array]:
         """``(q, k)`` for `dense`: 16-bit features in float32, so that the table is
         summed and kept in float32 (as the kernels accumulate), not rounded to 16 bits."""
-        return _accumulated(self.q), _accumulated(self.k)
-
-
-def _accumulated(x: jax.Array) -> jax.Array:
-    """``x`` in float32 if it is a 16-bit float, else as it is."""
-    return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+        return float32_at_least(self.q), float32_at_least(self.k)
 
 
 class Dot(_PairScore):

@@ -688,3 +688,15 @@ def test_alignment_against_pytorch_struct_linear_chain_crf(x64):
     edge = crf.marginals[0].detach().numpy()  # (N - 1, C_next, C_prev)
     ref = np.concatenate([edge[:1].sum(1), edge.sum(2)], 0)  # (N, C)
     np.testing.assert_allclose(np.asarray(marg), ref, atol=1e-9)
+
+
+def test_a_bfloat16_chain_is_contracted_in_float32():
+    """A chain's 16-bit tables are summed in float32, as every edge's (review): log Z and
+    the marginals equal those of the same rounded inputs in float32."""
+    em, lt, li = (x.astype(jnp.bfloat16) for x in _params(3))
+    up = [x.astype(jnp.float32) for x in (em, lt, li)]
+    lz = si.log_marginal(hmm, em, lt, li)
+    assert lz.dtype == jnp.float32
+    np.testing.assert_allclose(lz, si.log_marginal(hmm, *up), rtol=1e-6)
+    np.testing.assert_allclose(si.marginals(hmm, em, lt, li)["z"],
+                               si.marginals(hmm, *up)["z"], atol=1e-6)

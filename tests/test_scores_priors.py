@@ -280,3 +280,17 @@ def test_a_causal_head_compiles_without_an_n_by_n_constant():
     x = jnp.ones((n, 2), jnp.float32)
     closed = jax.make_jaxpr(lambda q, k, v: si.expectation(model, "out", q, k, v))(x, x, x)
     assert all(np.size(c) < n * n for c in closed.consts), [np.shape(c) for c in closed.consts]
+
+
+def test_a_16_bit_prior_is_normalised_in_float32():
+    """The exact engine sums a 16-bit model's tables in float32: a prior's log-table is
+    normalised in float32 (not rounded to bfloat16 first), equal to the float32 table of
+    the same rounded parameters."""
+    n = 7
+    bias = jnp.asarray(np.random.default_rng(0).normal(size=(2, 2 * n - 1)), jnp.bfloat16)
+    for make in (lambda b: si.priors.RelativePosition(b, n),
+                 lambda b: si.priors.Categorical(b[:, None, :n])):
+        got = make(bias).log_table(n)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, make(bias.astype(jnp.float32)).log_table(n),
+                                   rtol=1e-6, atol=1e-6)

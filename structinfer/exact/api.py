@@ -288,8 +288,8 @@ def expectation(
 
     Returns:
         The expectation, shaped like the site's value in a plain run and in its dtype
-            when that is floating (the model's floating dtype otherwise); a dict of them
-            when ``site`` is a sequence.
+            when that is floating (otherwise the model's floating dtype, at least
+            float32); a dict of them when ``site`` is a sequence.
 
     Raises:
         KeyError: the model has no site of that name.
