@@ -787,7 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="short chains (smoke run)")
     c.add_argument("--num-warmup", type=_positive, default=None,
                    help="NUTS warm-up (step-size and mass-matrix adaptation) steps per "
-                   "chain (default 500, 60 with --quick)")
+                   "chain, at least 1: without adaptation NUTS keeps its initial step size "
+                   "(default 500, 60 with --quick)")
     c.add_argument("--num-samples", type=_positive, default=None,
                    help="posterior draws per chain (default 500, 60 with --quick)")
     c.add_argument("--num-chains", type=_positive, default=None,

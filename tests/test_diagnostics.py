@@ -622,6 +622,13 @@ def test_convergence_report_counts_a_nonfinite_stop_as_an_increase():
         rep = dg.convergence_report(np.array([3.0, 2.0, last]))
         assert not rep.monotone and rep.first_increase == 1 and rep.max_increase == np.inf
         assert rep.num_iterations == 3
+    # a run that failed at its start (num_steps = 0, its one value non-finite) and a
+    # one-value trace that is not finite: an increase, not a monotone descent (review)
+    for start in (info._replace(num_steps=0, energy=np.full(3, np.nan)),
+                  np.array([np.inf])):
+        rep = dg.convergence_report(start)
+        assert not rep.monotone and rep.max_increase == np.inf, rep
+        assert rep.first_increase == 0 and rep.num_iterations == 1, rep
     # a finite run: the NaN after num_steps is padding
     _, ok = si.infer.gmm_em(x + r.normal(size=x.shape), x[:3], np.stack([np.eye(2)] * 3),
                             max_iters=500)

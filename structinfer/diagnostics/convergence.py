@@ -108,12 +108,15 @@ def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
     with np.errstate(invalid="ignore"):
         up = (inc > tol * (1 + np.abs(t[:-1]))) | ~np.isfinite(inc)
     bad = np.nonzero(up)[0]
+    if not bad.size and not np.isfinite(t).all():  # a run that failed at its start
+        bad = np.array([0])
     rise = np.where(np.isfinite(inc), inc, np.inf)
     return ConvergenceReport(
         num_iterations=int(t.size),
         initial=float(t[0]),
         final=float(t[-1]),
         monotone=bool(bad.size == 0 and np.isfinite(t).all()),
-        max_increase=float(max(0.0, rise.max())) if inc.size else 0.0,
+        max_increase=(float(max(0.0, rise.max())) if inc.size
+                      else (0.0 if np.isfinite(t).all() else np.inf)),
         first_increase=int(bad[0]) if bad.size else -1,
     )

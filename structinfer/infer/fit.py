@@ -295,7 +295,8 @@ def svi(
     Raises:
         NonFiniteEnergyError: the loss became NaN or infinite, or NumPyro found no
             initial point with a finite loss (NaN data, say); the message names the
-            step and the parameter, argument or site responsible.
+            step and the parameter, argument or site responsible (NumPyro's own
+            RuntimeError where no initial point was found and none is responsible).
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
         ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
             that is not enumerated.
