@@ -57,7 +57,7 @@ def _m_step(energy_fn, state, m_step_size):
                         state.params, g, lr)
 
 
-def _failing_phase(energy_fn, state, m_step_size, e_step_size, e_iters, e_tol, step):
+def _failing_phase(energy_fn, state, m_step_size, step):
     """Which half of the failing step (or of the first E-step) left E non-finite."""
     th = state.params if step == 0 else _m_step(energy_fn, state, m_step_size)
     if not bool(jnp.isfinite(energy_fn(state.latents, th))):
@@ -194,8 +194,7 @@ def run(
     state, info = run_loop(body, state, state.energy, max_iters)
     if raise_on_nonfinite:
         def phase(_):  # evaluated only on a concrete failure
-            return _failing_phase(energy_fn, state, m_step_size, e_step_size, e_iters, e_tol,
-                                  int(info.num_steps))
+            return _failing_phase(energy_fn, state, m_step_size, int(info.num_steps))
 
         check(info, "energy_em", phase)
     return state, info
