@@ -23,6 +23,7 @@ __all__ = [
     "check_layout",
     "check_nonnegative",
     "check_weights",
+    "weighted_affine_fit",
 ]
 
 
@@ -140,3 +141,38 @@ def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
         raise ValueError(f"{what} {np.asarray(w).round(4).tolist()} must be non-negative and "
                          "sum to 1")
     return w
+
+
+def weighted_affine_fit(u: jax.Array, y: jax.Array, r: jax.Array, A: jax.Array,
+                        b: jax.Array, reg: Any) -> tuple[jax.Array, ...]:
+    r"""The M-step of a mixture of affine maps $y \approx A_k u + b_k$: per mode $k$,
+    least squares weighted by the responsibilities $r_{tk}$, with ridge ``reg`` on the
+    Gram matrix.
+
+    A mode without data ($\sum_t r_{tk} = 0$) keeps its ``A``, ``b`` (weight 0, as
+    `gmm_em` keeps a dead component); NaN is not "no data", so it is never hidden.
+
+    Args:
+        u: inputs ``(T, d_in)``.
+        y: targets ``(T, d)``.
+        r: responsibilities ``(T, K)``.
+        A: the modes' current maps ``(K, d, d_in)``.
+        b: their current offsets ``(K, d)``.
+        reg: the ridge added to each Gram matrix (``>= 0``).
+
+    Returns:
+        ``(A, b, err, nk, live)``: the new maps and offsets, the residuals ``(K, T, d)``,
+        the modes' counts ``(K,)`` and whether each has data.
+    """
+    ut = jnp.concatenate([u, jnp.ones((u.shape[0], 1), u.dtype)], -1)
+    nk = jnp.sum(r, 0)
+    live = ~(nk <= 0)
+    eye = jnp.eye(ut.shape[1], dtype=y.dtype)
+    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut) + reg * eye
+    gram = jnp.where(live[:, None, None], gram, eye)
+    cross = jnp.einsum("tk,ti,tj->kij", r, y, ut)
+    Ab = jnp.swapaxes(jnp.linalg.solve(gram, jnp.swapaxes(cross, -1, -2)), -1, -2)
+    A_new = jnp.where(live[:, None, None], Ab[..., :-1], A)
+    b_new = jnp.where(live[:, None], Ab[..., -1], b)
+    err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])
+    return A_new, b_new, err, nk, live

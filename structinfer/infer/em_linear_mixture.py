@@ -29,6 +29,7 @@ from ._common import (
     check_weights,
     rel_change_small,
     safe_log,
+    weighted_affine_fit,
 )
 from ._loop import LoopInfo, check, run_loop
 
@@ -128,18 +129,8 @@ def init(
 
 
 def _m_step(u, y, st: LinearMixtureState, reg):
-    ut = jnp.concatenate([u, jnp.ones((u.shape[0], 1), u.dtype)], -1)
     r = st.responsibilities  # (T, K)
-    nk = jnp.sum(r, 0)
-    live = ~(nk <= 0)  # a mode without data keeps its parameters, at weight 0 (as gmm_em)
-    eye = jnp.eye(ut.shape[1], dtype=y.dtype)
-    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut) + reg * eye
-    gram = jnp.where(live[:, None, None], gram, eye)
-    cross = jnp.einsum("tk,ti,tj->kij", r, y, ut)
-    Ab = jnp.swapaxes(jnp.linalg.solve(gram, jnp.swapaxes(cross, -1, -2)), -1, -2)
-    A_new = jnp.where(live[:, None, None], Ab[..., :-1], st.A)
-    b_new = jnp.where(live[:, None], Ab[..., -1], st.b)
-    err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])  # (K, T, d)
+    A_new, b_new, err, nk, live = weighted_affine_fit(u, y, r, st.A, st.b, reg)
     cov = jnp.einsum("tk,kti,ktj->kij", r, err, err) / jnp.where(live, nk, 1.0)[:, None, None]
     cov = cov + reg * jnp.eye(y.shape[1], dtype=y.dtype)
     cov = jnp.where(live[:, None, None], cov, st.covariances)

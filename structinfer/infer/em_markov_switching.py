@@ -26,7 +26,13 @@ from jax.typing import ArrayLike
 from .._checks import as_float_array
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
-from ._common import check_layout, check_nonnegative, rel_change_small, safe_log
+from ._common import (
+    check_layout,
+    check_nonnegative,
+    rel_change_small,
+    safe_log,
+    weighted_affine_fit,
+)
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["MarkovSwitchingState", "init", "step", "run"]
@@ -118,19 +124,8 @@ def init(
 
 
 def _m_step(x, st: MarkovSwitchingState, reg):
-    u, y = x[:-1], x[1:]
-    ut = jnp.concatenate([u, jnp.ones((u.shape[0], 1), u.dtype)], -1)
     r = st.responsibilities
-    nk = jnp.sum(r, 0)
-    live = ~(nk <= 0)  # a mode without data keeps its parameters (NaN is not "no data")
-    eye = jnp.eye(ut.shape[1], dtype=x.dtype)
-    gram = jnp.einsum("tk,ti,tj->kij", r, ut, ut) + reg * eye
-    gram = jnp.where(live[:, None, None], gram, eye)
-    cross = jnp.einsum("tk,ti,tj->kij", r, y, ut)
-    Ab = jnp.swapaxes(jnp.linalg.solve(gram, jnp.swapaxes(cross, -1, -2)), -1, -2)
-    A_new = jnp.where(live[:, None, None], Ab[..., :-1], st.A)
-    b_new = jnp.where(live[:, None], Ab[..., -1], st.b)
-    err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])
+    A_new, b_new, err, nk, live = weighted_affine_fit(x[:-1], x[1:], r, st.A, st.b, reg)
     var = jnp.einsum("tk,kti->ki", r, err * err) / jnp.where(live, nk, 1.0)[:, None] + reg
     return A_new, b_new, jnp.where(live[:, None], 1.0 / var, st.precisions)
 
