@@ -514,7 +514,10 @@ def cmd_compare(args) -> int:
             dg.check_comparable(fn, score_factors=args.score_factors, **bound[name])
             sites[name] = _edge_sites(fn, bound[name])
         except dg.EnergyOnlyModelError as e:
-            raise CLIError(f"model '{name}': {_cli_words(str(e))}") from e
+            said = str(e)  # "model '<function>' ...": named once, as MODELS.py names it
+            fn_said = f"model '{getattr(fn, '__name__', name)}' "
+            said = said[len(fn_said):] if said.startswith(fn_said) else said
+            raise CLIError(f"model '{name}': {_cli_words(said)}") from e
         except Exception as e:
             raise CLIError(
                 f"model '{name}' ({models_path}) fails on {data_path} ({_shapes(bound[name])}): "

@@ -274,6 +274,7 @@ def test_score_factor_error_names_the_command_line_option(work, capsys):
     assert rc == 1 and len(lines) == 1, lines
     assert "model 'sharp'" in lines[0] and "pass --score-factors normalize" in lines[0], lines
     assert "score_factors=" not in lines[0], lines
+    assert lines[0].count("model '") == 1, lines  # named once, as MODELS.py names it
     rc, lines = _run(capsys, "compare", "scored.py", "data.npz", "--score-factors", "normalize")
     assert rc == 1 and REACHED in lines[-1], lines
 

@@ -441,3 +441,8 @@ def test_arguments_are_named_in_errors():
             energy_em(energy, jnp.ones(2), jnp.zeros(2), e_iters=e_iters)
         with pytest.raises(ValueError, match=match):
             em_energy.init(energy, jnp.ones(2), jnp.zeros(2), e_iters=e_iters)
+    # the shared loop's max_iters check names the algorithm
+    with pytest.raises(ValueError, match=r"gmm_em: max_iters must be a positive int.*got 0"):
+        gmm_em(x, x[:3], c, max_iters=0)
+    with pytest.raises(ValueError, match=r"energy_em: max_iters must be a positive int"):
+        energy_em(energy, jnp.ones(2), jnp.zeros(2), max_iters=-1)

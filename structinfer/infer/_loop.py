@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import is_concrete
+from .._checks import check_count, is_concrete
 
 __all__ = [
     "LoopInfo",
@@ -134,6 +134,7 @@ def run_loop(
     state: Any,
     energy0: jax.Array,
     max_iters: int,
+    who: str = "run_loop",
 ) -> tuple[Any, LoopInfo]:
     """Iterate ``step`` under `jax.lax.while_loop` with per-element stopping.
 
@@ -143,17 +144,16 @@ def run_loop(
         state: initial state.
         energy0: energy of the initial state, ``(*batch,)``.
         max_iters: the most steps (a Python int; fixes the trace length).
+        who: the algorithm, for the error message.
 
     Returns:
         ``(state, info)``: the final state (each element's last finite one) and a
             `LoopInfo`.
 
     Raises:
-        ValueError: ``max_iters`` is not a positive int.
+        ValueError: ``max_iters`` is not a positive int (naming ``who``).
     """
-    if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)) or max_iters < 1:
-        raise ValueError(f"max_iters must be a positive int, got {max_iters!r}")
-    max_iters = int(max_iters)
+    max_iters = check_count(max_iters, f"{who}: max_iters")
     energy0 = jnp.asarray(energy0)
     batch = energy0.shape
     nb = len(batch)

@@ -141,7 +141,7 @@ def run(
         new, conv = step(log_z_fn, s, precision, tol)
         return new, new.energy, conv
 
-    state, info = run_loop(body, state, state.energy, max_iters)
+    state, info = run_loop(body, state, state.energy, max_iters, "cccp")
     if raise_on_nonfinite:
         prec = like_tree(precision, state.mu)
         bad_mu = lambda idx: jax.tree.map(  # noqa: E731 - recompute the failing step eagerly

@@ -191,7 +191,7 @@ def run(
         new, conv = step(energy_fn, s, m_step_size=m_step_size, tol=tol, **kw)
         return new, new.energy, conv
 
-    state, info = run_loop(body, state, state.energy, max_iters)
+    state, info = run_loop(body, state, state.energy, max_iters, "energy_em")
     if raise_on_nonfinite:
         def phase(_):  # evaluated only on a concrete failure
             return _failing_phase(energy_fn, state, m_step_size, int(info.num_steps))

@@ -203,7 +203,7 @@ def run(
         new, conv = step(x, st, reg=reg, tol=tol)
         return new, -new.log_likelihood, conv
 
-    state, info = run_loop(body, state, -state.log_likelihood, max_iters)
+    state, info = run_loop(body, state, -state.log_likelihood, max_iters, "gmm_em")
     if raise_on_nonfinite:
         check(info, "gmm_em", "'component' (a covariance became singular? set reg > 0)")
     return state, info

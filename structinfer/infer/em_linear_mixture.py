@@ -239,7 +239,7 @@ def run(
         new, conv = step(u, y, st, reg=reg, tol=tol)
         return new, -new.log_likelihood, conv
 
-    state, info = run_loop(body, state, -state.log_likelihood, max_iters)
+    state, info = run_loop(body, state, -state.log_likelihood, max_iters, "linear_mixture_em")
     if raise_on_nonfinite:
         check(info, "linear_mixture_em", "'mode' (a mode with too few points to fit its A, b "
               "and covariance? set reg > 0)")

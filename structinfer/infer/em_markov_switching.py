@@ -238,7 +238,7 @@ def run(
         new, conv = step(x, st, reg=reg, tol=tol)
         return new, -new.log_likelihood, conv
 
-    state, info = run_loop(body, state, -state.log_likelihood, max_iters)
+    state, info = run_loop(body, state, -state.log_likelihood, max_iters, "markov_switching_em")
     if raise_on_nonfinite:
         check(info, "markov_switching_em", "'mode' (a mode with too few points to fit its A, "
               "b and precisions? raise reg)")

@@ -472,7 +472,7 @@ def run(
         new, conv = step(x, st, e_iters=e_iters, whiten=whiten, ridge=ridge, tol=tol, rtol=rtol)
         return new, new.energy, conv
 
-    state, info = run_loop(body, state, state.energy, max_iters)
+    state, info = run_loop(body, state, state.energy, max_iters, "slot_em")
     if raise_on_nonfinite:
         check(info, "slot_em", "'phi' (in the E-step's CCCP on the slots)")
     return state, info

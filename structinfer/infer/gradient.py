@@ -104,7 +104,7 @@ def run(
         new, conv = step(energy_fn, s, step_size, tol)
         return new, new.energy, conv
 
-    state, info = run_loop(body, state, state.energy, max_iters)
+    state, info = run_loop(body, state, state.energy, max_iters, "gradient_descent")
     if raise_on_nonfinite:
         lr = like_tree(step_size, state.mu)
         bad_mu = lambda idx: jax.tree.map(  # noqa: E731

@@ -384,7 +384,7 @@ def run(
         return new, new.energy, conv
 
     state = _factors(p, p.alpha0, p.beta0, method, mass)
-    state, info = run_loop(body, state, state.energy, max_iters)
+    state, info = run_loop(body, state, state.energy, max_iters, f"geometric_beta ({method})")
     if raise_on_nonfinite:
         check(info, f"geometric_beta ({method})", "edge scores (check them for NaN/inf)")
     return state, info
