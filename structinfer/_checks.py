@@ -125,6 +125,20 @@ def check_ndim(x: ArrayLike, min_ndim: int, what: str, layout: str) -> None:
         )
 
 
+def check_layout(x: jax.Array, ndim: int, what: str, layout: str, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``x`` has exactly ``ndim`` dimensions.
+
+    Args:
+        x: the array (its shape is static: this runs under ``jit`` too).
+        ndim: the number of dimensions expected.
+        what: ``"<function>: <argument>"``, for the message.
+        layout: the expected layout, e.g. ``"(K, d)"``.
+        hint: appended to the message.
+    """
+    if jnp.ndim(x) != ndim:
+        raise ValueError(f"{what} must be {layout}, got shape {tuple(jnp.shape(x))}{hint}")
+
+
 def all_positive(x: ArrayLike) -> bool:
     """False when ``x`` is concrete and has an entry that is not ``> 0`` (NaN included).
 

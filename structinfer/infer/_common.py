@@ -20,7 +20,6 @@ __all__ = [
     "as_float_tree",
     "like_tree",
     "site_finder",
-    "check_layout",
     "check_nonnegative",
     "check_weights",
     "weighted_affine_fit",
@@ -78,20 +77,6 @@ def site_finder(fn: Any, mu_of_failure: Any) -> Any:
     if isinstance(fn, ModelFunction):
         return lambda idx: fn.site(mu_of_failure(idx))
     return None
-
-
-def check_layout(x: jax.Array, ndim: int, what: str, layout: str, hint: str = "") -> None:
-    """Raise ``ValueError`` unless ``x`` has exactly ``ndim`` dimensions.
-
-    Args:
-        x: the array (its shape is static: this runs under ``jit`` too).
-        ndim: the number of dimensions expected.
-        what: ``"<function>: <argument>"``, for the message.
-        layout: the expected layout, e.g. ``"(K, d)"``.
-        hint: appended to the message.
-    """
-    if jnp.ndim(x) != ndim:
-        raise ValueError(f"{what} must be {layout}, got shape {tuple(jnp.shape(x))}{hint}")
 
 
 def check_nonnegative(value: Any, what: str, role: str) -> Any:

@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array
+from .._checks import as_float_array, check_layout
 from ..exact import log_marginal, marginals
 from ..mechanisms.dynamics import switching_linear_dynamics
 from ._common import (
-    check_layout,
     check_nonnegative,
     check_weights,
     rel_change_small,

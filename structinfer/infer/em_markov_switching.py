@@ -23,11 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array
+from .._checks import as_float_array, check_layout
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
 from ._common import (
-    check_layout,
     check_nonnegative,
     rel_change_small,
     safe_log,

@@ -22,12 +22,11 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from numpyro.handlers import substitute
 
-from .._checks import as_float_array, check_count
+from .._checks import as_float_array, check_count, check_layout
 from ..exact import log_marginal, marginals
 from ..mechanisms.slot import slot_attention
 from . import convex_concave
 from ._common import (
-    check_layout,
     check_nonnegative,
     rel_change_small,
     rel_change_small_tree,
