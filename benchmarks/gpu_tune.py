@@ -6,11 +6,13 @@ its kernels timed on it: the Pallas (Triton) forward at its defaults and the Mos
 the Triton forward's output (the queries', keys' and values' gradients, the prior's
 parameters not differentiated): the Triton kernel's own passes, with the Mosaic GPU dQ
 pass (`mosaic_dq`), with the Mosaic GPU dK/dV pass (`mosaic_dkdv`), and with both; then,
-for a relative-position prior, both with the table's gradient too (the Triton kernel's
-table pass: what training the table adds). Each Mosaic GPU
-result is checked against the Triton kernel's (relative to its largest magnitude; the
-row log-normaliser to float32 rounding). ``benchmarks/gpu.py`` times the whole model
-path against the peers; this script answers which kernel and which depth to pick.
+for a relative-position prior, both with the table's gradient too, two ways side by
+side: the Triton kernel's table pass after them, and the sum in the Mosaic GPU dK/dV
+pass (``table_grad``, what ``auto`` runs; the difference is what training the table
+adds). Each Mosaic GPU result is checked against the Triton kernel's (relative to its
+largest magnitude; the row log-normaliser to float32 rounding; the table's gradient
+summed in the dK/dV pass against the Triton table pass's). ``benchmarks/gpu.py`` times
+the whole model path against the peers; this script answers which kernel and which depth to pick.
 
     python benchmarks/gpu_tune.py                         # n = 4096 x 32 heads, 16384 x 16
     python benchmarks/gpu_tune.py --sizes 4096 --heads 32 --steps 2 3 --cases relpos
@@ -89,9 +91,9 @@ def main(argv=None) -> int:
           f"head dim {args.head_dim}; load {os.getloadavg()[0]:.2f}", flush=True)
     cols = (["pallas"] + [f"mosaic s={s}" for s in args.steps]
             + ["bwd pallas", "bwd mosaic dQ", "bwd mosaic dK/dV", "bwd mosaic both",
-               "+ table's gradient"])
+               "+ table's gradient: Triton pass", "+ table's gradient: in dK/dV"])
     print("| n | heads | case | " + " | ".join(cols)
-          + " | mosaic err (y rel., L abs.; dQ, dK, dV rel.) |")
+          + " | mosaic err (y rel., L abs.; dQ, dK, dV rel.; table rel.) |")
     print("|" + " --- |" * (len(cols) + 4), flush=True)
     for n, H in zip(args.sizes, heads):
         p = gpu.Problem(n, H, args.head_dim, dtype)
@@ -122,7 +124,8 @@ def rel_err(got, want) -> float:
 def row(p: gpu.Problem, case: str, args) -> str:
     """One table row: the forwards at each depth, then the backward (the queries', keys'
     and values' gradients): the Triton kernel's, with the Mosaic GPU dQ pass, with its
-    dK/dV pass, and with both; then both with a relative-position table's gradient."""
+    dK/dV pass, and with both; then both with a relative-position table's gradient, from
+    the Triton table pass and summed in the Mosaic GPU dK/dV pass."""
     n, H, d = p.n, p.H, p.d
     low = lower_edge(prior(case, p, args.window), si.scores.Dot(p.q, p.k, scale=d ** -0.5),
                      p.v, n, (H,))
@@ -170,13 +173,22 @@ def row(p: gpu.Problem, case: str, args) -> str:
             errs.append(", ".join(f"{rel_err(a, b):.1e}" for a, b in (
                 (got[0].q, ref[0].q), (got[1].k, ref[1].k), (got[4], ref[4]))))
     if terms.relpos is None:
-        cells.append("—")
+        cells += ["—", "—"]
     elif why_dq or why_dkdv:
-        cells.append("refused: " + (why_dq or why_dkdv))
-    else:  # every parameter differentiated: the table's pass runs
-        cells.append(timed(lambda a: pallas_backward(
-            terms, a[0], bs, *a[1:], mask=mask, dq_pass=mosaic_dq, dkdv_pass=mosaic_dkdv),
-            args_bwd, 2.5 * rate)[0])
+        cells += ["refused: " + (why_dq or why_dkdv)] * 2
+    else:  # every parameter differentiated: the table's gradient too
+        def apart(*a, table_grad, **kw):  # the dK/dV pass leaves the table to its own pass
+            return mosaic_dkdv(*a, **kw)
+
+        tables = []
+        for hook in (apart, mosaic_dkdv):
+            cell, got = timed(lambda a, h=hook: pallas_backward(
+                terms, a[0], bs, *a[1:], mask=mask, dq_pass=mosaic_dq, dkdv_pass=h),
+                args_bwd, 2.5 * rate)
+            cells.append(cell)
+            tables.append(None if got is None else got[3].relpos)
+        if None not in tables:
+            errs.append(f"table {rel_err(tables[1], tables[0]):.1e}")
     return f"| {n} | {H} | {case} | " + " | ".join(cells) + " | " + "; ".join(errs) + " |"
 
 

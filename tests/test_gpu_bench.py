@@ -70,12 +70,14 @@ def test_gpu_tune_quick_mode_times_pallas_and_says_why_not_mosaic():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 |")]
     assert [r.split("|")[3].strip() for r in rows] == ["relpos", "geometric"], proc.stdout
     for r in rows:
-        pallas, m2, m3, bwd, *mosaic_bwd, table = (c.strip() for c in r.split("|")[4:-2])
+        pallas, m2, m3, bwd, *mosaic_bwd, apart, summed = (c.strip()
+                                                          for c in r.split("|")[4:-2])
         assert " ms / " in pallas and " ms / " in bwd, r
         assert len(mosaic_bwd) == 3, r  # dQ, dK/dV, both
         assert all("the platform is cpu" in c for c in (m2, m3, *mosaic_bwd)), r
-        # both with the relative-position table's gradient; no table, no cell
-        assert ("the platform is cpu" in table) if "relpos" in r else table == "—", r
+        # both with the relative-position table's gradient, two ways; no table, no cells
+        for table in (apart, summed):
+            assert ("the platform is cpu" in table) if "relpos" in r else table == "—", r
 
 
 def test_gpu_benchmark_relpos_grad_checks_the_tables_gradient(tmp_path):

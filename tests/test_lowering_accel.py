@@ -800,6 +800,34 @@ def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
     assert reads_tiles() == [False] * 4
 
 
+@pytest.mark.parametrize("case", list(TILE_CASES))
+@pytest.mark.parametrize("square", [False, True])
+def test_relpos_tiles_grad_is_the_transpose_of_relpos_tiles(case, square):
+    """`relpos_tiles_grad` (diagonal sums, then a small scatter) is the VJP of
+    `relpos_tiles` that autodiff gives (a scatter of every tile entry), to float32
+    rounding: causal, clipped and circulant distances, an offset, unequal and square
+    blocks, one table per batch element."""
+    prior_fn, n, m, (bq, bk), batch = TILE_CASES[case]
+    if square:
+        bq = bk = 16
+    r = np.random.default_rng(8)
+    e = jnp.asarray(r.normal(size=(H, 2 * m - 1)), jnp.float32)
+    q = jnp.zeros(batch + (n, 8), jnp.float32)
+    k = jnp.zeros((H, m, 8), jnp.float32)
+    low = lower_edge(prior_fn(n, m, e), si.scores.Dot(q, k), k, n, batch)
+    table = low.problem.glob.relpos
+    n_pad, m_pad = -(-n // bq) * bq, -(-m // bk) * bk
+    tiles, vjp = jax.vjp(lambda t: accel.relpos_tiles(low.terms, t, bq, bk, n_pad, m_pad),
+                         table)
+    ct = jnp.asarray(r.normal(size=tiles.shape), jnp.float32)
+    (want,) = vjp(ct)
+    got = accel.relpos_tiles_grad(low.terms, ct, table.shape[-1], n_pad, m_pad)
+    assert got.shape == table.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="relpos_tiles_grad: .* tiles, expected"):
+        accel.relpos_tiles_grad(low.terms, ct[..., 1:, :, :], table.shape[-1], n_pad, m_pad)
+
+
 def test_pallas_relative_position_pass_runs_only_for_its_gradient():
     """The relative-position table's gradient (atomics, a pass of its own) is traced only
     when the table is differentiated: a layer with a fixed table pays nothing for it."""

@@ -13,7 +13,11 @@ the dense kernel (`pytest -m gpu`).
   stands in for them: register layout casts are the identity, a layout-annotated load is
   a plain read, a pre-initialised accumulator is a fresh one added to its initial value,
   and ``wgmma`` also takes a transposed shared-memory operand and a register one (the
-  kernel's $q k^\top$ and $p V$). Where that API differs (other JAX releases) these
+  kernel's $q k^\top$ and $p V$); a TMA reduction (``copy_smem_to_gmem(...,
+  reduction_op="add")``) adds into its destination, one at a time, as the hardware's
+  atomic one does, and the kernels launched with mutable zero-initialised sums
+  (``pl.kernel`` on refs, whose memory space is left unset) see them in global memory.
+  Where that API differs (other JAX releases) these
   tests skip, or fail where ``STRUCTINFER_TEST_MOSAIC_INTERPRETER=require`` (CI).
 * Lowered: needs JAX's Mosaic GPU bindings, which ship with JAX's CUDA plugin; CI
   installs the plugin, without its GPU runtime, for this file (`.ci/run`); elsewhere those
@@ -27,6 +31,7 @@ import faulthandler
 import functools
 import os
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +49,7 @@ from structinfer.lowering.accel import pallas_backward
 from structinfer.lowering.dense import dense_attention
 from structinfer.lowering.mosaic import (
     mosaic_backward,
+    mosaic_backward_refusals,
     mosaic_dkdv,
     mosaic_dkdv_unsupported,
     mosaic_dq,
@@ -124,15 +130,20 @@ def _interpreter_patches():
         interpreter = jaxpr_interpret.JaxprInterpreter
         interpreter._interpret_wgmma_ref_p  # noqa: B018
         gpu_callbacks._get_shared_memory, gpu_callbacks.HostAllocationKey  # noqa: B018
+        gpu_callbacks.copy_smem_to_gmem, gpu_callbacks.is_gmem_memory_space  # noqa: B018
     except (ImportError, AttributeError) as err:
         why = f"this JAX's Mosaic GPU interpreter differs: {err}"
         if os.environ.get("STRUCTINFER_TEST_MOSAIC_INTERPRETER") == "require":
             pytest.fail(why)
         pytest.skip(why)
 
+    plain_run_state = pl.run_state
+
     def run_state(f):  # pre-initialised accumulators: fresh ones plus their initial values
         def run(inits):
             leaves, tree = jax.tree.flatten(inits, is_leaf=lambda x: hasattr(x, "_init"))
+            if not all(hasattr(x, "_init") for x in leaves):  # arrays (outside a kernel)
+                return plain_run_state(f)(inits)
             init = [x._init for x in leaves]
 
             def body(*refs):
@@ -197,11 +208,42 @@ def _interpreter_patches():
     def same(x, layout):
         return x
 
+    copy = gpu_callbacks.copy_smem_to_gmem
+    adding = threading.Lock()
+
+    def copy_smem_to_gmem(**kw):  # a TMA reduction: read, add, write, one at a time
+        op = kw.get("reduction_op")
+        if op is None:
+            return copy(**kw)
+        assert op == "add", op
+        memory = gpu_callbacks._get_shared_memory()
+        tid = memory.get_global_thread_id(int(kw["device_id"]), int(kw["thread_id"]))
+
+        def where(side):
+            key = gpu_callbacks.HostAllocationKey.from_array(kw[f"{side}_allocation_key_as_array"])
+            t = gpu_callbacks._remove_noop_transforms(kw[f"{side}_transforms"])
+            return key, iutils.to_range(jax.tree.map(int, t))
+
+        (src_key, src), (dst_key, dst) = where("src"), where("dst")
+        with adding:
+            x = memory.get_buffer_content(src_key, src, tid, increment_clock=False)[0]
+            y = memory.get_buffer_content(dst_key, dst, tid, increment_clock=False)[0]
+            memory.store_buffer_content(dst_key, dst, y + x, tid, increment_clock=False)
+        return kw["token"]
+
+    gmem = gpu_callbacks.is_gmem_memory_space
+
+    def is_gmem(space):  # pl.kernel's refs (the sums) carry no memory space
+        return space is None or gmem(space)
+
     params = InterpretGPUParams(detect_races=True)
     return [(gpu_core, "layout_cast", same), (plgpu, "layout_cast", same),
             (plgpu, "load", load), (pl, "run_state", run_state),
             (interpreter, "_interpret_wgmma_ref_p", wgmma_rule),
-            (plgpu, "kernel", functools.partial(plgpu.kernel, interpret=params))]
+            (gpu_callbacks, "copy_smem_to_gmem", copy_smem_to_gmem),
+            (gpu_callbacks, "is_gmem_memory_space", is_gmem),
+            (plgpu, "kernel", functools.partial(plgpu.kernel, interpret=params)),
+            (pl, "kernel", functools.partial(pl.kernel, interpret=params))]
 
 
 #: seconds an interpreted test may take before the watchdog ends its process (a thread
@@ -408,7 +450,9 @@ def _close(got, want, atol=2e-2):
 
 
 DQ_INTERPRETED = [("relpos", 256, 64, jnp.bfloat16), ("geometric", 200, 64, jnp.float16),
-                  ("block_sparse", 400, 64, jnp.bfloat16)]
+                  ("block_sparse", 400, 64, jnp.bfloat16),
+                  # padded parents: not in the table's gradient
+                  ("relpos_full", 200, 64, jnp.float16)]
 DQ_INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("window", 384, 64, jnp.bfloat16),
                        ("bias", 256, 128, jnp.bfloat16), ("strict_causal", 256, 64,
                                                           jnp.bfloat16),
@@ -459,13 +503,15 @@ def _check_dq(case, n, d, dtype):
 
 
 def _check_dkdv(case, n, d, dtype):
-    """The dK/dV pass: the keys', values' and per-parent bias' gradients against the dense
-    kernel's VJP on float32 copies (16-bit tolerance); the whole `mosaic_backward` (both
-    passes in Mosaic GPU) against it too."""
+    """The dK/dV pass: the keys', values', per-parent bias' and relative-position table's
+    gradients against the dense kernel's VJP on float32 copies (16-bit tolerance); the
+    whole `mosaic_backward` (both passes in Mosaic GPU, the table's gradient summed in
+    the dK/dV pass) against it too."""
     low = _low(case, n, d, dtype)
     d_out, lse, delta = _cotangents(low)
-    dk, dv, db = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta,
-                             low.mask)
+    table = low.terms.relpos is not None
+    dk, dv, db, dt = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta,
+                                 low.mask, table_grad=table)
     assert dk.dtype == dv.dtype == dtype
     want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
     _close(dk, want.col.k)
@@ -474,6 +520,11 @@ def _check_dkdv(case, n, d, dtype):
         _close(db, want.col.bias[..., 0])
     else:
         assert db is None
+    if table:
+        assert dt.shape == low.problem.glob.relpos.shape and dt.dtype == jnp.float32
+        _close(dt, want.glob.relpos)
+    else:
+        assert dt is None
     if case in ("relpos", "geometric", "bias"):
         got = mosaic_backward(low.terms, low.problem, low.batch_shape, y, lse, d_out, d_lse,
                               mask=low.mask)
@@ -483,8 +534,37 @@ def _check_dkdv(case, n, d, dtype):
         _close(got[4], want.v)
         if low.terms.col_bias:
             _close(got[1].bias, want.col.bias)
-        if low.terms.relpos is not None:  # the table's pass: the Triton kernel's
+        if table:  # summed by the dK/dV pass, not the Triton kernel's table pass
+            assert "table" not in mosaic_backward_refusals(low.terms, low.problem,
+                                                           low.batch_shape, low.mask)
             _close(got[3].relpos, want.glob.relpos)
+            _close(got[3].relpos, dt, atol=1e-5)
+
+
+@pytest.mark.cpu_only
+def test_mosaic_dkdv_table_sum_under_vmap_interpreted(mosaic_interpreted):
+    """Under `jax.vmap` the dK/dV pass that sums the table's gradient (its sums are
+    mutable arrays, which `plgpu.kernel`'s own batching does not take) launches once with
+    a grid axis for the mapped one, slicing the mapped operands, the outputs and the
+    sums; unmapped operands (the cotangents here) are shared: each element of the mapped
+    call equals its own call."""
+    n, d = 128, 64
+    low = _low("relpos_full", n, d, jnp.bfloat16)
+    rows = _cotangents(low)
+    other = dataclasses.replace(
+        low.problem, row=dataclasses.replace(low.problem.row, q=low.problem.row.q[::-1]),
+        glob=dataclasses.replace(low.problem.glob, relpos=-low.problem.glob.relpos))
+
+    def run(p, r):
+        return mosaic_dkdv(low.terms, p, low.batch_shape, *r, low.mask, table_grad=True)
+
+    both = jax.vmap(run, in_axes=(0, None))(
+        jax.tree.map(lambda *x: jnp.stack(x), low.problem, other), rows)
+    for i, p in enumerate((low.problem, other)):
+        one = run(p, rows)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(both)):
+            _close(b[i], a, atol=1e-5)
+    assert not mosaic_interpreted()
 
 
 @pytest.mark.cpu_only
@@ -506,8 +586,8 @@ def test_mosaic_backward_interpreted_cross_attention(mosaic_interpreted):
     d_out, lse, delta = _cotangents(low)
     want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
     dq, _ = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, lse, delta)
-    dk, dv, db = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta)
-    assert dk.shape == (H, 200, 64) and db.shape == (H, 200)
+    dk, dv, db, dt = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta)
+    assert dk.shape == (H, 200, 64) and db.shape == (H, 200) and dt is None
     for a, b in ((dq, want.row.q), (dk, want.col.k), (dv, want.v), (db, want.col.bias[..., 0])):
         _close(a, b)
     small = low_of(256, 64)
@@ -526,9 +606,10 @@ def test_mosaic_backward_interpreted_cross_attention(mosaic_interpreted):
 def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpreted):
     """Batched plates: heads x batch (2 x 3), the relative-position table one per head,
     shared by the batch (each program reads its head's tiles), against the dense kernel:
-    the forward, and the backward with both Mosaic GPU passes (the table's gradient, from
-    the Triton kernel's pass, summed over the batch). Keys shared by the batch keep the
-    Triton dK/dV pass (it sums their gradient in float32)."""
+    the forward, and the backward with both Mosaic GPU passes (the table's gradient
+    summed in the dK/dV pass: the batch elements that share a table add into one sum).
+    Keys shared by the batch keep the Triton dK/dV pass (it sums their gradient in
+    float32)."""
     n, d = 256, 64
     r = np.random.default_rng(2)
     q, k, v = (jnp.asarray(r.normal(size=(2, 3, n, d)), jnp.bfloat16) for _ in range(3))
@@ -543,7 +624,8 @@ def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpre
                                rtol=2e-2)
     d_out, lse, delta = _cotangents(low)
     want, y32, d_lse = _dense_vjp(low, d_out, lse, delta)
-    assert mosaic_dkdv_unsupported(low.terms, low.problem, low.batch_shape) is None
+    assert mosaic_dkdv_unsupported(low.terms, low.problem, low.batch_shape,
+                                   table_grad=True) is None
     got = mosaic_backward(low.terms, low.problem, low.batch_shape, y32, lse, d_out, d_lse)
     for a, b in ((got[0].q, want.row.q), (got[1].k, want.col.k), (got[4], want.v),
                  (got[3].relpos, want.glob.relpos)):
@@ -621,17 +703,21 @@ def test_mosaic_forward_lowers_for_cuda(case, n, d, dtype):
 @pytest.mark.parametrize("pass_", ["dq", "dkdv"])
 def test_mosaic_backward_passes_lower_for_cuda(case, pass_):
     """The backward's dQ and dK/dV passes, every term (head dim 128, bfloat16, n = 200:
-    children and parents padded, the last blocks masked), compiled down to warpgroup
-    matmuls."""
+    children and parents padded, the last blocks masked; with a relative-position table
+    the dK/dV pass sums its gradient), compiled down to warpgroup matmuls."""
     _bindings()
+    table = pass_ == "dkdv" and case.startswith("relpos")
     run, why = {"dq": (mosaic_dq, mosaic_dq_unsupported),
-                "dkdv": (mosaic_dkdv, mosaic_dkdv_unsupported)}[pass_]
+                "dkdv": (functools.partial(mosaic_dkdv, table_grad=table),
+                         functools.partial(mosaic_dkdv_unsupported, table_grad=table))}[pass_]
     low = _low(case, 200, 128, jnp.bfloat16)
     assert why(low.terms, low.problem, low.batch_shape, low.mask) is None
     f = jax.jit(lambda p, r: run(low.terms, p, low.batch_shape, *r, low.mask))
     text = f.trace(low.problem, _cotangents(low)).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     assert "wgmma.mma_async" in text
+    # the table's gradient: each tile of ds added into its diagonal's tile by the TMA
+    assert ("cp.reduce.async.bulk.tensor" in text) == table
 
 
 @pytest.mark.parametrize(("d", "dv"), [(256, 256), (64, 128), (96, 40)])
@@ -653,18 +739,33 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
             mosaic_forward(low.terms, low.problem, low.batch_shape, max_concurrent_steps=3)
 
 
-def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu):
+def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu, monkeypatch):
     """`explain` says which of a Mosaic GPU edge's gradient the Triton kernel computes:
-    nothing with the geometric prior, the table's gradient with a relative-position one,
-    and the dK/dV pass (with the reason) for 64 keys."""
+    nothing with the geometric prior or a relative-position table (its gradient summed
+    in the dK/dV pass), the table's gradient where the dK/dV pass cannot sum it (a
+    bfloat16 table whose float32 tiles are over the bytes allowed), and the dK/dV pass
+    (with the reason) for 64 keys."""
     n, d = 256, 64
     args = _inputs(n, d, jnp.bfloat16)
-    geo = explain(_model("geometric", n), "out", *args, backend="mosaic")
-    assert geo.kernels == {"phi": "mosaic"}
-    assert not any("gradient" in s for s in geo.notes["phi"]), str(geo)
-    rel = explain(_model("relpos", n), "out", *args, backend="mosaic")
-    assert ("the Pallas (Triton) kernel computes, of its gradient: the relative-position "
-            "table's gradient (when the table is trained)") in rel.notes["phi"], str(rel)
+    for case in ("geometric", "relpos"):
+        said = explain(_model(case, n), "out", *args, backend="mosaic")
+        assert said.kernels == {"phi": "mosaic"}
+        assert not any("gradient" in s for s in said.notes["phi"]), str(said)
+    q, k, v, e = args
+    shared = explain(_model("relpos", n), "out", q, k[:1], v, e, backend="mosaic")
+    (said,) = [s for s in shared.notes["phi"] if "gradient" in s]
+    assert said == ("the Pallas (Triton) kernel computes, of its gradient: the dK/dV pass "
+                    "(keys or values shared by some batch dim (the Triton pass sums their "
+                    "gradients in float32)); the relative-position table's gradient, when "
+                    "the table is trained (the dK/dV pass sums it, and the Triton kernel "
+                    "runs that pass)"), said
+    with monkeypatch.context() as m:
+        m.delattr(jax, "new_ref")  # a JAX without mutable arrays
+        said = explain(_model("relpos", n), "out", *args, backend="mosaic")
+    (said,) = [s for s in said.notes["phi"] if "gradient" in s]
+    assert said == ("the Pallas (Triton) kernel computes, of its gradient: the "
+                    "relative-position table's gradient, when the table is trained (this "
+                    f"JAX ({jax.__version__}) has no jax.new_ref)"), said
 
     def cross(q, k, v, bias):
         with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
@@ -690,7 +791,9 @@ def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu):
 def test_mosaic_model_path_lowers_for_cuda(case, gpu):
     """``si.attention(model, "out", "mosaic")`` and its gradient (`mosaic_backward` on
     the forward's y and L), lowered for CUDA: one Mosaic GPU kernel for the value, three
-    for the gradient (the forward, the dQ and the dK/dV passes), and explain names it."""
+    for the gradient (the forward, the dQ and the dK/dV passes) and no other kernel (a
+    relative-position table's gradient summed by the dK/dV pass's TMA reductions), and
+    explain names it."""
     _bindings()
     n, d = 256, 64
     model = _model(case, n)
@@ -700,9 +803,27 @@ def test_mosaic_model_path_lowers_for_cuda(case, gpu):
     grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2, 3))
     for g, kernels in ((f, 1), (grad, 3)):
         text = jax.jit(g).trace(x, x, x, e).lower(lowering_platforms=("cuda",)).as_text()
-        assert _custom_calls(text).count("mosaic_gpu_v2") == kernels
+        assert _custom_calls(text) == ["mosaic_gpu_v2"] * kernels, _custom_calls(text)
+        reduced = "cp.reduce.async.bulk.tensor" in text
+        assert reduced == (case == "relpos" and g is grad)
     ex = explain(model, "out", *_inputs(n, d, jnp.bfloat16), backend="mosaic")
     assert ex.kernels == {"phi": "mosaic"}
+
+
+def test_mosaic_vmapped_gradient_lowers_for_cuda(gpu):
+    """`jax.vmap` of a relative-position model's gradient, the table trained (its
+    gradient summed in the dK/dV pass, whose mutable sums `plgpu.kernel`'s batching
+    does not take): the forward and both passes lower for CUDA, three Mosaic GPU
+    kernels and the TMA reductions, as without the vmap."""
+    _bindings()
+    n, d = 256, 64
+    f = si.attention(_model("relpos", n), "out", "mosaic")
+    x = jax.ShapeDtypeStruct((3, H, n, d), jnp.bfloat16)
+    e = jax.ShapeDtypeStruct((3, H, 2 * n - 1), jnp.float32)
+    grad = jax.vmap(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2, 3)))
+    text = jax.jit(grad).trace(x, x, x, e).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"] * 3, _custom_calls(text)
+    assert "cp.reduce.async.bulk.tensor" in text
 
 
 # --- run on a Hopper GPU -----------------------------------------------------------------

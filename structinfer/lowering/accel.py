@@ -36,9 +36,11 @@ the platform's fused kernels instead of the portable blocked kernel
 A third fused kernel, for NVIDIA Hopper GPUs, is in `structinfer.lowering.mosaic`
 (Pallas' Mosaic GPU dialect: warpgroup matmuls fed by the tensor memory accelerator):
 its forward, and a backward whose dQ and dK/dV passes enter `pallas_backward` through
-its ``dq_pass`` / ``dkdv_pass`` hooks. In `GPU_KERNELS` it comes before the Triton
-kernel: on an H100 (bfloat16, head dim 128) its forward measured 1.3-1.9x and its
-backward 1.2-2.4x faster at every prior and size measured (docs/results/gpu/).
+its ``dq_pass`` / ``dkdv_pass`` hooks (the dK/dV pass sums a trained relative-position
+table's gradient too, `relpos_tiles_grad`, so the third pass does not run). In
+`GPU_KERNELS` it comes before the Triton kernel: on an H100 (bfloat16, head dim 128)
+its forward measured 1.3-1.9x and its backward 1.2-2.4x faster at every prior and size
+measured (docs/results/gpu/).
 ``"auto"`` takes it only on a Hopper GPU of the running process; lowering for CUDA
 elsewhere takes the Triton kernel.
 
@@ -101,6 +103,7 @@ __all__ = [
     "pallas_forward",
     "pallas_backward",
     "relpos_tiles",
+    "relpos_tiles_grad",
     # the building blocks the Mosaic GPU kernels (structinfer.lowering.mosaic) share
     "Layout",
     "dot_only",
@@ -677,6 +680,52 @@ def relpos_tiles(terms: Terms, table: jax.Array, bq: int, bk: int, n_pad: int,
     return jnp.take(table, relpos_index(terms.relpos, d), axis=-1)
 
 
+def relpos_tiles_grad(terms: Terms, d_tiles: jax.Array, length: int, n_pad: int,
+                      m_pad: int) -> jax.Array:
+    r"""The transpose of `relpos_tiles`: the table's gradient from its tiles' cotangents,
+
+    $$
+    \frac{\partial}{\partial b_r} = \sum_c \sum_{(a, s):\; r(\Delta_c + a + \text{offset}
+    - s) = r} \mathrm{d}T_{c,a,s},
+    $$
+
+    without the scatter of every tile entry that `jax.vjp` of `relpos_tiles` would run
+    (one atomic add per entry, most of them into the same few hundred addresses): each
+    tile is first summed along its diagonals $a - s$ (a shear of the tile, then a sum
+    over rows: exact float32 additions), and only those $b_q + b_k - 1$ sums per tile
+    are added into the table. The kernels whose table gradient is accumulated per tile
+    (the Mosaic GPU dK/dV pass) end with this.
+
+    Args:
+        terms: the lowered edge's terms (``terms.relpos`` set, ``terms.offset`` static).
+        d_tiles: the tiles' cotangents, ``(..., C, bq, bk)`` (as `relpos_tiles` gives).
+        length: the table's length $L$.
+        n_pad: the padded number of children the tiles were built for.
+        m_pad: the padded number of parents.
+
+    Returns:
+        ``d_tiles.shape[:-3] + (length,)``, in ``d_tiles``' dtype.
+    """
+    *lead, count, bq, bk = d_tiles.shape
+    g = min(bq, bk)
+    if count != (n_pad - bq + m_pad - bk) // g + 1:
+        raise ValueError(f"relpos_tiles_grad: {count} tiles, expected "
+                         f"{(n_pad - bq + m_pad - bk) // g + 1} for {n_pad} x {m_pad} "
+                         f"padded lengths with {bq} x {bk} tiles")
+    # x[a, s'] = dT[a, bk - 1 - s']: row a of the padded tile read as rows of bq + bk - 1
+    # puts entry (a, s') in column a + s' = a - s + bk - 1, its diagonal
+    x = jnp.flip(d_tiles, -1)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, bq)])
+    width = bq + bk - 1
+    x = x.reshape(*lead, count, bq * (bk + bq))[..., : bq * width]
+    sums = x.reshape(*lead, count, bq, width).sum(-2)
+    first = -(m_pad - bk)
+    start = first + g * jnp.arange(count, dtype=jnp.int32)
+    d = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :] - (bk - 1) + terms.offset
+    idx = relpos_index(terms.relpos, d)
+    return jnp.zeros((*lead, length), sums.dtype).at[..., idx].add(sums)
+
+
 def _use_tiles(terms: Terms, prob: Problem, lay: Layout, shift, tiles: bool | None) -> bool:
     """Whether a launch reads `relpos_tiles`: a relative-position table, a static offset
     (not a shard of a longer sequence), and within `RELPOS_TILES_MAX_BYTES` (``tiles``:
@@ -1133,8 +1182,9 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     \mathrm{d}s_{ij}\, q_i$ and the per-parent bias' gradient $\sum_i \mathrm{d}s_{ij}$;
     one pass over child blocks gives $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and the
     geometric prior's $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} - d_0)$;
-    a third pass (its own launch, run only when the table is differentiated: ``need_glob``)
-    gives the relative-position table's $\sum_{ij:\,r(d_{ij}) = r} \mathrm{d}s_{ij}$, one
+    a third pass (its own launch, run only when the table is differentiated,
+    ``need_glob``, and a ``dkdv_pass`` hook did not sum it) gives the relative-position
+    table's $\sum_{ij:\,r(d_{ij}) = r} \mathrm{d}s_{ij}$, one
     program per block diagonal of square blocks: the diagonal's tiles share one distance
     grid, so their $\mathrm{d}s$ tiles are summed first and added into the table once
     (float32 atomics: the table's gradient is not bit-reproducible from run to run).
@@ -1178,8 +1228,11 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             ``batch + (n, d)`` and (a geometric prior) ``batch + (n, 2)`` or ``None``
             (`structinfer.lowering.mosaic.mosaic_dq`).
         dkdv_pass: another kernel's dK/dV pass in place of this one's, called the same
-            way, returning ``(dk, dv, dbias)``: ``batch + (m, d)``, ``batch + (m, dv)``
-            and (a per-parent bias) ``batch + (m,)`` or ``None``
+            way plus ``table_grad=`` (whether the relative-position table's gradient is
+            wanted), returning ``(dk, dv, dbias, dtable)``: ``batch + (m, d)``,
+            ``batch + (m, dv)``, (a per-parent bias) ``batch + (m,)`` or ``None``, and
+            the table's gradient shaped like it, or ``None`` when that pass did not sum
+            it (then this kernel's third pass does)
             (`structinfer.lowering.mosaic.mosaic_dkdv`).
 
     Returns:
@@ -1222,8 +1275,11 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     # pass 1: parent blocks (dK, dV, per-parent bias)
     grids = (None if dq_pass is not None and dkdv_pass is not None  # both passes' blocks
              else _launch_grids(terms, mask, lay, shift))
+    want_table = terms.relpos is not None and (need_glob is None or "relpos" in need_glob)
+    d_table = None
     if dkdv_pass is not None:
-        dk, dv, db = dkdv_pass(terms, prob, batch_shape, d_out, lse, delta, mask)
+        dk, dv, db, d_table = dkdv_pass(terms, prob, batch_shape, d_out, lse, delta, mask,
+                                        table_grad=want_table)
     else:
         arrays, specs = whole_rows(lay)
         _mask_operands(terms, prob, lay, arrays, specs, grids, by_parent=True)
@@ -1272,8 +1328,11 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     d_v = sum_to(dv, prob.v.shape).astype(prob.v.dtype)
 
     # pass 3: the relative-position table, one program per live block diagonal of square
-    # blocks (its own launch, only when the table is differentiated)
-    if terms.relpos is not None and (need_glob is None or "relpos" in need_glob):
+    # blocks (its own launch, only when the table is differentiated and the dK/dV pass
+    # did not sum its gradient)
+    if want_table and d_table is not None:
+        d_glob = dataclasses.replace(d_glob, relpos=d_table.astype(prob.glob.relpos.dtype))
+    elif want_table:
         rel = prob.glob.relpos
         rlay = Layout(terms, prob, batch_shape, min(bq, bk), min(bq, bk))
         first, last = ((-(rlay.nqb - 1), rlay.nkb - 1) if shift is not None

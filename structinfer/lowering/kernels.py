@@ -228,12 +228,13 @@ def _mosaic_device_unseen(lowered: Lowered) -> str | None:
 
 def _mosaic_gradient(lowered: Lowered) -> str | None:
     """Which of the edge's gradient `mosaic_backward` hands to the Triton kernel's passes
-    (a pass the Mosaic GPU kernel refuses, and the relative-position table's)."""
+    (a pass the Mosaic GPU kernel refuses, a relative-position table's gradient that its
+    dK/dV pass cannot sum)."""
     refused = mosaic_backward_refusals(lowered.terms, lowered.problem, lowered.batch_shape,
                                        lowered.mask)
-    parts = [f"the {name} pass ({why})" for name, why in refused.items()]
-    if lowered.terms.relpos is not None:
-        parts.append("the relative-position table's gradient (when the table is trained)")
+    labels = {"dQ": "the dQ pass", "dK/dV": "the dK/dV pass",
+              "table": "the relative-position table's gradient, when the table is trained"}
+    parts = [f"{labels[name]} ({why})" for name, why in refused.items()]
     if not parts:
         return None
     return "the Pallas (Triton) kernel computes, of its gradient: " + "; ".join(parts)

@@ -26,13 +26,17 @@ masks are, and never read.
 
 The backward's dQ and dK/dV passes are here too, in the same dialect (`mosaic_dq`,
 `mosaic_dkdv`; both through `pallas_backward`'s hooks: `mosaic_backward`, which reads
-the forward's $y$ and $L$). The kernel table's ``"mosaic"`` entry runs the forward and
-`mosaic_backward` through `blocked_attention`, and ``backend="auto"`` takes it on a
-Hopper GPU of the running process (on an H100 the forward ran 1.3-1.9x and the
-backward 1.2-2.4x faster than the Triton kernel's at every prior measured;
-``docs/benchmarks.md``). All three kernels' values and gradients are checked on a
-Hopper GPU, in JAX's Mosaic GPU interpreter, and their compilation for CUDA on a CPU
-(``tests/test_mosaic.py``).
+the forward's $y$ and $L$). The dK/dV pass also sums a trained relative-position
+table's gradient: each step's tile of $\mathrm{d}s$ is added, by a TMA reduction, into
+its block diagonal's float32 tile of a sum shared by every program, which
+`structinfer.lowering.accel.relpos_tiles_grad` then folds into the table. The kernel
+table's ``"mosaic"`` entry runs the forward and `mosaic_backward` through
+`blocked_attention`, and ``backend="auto"`` takes it on a Hopper GPU of the running
+process (on an H100 the forward ran 1.3-1.9x and the backward 1.2-2.4x faster than the
+Triton kernel's at every prior measured; ``docs/benchmarks.md``). All three kernels'
+values and gradients are checked on a Hopper GPU, in JAX's Mosaic GPU interpreter, and
+their compilation for CUDA on a CPU (``tests/test_mosaic.py``; the table's gradient
+summed in the dK/dV pass is not yet run on a GPU).
 Queries, keys and values must be float16 or bfloat16 (one dtype), head dims 64, 128 or
 256 after padding to a power of two; the matmuls accumulate in float32 and the prior's
 terms are added in float32.
@@ -68,6 +72,7 @@ from .accel import (
     live_range,
     pallas_backward,
     relpos_tiles,
+    relpos_tiles_grad,
 )
 from .blocked import block_grids
 
@@ -126,23 +131,72 @@ def _load(plgpu, ref, layout):
 
 
 def _kernel_call(entry, out_types: list, arrays: dict, grid: tuple[int, int],
-                 axis: str) -> list[jax.Array]:
+                 axis: str, sums: dict | None = None) -> list[jax.Array]:
     """Launch ``entry(named input refs, output refs)`` over ``grid`` (named ``("batch",
     axis)``) with two compute warpgroups and a memory one, on ``arrays``, giving
     ``out_types``; the outputs' keyword is this JAX's (``out_type``; ``out_shape`` in
-    releases before it)."""
+    releases before it). ``sums``: name -> ``jax.ShapeDtypeStruct`` of arrays the
+    programs add into (TMA reductions from many programs): each starts as zeros, is
+    passed to ``entry`` among the named refs, and comes back after the outputs."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    name = "out_type" if _param(plgpu.kernel, "out_type") is not None else "out_shape"
-    keys = tuple(arrays)
+    params = plgpu.CompilerParams(approx_math=True)
+    keys = tuple(arrays) + tuple(sums or {})
 
     def body(*refs):
         entry(dict(zip(keys, refs[: len(keys)])), refs[len(keys):])
 
+    operands = [arrays[x] for x in arrays]
+    if sums:
+        return list(_with_sums(body, list(out_types), list(sums.values()), grid,
+                               ("batch", axis), params)(*operands))
+    name = "out_type" if _param(plgpu.kernel, "out_type") is not None else "out_shape"
     call = plgpu.kernel(body, **{name: tuple(out_types)}, grid=grid,
                         grid_names=("batch", axis), num_threads=_WGS + 1, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(approx_math=True))
-    return list(call(*[arrays[x] for x in keys]))
+                        compiler_params=params)
+    return list(call(*operands))
+
+
+def _with_sums(body, out_types: list, sums: list, grid: tuple, grid_names: tuple, params):
+    """``pl.kernel`` of ``body(*operand refs, *sum refs, *output refs)`` on a mesh of
+    ``grid`` with our warpgroups, as a function of the operands returning the outputs
+    then the sums. Every sum and output is a mutable array of zeros aliased in and out
+    of the kernel, held by `jax.experimental.pallas.run_state` so none escapes
+    (`plgpu.kernel` takes no refs). Under `jax.vmap` it launches once with a grid axis
+    for the mapped one, slicing the mapped operands, the outputs and the sums, as
+    `plgpu.kernel` does."""
+    from jax import custom_batching
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @custom_batching.custom_vmap
+    def call(*operands):
+        def run(refs):
+            mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=_WGS + 1,
+                              thread_name="wg")
+            pl.kernel(body, out_type=(), mesh=mesh, compiler_params=params)(*operands, *refs)
+
+        final = pl.run_state(run)([jnp.zeros(t.shape, t.dtype) for t in (*sums, *out_types)])
+        return (*final[len(sums):], *final[:len(sums)])
+
+    @call.def_vmap
+    def _(axis_size, in_batched, *operands):
+        axis = object()
+        count = len(operands)
+
+        def batched(*refs):
+            idx = lax.axis_index(axis)
+            mine = [r.at[idx] if b else r for r, b in zip(refs[:count], in_batched)]
+            body(*mine, *[r.at[idx] for r in refs[count:]])
+
+        def more(t):
+            return jax.ShapeDtypeStruct((axis_size, *t.shape), t.dtype)
+
+        outs = _with_sums(batched, [more(t) for t in out_types], [more(t) for t in sums],
+                          (axis_size, *grid), (axis, *grid_names), params)(*operands)
+        return outs, (True,) * len(outs)
+
+    return call
 
 
 def _layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
@@ -749,23 +803,27 @@ def _dkdv_layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
 
 
 def _dkdv_smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int,
-                     lists: int = 0) -> int:
-    """Shared memory of one dK/dV program: keys and values (then dK and dV) of its
+                     lists: int = 0, table_grad: bool = False) -> int:
+    r"""Shared memory of one dK/dV program: keys and values (then dK and dV) of its
     parents, ``steps`` slots of queries, output cotangents, the rows' L and delta and
-    the step's tiles of the prior, the block list and the compiler's own."""
+    the step's tiles of the prior (float32 with ``table_grad``: they hold the tile's
+    $\mathrm{d}s$ too), the block list and the compiler's own."""
     item = jnp.dtype(prob.v.dtype).itemsize
     total = _WGS * _BQ * (lay.fp + lay.dvp) * item + _WGS * _BQ * 4
     total += steps * _BK * ((lay.fp + lay.dvp) * item + 2 * 4)
     if terms.relpos is not None:
-        total += steps * _WGS * _BQ * _BK * min(jnp.dtype(prob.glob.relpos.dtype).itemsize, 4)
+        tile = 4 if table_grad else min(jnp.dtype(prob.glob.relpos.dtype).itemsize, 4)
+        total += steps * _WGS * _BQ * _BK * tile
     if terms.geometric:
         total += steps * 2 * _BK * 4
     return total + 4 * lists + _SMEM_SLACK
 
 
 def _dkdv_plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | None,
-               steps: int) -> tuple[str | None, Layout | None, np.ndarray | None]:
-    """``(why not, layout, block lists)`` of a dK/dV launch, as `_plan`."""
+               steps: int, table_grad: bool = False
+               ) -> tuple[str | None, Layout | None, np.ndarray | None]:
+    """``(why not, layout, block lists)`` of a dK/dV launch, as `_plan`; with
+    ``table_grad``, one that also sums the relative-position table's gradient."""
     why, lay = _unsupported(terms, prob, mask, (_BK, _WGS * _BQ),
                             lambda: _dkdv_layout(terms, prob, batch_shape))
     if why:
@@ -773,24 +831,46 @@ def _dkdv_plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | No
     if prob.col.k.shape[:-2] != lay.batch or prob.v.shape[:-2] != lay.batch:
         return ("keys or values shared by some batch dim (the Triton pass sums their "
                 "gradients in float32)"), None, None
+    if table_grad:
+        why = _table_grad_missing(terms, prob, lay)
+        if why:
+            return why, None, None
     lists = _block_lists(terms, mask, lay, by_parent=True) if terms.pair_ok else None
     if isinstance(lists, str):
         return lists, None, None
-    need = _dkdv_smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1])
-    why = _over_smem(need, steps, "the dK/dV pass's tiles")
+    need = _dkdv_smem_bytes(terms, prob, lay, steps, 0 if lists is None else lists.shape[1],
+                            table_grad)
+    why = _over_smem(need, steps, "the dK/dV pass's tiles" + (
+        " (float32, for the table's gradient)" if table_grad else ""))
     return (why, None, None) if why else (None, lay, lists)
 
 
+def _table_grad_missing(terms: Terms, prob: Problem, lay: Layout) -> str | None:
+    """Why the dK/dV pass cannot sum the relative-position table's gradient (besides its
+    shared memory): no table, a JAX without mutable arrays (``jax.new_ref``), or float32
+    tiles over `RELPOS_TILES_MAX_BYTES`."""
+    if terms.relpos is None:
+        return "no relative-position table"
+    if getattr(jax, "new_ref", None) is None:
+        return f"this JAX ({jax.__version__}) has no jax.new_ref"
+    f32 = jax.ShapeDtypeStruct(prob.glob.relpos.shape, jnp.float32)
+    if lay.tiles_bytes(f32) > RELPOS_TILES_MAX_BYTES:
+        return "its relative-position tiles in float32 are over RELPOS_TILES_MAX_BYTES"
+    return None
+
+
 def mosaic_dkdv_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
-                            mask: ConcreteMask | None = None) -> str | None:
-    """Why `mosaic_dkdv` cannot run this edge with two slots, or `None` when it can."""
-    return _dkdv_plan(terms, prob, batch_shape, mask, 2)[0]
+                            mask: ConcreteMask | None = None, *,
+                            table_grad: bool = False) -> str | None:
+    """Why `mosaic_dkdv` cannot run this edge with two slots (with ``table_grad``: and
+    sum the relative-position table's gradient), or `None` when it can."""
+    return _dkdv_plan(terms, prob, batch_shape, mask, 2, table_grad)[0]
 
 
 def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
                 lse: jax.Array, delta: jax.Array, mask: ConcreteMask | None = None, *,
-                max_concurrent_steps: int = 2
-                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+                max_concurrent_steps: int = 2, table_grad: bool = False
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     r"""The backward's dK/dV pass in the Mosaic GPU kernel: $\mathrm{d}K$, $\mathrm{d}V$
     and the per-parent bias' gradient of one edge site.
 
@@ -805,6 +885,17 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
     \mathrm{d}s_{ji}\, q_i$ and the bias' $\sum_i \mathrm{d}s_{ji}$: four ``wgmma``
     per step.
 
+    With ``table_grad``, the relative-position table's gradient $\partial/\partial b_r =
+    \sum_{ij:\, r(d_{ij}) = r} \mathrm{d}s_{ij}$ too, with no pass of its own: a step's
+    tile of $\mathrm{d}s$ (64 parents x 64 children, one block diagonal, so one
+    distance grid) replaces the step's relative-position tile in shared memory, whose
+    values were read already, and is added by the tensor memory accelerator (a TMA
+    reduction) into that block diagonal's float32 tile of a per-table sum, shared by
+    every program; the tiles are then summed along their diagonals into the table
+    (`structinfer.lowering.accel.relpos_tiles_grad`). The table's tiles are float32 then
+    (more shared memory), and, float32 additions in hardware order, the gradient is not
+    bit-reproducible from run to run (nor is the Triton pass's).
+
     Args:
         terms: the static terms of a lowered edge site (as for `mosaic_forward`).
         prob: the arrays those terms read.
@@ -815,13 +906,17 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
         mask: the per-edge mask's value when known at trace time (block lists of child
             blocks of 64 per 128 parents: masks on blocks of multiples of 128 run).
         max_concurrent_steps: shared-memory slots of the child-block pipeline.
+        table_grad: sum the relative-position table's gradient too (above).
 
     Returns:
-        ``(dk, dv, dbias)``: ``batch + (m, d)`` and ``batch + (m, dv)`` in the inputs'
-        dtype, and ``batch + (m,)`` float32 for a per-parent bias (``None`` without one).
+        ``(dk, dv, dbias, dtable)``: ``batch + (m, d)`` and ``batch + (m, dv)`` in the
+        inputs' dtype, ``batch + (m,)`` float32 for a per-parent bias (``None`` without
+        one), and with ``table_grad`` the table's gradient, shaped like
+        ``prob.glob.relpos``, float32 (``None`` without).
 
     Raises:
-        ValueError: the kernel cannot run the edge (`mosaic_dkdv_unsupported`).
+        ValueError: the kernel cannot run the edge (`mosaic_dkdv_unsupported`, with
+            ``table_grad`` when given).
 
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
     """
@@ -831,16 +926,21 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
     steps = max_concurrent_steps
     if steps < 2:
         raise ValueError(f"mosaic_dkdv: max_concurrent_steps={steps}, expected at least 2")
-    why, lay, lists = _dkdv_plan(terms, prob, batch_shape, mask, steps)
+    why, lay, lists = _dkdv_plan(terms, prob, batch_shape, mask, steps, table_grad)
     if why:
         raise ValueError(f"mosaic_dkdv: {why}")
     _check_rows("mosaic_dkdv", terms, prob, lay, d_out, lse, delta)
     dtype = prob.v.dtype
     f32 = jnp.float32
     arrays, table, row_of = _operands(terms, prob, lay, lists, (d_out, lse, delta))
+    sums = None
     if table is not None:  # square tiles, transposed: parents x children
+        if table_grad:  # float32: the step's tile of ds takes its place
+            table = table.astype(f32)
         tiles = relpos_tiles(terms, table, _BK, _BK, lay.n_pad, lay.m_pad)
         arrays["rtiles"] = jnp.swapaxes(tiles, -1, -2)
+        if table_grad:
+            sums = {"dtable": jax.ShapeDtypeStruct(tiles.shape, f32)}
     col_grad = bool(terms.col_bias)
 
     def tiled(shape):
@@ -868,7 +968,7 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
         pl.run_scoped(
             lambda *scoped: _dkdv_kernel(named, outs, scoped, terms=terms, lay=lay,
                                          steps=steps, row_of=row_of, dtype=dtype,
-                                         col_grad=col_grad),
+                                         col_grad=col_grad, table_grad=table_grad),
             smem, bars, plgpu.Barrier(num_arrivals=_WGS, num_barriers=steps),
             collective_axes="wg",
         )
@@ -877,16 +977,22 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
                  jax.ShapeDtypeStruct((lay.B, lay.m_pad, lay.dvp), dtype)]
     if col_grad:
         out_types.append(jax.ShapeDtypeStruct((lay.B, lay.m_pad), f32))
-    res = _kernel_call(entry, out_types, arrays, (lay.B, lay.nkb), "kv_seq")
+    res = _kernel_call(entry, out_types, arrays, (lay.B, lay.nkb), "kv_seq", sums)
     m = terms.num_parents
+    dtable = None
+    if table_grad:  # (R, C, parents, children) -> the table's (R, L) -> its shape
+        rel = prob.glob.relpos
+        dtable = relpos_tiles_grad(terms, jnp.swapaxes(res[-1], -1, -2), rel.shape[-1],
+                                   lay.n_pad, lay.m_pad).reshape(rel.shape)
     return (lay.unpad(res[0], m, prob.col.k.shape[-1]), lay.unpad(res[1], m, prob.v.shape[-1]),
-            lay.unpad(res[2], m) if col_grad else None)
+            lay.unpad(res[2], m) if col_grad else None, dtable)
 
 
 def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, steps: int,
-                 row_of, dtype, col_grad: bool):
+                 row_of, dtype, col_grad: bool, table_grad: bool):
     """One dK/dV program: parents ``pair * 128 ...`` of batch element ``b``, two compute
-    warpgroups of 64 parents each and a memory warpgroup streaming the child blocks."""
+    warpgroups of 64 parents each and a memory warpgroup streaming the child blocks;
+    with ``table_grad`` each step's tile of ds is added into ``named["dtable"]``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -983,6 +1089,18 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
             dk = pl.run_state(compute_dk)(plgpu.ACC.init(dk))
             if col_grad:
                 db = db + dst.sum(axis=1)
+            if table_grad:  # the tile's ds into its block diagonal's tile of the sum
+                if lay.m_pad != terms.num_parents:  # not the padded parents'
+                    rows = plgpu.broadcasted_iota(jnp.int32, (_BQ, _BK), 0,
+                                                  layout=wgmma_layout)
+                    dst = jnp.where(rows < terms.num_parents - j0, dst, 0.0)
+                rt = rt_smem.at[slot, wg]  # its relative-position values are read
+                rt[...] = dst
+                plgpu.commit_smem()
+                c = lax.div(i0 - j0 + (lay.m_pad - _BK), jnp.int32(_BK))
+                plgpu.copy_smem_to_gmem(rt, named["dtable"].at[row_of(b), c],
+                                        reduction_op="add")
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the slot's refill
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv, db
 
@@ -1030,11 +1148,12 @@ def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
                     out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array,
                     **kw) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""The backward with its dK/dV and dQ passes in the Mosaic GPU kernel (`mosaic_dkdv`,
-    `mosaic_dq`) and the relative-position table's pass in the Triton kernel's
-    (`structinfer.lowering.accel.pallas_backward`, whose arguments and result it takes);
-    the Triton kernel's pass where a Mosaic GPU pass cannot run the edge (its shared
-    memory, a shard's traced offsets). The gradients are those `pallas_backward`
-    documents: $\mathrm{d}Q$, $\mathrm{d}K$, $\mathrm{d}V$ and the prior's
+    `mosaic_dq`; the dK/dV pass sums a trained relative-position table's gradient too)
+    through `structinfer.lowering.accel.pallas_backward`, whose arguments and result it
+    takes; the Triton kernel's pass where a Mosaic GPU pass cannot run the edge (its
+    shared memory, a shard's traced offsets), and its table pass where the dK/dV pass
+    cannot sum the table's gradient (`mosaic_backward_refusals`). The gradients are those
+    `pallas_backward` documents: $\mathrm{d}Q$, $\mathrm{d}K$, $\mathrm{d}V$ and the prior's
     parameters' from $p_{ij} = e^{\ell_{ij} - L_i}$ and $\mathrm{d}s_{ij} =
     p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$.
 
@@ -1043,21 +1162,35 @@ def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
     """
     if kw.get("starts") is None:
         refused = mosaic_backward_refusals(terms, prob, batch_shape, kw.get("mask"))
-        for name, run, hook in (("dQ", mosaic_dq, "dq_pass"),
-                                ("dK/dV", mosaic_dkdv, "dkdv_pass")):
-            if name not in refused:
-                kw[hook] = run
+        if "dQ" not in refused:
+            kw["dq_pass"] = mosaic_dq
+        if "dK/dV" not in refused:
+            kw["dkdv_pass"] = functools.partial(_dkdv_pass, table_ok="table" not in refused)
     return pallas_backward(terms, prob, batch_shape, out, lse, d_out, d_lse, **kw)
+
+
+def _dkdv_pass(terms, prob, batch_shape, d_out, lse, delta, mask, *, table_grad: bool,
+               table_ok: bool):
+    """`mosaic_dkdv` as `pallas_backward`'s ``dkdv_pass``: it sums the relative-position
+    table's gradient when asked to and ``table_ok`` (else the Triton pass does)."""
+    return mosaic_dkdv(terms, prob, batch_shape, d_out, lse, delta, mask,
+                       table_grad=table_grad and table_ok)
 
 
 def mosaic_backward_refusals(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
                              mask: ConcreteMask | None = None) -> dict[str, str]:
-    """The passes of `mosaic_backward` that the Triton kernel runs on this edge instead of
-    the Mosaic GPU kernel, with why: ``{"dQ": reason, "dK/dV": reason}`` for those
-    `mosaic_dq_unsupported` / `mosaic_dkdv_unsupported` refuse (empty when both run in
-    Mosaic GPU). The relative-position table's pass is always the Triton kernel's."""
+    """What of `mosaic_backward`'s work the Triton kernel does on this edge instead of the
+    Mosaic GPU kernel, with why: ``"dQ"`` and ``"dK/dV"`` for the passes
+    `mosaic_dq_unsupported` / `mosaic_dkdv_unsupported` refuse, and ``"table"`` for a
+    relative-position table's gradient that the dK/dV pass cannot sum (its own pass
+    then); empty when everything runs in Mosaic GPU."""
     why = {"dQ": mosaic_dq_unsupported(terms, prob, batch_shape, mask),
            "dK/dV": mosaic_dkdv_unsupported(terms, prob, batch_shape, mask)}
+    if terms.relpos is not None:
+        why["table"] = ("the dK/dV pass sums it, and the Triton kernel runs that pass"
+                        if why["dK/dV"] else
+                        mosaic_dkdv_unsupported(terms, prob, batch_shape, mask,
+                                                table_grad=True))
     return {name: reason for name, reason in why.items() if reason}
 
 
