@@ -180,8 +180,13 @@ def row(p: gpu.Problem, case: str, args) -> str:
         def apart(*a, table_grad, **kw):  # the dK/dV pass leaves the table to its own pass
             return mosaic_dkdv(*a, **kw)
 
+        why_sum = mosaic_dkdv_unsupported(terms, low.problem, bs, mask, table_grad=True)
         tables = []
         for hook in (apart, mosaic_dkdv):
+            if hook is mosaic_dkdv and why_sum:
+                cells.append(f"refused: {why_sum}")
+                tables.append(None)
+                continue
             cell, got = timed(lambda a, h=hook: pallas_backward(
                 terms, a[0], bs, *a[1:], mask=mask, dq_pass=mosaic_dq, dkdv_pass=h),
                 args_bwd, 2.5 * rate)

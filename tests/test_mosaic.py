@@ -32,6 +32,7 @@ import functools
 import os
 import re
 import threading
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -538,7 +539,17 @@ def _check_dkdv(case, n, d, dtype):
             assert "table" not in mosaic_backward_refusals(low.terms, low.problem,
                                                            low.batch_shape, low.mask)
             _close(got[3].relpos, want.glob.relpos)
-            _close(got[3].relpos, dt, atol=1e-5)
+            # where the dK/dV pass cannot sum it, the Triton kernel's table pass does
+            import structinfer.lowering.mosaic as mosaic_module
+
+            with unittest.mock.patch.object(mosaic_module, "_table_grad_missing",
+                                            lambda terms: "not here"):
+                assert "table" in mosaic_backward_refusals(low.terms, low.problem,
+                                                           low.batch_shape, low.mask)
+                apart = mosaic_backward(low.terms, low.problem, low.batch_shape, y, lse,
+                                        d_out, d_lse, mask=low.mask)
+            _close(apart[3].relpos, want.glob.relpos)
+            _close(apart[1].k, got[1].k, atol=1e-5)
 
 
 @pytest.mark.cpu_only
@@ -742,9 +753,9 @@ def test_mosaic_forward_lowers_other_head_dims(d, dv):
 def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu, monkeypatch):
     """`explain` says which of a Mosaic GPU edge's gradient the Triton kernel computes:
     nothing with the geometric prior or a relative-position table (its gradient summed
-    in the dK/dV pass), the table's gradient where the dK/dV pass cannot sum it (a
-    bfloat16 table whose float32 tiles are over the bytes allowed), and the dK/dV pass
-    (with the reason) for 64 keys."""
+    in the dK/dV pass), the table's gradient where the dK/dV pass cannot sum it (keys
+    shared by the heads: the Triton kernel's dK/dV pass; a JAX without ``pl.run_state``),
+    and the dK/dV pass (with the reason) for 64 keys."""
     n, d = 256, 64
     args = _inputs(n, d, jnp.bfloat16)
     for case in ("geometric", "relpos"):
@@ -757,15 +768,17 @@ def test_explain_names_the_gradient_passes_the_triton_kernel_runs(gpu, monkeypat
     assert said == ("the Pallas (Triton) kernel computes, of its gradient: the dK/dV pass "
                     "(keys or values shared by some batch dim (the Triton pass sums their "
                     "gradients in float32)); the relative-position table's gradient, when "
-                    "the table is trained (the dK/dV pass sums it, and the Triton kernel "
-                    "runs that pass)"), said
+                    "the table is trained (the Triton kernel runs the dK/dV pass, so its "
+                    "table pass sums it)"), said
     with monkeypatch.context() as m:
-        m.delattr(jax, "new_ref")  # a JAX without mutable arrays
+        from jax.experimental import pallas as pl
+
+        m.delattr(pl, "run_state")  # a JAX without what the sum is built of
         said = explain(_model("relpos", n), "out", *args, backend="mosaic")
     (said,) = [s for s in said.notes["phi"] if "gradient" in s]
     assert said == ("the Pallas (Triton) kernel computes, of its gradient: the "
                     "relative-position table's gradient, when the table is trained (this "
-                    f"JAX ({jax.__version__}) has no jax.new_ref)"), said
+                    f"JAX ({jax.__version__}) lacks run_state (the sum across programs))"), said
 
     def cross(q, k, v, bias):
         with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):

@@ -37,7 +37,7 @@ A third fused kernel, for NVIDIA Hopper GPUs, is in `structinfer.lowering.mosaic
 (Pallas' Mosaic GPU dialect: warpgroup matmuls fed by the tensor memory accelerator):
 its forward, and a backward whose dQ and dK/dV passes enter `pallas_backward` through
 its ``dq_pass`` / ``dkdv_pass`` hooks (the dK/dV pass sums a trained relative-position
-table's gradient too, `relpos_tiles_grad`, so the third pass does not run). In
+table's gradient too, `relpos_tiles_grad`, so the third pass runs only where it cannot). In
 `GPU_KERNELS` it comes before the Triton kernel: on an H100 (bfloat16, head dim 128)
 its forward measured 1.3-1.9x and its backward 1.2-2.4x faster at every prior and size
 measured (docs/results/gpu/).
@@ -692,7 +692,7 @@ def relpos_tiles_grad(terms: Terms, d_tiles: jax.Array, length: int, n_pad: int,
     without the scatter of every tile entry that `jax.vjp` of `relpos_tiles` would run
     (one atomic add per entry, most of them into the same few hundred addresses): each
     tile is first summed along its diagonals $a - s$ (a shear of the tile, then a sum
-    over rows: exact float32 additions), and only those $b_q + b_k - 1$ sums per tile
+    over rows), and only those $b_q + b_k - 1$ sums per tile
     are added into the table. The kernels whose table gradient is accumulated per tile
     (the Mosaic GPU dK/dV pass) end with this.
 

@@ -832,7 +832,7 @@ def _dkdv_plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | No
         return ("keys or values shared by some batch dim (the Triton pass sums their "
                 "gradients in float32)"), None, None
     if table_grad:
-        why = _table_grad_missing(terms, prob, lay)
+        why = _table_grad_missing(terms)
         if why:
             return why, None, None
     lists = _block_lists(terms, mask, lay, by_parent=True) if terms.pair_ok else None
@@ -845,17 +845,23 @@ def _dkdv_plan(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask | No
     return (why, None, None) if why else (None, lay, lists)
 
 
-def _table_grad_missing(terms: Terms, prob: Problem, lay: Layout) -> str | None:
+def _table_grad_missing(terms: Terms) -> str | None:
     """Why the dK/dV pass cannot sum the relative-position table's gradient (besides its
-    shared memory): no table, a JAX without mutable arrays (``jax.new_ref``), or float32
-    tiles over `RELPOS_TILES_MAX_BYTES`."""
+    shared memory): no table, or a JAX without what the sum is built of (``pl.kernel``
+    on a Mosaic GPU mesh, ``pl.run_state``, TMA reductions)."""
     if terms.relpos is None:
         return "no relative-position table"
-    if getattr(jax, "new_ref", None) is None:
-        return f"this JAX ({jax.__version__}) has no jax.new_ref"
-    f32 = jax.ShapeDtypeStruct(prob.glob.relpos.shape, jnp.float32)
-    if lay.tiles_bytes(f32) > RELPOS_TILES_MAX_BYTES:
-        return "its relative-position tiles in float32 are over RELPOS_TILES_MAX_BYTES"
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    missing = [name for obj, name in ((pl, "kernel"), (pl, "run_state"), (plgpu, "Mesh"))
+               if getattr(obj, name, None) is None]
+    if not missing and (_param(pl.kernel, "out_type") is None
+                        or _param(plgpu.copy_smem_to_gmem, "reduction_op") is None):
+        missing = ["pl.kernel(out_type=) or copy_smem_to_gmem(reduction_op=)"]
+    if missing:
+        return (f"this JAX ({jax.__version__}) lacks {', '.join(missing)} (the sum across "
+                "programs)")
     return None
 
 
@@ -892,9 +898,12 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
     values were read already, and is added by the tensor memory accelerator (a TMA
     reduction) into that block diagonal's float32 tile of a per-table sum, shared by
     every program; the tiles are then summed along their diagonals into the table
-    (`structinfer.lowering.accel.relpos_tiles_grad`). The table's tiles are float32 then
-    (more shared memory), and, float32 additions in hardware order, the gradient is not
-    bit-reproducible from run to run (nor is the Triton pass's).
+    (`structinfer.lowering.accel.relpos_tiles_grad`). The tiles must be float32 for that
+    (the lowering gives 16-bit models a float32 table; a wider one is rounded to it), and,
+    float32 additions in hardware order, the gradient is not bit-reproducible from run to
+    run (nor is the Triton pass's). Under `jax.vmap` each mapped element has its own sum
+    (float32, the size of the table's tiles: about $(n + m) \cdot 64$ entries per
+    table), which the launch's memory grows with.
 
     Args:
         terms: the static terms of a lowered edge site (as for `mosaic_forward`).
@@ -1187,7 +1196,7 @@ def mosaic_backward_refusals(terms: Terms, prob: Problem, batch_shape: tuple[int
     why = {"dQ": mosaic_dq_unsupported(terms, prob, batch_shape, mask),
            "dK/dV": mosaic_dkdv_unsupported(terms, prob, batch_shape, mask)}
     if terms.relpos is not None:
-        why["table"] = ("the dK/dV pass sums it, and the Triton kernel runs that pass"
+        why["table"] = ("the Triton kernel runs the dK/dV pass, so its table pass sums it"
                         if why["dK/dV"] else
                         mosaic_dkdv_unsupported(terms, prob, batch_shape, mask,
                                                 table_grad=True))
