@@ -345,10 +345,11 @@ class NegSqDist(_PairScore):
             maha, logdet = jnp.sum(diff * diff * P, -1), jnp.sum(jnp.log(P), -1)
         elif P.ndim == 2:
             maha = jnp.einsum("...ijd,de,...ije->...ij", diff, P, diff)
-            logdet = jnp.linalg.slogdet(P)[1]
+            # the quadratic form reads the symmetric part only: so does the normaliser
+            logdet = jnp.linalg.slogdet(0.5 * (P + P.T))[1]
         else:
             maha = jnp.einsum("...ijd,jde,...ije->...ij", diff, P, diff)
-            logdet = jnp.linalg.slogdet(P)[1]
+            logdet = jnp.linalg.slogdet(0.5 * (P + jnp.swapaxes(P, -1, -2)))[1]
         s = -0.5 * maha
         if self.normalize:
             s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)

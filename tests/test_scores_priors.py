@@ -294,3 +294,25 @@ def test_a_16_bit_prior_is_normalised_in_float32():
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(got, make(bias.astype(jnp.float32)).log_table(n),
                                    rtol=1e-6, atol=1e-6)
+
+
+def test_negsqdist_full_precision_normaliser_reads_its_symmetric_part():
+    """The quadratic form of a full precision reads only its symmetric part, and so does
+    the normaliser: a non-symmetric precision whose symmetric part is I gives log Z and
+    marginals of the identity precision (its own log-determinant, log 10 here, would add
+    n/2 log 10 to log Z)."""
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(4, 2)), jnp.float32)
+    mu = jnp.asarray(r.normal(size=(3, 2)), jnp.float32)
+
+    def model(P):
+        with numpyro.plate("data", 4):
+            si.edge("c", si.priors.Uniform(3), si.scores.NegSqDist(x, mu, P, normalize=True))
+
+    skew = jnp.array([[1.0, 3.0], [-3.0, 1.0]])
+    np.testing.assert_allclose(si.log_marginal(model, skew), si.log_marginal(model, jnp.eye(2)),
+                               rtol=1e-6)
+    per_parent = jnp.broadcast_to(skew, (3, 2, 2))
+    np.testing.assert_allclose(si.log_marginal(model, per_parent),
+                               si.log_marginal(model, jnp.broadcast_to(jnp.eye(2), (3, 2, 2))),
+                               rtol=1e-6)
