@@ -700,3 +700,31 @@ def test_a_bfloat16_chain_is_contracted_in_float32():
     np.testing.assert_allclose(lz, si.log_marginal(hmm, *up), rtol=1e-6)
     np.testing.assert_allclose(si.marginals(hmm, em, lt, li)["z"],
                                si.marginals(hmm, *up)["z"], atol=1e-6)
+
+
+def test_nan_score_in_a_chain_raises_eagerly_and_is_nan_under_jit():
+    """A NaN score inside a Markov chain (a ``scan``, where the exact engine's value
+    checks do not see it): called eagerly, `attention` raises naming the edge site, not
+    an all-NaN answer; under an outer ``jit`` the answer is NaN, never finite."""
+    from numpyro.contrib.control_flow import scan
+
+    def chain(s, lt, li, v):
+        prior = si.priors.Markov(lt, li)
+
+        def step(prev, sc):
+            z = si.edge("z", prior, sc, previous=prev)
+            numpyro.deterministic("out", v[z])
+            return z, None
+
+        scan(step, jnp.asarray(-1), s)
+
+    r = np.random.default_rng(0)
+    s = jnp.asarray(r.normal(size=(8, 3)), jnp.float32)
+    lt, li, v = (jnp.asarray(r.normal(size=x), jnp.float32) for x in ((3, 3), (3,), (3, 2)))
+    f = si.attention(chain, "out")
+    np.testing.assert_allclose(f(s, lt, li, v), si.expectation(chain, "out", s, lt, li, v),
+                               rtol=1e-5, atol=1e-6)
+    bad = s.at[3, 1].set(jnp.nan)
+    with pytest.raises(ValueError, match="edge site 'z': the model's log-marginal is NaN"):
+        f(bad, lt, li, v)
+    assert np.isnan(np.asarray(jax.jit(f)(bad, lt, li, v))).all()

@@ -220,8 +220,10 @@ def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
     NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
     error naming the site and the row; if they pass, name the site and row here; and for
     a model that gives every structure zero probability (a NaN answer with finite rows,
-    e.g. a Markov chain with no allowed path), raise the exact engine's error of that."""
-    inspect_model(model, *args, **kwargs)
+    e.g. a Markov chain with no allowed path), raise the exact engine's error of that; a
+    NaN log-marginal (a NaN or infinite score inside a ``scan``, where the engine's value
+    checks do not see it) raises naming the model's edge sites."""
+    info = inspect_model(model, *args, **kwargs)
     for site, lse in lses.items():
         bad = np.argwhere(~np.isfinite(np.asarray(lse)))
         if bad.size:
@@ -233,8 +235,15 @@ def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
                 f"{float(np.asarray(lse)[idx])}): every child needs an allowed parent and "
                 "finite scores"
             )
-    if float(log_marginal(model, *args, **kwargs)) == -np.inf:
+    total = float(log_marginal(model, *args, **kwargs))
+    if total == -np.inf:
         marginals(model, *args, **kwargs)  # raises the engine's zero-probability error
+    if np.isnan(total):
+        sites = [name for name, s in info.items() if s.role == "edge"]
+        raise ValueError(
+            f"edge site{'s' if len(sites) > 1 else ''} {', '.join(repr(s) for s in sites)}: "
+            "the model's log-marginal is NaN: a score, prior or value is NaN or infinite "
+            "(inside a scan, where they are not checked one by one)")
 
 
 def check_rows(model: Callable, log_normalisers: Mapping[str, Any], /, *args: Any,
