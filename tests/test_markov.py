@@ -492,7 +492,8 @@ def test_a_nan_or_infinite_factor_mid_chain_gives_nan_not_a_forbidden_move(bad):
     """Regression (review): a NaN or +inf log-factor at one state of a middle step was read
     as "no terms" (-inf) by the kernel's log-sum-exp, i.e. a forbidden move: the steps after
     it came back finite and wrong. A diverged parameter or an overflowing score must give
-    NaN, as the exact engine does."""
+    NaN under jit, as the exact engine does, and an error naming the chain's edge site
+    when called eagerly."""
     em, lt, li = _params(4)
 
     def poisoned(emission):
@@ -508,8 +509,9 @@ def test_a_nan_or_infinite_factor_mid_chain_gives_nan_not_a_forbidden_move(bad):
         scan(step, jnp.asarray(-1), (emission, jnp.arange(T) == 2))
 
     assert si.explain(poisoned, "v", em).kernels == {"z": "markov_scan"}
-    for f in (si.attention(poisoned, "v"), jax.jit(si.attention(poisoned, "v"))):
-        assert np.all(np.isnan(np.asarray(f(em))))
+    with pytest.raises(ValueError, match="edge site 'z': the model's log-marginal is NaN"):
+        si.attention(poisoned, "v")(em)
+    assert np.all(np.isnan(np.asarray(jax.jit(si.attention(poisoned, "v"))(em))))
     exact = jax.jit(lambda e: si.expectation(poisoned, "v", e))(em)
     assert np.all(np.isnan(np.asarray(exact)))
     # the kernel alone, the bad entry inside the pair factors

@@ -242,7 +242,7 @@ def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
         sites = [name for name, s in info.items() if s.role == "edge"]
         raise ValueError(
             f"edge site{'s' if len(sites) > 1 else ''} {', '.join(repr(s) for s in sites)}: "
-            "the model's log-marginal is NaN: a score, prior or value is NaN or infinite "
+            "the model's log-marginal is NaN: a score, prior, factor or value is NaN or infinite "
             "(inside a scan, where they are not checked one by one)")
 
 
