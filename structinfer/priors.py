@@ -855,6 +855,9 @@ class RelativePosition(StructuralPrior):
         self.num_parents = _check_num_parents(num_parents)
         check_static_int(offset, "offset", "RelativePosition prior")
         check_static_int(max_distance, "max_distance", "RelativePosition prior")
+        if max_distance is not None and int(max_distance) < 0:
+            raise ValueError(f"RelativePosition: max_distance must be >= 0 (or None), got "
+                             f"{max_distance}")
         self.offset = _check_offset(offset, "RelativePosition prior")
         self.max_distance = max_distance
         self.causal = bool(causal)

@@ -426,6 +426,8 @@ class GaussianKernel(_PairScore):
 
     def __init__(self, q: ArrayLike, k: ArrayLike, sigma: float = 1.0):
         super().__init__(q, k)
+        if not all_positive(sigma):
+            raise ValueError(f"GaussianKernel: sigma must be > 0, got {sigma}")
         self.sigma = sigma
 
     def dense(self) -> jax.Array:
@@ -450,6 +452,8 @@ class Cosine(_PairScore):
 
     def __init__(self, q: ArrayLike, k: ArrayLike, scale: float = 1.0, eps: float = 1e-8):
         super().__init__(q, k)
+        if is_concrete(eps) and not bool(np.all(np.asarray(eps) >= 0)):
+            raise ValueError(f"Cosine: eps must be >= 0, got {eps}")
         self.scale, self.eps = scale, eps
 
     def dense(self) -> jax.Array:
@@ -509,6 +513,9 @@ class LinearGaussian(Score):
         self.precision = (
             None if precision is None else as_float_array(precision, "LinearGaussian: precision")
         )
+        if self.precision is not None and not all_positive(self.precision):
+            raise ValueError("LinearGaussian: precision must be > 0 (a scalar or a diagonal "
+                             f"(d_x,) = ({self.x.shape[-1]},)), got a non-positive entry")
         self.normalize = normalize
 
     @property

@@ -143,6 +143,23 @@ def test_latent_continuous_site_needs_value():
     assert np.isfinite(si.log_marginal(substitute(model, {"q": 0.3})))
 
 
+def test_bad_score_scale_arguments():
+    """A kernel width, a cosine's eps, a linear-Gaussian's precision and a relative-position
+    clip out of range are refused, naming the argument (they gave uniform attention, NaN
+    scores or a misleading length message)."""
+    q = jnp.ones((N, 2))
+    with pytest.raises(ValueError, match="GaussianKernel: sigma must be > 0, got 0.0"):
+        si.scores.GaussianKernel(q, q, sigma=0.0)
+    with pytest.raises(ValueError, match="Cosine: eps must be >= 0, got -1.0"):
+        si.scores.Cosine(q, q, eps=-1.0)
+    with pytest.raises(ValueError, match="LinearGaussian: precision must be > 0"):
+        si.scores.LinearGaussian(q, q, jnp.eye(2)[None], precision=jnp.array([1.0, -1.0]))
+    with pytest.raises(ValueError, match="RelativePosition: max_distance must be >= 0"):
+        si.priors.RelativePosition(jnp.zeros(3), M, max_distance=-1)
+    # traced (under jit) they are not checked, and a valid one runs
+    jax.jit(lambda s: si.scores.GaussianKernel(q, q, sigma=s).dense())(2.0)
+
+
 def test_bad_prior_arguments():
     with pytest.raises(TypeError, match="mask must be a boolean array"):
         si.priors.Restricted(np.ones((N, M)))
