@@ -312,6 +312,18 @@ def test_mosaic_refuses_masks_it_would_read_and_non_dot_scores():
     assert "IDW" in mosaic_unsupported(low.terms, low.problem, low.batch_shape)
 
 
+def test_mosaic_dkdv_table_grad_without_a_table_says_so():
+    """Asking the dK/dV pass for a relative-position table's gradient on an edge without
+    one is refused, naming the function and why (not a silent ``None``)."""
+    low = _low("causal", 256, 64, jnp.bfloat16)
+    assert mosaic_dkdv_unsupported(low.terms, low.problem, low.batch_shape) is None
+    assert mosaic_dkdv_unsupported(low.terms, low.problem, low.batch_shape,
+                                   table_grad=True) == "no relative-position table"
+    with pytest.raises(ValueError, match="mosaic_dkdv: no relative-position table"):
+        mosaic_dkdv(low.terms, low.problem, low.batch_shape, *_cotangents(low), low.mask,
+                    table_grad=True)
+
+
 @pytest.mark.parametrize("run", [mosaic_dq, mosaic_dkdv])
 def test_mosaic_backward_passes_name_a_misshapen_argument(run):
     low = _low("causal", 256, 64, jnp.bfloat16)

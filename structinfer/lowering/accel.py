@@ -705,6 +705,13 @@ def relpos_tiles_grad(terms: Terms, d_tiles: jax.Array, length: int, n_pad: int,
 
     Returns:
         ``d_tiles.shape[:-3] + (length,)``, in ``d_tiles``' dtype.
+
+    Raises:
+        ValueError: ``d_tiles`` does not hold the tiles of those padded lengths.
+
+    Reference: the relative-position prior of Singh & Buckley (appendix 8.2, Table 1
+    row 4), `structinfer.priors.RelativePosition`; the blocks are FlashAttention-2's
+    (Dao, 2023).
     """
     *lead, count, bq, bk = d_tiles.shape
     g = min(bq, bk)
