@@ -42,6 +42,7 @@ __all__ = [
     "edge",
     "EdgeInfo",
     "EdgeDistribution",
+    "MaskedEdge",
     "Potential",
     "potential",
     "gather",
@@ -305,6 +306,52 @@ class EdgeDistribution(dist.CategoricalLogits):
             The log-probabilities (NaN outside the support).
         """
         return gather(self.logits, value)
+
+    def mask(self, mask: bool | ArrayLike) -> MaskedEdge:
+        """This edge with its masked-out children taking their parent uniformly.
+
+        ``numpyro.handlers.mask`` calls it; see [`MaskedEdge`][structinfer.primitives.MaskedEdge].
+
+        Args:
+            mask: boolean, broadcasting against the batch shape (``True`` keeps a child).
+
+        Returns:
+            The masked edge distribution.
+        """
+        return MaskedEdge(self, mask)
+
+
+class MaskedEdge(dist.MaskedDistribution):
+    r"""An edge under ``numpyro.handlers.mask``: a masked-out child is not there.
+
+    $$
+    \log p(\phi_i = j) = \begin{cases} \log p_{\text{edge}}(\phi_i = j) & \text{kept} \\
+    -\log m & \text{masked out} \end{cases}
+    $$
+
+    NumPyro's mask gives a masked-out site log-density 0 at every value; summed over the
+    ``m`` parents by enumeration that is a factor ``m``, so each masked-out child (a
+    padded position, a step past a sequence's end) would add $\log m$ to log Z. Here
+    its edge is uniform instead, a proper distribution: it adds nothing to log Z, its
+    marginal is uniform and, with nothing observed through it, its expectation is the
+    parents' mean. Its row normaliser (the ``"<edge>.score"`` factor) is masked by
+    NumPyro as usual, to 0. Made by [`EdgeDistribution.mask`][structinfer.EdgeDistribution.mask].
+
+    Args:
+        base_dist: the edge's distribution.
+        mask: boolean, broadcasting against the batch shape (``True`` keeps a child).
+    """
+
+    def log_prob(self, value: jax.Array, intermediates: Any = None) -> jax.Array:
+        r"""The kept children's edge log-probabilities, $-\log m$ for the others."""
+        lp = super().log_prob(value)
+        if self._mask is True:
+            return lp
+        fn = self.base_dist
+        while not isinstance(fn, EdgeDistribution):  # expanded to the mask's batch shape
+            fn = fn.base_dist
+        uniform = -jnp.log(jnp.asarray(jnp.shape(fn.logits)[-1], lp.dtype))
+        return jnp.where(self._mask, lp, uniform)
 
 
 class Potential(dist.Unit):

@@ -505,3 +505,98 @@ def test_no_possible_structure_is_an_error_or_minus_one_never_a_forbidden_struct
         out = jax.jit(jax.vmap(lambda s: si.map_edges(free, s)["phi"]))(
             jnp.stack([x, x.at[0, 0].set(jnp.nan)]))
         np.testing.assert_array_equal(out, np.stack([want, np.full_like(want, -1)]))
+
+
+# ---------------------------------------------------------------------------------------
+# A masked-out edge site (numpyro.handlers.mask): a child that is not there
+
+
+def _masked_attention(q, k, v, mask, prior):
+    with numpyro.plate("children", q.shape[0]):
+        with numpyro.handlers.mask(mask=mask):
+            j = si.edge("phi", prior, si.scores.Dot(q, k))
+        numpyro.deterministic("out", v[j])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("prior", ["uniform", "causal", "geometric"])
+def test_a_masked_out_child_adds_nothing_to_log_z(x64, prior, jit):
+    """Regression: a masked edge site summed a log-prob of 0 over every parent, so each
+    masked-out child added log(parents) to log Z (NumPyro's mask of an enumerated site).
+    A masked-out child now takes its parent uniformly: log Z is that of the model
+    without it, and its marginal and expectation are the uniform ones."""
+    r = np.random.default_rng(3)
+    n = m = 5
+    q, k, v = (jnp.asarray(r.normal(size=(n, 3))) for _ in range(3))
+    mask = jnp.array([True, False, True, True, False])
+    pr = {"uniform": si.priors.Uniform(m), "causal": si.priors.Restricted.causal(n),
+          "geometric": si.priors.Geometric(0.4, n)}[prior]
+    args = (q, k, v, mask, pr)
+    fns = [lambda *a: si.log_marginal(_masked_attention, *a),
+           lambda *a: si.marginals(_masked_attention, *a)["phi"],
+           lambda *a: si.expectation(_masked_attention, "out", *a)]
+    log_z, marg, out = (jax.jit(f, static_argnums=4)(*args) if jit else f(*args)
+                        for f in fns)
+    # independent: the kept children's log-sum-exp of log prior + q.k, by hand
+    lp = np.asarray(pr.log_table(n))
+    s = lp + np.asarray(q) @ np.asarray(k).T
+    keep = np.asarray(mask)
+    np.testing.assert_allclose(log_z, logsumexp(s[keep], axis=-1).sum(), rtol=1e-12)
+    np.testing.assert_allclose(marg[keep], np.exp(s - logsumexp(s, -1, keepdims=True))[keep],
+                               rtol=1e-12)
+    np.testing.assert_allclose(marg[~keep], 1.0 / m, rtol=1e-12)
+    np.testing.assert_allclose(out[~keep], np.broadcast_to(np.asarray(v).mean(0), (2, 3)),
+                               rtol=1e-12)
+    # every child masked out (a Python False as well): log Z is 0
+    none = (q, k, v, False, pr)
+    np.testing.assert_allclose(si.log_marginal(_masked_attention, *none), 0.0, atol=1e-12)
+    np.testing.assert_allclose(
+        si.log_marginal(_masked_attention, q, k, v, jnp.zeros(n, bool), pr), 0.0, atol=1e-12)
+
+
+def test_a_masked_out_child_observed_through_its_edge_takes_its_parent_uniformly(x64):
+    """An observation read at a masked-out child's edge sees a uniform parent: the
+    child's term is the uniform mixture over parents, a proper density."""
+    keys, x = jnp.array([0.0, 2.0, 4.0]), jnp.array([0.3, 2.5])
+
+    def model(x):
+        with numpyro.plate("children", 2):
+            with numpyro.handlers.mask(mask=jnp.array([True, False])):
+                phi = si.edge("phi", si.priors.Geometric(0.5, 3), jnp.zeros((2, 3)))
+            numpyro.sample("x", dist.Normal(keys[phi], 1.0), obs=x)
+
+    lp = np.asarray(si.priors.Geometric(0.5, 3).log_table(2))
+    like = norm.logpdf(np.asarray(x)[:, None], np.asarray(keys), 1.0)
+    want = logsumexp(lp[0] + like[0]) + logsumexp(like[1]) - np.log(3)
+    np.testing.assert_allclose(si.log_marginal(model, x), want, rtol=1e-12)
+
+
+def test_masked_out_steps_of_a_markov_chain_add_nothing_to_log_z(x64):
+    """Padding a chain (steps masked out, as in an HMM over sequences of unequal length):
+    log Z is that of the unpadded chain, by brute force over every path."""
+    import itertools
+
+    from numpyro.contrib.control_flow import scan
+
+    r = np.random.default_rng(5)
+    steps, kk, length = 4, 3, 2
+    em, lt, li = r.normal(size=(steps, kk)), r.normal(size=(kk, kk)), r.normal(size=kk)
+
+    def chain(em, keep):
+        prior = si.priors.Markov(jnp.asarray(lt), jnp.asarray(li))
+
+        def step(previous, xs):
+            e, kp = xs
+            with numpyro.handlers.mask(mask=kp):
+                z = si.edge("z", prior, e, previous=previous)
+            return z, None
+
+        scan(step, jnp.asarray(-1), (em, keep))
+
+    lt_n, li_n = lt - logsumexp(lt, -1, keepdims=True), li - logsumexp(li)
+    want = logsumexp([li_n[p[0]] + em[0, p[0]] + sum(lt_n[p[t - 1], p[t]] + em[t, p[t]]
+                                                      for t in range(1, length))
+                      for p in itertools.product(range(kk), repeat=length)])
+    keep = jnp.arange(steps) < length
+    np.testing.assert_allclose(si.log_marginal(chain, jnp.asarray(em), keep), want,
+                               rtol=1e-10)
