@@ -3,6 +3,8 @@ r"""Effect handlers the exact engine is built from (NumPyro ``Messenger`` subcla
 * [`tilt`][structinfer.handlers.tilt] — adds a zero "tilt" $t$ to a site so that the
   gradient of $\log Z$ with respect to it is that site's posterior marginal or
   expectation ($\partial_t \log \sum_\phi e^{\log p + t\cdot f} = E[f]$ at $t = 0$).
+* [`mask_parents`][structinfer.handlers.mask_parents] — restricts every edge site in
+  scope to the parents a boolean mask allows (key padding; a model's attention mask).
 * [`require_values`][structinfer.handlers.require_values] — refuses continuous latent
   sites with no value, so the engine never silently samples them.
 * [`fill_discrete`][structinfer.handlers.fill_discrete] — gives every enumerable site a
@@ -29,6 +31,7 @@ from numpyro.primitives import Messenger
 
 from .primitives import (
     EDGE_INFO_KEY,
+    MASK_PARENTS_TYPE,
     SCAN_INDEX_KEY,
     SCAN_RECORD_KEY,
     gather,
@@ -38,6 +41,7 @@ from .primitives import (
 
 __all__ = [
     "tilt",
+    "mask_parents",
     "require_values",
     "missing_value_error",
     "fill_discrete",
@@ -277,6 +281,63 @@ class tilt(Messenger):
         else:
             term = t * v
         potential(TILT_PREFIX + name, term)
+
+
+class mask_parents(Messenger):
+    r"""Restrict every edge site in scope to the parents a boolean mask allows.
+
+    $$
+    p(\phi_i = j) \;\to\; \frac{M_{ij}\, p(\phi_i = j)}{\sum_{j'} M_{ij'}\, p(\phi_i = j')}
+    $$
+
+    Each [`edge`][structinfer.edge] site under the handler takes the
+    [`Masked`][structinfer.priors.Masked] prior of its own prior and ``mask``: a key
+    padding mask (keys past a sequence's end) or an attention mask added to a model
+    written without one, as a boolean mask restricts the softmax of transformer
+    attention (Vaswani et al. 2017, sec. 3.2.3). Nested handlers intersect their masks.
+    [`structinfer.nn.Attention`][structinfer.nn.Attention]'s ``mask`` argument is this
+    handler around its mechanism.
+
+    Args:
+        fn: the model (or ``None`` to use as a context manager).
+        mask: boolean, ``True`` where a parent is allowed, broadcasting against each
+            edge's ``(..., children, parents)`` table (``(..., 1, parents)``: one mask per
+            parent, the same for every child). May be traced.
+
+    Raises:
+        TypeError: (at an edge site) a non-boolean mask.
+        ValueError: (at an edge site) a mask whose last axis is not the edge's parents, that
+            does not fit its plates, that leaves a child no parent (on concrete values),
+            or a Markov edge (its parents are the chain's states).
+
+    Examples:
+        ```python
+        import jax.numpy as jnp
+        import numpyro
+        import structinfer as si
+
+        def model(q, k):
+            with numpyro.plate("queries", q.shape[0]):
+                si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
+
+        q, k = jnp.ones((2, 3)), jnp.ones((4, 3))
+        keep = jnp.array([True, True, True, False])  # the last key is padding
+        attn = si.marginals(si.handlers.mask_parents(model, mask=keep), q, k)["phi"]
+        assert jnp.allclose(attn, jnp.array([1 / 3, 1 / 3, 1 / 3, 0.0]))
+        ```
+    """
+
+    def __init__(self, fn: Callable | None = None, mask: jax.Array | None = None):
+        if mask is None:
+            raise TypeError("mask_parents: mask= is required (boolean, True where a parent "
+                            "is allowed)")
+        self.mask = mask
+        super().__init__(fn)
+
+    def process_message(self, msg: dict) -> None:
+        """Add the mask to an edge site's list (`parent_masks`)."""
+        if msg["type"] == MASK_PARENTS_TYPE:
+            msg["masks"].append(self.mask)
 
 
 class require_values(Messenger):

@@ -35,7 +35,7 @@ from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
 from ._checks import check_finite, float32_at_least, is_concrete, normalise_log_weights
-from .priors import Markov, StructuralPrior, as_prior
+from .priors import Markov, Masked, StructuralPrior, as_prior
 from .scores import Score, as_score
 
 __all__ = [
@@ -49,6 +49,8 @@ __all__ = [
     "is_enumerated",
     "is_factor",
     "active_plates",
+    "parent_masks",
+    "MASK_PARENTS_TYPE",
     "EDGE_INFO_KEY",
     "SCORE_SUFFIX",
     "SCAN_INDEX_KEY",
@@ -176,6 +178,36 @@ def active_plates() -> list[CondIndepStackFrame]:
     msg.pop("name", None)
     return [f for f in reversed(msg["cond_indep_stack"]) if f.dim is not None]
 
+
+def parent_masks(name: str) -> list[jax.Array]:
+    """The masks of allowed parents the handlers around an edge site add to its prior.
+
+    A message of type `MASK_PARENTS_TYPE` is sent through the handlers (innermost
+    first); each [`mask_parents`][structinfer.handlers.mask_parents] handler appends its
+    mask. As [`active_plates`][structinfer.primitives.active_plates]' message, it is
+    never recorded as a site.
+
+    Args:
+        name: the edge site's name (handlers may read it).
+
+    Returns:
+        The masks, innermost handler first (empty when there is none).
+    """
+    msg = {"type": MASK_PARENTS_TYPE, "name": name, "value": None, "args": (),
+           "kwargs": {}, "masks": []}
+
+    def drop_name():
+        msg.pop("name", None)
+        return ()
+
+    msg["fn"] = drop_name
+    apply_stack(msg)
+    msg.pop("name", None)
+    return list(msg["masks"])
+
+
+MASK_PARENTS_TYPE = "structinfer_mask_parents"
+"""Type of the message [`parent_masks`][structinfer.primitives.parent_masks] sends."""
 
 _PLATES_PROBE = "structinfer.active_plates"
 """Name of the message [`active_plates`][structinfer.primitives.active_plates] sends
@@ -522,6 +554,11 @@ def edge(
     batch = _batch_shape(plates)
     num_children = batch[-1]
     prior = as_prior(prior, name)
+    for mask in parent_masks(name):
+        try:
+            prior = Masked(prior, mask)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"edge site '{name}': mask_parents: {e}") from None
     num_parents = prior.num_parents
     try:
         log_prior = prior.log_table(num_children)
@@ -584,6 +621,9 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
         )
     if child is not None:
         raise ValueError(f"edge site '{name}': a Markov edge cannot also follow child=")
+    if parent_masks(name):
+        raise ValueError(f"edge site '{name}': mask_parents does not apply to a Markov edge "
+                         "(its parents are the chain's states); call the chain outside it")
     if previous is None:
         raise ValueError(
             f"edge site '{name}': a Markov prior chooses its row by the previous edge: pass "

@@ -65,6 +65,7 @@ __all__ = [
     "RelativePosition",
     "Geometric",
     "Markov",
+    "Masked",
 ]
 
 
@@ -1167,6 +1168,76 @@ class Markov(StructuralPrior):
             "offset": self.offset,
             "initial": self.log_initial is not None,
         }
+
+
+class Masked(StructuralPrior):
+    r"""A prior restricted to the parents a boolean mask allows (padding, any pattern).
+
+    $$
+    p(\phi_i = j) = \frac{M_{ij}\, p_0(\phi_i = j)}{\sum_{j'} M_{ij'}\, p_0(\phi_i = j')}
+    $$
+
+    ``Masked(RelativePosition(...), keep)`` is the relative-position prior over the kept
+    keys (a key-padding mask ``keep`` of shape ``(..., 1, parents)``), as a boolean mask
+    restricts the softmax of transformer attention (Vaswani et al. 2017, sec. 3.2.3).
+    With a uniform base it is [`Restricted`][structinfer.priors.Restricted]; the base
+    keeps its own restriction (a causal band, a window), intersected with the mask.
+    [`structinfer.handlers.mask_parents`][structinfer.handlers.mask_parents] applies it
+    to every edge site of a model.
+
+    Args:
+        prior: the base prior $p_0$ (any structural prior but a Markov one).
+        mask: boolean, ``True`` where a parent is allowed, broadcasting against
+            ``(..., children, parents)``: ``(..., children, parents)``, ``(..., 1,
+            parents)`` (one mask per parent) or ``(parents,)``. May be traced.
+
+    Raises:
+        TypeError: ``prior`` is not a structural prior, or is a Markov prior; ``mask``
+            is not boolean.
+        ValueError: ``mask``'s last axis is not the prior's parents; some child has
+            no allowed parent (on concrete values, named after the edge site).
+    """
+
+    kind = "masked"
+
+    def __init__(self, prior: StructuralPrior, mask: ArrayLike):
+        if not isinstance(prior, StructuralPrior) or isinstance(prior, Markov):
+            raise TypeError("Masked prior: prior must be a structinfer.priors prior (not a "
+                            f"Markov one), got {type(prior).__name__}")
+        self._concrete = np.asarray(mask) if is_concrete(mask) else None
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"Masked prior: mask must be a boolean array (True where a parent "
+                            f"is allowed), got dtype {mask.dtype}")
+        if mask.ndim < 1 or mask.shape[-1] != prior.num_parents:
+            raise ValueError(f"Masked prior: mask must have shape (..., children, parents) "
+                             f"with {prior.num_parents} parents, got shape {tuple(mask.shape)}")
+        #: the base prior $p_0$
+        self.prior = prior
+        #: the boolean mask $M$, at least ``(1, parents)``
+        self.mask = mask if mask.ndim >= 2 else mask[None, :]
+        self.num_parents = prior.num_parents
+        self.offset = prior.offset
+
+    @property
+    def concrete_mask(self) -> np.ndarray | None:
+        """The mask (at least ``(1, parents)``) as a NumPy array when known at trace time,
+        else ``None``."""
+        c = self._concrete
+        return None if c is None else c.reshape(self.mask.shape)
+
+    @property
+    def parameter_dtype(self) -> Any:
+        """The base prior's parameter dtype."""
+        return self.prior.parameter_dtype
+
+    def _log_weights(self, num_children: int) -> jax.Array:
+        return jnp.where(self.mask, self.prior.log_table(num_children), -jnp.inf)
+
+    def describe(self) -> dict[str, Any]:
+        """The base prior's description under ``"prior"``, and the mask's shape."""
+        return {"kind": self.kind, "num_parents": self.num_parents, "offset": self.offset,
+                "prior": self.prior.describe(), "mask_shape": tuple(self.mask.shape)}
 
 
 def as_prior(prior: Any, site: str) -> StructuralPrior:

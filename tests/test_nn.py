@@ -338,7 +338,7 @@ def _length_bias(q, k, v):
     ({}, dict(inputs_q=(B, N, F + 2)), r"inputs_q must be \(\.\.\., length, 11\)"),
     ({}, dict(inputs_k=(B + 1, N, F)), "inputs_k batch dims"),
     ({}, dict(inputs_v=(B, N + 1, F)), "inputs_v"),
-    ({}, dict(mask=True), "mask is not supported"),
+    ({}, dict(mask=(B, H, N, N + 1)), r"mask of shape \(2, 3, 7, 8\) does not broadcast"),
     (dict(mechanism=_length_bias), dict(), "hyperparameter 'bias' has shape"),
 ])
 def test_bad_input_errors_name_the_argument(build, call, match):
@@ -357,9 +357,94 @@ def test_bad_input_errors_name_the_argument(build, call, match):
             args[name] = inputs(call[name], jnp.float32)
     if "inputs_v" in args and "inputs_k" not in args:
         args["inputs_k"] = x
-    mask = jnp.ones((B, H, N, N), bool) if call.get("mask") else None
+    mask = jnp.ones(call["mask"], bool) if "mask" in call else None
     with pytest.raises(ValueError, match=match):
         layer(**args, mask=mask)
+
+
+# --------------------------------------------------------------------------- masks
+@pytest.mark.parametrize("mech, dtype", [("uniform", jnp.float32), ("causal", jnp.float64)])
+def test_mask_equals_flax_multihead_attention(mech, dtype):
+    """``mask=`` as flax's: a padding mask from ``make_attention_mask`` (float 0 / 1) and
+    a random per-head mask, against ``flax.nnx.MultiHeadAttention`` with the same weights
+    and the same mask (the causal mechanism's against flax's with its causal mask
+    combined), eagerly and under jit."""
+    with maybe64(dtype):
+        layer = layer_for(MECHANISMS[mech](), dtype, seed=3)
+        mha = nnx.MultiHeadAttention(num_heads=H, qkv_features=H * D, in_features=F,
+                                     out_features=OUT, param_dtype=dtype, decode=False,
+                                     rngs=nnx.Rngs(4))
+        nnx.update(layer, nnx.state(mha, nnx.Param))
+        x = inputs((B, N, F), dtype)
+        keep = jnp.arange(N)[None, :] < jnp.array([[N], [4]])  # the second sequence: 4
+        pad = nnx.make_attention_mask(jnp.ones((B, N), bool), keep)  # (B, 1, N, N) float
+        rand = jax.random.bernoulli(jax.random.key(9), 0.6, (B, H, N, N)).at[..., 0].set(True)
+        causal = nnx.make_causal_mask(jnp.ones((B, N)))
+        for mask in (pad, rand):
+            want = mha(x, mask=nnx.combine_masks(mask, causal) if mech == "causal" else mask)
+            for got in (layer(x, mask=mask),
+                        nnx.jit(lambda layer, x, mask: layer(x, mask=mask))(layer, x, mask)):
+                assert got.dtype == dtype
+                np.testing.assert_allclose(got, want, rtol=0,
+                                           atol=2e-5 if dtype == jnp.float32 else 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["keys", "flax"])
+@pytest.mark.parametrize("name", sorted(MECHANISMS))
+def test_a_padding_mask_is_the_unpadded_sequence(name, kind):
+    """Every mechanism: a sequence padded to length N with its padding masked out gives,
+    at its own positions, the output and the gradient of the unpadded sequence (the
+    priors read distances, which the padding does not change). ``keys``: a key-padding
+    mask, one per key for the kernels; ``flax``: ``make_attention_mask(keep, keep)``,
+    whose padded queries are masked from every key (left unrestricted)."""
+    with float64():
+        layer = layer_for(MECHANISMS[name](), jnp.float64)
+        randomise_hyper(layer)
+        x = inputs((B, N, F), jnp.float64)
+        length = 4
+        keep = jnp.broadcast_to(jnp.arange(N) < length, (B, N))
+        if kind == "flax":
+            keep = nnx.make_attention_mask(keep, keep)
+        else:
+            keep = keep[:, None, None, :]  # (B, 1, 1, N): one per key
+            assert "prior Masked (one per parent" in str(layer.explain(x, mask=keep))
+            if name == "window":  # padded queries 6 sees padding keys 4..6 only
+                with pytest.raises(ValueError, match="allows no parent for child 6"):
+                    layer(x, mask=keep)
+                return
+
+        def loss(layer, x, mask):
+            return jnp.sum(layer(x, mask=mask)[:, :length] ** 2)
+
+        def unpadded(layer, x):
+            return jnp.sum(layer(x[:, :length]) ** 2)
+
+        got = layer(x, mask=keep)[:, :length]
+        np.testing.assert_allclose(got, layer(x[:, :length]), rtol=0, atol=1e-11)
+        g1 = nnx.grad(loss)(layer, x, keep)
+        g2 = nnx.grad(unpadded)(layer, x)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11),
+                     nnx.to_pure_dict(g1), nnx.to_pure_dict(g2))
+
+
+def test_mask_errors():
+    layer = layer_for(sinn.causal())
+    x = inputs((B, N, F), jnp.float32)
+    with pytest.raises(TypeError, match="mask must be boolean or real"):
+        layer(x, mask=jnp.ones((N, N), jnp.complex64))
+    # a query the mask and the prior leave no key: the error names the edge site and the
+    # batch element; under jit its row is NaN
+    none = jnp.ones((B, 1, N, N), bool).at[1, 0, 3, :4].set(False)
+    with pytest.raises(ValueError, match=r"batch index \(1,\).*edge site 'phi'.*child 3"):
+        layer(x, mask=none)
+    out = nnx.jit(lambda layer, x, m: layer(x, mask=m))(layer, x, none)
+    assert np.isnan(np.asarray(out[1, 3])).all() and np.isfinite(np.asarray(out[0])).all()
+    # a query masked from every key is padding: unrestricted, its output the unmasked one
+    pad = jnp.ones((B, 1, N, N), bool).at[1, 0, 3].set(False)
+    np.testing.assert_array_equal(layer(x, mask=pad), layer(x))
+    layer.init_cache((B, N, F))
+    with pytest.raises(ValueError, match="mask is not supported with decode=True"):
+        layer(x[:, :1], mask=jnp.ones((B, 1, 1, N), bool), decode=True)
 
 
 def test_hyperprior_unknown_name():

@@ -18,7 +18,8 @@ ignores) into `TermBuilder` terms:
   pattern's rule names (``Causal``, ``Window``) when that band is checked equal to the
   mask; ``Categorical`` (per-edge or per-parent logits); ``RelativePosition`` (bias
   looked up from the distance grid); ``Geometric``
-  ($\log q_i + (d-d_0)\log(1-q_i)$ on the band $d_0 \le d \le d_{\max}$).
+  ($\log q_i + (d-d_0)\log(1-q_i)$ on the band $d_0 \le d \le d_{\max}$); ``Masked`` —
+  its base prior's rule and its mask (per parent, or per edge).
 
 Not lowered (no rule): ``InvDist``, ``GaussianKernel`` (their potentials are not
 log-linear in a matmul), per-parent full precision (raised by the ``NegSqDist`` rule).
@@ -291,6 +292,14 @@ def _relative_position(prior: P.RelativePosition, terms: TermBuilder) -> None:
                                 period=prior.period, offset=prior.offset)
     terms.restrict_band(dmin=0 if prior.causal else None, offset=prior.offset)
     terms.note(f"prior RelativePosition ({prior.mode}; bias from the distance grid)")
+
+
+@register_prior_rule(P.Masked)
+def _masked(prior: P.Masked, terms: TermBuilder) -> None:
+    terms.add_prior(prior.prior)
+    terms.restrict_pairs(prior.mask, prior.concrete_mask)
+    rows = "one per parent" if prior.mask.shape[-2] == 1 else "per edge"
+    terms.note(f"prior Masked ({rows}{'' if prior.concrete_mask is not None else ', traced'})")
 
 
 @register_prior_rule(P.Geometric)

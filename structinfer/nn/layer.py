@@ -38,6 +38,7 @@ from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
 from .._checks import is_concrete, model_name
+from ..handlers import mask_parents
 from ..lowering import BACKENDS, Explanation, accum_dtype, attention, check_rows
 from ..primitives import EDGE_INFO_KEY, is_enumerated
 
@@ -215,6 +216,18 @@ def _bind(mechanism: Callable) -> Callable:
     bound.__name__ = model_name(mechanism)
     bound.__doc__ = mechanism.__doc__
     return bound
+
+
+def _bind_masked(bound: Callable) -> Callable:
+    """``masked(q, k, v, hyper, mask)``: ``bound`` with its edges restricted by ``mask``."""
+
+    def masked(q, k, v, hyper, mask):
+        with mask_parents(mask=mask):
+            bound(q, k, v, hyper)
+
+    masked.__name__ = bound.__name__
+    masked.__doc__ = bound.__doc__
+    return masked
 
 
 def _check_keys(query: jax.Array, key: jax.Array) -> None:
@@ -405,6 +418,9 @@ class Attention(nnx.Module):
         self._bound = _bind(mechanism)
         self._attend_fn = attention(self._bound, value, backend, block_q=block_q,
                                     block_k=block_k, precision=precision)
+        self._masked = _bind_masked(self._bound)
+        self._masked_fn = attention(self._masked, value, backend, block_q=block_q,
+                                    block_k=block_k, precision=precision)
 
         linear = functools.partial(
             nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
@@ -546,25 +562,57 @@ class Attention(nnx.Module):
             )
         return q, k, v, hyper
 
-    def _heads(self, query, key, value):
+    def _heads(self, query, key, value, mask=None):
         """(..., len, H, d) projections -> the mechanism's output, (..., n, H, d)."""
         if query.size == 0:  # no queries (or an empty batch): nothing to attend, as flax
             _check_keys(query, key)
             return jnp.zeros(query.shape, jnp.result_type(query, key, value))
         q, k, v, hyper = self._per_head(query, key, value)
         batch = q.shape[:-3]
+        fn, model, per_seq = self._attend_fn, self._bound, (q, k, v)
+        if mask is not None:
+            fn, model = self._masked_fn, self._masked
+            per_seq += (self._mask_per_sequence(mask, q.shape, k.shape[-2]),)
         if not batch:
-            o = self._attend_fn(q, k, v, hyper)
+            o = fn(*per_seq[:3], hyper, *per_seq[3:])
         else:
-            flat = lambda a: a.reshape((-1,) + a.shape[-3:])  # noqa: E731
-            q, k, v = flat(q), flat(k), flat(v)
-            o, lses = jax.vmap(self._attend_fn.with_log_normalisers,
-                               in_axes=(0, 0, 0, None))(q, k, v, hyper)
-            self._check_rows(o, lses, batch, q, k, v, hyper)
+            flat = lambda a: a.reshape((-1,) + a.shape[len(batch):])  # noqa: E731
+            per_seq = tuple(flat(a) for a in per_seq)
+            axes = (0, 0, 0, None) + (0,) * (len(per_seq) - 3)
+            o, lses = jax.vmap(lambda q, k, v, h, *m: fn.with_log_normalisers(q, k, v, h, *m),
+                               in_axes=axes)(*per_seq[:3], hyper, *per_seq[3:])
+            self._check_rows(model, o, lses, batch, per_seq, hyper)
             o = o.reshape(batch + o.shape[-3:])
         return jnp.moveaxis(o, -3, -2)
 
-    def _check_rows(self, o, lses, batch, q, k, v, hyper):
+    def _mask_per_sequence(self, mask, q_shape, m: int) -> jax.Array:
+        """``mask`` as booleans ``batch + (H | 1, n | 1, m)``: one per sequence, its head and
+        query axes kept of size 1 where they broadcast (a key-padding mask stays one
+        mask per key, which the kernels read without an (n, m) table)."""
+        batch, (H, n) = q_shape[:-3], q_shape[-3:-1]
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            if not (jnp.issubdtype(mask.dtype, jnp.number) and mask.dtype.kind != "c"):
+                raise TypeError(f"structinfer.nn.Attention: mask must be boolean or real (True "
+                                f"or non-zero where a query may attend), got dtype {mask.dtype}")
+            mask = mask != 0
+        full = batch + (H, n, m)
+        try:
+            if mask.ndim > len(full):
+                raise ValueError
+            shape = (1,) * (len(full) - mask.ndim) + tuple(mask.shape)
+            np.broadcast_shapes(shape, full)
+        except ValueError:
+            raise ValueError(
+                f"structinfer.nn.Attention: mask of shape {tuple(mask.shape)} does not "
+                f"broadcast to (batch..., heads, queries, keys) = {full}"
+            ) from None
+        keep = (H if shape[-3] != 1 else 1, n if shape[-2] != 1 else 1, m)
+        mask = jnp.broadcast_to(mask.reshape(shape), batch + keep)
+        # a query masked from every key is padding: left unrestricted (flax averages there)
+        return mask | ~jnp.any(mask, axis=-1, keepdims=True)
+
+    def _check_rows(self, model, o, lses, batch, per_seq, hyper):
         """Concrete inputs: the error of the unbatched call for the first batch element
         with a row whose log-normaliser is not finite (or, on the exact path, a NaN
         output), naming its batch index. Under a trace (jit) the rows stay NaN."""
@@ -576,8 +624,9 @@ class Attention(nnx.Module):
             return
         b = int(np.argmax(bad))
         at = tuple(int(i) for i in np.unravel_index(b, batch))
+        q, k, v, *rest = (a[b] for a in per_seq)
         try:
-            check_rows(self._bound, {s: a[b] for s, a in lses.items()}, q[b], k[b], v[b], hyper)
+            check_rows(model, {s: a[b] for s, a in lses.items()}, q, k, v, hyper, *rest)
         except ValueError as err:
             raise ValueError(f"structinfer.nn.Attention: batch index {at}: {err}") from err
 
@@ -634,8 +683,18 @@ class Attention(nnx.Module):
             inputs_q: queries ``(..., n, in_features)``.
             inputs_k: keys ``(..., m, in_kv_features)`` (default ``inputs_q``).
             inputs_v: values ``(..., m, in_kv_features)`` (default ``inputs_k``).
-            mask: not supported — which keys a query may take is the mechanism's prior
-                (e.g. [`causal`][structinfer.nn.causal]); a mask raises ``ValueError``.
+            mask: which keys each query may attend to, as ``flax.nnx.MultiHeadAttention``'s:
+                ``True`` (or non-zero) where allowed, broadcasting against ``(...,
+                heads, n, m)`` (``flax.nnx.make_attention_mask`` builds one). It
+                restricts every edge of the mechanism on top of its prior
+                ([`mask_parents`][structinfer.handlers.mask_parents]): a key-padding
+                mask ``(..., 1, 1, m)`` stays one mask per key for the kernels. A query
+                whose mask allows no key at all (a padded query, as
+                ``make_attention_mask(keep, keep)`` gives) is padding: it is left
+                unrestricted (flax averages the values there; read neither). A query that
+                the mask and the prior together leave no key (a window over padding keys
+                only) raises on concrete inputs and is NaN under ``jit``: mask padded
+                queries too. Not with ``decode``.
             deterministic: turn dropout off (default: the constructor's).
             rngs: dropout randomness (default: the layer's own stream).
             decode: one step of autoregressive decoding (see
@@ -646,25 +705,27 @@ class Attention(nnx.Module):
                 there are no queries.
 
         Raises:
-            ValueError: a ``mask``, inputs of the wrong shape, keys of length 0 with
+            ValueError: a ``mask`` that does not broadcast (or with ``decode``), inputs
+                of the wrong shape, keys of length 0 with
                 some queries, or dropout without
                 ``deterministic``; on concrete inputs, a query with no allowed key or a
                 NaN/inf score: the error of [`attention`][structinfer.attention], naming
                 the edge site, the row and (batched inputs) the batch index. Under
                 ``jit`` such a row comes out NaN.
         """
-        if mask is not None:
-            raise ValueError(
-                "structinfer.nn.Attention: mask is not supported; which keys a query may "
-                "take is the mechanism's structural prior (e.g. structinfer.nn.causal(), "
-                "or a mechanism with a Restricted prior)"
-            )
         query, key, value = self._project(inputs_q, inputs_k, inputs_v)
         decode = self.decode if decode is None else decode
+        if decode and mask is not None:
+            raise ValueError(
+                "structinfer.nn.Attention: mask is not supported with decode=True (the "
+                "decode step reads its row of the causal pass over the cache); mask the "
+                "full pass, or give the mechanism the restriction as its prior"
+            )
         # the mechanism's own sites never reach a NumPyro model the layer is called in
         # (e.g. lifted with numpyro.contrib.module.nnx_module)
         with handlers.block():
-            o = self._decode_step(query, key, value) if decode else self._heads(query, key, value)
+            o = (self._decode_step(query, key, value) if decode
+                 else self._heads(query, key, value, mask))
         if self.dropout_rate > 0:
             det = self.deterministic if deterministic is None else deterministic
             if det is None:
@@ -676,7 +737,8 @@ class Attention(nnx.Module):
         return self.out(o)
 
     def explain(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-                inputs_v: jax.Array | None = None) -> Explanation:
+                inputs_v: jax.Array | None = None, *,
+                mask: jax.Array | None = None) -> Explanation:
         """Which path (kernel, or the exact engine and why) the heads take on these inputs.
 
         [`explain`][structinfer.explain] for one sequence of the batch.
@@ -685,6 +747,7 @@ class Attention(nnx.Module):
             inputs_q: queries ``(..., n, in_features)``.
             inputs_k: keys ``(..., m, in_kv_features)`` (default ``inputs_q``).
             inputs_v: values ``(..., m, in_kv_features)`` (default ``inputs_k``).
+            mask: the call's ``mask``, if any.
 
         Returns:
             The [`Explanation`][structinfer.lowering.Explanation] of the first sequence.
@@ -697,7 +760,10 @@ class Attention(nnx.Module):
             )
         q, k, v, hyper = self._per_head(query, key, value)
         first = lambda a: a.reshape((-1,) + a.shape[-3:])[0]  # noqa: E731
-        return self._attend_fn.explain(first(q), first(k), first(v), hyper)
+        if mask is None:
+            return self._attend_fn.explain(first(q), first(k), first(v), hyper)
+        mask = self._mask_per_sequence(mask, q.shape, k.shape[-2])
+        return self._masked_fn.explain(first(q), first(k), first(v), hyper, first(mask))
 
     # ------------------------------------------------------------------ decoding
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
