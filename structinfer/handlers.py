@@ -1,4 +1,4 @@
-r"""Effect handlers the exact engine is built from (NumPyro ``Messenger`` subclasses).
+r"""Effect handlers (NumPyro ``Messenger`` subclasses): the exact engine's, and one for models.
 
 * [`tilt`][structinfer.handlers.tilt] — adds a zero "tilt" $t$ to a site so that the
   gradient of $\log Z$ with respect to it is that site's posterior marginal or
