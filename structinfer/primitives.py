@@ -339,7 +339,7 @@ class EdgeDistribution(dist.CategoricalLogits):
         """
         return gather(self.logits, value)
 
-    def mask(self, mask: bool | ArrayLike) -> MaskedEdge:
+    def mask(self, mask: bool | ArrayLike) -> EdgeDistribution | MaskedEdge:
         """This edge with its masked-out children taking their parent uniformly.
 
         ``numpyro.handlers.mask`` calls it; see [`MaskedEdge`][structinfer.primitives.MaskedEdge].
@@ -348,9 +348,9 @@ class EdgeDistribution(dist.CategoricalLogits):
             mask: boolean, broadcasting against the batch shape (``True`` keeps a child).
 
         Returns:
-            The masked edge distribution.
+            The masked edge distribution (this one for a Python ``True``, as NumPyro's).
         """
-        return MaskedEdge(self, mask)
+        return self if mask is True else MaskedEdge(self, mask)
 
 
 class MaskedEdge(dist.MaskedDistribution):

@@ -600,3 +600,16 @@ def test_masked_out_steps_of_a_markov_chain_add_nothing_to_log_z(x64):
     keep = jnp.arange(steps) < length
     np.testing.assert_allclose(si.log_marginal(chain, jnp.asarray(em), keep), want,
                                rtol=1e-10)
+
+
+def test_a_mask_of_python_true_leaves_the_edge_as_it_is():
+    """As NumPyro's ``Distribution.mask``: ``mask=True`` is no mask, so the lowering
+    still runs the kernels."""
+    q = k = v = jnp.ones((3, 2))
+
+    def model(q, k, v):
+        with numpyro.plate("children", 3), numpyro.handlers.mask(mask=True):
+            j = si.edge("phi", si.priors.Uniform(3), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    assert si.attention(model, "out").explain(q, k, v).path == "lowered"
