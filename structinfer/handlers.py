@@ -250,7 +250,8 @@ class tilt(Messenger):
             edge = msg["infer"][EDGE_INFO_KEY]
             k = edge.num_parents
             prev = jnp.where(edge.previous < 0, k, edge.previous)
-            potential(TILT_PREFIX + edge.name, Vindex(t)[..., prev, msg["value"]])
+            potential(TILT_PREFIX + edge.name, Vindex(t)[..., prev, msg["value"]],
+                      maskable=False)
             return
         spec = msg.pop(_DET_TILT, None) if msg["type"] == "deterministic" else None
         if spec is None:
@@ -280,7 +281,8 @@ class tilt(Messenger):
             term = _event_inner(flat(t), flat(v))
         else:
             term = t * v
-        potential(TILT_PREFIX + name, term)
+        # unmasked: a mask around the value must not drop its expectation
+        potential(TILT_PREFIX + name, term, maskable=False)
 
 
 class mask_parents(Messenger):

@@ -43,7 +43,9 @@ __all__ = [
     "EdgeInfo",
     "EdgeDistribution",
     "MaskedEdge",
+    "ExpandedEdge",
     "Potential",
+    "UnmaskedPotential",
     "potential",
     "gather",
     "is_enumerated",
@@ -335,9 +337,10 @@ class EdgeDistribution(dist.CategoricalLogits):
             value: parent indices; an enumerated value ``(parents, 1, ..., 1)`` included.
 
         Returns:
-            The log-probabilities (NaN outside the support).
+            The log-probabilities (NaN outside the support, a negative value included).
         """
-        return gather(self.logits, value)
+        lp = gather(self.logits, value)  # NumPy semantics: -1 would read the last parent
+        return jnp.where(jnp.asarray(value) < 0, jnp.nan, lp)
 
     def mask(self, mask: bool | ArrayLike) -> EdgeDistribution | MaskedEdge:
         """This edge with its masked-out children taking their parent uniformly.
@@ -350,6 +353,43 @@ class EdgeDistribution(dist.CategoricalLogits):
         Returns:
             The masked edge distribution (this one for a Python ``True``, as NumPyro's).
         """
+        return self if mask is True else MaskedEdge(self, mask)
+
+    def expand(self, batch_shape: tuple[int, ...]) -> EdgeDistribution | ExpandedEdge:
+        """This edge broadcast to ``batch_shape`` (a plate the table lacks a dim of).
+
+        Args:
+            batch_shape: the new batch shape.
+
+        Returns:
+            An [`ExpandedEdge`][structinfer.primitives.ExpandedEdge] (this one when the shape
+                is its own), so that a mask applied after the plate is still a
+                [`MaskedEdge`][structinfer.primitives.MaskedEdge].
+        """
+        batch_shape = tuple(batch_shape)
+        return self if batch_shape == self.batch_shape else ExpandedEdge(self, batch_shape)
+
+
+class ExpandedEdge(dist.ExpandedDistribution):
+    """NumPyro's ``ExpandedDistribution`` of an edge, masked as the edge is.
+
+    A plate whose dim the edge's table lacks (a prior shared by the batch) expands the
+    edge; ``numpyro.handlers.mask`` written around that plate then masks the expanded
+    distribution. As [`EdgeDistribution.mask`][structinfer.EdgeDistribution.mask], its
+    ``mask`` makes a [`MaskedEdge`][structinfer.primitives.MaskedEdge].
+
+    Args:
+        base_dist: the edge's distribution.
+        batch_shape: the expanded batch shape.
+    """
+
+    def expand(self, batch_shape: tuple[int, ...]) -> ExpandedEdge:
+        """Expanded further (still an `ExpandedEdge`)."""
+        batch_shape = tuple(batch_shape)
+        return self if batch_shape == self.batch_shape else ExpandedEdge(self, batch_shape)
+
+    def mask(self, mask: bool | ArrayLike) -> ExpandedEdge | MaskedEdge:
+        """Masked as an edge is (see [`MaskedEdge`][structinfer.primitives.MaskedEdge])."""
         return self if mask is True else MaskedEdge(self, mask)
 
 
@@ -385,6 +425,19 @@ class MaskedEdge(dist.MaskedDistribution):
         uniform = -jnp.log(jnp.asarray(jnp.shape(fn.logits)[-1], lp.dtype))
         return jnp.where(self._mask, lp, uniform)
 
+    def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+        """A draw: the kept children's from their edge, the others' uniform."""
+        if self._mask is True:
+            return self.base_dist.sample(key, sample_shape)
+        k_edge, k_uniform = jax.random.split(key)
+        edge = self.base_dist.sample(k_edge, sample_shape)
+        fn = self.base_dist
+        while not isinstance(fn, EdgeDistribution):
+            fn = fn.base_dist
+        uniform = jax.random.randint(k_uniform, jnp.shape(edge), 0, jnp.shape(fn.logits)[-1],
+                                     dtype=edge.dtype)
+        return jnp.where(self._mask, edge, uniform)
+
 
 class Potential(dist.Unit):
     r"""NumPyro's ``Unit`` (a ``numpyro.factor``) that also works inside ``scan``.
@@ -406,15 +459,33 @@ class Potential(dist.Unit):
         super().__init__(log_factor, validate_args=validate_args)
 
 
+class UnmaskedPotential(Potential):
+    r"""A [`Potential`][structinfer.primitives.Potential] that a mask leaves as it is.
+
+    $$\log p(\text{value}) = \log\psi \quad \text{under any mask}$$
+
+    ``numpyro.handlers.mask`` keeps it: it is an engine's device (a tilt, reading a value
+    recorded under the user's mask), not a term of the model.
+
+    Args:
+        log_factor: the log-potential $\log\psi$, any batch shape.
+        validate_args: NumPyro's argument validation.
+    """
+
+    def mask(self, mask: bool | ArrayLike) -> UnmaskedPotential:
+        """This potential, unmasked."""
+        return self
+
+
 @promote_batch_shape.register
 def _promote_potential(d: Potential) -> Potential:
-    new = dist.Unit.__new__(Potential)
+    new = dist.Unit.__new__(type(d))
     new.__dict__.update(d.__dict__)
     new._batch_shape = tuple(jnp.shape(d.log_factor))
     return new
 
 
-def potential(name: str, log_factor: ArrayLike) -> None:
+def potential(name: str, log_factor: ArrayLike, *, maskable: bool = True) -> None:
     r"""``numpyro.factor(name, log_factor)`` that also works inside a ``scan`` body.
 
     Adds $\log\psi$ = ``log_factor`` to the model's log-density as an observed
@@ -424,9 +495,13 @@ def potential(name: str, log_factor: ArrayLike) -> None:
     Args:
         name: the site name.
         log_factor: the log-potential, any batch shape.
+        maskable: ``False`` for a factor ``numpyro.handlers.mask`` must not drop (an
+            [`UnmaskedPotential`][structinfer.primitives.UnmaskedPotential]: the
+            engine's tilts, which read a value recorded under the user's mask).
     """
     log_factor = jnp.asarray(log_factor)
-    numpyro.sample(name, Potential(log_factor), obs=jnp.zeros(jnp.shape(log_factor) + (0,)))
+    fn = Potential(log_factor) if maskable else UnmaskedPotential(log_factor)
+    numpyro.sample(name, fn, obs=jnp.zeros(jnp.shape(log_factor) + (0,)))
 
 
 def _children_plate(name: str) -> tuple[CondIndepStackFrame, list[CondIndepStackFrame]]:

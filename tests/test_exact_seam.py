@@ -613,3 +613,71 @@ def test_a_mask_of_python_true_leaves_the_edge_as_it_is():
             numpyro.deterministic("out", v[j])
 
     assert si.attention(model, "out").explain(q, k, v).path == "lowered"
+
+
+def test_a_mask_around_the_plates_of_a_shared_table_masks_out_children(x64):
+    """Regression: with the mask written around the plates and a prior shared by the
+    batch (the table lacks the batch dim), the plate expanded the edge before the mask
+    wrapped it, so NumPyro's plain mask applied: each masked-out child added log m."""
+    B, n = 2, 4
+    keys = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    r = np.random.default_rng(1)
+    x = jnp.asarray(np.asarray(keys)[[[0, 1, 2, 1], [3, 3, 0, 2]]]
+                    + 0.5 * r.normal(size=(B, n, 2)))
+    keep = jnp.array([[True, True, True, False], [True, True, False, False]])
+
+    def outer(x, keep):
+        with numpyro.handlers.mask(mask=keep):
+            with numpyro.plate("batch", B, dim=-2), numpyro.plate("queries", n, dim=-1):
+                phi = si.edge("phi", si.priors.Restricted.causal(n))
+                numpyro.sample("x", dist.Normal(Vindex(keys)[phi], 0.7).to_event(1), obs=x)
+
+    lp = norm.logpdf(np.asarray(x)[:, :, None], np.asarray(keys), 0.7).sum(-1)  # (B, n, m)
+    allowed = np.tril(np.ones((n, n), bool))
+    t = np.where(allowed, lp - np.log(allowed.sum(-1, keepdims=True)), -np.inf)
+    want = logsumexp(t, -1)[np.asarray(keep)].sum()
+    np.testing.assert_allclose(si.log_marginal(outer, x, keep), want, rtol=1e-12)
+    np.testing.assert_allclose(si.marginals(outer, x, keep)["phi"][0, 3], 0.25, rtol=1e-12)
+
+
+def test_a_negative_edge_value_has_no_probability():
+    """Regression: an edge value of -1 (what `map_edges` gives a row with no posterior
+    under jit) read the last parent, so conditioning on it gave a finite log-density.
+    Outside the support it is NaN, as a value past the end is."""
+    q = k = jnp.asarray(np.random.default_rng(0).normal(size=(3, 2)), jnp.float32)
+
+    def model(q, k):
+        with numpyro.plate("queries", 3):
+            si.edge("phi", si.priors.Uniform(3), si.scores.Dot(q, k))
+
+    for bad in ([0, 1, -1], [0, 1, 3]):
+        cond = numpyro.handlers.condition(model, {"phi": jnp.array(bad)})
+        assert np.isnan(si.log_marginal(cond, q, k)), bad
+    edge = si.primitives.EdgeDistribution(jnp.zeros(3))
+    np.testing.assert_array_equal(np.isnan(edge.log_prob(jnp.array([-1, 0, 2, 3]))),
+                                  [True, False, False, True])
+
+
+def test_a_value_recorded_inside_the_mask_has_the_uniform_expectation(x64):
+    """Regression: a deterministic site recorded inside ``numpyro.handlers.mask`` had its
+    engine tilt masked too, so a masked-out child's expectation came out 0, not the
+    parents' mean; and a plain draw of a masked-out edge followed the edge's table, not
+    its uniform log-density."""
+    r = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(r.normal(size=(4, 2))) for _ in range(3))
+    keep = jnp.array([True, True, False, True])
+
+    def model(q, k, v, keep):
+        with numpyro.plate("queries", 4), numpyro.handlers.mask(mask=keep):
+            j = si.edge("phi", si.priors.Uniform(4), si.scores.Dot(5.0 * q, k))
+            numpyro.deterministic("out", v[j])
+
+    for out in (si.expectation(model, "out", q, k, v, keep),
+                jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v, keep),
+                si.attention(model, "out")(q, k, v, keep)):
+        np.testing.assert_allclose(out[2], np.asarray(v).mean(0), rtol=1e-10)
+    draws = jax.vmap(lambda key: numpyro.handlers.trace(numpyro.handlers.seed(
+        model, key)).get_trace(q, k, v, keep)["phi"]["value"])(
+        jax.random.split(jax.random.key(0), 4000))
+    freq = np.bincount(np.asarray(draws[:, 2]), minlength=4) / 4000
+    np.testing.assert_allclose(freq, 0.25, atol=0.03)  # 4.4 standard errors
