@@ -286,3 +286,29 @@ def test_parameters_whose_shapes_do_not_broadcast_name_the_site(prior, score, er
 
     with pytest.raises(error, match=f"edge site 'phi': {said}"):
         si.expectation(model, "out", X)
+
+
+def test_complex_features_and_values_are_refused_by_name():
+    """Regression: complex queries, keys or values lost their imaginary part with only a
+    warning (JAX's, about casting complex to real); they are refused, naming the argument
+    (a score's features, a prior's parameter) or the value site."""
+    qc = XQ + 1j * XQ
+    with pytest.raises(TypeError, match="Dot: child features is complex.*expected a real"):
+        si.scores.Dot(qc, XK)
+    with pytest.raises(TypeError, match="Dot: parent features .*complex"):
+        si.scores.Dot(XQ, XK.astype(np.complex64))
+    with pytest.raises(TypeError, match="RelativePosition bias .*complex"):
+        si.priors.RelativePosition(np.zeros(2 * M - 1, np.complex64), M)
+
+    def model(q, k, v):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    vc = jnp.asarray(V + 1j * V)
+    for run in (lambda *a: si.expectation(model, "out", *a),
+                si.attention(model, "out"), si.attention(model, "out", "blocked")):
+        with pytest.raises(TypeError, match="Dot: child features is complex"):
+            run(qc, XK, V)
+        with pytest.raises(TypeError, match="value site 'out' is complex64: expected a real"):
+            run(XQ, XK, vc)

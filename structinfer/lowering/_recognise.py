@@ -428,13 +428,7 @@ def recognise(model, value: str, args: tuple, kwargs: dict) -> Plan:
     site and for latent continuous sites without a value.
     """
     info = inspect_model(model, *args, **kwargs)
-    if value not in info.deterministic:
-        kind = info.sites.get(value)
-        if kind is None:
-            raise KeyError(
-                f"model has no site '{value}'; deterministic sites: {sorted(info.deterministic)}"
-            )
-        raise ValueError(f"site '{value}' is a {kind} site, not a deterministic one")
+    info.check_value_site(value, model)
     plan = Plan(value)
     try:
         _build(plan, model, value, args, kwargs, info)
