@@ -312,3 +312,25 @@ def test_complex_features_and_values_are_refused_by_name():
             run(qc, XK, V)
         with pytest.raises(TypeError, match="value site 'out' is complex64: expected a real"):
             run(XQ, XK, vc)
+
+
+def test_linear_gaussian_offset_and_precision_of_the_wrong_shape():
+    """Regression: a LinearGaussian ``b`` or ``precision`` of the wrong shape gave JAX's
+    bare broadcasting error when the table was built; the score refuses it, naming the
+    argument and the shapes it takes (d_x = 3 features, 4 parents)."""
+    x, z, A = np.ones((N, 3)), np.ones((4, 2)), np.ones((3, 2))
+    for b in (np.ones(2), np.ones((3, 3)), np.ones((4, 2))):
+        with pytest.raises(ValueError, match=r"LinearGaussian: b has shape .*, expected "
+                                             r"\(d_x,\) = \(3,\) or \(parents, d_x\) = \(4, 3\)"):
+            si.scores.LinearGaussian(x, z, A, b=b)
+    for prec in (np.ones(2), np.ones((4, 3)), np.ones((1, 3))):
+        with pytest.raises(ValueError, match=r"LinearGaussian: precision has shape .*, "
+                                             r"expected a scalar or \(d_x,\) = \(3,\)"):
+            si.scores.LinearGaussian(x, z, A, precision=prec)
+    # the shapes it takes (what broadcasts to them too, and a batch dim on b)
+    for b in (np.ones(3), np.ones((4, 3)), np.ones((2, 4, 3)), np.ones(())):
+        assert si.scores.LinearGaussian(x, z, A, b=b, precision=np.ones(3)).dense().shape[-2:] \
+            == (N, 4)
+    # traced (under jit) the shape check still runs: shapes are static
+    with pytest.raises(ValueError, match="LinearGaussian: precision has shape"):
+        jax.jit(lambda p: si.scores.LinearGaussian(x, z, A, precision=p).dense())(jnp.ones(2))
