@@ -542,7 +542,8 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         inf = infos[e]
         plate_batch = tuple(info.enumerated[e][0][:-1])
         try:
-            low = lower_edge(inf.prior, inf.score, tables[e], inf.num_children, plate_batch)
+            low = lower_edge(inf.prior, inf.score, tables[e], inf.num_children, plate_batch,
+                             site=e)
         except NotLowered as err:
             raise _Fail(e, err.part, err.reason) from None
         plan.edges.append(EdgePlan(e, low, parent[e], tables[e]))
