@@ -67,15 +67,35 @@ def as_float_array(x: ArrayLike, what: str) -> jax.Array:
         ``x`` as a floating JAX array.
 
     Raises:
-        TypeError: ``x`` is not array-like.
+        TypeError: ``x`` is not array-like, or is complex (its imaginary part would be
+            lost), naming ``what``.
     """
     try:
         arr = jnp.asarray(x)
     except TypeError as e:  # pragma: no cover - message improvement only
         raise TypeError(f"{what}: expected an array, got {type(x).__name__}") from e
+    check_real(arr, what)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         arr = arr.astype(jnp.result_type(float))
     return arr
+
+
+def check_real(x: Any, what: str) -> None:
+    """Refuse a complex array (its dtype is static: this runs under ``jit`` too).
+
+    Args:
+        x: an array, or its dtype.
+        what: the argument's name, for the error message.
+
+    Raises:
+        TypeError: ``x`` is complex, naming ``what`` (a real array is expected: its
+            imaginary part would otherwise be dropped).
+    """
+    if jnp.issubdtype(jnp.result_type(x), jnp.complexfloating):
+        raise TypeError(
+            f"{what} is {jnp.result_type(x)}: expected a real array (its imaginary part "
+            "would be lost); pass jnp.real(x), jnp.abs(x) or the two parts as features"
+        )
 
 
 def check_finite(x: ArrayLike, what: str, allow_neg_inf: bool = False) -> None:

@@ -92,6 +92,12 @@ def _check_features(x, name: str, score: str) -> jax.Array:
     return x
 
 
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` (no more dims, each 1 or equal)."""
+    return len(shape) <= len(target) and all(
+        a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
 def _check_same_dim(a: jax.Array, b: jax.Array, na: str, nb: str, score: str) -> None:
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(
@@ -478,12 +484,14 @@ class LinearGaussian(Score):
         x: child features ``(..., children, d_x)``.
         z: parent states $z_k$, ``(..., parents, d_z)``.
         A: $A_k$: ``(d_x, d_z)`` shared or ``(parents, d_x, d_z)`` per parent.
-        b: optional offset $b_k$, ``(d_x,)`` or ``(parents, d_x)``.
+        b: optional offset $b_k$, ``(d_x,)`` or ``(parents, d_x)`` (after any batch dims).
         precision: $\Lambda$: ``None`` (identity), scalar or diagonal ``(d_x,)``.
         normalize: add the Gaussian normalising constant.
 
     Raises:
-        ValueError: if ``A`` does not map ``d_z`` to ``d_x``.
+        ValueError: if ``A`` does not map ``d_z`` to ``d_x``, ``b`` or ``precision`` has
+            another shape (naming it and the shapes expected), or a concrete
+            ``precision`` has an entry that is not positive.
     """
 
     kind = "linear_gaussian"
@@ -509,10 +517,17 @@ class LinearGaussian(Score):
                 f"LinearGaussian: A has shape {tuple(self.A.shape)}, expected (..., d_x, d_z) "
                 f"= (..., {self.x.shape[-1]}, {self.z.shape[-1]})"
             )
+        dx, m = self.x.shape[-1], self.z.shape[-2]
         self.b = None if b is None else as_float_array(b, "LinearGaussian: b")
+        if self.b is not None and not _broadcasts_to(self.b.shape[-2:], (m, dx)):
+            raise ValueError(f"LinearGaussian: b has shape {tuple(self.b.shape)}, expected (d_x,) "
+                             f"= ({dx},) or (parents, d_x) = ({m}, {dx}), after any batch dims")
         self.precision = (
             None if precision is None else as_float_array(precision, "LinearGaussian: precision")
         )
+        if self.precision is not None and not _broadcasts_to(self.precision.shape, (dx,)):
+            raise ValueError(f"LinearGaussian: precision has shape {tuple(self.precision.shape)}, "
+                             f"expected a scalar or (d_x,) = ({dx},) (a diagonal precision)")
         if self.precision is not None and not all_positive(self.precision):
             raise ValueError("LinearGaussian: precision must be > 0 (a scalar or a diagonal "
                              f"(d_x,) = ({self.x.shape[-1]},)), got a non-positive entry")

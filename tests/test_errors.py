@@ -286,3 +286,51 @@ def test_parameters_whose_shapes_do_not_broadcast_name_the_site(prior, score, er
 
     with pytest.raises(error, match=f"edge site 'phi': {said}"):
         si.expectation(model, "out", X)
+
+
+def test_complex_features_and_values_are_refused_by_name():
+    """Regression: complex queries, keys or values lost their imaginary part with only a
+    warning (JAX's, about casting complex to real); they are refused, naming the argument
+    (a score's features, a prior's parameter) or the value site."""
+    qc = XQ + 1j * XQ
+    with pytest.raises(TypeError, match="Dot: child features is complex.*expected a real"):
+        si.scores.Dot(qc, XK)
+    with pytest.raises(TypeError, match="Dot: parent features .*complex"):
+        si.scores.Dot(XQ, XK.astype(np.complex64))
+    with pytest.raises(TypeError, match="RelativePosition bias .*complex"):
+        si.priors.RelativePosition(np.zeros(2 * M - 1, np.complex64), M)
+
+    def model(q, k, v):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    vc = jnp.asarray(V + 1j * V)
+    for run in (lambda *a: si.expectation(model, "out", *a),
+                si.attention(model, "out"), si.attention(model, "out", "blocked")):
+        with pytest.raises(TypeError, match="Dot: child features is complex"):
+            run(qc, XK, V)
+        with pytest.raises(TypeError, match="value site 'out' is complex64: expected a real"):
+            run(XQ, XK, vc)
+
+
+def test_linear_gaussian_offset_and_precision_of_the_wrong_shape():
+    """Regression: a LinearGaussian ``b`` or ``precision`` of the wrong shape gave JAX's
+    bare broadcasting error when the table was built; the score refuses it, naming the
+    argument and the shapes it takes (d_x = 3 features, 4 parents)."""
+    x, z, A = np.ones((N, 3)), np.ones((4, 2)), np.ones((3, 2))
+    for b in (np.ones(2), np.ones((3, 3)), np.ones((4, 2))):
+        with pytest.raises(ValueError, match=r"LinearGaussian: b has shape .*, expected "
+                                             r"\(d_x,\) = \(3,\) or \(parents, d_x\) = \(4, 3\)"):
+            si.scores.LinearGaussian(x, z, A, b=b)
+    for prec in (np.ones(2), np.ones((4, 3)), np.ones((1, 3))):
+        with pytest.raises(ValueError, match=r"LinearGaussian: precision has shape .*, "
+                                             r"expected a scalar or \(d_x,\) = \(3,\)"):
+            si.scores.LinearGaussian(x, z, A, precision=prec)
+    # the shapes it takes (what broadcasts to them too, and a batch dim on b)
+    for b in (np.ones(3), np.ones((4, 3)), np.ones((2, 4, 3)), np.ones(())):
+        assert si.scores.LinearGaussian(x, z, A, b=b, precision=np.ones(3)).dense().shape[-2:] \
+            == (N, 4)
+    # traced (under jit) the shape check still runs: shapes are static
+    with pytest.raises(ValueError, match="LinearGaussian: precision has shape"):
+        jax.jit(lambda p: si.scores.LinearGaussian(x, z, A, precision=p).dense())(jnp.ones(2))

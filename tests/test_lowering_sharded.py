@@ -243,3 +243,134 @@ def test_cudnn_on_a_mesh_writes_its_nan_rows_without_a_collective():
     if not hasattr(jax.sharding, "AxisType"):
         pytest.skip("this JAX has no mesh axis types")
     _run(CUDNN_MESH_SCRIPT, 1)
+
+
+def _mha_model():
+    """A multi-head causal attention model of any size (for the argument checks)."""
+    import numpyro
+    from numpyro.ops.indexing import Vindex
+
+    import structinfer as si
+
+    def mha(q, k, v):
+        H, n = q.shape[:2]
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
+            j = si.edge("phi", si.priors.Restricted.causal(n, k.shape[1]),
+                        si.scores.Dot(q, k))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    return mha
+
+
+def test_mesh_arguments_are_checked_when_attention_is_built():
+    """Regression: a wrong ``axis_name`` was found only at the first call, a mesh that is
+    not a ``jax.sharding.Mesh`` gave an AttributeError there, and ``shard=`` /
+    ``axis_name=`` without ``mesh=``, ``mesh=`` with ``backend="exact"`` and ``runner=``
+    with ``mesh=`` were silently ignored. Each is refused when ``attention`` is built,
+    naming the argument and what it takes (a one-device mesh: no other device needed)."""
+    import jax
+
+    import structinfer as si
+    from structinfer.lowering.sharded import head_sharded
+
+    mha = _mha_model()
+    mesh = jax.make_mesh((1,), ("x",))
+    with pytest.raises(ValueError, match=r"axis_name 'y' is not an axis of the mesh: "
+                                         r"expected one of \('x',\)"):
+        si.attention(mha, "out", mesh=mesh, axis_name="y")
+    with pytest.raises(ValueError, match=r"mesh has axes \('a', 'b'\): pass axis_name"):
+        si.attention(mha, "out", mesh=jax.make_mesh((1, 1), ("a", "b")))
+    for bad in ("x", mesh.abstract_mesh):
+        with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got "
+                                            f"{type(bad).__name__}"):
+            si.attention(mha, "out", mesh=bad)
+    for kw in ({"shard": "sequence"}, {"shard": "heads"}, {"axis_name": "x"}):
+        (name, given), = kw.items()
+        with pytest.raises(ValueError, match=f"attention: {name}={given!r} needs mesh="):
+            si.attention(mha, "out", **kw)
+    with pytest.raises(ValueError, match=r"shard must be one of \('heads', 'sequence'\), "
+                                         "got 'rows'"):
+        si.attention(mha, "out", mesh=mesh, shard="rows")
+    with pytest.raises(ValueError, match="attention: mesh= .* backend='exact'"):
+        si.attention(mha, "out", "exact", mesh=mesh)
+    with pytest.raises(ValueError, match="attention: pass mesh= or runner=, not both"):
+        si.attention(mha, "out", mesh=mesh, runner=lambda *a: None)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        head_sharded(None)
+
+
+def test_explain_reports_the_sharded_plan():
+    """Regression: ``f.explain`` of ``attention(..., mesh=...)`` described the
+    single-device path. It names, per edge, the mesh axis and its devices, heads or ring
+    attention, and the kernel each shard (each ring step) runs."""
+    import jax
+    import numpy as np
+
+    import structinfer as si
+
+    mha = _mha_model()
+    mesh = jax.make_mesh((1,), ("x",))
+    q = np.ones((2, 8, 4), np.float32)
+    heads = si.attention(mha, "out", "dense", mesh=mesh).explain(q, q, q)
+    assert heads.kernels == {"phi": "dense"}
+    assert heads.sharding == {"phi": "heads / batch split over mesh axis 'x' (1 device): "
+                                     "each device runs the dense kernel on its slice"}
+    assert "edge 'phi' on the mesh: heads / batch split over mesh axis 'x'" in str(heads)
+    ring = si.attention(mha, "out", "dense", mesh=mesh, shard="sequence").explain(q, q, q)
+    assert ring.sharding == {"phi": "ring attention over mesh axis 'x' (1 device): children "
+                                    "and parents in 1 chunk each, the parents passed round "
+                                    "the ring; each step runs the blocked kernel"}
+    assert si.explain(mha, "out", q, q, q).sharding == {}  # one device
+
+    # a Markov chain runs on one device (the mesh does not apply): said, not left out
+    import jax.numpy as jnp
+    import numpyro
+    from numpyro.contrib.control_flow import scan
+
+    def hmm(scores, log_transition):
+        prior = si.priors.Markov(log_transition, jnp.zeros(3))
+
+        def step(previous, score_t):
+            z = si.edge("z", prior, score_t, previous=previous)
+            numpyro.deterministic("v", jax.nn.one_hot(z, 3))
+            return z, None
+
+        scan(step, jnp.asarray(-1), scores)
+
+    chain = si.attention(hmm, "v", mesh=mesh).explain(jnp.zeros((4, 3)), jnp.zeros((3, 3)))
+    assert chain.kernels == {"z": "markov_scan"}
+    assert chain.sharding == {"z": "runs on one device (a Markov chain's scan is not sharded)"}
+
+
+#: sizes the mesh axis of 4 devices does not divide: each error names the edge site, the
+#: sharding, the mesh axis and what it expected, from the call and from ``f.explain``
+INDIVISIBLE_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np, pytest
+    import structinfer as si
+
+    mesh = jax.make_mesh((4,), ("x",))
+    heads = (r"edge site 'phi': shard='heads' splits the leading batch dim .* over the 4 "
+             r"devices of mesh axis 'x': expected it divisible by 4, got batch shape \\(3,\\)")
+    ring = (r"edge site 'phi': ring attention \\(shard='sequence'\\) splits the children "
+            r"and the parents over the 4 devices of mesh axis 'x': expected both divisible "
+            r"by 4, got 6 children and 8 parents")
+    for shard, shape, said in (("heads", (3, 8, 2), heads), ("sequence", (4, 6, 2), ring)):
+        f = si.attention(MHA, "out", "blocked", mesh=mesh, shard=shard)
+        q, kv = np.ones(shape, np.float32), np.ones((shape[0], 8, 2), np.float32)
+        for call in (f, f.explain):
+            with pytest.raises(ValueError, match=said):
+                call(q, kv, kv)
+        print("ok", shard)
+    """
+)
+
+
+def test_sizes_a_mesh_axis_does_not_divide_are_refused_naming_the_edge_site():
+    """Regression: a head count (leading plate) or sequence length the mesh axis does not
+    divide gave a message naming neither the edge site nor the sharding; it names both,
+    the mesh axis and what was expected, from the call and from ``f.explain``."""
+    import inspect
+
+    model = textwrap.dedent(inspect.getsource(_mha_model))
+    _run(model + "\nMHA = _mha_model()\n" + INDIVISIBLE_SCRIPT, 2)

@@ -296,6 +296,7 @@ def expectation(
         ValueError: the site is not a deterministic site; or, on concrete inputs, the
             model gives every structure zero probability ($\log Z = -\infty$; under
             ``jit`` the expectation is NaN).
+        TypeError: the site's value is complex (a real value is expected).
 
     Reference:
         Attention output as $\mathbb E_{\phi|x}[v(x,\phi)]$, Singh & Buckley eq. 1;
@@ -305,17 +306,7 @@ def expectation(
     names = [site] if isinstance(site, str) else list(site)
     info = inspect_model(model, *args, **kwargs)
     for n in names:
-        if n not in info.deterministic:
-            kind = info.sites.get(n)
-            if kind is None:
-                raise KeyError(
-                    f"model '{model_name(model)}' has no site '{n}'; deterministic sites: "
-                    f"{sorted(info.deterministic)}"
-                )
-            raise ValueError(
-                f"site '{n}' is a {kind} site, not a deterministic one"
-                + ("; use structinfer.marginals for edge sites" if n in info.enumerated else "")
-            )
+        info.check_value_site(n, model)
     # the tilts (and so the value contraction) in float32 at least, as the kernels
     # accumulate: a 16-bit one would sum p v in 16 bits
     tilt_dtype = jnp.promote_types(info.float_dtype, jnp.float32)

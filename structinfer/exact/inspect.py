@@ -45,7 +45,7 @@ import numpyro.distributions as dist
 from jax.tree_util import treedef_is_leaf
 from numpyro.handlers import block, seed, substitute, trace
 
-from .._checks import as_arrays, is_concrete, model_name
+from .._checks import as_arrays, check_real, is_concrete, model_name
 from ..handlers import PLACEHOLDER_KEY, fill_discrete, fill_latent, require_values
 from ..primitives import (
     EDGE_INFO_KEY,
@@ -191,6 +191,34 @@ class ModelInfo(Mapping[str, SiteInfo]):
     def deterministic(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """``name -> (shape, event_dim)`` of each deterministic site."""
         return {n: (s.shape, s.event_dim) for n, s in self.of_role("deterministic").items()}
+
+    def check_value_site(self, name: str, model: Any) -> None:
+        """Refuse ``name`` as the value whose expectation is asked for, unless it is a
+        real deterministic site.
+
+        Args:
+            name: the site's name.
+            model: the model, for the message.
+
+        Raises:
+            KeyError: the model has no site ``name`` (the deterministic sites are listed).
+            ValueError: the site is not a deterministic site.
+            TypeError: its value is complex (the expectation of a real value is computed).
+        """
+        site = self.records.get(name)
+        if site is None or site.role != "deterministic":
+            kind = self.sites.get(name)
+            if kind is None:
+                raise KeyError(
+                    f"model '{model_name(model)}' has no site '{name}'; deterministic sites: "
+                    f"{sorted(self.deterministic)}"
+                )
+            raise ValueError(
+                f"site '{name}' is a {kind} site, not a deterministic one"
+                + ("; use structinfer.marginals for edge sites" if name in self.enumerated
+                   else "")
+            )
+        check_real(site.dtype, f"value site '{name}'")
 
     @property
     def latent(self) -> dict[str, SiteInfo]:

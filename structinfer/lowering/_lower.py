@@ -491,15 +491,17 @@ class Lowered:
     where those are known). The kernels skip the blocks it
     forbids, and the Pallas kernel computes the blocks it allows whole without a mask
     (the contract: `structinfer.lowering.accel.pallas_forward`'s ``mask``); ``None``
-    when some per-edge mask is traced."""
+    when some per-edge mask is traced. ``site``: the edge site's name (for error
+    messages), where known."""
 
     def __init__(self, terms: Terms, problem: Problem, batch_shape, mask=None,
-                 unscaled: tuple[jax.Array, float] | None = None):
+                 unscaled: tuple[jax.Array, float] | None = None, site: str | None = None):
         self.terms = terms
         self.problem = problem
         self.batch_shape = tuple(batch_shape)
         self.mask = mask
         self._unscaled = unscaled
+        self.site = site
 
     def unscaled_dot(self, problem: Problem) -> tuple[jax.Array, float] | None:
         r"""``(q, s)`` when the site's dot product is $s\, q^\top k$ with a static scale $s$
@@ -546,6 +548,7 @@ def lower_edge(
     value_table: jax.Array,
     num_children: int,
     plate_batch: tuple[int, ...] = (),
+    site: str | None = None,
 ) -> Lowered:
     r"""Lower one edge site: ``y_i = E[V_{\phi_i}]`` under ``prior`` and ``score``.
 
@@ -556,6 +559,7 @@ def lower_edge(
         num_children: ``n``.
         plate_batch: batch shape of the plates around the edge, without the
             children plate (heads, batch).
+        site: the edge site's name, for error messages.
 
     Returns:
         The `Lowered` edge. The dot product's features
@@ -661,4 +665,5 @@ def lower_edge(
     terms = Terms(n, m, notes=tuple(acc._notes), **kw)
     mask = None if acc._pair_traced else acc._mask
     unscaled = None if raw_q is None else (operand(raw_q), scale)
-    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, mask, unscaled)
+    return Lowered(terms, Problem(row, col, pair, glob, const, v), batch, mask, unscaled,
+                   site)

@@ -428,13 +428,7 @@ def recognise(model, value: str, args: tuple, kwargs: dict) -> Plan:
     site and for latent continuous sites without a value.
     """
     info = inspect_model(model, *args, **kwargs)
-    if value not in info.deterministic:
-        kind = info.sites.get(value)
-        if kind is None:
-            raise KeyError(
-                f"model has no site '{value}'; deterministic sites: {sorted(info.deterministic)}"
-            )
-        raise ValueError(f"site '{value}' is a {kind} site, not a deterministic one")
+    info.check_value_site(value, model)
     plan = Plan(value)
     try:
         _build(plan, model, value, args, kwargs, info)
@@ -548,7 +542,8 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         inf = infos[e]
         plate_batch = tuple(info.enumerated[e][0][:-1])
         try:
-            low = lower_edge(inf.prior, inf.score, tables[e], inf.num_children, plate_batch)
+            low = lower_edge(inf.prior, inf.score, tables[e], inf.num_children, plate_batch,
+                             site=e)
         except NotLowered as err:
             raise _Fail(e, err.part, err.reason) from None
         plan.edges.append(EdgePlan(e, low, parent[e], tables[e]))

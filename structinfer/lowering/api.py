@@ -69,6 +69,10 @@ class Explanation:
             fused kernels before the one chosen were not, and what of its gradient
             another kernel computes.
         fallback: on the exact path, the site and part that was not recognised.
+        sharding: edge site -> how it runs on the devices of a mesh (the mesh axis, head
+            / batch sharding or ring attention, and the kernel each shard or ring step
+            runs); empty on one device (``f.explain`` of an ``attention(...,
+            mesh=...)`` fills it).
     """
 
     path: str
@@ -77,6 +81,7 @@ class Explanation:
     follows: dict[str, str | None] = field(default_factory=dict)
     notes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fallback: Fallback | None = None
+    sharding: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         if self.path == "exact":
@@ -88,6 +93,8 @@ class Explanation:
         for site, k in self.kernels.items():
             hop = f" (follows '{self.follows[site]}')" if self.follows.get(site) else ""
             lines.append(f"  edge '{site}'{hop}: {k} kernel; " + "; ".join(self.notes[site]))
+            if site in self.sharding:
+                lines.append(f"  edge '{site}' on the mesh: {self.sharding[site]}")
         return "\n".join(lines)
 
 
@@ -343,6 +350,28 @@ def _matmul_precision(precision):
     return contextlib.nullcontext() if name is None else jax.default_matmul_precision(name)
 
 
+def _mesh_runner(mesh, shard, axis_name, backend, runner, block_q, block_k, precision):
+    """``attention``'s runner: ``runner``, or the sharded runner ``mesh``, ``shard`` and
+    ``axis_name`` ask for; the arguments checked (none of the three silently ignored)."""
+    if mesh is None:
+        for name, given in (("shard", shard), ("axis_name", axis_name)):
+            if given is not None:
+                raise ValueError(f"attention: {name}={given!r} needs mesh= (the "
+                                 "jax.sharding.Mesh to shard over); without it every edge "
+                                 "runs on one device")
+        return runner
+    if backend == "exact":
+        raise ValueError("attention: mesh= runs the lowered kernels on several devices, but "
+                         "backend='exact' runs the exact engine on one device: pass "
+                         "backend='auto' or a kernel, or no mesh")
+    if runner is not None:
+        raise ValueError("attention: pass mesh= or runner=, not both (mesh= builds the runner "
+                         "that shards the edges)")
+    from .sharded import ShardedRunner
+
+    return ShardedRunner(shard or "heads", mesh, axis_name, block_q, block_k, precision)
+
+
 def attention(
     model: Callable,
     value: str,
@@ -351,7 +380,7 @@ def attention(
     block_q: int = 256,
     block_k: int = 256,
     mesh: jax.sharding.Mesh | None = None,
-    shard: str = "heads",
+    shard: str | None = None,
     axis_name: str | None = None,
     runner: Callable | None = None,
     precision: jax.lax.PrecisionLike = None,
@@ -396,13 +425,16 @@ def attention(
         mesh: a ``jax.sharding.Mesh`` to run every lowered edge on several devices
             (``None``: one device); see ``shard``. Each shard runs the kernel the
             single-device path would (``backend``, or the ``"auto"`` rule: on a GPU the
-            fused kernels).
-        shard: with ``mesh``, ``"heads"`` splits the leading plate (heads / batch) over
-            the devices, each running the chosen kernel on its slice; ``"sequence"``
-            runs ring attention over children and parents, each step a flash forward of
-            one chunk pair (the Pallas kernel where cuDNN or Pallas was chosen, else the
-            blocked kernel) merged by its log-normaliser
-            (`structinfer.lowering.sharded`).
+            fused kernels). Not with ``backend="exact"`` (the exact engine runs on one
+            device, as does a model ``"auto"`` sends to it) nor with ``runner``.
+        shard: with ``mesh``, ``"heads"`` (``None``: the default) splits the leading
+            plate (heads / batch) over the devices, each running the chosen kernel on its
+            slice; ``"sequence"`` runs ring attention over children and parents, each
+            step a flash forward of one chunk pair (the Pallas kernel where cuDNN or
+            Pallas was chosen, else the blocked kernel) merged by its log-normaliser
+            (`structinfer.lowering.sharded`). The mesh axis must divide the leading
+            plate's size (``"heads"``), or the numbers of children and parents
+            (``"sequence"``): a call that breaks this raises naming the edge site.
         axis_name: the mesh axis to shard over (``None``: the mesh's only axis).
         runner: advanced — ``runner(kind, lowered, problem, batch_shape) -> (y, lse)``
             (output and row log-normaliser) replaces the kernel call; ``kind`` is the
@@ -436,7 +468,8 @@ def attention(
             has them; 0.4.33 lacks a rule its loop needs), not on the Pallas / Mosaic
             GPU kernels (a ``TypeError`` names the backends that have them) nor on
             cuDNN's (JAX's wrapper differentiates it once).
-            ``f.explain(*args)`` describes the path;
+            ``f.explain(*args)`` describes the path (with ``mesh``, also how each
+            edge runs on the mesh: ``Explanation.sharding``);
             ``f.with_log_normalisers(*args)`` returns ``(expectation, {edge site: row
             log-normaliser})`` without the eager check (empty on the exact path), for a
             caller that maps ``f`` itself and checks once with
@@ -452,9 +485,13 @@ def attention(
 
     Raises:
         ValueError: ``backend`` is not one of `BACKENDS`, ``shard`` is not
-            ``"heads"`` / ``"sequence"``, ``block_q`` / ``block_k`` is not a positive
-            integer, or ``precision`` is not a matmul precision.
-        TypeError: ``model`` is not callable, or ``value`` is not a site name.
+            ``"heads"`` / ``"sequence"``, ``shard`` or ``axis_name`` is given without
+            ``mesh``, ``mesh`` is given with ``backend="exact"`` or with ``runner``,
+            ``axis_name`` is not an axis of the mesh (or is ``None`` on a mesh of several
+            axes), ``block_q`` / ``block_k`` is not a positive integer, or
+            ``precision`` is not a matmul precision.
+        TypeError: ``model`` is not callable, ``value`` is not a site name, or ``mesh``
+            is not a ``jax.sharding.Mesh``.
 
     Reference:
         Singh & Buckley, "Attention as implicit structural inference" (sec. 3 and
@@ -465,13 +502,8 @@ def attention(
     _check_precision(precision)
     if not callable(model):
         raise TypeError(f"attention: model must be callable, got {type(model).__name__}")
-    if mesh is not None:
-        from .sharded import head_sharded, sequence_sharded
-
-        if shard not in ("heads", "sequence"):
-            raise ValueError(f"attention: shard must be 'heads' or 'sequence', got {shard!r}")
-        make = head_sharded if shard == "heads" else sequence_sharded
-        runner = make(mesh, axis_name, block_q=block_q, block_k=block_k, precision=precision)
+    runner = _mesh_runner(mesh, shard, axis_name, backend, runner, block_q, block_k,
+                          precision)
     if not isinstance(value, str):
         raise TypeError(f"attention: value must be a site name (str), got {value!r}")
     config = KernelConfig(block_q, block_k, precision)
@@ -532,7 +564,7 @@ def attention(
         dyn, _ = _split(args, kwargs)
         return checked(args, kwargs, dyn, with_log_normalisers(*args, **kwargs))
 
-    fn.explain = lambda *a, **k: explain(model, value, *a, backend=backend, **k)  # type: ignore[attr-defined]
+    fn.explain = lambda *a, **k: _explain(model, value, a, k, backend, runner)  # type: ignore[attr-defined]
     fn.with_log_normalisers = with_log_normalisers  # type: ignore[attr-defined]
     fn.__doc__ = (
         f"Posterior expectation of site '{value}' of {getattr(model, '__name__', 'model')} "
@@ -581,7 +613,9 @@ def explain(
         The [`Explanation`][structinfer.lowering.Explanation]: on the lowered path the
             kernel of every edge site and what was recognised in its prior and score; on
             fallback the site and the part (prior, score, value, likelihood, child, ...)
-            that was not recognised. ``str()`` of it reads as a sentence.
+            that was not recognised. ``str()`` of it reads as a sentence. (``f.explain``
+            of an ``attention(..., mesh=...)`` adds how each edge runs on the mesh, and
+            raises the error a call would for sizes the mesh axis does not divide.)
 
     Raises:
         ValueError: ``backend`` is not one of `BACKENDS`, or the exact engine refuses
@@ -593,6 +627,14 @@ def explain(
         sec. 3.1 eq. 2 ($\mathbb E[f] = P F$ for a value linear in the parent).
     """
     _check_backend(backend)
+    return _explain(model, value, args, kwargs, backend)
+
+
+def _explain(model: Callable, value: str, args: tuple, kwargs: dict, backend: str,
+             runner: Callable | None = None) -> Explanation:
+    """`explain`, with the ``runner`` of an `attention` (a mesh's): its kernels are traced
+    too, so that the errors a call would raise at trace time (a size the mesh axis does
+    not divide) are raised, and each edge's ``sharding`` is its ``describe``."""
     if backend == "exact":
         return Explanation("exact", backend)
     dyn, key = _split(args, kwargs)
@@ -606,10 +648,12 @@ def explain(
         holder["plan"] = plan
         if plan.ok:
             kernels = holder["kernels"] = _kernels(plan, backend)
-            if any(k in KERNELS and KERNELS[k].refusals for k, _ in kernels.values()):
+            if (runner is not None and plan.markov is None) or any(
+                    k in KERNELS and KERNELS[k].refusals for k, _ in kernels.values()):
                 # trace the kernels too: one may refuse when traced (JAX's cuDNN wrapper),
-                # and its table entry's fallback runs instead
-                ran.update(_execute(plan, kernels, KernelConfig(),
+                # and its table entry's fallback runs instead; a runner may refuse the
+                # edge's sizes
+                ran.update(_execute(plan, kernels, KernelConfig(), runner,
                                     forced=backend != "auto")[2])
         return 0
 
@@ -619,9 +663,13 @@ def explain(
         return Explanation("exact", backend, fallback=plan.fallback)
     kernels = {**holder["kernels"], **ran}
     if plan.markov is not None:
+        one = {} if runner is None else {
+            n: "runs on one device (a Markov chain's scan is not sharded)" for n in kernels}
         return Explanation("lowered", backend, kernels={n: k for n, (k, _) in kernels.items()},
                            follows={n: None for n in kernels},
-                           notes={n: notes for n, (_, notes) in kernels.items()})
+                           notes={n: notes for n, (_, notes) in kernels.items()},
+                           sharding=one)
+    describe = getattr(runner, "describe", lambda kind, lowered: "runs through the runner")
     return Explanation(
         "lowered",
         backend,
@@ -629,4 +677,6 @@ def explain(
         follows={ep.name: ep.parent for ep in plan.edges},
         notes={ep.name: ep.lowered.terms.notes + kernels[ep.name][1]
                + _gradient_notes(kernels[ep.name][0], ep.lowered) for ep in plan.edges},
+        sharding={} if runner is None else {
+            ep.name: describe(kernels[ep.name][0], ep.lowered) for ep in plan.edges},
     )

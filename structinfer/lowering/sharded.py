@@ -32,7 +32,6 @@ attention with blockwise transformers" (2023).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +46,19 @@ from .blocked import blocked_attention, make_schedule
 from .kernels import KERNELS, KernelConfig
 
 __all__ = ["head_sharded_attention", "ring_attention", "head_sharded", "sequence_sharded",
-           "ring_step_kernel"]
+           "ring_step_kernel", "ShardedRunner", "SHARDS"]
+
+#: the accepted values of ``shard``: split the leading plate (heads / batch), or run ring
+#: attention over the sequence
+SHARDS = ("heads", "sequence")
 
 
 def _axis(mesh: Mesh, axis_name: str | None) -> str:
+    """The mesh axis to shard over: ``axis_name``, or the mesh's only axis; ``mesh`` and
+    ``axis_name`` checked."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError("mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((4,), ('x',))), "
+                        f"got {type(mesh).__name__}")
     if axis_name is None:
         if len(mesh.axis_names) != 1:
             raise ValueError(
@@ -58,8 +66,35 @@ def _axis(mesh: Mesh, axis_name: str | None) -> str:
             )
         return mesh.axis_names[0]
     if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh: expected one of "
+                         f"{mesh.axis_names}")
     return axis_name
+
+
+def _devices(ndev: int, ax: str) -> str:
+    return f"{ndev} device{'s' if ndev != 1 else ''} of mesh axis '{ax}'"
+
+
+def _check_heads(batch: tuple[int, ...], ndev: int, ax: str, site: str | None) -> None:
+    """Head / batch sharding needs a leading batch dim the mesh axis divides."""
+    if batch and batch[0] % ndev == 0:
+        return
+    where = f"edge site '{site}': " if site else ""
+    raise ValueError(
+        f"{where}shard='heads' splits the leading batch dim (the outermost plate: heads / "
+        f"batch) over the {_devices(ndev, ax)}: expected it divisible by {ndev}, got batch "
+        f"shape {batch}" + ("" if batch else " (no plate to split: use shard='sequence')"))
+
+
+def _check_sequence(n: int, m: int, ndev: int, ax: str, site: str | None) -> None:
+    """Ring attention needs children and parents the mesh axis divides."""
+    if n % ndev == 0 and m % ndev == 0:
+        return
+    where = f"edge site '{site}': " if site else ""
+    raise ValueError(
+        f"{where}ring attention (shard='sequence') splits the children and the parents over "
+        f"the {_devices(ndev, ax)}: expected both divisible by {ndev}, got {n} children and "
+        f"{m} parents")
 
 
 def _placed(mesh: Mesh, specs, tree):
@@ -84,6 +119,7 @@ def head_sharded_attention(
     mask=None,
     precision=None,
     kernel: str = "blocked",
+    site: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Attention with the leading batch axis (heads / batch) split over devices.
 
@@ -98,25 +134,24 @@ def head_sharded_attention(
             device).
         kernel: a key of `structinfer.lowering.kernels.KERNELS` (``"dense"``,
             ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``).
+        site: the edge site's name, for error messages.
 
     Returns:
         ``(y, L)`` as the kernel's, sharded along the leading axis; rows whose ``L`` is
         not finite are NaN in ``y`` (whatever the kernel).
 
     Raises:
-        ValueError: ``kernel`` is not in the table or cannot run the edge, or the
-            leading batch dim is not divisible by the number of devices.
+        TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+        ValueError: ``axis_name`` is not an axis of the mesh (or is ``None`` on a mesh of
+            several axes), ``kernel`` is not in the table or cannot run the edge, or the
+            leading batch dim is not divisible by the number of devices (naming the edge
+            site).
     """
     entry = _entry(kernel, Lowered(terms, prob, batch_shape, mask))
     ax = _axis(mesh, axis_name)
     ndev = mesh.shape[ax]
     batch = tuple(batch_shape)
-    if not batch or batch[0] % ndev:
-        raise ValueError(
-            f"head/batch sharding: the leading batch dim {batch[0] if batch else None} "
-            f"(of batch shape {batch}) must be divisible by the {ndev} devices of mesh axis "
-            f"'{ax}'"
-        )
+    _check_heads(batch, ndev, ax, site)
     local = (batch[0] // ndev,) + batch[1:]
 
     def spec(x, core):
@@ -183,6 +218,7 @@ def ring_attention(
     block_k: int = 256,
     precision=None,
     kernel: str = "blocked",
+    site: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Sequence-parallel (ring) attention: children and parents split over devices.
 
@@ -194,11 +230,19 @@ def ring_attention(
         kernel: the kernel of each step: ``"blocked"``, or ``"pallas"`` (the Pallas
             flash kernel's forward and backward passes, given the chunk's traced global
             offsets; interpreted off a GPU) — a table entry with ``passes``.
+        site: the edge site's name, for error messages.
 
     Returns:
         ``(y, L)`` as `blocked_attention`, sharded along the children axis. The partial
         results are merged in the accumulation dtype (float32 for bfloat16 inputs) and
         ``y`` is cast to the value dtype once, at the end.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+        ValueError: ``axis_name`` is not an axis of the mesh (or is ``None`` on a mesh of
+            several axes), ``kernel`` takes no start offsets or cannot run the edge, or
+            ``n`` or ``m`` is not divisible by the number of devices (naming the edge
+            site).
     """
     entry = _entry(kernel, Lowered(terms, prob, batch_shape))
     if entry.passes is None:
@@ -208,11 +252,7 @@ def ring_attention(
     ax = _axis(mesh, axis_name)
     ndev = mesh.shape[ax]
     n, m = terms.num_children, terms.num_parents
-    if n % ndev or m % ndev:
-        raise ValueError(
-            f"ring attention: {n} children and {m} parents must both be divisible by the "
-            f"{ndev} devices of mesh axis '{ax}'"
-        )
+    _check_sequence(n, m, ndev, ax, site)
     nl, ml = n // ndev, m // ndev
     batch = tuple(batch_shape)
     local = dataclasses.replace(terms, num_children=nl, num_parents=ml)
@@ -301,34 +341,97 @@ def _full_batch(prob: Problem, batch) -> Problem:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedRunner:
+    """A ``runner`` for `structinfer.attention` that runs each edge over a mesh axis.
+
+    Built by `head_sharded` and `sequence_sharded` (and by `structinfer.attention`'s
+    ``mesh=``); ``mesh`` and ``axis_name`` are checked when it is built, the sizes the
+    mesh axis must divide when an edge runs.
+
+    Attributes:
+        shard: ``"heads"`` (`head_sharded_attention`) or ``"sequence"``
+            (`ring_attention`).
+        mesh: a ``jax.sharding.Mesh``.
+        axis_name: the mesh axis to shard over (``None``: the mesh's only axis).
+        block_q, block_k, precision: as `blocked_attention`'s.
+        kernel: the kernel to run instead of the one `structinfer.attention` chose
+            (``None``: that one).
+
+    Raises:
+        TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+        ValueError: ``shard`` is not one of `SHARDS`, or ``axis_name`` is not an axis of
+            the mesh (or is ``None`` on a mesh of several axes).
+    """
+
+    shard: str
+    mesh: Mesh
+    axis_name: str | None = None
+    block_q: int = 256
+    block_k: int = 256
+    precision: object = None
+    kernel: str | None = None
+
+    def __post_init__(self):
+        if self.shard not in SHARDS:
+            raise ValueError(f"shard must be one of {SHARDS}, got {self.shard!r}")
+        _axis(self.mesh, self.axis_name)
+
+    @property
+    def axis(self) -> str:
+        """The mesh axis the edges are split over."""
+        return _axis(self.mesh, self.axis_name)
+
+    def __call__(self, kind: str, lowered: Lowered, prob: Problem, batch
+                 ) -> tuple[jax.Array, jax.Array]:
+        """Run edge ``lowered`` (chosen kernel ``kind``) on ``prob`` over the mesh."""
+        common = dict(block_q=self.block_q, block_k=self.block_k, precision=self.precision,
+                      site=lowered.site)
+        if self.shard == "heads":
+            return head_sharded_attention(lowered.terms, prob, batch, self.mesh, self.axis,
+                                          mask=lowered.mask, kernel=self.kernel or kind,
+                                          **common)
+        return ring_attention(lowered.terms, _full_batch(prob, batch), batch, self.mesh,
+                              self.axis, kernel=self.step_kernel(kind, lowered), **common)
+
+    def step_kernel(self, kind: str, lowered: Lowered) -> str:
+        """The kernel each shard (each ring step) runs for an edge whose chosen kernel is
+        ``kind``."""
+        k = self.kernel or kind
+        return k if self.shard == "heads" else ring_step_kernel(k, lowered)
+
+    def describe(self, kind: str, lowered: Lowered) -> str:
+        """How an edge whose chosen kernel is ``kind`` runs on the mesh (for ``explain``)."""
+        ax = self.axis
+        ndev = self.mesh.shape[ax]
+        where = f"mesh axis '{ax}' ({ndev} device{'s' if ndev != 1 else ''})"
+        label = KERNELS[self.step_kernel(kind, lowered)].label
+        if self.shard == "heads":
+            return (f"heads / batch split over {where}: each device runs the {label} kernel "
+                    "on its slice")
+        return (f"ring attention over {where}: children and parents in {ndev} "
+                f"chunk{'s' if ndev != 1 else ''} each, the parents passed round the ring; "
+                f"each step runs the {label} kernel")
+
+
 def head_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
-                 block_k: int = 256, precision=None, kernel: str | None = None) -> Callable:
+                 block_k: int = 256, precision=None, kernel: str | None = None
+                 ) -> ShardedRunner:
     """A ``runner`` for `structinfer.attention` that shards heads / batch over ``mesh``.
 
     Each device runs the kernel `structinfer.attention` chose for the edge (the runner's
-    ``kind``), or ``kernel`` when given, on its slice (`head_sharded_attention`)."""
-
-    def run(kind, lowered, prob, batch):
-        return head_sharded_attention(lowered.terms, prob, batch, mesh, axis_name,
-                                      block_q=block_q, block_k=block_k, mask=lowered.mask,
-                                      precision=precision, kernel=kernel or kind)
-
-    return run
+    ``kind``), or ``kernel`` when given, on its slice (`head_sharded_attention`).
+    ``mesh`` and ``axis_name`` are checked here (see `ShardedRunner`)."""
+    return ShardedRunner("heads", mesh, axis_name, block_q, block_k, precision, kernel)
 
 
 def sequence_sharded(mesh: Mesh, axis_name: str | None = None, *, block_q: int = 256,
                      block_k: int = 256, precision=None, kernel: str | None = None
-                     ) -> Callable:
+                     ) -> ShardedRunner:
     """A ``runner`` for `structinfer.attention` running ring attention over ``mesh``.
 
     Each step runs `ring_step_kernel` of the kernel `structinfer.attention` chose (the
     runner's ``kind``), or of ``kernel`` when given: the Pallas kernel for cuDNN and
-    Pallas, the blocked kernel otherwise."""
-
-    def run(kind, lowered, prob, batch):
-        step = ring_step_kernel(kernel or kind, lowered)
-        return ring_attention(lowered.terms, _full_batch(prob, batch), batch, mesh, axis_name,
-                              block_q=block_q, block_k=block_k, precision=precision,
-                              kernel=step)
-
-    return run
+    Pallas, the blocked kernel otherwise. ``mesh`` and ``axis_name`` are checked here (see
+    `ShardedRunner`)."""
+    return ShardedRunner("sequence", mesh, axis_name, block_q, block_k, precision, kernel)
