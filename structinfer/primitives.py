@@ -375,13 +375,16 @@ class ExpandedEdge(dist.ExpandedDistribution):
 
     A plate whose dim the edge's table lacks (a prior shared by the batch) expands the
     edge; ``numpyro.handlers.mask`` written around that plate then masks the expanded
-    distribution. As [`EdgeDistribution.mask`][structinfer.EdgeDistribution.mask], its
+    distribution. As [`EdgeDistribution.mask`][structinfer.primitives.EdgeDistribution.mask], its
     ``mask`` makes a [`MaskedEdge`][structinfer.primitives.MaskedEdge].
 
     Args:
         base_dist: the edge's distribution.
         batch_shape: the expanded batch shape.
     """
+
+    def __init__(self, base_dist: dist.Distribution, batch_shape: tuple[int, ...] = ()):
+        super().__init__(base_dist, batch_shape)
 
     def expand(self, batch_shape: tuple[int, ...]) -> ExpandedEdge:
         """Expanded further (still an `ExpandedEdge`)."""
@@ -407,12 +410,15 @@ class MaskedEdge(dist.MaskedDistribution):
     its edge is uniform instead, a proper distribution: it adds nothing to log Z, its
     marginal is uniform and, with nothing observed through it, its expectation is the
     parents' mean. Its row normaliser (the ``"<edge>.score"`` factor) is masked by
-    NumPyro as usual, to 0. Made by [`EdgeDistribution.mask`][structinfer.EdgeDistribution.mask].
+    NumPyro as usual, to 0. Made by [`EdgeDistribution.mask`][structinfer.primitives.EdgeDistribution.mask].
 
     Args:
         base_dist: the edge's distribution.
         mask: boolean, broadcasting against the batch shape (``True`` keeps a child).
     """
+
+    def __init__(self, base_dist: dist.Distribution, mask: bool | ArrayLike):
+        super().__init__(base_dist, mask)
 
     def log_prob(self, value: jax.Array, intermediates: Any = None) -> jax.Array:
         r"""The kept children's edge log-probabilities, $-\log m$ for the others."""

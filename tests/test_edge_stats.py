@@ -85,6 +85,9 @@ CASES = [
      lambda d: d >= 1),
     ("geometric-truncated", lambda: P.Geometric(0.4, 5, max_distance=3), 5, 0,
      lambda d: (d >= 0) & (d <= 3)),
+    # its base prior's offset, with the mask on top (the padding key 5 dropped)
+    ("masked-geometric", lambda: P.Masked(P.Geometric(0.3, 6, offset=2), np.arange(6) < 5),
+     4, 2, None),
 ]
 IDS = [c[0] for c in CASES]
 #: one model per class and per way of stating the offset (each compiles a model)
