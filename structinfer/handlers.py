@@ -18,6 +18,7 @@ r"""Effect handlers (NumPyro ``Messenger`` subclasses): the exact engine's, and 
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpyro.distributions as dist
 from jax.custom_derivatives import SymbolicZero
+from numpyro.distributions.batch_util import promote_batch_shape
 from numpyro.distributions.transforms import biject_to
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import Messenger
@@ -73,6 +75,9 @@ class TiltedDistribution(dist.Distribution):
         t: the tilt, ``batch + (support,)``.
     """
 
+    # a pytree of both, as NumPyro's scan stacks a step's distributions
+    pytree_data_fields = ("base", "t")
+
     def __init__(self, base: dist.Distribution, t: jax.Array):
         self.base = base
         self.t = t
@@ -106,6 +111,15 @@ class TiltedDistribution(dist.Distribution):
             The tilted log-probabilities.
         """
         return self.base.log_prob(value) + gather(self.t, value)
+
+
+@promote_batch_shape.register
+def _promote_tilted(d: TiltedDistribution) -> TiltedDistribution:
+    # inside a scan, a step's site gains the time dim: so does its batch shape
+    new = copy.copy(d)
+    new.base = promote_batch_shape(d.base)
+    new._batch_shape = new.base.batch_shape
+    return new
 
 
 def _contract(t: jax.Array, v: jax.Array) -> jax.Array:

@@ -689,7 +689,7 @@ def edge(
         # log p(phi_i = j) + psi_ij = log softmax_j(log p + psi) + log sum_j' p e^psi:
         # the edge's own factor is normalised and the row normaliser does not depend
         # on the edge, so no contraction mixes two factors over one edge
-        numpyro.factor(name + SCORE_SUFFIX, fn.log_normalizer)
+        potential(name + SCORE_SUFFIX, fn.log_normalizer)
     return phi
 
 

@@ -730,3 +730,33 @@ def test_nan_score_in_a_chain_raises_eagerly_and_is_nan_under_jit():
     with pytest.raises(ValueError, match="edge site 'z': the model's log-marginal is NaN"):
         f(bad, lt, li, v)
     assert np.isnan(np.asarray(jax.jit(f)(bad, lt, li, v))).all()
+
+
+def test_an_attention_edge_per_step_of_a_scan(x64):
+    """Regression: a plain (non-Markov) edge with a score inside a scan body (recurrent
+    attention over a memory) failed everywhere: its row-normaliser factor lost the time
+    dim (``numpyro.factor``), the marginals' tilted distribution was no pytree, and the
+    lowering substituted its probes into the scan. Now each engine gives the per-step
+    softmax, written here; the lowering falls back to the exact engine, saying why."""
+    rng = np.random.default_rng(0)
+    steps, n, m, d = 3, 2, 4, 2
+    qs, k, v = (jnp.asarray(rng.normal(size=s)) for s in ((steps, n, d), (m, d), (m, d)))
+
+    def model(qs, k, v):
+        def step(c, q):
+            with numpyro.plate("queries", n):
+                j = si.edge("phi", si.priors.Uniform(m), si.scores.Dot(q, k))
+                numpyro.deterministic("out", v[j])
+            return c, None
+
+        scan(step, jnp.zeros(()), qs)
+
+    s = np.einsum("tid,jd->tij", np.asarray(qs), np.asarray(k))
+    a = np.exp(s - np.logaddexp.reduce(s, -1, keepdims=True))
+    np.testing.assert_allclose(si.log_marginal(model, qs, k, v),
+                               np.logaddexp.reduce(s - np.log(m), -1).sum(), rtol=1e-12)
+    np.testing.assert_allclose(si.marginals(model, qs, k, v)["phi"], a, rtol=1e-12)
+    f = si.attention(model, "out")
+    for out in (si.expectation(model, "out", qs, k, v), f(qs, k, v)):
+        np.testing.assert_allclose(out, a @ np.asarray(v), rtol=1e-12)
+    assert "inside a numpyro scan" in str(f.explain(qs, k, v))

@@ -68,7 +68,7 @@ from .._jaxpr import (
 )
 from ..exact import NotAChainError, chain_factors, inspect_model, stage_at_probes
 from ..handlers import TILT_PREFIX, missing_value_error, require_values, tilt
-from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
+from ..primitives import EDGE_INFO_KEY, SCAN_RECORD_KEY, SCORE_SUFFIX
 from ._lower import Lowered, NotLowered, lower_edge
 from ._views import eval_with_views, replay_with_views
 
@@ -450,6 +450,10 @@ def _build(plan: Plan, model, value, args, kwargs, info) -> None:
         if info[e].edge is not None and info[e].edge.markov:
             _build_markov(plan, model, value, args, kwargs, info, e)
             return
+    for e in names:
+        if info.trace[e].get(SCAN_RECORD_KEY):
+            raise _Fail(e, "scan", "is inside a numpyro scan (an attention per time step); "
+                        "in a scan only a Markov chain of edges is lowered")
     N = info.max_plate_nesting
     K = len(names)
     sizes = {e: info.enumerated[e][1] for e in names}
