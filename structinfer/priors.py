@@ -693,11 +693,15 @@ class Restricted(StructuralPrior):
         Raises:
             ValueError: if ``self_loops`` is asked of a non-square adjacency.
         """
-        adj = np.asarray(adjacency) != 0
+        xp = np if is_concrete(adjacency) else jnp  # a traced graph (under jit) stays traced
+        adj = xp.asarray(adjacency) != 0
+        if adj.ndim < 2:
+            raise ValueError("Restricted.from_graph: adjacency must be (children, parents), "
+                             f"got shape {tuple(adj.shape)}")
         if self_loops:
             if adj.shape[-1] != adj.shape[-2]:
                 raise ValueError("Restricted.from_graph: self_loops needs a square adjacency")
-            adj = adj | np.eye(adj.shape[-1], dtype=bool)
+            adj = adj | xp.eye(adj.shape[-1], dtype=bool)
         return cls(adj, pattern=Graph())
 
     @classmethod

@@ -316,3 +316,30 @@ def test_negsqdist_full_precision_normaliser_reads_its_symmetric_part():
     np.testing.assert_allclose(si.log_marginal(model, per_parent),
                                si.log_marginal(model, jnp.broadcast_to(jnp.eye(2), (3, 2, 2))),
                                rtol=1e-6)
+
+
+def test_from_graph_takes_a_traced_adjacency():
+    """Regression: ``Restricted.from_graph`` read its adjacency with NumPy, so a graph
+    passed as an argument (under ``jit``, or to ``si.attention``) raised a misleading
+    "indexes a NumPy array" error; it now builds the same prior as a concrete graph."""
+    import jax
+
+    r = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(r.normal(size=(4, 3)), jnp.float32) for _ in range(3))
+    adj = jnp.asarray(r.random((4, 4)) < 0.5)
+
+    def model(q, k, v, adj):
+        with numpyro.plate("queries", 4):
+            j = si.edge("phi", si.priors.Restricted.from_graph(adj, self_loops=True),
+                        si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    want = si.expectation(model, "out", q, k, v, adj)
+    allowed = np.asarray(adj) | np.eye(4, dtype=bool)
+    s = np.where(allowed, np.asarray(q) @ np.asarray(k).T, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(want, (w / w.sum(-1, keepdims=True)) @ np.asarray(v),
+                               atol=1e-5)
+    for got in (jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v, adj),
+                si.attention(model, "out")(q, k, v, adj)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
