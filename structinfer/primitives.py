@@ -547,7 +547,10 @@ def _check_table(table: jax.Array, what: str, site: str, batch, num_parents: int
         raise ValueError(
             f"edge site '{site}': {what} of shape {shape} has more batch dims than the "
             f"plates around the edge (batch shape {tuple(batch)}); add a plate for each "
-            "leading dim (e.g. heads)"
+            "leading dim (e.g. heads). (Under enumeration the extra dims may instead be "
+            "another enumerated site's: a prior or score that depends on a discrete "
+            "latent, such as a mixture over temperatures, is not supported; sum that "
+            "site out by hand, or make it continuous.)"
         )
     table_batch = shape[max(lead, 0) : -1]
     try:

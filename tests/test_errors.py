@@ -334,3 +334,19 @@ def test_linear_gaussian_offset_and_precision_of_the_wrong_shape():
     # traced (under jit) the shape check still runs: shapes are static
     with pytest.raises(ValueError, match="LinearGaussian: precision has shape"):
         jax.jit(lambda p: si.scores.LinearGaussian(x, z, A, precision=p).dense())(jnp.ones(2))
+
+
+def test_a_score_that_depends_on_another_enumerated_site_names_the_cause():
+    """A mixture over temperatures (an enumerated site feeding an edge's score) is not
+    supported; the error said only "add a plate", now it names the likely cause."""
+    q = k = jnp.ones((4, 2))
+    temps = jnp.array([0.5, 3.0])
+
+    def model(q, k):
+        z = numpyro.sample("z", dist.Categorical(probs=jnp.array([0.3, 0.7])),
+                           infer={"enumerate": "parallel"})
+        with numpyro.plate("queries", 4):
+            si.edge("phi", si.priors.Uniform(4), si.scores.Dot(q, k, scale=temps[z][..., None]))
+
+    with pytest.raises(ValueError, match="edge site 'phi'.*another enumerated site"):
+        si.log_marginal(model, q, k)
