@@ -410,7 +410,8 @@ class MaskedEdge(dist.MaskedDistribution):
     its edge is uniform instead, a proper distribution: it adds nothing to log Z, its
     marginal is uniform and, with nothing observed through it, its expectation is the
     parents' mean. Its row normaliser (the ``"<edge>.score"`` factor) is masked by
-    NumPyro as usual, to 0. Made by [`EdgeDistribution.mask`][structinfer.primitives.EdgeDistribution.mask].
+    NumPyro as usual, to 0. Draws are the edge's own, as NumPyro's mask changes densities
+    only (``Predictive`` masks every site to skip their log-densities). Made by [`EdgeDistribution.mask`][structinfer.primitives.EdgeDistribution.mask].
 
     Args:
         base_dist: the edge's distribution.
@@ -430,19 +431,6 @@ class MaskedEdge(dist.MaskedDistribution):
             fn = fn.base_dist
         uniform = -jnp.log(jnp.asarray(jnp.shape(fn.logits)[-1], lp.dtype))
         return jnp.where(self._mask, lp, uniform)
-
-    def sample(self, key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
-        """A draw: the kept children's from their edge, the others' uniform."""
-        if self._mask is True:
-            return self.base_dist.sample(key, sample_shape)
-        k_edge, k_uniform = jax.random.split(key)
-        edge = self.base_dist.sample(k_edge, sample_shape)
-        fn = self.base_dist
-        while not isinstance(fn, EdgeDistribution):
-            fn = fn.base_dist
-        uniform = jax.random.randint(k_uniform, jnp.shape(edge), 0, jnp.shape(fn.logits)[-1],
-                                     dtype=edge.dtype)
-        return jnp.where(self._mask, edge, uniform)
 
 
 class Potential(dist.Unit):

@@ -661,8 +661,8 @@ def test_a_negative_edge_value_has_no_probability():
 def test_a_value_recorded_inside_the_mask_has_the_uniform_expectation(x64):
     """Regression: a deterministic site recorded inside ``numpyro.handlers.mask`` had its
     engine tilt masked too, so a masked-out child's expectation came out 0, not the
-    parents' mean; and a plain draw of a masked-out edge followed the edge's table, not
-    its uniform log-density."""
+    parents' mean. (Draws stay the edge's own: NumPyro's mask changes densities only, and
+    ``Predictive`` masks every site to skip them.)"""
     r = np.random.default_rng(4)
     q, k, v = (jnp.asarray(r.normal(size=(4, 2))) for _ in range(3))
     keep = jnp.array([True, True, False, True])
@@ -676,8 +676,3 @@ def test_a_value_recorded_inside_the_mask_has_the_uniform_expectation(x64):
                 jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v, keep),
                 si.attention(model, "out")(q, k, v, keep)):
         np.testing.assert_allclose(out[2], np.asarray(v).mean(0), rtol=1e-10)
-    draws = jax.vmap(lambda key: numpyro.handlers.trace(numpyro.handlers.seed(
-        model, key)).get_trace(q, k, v, keep)["phi"]["value"])(
-        jax.random.split(jax.random.key(0), 4000))
-    freq = np.bincount(np.asarray(draws[:, 2]), minlength=4) / 4000
-    np.testing.assert_allclose(freq, 0.25, atol=0.03)  # 4.4 standard errors
