@@ -61,8 +61,12 @@ def is_concrete(x: Any) -> bool:
 def as_float_array(x: ArrayLike, what: str) -> jax.Array:
     """Convert to a floating JAX array, keeping float64 when x64 is on.
 
+    A Python number stays weakly typed (as in JAX): it takes the dtype of the arrays it
+    meets, so ``2`` or ``0.5`` does not make a float32 model float64 under x64.
+
     Args:
-        x: an array-like; integers become the default float.
+        x: an array-like; integers become the default float (a Python int a weakly
+            typed one).
         what: the argument's name, for the error message.
 
     Returns:
@@ -76,7 +80,8 @@ def as_float_array(x: ArrayLike, what: str) -> jax.Array:
     except TypeError as e:  # pragma: no cover - message improvement only
         raise TypeError(f"{what}: expected an array, got {type(x).__name__}") from e
     if not jnp.issubdtype(arr.dtype, jnp.floating):
-        arr = arr.astype(jnp.result_type(float))
+        # astype would make a weakly typed int a strongly typed float; adding 0.0 does not
+        arr = arr + 0.0 if arr.weak_type else arr.astype(jnp.result_type(float))
     return arr
 
 

@@ -138,15 +138,19 @@ class StructuralPrior:
 
     @property
     def parameter_dtype(self) -> Any:
-        """The floating dtype of the prior's parameters (a geometric $q$, a bias table),
-        or ``None`` for a parameter-free prior (uniform, a mask), whose table has no dtype
-        of its own: [`edge`][structinfer.edge] then gives it the score's dtype, so a
-        float32 model stays float32 when float64 is enabled."""
+        """The floating dtype of the prior's array parameters (a bias table, an array
+        $q$), or ``None`` when its table has no dtype of its own: a parameter-free prior
+        (uniform, a mask), or one whose parameters are Python numbers (``Geometric(0.3)``,
+        weakly typed as in JAX). [`edge`][structinfer.edge] then gives the table the
+        score's dtype, so a float32 model stays float32 when float64 is enabled."""
         floats = [
             leaf for leaf in jax.tree.leaves(vars(self))
             if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)
         ]
-        return jnp.result_type(*floats) if floats else None
+        if not floats:
+            return None
+        dtype, weak = jax.dtypes.result_type(*floats, return_weak_type_flag=True)
+        return None if weak else dtype
 
     def log_table(self, num_children: int) -> jax.Array:
         r"""Normalised log-prior $\log p(\phi_i=j)$, shape ``(..., children, parents)``.

@@ -540,9 +540,9 @@ class LinearGaussian(Score):
         s = -0.5 * jnp.sum(diff * diff * prec, -1)
         if self.normalize:
             d = self.x.shape[-1]
-            logdet = (
-                0.0 if self.precision is None else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,))))
-            )
+            # d log(precision) for a scalar: a sum would make a Python number float64
+            logdet = (0.0 if self.precision is None else d * jnp.log(prec) if prec.ndim == 0
+                      else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,)))))
             s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
         return s
 
