@@ -1,12 +1,14 @@
 """Small input checks and array helpers shared by priors, scores and the engine.
 
-Checks only run on concrete arrays: under ``jax.jit`` the values are tracers and
-the checks that need values are skipped (shape checks still run, since shapes
-are static).
+Shape checks run everywhere (shapes are static). A check of values raises on concrete
+arrays; on traced ones (under ``jax.jit``, ``jax.grad``, ``jax.vmap``) it either is
+skipped or, for the arguments of scores and priors (``require``), turns them into
+NaN, so that a bad value never gives a finite answer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,8 +61,12 @@ def is_concrete(x: Any) -> bool:
 def as_float_array(x: ArrayLike, what: str) -> jax.Array:
     """Convert to a floating JAX array, keeping float64 when x64 is on.
 
+    A Python number stays weakly typed (as in JAX): it takes the dtype of the arrays it
+    meets, so ``2`` or ``0.5`` does not make a float32 model float64 under x64.
+
     Args:
-        x: an array-like; integers become the default float.
+        x: an array-like; integers become the default float (a Python int a weakly
+            typed one).
         what: the argument's name, for the error message.
 
     Returns:
@@ -76,7 +82,8 @@ def as_float_array(x: ArrayLike, what: str) -> jax.Array:
         raise TypeError(f"{what}: expected an array, got {type(x).__name__}") from e
     check_real(arr, what)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
-        arr = arr.astype(jnp.result_type(float))
+        # astype would make a weakly typed int a strongly typed float; adding 0.0 does not
+        arr = arr + 0.0 if arr.weak_type else arr.astype(jnp.result_type(float))
     return arr
 
 
@@ -159,21 +166,40 @@ def check_layout(x: jax.Array, ndim: int, what: str, layout: str, hint: str = ""
         raise ValueError(f"{what} must be {layout}, got shape {tuple(jnp.shape(x))}{hint}")
 
 
-def all_positive(x: ArrayLike) -> bool:
-    """False when ``x`` is concrete and has an entry that is not ``> 0`` (NaN included).
+def require(ok: Callable[..., Any], message: str, *values: Any) -> Any:
+    """Check the arguments of a score or prior: an error on concrete values, NaN on traced ones.
 
-    A traced ``x`` (a hyperparameter under ``jax.jit`` / ``jax.grad`` / ``jax.vmap``) passes:
-    value checks run eagerly and are skipped under tracing.
+    ``ok(xp, *values)`` returns booleans (any shape; every entry must hold), computed with
+    ``xp`` = ``numpy`` when every value is concrete and ``jax.numpy`` when one is traced.
+
+    * Every value concrete (run eagerly, or a constant inside ``jit``): raises
+      ``ValueError(message.format(*values))`` unless every entry holds.
+    * A traced value (under ``jax.jit``, ``jax.grad`` or ``jax.vmap``, and inside
+      `structinfer.attention`, which traces the model under its own ``jit``): unless every
+      entry holds, each traced value becomes NaN, so that what is computed from it is NaN,
+      never a finite wrong number. `structinfer.attention` called on concrete arguments
+      then raises this error (a NaN answer re-runs the model eagerly).
 
     Args:
-        x: the array to check.
+        ok: the condition, ``ok(xp, *values) -> booleans``.
+        message: the error, a ``str.format`` template of the values (as NumPy arrays).
+        *values: the arguments checked (arrays or Python numbers).
 
     Returns:
-        Whether every entry is positive (``True`` when traced).
+        The values, the concrete ones unchanged: one value, or a tuple of several.
+
+    Raises:
+        ValueError: the values are concrete and a condition fails.
     """
-    if not is_concrete(x):
-        return True
-    return bool(np.all(np.asarray(x) > 0))
+    if all(is_concrete(v) for v in values):
+        shown = [np.asarray(v) for v in values]
+        if not bool(np.all(ok(np, *shown))):
+            raise ValueError(message.format(*shown))
+        out = values
+    else:
+        good = jnp.all(ok(jnp, *values))
+        out = tuple(v if is_concrete(v) else jnp.where(good, v, jnp.nan) for v in values)
+    return out[0] if len(out) == 1 else out
 
 
 def check_count(value: Any, what: str, minimum: int = 1, *, none_ok: bool = False,

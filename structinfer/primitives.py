@@ -654,8 +654,9 @@ def edge(
             raise type(e)(f"edge site '{name}': score {type(score_obj).__name__}: {e}") from e
         _check_table(score_table, "score", name, batch, num_parents)
         check_finite(score_table, f"edge site '{name}': score")
-        if prior.parameter_dtype is None:  # uniform / a mask: the score sets the dtype
-            log_prior = log_prior.astype(score_table.dtype)
+        if prior.parameter_dtype is None:  # uniform, a mask, Python numbers: no dtype of
+            # its own, the score's (in float32 for a 16-bit score, as the engine sums it)
+            log_prior = log_prior.astype(float32_at_least(score_table).dtype)
 
     info = EdgeInfo(name, prior, score_obj, num_children, num_parents, child_plate.name, child)
     site_infer = {"enumerate": "parallel", EDGE_INFO_KEY: info}

@@ -27,6 +27,10 @@ Positions: child ``i`` sits at parent position ``i + offset`` (``offset=0`` by
 default, i.e. self attention; for a cross setting where the queries are the
 last ``n`` of ``m`` keys, use ``offset=m - n``). The *distance* from child ``i``
 to parent ``j`` is ``d = i + offset - j`` (positive for earlier parents).
+
+A parameter out of its range (a geometric ``q`` outside (0, 1), a NaN logit) raises a
+``ValueError`` naming it; traced (under ``jax.jit``), where it cannot raise, it is NaN,
+and so is everything computed from it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from ._checks import (
     float32_at_least,
     is_concrete,
     normalise_log_weights,
+    require,
 )
 
 __all__ = [
@@ -134,15 +139,19 @@ class StructuralPrior:
 
     @property
     def parameter_dtype(self) -> Any:
-        """The floating dtype of the prior's parameters (a geometric $q$, a bias table),
-        or ``None`` for a parameter-free prior (uniform, a mask), whose table has no dtype
-        of its own: [`edge`][structinfer.edge] then gives it the score's dtype, so a
-        float32 model stays float32 when float64 is enabled."""
+        """The floating dtype of the prior's array parameters (a bias table, an array
+        $q$), or ``None`` when its table has no dtype of its own: a parameter-free prior
+        (uniform, a mask), or one whose parameters are Python numbers (``Geometric(0.3)``,
+        weakly typed as in JAX). [`edge`][structinfer.edge] then gives the table the
+        score's dtype, so a float32 model stays float32 when float64 is enabled."""
         floats = [
             leaf for leaf in jax.tree.leaves(vars(self))
             if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)
         ]
-        return jnp.result_type(*floats) if floats else None
+        if not floats:
+            return None
+        dtype, weak = jax.dtypes.result_type(*floats, return_weak_type_flag=True)
+        return None if weak else dtype
 
     def log_table(self, num_children: int) -> jax.Array:
         r"""Normalised log-prior $\log p(\phi_i=j)$, shape ``(..., children, parents)``.
@@ -797,11 +806,8 @@ class Categorical(StructuralPrior):
         logits = as_float_array(logits, "Categorical prior logits")
         if logits.ndim < 1:
             raise ValueError("Categorical prior: logits must have a parent axis")
-        if is_concrete(logits):  # numpy: jnp ops on constants are staged out under jit
-            la = np.asarray(logits)
-            if np.any(np.isnan(la) | (la == np.inf)):
-                raise ValueError("Categorical prior: logits contain NaN or +inf")
-        self.logits = logits
+        self.logits = require(lambda xp, lg: ~(xp.isnan(lg) | (lg == xp.inf)),
+                              "Categorical prior: logits contain NaN or +inf", logits)
         self.num_parents = int(logits.shape[-1])
         self.offset = _check_offset(offset, "Categorical prior")
 
@@ -1027,12 +1033,9 @@ class Geometric(StructuralPrior):
         offset: int = 0,
         max_distance: int | None = None,
     ):
-        q = as_float_array(q, "Geometric prior q")
-        if is_concrete(q):
-            qa = np.asarray(q)
-            if np.any(~np.isfinite(qa)) or np.any(qa <= 0) or np.any(qa >= 1):
-                raise ValueError(f"Geometric prior: q must lie in (0, 1), got {qa}")
-        self.q = q
+        self.q = require(lambda xp, q: (q > 0) & (q < 1),
+                         "Geometric prior: q must lie in (0, 1), got {}",
+                         as_float_array(q, "Geometric prior q"))
         self.num_parents = _check_num_parents(num_parents)
         self.include_self = bool(include_self)
         check_static_int(offset, "offset", "Geometric prior")
@@ -1126,15 +1129,14 @@ class Markov(StructuralPrior):
                     f"Markov prior: log_initial must have shape ({k},) to match "
                     f"log_transition {tuple(lt.shape)}, got {tuple(li.shape)}"
                 )
-        for what, x in (("log_transition", lt), ("log_initial", li)):
-            if x is not None and is_concrete(x):
-                xa = np.asarray(x)
-                if np.any(np.isnan(xa) | (xa == np.inf)):
-                    raise ValueError(f"Markov prior: {what} contains NaN or +inf")
-                if not np.isfinite(xa).any(axis=-1).all():
-                    raise ValueError(f"Markov prior: a row of {what} allows no edge")
-        self.log_transition = lt
-        self.log_initial = li
+        def checked(x, what):
+            x = require(lambda xp, x: ~(xp.isnan(x) | (x == xp.inf)),
+                        f"Markov prior: {what} contains NaN or +inf", x)
+            return require(lambda xp, x: xp.isfinite(x).any(axis=-1),
+                           f"Markov prior: a row of {what} allows no edge", x)
+
+        self.log_transition = checked(lt, "log_transition")
+        self.log_initial = None if li is None else checked(li, "log_initial")
         self.num_parents = k
 
     def _log_weights(self, num_children: int) -> jax.Array:

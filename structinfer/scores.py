@@ -14,6 +14,10 @@ weighting attention"); every choice here is the log-potential of some model.
 
 Layout convention: child features are ``(..., children, d)``, parent features
 ``(..., parents, d)``; leading batch dims broadcast.
+
+A parameter out of its range (a precision that is not positive, a kernel width
+$\sigma \le 0$) raises a ``ValueError`` naming it; traced (under ``jax.jit``), where it
+cannot raise, it is NaN, and so is everything computed from it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from ._checks import all_positive, as_float_array, check_ndim, float32_at_least, is_concrete
+from ._checks import as_float_array, check_ndim, float32_at_least, is_concrete, require
 
 __all__ = [
     "Score",
@@ -80,10 +84,10 @@ def safe_pow_dist(sq: jax.Array, p: ArrayLike) -> jax.Array:
     return jnp.where(pos, safe * safe ** (p / 2.0 - 1.0), 0.0)
 
 
-def _check_p_eps(p, eps, score: str) -> None:
-    """``p > 0`` and ``eps > 0``, checked on concrete values only (skipped under tracing)."""
-    if not (all_positive(p) and all_positive(eps)):
-        raise ValueError(f"{score}: need p > 0 and eps > 0, got p={p}, eps={eps}")
+def _check_p_eps(p, eps, score: str) -> tuple[Any, Any]:
+    """``(p, eps)``, both required ``> 0`` (traced: NaN unless they are, see ``require``)."""
+    return require(lambda xp, p, eps: (p > 0) & (eps > 0),
+                   score + ": need p > 0 and eps > 0, got p={}, eps={}", p, eps)
 
 
 def _check_features(x, name: str, score: str) -> jax.Array:
@@ -326,17 +330,13 @@ class NegSqDist(_PairScore):
                 )
             kind = fits[0]
             self.precision_form = {"parent_diag": "diag", "parent_full": "full"}.get(kind, kind)
-            if is_concrete(P):
-                Pa = np.asarray(P)
-                if kind in ("full", "parent_full"):
-                    ok = np.all(np.linalg.eigvalsh((Pa + np.swapaxes(Pa, -1, -2)) / 2) > 0)
-                else:
-                    ok = np.all(Pa > 0)
-                if not ok:
-                    raise ValueError(
-                        "NegSqDist: precision must be positive (definite); got a "
-                        f"non-positive {kind} precision"
-                    )
+            def positive(xp, P):  # the quadratic form reads the symmetric part
+                if self.precision_form == "full":
+                    return xp.linalg.eigvalsh((P + xp.swapaxes(P, -1, -2)) / 2) > 0
+                return P > 0
+
+            self.precision = require(positive, "NegSqDist: precision must be positive "
+                                     f"(definite); got a non-positive {kind} precision", P)
 
     def dense(self) -> jax.Array:
         diff = _pairwise_diff(*self._features())  # (..., n, m, d)
@@ -378,7 +378,7 @@ class NegLogDist(_PairScore):
         q: child features ``(..., children, d)``.
         k: parent features ``(..., parents, d)``.
         p: distance exponent $p > 0$; may be traced (``jax.jit``, ``jax.grad``).
-        eps: offset $\epsilon > 0$; may be traced. The checks run on concrete values only.
+        eps: offset $\epsilon > 0$; may be traced.
 
     Raises:
         ValueError: if a concrete ``p`` or ``eps`` is not positive.
@@ -388,8 +388,7 @@ class NegLogDist(_PairScore):
 
     def __init__(self, q: ArrayLike, k: ArrayLike, p: float = 2.0, eps: float = 1e-3):
         super().__init__(q, k)
-        _check_p_eps(p, eps, "NegLogDist")
-        self.p, self.eps = p, eps
+        self.p, self.eps = _check_p_eps(p, eps, "NegLogDist")
 
     def dense(self) -> jax.Array:
         return -jnp.log(self.eps + safe_pow_dist(_sq_dist(*self._features()), self.p))
@@ -412,8 +411,7 @@ class InvDist(_PairScore):
 
     def __init__(self, q: ArrayLike, k: ArrayLike, p: float = 2.0, eps: float = 1e-3):
         super().__init__(q, k)
-        _check_p_eps(p, eps, "InvDist")
-        self.p, self.eps = p, eps
+        self.p, self.eps = _check_p_eps(p, eps, "InvDist")
 
     def dense(self) -> jax.Array:
         return 1.0 / (self.eps + safe_pow_dist(_sq_dist(*self._features()), self.p))
@@ -432,9 +430,8 @@ class GaussianKernel(_PairScore):
 
     def __init__(self, q: ArrayLike, k: ArrayLike, sigma: float = 1.0):
         super().__init__(q, k)
-        if not all_positive(sigma):
-            raise ValueError(f"GaussianKernel: sigma must be > 0, got {sigma}")
-        self.sigma = sigma
+        self.sigma = require(lambda xp, s: s > 0, "GaussianKernel: sigma must be > 0, got {}",
+                             sigma)
 
     def dense(self) -> jax.Array:
         return jnp.exp(-_sq_dist(*self._features()) / (self.sigma**2))
@@ -458,9 +455,8 @@ class Cosine(_PairScore):
 
     def __init__(self, q: ArrayLike, k: ArrayLike, scale: float = 1.0, eps: float = 1e-8):
         super().__init__(q, k)
-        if is_concrete(eps) and not bool(np.all(np.asarray(eps) >= 0)):
-            raise ValueError(f"Cosine: eps must be >= 0, got {eps}")
-        self.scale, self.eps = scale, eps
+        self.scale = scale
+        self.eps = require(lambda xp, e: e >= 0, "Cosine: eps must be >= 0, got {}", eps)
 
     def dense(self) -> jax.Array:
         q, k = self._features()
@@ -528,9 +524,10 @@ class LinearGaussian(Score):
         if self.precision is not None and not _broadcasts_to(self.precision.shape, (dx,)):
             raise ValueError(f"LinearGaussian: precision has shape {tuple(self.precision.shape)}, "
                              f"expected a scalar or (d_x,) = ({dx},) (a diagonal precision)")
-        if self.precision is not None and not all_positive(self.precision):
-            raise ValueError("LinearGaussian: precision must be > 0 (a scalar or a diagonal "
-                             f"(d_x,) = ({self.x.shape[-1]},)), got a non-positive entry")
+        if self.precision is not None:
+            self.precision = require(
+                lambda xp, p: p > 0, "LinearGaussian: precision must be > 0 (a scalar or a "
+                f"diagonal (d_x,) = ({self.x.shape[-1]},)), got {{}}", self.precision)
         self.normalize = normalize
 
     @property
@@ -558,9 +555,9 @@ class LinearGaussian(Score):
         s = -0.5 * jnp.sum(diff * diff * prec, -1)
         if self.normalize:
             d = self.x.shape[-1]
-            logdet = (
-                0.0 if self.precision is None else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,))))
-            )
+            # d log(precision) for a scalar: a sum would make a Python number float64
+            logdet = (0.0 if self.precision is None else d * jnp.log(prec) if prec.ndim == 0
+                      else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,)))))
             s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
         return s
 

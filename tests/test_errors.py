@@ -6,6 +6,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from numpyro.contrib.control_flow import scan
 from numpyro.handlers import substitute
 
 import structinfer as si
@@ -156,7 +157,7 @@ def test_bad_score_scale_arguments():
         si.scores.LinearGaussian(q, q, jnp.eye(2)[None], precision=jnp.array([1.0, -1.0]))
     with pytest.raises(ValueError, match="RelativePosition: max_distance must be >= 0"):
         si.priors.RelativePosition(jnp.zeros(3), M, max_distance=-1)
-    # traced (under jit) they are not checked, and a valid one runs
+    # traced (under jit) a valid one runs (a bad one is NaN: test_value_checks_of_traced_...)
     jax.jit(lambda s: si.scores.GaussianKernel(q, q, sigma=s).dense())(2.0)
 
 
@@ -350,3 +351,92 @@ def test_a_score_that_depends_on_another_enumerated_site_names_the_cause():
 
     with pytest.raises(ValueError, match="edge site 'phi'.*another enumerated site"):
         si.log_marginal(model, q, k)
+
+
+# --------------------------------------- value checks on traced arguments (jit, attention)
+
+
+def _edge_model(prior, score):
+    """One edge whose prior and score are built from the model's argument ``a``."""
+    def model(a):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", prior(a), score(a))
+            numpyro.deterministic("out", jnp.asarray(V)[j])
+
+    return model
+
+
+def _markov_model(log_transition, log_initial):
+    """A chain of T = 4 Markov edges over K = 3 states, its prior built from ``a``."""
+    emission = jnp.asarray(r.normal(size=(4, 3)))
+
+    def model(a):
+        prior = si.priors.Markov(log_transition(a), log_initial(a))
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("out", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, jnp.asarray(-1), emission)
+
+    return model
+
+
+_S, _P = si.scores, si.priors
+_UNIFORM, _DOT = (lambda a: _P.Uniform(M)), (lambda a: _S.Dot(XQ, XK))
+_LT = np.log(np.full((3, 3), 1 / 3))
+
+#: every value check of a score or prior: (model of the checked argument, a bad value)
+_VALUE_CHECKS = {
+    "NegSqDist scalar precision": (_edge_model(_UNIFORM, lambda a: _S.NegSqDist(XQ, XK, a)),
+                                   -1.0),
+    "NegSqDist diagonal precision": (
+        _edge_model(_UNIFORM, lambda a: _S.NegSqDist(XQ, XK, a)), [1.0, -1.0, 1.0]),
+    "NegSqDist full precision": (
+        _edge_model(_UNIFORM, lambda a: _S.NegSqDist(XQ, XK, a)), np.diag([1.0, -1.0, 1.0])),
+    "NegSqDist per-parent full precision": (
+        _edge_model(_UNIFORM, lambda a: _S.NegSqDist(XQ, XK, a, precision_kind="parent_full")),
+        np.stack([np.eye(D)] * (M - 1) + [-np.eye(D)])),
+    "NegLogDist p": (_edge_model(_UNIFORM, lambda a: _S.NegLogDist(XQ, XK, p=a)), -1.0),
+    "NegLogDist eps": (_edge_model(_UNIFORM, lambda a: _S.NegLogDist(XQ, XK, eps=a)), 0.0),
+    "InvDist p": (_edge_model(_UNIFORM, lambda a: _S.InvDist(XQ, XK, p=a)), 0.0),
+    "InvDist eps": (_edge_model(_UNIFORM, lambda a: _S.InvDist(XQ, XK, eps=a)), -1.0),
+    "GaussianKernel sigma": (_edge_model(_UNIFORM, lambda a: _S.GaussianKernel(XQ, XK, a)),
+                             0.0),
+    "Cosine eps": (_edge_model(_UNIFORM, lambda a: _S.Cosine(XQ, XK, eps=a)), -1e-3),
+    "LinearGaussian precision": (
+        _edge_model(_UNIFORM, lambda a: _S.LinearGaussian(XQ, XK, np.eye(D), precision=a)),
+        [1.0, 0.0, 1.0]),
+    "Geometric q": (_edge_model(lambda a: _P.Geometric(a, M, offset=M - N), _DOT), 1.5),
+    "Geometric q per child": (_edge_model(lambda a: _P.Geometric(a, M, offset=M - N), _DOT),
+                              [0.3, 0.3, np.nan, 0.3, 0.3]),
+    "Categorical logits row": (_edge_model(lambda a: _P.Categorical(a), _DOT),
+                               [0.0, np.nan] + [0.0] * (M - 2)),
+    "Categorical logits table": (_edge_model(lambda a: _P.Categorical(a), _DOT),
+                                 np.where(np.eye(N, M) > 0, np.inf, 0.0)),
+    "Markov log_transition": (_markov_model(lambda a: a, lambda a: np.zeros(3)),
+                              np.where(np.eye(3) > 0, np.nan, _LT)),
+    "Markov log_transition row": (_markov_model(lambda a: a, lambda a: np.zeros(3)),
+                                  np.where(np.arange(3)[:, None] == 1, -np.inf, _LT)),
+    "Markov log_initial": (_markov_model(lambda a: _LT, lambda a: a), [0.0, np.inf, 0.0]),
+}
+
+
+@pytest.mark.parametrize("case", list(_VALUE_CHECKS))
+def test_value_checks_of_traced_arguments(case):
+    """Every value check of a score's or prior's argument holds when the argument is a
+    model argument, which `si.attention` traces under its own jit: called eagerly, it
+    raises the exact engine's error (naming the argument), and under an outer jit both
+    engines answer NaN, never the formula's finite number (a negative precision, a
+    geometric q outside (0, 1), ... gave one)."""
+    model, bad = _VALUE_CHECKS[case]
+    bad = np.asarray(bad, np.float32)
+    with pytest.raises(ValueError) as exact:
+        si.expectation(model, "out", bad)
+    with pytest.raises(ValueError) as lowered:
+        si.attention(model, "out")(bad)
+    assert str(lowered.value) == str(exact.value)
+    for out in (jax.jit(si.attention(model, "out"))(bad),
+                jax.jit(lambda a: si.expectation(model, "out", a))(bad)):  # noqa: B023
+        assert np.all(np.isnan(np.asarray(out))), (case, out)

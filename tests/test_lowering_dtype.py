@@ -24,6 +24,7 @@ import numpyro
 import pytest
 from conftest import float64, matrix, on_hopper
 from jax.extend.core import jaxprs_in_params
+from numpyro.contrib.control_flow import scan
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -374,3 +375,79 @@ def test_layer_precision_reaches_the_attention():
     precs = _dot_precisions(jax.make_jaxpr(
         lambda s, x: nnx.merge(graphdef, s)(x))(state, x))
     assert len(precs) >= 2 and all(p == HIGHEST for p in precs), precs  # q·k, p·v
+
+
+# --- Python numbers in priors and scores take the model's dtype --------------------------
+
+_P, _S = si.priors, si.scores
+_EYE = np.eye(4)
+
+#: priors over the 5 parents of 5 children, with a Python number where one is taken
+#: (weakly typed in JAX: it has no dtype of its own), else arrays of the inputs' dtype
+WEAK_PRIORS = {
+    "Uniform": lambda x: _P.Uniform(5),
+    "Restricted": lambda x: _P.Restricted.causal(5),
+    "Categorical": lambda x: _P.Categorical(jnp.zeros(5, x.dtype)),
+    "RelativePosition": lambda x: _P.RelativePosition(jnp.linspace(0, 1, 9, dtype=x.dtype), 5),
+    "RelativePosition.hartley": lambda x: _P.RelativePosition.hartley(
+        jnp.ones(2, x.dtype), 5),
+    "Geometric": lambda x: _P.Geometric(0.3, 5),
+    "Geometric window": lambda x: _P.Geometric(0.3, 5, max_distance=2),
+}
+
+#: scores of the features ``x`` (5, 4), with Python-number parameters (ints too)
+WEAK_SCORES = {
+    "Dot": lambda x: _S.Dot(x, x, scale=0.5),
+    "Bilinear": lambda x: _S.Bilinear(x, x, _EYE.astype(x.dtype), _EYE.astype(x.dtype), 0.5),
+    "NegSqDist": lambda x: _S.NegSqDist(x, x, precision=2.0, normalize=True),
+    "NegSqDist int": lambda x: _S.NegSqDist(x, x, precision=2),
+    "NegLogDist": lambda x: _S.NegLogDist(x, x, p=1.5, eps=0.1),
+    "InvDist": lambda x: _S.InvDist(x, x, p=1, eps=1),
+    "GaussianKernel": lambda x: _S.GaussianKernel(x, x, sigma=2.0),
+    "Cosine": lambda x: _S.Cosine(x, x, scale=2.0, eps=1e-6),
+    "LinearGaussian": lambda x: _S.LinearGaussian(x, x, _EYE.astype(x.dtype), precision=2.0,
+                                                  normalize=True),
+    "LinearGaussian int": lambda x: _S.LinearGaussian(x, x, _EYE.astype(x.dtype), precision=3),
+    "Sum": lambda x: _S.Dot(x, x, scale=0.5) + _S.NegSqDist(x, x, precision=2.0),
+}
+
+
+def _markov_model(x, v):
+    prior = si.priors.Markov(jnp.zeros((4, 4), x.dtype), jnp.zeros(4, x.dtype))
+
+    def step(previous, e):
+        z = si.edge("phi", prior, e, previous=previous)
+        numpyro.deterministic("out", v[z])
+        return z, None
+
+    scan(step, jnp.asarray(-1), x)
+
+
+def _weak_model(prior, score):
+    def model(x, v):
+        with numpyro.plate("children", 5):
+            j = si.edge("phi", WEAK_PRIORS[prior](x), WEAK_SCORES[score](x))
+            numpyro.deterministic("out", v[j])
+
+    return model
+
+
+@pytest.mark.parametrize("prior, score", [*[(p, "Dot") for p in WEAK_PRIORS],
+                                          *[("Uniform", s) for s in WEAK_SCORES if s != "Dot"],
+                                          ("Geometric", "LinearGaussian int"), ("Markov", None)])
+def test_python_numbers_take_the_models_dtype_under_x64(prior, score, x64):
+    """A Python number in a prior or score (``Geometric(0.3)``, ``Dot(scale=0.5)``,
+    ``NegSqDist(precision=2)``) is weakly typed, as in JAX: under x64 a float32 model
+    answers in float32 (marginals, log Z, expectation, `si.attention`; a geometric q made
+    them float64) and a float64 model in float64."""
+    model = _markov_model if prior == "Markov" else _weak_model(prior, score)
+    r = np.random.default_rng(0)
+    for dtype in (jnp.float32, jnp.float64):
+        x = jnp.asarray(0.5 * r.normal(size=(5, 4)), dtype)
+        v = jnp.asarray(r.normal(size=(4 if prior == "Markov" else 5, 2)), dtype)
+        exact = jax.jit(lambda x, v: {"marginals": si.marginals(model, x, v)["phi"],  # noqa: B023
+                                      "log Z": si.log_marginal(model, x, v),  # noqa: B023
+                                      "expectation": si.expectation(model, "out", x, v)})  # noqa: B023
+        got = {**exact(x, v), "attention": si.attention(model, "out")(x, v)}
+        assert {k: a.dtype for k, a in got.items()} == dict.fromkeys(got, dtype), (
+            prior, score, dtype)

@@ -459,7 +459,10 @@ def attention(
             integers, strings) are static. Called on concrete arrays, a child with no
             allowed parent or a NaN/inf score raises the exact engine's error (found
             from the kernel's per-row log-normaliser, no second pass), and so does a
-            model that gives every structure zero probability; under an outer ``jit`` that row is NaN. ``f``
+            model that gives every structure zero probability or a score's or prior's
+            argument out of its range (a negative precision, a geometric ``q`` outside
+            (0, 1)); under an outer ``jit`` that row (for an argument, the answer) is
+            NaN. ``f``
             is jitted internally and can be jitted, vmapped and differentiated again:
             in reverse mode on every kernel (the blocked and fused kernels' gradients
             are custom VJPs); forward mode (``jax.jvp``, ``jax.jacfwd``) on the dense
@@ -528,8 +531,9 @@ def attention(
 
     def checked(args, kwargs, dyn, result):
         out, lses = result
-        # concrete inputs: a non-finite row is an error, as in the exact engine (its value
-        # checks are skipped inside our jit); under an outer jit the row stays NaN
+        # concrete inputs: a non-finite row is an error, as in the exact engine (inside our
+        # jit its value checks see tracers, and a bad value is NaN); under an outer jit the
+        # row stays NaN
         if all(is_concrete(x) for x in dyn) and (
             any(not bool(jnp.all(jnp.isfinite(lse))) for lse in lses.values())
             or (not lses and bool(jnp.any(jnp.isnan(out))))

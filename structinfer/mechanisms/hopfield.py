@@ -7,7 +7,7 @@ import jax
 import numpyro
 
 from .. import priors, scores
-from .._checks import all_positive, check_static_int
+from .._checks import check_static_int, require
 from ..primitives import edge
 from ._common import features, latent_nodes
 
@@ -58,8 +58,7 @@ def hopfield(
     """
     memories = features(memories, "memories", "hopfield")
     check_static_int(num_states, "num_states", "hopfield")
-    if not all_positive(beta):  # concrete values only: beta may be traced (jit / grad)
-        raise ValueError(f"hopfield: beta must be > 0, got {beta}")
+    beta = require(lambda xp, b: b > 0, "hopfield: beta must be > 0, got {}", beta)
     d = memories.shape[-1]
     state = latent_nodes("state", (num_states, d), beta if node_potential else None, memories.dtype)
     with numpyro.plate("states", num_states):
