@@ -198,7 +198,11 @@ def require(ok: Callable[..., Any], message: str, *values: Any) -> Any:
         out = values
     else:
         good = jnp.all(ok(jnp, *values))
-        out = tuple(v if is_concrete(v) else jnp.where(good, v, jnp.nan) for v in values)
+        # added, not selected: the NaN reaches the parameter's gradient too (a select's
+        # would be a finite 0 for it)
+        # (a weakly typed NaN or 0: the value keeps its dtype and weak type)
+        out = tuple(v if is_concrete(v) else v + jnp.where(good, 0.0, jnp.nan)
+                    for v in values)
     return out[0] if len(out) == 1 else out
 
 

@@ -168,8 +168,14 @@ def active_plates() -> list[CondIndepStackFrame]:
         NumPyro's `CondIndepStackFrame(name, dim, size)` of each plate (`size`: the
         subsample size).
     """
-    msg = {"type": "deterministic", "name": _PLATES_PROBE, "value": None, "args": (),
-           "kwargs": {}, "cond_indep_stack": []}
+    msg = _probe({"type": "deterministic", "name": _PLATES_PROBE, "cond_indep_stack": []})
+    return [f for f in reversed(msg["cond_indep_stack"]) if f.dim is not None]
+
+
+def _probe(msg: dict) -> dict:
+    """Send ``msg`` through the handlers without it being recorded as a site: its name
+    travels while the handlers read it and is dropped before any records it."""
+    msg.update(value=None, args=(), kwargs={})
 
     def drop_name():
         msg.pop("name", None)
@@ -178,7 +184,7 @@ def active_plates() -> list[CondIndepStackFrame]:
     msg["fn"] = drop_name
     apply_stack(msg)
     msg.pop("name", None)
-    return [f for f in reversed(msg["cond_indep_stack"]) if f.dim is not None]
+    return msg
 
 
 def parent_masks(name: str) -> list[jax.Array]:
@@ -195,17 +201,7 @@ def parent_masks(name: str) -> list[jax.Array]:
     Returns:
         The masks, innermost handler first (empty when there is none).
     """
-    msg = {"type": MASK_PARENTS_TYPE, "name": name, "value": None, "args": (),
-           "kwargs": {}, "masks": []}
-
-    def drop_name():
-        msg.pop("name", None)
-        return ()
-
-    msg["fn"] = drop_name
-    apply_stack(msg)
-    msg.pop("name", None)
-    return list(msg["masks"])
+    return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
 
 MASK_PARENTS_TYPE = "structinfer_mask_parents"
@@ -294,7 +290,41 @@ def _gather_branches(tpad: tuple, ipad: tuple, out_shape: tuple, m: int):
     return jax.jit(moved), jax.jit(take)
 
 
-class EdgeDistribution(dist.CategoricalLogits):
+class _EdgeWrappers:
+    r"""``mask`` and ``expand`` of an edge and of its wrappers: a mask makes a
+    [`MaskedEdge`][structinfer.primitives.MaskedEdge], an expansion (a plate the table
+    lacks a dim of) an [`ExpandedEdge`][structinfer.primitives.ExpandedEdge], however
+    they nest (NumPyro's own would make plain wrappers, whose mask adds $\log m$ per
+    masked-out child to log Z)."""
+
+    def mask(self, mask: bool | ArrayLike) -> dist.Distribution:
+        """This edge with its masked-out children taking their parent uniformly.
+
+        ``numpyro.handlers.mask`` calls it; see [`MaskedEdge`][structinfer.primitives.MaskedEdge].
+
+        Args:
+            mask: boolean, broadcasting against the batch shape (``True`` keeps a child).
+
+        Returns:
+            The masked edge (this one for a Python ``True``, as NumPyro's).
+        """
+        return self if mask is True else MaskedEdge(self, mask)
+
+    def expand(self, batch_shape: tuple[int, ...]) -> dist.Distribution:
+        """This edge broadcast to ``batch_shape``.
+
+        Args:
+            batch_shape: the new batch shape.
+
+        Returns:
+            An [`ExpandedEdge`][structinfer.primitives.ExpandedEdge] (this one when the shape
+                is its own).
+        """
+        batch_shape = tuple(batch_shape)
+        return self if batch_shape == self.batch_shape else ExpandedEdge(self, batch_shape)
+
+
+class EdgeDistribution(_EdgeWrappers, dist.CategoricalLogits):
     r"""NumPyro's ``Categorical`` over parents, with a log-prob that is ``O(output)`` in memory.
 
     $$
@@ -342,41 +372,14 @@ class EdgeDistribution(dist.CategoricalLogits):
         lp = gather(self.logits, value)  # NumPy semantics: -1 would read the last parent
         return jnp.where(jnp.asarray(value) < 0, jnp.nan, lp)
 
-    def mask(self, mask: bool | ArrayLike) -> EdgeDistribution | MaskedEdge:
-        """This edge with its masked-out children taking their parent uniformly.
 
-        ``numpyro.handlers.mask`` calls it; see [`MaskedEdge`][structinfer.primitives.MaskedEdge].
-
-        Args:
-            mask: boolean, broadcasting against the batch shape (``True`` keeps a child).
-
-        Returns:
-            The masked edge distribution (this one for a Python ``True``, as NumPyro's).
-        """
-        return self if mask is True else MaskedEdge(self, mask)
-
-    def expand(self, batch_shape: tuple[int, ...]) -> EdgeDistribution | ExpandedEdge:
-        """This edge broadcast to ``batch_shape`` (a plate the table lacks a dim of).
-
-        Args:
-            batch_shape: the new batch shape.
-
-        Returns:
-            An [`ExpandedEdge`][structinfer.primitives.ExpandedEdge] (this one when the shape
-                is its own), so that a mask applied after the plate is still a
-                [`MaskedEdge`][structinfer.primitives.MaskedEdge].
-        """
-        batch_shape = tuple(batch_shape)
-        return self if batch_shape == self.batch_shape else ExpandedEdge(self, batch_shape)
-
-
-class ExpandedEdge(dist.ExpandedDistribution):
+class ExpandedEdge(_EdgeWrappers, dist.ExpandedDistribution):
     """NumPyro's ``ExpandedDistribution`` of an edge, masked as the edge is.
 
     A plate whose dim the edge's table lacks (a prior shared by the batch) expands the
     edge; ``numpyro.handlers.mask`` written around that plate then masks the expanded
-    distribution. As [`EdgeDistribution.mask`][structinfer.primitives.EdgeDistribution.mask], its
-    ``mask`` makes a [`MaskedEdge`][structinfer.primitives.MaskedEdge].
+    distribution. As the edge's, its ``mask`` makes a
+    [`MaskedEdge`][structinfer.primitives.MaskedEdge].
 
     Args:
         base_dist: the edge's distribution.
@@ -386,17 +389,8 @@ class ExpandedEdge(dist.ExpandedDistribution):
     def __init__(self, base_dist: dist.Distribution, batch_shape: tuple[int, ...] = ()):
         super().__init__(base_dist, batch_shape)
 
-    def expand(self, batch_shape: tuple[int, ...]) -> ExpandedEdge:
-        """Expanded further (still an `ExpandedEdge`)."""
-        batch_shape = tuple(batch_shape)
-        return self if batch_shape == self.batch_shape else ExpandedEdge(self, batch_shape)
 
-    def mask(self, mask: bool | ArrayLike) -> ExpandedEdge | MaskedEdge:
-        """Masked as an edge is (see [`MaskedEdge`][structinfer.primitives.MaskedEdge])."""
-        return self if mask is True else MaskedEdge(self, mask)
-
-
-class MaskedEdge(dist.MaskedDistribution):
+class MaskedEdge(_EdgeWrappers, dist.MaskedDistribution):
     r"""An edge under ``numpyro.handlers.mask``: a masked-out child is not there.
 
     $$
@@ -411,7 +405,9 @@ class MaskedEdge(dist.MaskedDistribution):
     marginal is uniform and, with nothing observed through it, its expectation is the
     parents' mean. Its row normaliser (the ``"<edge>.score"`` factor) is masked by
     NumPyro as usual, to 0. Draws are the edge's own, as NumPyro's mask changes densities
-    only (``Predictive`` masks every site to skip their log-densities). Made by [`EdgeDistribution.mask`][structinfer.primitives.EdgeDistribution.mask].
+    only (``Predictive`` masks every site to skip their log-densities). Conditioned on
+    a value (``numpyro.handlers.condition``), a masked-out child contributes the
+    uniform's $-\log m$. Nested masks intersect. Made by the edge's ``mask``.
 
     Args:
         base_dist: the edge's distribution.
@@ -423,14 +419,16 @@ class MaskedEdge(dist.MaskedDistribution):
 
     def log_prob(self, value: jax.Array, intermediates: Any = None) -> jax.Array:
         r"""The kept children's edge log-probabilities, $-\log m$ for the others."""
-        lp = super().log_prob(value)
-        if self._mask is True:
-            return lp
         fn = self.base_dist
-        while not isinstance(fn, EdgeDistribution):  # expanded to the mask's batch shape
+        while not isinstance(fn, EdgeDistribution):  # expanded, or masked again
             fn = fn.base_dist
-        uniform = -jnp.log(jnp.asarray(jnp.shape(fn.logits)[-1], lp.dtype))
-        return jnp.where(self._mask, lp, uniform)
+        uniform = -jnp.log(jnp.asarray(jnp.shape(fn.logits)[-1], fn.logits.dtype))
+        if self._mask is False:  # (NumPyro's zeros would be in the default float)
+            shape = jax.lax.broadcast_shapes(tuple(self.base_dist.batch_shape),
+                                             jnp.shape(value)[: jnp.ndim(value)])
+            return jnp.full(shape, uniform)
+        lp = super().log_prob(value)
+        return lp if self._mask is True else jnp.where(self._mask, lp, uniform)
 
 
 class Potential(dist.Unit):
@@ -451,6 +449,11 @@ class Potential(dist.Unit):
 
     def __init__(self, log_factor: ArrayLike, *, validate_args: bool = False):
         super().__init__(log_factor, validate_args=validate_args)
+
+    def mask(self, mask: bool | ArrayLike) -> dist.Distribution:
+        """NumPyro's mask, in the factor's dtype for a Python ``False`` too (NumPyro's
+        zeros would be in the default float: float64 under x64)."""
+        return super().mask(jnp.asarray(False) if mask is False else mask)
 
 
 class UnmaskedPotential(Potential):

@@ -440,3 +440,14 @@ def test_value_checks_of_traced_arguments(case):
     for out in (jax.jit(si.attention(model, "out"))(bad),
                 jax.jit(lambda a: si.expectation(model, "out", a))(bad)):  # noqa: B023
         assert np.all(np.isnan(np.asarray(out))), (case, out)
+
+
+@pytest.mark.parametrize("case", ["GaussianKernel sigma", "Geometric q", "NegLogDist p"])
+def test_a_traced_bad_argument_has_a_nan_gradient(case):
+    """Regression: the NaN written for a bad traced argument was selected in, so its
+    gradient was a finite 0 (an optimiser would read it); it is NaN now."""
+    model, bad = _VALUE_CHECKS[case]
+    bad = jnp.asarray(bad, jnp.float32)
+    for run in (si.attention(model, "out"), lambda a: si.expectation(model, "out", a)):
+        g = jax.jit(jax.grad(lambda a: jnp.sum(run(a))))(bad)  # noqa: B023
+        assert np.all(np.isnan(np.asarray(g))), (case, g)

@@ -676,3 +676,26 @@ def test_a_value_recorded_inside_the_mask_has_the_uniform_expectation(x64):
                 jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v, keep),
                 si.attention(model, "out")(q, k, v, keep)):
         np.testing.assert_allclose(out[2], np.asarray(v).mean(0), rtol=1e-10)
+
+
+def test_nested_masks_intersect_and_a_false_mask_keeps_the_dtype(x64):
+    """Regression: a second ``numpyro.handlers.mask`` wrapped the masked edge in NumPyro's
+    plain mask (a child masked only by the outer one added log m again); a Python
+    ``False`` mask gave float64 log Z for a float32 model under x64."""
+    r = np.random.default_rng(6)
+    q, k = (jnp.asarray(r.normal(size=(4, 2))) for _ in range(2))
+    inner, outer = jnp.array([True, False, True, True]), jnp.array([True, True, True, False])
+
+    def model(q, k, a, b):
+        with numpyro.plate("queries", 4), numpyro.handlers.mask(mask=a):
+            with numpyro.handlers.mask(mask=b):
+                si.edge("phi", si.priors.Uniform(4), si.scores.Dot(q, k))
+
+    s = np.asarray(q) @ np.asarray(k).T - np.log(4)
+    keep = np.asarray(inner & outer)
+    np.testing.assert_allclose(si.log_marginal(model, q, k, outer, inner),
+                               logsumexp(s[keep], -1).sum(), rtol=1e-12)
+    q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+    for a in (False, jnp.zeros(4, bool)):
+        lz = si.log_marginal(model, q32, k32, a, True)
+        assert lz.dtype == jnp.float32 and lz == 0.0
