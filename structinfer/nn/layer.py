@@ -705,6 +705,7 @@ class Attention(nnx.Module):
                 there are no queries.
 
         Raises:
+            TypeError: a ``mask`` that is neither boolean nor real.
             ValueError: a ``mask`` that does not broadcast (or with ``decode``), inputs
                 of the wrong shape, keys of length 0 with
                 some queries, or dropout without
