@@ -132,9 +132,9 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
             f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
     total, grads = _edge_gradients(model, args, kwargs, info, "sum")
-    _check_possible(model, total)
     # a Markov edge's tilt is pairwise (previous, next): its marginal sums the previous out
-    return {n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()}
+    return _check_possible(model, info, total, {
+        n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()})
 
 
 def _is_markov(info, name: str) -> bool:
@@ -220,18 +220,29 @@ def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
     return _possible(model, best, out)
 
 
-def _check_possible(model, log_marginal: jax.Array) -> None:
-    r"""On concrete values, the error of a model that gives every structure zero
-    probability ($\log Z = -\infty$): its posterior does not exist.
-    Under a trace the answer is NaN (0 / 0), never a finite number. A NaN $\log Z$ (a NaN
-    input) gives NaN, as any NaN input does. A float16 $\log Z$ is not read: its sum
-    over many children can overflow to $-\infty$ while every child is possible."""
-    if (is_concrete(log_marginal) and _wide(log_marginal)
-            and float(log_marginal) == -np.inf):
-        raise ValueError(
-            f"model '{model_name(model)}' gives every structure of its edge sites zero "
-            "probability (log Z = -inf: forbidden edges, -inf factors or observations no "
-            "structure explains): it has no posterior (under jit the answer is NaN)")
+def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Array]
+                    ) -> dict[str, jax.Array]:
+    r"""``out`` (marginals or expectations: gradients of $\log Z$), or the error of a
+    model that gives every structure zero probability ($\log Z = -\infty$): its posterior
+    does not exist. On concrete values that is an error; under a trace the answer is NaN,
+    never a finite number: a child with no allowed parent is NaN in its own rows (funsor's
+    0 / 0), and a model with a chain of Markov edges, whose contraction differentiates
+    log 0 to zero (`log_z`), is NaN everywhere. A NaN $\log Z$ (a NaN input) gives NaN,
+    as any NaN input does. A float16 $\log Z$ is not read: its sum over many children can
+    overflow to $-\infty$ while every child is possible."""
+    if not _wide(log_marginal):
+        return out
+    if is_concrete(log_marginal):
+        if float(log_marginal) == -np.inf:
+            raise ValueError(
+                f"model '{model_name(model)}' gives every structure of its edge sites zero "
+                "probability (log Z = -inf: forbidden edges, -inf factors or observations no "
+                "structure explains): it has no posterior (under jit the answer is NaN)")
+        return out
+    if not info.markov_edges:
+        return out
+    none = jnp.isneginf(log_marginal)
+    return {n: jnp.where(none, jnp.nan, x) for n, x in out.items()}
 
 
 def _wide(x: jax.Array) -> bool:
@@ -328,7 +339,7 @@ def expectation(
         )
 
     total, out = jax.value_and_grad(f)(zeros)
-    _check_possible(model, total)
+    out = _check_possible(model, info, total, out)
     # in the value's dtype (a bfloat16 value of a model with float32 parameters is
     # contracted in float32 and answered in bfloat16); integer values in the model's
     out = {n: x.astype(info[n].dtype) if jnp.issubdtype(info[n].dtype, jnp.floating) else x
