@@ -799,3 +799,37 @@ def test_structural_zero_transitions_give_exact_marginals_not_nan(dtype):
                 central = (_brute(em, up, start)[0] - _brute(em, down, start)[0]) / (2 * h)
                 np.testing.assert_allclose(g_lt[b][i, j], central, atol=1e-8)
             np.testing.assert_array_equal(np.asarray(g_lt[b])[~allowed], 0.0)
+
+
+def valued_chain(s, lt, li, v):
+    """A chain whose value is a table read at the edge: ``v[z_t]``."""
+    prior = si.priors.Markov(lt, li)
+
+    def step(prev, sc):
+        z = si.edge("z", prior, sc, previous=prev)
+        numpyro.deterministic("out", v[z])
+        return z, None
+
+    scan(step, jnp.asarray(-1), s)
+
+
+def test_exact_engine_on_a_chain_with_a_nan_score_raises_eagerly_naming_the_site():
+    """Regression: `si.marginals` and `si.expectation` of a chain with a NaN score (inside
+    a ``scan``, where the score's own value check does not see it) returned NaN eagerly,
+    where `si.attention` raised naming the edge site, as the engine does outside a scan.
+    Now the same error; under jit NaN. A NaN in the value alone (log Z finite) is no
+    error: the expectation is NaN."""
+    r = np.random.default_rng(0)
+    s, lt, li, v = (jnp.asarray(r.normal(size=x), jnp.float32)
+                    for x in ((T, K), (K, K), (K,), (K, 2)))
+    bad = s.at[3, 1].set(jnp.nan)
+    msg = "edge site 'z': the model's log-marginal is NaN"
+    with pytest.raises(ValueError, match=msg):
+        si.marginals(valued_chain, bad, lt, li, v)
+    with pytest.raises(ValueError, match=msg):
+        si.expectation(valued_chain, "out", bad, lt, li, v)
+    marg, ev = jax.jit(lambda x: (si.marginals(valued_chain, x, lt, li, v)["z"],
+                                  si.expectation(valued_chain, "out", x, lt, li, v)))(bad)
+    assert np.isnan(np.asarray(marg)).all() and np.isnan(np.asarray(ev)).all()
+    assert np.isnan(np.asarray(si.expectation(valued_chain, "out", s, lt, li,
+                                              v.at[1, 0].set(jnp.nan)))).any()
