@@ -1093,12 +1093,11 @@ class Markov(StructuralPrior):
     advances its parent; Singh & Buckley's priors over edges, sec. 3, coupling
     consecutive children).
 
-    A ``-inf`` entry forbids a move. Values and MAP are exact with any pattern of
-    forbidden moves, but gradients (marginals) are NaN when the products of the
-    transition matrices leave some pair of states unconnected (a banded, monotone
-    matrix): funsor's log-space products meet $\log 0$. Give such moves a finite,
-    very negative log-weight instead (as
-    [`monotonic_alignment`][structinfer.mechanisms.monotonic_alignment] does).
+    A ``-inf`` entry forbids a move (a left-to-right chain, a banded or monotone
+    matrix). Values, marginals, expectations, MAP, draws and the gradients of
+    $\log Z$ are exact with any pattern of forbidden moves, as long as some path is
+    allowed; with none ($\log Z = -\infty$) the exact engine raises on concrete inputs
+    and answers NaN under ``jit``.
 
     Args:
         log_transition: ``(K, K)`` unnormalised log-weights $L$, rows = the previous

@@ -7,6 +7,7 @@ forward-backward scan (``si.attention``, kernel ``markov_scan``) is checked agai
 exact engine and these references.
 """
 
+import contextlib
 import functools
 import itertools
 
@@ -223,9 +224,13 @@ def test_errors_name_the_site():
             jnp.zeros((K, K + 1)), jnp.zeros(K))
 
 
-def test_chains_under_a_plate_are_independent():
-    """A plate inside the scan: B chains at once, each as if alone."""
+@pytest.mark.parametrize("forbid", [False, True])
+def test_chains_under_a_plate_are_independent(forbid):
+    """A plate inside the scan: B chains at once, each as if alone (also with forbidden
+    moves: a left-to-right chain, whose marginals were NaN)."""
     em, lt, li = _params()
+    if forbid:
+        lt, li = (jnp.asarray(x, jnp.float32) for x in _left_to_right("float32")[1:3])
     ems = jnp.stack([em, _params(1)[0]], axis=1)  # (T, B = 2, K)
     batched = functools.partial(batched_hmm, log_transition=lt, log_initial=li)
     lz, marg = jax.jit(lambda e: (si.log_marginal(batched, e), si.marginals(batched, e)["z"]))(ems)
@@ -235,8 +240,11 @@ def test_chains_under_a_plate_are_independent():
         np.testing.assert_allclose(marg[:, b], _brute(ems[:, b], lt, li)[1], atol=1e-5)
 
 
-def test_markov_switching_em_counts_and_ascent():
-    """The E-step's expected transitions match brute force; EM steps never lower log p."""
+@pytest.mark.parametrize("forbid", [False, True])
+def test_markov_switching_em_counts_and_ascent(forbid):
+    """The E-step's expected transitions match brute force; EM steps never lower log p.
+    With a forbidden move (mode 1 never returns to mode 0) too: the E-step was NaN, and
+    the move stays forbidden (a zero count is log P = -inf, as in Baum-Welch)."""
     from structinfer.infer import em_markov_switching as em
 
     rng = np.random.default_rng(10)
@@ -244,7 +252,7 @@ def test_markov_switching_em_counts_and_ascent():
     a = jnp.asarray([[[0.9]], [[-0.4]]])
     b = jnp.asarray([[0.3], [-0.3]])
     prec = jnp.asarray([[2.0], [0.7]])
-    lt = jnp.asarray([[1.0, -1.0], [0.2, 0.5]])
+    lt = jnp.asarray([[1.0, -1.0], [-np.inf if forbid else 0.2, 0.5]])
     li = jnp.asarray([0.3, -0.3])
     step = jax.jit(lambda st: em.step(x, st))
     st = jax.jit(em.init)(x, a, b, prec, lt, li)
@@ -268,6 +276,8 @@ def test_markov_switching_em_counts_and_ascent():
         st, _ = step(st)
         lls.append(float(st.log_likelihood))
     assert all(b >= a - 1e-4 for a, b in zip(lls, lls[1:])), lls
+    assert np.all(np.isfinite(lls)) and np.all(np.isfinite(np.asarray(st.responsibilities)))
+    assert (float(st.log_transition[1, 0]) == -np.inf) == forbid
 
 
 # --- the lowering: a fused forward-backward scan ----------------------------------------
@@ -461,13 +471,14 @@ def test_forbidden_moves_and_no_path_follow_the_exact_engine():
 
         scan(step, jnp.asarray(-1), (emission, jnp.arange(T) == T - 1))
 
-    # (the exact engine's marginals are NaN here: funsor's products meet log 0)
     assert si.explain(pinned, "v", em, 2).kernels == {"z": "markov_scan"}
     initial, pair = _hmm_factors(em, lt, li)
     pair[-1] += np.where(np.arange(K) == 2, 0.0, -np.inf)
     marg, _ = _forward_backward(initial, pair)
     np.testing.assert_allclose(si.attention(pinned, "v")(em, 2),
                                marg @ np.sin(1.0 + np.arange(K)), atol=1e-5)
+    # the exact engine too (its marginals were NaN: funsor's products met log 0)
+    np.testing.assert_allclose(si.marginals(pinned, em, 2)["z"], marg, atol=1e-5)
     bad_lt = jnp.asarray(np.where(j == i, 0.0, -np.inf), jnp.float32)  # stay forever at 0
 
     def stuck(emission):
@@ -483,8 +494,12 @@ def test_forbidden_moves_and_no_path_follow_the_exact_engine():
         scan(step, jnp.asarray(-1), (emission, jnp.arange(T) == T - 1))
 
     fused = jax.jit(si.attention(stuck, "v"))(em)
-    exact = jax.jit(lambda e: si.expectation(stuck, "v", e))(em)
+    exact, marg = jax.jit(lambda e: (si.expectation(stuck, "v", e),
+                                     si.marginals(stuck, e)["z"]))(em)
     assert np.all(np.isnan(np.asarray(exact))) and np.all(np.isnan(np.asarray(fused)))
+    assert np.all(np.isnan(np.asarray(marg)))
+    with pytest.raises(ValueError, match="zero probability"):
+        si.marginals(stuck, em)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
@@ -760,3 +775,91 @@ def test_an_attention_edge_per_step_of_a_scan(x64):
     for out in (si.expectation(model, "out", qs, k, v), f(qs, k, v)):
         np.testing.assert_allclose(out, a @ np.asarray(v), rtol=1e-12)
     assert "inside a numpyro scan" in str(f.explain(qs, k, v))
+
+
+def _left_to_right(dtype):
+    """A left-to-right HMM's parameters: never move back (-inf below the diagonal); the
+    chain starts in state 0 (``li``) or anywhere (``li_free``)."""
+    em = np.random.default_rng(12).normal(size=(T, K))
+    i, j = np.arange(K)[:, None], np.arange(K)[None, :]
+    lt = np.where(j >= i, np.random.default_rng(13).normal(size=(K, K)), -np.inf)
+    li = np.array([0.0, -np.inf, -np.inf])
+    return em, lt, li, np.zeros(K)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_structural_zero_transitions_give_exact_marginals_not_nan(dtype):
+    """Regression: a log-transition of -inf (a left-to-right HMM) gave NaN smoothed
+    marginals and expectations (log Z finite): the products of the transition matrices
+    leave pairs of states unconnected, whose log 0 made every gradient NaN. The exact
+    engine equals brute force over every path, under jit (the chain starting in state 0,
+    or anywhere) and eagerly, and the gradients of log Z are finite: the marginals for the
+    emissions, central differences for the allowed moves, zero for the forbidden ones."""
+    em, lt, li, li_free = _left_to_right(dtype)
+    starts = np.stack([li, li_free])
+    x64 = dtype == "float64"
+    tol = dict(atol=1e-12 if x64 else 2e-5)
+    with float64() if x64 else contextlib.nullcontext():
+        e, t = jnp.asarray(em, dtype), jnp.asarray(lt, dtype)
+
+        @jax.jit
+        @jax.vmap
+        def run(i):
+            return (jax.value_and_grad(si.log_marginal, argnums=(1, 2))(hmm, e, t, i),
+                    si.marginals(hmm, e, t, i)["z"], si.expectation(hmm, "v", e, t, i))
+
+        (log_z, (g_em, g_lt)), marg, ev = run(jnp.asarray(starts, dtype))
+        eager = si.expectation(hmm, "v", e, t, jnp.asarray(li, dtype))
+        assert log_z.dtype == dtype and marg.dtype == dtype and eager.dtype == dtype
+    np.testing.assert_allclose(eager, ev[0], **tol)
+    for b, start in enumerate(starts):
+        ref_z, ref_marg, ref_ev = _brute(em, lt, start)
+        assert np.isfinite(ref_z) and ref_marg[1:, 0].max() < 1.0
+        np.testing.assert_allclose(log_z[b], ref_z, rtol=1e-12 if x64 else 1e-5)
+        np.testing.assert_allclose(marg[b], ref_marg, **tol)
+        np.testing.assert_allclose(ev[b], ref_ev, **tol)
+        np.testing.assert_allclose(g_em[b], ref_marg, **tol)  # d log Z / d e_t(j)
+        assert np.all(np.isfinite(np.asarray(g_lt[b])))
+        if x64:
+            h, allowed = 1e-6, np.isfinite(lt)
+            for i, j in zip(*np.nonzero(allowed)):
+                up, down = lt.copy(), lt.copy()
+                up[i, j] += h
+                down[i, j] -= h
+                central = (_brute(em, up, start)[0] - _brute(em, down, start)[0]) / (2 * h)
+                np.testing.assert_allclose(g_lt[b][i, j], central, atol=1e-8)
+            np.testing.assert_array_equal(np.asarray(g_lt[b])[~allowed], 0.0)
+
+
+def valued_chain(s, lt, li, v):
+    """A chain whose value is a table read at the edge: ``v[z_t]``."""
+    prior = si.priors.Markov(lt, li)
+
+    def step(prev, sc):
+        z = si.edge("z", prior, sc, previous=prev)
+        numpyro.deterministic("out", v[z])
+        return z, None
+
+    scan(step, jnp.asarray(-1), s)
+
+
+def test_exact_engine_on_a_chain_with_a_nan_score_raises_eagerly_naming_the_site():
+    """Regression: `si.marginals` and `si.expectation` of a chain with a NaN score (inside
+    a ``scan``, where the score's own value check does not see it) returned NaN eagerly,
+    where `si.attention` raised naming the edge site, as the engine does outside a scan.
+    Now the same error; under jit NaN. A NaN in the value alone (log Z finite) is no
+    error: the expectation is NaN."""
+    r = np.random.default_rng(0)
+    s, lt, li, v = (jnp.asarray(r.normal(size=x), jnp.float32)
+                    for x in ((T, K), (K, K), (K,), (K, 2)))
+    bad = s.at[3, 1].set(jnp.nan)
+    msg = "edge site 'z': the model's log-marginal is NaN"
+    with pytest.raises(ValueError, match=msg):
+        si.marginals(valued_chain, bad, lt, li, v)
+    with pytest.raises(ValueError, match=msg):
+        si.expectation(valued_chain, "out", bad, lt, li, v)
+    marg, ev = jax.jit(lambda x: (si.marginals(valued_chain, x, lt, li, v)["z"],
+                                  si.expectation(valued_chain, "out", x, lt, li, v)))(bad)
+    assert np.isnan(np.asarray(marg)).all() and np.isnan(np.asarray(ev)).all()
+    assert np.isnan(np.asarray(si.expectation(valued_chain, "out", s, lt, li,
+                                              v.at[1, 0].set(jnp.nan)))).any()

@@ -118,8 +118,9 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
 
     Raises:
         ValueError: the model has no edge sites; or, on concrete inputs, it gives every
-            structure zero probability ($\log Z = -\infty$; under ``jit`` the marginals
-            are NaN).
+            structure zero probability ($\log Z = -\infty$), or its $\log Z$ is NaN (a
+            NaN or infinite score, factor or input inside a ``scan``; the message names
+            the edge sites). Under ``jit`` the marginals are NaN instead.
 
     Reference:
         The attention matrix as the edge posterior, Singh & Buckley sec. 3.1 (eq. 1);
@@ -132,9 +133,9 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
             f"model '{model_name(model)}' has no edge sites: nothing to compute marginals of"
         )
     total, grads = _edge_gradients(model, args, kwargs, info, "sum")
-    _check_possible(model, total)
     # a Markov edge's tilt is pairwise (previous, next): its marginal sums the previous out
-    return {n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()}
+    return _check_possible(model, info, total, {
+        n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()}, args, kwargs)
 
 
 def _is_markov(info, name: str) -> bool:
@@ -220,18 +221,38 @@ def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
     return _possible(model, best, out)
 
 
-def _check_possible(model, log_marginal: jax.Array) -> None:
-    r"""On concrete values, the error of a model that gives every structure zero
-    probability ($\log Z = -\infty$): its posterior does not exist.
-    Under a trace the answer is NaN (0 / 0), never a finite number. A NaN $\log Z$ (a NaN
-    input) gives NaN, as any NaN input does. A float16 $\log Z$ is not read: its sum
-    over many children can overflow to $-\infty$ while every child is possible."""
-    if (is_concrete(log_marginal) and _wide(log_marginal)
-            and float(log_marginal) == -np.inf):
+def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Array],
+                    args, kwargs) -> dict[str, jax.Array]:
+    r"""``out`` (marginals or expectations: gradients of $\log Z$ at ``args``), or the
+    error of a model with no posterior. On concrete values: a model that gives every
+    structure zero probability ($\log Z = -\infty$) is an error, and so is a NaN
+    $\log Z$ of the model itself (a NaN or infinite score, factor or input the value
+    checks did not see: inside a ``scan``), naming the edge sites; a NaN that only the
+    value of an expectation brings (its tilt is $0 \cdot v$) gives NaN. Under a trace the
+    answer is NaN, never a finite number: a child with no allowed parent is NaN in its own
+    rows (funsor's 0 / 0), and a model with a chain of Markov edges, whose contraction
+    differentiates log 0 to zero (`log_z`), is NaN everywhere. A float16 $\log Z$ is not
+    read for $-\infty$: its sum over many children can overflow while every child is
+    possible."""
+    if not is_concrete(log_marginal):
+        if not info.markov_edges or not _wide(log_marginal):
+            return out
+        none = jnp.isneginf(log_marginal)
+        return {n: jnp.where(none, jnp.nan, x) for n, x in out.items()}
+    lz = float(log_marginal)
+    if np.isnan(lz) and np.isnan(float(log_z(model, args, kwargs, info=info))):
+        sites = info.edges
+        raise ValueError(
+            f"edge site{'s' if len(sites) > 1 else ''} {', '.join(repr(s) for s in sites)}: "
+            "the model's log-marginal is NaN: a score, prior, factor or value is NaN or "
+            "infinite (inside a scan, where they are not checked one by one; under jit the "
+            "answer is NaN)")
+    if lz == -np.inf and _wide(log_marginal):
         raise ValueError(
             f"model '{model_name(model)}' gives every structure of its edge sites zero "
             "probability (log Z = -inf: forbidden edges, -inf factors or observations no "
             "structure explains): it has no posterior (under jit the answer is NaN)")
+    return out
 
 
 def _wide(x: jax.Array) -> bool:
@@ -294,8 +315,10 @@ def expectation(
     Raises:
         KeyError: the model has no site of that name.
         ValueError: the site is not a deterministic site; or, on concrete inputs, the
-            model gives every structure zero probability ($\log Z = -\infty$; under
-            ``jit`` the expectation is NaN).
+            model gives every structure zero probability ($\log Z = -\infty$), or its
+            $\log Z$ is NaN (a NaN or infinite score, factor or input inside a ``scan``;
+            the message names the edge sites). Under ``jit`` the expectation is NaN
+            instead; a NaN value gives a NaN expectation.
         TypeError: the site's value is complex (a real value is expected).
 
     Reference:
@@ -319,7 +342,7 @@ def expectation(
         )
 
     total, out = jax.value_and_grad(f)(zeros)
-    _check_possible(model, total)
+    out = _check_possible(model, info, total, out, args, kwargs)
     # in the value's dtype (a bfloat16 value of a model with float32 parameters is
     # contracted in float32 and answered in bfloat16); integer values in the model's
     out = {n: x.astype(info[n].dtype) if jnp.issubdtype(info[n].dtype, jnp.floating) else x

@@ -19,11 +19,13 @@ collapsed; every other function of the engine is a gradient of the scalar form.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import funsor
+import funsor.cnf
 import funsor.optimizer
 import jax
 import jax.numpy as jnp
@@ -129,7 +131,10 @@ def log_z(
     Returns:
         A scalar, or an array shaped like the kept plates (``(children,)``,
             ``(batch, children)``); ``(value, structure)`` with ``return_structure``.
-            Jittable and differentiable, float32 and float64.
+            Jittable and differentiable, float32 and float64. With
+            [`Markov`][structinfer.priors.Markov] edges the derivatives are exact with
+            forbidden (``-inf``) moves too, and zero where $\log Z = -\infty$ (a chain
+            with no allowed path).
 
     Raises:
         ValueError: a latent site has no value; a tensor dim is left over after the
@@ -172,7 +177,8 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     m = enum(m, first_available_dim=info.first_available_dim)
     try:
         if semiring == "sum":
-            lp, _ = funsor_log_density(m, args, kwargs, {})
+            with _log_einsum_for_chains() if info.markov_edges else contextlib.nullcontext():
+                lp, _ = funsor_log_density(m, args, kwargs, {})
         else:
             lp = _max_product(m, args, kwargs)
     except ValueError as e:
@@ -187,6 +193,26 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
             f"{str(e).splitlines()[0]})"
         ) from None
     return lp
+
+
+#: the log-space einsum of a model with Markov edges (`structinfer.exact._log_einsum`)
+_LOG_EINSUM = __name__.rpartition(".")[0] + "._log_einsum"
+
+
+@contextlib.contextmanager
+def _log_einsum_for_chains():
+    """funsor's log-space contractions run on `_LOG_EINSUM` inside the block (funsor's
+    own einsum is restored after): a sum with no non-zero term (two states the forbidden
+    moves of a chain leave unconnected) has log 0 = -inf with a zero derivative, not
+    NaN, so the marginals and expectations of a chain (gradients of log Z) stay exact
+    with -inf transitions and factors."""
+    table = funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND
+    saved = table["jax"]
+    table["jax"] = _LOG_EINSUM
+    try:
+        yield
+    finally:
+        table["jax"] = saved
 
 
 def _scaled_log_probs(tr):

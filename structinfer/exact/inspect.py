@@ -188,6 +188,12 @@ class ModelInfo(Mapping[str, SiteInfo]):
         return list(self.of_role("edge"))
 
     @property
+    def markov_edges(self) -> list[str]:
+        """The edge sites with a [`Markov`][structinfer.priors.Markov] prior (chains of
+        edges in a ``scan``)."""
+        return [n for n, s in self.of_role("edge").items() if s.edge is not None and s.edge.markov]
+
+    @property
     def deterministic(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """``name -> (shape, event_dim)`` of each deterministic site."""
         return {n: (s.shape, s.event_dim) for n, s in self.of_role("deterministic").items()}

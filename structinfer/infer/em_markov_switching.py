@@ -132,14 +132,14 @@ def _m_step(x, st: MarkovSwitchingState, reg):
 def _transition(counts, old):
     """Row-normalised log counts.
 
-    A row without counts (a mode never left) keeps ``old``. Probabilities are floored
-    at the dtype's smallest normal number: the exact engine's smoothed marginals are
-    NaN for a log-transition of -inf.
+    A row without counts (a mode never left) keeps ``old``. A zero count is a log-weight
+    of -inf: a move EM found no use for stays forbidden (the exact engine's marginals are
+    exact with forbidden moves).
     """
     total = jnp.sum(counts, -1, keepdims=True)
     empty = total <= 0
     p = counts / jnp.where(empty, 1.0, total)
-    return jnp.where(empty, old, jnp.log(jnp.maximum(p, jnp.finfo(p.dtype).tiny)))
+    return jnp.where(empty, old, safe_log(p))
 
 
 def step(
@@ -197,9 +197,9 @@ def run(
     P_{ij} = \frac{N_{ij}}{\sum_{j'} N_{ij'}}, \quad \pi = \gamma_1.$$
 
     A mode with no data ($\sum_t \gamma_{tk} = 0$) keeps its $A_k$, $b_k$, precisions
-    and row of $P$, so it stays off. Transition probabilities are floored at the dtype's
-    smallest normal number (a zero count gives $\log P_{ij} \approx -708$ in float64,
-    not $-\infty$).
+    and row of $P$, so it stays off. A zero count gives $\log P_{ij} = -\infty$: a move
+    forbidden in `log_transition`, or one EM finds no use for, stays forbidden, as in
+    Baum-Welch.
 
     Args:
         x: the time series `(T, d)`.

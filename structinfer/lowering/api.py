@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import is_concrete
-from ..exact import expectation, inspect_model, log_marginal, marginals
+from ..exact import expectation, inspect_model, marginals
 from ._recognise import Fallback, Plan, recognise
 from ._softmax import with_nan_rows
 from .kernels import KERNELS, KernelConfig, auto_kernel
@@ -226,11 +226,11 @@ def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
     """Called eagerly when a row's log-normaliser is not finite (or the exact path gave
     NaN): re-run the exact engine's checks on the concrete inputs, which raise its own
     error naming the site and the row; if they pass, name the site and row here; and for
-    a model that gives every structure zero probability (a NaN answer with finite rows,
-    e.g. a Markov chain with no allowed path), raise the exact engine's error of that; a
-    NaN log-marginal (a NaN or infinite score inside a ``scan``, where the engine's value
-    checks do not see it) raises naming the model's edge sites."""
-    info = inspect_model(model, *args, **kwargs)
+    a model whose log-marginal is -inf (every structure has zero probability, e.g. a
+    Markov chain with no allowed path) or NaN (a NaN or infinite score inside a ``scan``,
+    where the engine's value checks do not see it), raise the exact engine's error of
+    that, which names the model's edge sites."""
+    inspect_model(model, *args, **kwargs)  # the engine's value checks, naming site and row
     for site, lse in lses.items():
         bad = np.argwhere(~np.isfinite(np.asarray(lse)))
         if bad.size:
@@ -242,15 +242,7 @@ def _raise_bad_rows(model: Callable, args, kwargs, lses: dict) -> None:
                 f"{float(np.asarray(lse)[idx])}): every child needs an allowed parent and "
                 "finite scores"
             )
-    total = float(log_marginal(model, *args, **kwargs))
-    if total == -np.inf:
-        marginals(model, *args, **kwargs)  # raises the engine's zero-probability error
-    if np.isnan(total):
-        sites = [name for name, s in info.items() if s.role == "edge"]
-        raise ValueError(
-            f"edge site{'s' if len(sites) > 1 else ''} {', '.join(repr(s) for s in sites)}: "
-            "the model's log-marginal is NaN: a score, prior, factor or value is NaN or infinite "
-            "(inside a scan, where they are not checked one by one)")
+    marginals(model, *args, **kwargs)  # raises for a log-marginal of -inf or NaN
 
 
 def check_rows(model: Callable, log_normalisers: Mapping[str, Any], /, *args: Any,

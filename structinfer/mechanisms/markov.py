@@ -144,9 +144,7 @@ def monotonic_alignment(
         end: require the last child to take the last parent (then ``T`` must be at
             least the number of moves needed to reach it).
         log_leak: $\ell_0$, the log-weight of a non-monotone move (and of starting or
-            ending elsewhere). Finite on purpose: the chain's contraction multiplies
-            transition matrices in log space (funsor's parallel scan), and a product
-            that leaves two parents unconnected (a $\log 0$) has NaN gradients.
+            ending elsewhere); ``-inf`` forbids them.
 
     Sites:
         ``align`` (Markov edge, children first: ``marginals(...)["align"]`` is

@@ -1,0 +1,60 @@
+r"""The log-space einsum of the exact engine's sum-product (an ``opt_einsum`` backend).
+
+funsor contracts log-factors as $\log \sum \prod e^{x - s} + s$ (``funsor.einsum.numpy_log``).
+Where a sum has no non-zero term (a structural zero: two states a product of transition
+matrices with forbidden moves leaves unconnected) its logarithm is $\log 0 = -\infty$,
+whose reverse-mode derivative $1/0$ meets a zero cotangent (the term is used nowhere) and
+gives $0 \cdot \infty = \mathrm{NaN}$, poisoning every gradient of $\log Z$: the marginals
+and expectations, which are gradients. This einsum is funsor's with a logarithm whose
+derivative is zero there, so a $-\infty$ entry is exact in values and derivatives of any
+order; elsewhere it is funsor's, term for term.
+
+[`log_z`][structinfer.exact.log_z] selects it (by module name) for the sum-product of a
+model with [`Markov`][structinfer.priors.Markov] edges only; funsor's own stays in force
+for every other contraction. A zero derivative also where $\log Z$ itself is $-\infty$
+(no structure is possible): the engine's marginals and expectations of such a model
+are then NaN by its own check, never the zeros of these derivatives.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from funsor.einsum.util import Tensordot
+from jax import lax
+
+__all__ = ["einsum", "tensordot", "transpose"]
+
+
+def log0(x):
+    r"""$\log x$, $-\infty$ with a zero derivative where $x = 0$ (``jnp.log``'s is NaN
+    in reverse mode: $0 \cdot \infty$)."""
+    zero = x == 0
+    return jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, x)))
+
+
+def einsum(equation: str, *operands):
+    r"""``jnp.einsum`` in the log semiring: $\log \sum e^{\sum x}$ over the summed dims.
+
+    Each operand is shifted by its maximum over the dims it sums (clamped to the dtype's
+    smallest number, so that $-\infty - (-\infty)$ does not arise), as funsor does.
+    """
+    inputs, output = equation.split("->")
+    if inputs == output:
+        return operands[0][...]  # a new array, as funsor's
+    shifts, terms = [], []
+    for dims, x in zip(inputs.split(","), operands):
+        summed = tuple(i for i, d in enumerate(dims) if d not in output)
+        shift = lax.stop_gradient(jnp.max(x, axis=summed, keepdims=True) if summed else x)
+        shift = jnp.maximum(shift, jnp.finfo(shift.dtype).min)
+        terms.append(jnp.exp(x - shift))
+        # the shift on the output's dims, in their order (size 1 where it has none)
+        kept = [d for d in dims if d in output]
+        order = sorted(kept, key=output.index)
+        shift = jnp.transpose(jnp.squeeze(shift, summed), [kept.index(d) for d in order])
+        shifts.append(shift.reshape([shift.shape[order.index(d)] if d in order else 1
+                                     for d in output]))
+    return sum(shifts) + log0(jnp.einsum(equation, *terms))
+
+
+tensordot = Tensordot(einsum)
+transpose = jnp.transpose
