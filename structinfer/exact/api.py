@@ -135,13 +135,7 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
     total, grads = _edge_gradients(model, args, kwargs, info, "sum")
     # a Markov edge's tilt is pairwise (previous, next): its marginal sums the previous out
     return _check_possible(model, info, total, {
-        n: g.sum(-2) if _is_markov(info, n) else g for n, g in grads.items()}, args, kwargs)
-
-
-def _is_markov(info, name: str) -> bool:
-    """Whether an enumerated site is an edge with a Markov prior (a chain in a scan)."""
-    edge = info[name].edge
-    return edge is not None and edge.markov
+        n: g.sum(-2) if n in info.markov_edges else g for n, g in grads.items()}, args, kwargs)
 
 
 def _edge_gradients(model, args, kwargs, info, semiring) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -151,7 +145,7 @@ def _edge_gradients(model, args, kwargs, info, semiring) -> tuple[jax.Array, dic
     ``batch + (k,)`` per site; ``(T,) + batch + (k + 1, k)`` (the pair previous, next;
     row ``k``: the chain's start) for an edge with a Markov prior.
     """
-    zeros = {name: jnp.zeros(batch + ((k + 1, k) if _is_markov(info, name) else (k,)),
+    zeros = {name: jnp.zeros(batch + ((k + 1, k) if name in info.markov_edges else (k,)),
                              info.float_dtype)
              for name, (batch, k) in info.enumerated.items()}
 
@@ -202,7 +196,7 @@ def _backtrack(pairs: jax.Array, rng_key) -> jax.Array:
 def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
     """MAP (Viterbi) or one draw (forward filtering, backward sampling) of a model with
     Markov edges, from the gradients of its (max-)sum-product log Z."""
-    others = [n for n in info.enumerated if not _is_markov(info, n)]
+    others = [n for n in info.enumerated if n not in info.markov_edges]
     if temperature == 1 and others:
         raise NotImplementedError(
             f"model '{model_name(model)}': sample_edges draws Markov chains from their "
@@ -214,7 +208,7 @@ def _markov_posterior(model, args, kwargs, info, temperature: int, rng_key):
     out = {}
     keys = dict(zip(info.enumerated, jax.random.split(rng_key, len(info.enumerated))))
     for name, g in grads.items():
-        if _is_markov(info, name):
+        if name in info.markov_edges:
             out[name] = _backtrack(g, None if temperature == 0 else keys[name])
         else:
             out[name] = jnp.argmax(g, axis=-1).astype(jnp.int32)
@@ -356,7 +350,7 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     if not info.enumerated:
         raise ValueError(f"model '{model_name(model)}' has no edge sites")
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
-    if any(_is_markov(info, n) for n in info.enumerated):
+    if any(n in info.markov_edges for n in info.enumerated):
         return _markov_posterior(model, args, kwargs, info, temperature, key)
     # single-parent sites are deterministic; funsor cannot extract a point from a
     # size-1 enumeration dim, so fix them to 0 as observations (log-prob unchanged)
