@@ -863,3 +863,28 @@ def test_exact_engine_on_a_chain_with_a_nan_score_raises_eagerly_naming_the_site
     assert np.isnan(np.asarray(marg)).all() and np.isnan(np.asarray(ev)).all()
     assert np.isnan(np.asarray(si.expectation(valued_chain, "out", s, lt, li,
                                               v.at[1, 0].set(jnp.nan)))).any()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_short_chains_are_lowered_and_equal_forward_backward(steps):
+    """Chains of 1, 2 and 3 steps (NumPyro's scan leaves a 2-step chain's one stacked step
+    without a named time dim): si.attention runs the fused scan, equal to the exact
+    engine and to a NumPy forward-backward, eager and jit; log Z equals the forward
+    algorithm."""
+    rng = np.random.default_rng(11)
+    em = jnp.asarray(rng.normal(size=(steps, K)), jnp.float32)
+    _, lt, li = _params(4)
+    expl = si.explain(hmm, "v", em, lt, li)
+    assert expl.path == "lowered" and expl.kernels == {"z": "markov_scan"}, str(expl)
+    word = "edge" if steps == 1 else "edges"
+    assert f"a chain of {steps} {word} over {K} states" in str(expl)
+    marg, _ = _forward_backward(*_hmm_factors(em, lt, li))
+    ref = marg @ np.sin(1.0 + np.arange(K))
+    f = si.attention(hmm, "v")
+    for y in (f(em, lt, li), jax.jit(f)(em, lt, li)):
+        assert y.shape == (steps,)
+        np.testing.assert_allclose(y, ref, atol=1e-5)
+    np.testing.assert_allclose(si.expectation(hmm, "v", em, lt, li), ref, atol=1e-5)
+    np.testing.assert_allclose(si.marginals(hmm, em, lt, li)["z"], marg, atol=1e-5)
+    np.testing.assert_allclose(si.log_marginal(hmm, em, lt, li), _forward(em, lt, li),
+                               rtol=1e-5)

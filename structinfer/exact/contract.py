@@ -378,10 +378,12 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
         if not chain:
             constant = constant + jnp.sum(lp)
             continue
-        if time:
+        # the scanned steps' sites carry the time dim, unless there is one such step (a
+        # 2-step chain: NumPyro leaves a size-1 dim unnamed); the first step's are _PREV_
+        if time or (steps == 2 and not s["name"].startswith("_PREV_")):
             reads[s["name"]] = tuple(r for n, r in ((prev, "previous"), (site, "next"))
                                      if n in chain)
-            pair = pair + _place(lp, dims, (time[0], prev, site), where)
+            pair = pair + _place(lp, dims, (time[0] if time else "", prev, site), where)
         elif site in chain:  # pragma: no cover - the first step names its edge _PREV_
             raise NotAChainError(f"{where}: reads the chain outside its time steps")
         else:

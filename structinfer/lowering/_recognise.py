@@ -635,8 +635,8 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
     if not jnp.issubdtype(F.dtype, jnp.floating):
         F = F.astype(info.float_dtype)
     plan.markov = MarkovPlan(e, cf.initial, cf.pair, F, (
-        f"Markov prior: a chain of {steps} edges over {k} states, run as a forward-backward "
-        "scan over the chain (log-space, O(T K^2) time)",
+        f"Markov prior: a chain of {steps} edge{'' if steps == 1 else 's'} over {k} states, "
+        "run as a forward-backward scan over the chain (log-space, O(T K^2) time)",
         f"factors of {len(cf.reads)} sites read off the "
         "enumerated scan; value "
         f"f(phi_t) table ({steps}, {k}, {F.shape[-1]})",
