@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# One GPU session's checks and measurements in one command: the GPU tests of the kernels,
+# then the benchmark runs the performance docs quote, each with a time limit so that the
+# whole fits one call of about ten minutes. Logs and tables go to OUT_DIR.
+#
+#     bash benchmarks/gpu_session.sh OUT_DIR [SECONDS]    # on the GPU machine, repo root
+#     bash benchmarks/gpu_session.sh --quick OUT_DIR      # tiny sizes on a CPU, tests
+#                                                         # collected only
+#
+# SECONDS (default 560) is the whole run's budget; the steps share it in the order below
+# and a step that would start with under 20 s left is skipped (the log says so). The
+# logs and tables are written under OUT_DIR/work and packed at the end into
+# OUT_DIR/session.tgz (the device tool brings back a few files only).
+# Packages the machine lacks (funsor with makefun; arviz; tokamax for its rows) are
+# installed from the wheels in .wheels-gpu/ when that folder exists
+# (`pip install --no-deps --target`, put first on PYTHONPATH).
+#
+# Steps: the Mosaic GPU kernel's tests (`pytest -m gpu tests/test_mosaic.py`); the
+# kernels alone on the relative-position prior (`benchmarks/gpu_tune.py`: the table's
+# gradient as its own Triton pass and inside the dK/dV pass, side by side); the model
+# path against the peers at n = 4096 (a trained table, dense, causal, window) and at
+# n = 1024 and 2048 (relative position on cuDNN or on our kernels); then the rest of
+# `pytest -m gpu`.
+set -uo pipefail
+quick=0
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+dest="${1:?usage: gpu_session.sh [--quick] OUT_DIR [SECONDS]}"
+budget="${2:-560}"
+cd "$(dirname "$0")/.."
+out="$dest/work"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+start=$SECONDS
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
+
+if [ -d .wheels-gpu ] && ls .wheels-gpu/*.whl > /dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/structinfer-site .wheels-gpu/*.whl || exit 1
+  export PYTHONPATH="/tmp/structinfer-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
+  "$py" -c "import jax, jaxlib, numpyro, funsor; print('jax', jax.__version__, 'jaxlib', \
+jaxlib.__version__, 'numpyro', numpyro.__version__, 'funsor', funsor.__version__); \
+print(jax.devices())"
+  "$py" -c "import torch; print('torch', torch.__version__)" 2>/dev/null || echo "no torch"
+  git log -1 --format='commit %H' 2>/dev/null
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+# step NAME MAX_SECONDS COMMAND...: run COMMAND with its output in $out/NAME.log, for at
+# most MAX_SECONDS or what is left of the budget
+step() {
+  local name="$1" limit="$2"
+  shift 2
+  local left=$((budget - (SECONDS - start)))
+  if [ "$left" -lt 20 ]; then
+    echo "== $name: skipped (budget: ${left}s left)" | tee -a "$out/steps.log"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit="$left"
+  echo "== $name (at most ${limit}s): $*" | tee -a "$out/steps.log"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$out/steps.log"
+  tail -n 25 "$out/$name.log"
+}
+
+pytest=("$py" -m pytest -q -m gpu -p no:cacheprovider)
+if [ "$quick" = 1 ]; then
+  pytest+=(--collect-only)  # a CPU runs the kernels' tests in the suite already
+  q=(--quick)
+  sizes4k=(--sizes 128 --heads 2)
+  sizes_small=(--sizes 64 96 --heads 2)
+  tune=(--quick --cases relpos)
+else
+  q=()
+  sizes4k=(--sizes 4096 --heads 32)
+  sizes_small=(--sizes 1024 2048 --heads 16)
+  tune=(--sizes 4096 16384 --heads 32 16 --cases relpos --steps 2)
+fi
+
+step mosaic_tests 150 "${pytest[@]}" tests/test_mosaic.py
+step tune_relpos 100 "$py" benchmarks/gpu_tune.py "${tune[@]}" --budget-seconds 80
+step model_4096 170 "$py" benchmarks/gpu.py "${q[@]}" "${sizes4k[@]}" \
+  --cases relpos_grad dense causal window \
+  --impls structinfer structinfer-pallas torch-sdpa torch-flex cudnn \
+  --budget-seconds 140 --out "$out"
+step model_small 90 "$py" benchmarks/gpu.py "${q[@]}" "${sizes_small[@]}" \
+  --cases relpos relpos_grad --impls structinfer structinfer-cudnn cudnn \
+  --budget-seconds 70 --out "$out/small"
+step gpu_suite 600 "${pytest[@]}" --ignore=tests/test_mosaic.py tests
+echo "total: $((SECONDS - start))s" | tee -a "$out/steps.log"
+tar czf "$dest/session.tgz" -C "$dest" work && cp "$out/steps.log" "$dest/"
