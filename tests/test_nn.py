@@ -427,6 +427,35 @@ def test_a_padding_mask_is_the_unpadded_sequence(name, kind):
                      nnx.to_pure_dict(g1), nnx.to_pure_dict(g2))
 
 
+@pytest.mark.parametrize("name", ["uniform", "relative_position", "geometric"])
+def test_a_bfloat16_padding_mask_answers_in_bfloat16(name):
+    """A bfloat16 layer on a left-padded sequence (flax's ``make_attention_mask``, so
+    that the causal priors see the padding before the sequence): the output and the
+    parameters' gradients are bfloat16 and finite, and at the sequence's own positions
+    equal the float32 layer's (the same weights) on the unpadded sequence within
+    bfloat16's precision, eagerly and under jit."""
+    length = 4
+    own = slice(N - length, None)
+    keep = nnx.make_attention_mask(*(jnp.broadcast_to(jnp.arange(N) >= N - length,
+                                                      (B, N)),) * 2)
+    ref = layer_for(MECHANISMS[name](), jnp.float32)
+    randomise_hyper(ref)
+    layer = layer_for(MECHANISMS[name](), jnp.bfloat16)
+    nnx.update(layer, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(ref, nnx.Param)))
+    x = inputs((B, N, F), jnp.float32).astype(jnp.bfloat16)
+    want = ref(x[:, own].astype(jnp.float32))
+    scale = float(jnp.max(jnp.abs(want)))
+    for got in (layer(x, mask=keep),
+                nnx.jit(lambda layer, x, m: layer(x, mask=m))(layer, x, keep)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got[:, own], np.float32), want,
+                                   rtol=0, atol=3e-2 * scale)
+    grads = nnx.grad(lambda layer: jnp.sum(layer(x, mask=keep)[:, own]
+                                           .astype(jnp.float32) ** 2))(layer)
+    for g in jax.tree.leaves(nnx.to_pure_dict(grads)):
+        assert g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
+
+
 def test_mask_errors():
     layer = layer_for(sinn.causal())
     x = inputs((B, N, F), jnp.float32)
