@@ -149,10 +149,12 @@ def row(p: gpu.Problem, case: str, args) -> str:
     if first is None:
         return f"| {n} | {H} | {case} | " + " | ".join(cells) + " |"
     y, lse = first
+    # the backward reads the forward's row statistics (m, log l), as the kernel table's does
+    stats = pallas_forward(terms, low.problem, bs, mask=mask, stats=True)[1]
     d_out = p.w.astype(y.dtype)
     d_lse = jnp.zeros_like(lse)
     none = frozenset()  # the prior's parameters not differentiated (as benchmarks/gpu.py)
-    args_bwd = (low.problem, y, lse, d_out, d_lse)  # arguments, not constants of the program
+    args_bwd = (low.problem, y, stats, d_out, d_lse)  # arguments, not constants of the program
     own, ref = timed(lambda a: pallas_backward(terms, a[0], bs, *a[1:], mask=mask,
                                                need_glob=none), args_bwd, 2.5 * rate)
     cells.append(own)

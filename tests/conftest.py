@@ -349,3 +349,60 @@ def assert_run_is_iterated_step(run_out, loop_out, rtol=1e-9):
     assert np.all(np.isnan(np.asarray(info.energy)[..., k + 1:]))
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(state_ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol)
+
+
+def huge_logit_edge(n: int, d: int, dtype, mask=None):
+    """A lowered dot-product edge over 2 heads with a per-parent bias: in head 0 every key
+    carries a finite ``-1e9`` bias (a fully masked row written as a finite bias), so each
+    row's logits are about ``-1e9``, where float32's spacing is 64 and the row max and
+    log-normaliser round to the same number; head 1 is ordinary. ``mask``: an optional
+    ``(n, n)`` boolean per-edge mask (rows then see different numbers of keys)."""
+    import structinfer as si
+    from structinfer.lowering._lower import lower_edge
+
+    r = np.random.default_rng(7)
+    q, k, v = (jax.numpy.asarray(r.normal(size=(2, n, d)), dtype) for _ in range(3))
+    bias = r.normal(size=(2, 1, n)).astype(np.float32)
+    bias[0] = -1e9
+    prior = si.priors.Categorical(jax.numpy.asarray(bias))
+    if mask is not None:
+        prior = si.priors.Masked(prior, mask)
+    return lower_edge(prior, si.scores.Dot(q, k, scale=d ** -0.5), v, n, (2,))
+
+
+def float32_softmax(prob, mask=None):
+    """``(y, L)`` of a plain float32 softmax over ``prob``'s lowered logits $q_i^\\top k_j
+    + b_j$ (the reference of the flash kernels on `huge_logit_edge`: its logits are formed
+    and rounded as the kernels form them; ``jax.nn.softmax`` and ``logsumexp`` shift by
+    the row max, so a row of huge logits stays exact)."""
+    jnp = jax.numpy
+    f32 = jnp.float32
+    s = jnp.einsum("...if,...jf->...ij", prob.row.q.astype(f32), prob.col.k.astype(f32),
+                   precision="highest") + jnp.swapaxes(prob.col.bias.astype(f32), -1, -2)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    y = jnp.einsum("...ij,...jd->...id", jax.nn.softmax(s, -1), prob.v.astype(f32),
+                   precision="highest")
+    return y, jax.nn.logsumexp(s, -1)
+
+
+def huge_logit_cotangents(low):
+    """A random non-zero cotangent of every output, ``(dy, dL)``, for `huge_logit_edge`."""
+    y, lse = float32_softmax(low.problem)
+    r = np.random.default_rng(11)
+    return (jax.numpy.asarray(r.normal(size=y.shape), jax.numpy.float32),
+            jax.numpy.asarray(r.normal(size=lse.shape), jax.numpy.float32))
+
+
+def assert_huge_logit_gradients(got, want, rtol=1e-4):
+    """The kernel's gradients ``got`` (a `Problem` of cotangents) equal the reference's
+    ``want`` for the queries, keys, per-parent bias and values, each within ``rtol`` of
+    its largest magnitude per head (the huge head's and the ordinary head's separately)."""
+    for name, a, b in (("dq", got.row.q, want.row.q), ("dk", got.col.k, want.col.k),
+                       ("dbias", got.col.bias, want.col.bias), ("dv", got.v, want.v)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        for h in range(b.shape[0]):
+            scale = float(np.abs(b[h]).max())
+            assert scale > 1e-3, (name, h)
+            np.testing.assert_allclose(a[h] / scale, b[h] / scale, atol=rtol,
+                                       err_msg=f"{name}, head {h}")

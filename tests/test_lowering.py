@@ -18,7 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
-from conftest import on_gpu
+from conftest import (
+    assert_huge_logit_gradients,
+    float32_softmax,
+    huge_logit_cotangents,
+    huge_logit_edge,
+    on_gpu,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpyro.ops.indexing import Vindex
@@ -402,6 +408,29 @@ def test_blocked_gradients_match_dense(x64):
         for a, b in zip(gd, gb):
             assert np.abs(a).max() > 1e-3  # the gradient is not trivially zero
             np.testing.assert_allclose(b, a, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocked_gradients_of_rows_of_huge_logits(causal):
+    r"""Regression: a row whose every key carries a finite -1e9 bias (a fully masked row
+    written as a bias) has logits near -1e9, where float32's spacing is 64: its max $m$
+    and $L = m + \log l$ round to the same number, so a backward that rebuilt
+    $p = e^{s - L}$ got 1 per key (the gradients a row's length too large) while the
+    forward's $e^{s - m} / l$ is uniform. The backward rebuilds $p$ from the saved $m$ and
+    $\log l$: y, L and dq, dk, dbias, dv (with a cotangent on y and on L) equal those of a
+    plain float32 softmax of the same rounded logits, also with a causal mask (rows of
+    different lengths, several blocks per row)."""
+    n, d = 24, 8
+    mask = np.tri(n, dtype=bool) if causal else None
+    low = huge_logit_edge(n, d, jnp.float32, mask)
+    ct = huge_logit_cotangents(low)
+    ref = jax.vjp(lambda p: float32_softmax(p, mask), low.problem)
+    got = jax.jit(lambda p, ct: (lambda o, vjp: (o, vjp(ct)))(*jax.vjp(
+        lambda p: blocked_attention(low.terms, p, (2,), block_q=8, block_k=8, mask=low.mask),
+        p)))(low.problem, ct)
+    np.testing.assert_allclose(got[0][0], ref[0][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[0][1], ref[0][1], rtol=1e-6)
+    assert_huge_logit_gradients(got[1][0], ref[1](ct)[0])
 
 
 # --- whole models: attention(model) == si.expectation(model) ------------------------

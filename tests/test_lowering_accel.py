@@ -22,7 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
-from conftest import eqns_named, matrix, on_hopper
+from conftest import (
+    assert_huge_logit_gradients,
+    eqns_named,
+    float32_softmax,
+    huge_logit_cotangents,
+    huge_logit_edge,
+    matrix,
+    on_hopper,
+)
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -1124,20 +1132,52 @@ def test_pallas_passes_take_traced_start_offsets(case):
         assert text.as_text().count("triton") >= 4  # forward, dK/dV, dQ, the table
 
 
-def test_backward_probabilities_of_a_row_with_no_edge_are_zero():
-    """Regression (review): the backward's p = e^{s - L} must be 0 on a row with L = -inf
-    (a padding row, a row with no edge) whatever its logits, also NaN or +inf ones (a
-    non-finite key or bias read only by padding rows): else the gradients of the parents
-    only padding rows see turn NaN. Both backwards (blocked, Pallas) compute p here."""
-    from structinfer.lowering._softmax import backward_probs
+@pytest.mark.parametrize("causal", [False, True])
+def test_pallas_gradients_of_rows_of_huge_logits(causal):
+    r"""Regression: the Pallas passes (interpreted) on rows whose every key carries a
+    finite -1e9 bias, where float32 rounds the row max $m$ and $L = m + \log l$ to the
+    same number: the backward rebuilds $p = e^{s - m - \log l}$ from the forward's saved
+    $m$ and $\log l$ (not $e^{s - L} = 1$), so y, L and dq, dk, dbias, dv (a cotangent on
+    y and on L) equal a plain float32 softmax's of the same rounded logits; with a causal
+    per-edge mask too (rows of different lengths)."""
+    from structinfer.lowering.blocked import blocked_attention
 
-    s = jnp.array([[0.5, jnp.nan, jnp.inf, -jnp.inf], [1.0, 2.0, 3.0, -jnp.inf]])
-    lse = jnp.array([-jnp.inf, 3.5])
-    p = np.asarray(backward_probs(s, lse[:, None]))
+    n, d = 24, 8
+    mask = np.tri(n, dtype=bool) if causal else None
+    low = huge_logit_edge(n, d, jnp.float32, mask)
+    ct = huge_logit_cotangents(low)
+    ref = jax.vjp(lambda p: float32_softmax(p, mask), low.problem)
+
+    def f(p):
+        return blocked_attention(low.terms, p, (H,), mask=low.mask,
+                                 forward=accel.pallas_forward, backward=accel.pallas_backward)
+
+    out, vjp = jax.vjp(f, low.problem)
+    np.testing.assert_allclose(out[0], ref[0][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[1], ref[0][1], rtol=1e-6)
+    assert_huge_logit_gradients(vjp(ct)[0], ref[1](ct)[0])
+
+
+def test_backward_probabilities_of_a_row_with_no_edge_are_zero():
+    """Regression (review): the backward's p must be 0 on a row with no edge (log l = -inf,
+    L = -inf: a padding row) whatever its logits and max, also NaN or +inf ones (a
+    non-finite key or bias read only by padding rows): else the gradients of the parents
+    only padding rows see turn NaN. Both backwards (blocked, Pallas) compute p here; it is
+    e^{(s - m) - log l}, uniform on a row of equal huge logits (where L rounds to m)."""
+    from structinfer.lowering._softmax import RowStats, backward_probs
+
+    s = jnp.array([[0.5, jnp.nan, jnp.inf, -jnp.inf], [1.0, 2.0, 3.0, -jnp.inf],
+                   [-1e9, -1e9, -1e9, -jnp.inf]])
+    m = jnp.array([jnp.nan, 3.0, -1e9])
+    log_l = jnp.array([-jnp.inf, 0.5, np.log(3.0)])
+    p = np.asarray(backward_probs(s, m[:, None], log_l[:, None]))
     np.testing.assert_array_equal(p[0], 0.0)
     np.testing.assert_allclose(p[1], np.exp(np.array([1.0, 2.0, 3.0, -np.inf]) - 3.5))
-    # transposed blocks pass L along the last axis
-    np.testing.assert_array_equal(np.asarray(backward_probs(s.T, lse[None, :])), p.T)
+    np.testing.assert_allclose(p[2], [1 / 3, 1 / 3, 1 / 3, 0.0], rtol=1e-6)
+    assert RowStats(m, log_l).lse()[2] == m[2]  # what e^{s - L} would have read
+    # transposed blocks pass the statistics along the last axis
+    np.testing.assert_array_equal(
+        np.asarray(backward_probs(s.T, m[None, :], log_l[None, :])), p.T)
 
 
 @pytest.mark.parametrize("pass_through", [False, True])

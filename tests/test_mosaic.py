@@ -39,7 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
-from conftest import on_hopper
+from conftest import (
+    assert_huge_logit_gradients,
+    float32_softmax,
+    huge_logit_cotangents,
+    huge_logit_edge,
+    on_hopper,
+)
 from numpyro.ops.indexing import Vindex
 
 import structinfer as si
@@ -657,6 +663,30 @@ def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpre
                         si.scores.Dot(q, k[:, :1], scale=d ** -0.5), v, n, (2, 3))
     assert "keys or values shared by some batch dim" in mosaic_dkdv_unsupported(
         shared.terms, shared.problem, shared.batch_shape)
+    assert not mosaic_interpreted()
+
+
+@pytest.mark.cpu_only
+def test_mosaic_gradients_of_rows_of_huge_logits(mosaic_interpreted):
+    r"""Regression: the Mosaic GPU forward and backward (interpreted) on rows whose every
+    key carries a finite -1e9 bias, where float32 rounds the row max $m$ and
+    $L = m + \log l$ to the same number: both passes rebuild $p = 2^{(s - m)\log_2 e -
+    \log_2 l}$ from the forward's saved $m$ and $\log l$ (not $e^{s - L} = 1$), so dq, dk,
+    dbias, dv (a cotangent on y and on L) equal a float32 softmax's of the same rounded
+    logits (16-bit tolerance), in the huge head and the ordinary one."""
+    from structinfer.lowering._spec import Problem
+
+    n, d = 128, 64
+    low = huge_logit_edge(n, d, jnp.bfloat16)
+    ct = huge_logit_cotangents(low)
+    (want_y, want_l), vjp = jax.vjp(float32_softmax, low.problem)
+    y, stats = mosaic_forward(low.terms, low.problem, low.batch_shape, stats=True)
+    np.testing.assert_allclose(np.asarray(stats.lse()), np.asarray(want_l), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y), atol=2e-2)
+    assert not mosaic_backward_refusals(low.terms, low.problem, low.batch_shape)
+    d = mosaic_backward(low.terms, low.problem, low.batch_shape, y, stats, *ct)
+    got = Problem(d[0], d[1], d[2], d[3], low.problem.const, d[4])
+    assert_huge_logit_gradients(got, vjp(ct)[0], rtol=3e-2)
     assert not mosaic_interpreted()
 
 

@@ -25,11 +25,19 @@ results of ring attention. Every quantity is in the state's dtype (the accumulat
 `accum_dtype`); ``matmul`` multiplies the probabilities, cast to the value's dtype, with
 the values and accumulates in it.
 
-The backward (FlashAttention-2's) recomputes each block's probabilities from the saved
-$L$ (`backward_probs`) and needs one number per row, $\delta_i$ (`backward_delta`): with
-$\mathrm{d}p_{ij} = \mathrm{d}y_i^\top V_j$, the logits' cotangent is
-$\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}p_{ij} - \delta_i)$. Every backward (the blocked
-kernel's loops, the Pallas passes) computes both here.
+The backward (FlashAttention-2's) recomputes each block's probabilities from the
+forward's saved row statistics (`RowStats`: $m_i$ and $\log l_i$, `online_stats`) as
+$p_{ij} = e^{(\ell_{ij} - m_i) - \log l_i}$ (`backward_probs`), not from $L_i$: where a
+row's logits are huge (a fully masked row written as a finite $-10^9$ bias) float32 rounds
+$m_i$ and $L_i = m_i + \log l_i$ to the same number, and $e^{\ell_{ij} - L_i}$ would be 1
+on every key while the forward's $e^{\ell_{ij} - m_i} / l_i$ is $1/n$. It needs one number
+per row, $\delta_i$ (`backward_delta`): with $\mathrm{d}p_{ij} = \mathrm{d}y_i^\top V_j$,
+the logits' cotangent is $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}p_{ij} - \delta_i)$. Every
+backward (the blocked kernel's loops, the Pallas passes; the Mosaic GPU passes in base 2)
+computes both here. Partial results of ring attention are merged by their statistics too
+(`online_merge`): the weights of the parts stay exact, and each part's backward reads
+its own $m$ and $\log l$ and the cotangents of its $y$ and $\log l$ that the merge's
+gradient gives it.
 """
 
 from __future__ import annotations
@@ -40,9 +48,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-__all__ = ["Running", "online_start", "online_shift", "online_step", "online_finish",
-           "online_merge", "with_nan_rows", "backward_delta", "backward_probs"]
+__all__ = ["Running", "RowStats", "as_row_stats", "online_start", "online_shift", "online_step",
+           "online_finish", "online_stats", "online_merge",
+           "with_nan_rows", "backward_delta", "backward_probs"]
 
 
 class Running(NamedTuple):
@@ -81,30 +91,77 @@ def online_step(state: Running, s: jax.Array, v: jax.Array,
     return Running(m_new, state.l * corr + jnp.sum(p, axis=-1), acc)
 
 
+class RowStats(NamedTuple):
+    r"""The rows' softmax statistics a forward saves for its backward (a pytree):
+    $m_i$ and $\log l_i$ with $l_i = \sum_j e^{\ell_{ij} - m_i}$, so that
+    $L_i = m_i + \log l_i$ and $p_{ij} = e^{(\ell_{ij} - m_i) - \log l_i}$.
+
+    A row with no allowed edge, or whose sum is not positive (a NaN logit: $l_i$ NaN), has
+    $\log l_i = -\infty$ and $L_i = -\infty$ (its $m_i$ is then $-\infty$, NaN, or for a
+    merged result 0); the backward gives it $p = 0$."""
+
+    #: the largest logit, ``(..., rows)``
+    m: jax.Array
+    #: $\log \sum_j e^{\ell_{ij} - m_i}$, ``(..., rows)`` (``-inf``: no edge)
+    log_l: jax.Array
+
+    def lse(self) -> jax.Array:
+        r"""The row log-normalisers $L = m + \log l$ (``-inf`` where $\log l = -\infty$)."""
+        return jnp.where(self.log_l == -jnp.inf, -jnp.inf, self.m + self.log_l)
+
+    @staticmethod
+    def of_lse(lse: jax.Array) -> RowStats:
+        r"""Statistics that stand for log-normalisers ``lse`` alone ($m = L$, $\log l = 0$,
+        or $-\infty$ where $L = -\infty$): $p = e^{\ell - L}$, exact except in rows whose
+        logits are so large that float32 rounds $\log l$ out of $L$ (pass the forward's
+        `RowStats` for those)."""
+        return RowStats(lse, jnp.where(lse == -jnp.inf, -jnp.inf, jnp.zeros_like(lse)))
+
+
+def as_row_stats(stats: RowStats | jax.Array) -> RowStats:
+    """``stats``, or `RowStats.of_lse` of an array of log-normalisers."""
+    return stats if isinstance(stats, RowStats) else RowStats.of_lse(stats)
+
+
+def online_stats(state: Running) -> RowStats:
+    r"""The rows' `RowStats`: $m$ and $\log l$ ($-\infty$ where $l$ is not positive)."""
+    pos = state.l > 0
+    return RowStats(state.m, jnp.where(pos, jnp.log(jnp.where(pos, state.l, 1.0)), -jnp.inf))
+
+
 def online_finish(state: Running) -> tuple[jax.Array, jax.Array]:
     r"""``(y, L)`` of the rows: $a / l$ and $m + \log l$; a row with no allowed edge
     ($l = 0$) gives $y = 0$, $L = -\infty$."""
     pos = state.l > 0
     l_safe = jnp.where(pos, state.l, 1.0)
-    return (state.acc / l_safe[..., None],
-            jnp.where(pos, state.m + jnp.log(l_safe), -jnp.inf))
+    return state.acc / l_safe[..., None], online_stats(state).lse()
 
 
-def online_merge(ya: jax.Array, la: jax.Array, yb: jax.Array, lb: jax.Array
-          ) -> tuple[jax.Array, jax.Array]:
+def online_merge(ya: jax.Array, sa: RowStats, yb: jax.Array, sb: RowStats
+                 ) -> tuple[jax.Array, RowStats]:
     r"""Two normalised partial results of the same rows, over disjoint sets of parents,
-    as one:
+    as one, by their statistics (`RowStats`): with $m = \max(m_a, m_b)$,
 
     $$
-    L = \log(e^{L_a} + e^{L_b}), \qquad y = e^{L_a - L} y_a + e^{L_b - L} y_b
+    l = e^{m_a - m + \log l_a} + e^{m_b - m + \log l_b}, \qquad
+    y = \big(e^{m_a - m + \log l_a} y_a + e^{m_b - m + \log l_b} y_b\big) / l,
     $$
 
-    (the state $(m, l, a) = (\max(L_a, L_b),\ e^{L_a - m} + e^{L_b - m},\
-    e^{L_a - m} y_a + e^{L_b - m} y_b)$, finished). Differentiable in both $y$ and $L$;
-    a part with $L = -\infty$ contributes nothing."""
-    m = online_shift(jnp.maximum(la, lb))
-    ea, eb = jnp.exp(la - m), jnp.exp(lb - m)
-    return online_finish(Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb))
+    and the result's statistics are $(m, \log l)$, so $L = \log(e^{L_a} + e^{L_b})$.
+    Exact where a row's logits are so large that float32 rounds $\log l$ out of $L$
+    (merging by $L$ alone would weigh the parts alike, whatever their numbers of
+    parents). The maxima are shifts, not differentiated (the merged $y$ and $L$ do not
+    depend on them): the gradient reaches each part through its $y$ and $\log l$, whose
+    cotangent is that of its $L$ (`blocked_attention`'s ``stats``). A part with
+    $\log l = -\infty$ contributes nothing."""
+    def key(s):  # a part without an edge has no maximum (its m may be -inf or NaN)
+        return jnp.where(s.log_l == -jnp.inf, -jnp.inf, lax.stop_gradient(s.m))
+
+    ka, kb = key(sa), key(sb)
+    m = online_shift(jnp.maximum(ka, kb))
+    ea, eb = jnp.exp(ka - m + sa.log_l), jnp.exp(kb - m + sb.log_l)
+    state = Running(m, ea + eb, ea[..., None] * ya + eb[..., None] * yb)
+    return online_finish(state)[0], online_stats(state)
 
 
 def with_nan_rows(y: jax.Array, lse: jax.Array, *, pass_through: bool = False,
@@ -194,12 +251,15 @@ def backward_delta(out: jax.Array, d_out: jax.Array, lse: jax.Array, d_lse: jax.
     return jnp.sum(d_out.astype(dtype) * kept, -1) - d_lse.astype(dtype)
 
 
-def backward_probs(s: jax.Array, lse: jax.Array) -> jax.Array:
-    r"""A block's probabilities $p_{ij} = e^{\ell_{ij} - L_i}$ from its logits ``s``
-    (``-inf`` on forbidden edges) and the rows' saved $L$, broadcast against ``s`` (so
-    that a transposed block passes ``lse[..., None, :]``). A row with no edge
-    ($L = -\infty$; padding rows too) gets $p = 0$ whatever its logits: not $e^{s}$, which
-    a large bias overflows to ``inf`` (and a zero cotangent to ``inf * 0 = NaN``), nor NaN
-    from a non-finite key or bias that only a padding row reads."""
-    none = lse == -jnp.inf
-    return jnp.where(none, 0.0, jnp.exp(s - jnp.where(none, 0.0, lse)))
+def backward_probs(s: jax.Array, m: jax.Array, log_l: jax.Array) -> jax.Array:
+    r"""A block's probabilities $p_{ij} = e^{(\ell_{ij} - m_i) - \log l_i}$ from its logits
+    ``s`` (``-inf`` on forbidden edges) and the rows' saved `RowStats` ``m`` and ``log_l``,
+    broadcast against ``s`` (so that a transposed block passes ``m[..., None, :]``). The
+    difference $\ell_{ij} - m_i$ comes first: it is exact where the logits are huge, where
+    $e^{\ell_{ij} - L_i}$ would lose $\log l_i$ to rounding. A row with no edge
+    ($\log l = -\infty$; padding rows too) gets $p = 0$ whatever its logits: not $e^{s}$,
+    which a large bias overflows to ``inf`` (and a zero cotangent to ``inf * 0 = NaN``), nor
+    NaN from a non-finite key or bias that only a padding row reads."""
+    none = log_l == -jnp.inf
+    return jnp.where(none, 0.0, jnp.exp((s - jnp.where(none, 0.0, m))
+                                        - jnp.where(none, 0.0, log_l)))

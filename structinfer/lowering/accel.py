@@ -78,7 +78,16 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ._masks import BlockMask, ConcreteMask, mask_shape, tile_grid
-from ._softmax import backward_delta, backward_probs, online_finish, online_start, online_step
+from ._softmax import (
+    RowStats,
+    as_row_stats,
+    backward_delta,
+    backward_probs,
+    online_finish,
+    online_start,
+    online_stats,
+    online_step,
+)
 from ._spec import (
     Problem,
     Terms,
@@ -484,13 +493,13 @@ def _over_blocks(named: dict, lo, hi, full, body, init):
 
 def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str, ...],
                    acc_dtype, precision, nan_rows: bool):
-    """Forward: one child block of one batch element, online softmax over its live parent
-    blocks; writes $y$ (NaN in the rows of non-finite $L$ with ``nan_rows``) and the row
-    log-normaliser $L$."""
+    r"""Forward: one child block of one batch element, online softmax over its live parent
+    blocks; writes $y$ (NaN in the rows of non-finite $L$ with ``nan_rows``) and the rows'
+    statistics $m$ and $\log l$ (`RowStats`; $L = m + \log l$)."""
     from jax.experimental import pallas as pl
 
     named = dict(zip(keys, refs[: len(keys)]))
-    o_ref, lse_ref = refs[len(keys):]
+    o_ref, m_ref, log_l_ref = refs[len(keys):]
     a = pl.program_id(0)
     q = named["q"][...]
     g0 = g1 = None
@@ -517,7 +526,7 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
     if nan_rows:  # |L| < inf: False for -inf, +inf and NaN
         y = jnp.where((jnp.abs(lse) < jnp.inf)[:, None], y, jnp.nan)
     o_ref[...] = y.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    m_ref[...], log_l_ref[...] = online_stats(state)
 
 
 def _dot(a, b, precision, acc_dtype, trans_a: bool = False, trans_b: bool = False):
@@ -881,8 +890,8 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    interpret: bool | None = None, precision: lax.PrecisionLike = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    starts: tuple | None = None, tiles: bool | None = None,
-                   mask: ConcreteMask | None = None, nan_rows: bool = False
-                   ) -> tuple[jax.Array, jax.Array]:
+                   mask: ConcreteMask | None = None, nan_rows: bool = False,
+                   stats: bool = False) -> tuple[jax.Array, jax.Array | RowStats]:
     r"""Forward pass of the Pallas flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (child block, batch element); each loops over the parent
@@ -939,11 +948,15 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
         nan_rows: write NaN in the rows whose $L$ is not finite, in the kernel (the
             engine's convention, with no pass of its own over $y$); default $y = 0$ there,
             which ring attention's steps merge.
+        stats: return the rows' `RowStats` ($m$ and $\log l$, $L = m + \log l$) in place
+            of $L$: what `pallas_backward` reads (exact where the logits are so large that
+            float32 rounds $\log l$ out of $L$).
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32
-        (float64 for float64 inputs). A row with no allowed parent has $y = 0$ (NaN with
-        ``nan_rows``) and $L = -\infty$.
+        (float64 for float64 inputs); with ``stats``, `(y, RowStats)`. A row with no
+        allowed parent has $y = 0$ (NaN with ``nan_rows``) and $L = -\infty$
+        ($\log l = -\infty$).
 
     Raises:
         ValueError: `pallas_unsupported` names a reason the kernel cannot run the edge.
@@ -970,21 +983,22 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                                keys=keys, acc_dtype=lay.acc, precision=precision,
                                nan_rows=bool(nan_rows))
     v = prob.v
-    out, lse = pl.pallas_call(
+    out, m, log_l = pl.pallas_call(
         kernel,
         grid=(lay.nqb, lay.B),
         in_specs=[specs[x] for x in keys],
-        out_specs=[pl.BlockSpec((None, lay.bq, lay.dvp), lambda i, b: (b, i, 0)),
-                   pl.BlockSpec((None, lay.bq), lambda i, b: (b, i))],
-        out_shape=[jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), v.dtype),
-                   jax.ShapeDtypeStruct((lay.B, lay.n_pad), lay.acc)],
+        out_specs=[pl.BlockSpec((None, lay.bq, lay.dvp), lambda i, b: (b, i, 0))]
+        + [pl.BlockSpec((None, lay.bq), lambda i, b: (b, i))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), v.dtype)]
+        + [jax.ShapeDtypeStruct((lay.B, lay.n_pad), lay.acc)] * 2,
         compiler_params=_compiler_params(lay.fp, num_warps, num_stages),
         interpret=_interpret(interpret),
         name="structinfer_attention",
     )(*[arrays[x] for x in keys])
     n = terms.num_children
     y = out[:, :n, : v.shape[-1]].reshape(lay.batch + (n, v.shape[-1]))
-    return y, lse[:, :n].reshape(lay.batch + (n,))
+    rows = RowStats(*(x[:, :n].reshape(lay.batch + (n,)) for x in (m, log_l)))
+    return y, (rows if stats else rows.lse())
 
 
 # --- Pallas backward ---------------------------------------------------------------------
@@ -992,22 +1006,23 @@ def pallas_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
 
 def _child_rows(terms: Terms, named: dict, idx, acc_dtype):
     """A child block's operands of the backward passes (``idx``: its slice, or ``...``
-    for a program's own block): q, dy, L, delta and the geometric prior's two terms."""
+    for a program's own block): q, dy, the rows' `RowStats`, delta and the geometric
+    prior's two terms."""
     g0 = g1 = None
     if terms.geometric:
         g0 = named["geo0"][idx].astype(acc_dtype)
         g1 = named["geo1"][idx].astype(acc_dtype)
     rows = idx if idx is Ellipsis else (idx, slice(None))
-    return (named["q"][rows], named["do"][rows], named["lse"][idx], named["delta"][idx],
-            g0, g1)
+    stats = RowStats(named["row_m"][idx], named["row_log_l"][idx])
+    return named["q"][rows], named["do"][rows], stats, named["delta"][idx], g0, g1
 
 
-def _ds_tile(terms: Terms, named: dict, q, k, v, do, lse, delta, i0, j0, g0, g1, acc_dtype,
+def _ds_tile(terms: Terms, named: dict, q, k, v, do, stats, delta, i0, j0, g0, g1, acc_dtype,
              precision, off, masked: bool = True):
     r"""One tile of the backward: $p_{ij}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top
     V_j - \delta_i)$, the allowed-edge mask and the distance grid."""
     s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off, masked)
-    p = backward_probs(s, lse[:, None]).astype(acc_dtype)
+    p = backward_probs(s, stats.m[:, None], stats.log_l[:, None]).astype(acc_dtype)
     dp = _dot(do, v, precision, acc_dtype, trans_b=True)
     return p, p * (dp - delta[:, None]), ok, d
 
@@ -1030,8 +1045,8 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
     def body(a, tile_masked, carry):
         dk, dv, db = carry
         i0 = a * bq
-        q, do, lse, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, bq), acc_dtype)
-        p, ds, _, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, t * bk, g0, g1,
+        q, do, stats, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, bq), acc_dtype)
+        p, ds, _, _ = _ds_tile(terms, named, q, k, v, do, stats, delta, i0, t * bk, g0, g1,
                                acc_dtype, precision, off, tile_masked)
         dv = dv + _dot(p.astype(do.dtype), do, precision, acc_dtype, trans_a=True)
         dk = dk + _dot(ds.astype(q.dtype), q, precision, acc_dtype, trans_a=True)
@@ -1058,7 +1073,7 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
     named = dict(zip(keys, refs[: len(keys)]))
     outs = refs[len(keys):]
     a = pl.program_id(0)
-    q, do, lse, delta, g0, g1 = _child_rows(terms, named, ..., acc_dtype)
+    q, do, stats, delta, g0, g1 = _child_rows(terms, named, ..., acc_dtype)
     off = _offset(terms, named)
     lo, hi = live_range(terms, a, bq, bk, nkb, off)
 
@@ -1067,7 +1082,7 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
         v = named["v"][_pl_ds(j0, bk), :]
-        _, ds, _, d = _ds_tile(terms, named, q, k, v, do, lse, delta, a * bq, j0, g0, g1,
+        _, ds, _, d = _ds_tile(terms, named, q, k, v, do, stats, delta, a * bq, j0, g0, g1,
                                acc_dtype, precision, off, tile_masked)
         dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
         if terms.geometric:
@@ -1118,10 +1133,10 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
 
     def body(a, acc):
         i0, j0 = a * b, (a + diag) * b
-        q, do, lse, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, b), acc_dtype)
+        q, do, stats, delta, g0, g1 = _child_rows(terms, named, _pl_ds(i0, b), acc_dtype)
         k = named["k"][_pl_ds(j0, b), :]
         v = named["v"][_pl_ds(j0, b), :]
-        _, ds, ok, _ = _ds_tile(terms, named, q, k, v, do, lse, delta, i0, j0, g0, g1,
+        _, ds, ok, _ = _ds_tile(terms, named, q, k, v, do, stats, delta, i0, j0, g0, g1,
                                 acc_dtype, precision, off)
         return acc + jnp.where(ok, ds, 0.0)
 
@@ -1146,7 +1161,8 @@ def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, 
                                  tiles=_use_tiles(terms, prob, lay, shift, tiles))
     arrays.update(shared(lay))
     specs["do"] = pl.BlockSpec((None, bq, dvp), lambda i, b: (b, i, 0))
-    specs["lse"] = specs["delta"] = pl.BlockSpec((None, bq), lambda i, b: (b, i))
+    specs["row_m"] = specs["row_log_l"] = specs["delta"] = pl.BlockSpec(
+        (None, bq), lambda i, b: (b, i))
     _mask_operands(terms, prob, lay, arrays, specs, grids)
     keys = tuple(arrays)
     out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
@@ -1170,7 +1186,7 @@ def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, 
 
 
 def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], out: jax.Array,
-                    lse: jax.Array, d_out: jax.Array, d_lse: jax.Array, *,
+                    lse: RowStats | jax.Array, d_out: jax.Array, d_lse: jax.Array, *,
                     block_q: int | None = None, block_k: int | None = None,
                     interpret: bool | None = None,
                     precision: lax.PrecisionLike = None, num_warps: int | None = 4,
@@ -1181,11 +1197,12 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                     ) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""Backward pass of the Pallas flash-attention kernel: the gradients of one edge site.
 
-    FlashAttention-2's schedule on the forward's $y$ and $L$ alone: with
+    FlashAttention-2's schedule on the forward's $y$ and row statistics alone (the
+    largest logit $m_i$ and $\log l_i$, `RowStats`): with
     $\delta_i = \sum_c \mathrm{d}y_{ic}\, y_{ic} - \mathrm{d}L_i$ and, recomputed per tile,
-    $p_{ij} = e^{\ell_{ij} - L_i}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j -
-    \delta_i)$, one pass over parent blocks gives
-    $\mathrm{d}V_j = \sum_i p_{ij}\,\mathrm{d}y_i$, $\mathrm{d}K_j = \sum_i
+    $p_{ij} = e^{(\ell_{ij} - m_i) - \log l_i}$,
+    $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$, one pass over parent
+    blocks gives $\mathrm{d}V_j = \sum_i p_{ij}\,\mathrm{d}y_i$, $\mathrm{d}K_j = \sum_i
     \mathrm{d}s_{ij}\, q_i$ and the per-parent bias' gradient $\sum_i \mathrm{d}s_{ij}$;
     one pass over child blocks gives $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and the
     geometric prior's $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} - d_0)$;
@@ -1205,7 +1222,10 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         out: the forward's output $y$.
-        lse: the forward's row log-normaliser $L$.
+        lse: the forward's `RowStats` (`pallas_forward` with ``stats=True``), or its row
+            log-normaliser $L$ alone, read as `RowStats.of_lse` ($p = e^{\ell - L}$: exact
+            except in rows whose logits are so large that float32 rounds $\log l$ out of
+            $L$).
         d_out: the cotangent of $y$.
         d_lse: the cotangent of $L$.
         block_q: children per block in both passes (rounded up to a power of two, at
@@ -1231,7 +1251,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
             ``True`` forces them, except with ``starts``; ``False``: the lookup).
         mask: the per-edge mask's value at trace time, as for `pallas_forward`.
         dq_pass: another kernel's dQ pass in place of this one's:
-            ``dq_pass(terms, prob, batch_shape, d_out, lse, delta, mask) -> (dq, dgeo)``,
+            ``dq_pass(terms, prob, batch_shape, d_out, stats, delta, mask) -> (dq,
+            dgeo)`` (``stats``: the forward's `RowStats`),
             ``batch + (n, d)`` and (a geometric prior) ``batch + (n, 2)`` or ``None``
             (`structinfer.lowering.mosaic.mosaic_dq`).
         dkdv_pass: another kernel's dK/dV pass in place of this one's, called the same
@@ -1259,13 +1280,17 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                   block_k or _fit_blocks(block, mask, 1))
     acc, m, B = lay.acc, terms.num_parents, lay.B
     bq, bk, m_pad, fp, dvp = lay.bq, lay.bk, lay.m_pad, lay.fp, lay.dvp
-    delta = backward_delta(out, d_out, lse, d_lse, acc)
+    stats = as_row_stats(lse)
+    delta = backward_delta(out, d_out, stats.lse(), d_lse, acc)
     v_dt = prob.v.dtype
     shift = _shift(starts)
 
     def shared(lay):  # the cotangent's rows, padded to a launch's blocks
         return {"do": lay.pad(lay.flat(d_out.astype(v_dt), 2), lay.n_pad, lay.dvp),
-                "lse": lay.pad(lay.flat(lse.astype(acc), 1), lay.n_pad, value=-jnp.inf),
+                # padded rows have no edge (log l = -inf): p = 0 there
+                "row_m": lay.pad(lay.flat(stats.m.astype(acc), 1), lay.n_pad),
+                "row_log_l": lay.pad(lay.flat(stats.log_l.astype(acc), 1), lay.n_pad,
+                                     value=-jnp.inf),
                 "delta": lay.pad(lay.flat(delta, 1), lay.n_pad)}
 
     def whole_rows(lay):  # operands of a pass that loops over child blocks
@@ -1273,7 +1298,8 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                                      tiles=_use_tiles(terms, prob, lay, shift, tiles))
         arrays.update(shared(lay))
         specs["do"] = pl.BlockSpec((None, lay.n_pad, lay.dvp), lambda i, b: (b, 0, 0))
-        specs["lse"] = specs["delta"] = pl.BlockSpec((None, lay.n_pad), lambda i, b: (b, 0))
+        specs["row_m"] = specs["row_log_l"] = specs["delta"] = pl.BlockSpec(
+            (None, lay.n_pad), lambda i, b: (b, 0))
         return arrays, specs
 
     params = _compiler_params(fp, num_warps or 4, num_stages)
@@ -1285,7 +1311,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     want_table = terms.relpos is not None and (need_glob is None or "relpos" in need_glob)
     d_table = None
     if dkdv_pass is not None:
-        dk, dv, db, d_table = dkdv_pass(terms, prob, batch_shape, d_out, lse, delta, mask,
+        dk, dv, db, d_table = dkdv_pass(terms, prob, batch_shape, d_out, stats, delta, mask,
                                         table_grad=want_table)
     else:
         arrays, specs = whole_rows(lay)
@@ -1312,7 +1338,7 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
 
     # pass 2: child blocks (dQ, geometric prior)
     if dq_pass is not None:
-        dq, dgeo = dq_pass(terms, prob, batch_shape, d_out, lse, delta, mask)
+        dq, dgeo = dq_pass(terms, prob, batch_shape, d_out, stats, delta, mask)
     else:
         dq, dgeo = _dq_pass(terms, prob, lay, shared, shift, tiles, grids, params, interp,
                             precision)

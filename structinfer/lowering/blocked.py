@@ -19,11 +19,12 @@ each child block loops only over its list of live parent blocks. Blocks inside t
 distance band are computed without a mask, and those the band's edge crosses are cut
 into the rectangles that hold their allowed edges (`Schedule`).
 
-Gradients use a custom VJP that stores only $y$ and $L$ and
+Gradients use a custom VJP that stores only $y$ and the rows' statistics $m_i$ (the
+largest logit) and $\log l_i$ (`_softmax.RowStats`, $L_i = m_i + \log l_i$) and
 recomputes every block's logits in the backward pass:
 
 $$
-P_{ij} = e^{\ell_{ij} - L_i},\quad
+P_{ij} = e^{(\ell_{ij} - m_i) - \log l_i},\quad
 \bar V_j = \sum_i P_{ij} \bar y_i,\quad
 \bar\ell_{ij} = P_{ij}\big(\bar y_i^\top V_j - \bar y_i^\top y_i + \bar L_i\big),
 $$
@@ -52,11 +53,14 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ._masks import BlockMask, ConcreteMask, mask_key, tile_grid
 from ._softmax import (
+    RowStats,
     Running,
+    as_row_stats,
     backward_delta,
     backward_probs,
     online_finish,
     online_start,
+    online_stats,
     online_step,
     with_nan_rows,
 )
@@ -465,23 +469,25 @@ def _forward(terms: Terms, sched: Schedule, batch: tuple[int, ...], prob: Proble
             return body
 
         init = tuple(online_start(batch + (bq,), dv, dtype))
-        out, lse = online_finish(Running(*_loops(tables, a, body_of, init)))
+        state = Running(*_loops(tables, a, body_of, init))
+        out, lse = online_finish(state)
         if nan_rows:  # the engine's convention, in the same pass as the division
             out = with_nan_rows(out, lse)
-        return out.astype(out_dtype), lse
+        return out.astype(out_dtype), online_stats(state)
 
     def write(a, bufs):
         # each child block's rows go straight to their place in the output (no stacked
         # (blocks, *batch, bq, dv) array to transpose afterwards)
-        out, lse = q_block(a)
+        out, stats = q_block(a)
         i0 = a * bq
-        return (lax.dynamic_update_slice_in_dim(bufs[0], out, i0, axis=len(batch)),
-                lax.dynamic_update_slice_in_dim(bufs[1], lse, i0, axis=len(batch)))
+        return tuple(lax.dynamic_update_slice_in_dim(buf, x, i0, axis=len(batch))
+                     for buf, x in zip(bufs, (out, *stats)))
 
-    out, lse = lax.fori_loop(0, nqb, write, (jnp.zeros(batch + (n_pad, dv), out_dtype),
-                                             jnp.zeros(batch + (n_pad,), dtype)))
+    out, m, log_l = lax.fori_loop(0, nqb, write, (jnp.zeros(batch + (n_pad, dv), out_dtype),
+                                                  jnp.zeros(batch + (n_pad,), dtype),
+                                                  jnp.zeros(batch + (n_pad,), dtype)))
     n = terms.num_children
-    return out[..., :n, :], lse[..., :n]
+    return out[..., :n, :], RowStats(m[..., :n], log_l[..., :n])
 
 
 def _merge_rows(carry, rows, bq: int):
@@ -499,8 +505,8 @@ def _merge_rows(carry, rows, bq: int):
     return tuple(jnp.concatenate([q[i] for q in parts], axis=(-1, -1, -2)[i]) for i in range(3))
 
 
-def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse,
-              precision=None):
+def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, d_out,
+              d_lse, precision=None):
     bq, bk = sched.block_q, sched.block_k
     nqb, nkb = sched.nqb, sched.nkb
     n_pad, m_pad = nqb * bq, nkb * bk
@@ -511,10 +517,11 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
     # gradients do across blocks; each gradient is cast to its input's dtype at the end
     dtype = accum_dtype(p.v.dtype)
     mm = dict(preferred_element_type=dtype, precision=precision)
-    delta = backward_delta(out, d_out, lse, d_lse, dtype)
+    delta = backward_delta(out, d_out, stats.lse(), d_lse, dtype)
     d_out = _pad_axis(d_out.astype(p.v.dtype), -2, n_pad)
     delta = _pad_axis(delta, -1, n_pad)
-    lse = _pad_axis(lse, -1, n_pad, -jnp.inf)
+    # padded rows have no edge (log l = -inf): p = 0 there
+    stats = RowStats(_pad_axis(stats.m, -1, n_pad), _pad_axis(stats.log_l, -1, n_pad, -jnp.inf))
     tables = _group_tables(sched, sched.bwd, True)
 
     def zeros(tree):  # gradient accumulators, in the accumulation dtype
@@ -525,7 +532,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
                     or terms.relpos is not None)
     rest_free = _unbanded(rest)
 
-    def rect_grads(rect, row, col, pair, const, i_r, j_r, glob, v_c, do_r, lse_r, delta_r):
+    def rect_grads(rect, row, col, pair, const, i_r, j_r, glob, v_c, do_r, stats_r, delta_r):
         """Gradients of one rectangle: to its rows, columns, pairs, globals and values.
 
         Without terms besides the dot product and the mask, the rectangle is worked on
@@ -554,13 +561,13 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
             s = s_dot + s_rest
         sm = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
         if tr:  # pt, dpt, dst: (..., cn, rn)
-            pt = backward_probs(sm, lse_r[..., None, :])
+            pt = backward_probs(sm, *(x[..., None, :] for x in stats_r))
             d_v = jnp.einsum("...ji,...id->...jd", pt.astype(do_r.dtype), do_r, **mm)
             dpt = jnp.einsum("...jd,...id->...ji", v_c, do_r, **mm)
             ds_t = pt * (dpt - delta_r[..., None, :])
             ds = _transposed(ds_t) if terms.dot else None
         else:  # pr, dp, ds: (..., rn, cn)
-            pr = backward_probs(sm, lse_r[..., :, None])
+            pr = backward_probs(sm, *(x[..., :, None] for x in stats_r))
             d_v = jnp.einsum("...ji,...id->...jd", _transposed(pr.astype(do_r.dtype)), do_r,
                              **mm)
             dp = jnp.einsum("...id,...jd->...ij", do_r, v_c, **mm)
@@ -596,7 +603,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
                 pair_b = _pair_block(p.pair, i0, j0, bq, bk)
                 const_b = _const_block(p.const, i0, j0, bq, bk)
                 do_b = _slice(d_out, i0, bq, -2)
-                lse_b = _slice(lse, i0, bq, -1)
+                stats_b = [_slice(x, i0, bq, -1) for x in stats]
                 delta_b = _slice(delta, i0, bq, -1)
                 for rect in pattern:
                     r0, rn, c0, cn, _ = rect
@@ -604,7 +611,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, lse, d_out, d_lse
                         rect, row_b, col_b, pair_b, const_b, i_idx, j_loc)
                     dr, dc, dpp, dg, dv = rect_grads(
                         rect, row, col, pair, const, i_r, j_r, p.glob, _sub(v_b, c0, cn, -2),
-                        _sub(do_b, r0, rn, -2), _sub(lse_b, r0, rn, -1),
+                        _sub(do_b, r0, rn, -2), [_sub(x, r0, rn, -1) for x in stats_b],
                         _sub(delta_b, r0, rn, -1))
                     d_row = jax.tree.map(partial(_update, starts={-2: i0 + r0}), d_row, dr)
                     d_pair = jax.tree.map(partial(_update, starts={-2: i0 + r0, -1: j0 + c0}),
@@ -705,8 +712,9 @@ def mask_per_block(terms: Terms, prob: Problem, batch_shape, mask: ConcreteMask 
     return terms, dataclasses.replace(prob, const=const)
 
 
-def _run_forward(static, prob: Problem, starts):
-    terms, sched, batch, forward, _, nan_rows, precision, out_dtype, has_starts, mask = (
+def _run_forward(static, prob: Problem, starts) -> tuple[jax.Array, RowStats]:
+    """``(y, RowStats)`` of the forward (this kernel's or the replacement's)."""
+    terms, sched, batch, forward, _, nan_rows, precision, out_dtype, has_starts, mask, _ = (
         static.value)
     if forward is not None:
         kw = _hook_kwargs(forward, precision, has_starts, starts, mask)
@@ -714,16 +722,28 @@ def _run_forward(static, prob: Problem, starts):
         writes = nan_rows and _takes(forward, "nan_rows", catch_all=False)
         if writes:
             kw["nan_rows"] = True
-        out, lse = forward(terms, prob, batch, **kw)
+        # one that names `stats` returns the rows' statistics in place of L
+        if _takes(forward, "stats", catch_all=False):
+            kw["stats"] = True
+        out, stats = forward(terms, prob, batch, **kw)
+        stats = as_row_stats(stats)
         if nan_rows and not writes:
-            out = with_nan_rows(out, lse)
-        return out.astype(out_dtype or prob.v.dtype), lse.astype(accum_dtype(prob.v.dtype))
+            out = with_nan_rows(out, stats.lse())
+        acc = accum_dtype(prob.v.dtype)
+        return (out.astype(out_dtype or prob.v.dtype),
+                RowStats(*(x.astype(acc) for x in stats)))
     return _forward(terms, sched, batch, prob, starts, nan_rows, precision, out_dtype)
+
+
+def _public(static, out, stats: RowStats):
+    """The kernel's result: ``(y, L)``, or ``(y, RowStats)`` when ``stats`` was asked."""
+    return (out, stats) if static.value[-1] else (out, stats.lse())
 
 
 @jax.custom_vjp
 def _attend(static, row, col, pair, glob, const, v, starts):
-    return _run_forward(static, Problem(row, col, pair, glob, const, v), starts)
+    return _public(static, *_run_forward(static, Problem(row, col, pair, glob, const, v),
+                                         starts))
 
 
 def _is_primal(x) -> bool:
@@ -745,8 +765,9 @@ def _attend_fwd(static, row, col, pair, glob, const, v, starts):
     _, _, _, forward, *_ = static.value
     if forward is not None:  # a fused kernel's forward
         prob = _no_derivative(prob)
-    out, lse = _run_forward(static, prob, starts)
-    return (out, lse), (static, _Static(frozenset(need)), prob, starts, out, lse)
+    out, stats = _run_forward(static, prob, starts)
+    return _public(static, out, stats), (static, _Static(frozenset(need)), prob, starts, out,
+                                         stats)
 
 
 def _float0(tree):
@@ -754,18 +775,22 @@ def _float0(tree):
 
 
 def _attend_bwd(res, cts):
-    static, need, prob, starts, out, lse = res
-    terms, sched, batch, _, backward, _, precision, _, has_starts, mask = static.value
-    d_out, d_lse = (jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c
-                    for c in cts)
+    static, need, prob, starts, out, stats = res
+    terms, sched, batch, _, backward, _, precision, _, has_starts, mask, with_stats = (
+        static.value)
+    d_out, d_second = jax.tree.map(
+        lambda c: jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c,
+        cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
+    # with `stats`, m is a shift (not differentiated) and log l's cotangent is L's
+    d_lse = d_second.log_l if with_stats else d_second
     if backward is not None:
-        prob, out, lse, d_out, d_lse = _no_derivative((prob, out, lse, d_out, d_lse))
+        prob, out, stats, d_out, d_lse = _no_derivative((prob, out, stats, d_out, d_lse))
         d_row, d_col, d_pair, d_glob, d_v = backward(
-            terms, prob, batch, out, lse, d_out, d_lse, need_glob=need.value,
+            terms, prob, batch, out, stats, d_out, d_lse, need_glob=need.value,
             **_hook_kwargs(backward, precision, has_starts, starts, mask))
     else:
         d_row, d_col, d_pair, d_glob, d_v = _backward(
-            terms, sched, batch, prob, starts, out, lse, d_out, d_lse, precision
+            terms, sched, batch, prob, starts, out, stats, d_out, d_lse, precision
         )
     return (None, d_row, d_col, d_pair, d_glob, _float0(prob.const), d_v, _float0(starts))
 
@@ -820,7 +845,8 @@ def blocked_attention(
     nan_rows: bool = False,
     precision: lax.PrecisionLike = None,
     out_dtype=None,
-) -> tuple[jax.Array, jax.Array]:
+    stats: bool = False,
+) -> tuple[jax.Array, jax.Array | RowStats]:
     r"""Run the blocked kernel: posterior expectation and row log-partition.
 
     Args:
@@ -842,13 +868,18 @@ def blocked_attention(
             `structinfer.lowering.accel.pallas_forward`), called with ``precision=``
             and ``starts=`` too when they are given, and with ``mask=`` when it takes a
             ``mask`` argument, there is a per-edge mask, ``mask`` is given and
-            ``starts`` is not, and with ``nan_rows=True`` when ``nan_rows`` is set and it
+            ``starts`` is not, with ``nan_rows=True`` when ``nan_rows`` is set and it
             has a parameter of that name (it then writes the NaN rows itself; otherwise
-            this function does); the gradient is still this kernel's
-            backward (which needs only ``y`` and ``L``) unless ``backward`` is given too.
-        backward: optional ``backward(terms, prob, batch_shape, y, L, dy, dL, *,
+            this function does), and with ``stats=True`` when it has a parameter of that
+            name: it then returns ``(y, RowStats)``, the rows' $m$ and $\log l$, which the
+            backward reads (a forward that returns only ``L`` stands for $m = L$,
+            $\log l = 0$: `RowStats.of_lse`); the gradient is still this kernel's
+            backward (which needs only ``y`` and the statistics) unless ``backward`` is
+            given too.
+        backward: optional ``backward(terms, prob, batch_shape, y, stats, dy, dL, *,
             need_glob) -> (d_row, d_col, d_pair, d_glob, d_v)`` that replaces this
-            kernel's backward pass (e.g. `structinfer.lowering.accel.pallas_backward`):
+            kernel's backward pass (e.g. `structinfer.lowering.accel.pallas_backward`),
+            given the forward's `RowStats` ``stats``:
             cotangents with the structure of ``prob.row``, ``.col``, ``.pair``, ``.glob``
             and ``.v``; ``need_glob`` names the `Globals` fields being differentiated
             (the others' gradients may be zeros); called with ``precision=``,
@@ -863,11 +894,17 @@ def blocked_attention(
             JAX's default, which follows ``jax.default_matmul_precision``).
         out_dtype: dtype of ``y`` (``None``: the value table's; ring attention merges
             partial results in the accumulation dtype).
+        stats: return the rows' `RowStats` ($m$ and $\log l$, $L = m + \log l$) in place
+            of ``L``, for merging partial results exactly (ring attention,
+            `_softmax.online_merge`): $m$ is a shift and is not differentiated (its
+            cotangent is dropped), the cotangent of $\log l$ is read as that of $L$.
 
     Returns:
         ``(y, L)`` with ``y`` of shape ``batch + (n, dv)`` and ``L`` the row
-        log-sum-exp of the (unnormalised) logits, ``batch + (n,)``. Both are
-        differentiable (custom VJP, memory $O(n d)$). The matmuls multiply in the
+        log-sum-exp of the (unnormalised) logits, ``batch + (n,)`` (with ``stats``:
+        ``(y, RowStats)``). Both are differentiable (custom VJP, memory $O(n d)$: the
+        backward keeps ``y``, $m$ and $\log l$ and rebuilds each block's
+        $p = e^{(\ell - m) - \log l}$). The matmuls multiply in the
         operands' dtype and accumulate in float32 (float64 for float64 operands), as do
         the online softmax's running maximum and sum, ``L`` and the gradients across
         blocks; ``y`` is in ``out_dtype`` and each gradient in its input's dtype.
@@ -895,6 +932,6 @@ def blocked_attention(
                  and (forward is not None or backward is not None) else None)
     static = _Static((terms, schedule, tuple(batch_shape), forward, backward, bool(nan_rows),
                       precision, None if out_dtype is None else jnp.dtype(out_dtype),
-                      has_starts, hook_mask))
+                      has_starts, hook_mask, bool(stats)))
     starts = tuple(jnp.asarray(s, jnp.int32) for s in starts)
     return _attend(static, prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v, starts)

@@ -26,7 +26,9 @@ masks are, and never read.
 
 The backward's dQ and dK/dV passes are here too, in the same dialect (`mosaic_dq`,
 `mosaic_dkdv`; both through `pallas_backward`'s hooks: `mosaic_backward`, which reads
-the forward's $y$ and $L$). The dK/dV pass also sums a trained relative-position
+the forward's $y$ and its rows' statistics, the largest logit $m$ and $\log l$: both
+directions compute $p = 2^{(s - m)\log_2 e}$, the difference first, so a row of huge
+logits keeps its exact differences). The dK/dV pass also sums a trained relative-position
 table's gradient: each step's tile of $\mathrm{d}s$ is added, by a TMA reduction, into
 its block diagonal's float32 tile of a sum shared by every program, which
 `structinfer.lowering.accel.relpos_tiles_grad` then folds into the table. The kernel
@@ -60,6 +62,7 @@ import numpy as np
 from jax import lax
 
 from ._masks import ConcreteMask, mask_shape, tile_grid
+from ._softmax import RowStats, as_row_stats
 from ._spec import Problem, Terms, band_ok, geometric_log_prior
 from .accel import (
     RELPOS_TILES_MAX_BYTES,
@@ -89,7 +92,6 @@ _WGS = 2
 #: shared memory a program may use (an H100 / H200 gives a block 227 KiB)
 MOSAIC_SMEM_BYTES = 200 * 1024
 _LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 @functools.cache
@@ -217,7 +219,7 @@ def _smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int, lists: int
     block list (``lists`` entries) and the compiler's own."""
     item = jnp.dtype(prob.v.dtype).itemsize
     total = _WGS * _BQ * (lay.fp + (lay.dvp if dq or lay.dvp != lay.fp else 0)) * item
-    total += steps * _BK * (lay.fp + lay.dvp) * item + (1 + dq) * _WGS * _BQ * 4
+    total += steps * _BK * (lay.fp + lay.dvp) * item + (2 + dq) * _WGS * _BQ * 4
     if terms.relpos is not None:
         # the table's dtype, float32 for a wider one
         total += steps * _WGS * _BQ * _BK * min(jnp.dtype(prob.glob.relpos.dtype).itemsize, 4)
@@ -336,14 +338,16 @@ def _swizzled(shape: tuple[int, ...], dtype):
         plgpu.SwizzleTransform(128)))
 
 
-def _check_rows(caller: str, terms: Terms, prob: Problem, lay: Layout, d_out, lse,
-                delta) -> None:
+def _check_rows(caller: str, terms: Terms, prob: Problem, lay: Layout, d_out,
+                stats: RowStats, delta) -> None:
     """Raise naming the argument when the backward's per-child arrays are not shaped
-    ``batch + (n, dv)`` (``d_out``) and ``batch + (n,)`` (``lse``, ``delta``)."""
+    ``batch + (n, dv)`` (``d_out``) and ``batch + (n,)`` (the statistics ``lse``,
+    ``delta``)."""
     n, dv = terms.num_children, prob.v.shape[-1]
     rows = lay.batch + (n,)
     for name, x, want, what in (("d_out", d_out, rows + (dv,), "children, value dim"),
-                                ("lse", lse, rows, "children"),
+                                ("lse", stats.m, rows, "children"),
+                                ("lse", stats.log_l, rows, "children"),
                                 ("delta", delta, rows, "children")):
         if tuple(jnp.shape(x)) != want:
             raise ValueError(f"{caller}: {name} of shape {tuple(jnp.shape(x))}, expected "
@@ -355,12 +359,12 @@ def _operands(terms: Terms, prob: Problem, lay: Layout, lists: np.ndarray | None
     """The arrays every Mosaic GPU launch reads, padded to ``lay``: ``q``, ``k``, ``v``,
     the per-parent bias, the block lists (``lists``: they stand for the mask, which is
     never read), the geometric prior's parameters as ``geo`` ``(B, 2, n_pad)`` float32
-    (one copy per child block); with the backward's ``rows`` ``(d_out, lse, delta)``,
-    ``do`` ``(B, n_pad, dvp)`` and ``ld`` ``(B, 2, n_pad)`` float32 rows of L and delta
-    (L = -inf and delta = 0 on padded children). Also the relative-position table's
-    distinct rows (its own values; float32 for a wider table) and the map from a flat
-    batch index to its row (`Layout.distinct`), from which the caller builds its tiles;
-    ``None, None`` without one."""
+    (one copy per child block); with the backward's ``rows`` ``(d_out, stats, delta)``,
+    ``do`` ``(B, n_pad, dvp)`` and ``ld`` ``(B, 3, n_pad)`` float32 rows of m, log l and
+    delta (`RowStats`; log l = -inf and delta = 0 on padded children). Also the
+    relative-position table's distinct rows (its own values; float32 for a wider table)
+    and the map from a flat batch index to its row (`Layout.distinct`), from which the
+    caller builds its tiles; ``None, None`` without one."""
     f32 = jnp.float32
     arrays, _ = lay.operands(terms, prob, whole_rows=True)
     arrays.pop("relpos", None)
@@ -372,11 +376,11 @@ def _operands(terms: Terms, prob: Problem, lay: Layout, lists: np.ndarray | None
     if lists is not None:
         arrays["blocks"] = jnp.asarray(lists)
     if rows is not None:
-        d_out, lse, delta = rows
+        d_out, stats, delta = rows
         arrays["do"] = lay.pad(lay.flat(d_out.astype(prob.v.dtype), 2), lay.n_pad, lay.dvp)
-        ld = jnp.stack([lay.flat(lse.astype(f32), 1), lay.flat(delta.astype(f32), 1)], 1)
-        pad = jnp.broadcast_to(jnp.asarray([[-jnp.inf], [0.0]], f32),
-                               (lay.B, 2, lay.n_pad - ld.shape[-1]))
+        ld = jnp.stack([lay.flat(x.astype(f32), 1) for x in (*stats, delta)], 1)
+        pad = jnp.broadcast_to(jnp.asarray([[0.0], [-jnp.inf], [0.0]], f32),
+                               (lay.B, 3, lay.n_pad - ld.shape[-1]))
         arrays["ld"] = jnp.concatenate([ld, pad], -1)
     table = row_of = None
     if terms.relpos is not None:
@@ -386,12 +390,15 @@ def _operands(terms: Terms, prob: Problem, lay: Layout, lists: np.ndarray | None
     return arrays, table, row_of
 
 
-def _base2_rows(lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    r"""``(L log2 e, 1.0 where L = -inf else 0.0)`` of the rows' saved log-normalisers
-    (0 in place of ``-inf``): the backward passes' $p = 2^{s \log_2 e - L \log_2 e}$,
-    set to 0 in a row with no edge whatever its logits."""
-    none = lse == -jnp.inf
-    return jnp.where(none, 0.0, lse * _LOG2E), jnp.where(none, 1.0, 0.0)
+def _base2_rows(m: jax.Array, log_l: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    r"""``(m, log2 l, 1.0 where log l = -inf else 0.0)`` of the rows' saved `RowStats`
+    (0 in place of a row's without an edge): the backward passes'
+    $p = 2^{(s - m) \log_2 e - \log_2 l}$ (`backward_probs` in base 2: the difference
+    $s - m$ first, exact where the logits are huge), set to 0 in a row with no edge
+    whatever its logits."""
+    none = log_l == -jnp.inf
+    return (jnp.where(none, 0.0, m), jnp.where(none, 0.0, log_l * _LOG2E),
+            jnp.where(none, 1.0, 0.0))
 
 
 def _walk(named: dict, list_smem, list_bar, pair, wg, live, full):
@@ -560,11 +567,11 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
                                     do_bar.at[_WGS + wg])
             plgpu.barrier_wait(do_bar.at[wg])
             plgpu.barrier_wait(do_bar.at[_WGS + wg])
-            lse = _load(plgpu, lse_smem.at[wg, 0], row_layout)
-            delta = _load(plgpu, lse_smem.at[wg, 1], row_layout)
-            # p = 2^(s log2 e - L log2 e); a row with no edge (L = -inf) gets p = 0
-            # whatever its logits (as the Triton pass: `backward_probs`)
-            l2, none = _base2_rows(lse)
+            m, l2, none = _base2_rows(_load(plgpu, lse_smem.at[wg, 0], row_layout),
+                                      _load(plgpu, lse_smem.at[wg, 1], row_layout))
+            delta = _load(plgpu, lse_smem.at[wg, 2], row_layout)
+            # p = 2^((s - m) log2 e - log2 l); a row with no edge (log l = -inf) gets
+            # p = 0 whatever its logits (as the Triton pass: `backward_probs`)
 
             def dq_step(u, carry, masked: bool):
                 dq_acc, dg0, dg1 = carry
@@ -573,7 +580,8 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
                 plgpu.barrier_wait(k_bar.at[slot])
                 s, d = logits(slot, j0, masked, turn=False)
                 p = jnp.where(row_bcast(none, s.shape) > 0, 0.0,
-                              jnp.exp2(s * _LOG2E - row_bcast(l2, s.shape)))
+                              jnp.exp2((s - row_bcast(m, s.shape)) * _LOG2E
+                                       - row_bcast(l2, s.shape)))
                 plgpu.barrier_wait(v_bar.at[slot])
 
                 def compute_dp(acc_ref):
@@ -627,11 +635,12 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
             s, _ = logits(slot, j0, masked, turn=True)
             plgpu.barrier_arrive(k_cons.at[slot])
 
-            # the online softmax, in base 2 (one fused multiply-add per logit)
-            m_new = jnp.maximum(m, s.max(axis=1) * _LOG2E)
+            # the online softmax, in base 2, its maximum m in the logits' units: s - m
+            # first (exact where the logits are huge), as the backward recomputes it
+            m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            corr = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s * _LOG2E - row_bcast(m_safe, s.shape))
+            corr = jnp.exp2((m - m_safe) * _LOG2E)
+            p = jnp.exp2((s - row_bcast(m_safe, s.shape)) * _LOG2E)
             acc = acc * row_bcast(corr, acc.shape)
             lsum = lsum * corr + p.sum(axis=1)
             p16 = p.astype(dtype)
@@ -656,16 +665,18 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
 
         pos = lsum > 0
         l_safe = jnp.where(pos, lsum, 1.0)
-        lse = jnp.where(pos, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+        log_l = jnp.where(pos, jnp.log(l_safe), -jnp.inf)  # the rows' `RowStats`: m, log l
         y = acc / row_bcast(l_safe, acc.shape)
         if nan_rows:  # y + NaN in the rows of a non-finite L (|L| < inf: False for NaN)
+            lse = jnp.where(pos, m + log_l, -jnp.inf)
             y = y + row_bcast(jnp.where(jnp.abs(lse) < jnp.inf, 0.0, jnp.nan), acc.shape)
         o_s = q_s if o_smem is None else o_smem.at[wg]
         o_s[...] = y.astype(dtype)
-        lse_smem.at[wg, 0][...] = lse
+        lse_smem.at[wg, 0][...] = m
+        lse_smem.at[wg, 1][...] = log_l
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, pl.ds(i0, _BQ)])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg, 0], outs[1].at[b, pl.ds(i0, _BQ)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], outs[1].at[b, :, pl.ds(i0, _BQ)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _WGS)
@@ -694,8 +705,8 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
 
 def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
                    max_concurrent_steps: int = 2, nan_rows: bool = False,
-                   mask: ConcreteMask | None = None, precision: lax.PrecisionLike = None
-                   ) -> tuple[jax.Array, jax.Array]:
+                   mask: ConcreteMask | None = None, precision: lax.PrecisionLike = None,
+                   stats: bool = False) -> tuple[jax.Array, jax.Array | RowStats]:
     r"""Forward pass of the Mosaic GPU flash-attention kernel: $y$ and $L$ of one edge site.
 
     The grid runs one program per (128 children, batch element); its memory warpgroup
@@ -723,11 +734,13 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
             (FlexAttention's block masks) and reads no mask.
         precision: accepted for the kernel table's interface; the matmuls are ``wgmma``
             in the inputs' dtype with float32 accumulation whatever it says.
+        stats: return the rows' `RowStats` ($m$ and $\log l$, $L = m + \log l$) in place
+            of $L$: what the backward passes read.
 
     Returns:
-        `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32.
-        A row with no allowed parent has $y = 0$ (NaN with ``nan_rows``) and
-        $L = -\infty$.
+        `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32;
+        with ``stats``, `(y, RowStats)`. A row with no allowed parent has $y = 0$ (NaN
+        with ``nan_rows``) and $L = -\infty$ ($\log l = -\infty$).
 
     Raises:
         ValueError: `mosaic_unsupported` names a reason the kernel cannot run the edge.
@@ -736,34 +749,37 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
     relative-position table, $O((n + m) \cdot 64)$ per table for its tiles).
     """
     del precision
-    out, lse = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
-                       nan_rows=nan_rows, caller="mosaic_forward")
+    out, rows = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
+                        nan_rows=nan_rows, caller="mosaic_forward")
     lay, n = _layout(terms, prob, batch_shape), terms.num_children
-    return lay.unpad(out, n, prob.v.shape[-1]), lay.unpad(lse, n)
+    rows = RowStats(lay.unpad(rows[:, 0], n), lay.unpad(rows[:, 1], n))
+    return lay.unpad(out, n, prob.v.shape[-1]), (rows if stats else rows.lse())
 
 
 def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
-              lse: jax.Array, delta: jax.Array, mask: ConcreteMask | None = None, *,
+              lse: RowStats | jax.Array, delta: jax.Array,
+              mask: ConcreteMask | None = None, *,
               max_concurrent_steps: int = 2) -> tuple[jax.Array, jax.Array | None]:
     r"""The backward's dQ pass in the Mosaic GPU kernel: $\mathrm{d}Q$ and the geometric
     prior's gradients of one edge site.
 
-    FlashAttention-2's second backward pass on the forward's row log-normaliser $L$:
-    per parent block, recomputed, $p_{ij} = e^{\ell_{ij} - L_i}$ ($0$ in a row with
-    $L_i = -\infty$) and $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j -
-    \delta_i)$, then $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and, with a
-    geometric prior, $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} -
-    d_0)$. The schedule is the forward's (`mosaic_forward`: a memory warpgroup streams
-    the parent blocks the band or the block lists allow; two compute warpgroups of 64
-    children), with two ``wgmma`` per step besides $q k^\top$: $\mathrm{d}y\, V^\top$
-    and $\mathrm{d}s\, K$.
+    FlashAttention-2's second backward pass on the forward's row statistics $m_i$ and
+    $\log l_i$ (`RowStats`): per parent block, recomputed,
+    $p_{ij} = e^{(\ell_{ij} - m_i) - \log l_i}$ ($0$ in a row with $\log l_i = -\infty$)
+    and $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$, then
+    $\mathrm{d}Q_i = \sum_j \mathrm{d}s_{ij} K_j$ and, with a geometric prior,
+    $\sum_j \mathrm{d}s_{ij}$ and $\sum_j \mathrm{d}s_{ij}(d_{ij} - d_0)$. The schedule
+    is the forward's (`mosaic_forward`: a memory warpgroup streams the parent blocks the
+    band or the block lists allow; two compute warpgroups of 64 children), with two
+    ``wgmma`` per step besides $q k^\top$: $\mathrm{d}y\, V^\top$ and $\mathrm{d}s\, K$.
 
     Args:
         terms: the static terms of a lowered edge site (as for `mosaic_forward`).
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         d_out: the cotangent of $y$, ``batch + (n, dv)``.
-        lse: the forward's $L$, ``batch + (n,)``.
+        lse: the forward's `RowStats` (`mosaic_forward` with ``stats=True``), each
+            ``batch + (n,)``, or its $L$ alone (read as `RowStats.of_lse`).
         delta: $\delta_i = \sum_c \mathrm{d}y_{ic} y_{ic} - \mathrm{d}L_i$,
             ``batch + (n,)`` (a row whose $L$ is not finite counts no output term).
         mask: the per-edge mask's value, as for `mosaic_forward`.
@@ -782,7 +798,7 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
     """
     res = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
                   nan_rows=False, caller="mosaic_dq",
-                  rows=(d_out, lse, delta))
+                  rows=(d_out, as_row_stats(lse), delta))
     lay, n = _layout(terms, prob, batch_shape), terms.num_children
     dgeo = None
     if terms.geometric:  # (B, 2, n_pad) -> batch + (n, 2)
@@ -805,12 +821,12 @@ def _dkdv_layout(terms: Terms, prob: Problem, batch_shape) -> Layout:
 def _dkdv_smem_bytes(terms: Terms, prob: Problem, lay: Layout, steps: int,
                      lists: int = 0, table_grad: bool = False) -> int:
     r"""Shared memory of one dK/dV program: keys and values (then dK and dV) of its
-    parents, ``steps`` slots of queries, output cotangents, the rows' L and delta and
+    parents, ``steps`` slots of queries, output cotangents, the rows' m, log l and delta and
     the step's tiles of the prior (float32 with ``table_grad``: they hold the tile's
     $\mathrm{d}s$ too), the block list and the compiler's own."""
     item = jnp.dtype(prob.v.dtype).itemsize
     total = _WGS * _BQ * (lay.fp + lay.dvp) * item + _WGS * _BQ * 4
-    total += steps * _BK * ((lay.fp + lay.dvp) * item + 2 * 4)
+    total += steps * _BK * ((lay.fp + lay.dvp) * item + 3 * 4)
     if terms.relpos is not None:
         tile = 4 if table_grad else min(jnp.dtype(prob.glob.relpos.dtype).itemsize, 4)
         total += steps * _WGS * _BQ * _BK * tile
@@ -874,7 +890,8 @@ def mosaic_dkdv_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int,
 
 
 def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
-                lse: jax.Array, delta: jax.Array, mask: ConcreteMask | None = None, *,
+                lse: RowStats | jax.Array, delta: jax.Array,
+                mask: ConcreteMask | None = None, *,
                 max_concurrent_steps: int = 2, table_grad: bool = False
                 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     r"""The backward's dK/dV pass in the Mosaic GPU kernel: $\mathrm{d}K$, $\mathrm{d}V$
@@ -910,7 +927,8 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         d_out: the cotangent of $y$, ``batch + (n, dv)``.
-        lse: the forward's $L$, ``batch + (n,)``.
+        lse: the forward's `RowStats` (`mosaic_forward` with ``stats=True``), each
+            ``batch + (n,)``, or its $L$ alone (read as `RowStats.of_lse`).
         delta: $\delta_i$ per child, ``batch + (n,)`` (as for `mosaic_dq`).
         mask: the per-edge mask's value when known at trace time (block lists of child
             blocks of 64 per 128 parents: masks on blocks of multiples of 128 run).
@@ -938,6 +956,7 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
     why, lay, lists = _dkdv_plan(terms, prob, batch_shape, mask, steps, table_grad)
     if why:
         raise ValueError(f"mosaic_dkdv: {why}")
+    lse = as_row_stats(lse)
     _check_rows("mosaic_dkdv", terms, prob, lay, d_out, lse, delta)
     dtype = prob.v.dtype
     f32 = jnp.float32
@@ -965,7 +984,7 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
             plgpu.SMEM((_WGS, _BQ), f32),  # bias, then its gradient
             tiled((steps, _BK, lay.fp)),  # queries
             tiled((steps, _BK, lay.dvp)),  # output cotangents
-            plgpu.SMEM((steps, 2, _BK), f32),  # L, delta
+            plgpu.SMEM((steps, 3, _BK), f32),  # m, log l, delta
             plgpu.SMEM((steps, 2, _BK), f32) if terms.geometric else None,
             rt,
             plgpu.SMEM(arrays["blocks"].shape[1:], jnp.int32) if "blocks" in named else None,
@@ -1076,11 +1095,12 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
                 if band is not None:
                     st = jnp.where(band, st, -jnp.inf)
             plgpu.barrier_wait(ld_bar.at[slot])
-            lse = _load(plgpu, ld_smem.at[slot, 0], col_layout)
-            delta = _load(plgpu, ld_smem.at[slot, 1], col_layout)
-            l2, none = _base2_rows(lse)
+            m, l2, none = _base2_rows(_load(plgpu, ld_smem.at[slot, 0], col_layout),
+                                      _load(plgpu, ld_smem.at[slot, 1], col_layout))
+            delta = _load(plgpu, ld_smem.at[slot, 2], col_layout)
             pt = jnp.where(col_bcast(none, st.shape) > 0, 0.0,
-                           jnp.exp2(st * _LOG2E - col_bcast(l2, st.shape)))
+                           jnp.exp2((st - col_bcast(m, st.shape)) * _LOG2E
+                                    - col_bcast(l2, st.shape)))
             plgpu.barrier_wait(do_bar.at[slot])
 
             def compute_dv_dpt(refs):
@@ -1154,8 +1174,8 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
 
 
 def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
-                    out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array,
-                    **kw) -> tuple[dict, dict, dict, dict, jax.Array]:
+                    out: jax.Array, lse: RowStats | jax.Array, d_out: jax.Array,
+                    d_lse: jax.Array, **kw) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""The backward with its dK/dV and dQ passes in the Mosaic GPU kernel (`mosaic_dkdv`,
     `mosaic_dq`; the dK/dV pass sums a trained relative-position table's gradient too)
     through `structinfer.lowering.accel.pallas_backward`, whose arguments and result it
@@ -1163,8 +1183,9 @@ def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
     shared memory, a shard's traced offsets), and its table pass where the dK/dV pass
     cannot sum the table's gradient (`mosaic_backward_refusals`). The gradients are those
     `pallas_backward` documents: $\mathrm{d}Q$, $\mathrm{d}K$, $\mathrm{d}V$ and the prior's
-    parameters' from $p_{ij} = e^{\ell_{ij} - L_i}$ and $\mathrm{d}s_{ij} =
-    p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$.
+    parameters' from the forward's `RowStats` ``lse`` (`mosaic_forward` with
+    ``stats=True``; or $L$ alone, `RowStats.of_lse`), $p_{ij} = e^{(\ell_{ij} - m_i) -
+    \log l_i}$ and $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$.
 
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; Shah et al.,
     "FlashAttention-3" (2024) for the warp-specialised schedule.
@@ -1205,8 +1226,9 @@ def mosaic_backward_refusals(terms: Terms, prob: Problem, batch_shape: tuple[int
 
 def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_rows: bool,
             caller: str, rows: dict | None = None) -> list[jax.Array]:
-    """Launch `_kernel` on the edge: the forward's padded ``[y, L]``, or with ``rows``
-    (the backward's ``(do, lse, delta)`` per child, batch-shaped) the dQ pass's padded
+    """Launch `_kernel` on the edge: the forward's padded ``[y, (m, log l)]`` (the
+    latter ``(B, 2, n_pad)``), or with ``rows`` (the backward's ``(do, stats, delta)``
+    per child, batch-shaped) the dQ pass's padded
     ``[dQ]`` (and ``[dg]``, ``(B, 2, n_pad)``, with a geometric prior)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -1236,7 +1258,8 @@ def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_r
             None if dq or lay.fp == lay.dvp else tiled((_WGS, _BQ, lay.dvp)),
             tiled((steps, _BK, lay.fp)),
             tiled((steps, _BK, lay.dvp)),
-            plgpu.SMEM((_WGS, 1 + dq, _BQ), jnp.float32),  # L (and the backward's delta)
+            # the rows' m and log l (and the backward's delta)
+            plgpu.SMEM((_WGS, 2 + dq, _BQ), jnp.float32),
             rt,
             plgpu.SMEM((steps, _BK), jnp.float32) if "bias" in named else None,
             plgpu.SMEM((_WGS, 2, _BQ), jnp.float32) if terms.geometric else None,
@@ -1262,5 +1285,5 @@ def _launch(terms: Terms, prob: Problem, batch_shape, *, steps: int, mask, nan_r
             out_types.append(jax.ShapeDtypeStruct((lay.B, 2, lay.n_pad), jnp.float32))
     else:
         out_types = [jax.ShapeDtypeStruct((lay.B, lay.n_pad, lay.dvp), dtype),
-                     jax.ShapeDtypeStruct((lay.B, lay.n_pad), jnp.float32)]
+                     jax.ShapeDtypeStruct((lay.B, 2, lay.n_pad), jnp.float32)]
     return _kernel_call(entry, out_types, arrays, (lay.B, lay.nqb), "q_seq")

@@ -13,20 +13,25 @@ arrays travel round the ring (``lax.ppermute``). Each step is a flash forward of
 the chunk pair with *global* indices (so relative-position, geometric and band priors
 are computed exactly): the Pallas kernel's passes where the chosen kernel is a fused one
 (cuDNN or Pallas: its entry's ``ring_step``), the blocked kernel otherwise. The partial
-results are merged with the log-sum-exp rule
+results are merged by their rows' statistics, the largest logit $m$ and $\log l$
+($L = m + \log l$), with the log-sum-exp rule
 
 $$
-L = \log(e^{L_a} + e^{L_b}), \qquad
-y = e^{L_a - L} y_a + e^{L_b - L} y_b.
+m = \max(m_a, m_b), \quad
+l = e^{m_a - m} l_a + e^{m_b - m} l_b, \quad
+y = \big(e^{m_a - m} l_a\, y_a + e^{m_b - m} l_b\, y_b\big) / l
 $$
 
-(the online softmax's merge, shared with the single-device kernels), so the gradient
-reaches each step through its log-normaliser $L$ as well as its output.
+(the online softmax's merge, shared with the single-device kernels:
+`_softmax.online_merge`; merging by $L$ alone would lose $\log l$ to rounding where
+a row's logits are huge, and weigh every chunk alike), so the gradient reaches each step
+through its $\log l$, whose cotangent is its log-normaliser's, as well as its output,
+and each step's backward rebuilds its probabilities from its own $m$ and $\log l$.
 Chunk pairs that a distance band forbids entirely are skipped (``lax.cond``).
 Memory per device is $O((n + m) d / D)$ plus the kernel's block. Both are
 differentiable (the ring by autodiff through ``ppermute``; each chunk by the
-kernel's custom VJP, whose backward takes the cotangent of $L$). Liu et al., "Ring
-attention with blockwise transformers" (2023).
+kernel's custom VJP, whose backward takes the cotangent of $\log l$ as that of $L$).
+Liu et al., "Ring attention with blockwise transformers" (2023).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._lower import Lowered
-from ._softmax import online_merge, with_nan_rows
+from ._softmax import RowStats, online_merge, with_nan_rows
 from ._spec import Problem, Terms, accum_dtype
 from .blocked import blocked_attention, make_schedule
 from .kernels import KERNELS, KernelConfig
@@ -281,7 +286,8 @@ def ring_attention(
         i_start = me * nl
         dtype, dv = accum_dtype(v.dtype), v.shape[-1]
         y = jnp.zeros(batch + (nl, dv), dtype)
-        lse = jnp.full(batch + (nl,), -jnp.inf, dtype)
+        none = jnp.full(batch + (nl,), -jnp.inf, dtype)  # a row's statistics before a chunk
+        stats = RowStats(none, none)
         for step in range(ndev):
             src = (me - step) % ndev
             j_start = src * ml
@@ -296,11 +302,10 @@ def ring_attention(
                 return blocked_attention(local, chunk, batch, schedule=sched,
                                          starts=(i_start, j_start), precision=precision,
                                          out_dtype=dtype, forward=forward,
-                                         backward=backward)
+                                         backward=backward, stats=True)
 
             def empty(chunk):
-                return (jnp.zeros(batch + (nl, dv), dtype),
-                        jnp.full(batch + (nl,), -jnp.inf, dtype))
+                return jnp.zeros(batch + (nl, dv), dtype), RowStats(none, none)
 
             d_lo = i_start + terms.offset - (j_start + ml - 1)
             d_hi = i_start + nl - 1 + terms.offset - j_start
@@ -309,11 +314,11 @@ def ring_attention(
                 live = live & (d_hi >= terms.dmin)
             if terms.dmax is not None:
                 live = live & (d_lo <= terms.dmax)
-            yc, lc = lax.cond(live, compute, empty, chunk)
-            y, lse = online_merge(y, lse, yc, lc)
+            yc, sc = lax.cond(live, compute, empty, chunk)
+            y, stats = online_merge(y, stats, yc, sc)
             if step < ndev - 1:
                 col, v = lax.ppermute((col, v), ax, perm)
-        return y.astype(v.dtype), lse
+        return y.astype(v.dtype), stats.lse()
 
     nb = len(batch)
     out_specs = (P(*([None] * nb), ax, None), P(*([None] * nb), ax))
