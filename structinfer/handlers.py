@@ -11,6 +11,9 @@ r"""Effect handlers (NumPyro ``Messenger`` subclasses): the exact engine's, and 
   placeholder value of its batch shape (used to read shapes without enumerating).
 * [`pin`][structinfer.handlers.pin] — fixes discrete sites to given values and takes
   them out of enumeration.
+* [`observe_given`][structinfer.handlers.observe_given] — observes an enumerable site
+  the model already gave a value (``numpyro.handlers.substitute``), as
+  ``numpyro.handlers.condition`` would.
 * [`fill_latent`][structinfer.handlers.fill_latent] — gives every other latent sample
   site without a value a placeholder inside its support, without sampling (used to read
   a model that is still to be fitted).
@@ -49,6 +52,7 @@ __all__ = [
     "fill_discrete",
     "fill_latent",
     "pin",
+    "observe_given",
     "TiltedDistribution",
     "TILT_PREFIX",
     "PLACEHOLDER_KEY",
@@ -484,4 +488,33 @@ class pin(Messenger):
         if msg["type"] == "sample" and msg["name"] in self.data:
             msg["value"] = self.data[msg["name"]]
             msg["is_observed"] = True
+            msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}
+
+
+class observe_given(Messenger):
+    r"""Observe every enumerable site that already has a value when it reaches this handler.
+
+    An [`edge`][structinfer.edge] (or another site marked for enumeration) given a value
+    by ``numpyro.handlers.substitute`` is fixed at that value, as
+    ``numpyro.handlers.condition`` fixes it: its log-probability is kept and nothing is
+    summed over it, so $\log Z$ is the joint density at the given structure. (NumPyro's
+    own enumeration would replace the value by the whole support.) Like
+    [`pin`][structinfer.handlers.pin], it takes the site out of enumeration. The engine
+    wraps a model in it before anything of its own, so the values it substitutes itself
+    (edge probes) are not affected. Sites of a ``scan``'s steps (a
+    [`Markov`][structinfer.priors.Markov] chain's edges) are left alone: the scan gives
+    their values.
+    """
+
+    def process_message(self, msg: dict) -> None:
+        """Mark one valued enumerable sample site observed."""
+        if msg["type"] != "sample" or msg.get("value") is None:
+            return
+        if SCAN_INDEX_KEY in msg["infer"]:
+            return  # a site of a scan's steps: the scan gave its value, not the model
+        if is_enumerated(msg) and msg["fn"].has_enumerate_support:
+            msg["is_observed"] = True
+        if msg["is_observed"] and "enumerate" in msg["infer"]:
+            # as `pin` (a conditioned edge too): funsor's infer_discrete reads every site
+            # marked for enumeration, observed or not
             msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}
