@@ -36,6 +36,8 @@ from numpyro.primitives import Messenger
 
 from .primitives import (
     EDGE_INFO_KEY,
+    EDGE_SEEN_TYPE,
+    HIDDEN_EDGE_TYPE,
     MASK_PARENTS_TYPE,
     SCAN_INDEX_KEY,
     SCAN_RECORD_KEY,
@@ -368,7 +370,9 @@ class require_values(Messenger):
         what: who needs the values, for the error message.
 
     Raises:
-        ValueError: at the first latent continuous site without a value, naming it.
+        ValueError: at the first latent continuous site without a value, naming it; at an
+            edge site that a ``numpyro.handlers.block`` hides (nothing outside the block
+            sees it to sum it out).
     """
 
     def __init__(self, fn: Callable | None = None, what: str = "the exact engine"):
@@ -376,12 +380,28 @@ class require_values(Messenger):
         super().__init__(fn)
 
     def process_message(self, msg: dict) -> None:
-        """Check one sample site."""
+        """Check one sample site (and see every edge: refuse one hidden by a block)."""
+        _refuse_hidden_edge(msg)
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:
             return
         raise missing_value_error(msg["name"], self.what)
+
+
+def _refuse_hidden_edge(msg: dict) -> None:
+    """Mark an edge seen; the error at one a ``numpyro.handlers.block`` hides from the
+    engine."""
+    if msg["type"] == EDGE_SEEN_TYPE:
+        msg["seen"] = True
+    if msg["type"] != HIDDEN_EDGE_TYPE:
+        return
+    raise ValueError(
+        f"edge site '{msg['edge']}' is hidden by numpyro.handlers.block, so the exact "
+        "engine cannot see it to sum it out (NumPyro would sample it at random). Leave edge "
+        "sites out of `hide` (an SVI guide may hide them: block the guide, not the model "
+        "the engine reads), or fix the edge at a value with numpyro.handlers.condition"
+    )
 
 
 def missing_value_error(site: str, what: str = "the exact engine") -> ValueError:
@@ -456,10 +476,12 @@ class fill_latent(Messenger):
     unconstrained origin: 1 for a positive site, the uniform point of a simplex); it is
     never a draw, so no sampler is traced. Reading a model's sites and shapes before it
     is fitted needs no real values; computing with them does, which
-    [`require_values`][structinfer.handlers.require_values] enforces.
+    [`require_values`][structinfer.handlers.require_values] enforces. An edge site that a
+    ``numpyro.handlers.block`` hides is refused here too, as there.
     """
 
     def process_message(self, msg):
+        _refuse_hidden_edge(msg)
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:

@@ -53,6 +53,8 @@ __all__ = [
     "active_plates",
     "parent_masks",
     "MASK_PARENTS_TYPE",
+    "EDGE_SEEN_TYPE",
+    "HIDDEN_EDGE_TYPE",
     "EDGE_INFO_KEY",
     "SCORE_SUFFIX",
     "SCAN_INDEX_KEY",
@@ -203,6 +205,30 @@ def parent_masks(name: str) -> list[jax.Array]:
     """
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
+
+def _sample_edge(name: str, fn: dist.Distribution, infer: dict) -> jax.Array:
+    """``numpyro.sample`` of an edge site, telling the handlers that must see every edge
+    when a ``numpyro.handlers.block`` hides it from them (`EDGE_SEEN_TYPE`)."""
+    # the site's own name: a block that hides the site stops this message too
+    if not _probe({"type": EDGE_SEEN_TYPE, "name": name, "seen": False})["seen"]:
+        _probe({"type": HIDDEN_EDGE_TYPE, "name": _HIDDEN_EDGE_PROBE, "edge": name})
+    return numpyro.sample(name, fn, infer=infer)
+
+
+EDGE_SEEN_TYPE = "structinfer_edge_seen"
+"""Type of the message an [`edge`][structinfer.edge] sends under its own name before its
+sample site: a handler that must see every edge (the exact engine's) sets its ``"seen"``
+to ``True``. When none did (a ``numpyro.handlers.block`` between them hides the site),
+the edge sends a `HIDDEN_EDGE_TYPE` message."""
+
+HIDDEN_EDGE_TYPE = "structinfer_hidden_edge"
+"""Type of the message an [`edge`][structinfer.edge] that no handler saw sends, under a
+name no block hides (its ``"edge"``: the site's name), so that a handler that must see
+every edge can say which one a block hides; NumPyro's own handlers ignore it, and the
+blocked edge is sampled as NumPyro samples any hidden site."""
+
+_HIDDEN_EDGE_PROBE = "structinfer.hidden_edge"
+"""Name of the `HIDDEN_EDGE_TYPE` message (not the edge's, which the block hides)."""
 
 MASK_PARENTS_TYPE = "structinfer_mask_parents"
 """Type of the message [`parent_masks`][structinfer.primitives.parent_masks] sends."""
@@ -677,9 +703,9 @@ def edge(
         logits = jnp.broadcast_to(logits, logits.shape[:-2] + (num_children, num_parents))
         table = EdgeDistribution(logits, validate_args=False).logits
         rows = Vindex(jnp.expand_dims(table, -3))[..., child, :]
-        return numpyro.sample(name, EdgeDistribution(rows, validate_args=False), infer=site_infer)
+        return _sample_edge(name, EdgeDistribution(rows, validate_args=False), site_infer)
     fn = EdgeDistribution(logits, validate_args=False)
-    phi = numpyro.sample(name, fn, infer=site_infer)
+    phi = _sample_edge(name, fn, site_infer)
     if score_table is not None:
         # log p(phi_i = j) + psi_ij = log softmax_j(log p + psi) + log sum_j' p e^psi:
         # the edge's own factor is normalised and the row normaliser does not depend
@@ -742,7 +768,7 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
     if infer:
         site_infer.update(infer)
     fn = EdgeDistribution(logits)
-    phi = numpyro.sample(name, fn, infer=site_infer)
+    phi = _sample_edge(name, fn, site_infer)
     if SCAN_INDEX_KEY not in site_infer:
         raise ValueError(
             f"edge site '{name}': a Markov prior couples consecutive edges over time, so "

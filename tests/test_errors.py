@@ -451,3 +451,26 @@ def test_a_traced_bad_argument_has_a_nan_gradient(case):
     for run in (si.attention(model, "out"), lambda a: si.expectation(model, "out", a)):
         g = jax.jit(jax.grad(lambda a: jnp.sum(run(a))))(bad)  # noqa: B023
         assert np.all(np.isnan(np.asarray(g))), (case, g)
+
+
+def test_an_edge_hidden_by_block_is_named():
+    """Regression: ``numpyro.handlers.block(model, hide=["phi"])`` around an edge reached
+    the engine as NumPyro's bare ``AssertionError`` (no PRNG key): the engine cannot see
+    (so cannot enumerate) a hidden edge. The error names the site and the handler."""
+    def model():
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+            numpyro.deterministic("out", jnp.asarray(V)[j])
+
+    hidden = numpyro.handlers.block(model, hide=["phi"])
+    said = "edge site 'phi' is hidden by numpyro.handlers.block"
+    for run in (lambda: si.log_marginal(hidden), lambda: si.marginals(hidden),
+                lambda: si.attention(hidden, "out")(),
+                lambda: jax.jit(lambda: si.log_marginal(hidden))()):
+        with pytest.raises(ValueError, match=said):
+            run()
+    # hiding another site, or the edge from a seeded run's trace, is as before
+    seeded = numpyro.handlers.block(numpyro.handlers.seed(model, 0), hide=["phi"])
+    assert "phi" not in numpyro.handlers.trace(seeded).get_trace()
+    with pytest.raises(AssertionError):  # no seed at all: NumPyro's own error, as before
+        model()
