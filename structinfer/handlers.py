@@ -330,7 +330,8 @@ class mask_parents(Messenger):
         TypeError: (at an edge site) a non-boolean mask.
         ValueError: (at an edge site) a mask whose last axis is not the edge's parents, that
             does not fit its plates, that leaves a child no parent (on concrete values),
-            or a Markov edge (its parents are the chain's states).
+            or a Markov edge (its parents are the chain's states); (when the wrapped code
+            returns) no edge site ran under the handler, so the mask restricted nothing.
 
     Examples:
         ```python
@@ -354,12 +355,30 @@ class mask_parents(Messenger):
             raise TypeError("mask_parents: mask= is required (boolean, True where a parent "
                             "is allowed)")
         self.mask = mask
+        self._consults = 0  # edge sites that read the mask, over every run
+        self._starts: list[int] = []  # `_consults` at each (possibly nested) entry
         super().__init__(fn)
+
+    def __enter__(self):
+        self._starts.append(self._consults)
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        start = self._starts.pop()
+        super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is None and self._consults == start:
+            raise ValueError(
+                "mask_parents: no edge site consulted this handler: the code it wrapped "
+                "ran no structinfer.edge that saw it, so the mask restricted nothing. Wrap "
+                "the model (or the part of it) that declares the edge sites; inside a "
+                "numpyro scan, wrap the step (its edges do not see handlers outside the scan)"
+            )
 
     def process_message(self, msg: dict) -> None:
         """Add the mask to an edge site's list (`parent_masks`)."""
         if msg["type"] == MASK_PARENTS_TYPE:
             msg["masks"].append(self.mask)
+            self._consults += 1
 
 
 class require_values(Messenger):
