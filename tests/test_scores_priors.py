@@ -267,6 +267,32 @@ def test_a_pattern_that_is_not_its_mask_keeps_the_mask():
     np.testing.assert_allclose(jax.jit(prior.log_table, static_argnums=0)(N), want, rtol=1e-6)
 
 
+def test_a_concrete_band_mask_is_built_in_the_trace_by_masked_and_restricted():
+    """Regression: a ``Masked`` prior read its concrete (n, m) mask as a constant of the
+    program (which XLA folds while compiling), and so did a ``Restricted`` one whose band
+    mask came without a ``Causal`` / ``Window`` pattern. A concrete mask that is a distance
+    band is now rebuilt from iota by both: no (n, m) constant, the same table as the
+    traced mask's (which is never rebuilt); a mask that is no band is kept."""
+    n = 64
+    r = np.random.default_rng(4)
+    bands = {"causal": np.tril(np.ones((n, n), bool)),
+             "window": np.tril(np.ones((n, n), bool)) & ~np.tril(np.ones((n, n), bool), -4),
+             "no self": ~np.eye(n, dtype=bool)}
+    other = r.random((n, n)) < 0.5
+    other[:, 0] = True
+    base = si.priors.Categorical(jnp.linspace(0.0, 1.0, n))
+    priors = {"masked": lambda mask: si.priors.Masked(base, mask),
+              "restricted": si.priors.Restricted}
+    for kind, make in priors.items():
+        for name, mask in {**bands, "other": other}.items():
+            closed = jax.make_jaxpr(lambda mask=mask: make(mask).log_table(n))()
+            big = [np.shape(c) for c in closed.consts if np.size(c) >= n * n]
+            assert bool(big) == (name == "other"), (kind, name, big)
+            traced = jax.jit(lambda m: make(m).log_table(n))(mask)
+            np.testing.assert_allclose(make(mask).log_table(n), traced, rtol=1e-6,
+                                       err_msg=f"{kind} {name}")
+
+
 def test_a_causal_head_compiles_without_an_n_by_n_constant():
     """The engine's whole program for one causal head (expectation under jit) holds no
     (n, n) constant: XLA has nothing of that size to fold when it compiles."""
