@@ -324,14 +324,18 @@ def test_linear_gaussian_offset_and_precision_of_the_wrong_shape():
         with pytest.raises(ValueError, match=r"LinearGaussian: b has shape .*, expected "
                                              r"\(d_x,\) = \(3,\) or \(parents, d_x\) = \(4, 3\)"):
             si.scores.LinearGaussian(x, z, A, b=b)
-    for prec in (np.ones(2), np.ones((4, 3)), np.ones((1, 3))):
+    for prec in (np.ones(2), np.ones((3, 3)), np.ones((6, 1, 3))):
         with pytest.raises(ValueError, match=r"LinearGaussian: precision has shape .*, "
-                                             r"expected a scalar or \(d_x,\) = \(3,\)"):
+                                             r"expected a scalar, a diagonal \(d_x,\) = \(3,\), "
+                                             r"or one broadcasting against \(children, "
+                                             r"parents, d_x\) = \(5, 4, 3\)"):
             si.scores.LinearGaussian(x, z, A, precision=prec)
-    # the shapes it takes (what broadcasts to them too, and a batch dim on b)
+    # the shapes it takes (what broadcasts to them too, and batch dims on b and precision)
     for b in (np.ones(3), np.ones((4, 3)), np.ones((2, 4, 3)), np.ones(())):
         assert si.scores.LinearGaussian(x, z, A, b=b, precision=np.ones(3)).dense().shape[-2:] \
             == (N, 4)
+    for prec in (np.ones((4, 3)), np.ones((1, 3)), np.ones((2, 1, 1, 3))):
+        assert si.scores.LinearGaussian(x, z, A, precision=prec).dense().shape[-2:] == (N, 4)
     # traced (under jit) the shape check still runs: shapes are static
     with pytest.raises(ValueError, match="LinearGaussian: precision has shape"):
         jax.jit(lambda p: si.scores.LinearGaussian(x, z, A, precision=p).dense())(jnp.ones(2))

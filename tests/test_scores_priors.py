@@ -369,3 +369,36 @@ def test_from_graph_takes_a_traced_adjacency():
     for got in (jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v, adj),
                 si.attention(model, "out")(q, k, v, adj)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("shape", ["heads", "parents", "heads_parents"])
+def test_linear_gaussian_takes_batch_dims_on_its_precision(shape, normalize, x64):
+    r"""Regression: a per-head precision ``(H, 1, 1, d_x)`` was refused while ``b`` took
+    batch dims. The precision now broadcasts against ``(..., children, parents, d_x)``
+    (per head, per parent $\Lambda_k$, both), as ``b`` does against ``(..., parents,
+    d_x)``: the table and the edge posterior against a plain float64 NumPy formula."""
+    H, n, m, dx, dz = 2, 5, 7, 3, 11
+    r = np.random.default_rng(5)
+    x, z, A = r.normal(size=(H, n, dx)), r.normal(size=(m, dz)), r.normal(size=(dx, dz))
+    b = r.normal(size=(H, 1, dx))
+    prec = r.uniform(0.5, 2.0, size={"heads": (H, 1, 1, dx), "parents": (m, dx),
+                                     "heads_parents": (H, 1, m, dx)}[shape])
+    diff = x[:, :, None, :] - (z @ A.T + b)[:, None, :, :]                 # (H, n, m, dx)
+    want = -0.5 * (prec * diff**2).sum(-1)
+    if normalize:
+        want = want + 0.5 * np.log(np.broadcast_to(prec, diff.shape)).sum(-1) \
+            - 0.5 * dx * np.log(2 * np.pi)
+    score = si.scores.LinearGaussian(x, z, A, b=b, precision=prec, normalize=normalize)
+    np.testing.assert_allclose(score.dense(), want, rtol=1e-12, atol=1e-12)
+
+    def model(x, z, A, b, prec):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("children", n, dim=-1):
+            si.edge("phi", si.priors.Uniform(m),
+                    si.scores.LinearGaussian(x, z, A, b=b, precision=prec, normalize=normalize))
+
+    post = np.exp(want - want.max(-1, keepdims=True))
+    post = post / post.sum(-1, keepdims=True)
+    for f in (si.marginals, jax.jit(si.marginals, static_argnums=0)):
+        np.testing.assert_allclose(f(model, x, z, A, b, prec)["phi"], post, rtol=1e-10,
+                                   atol=1e-12)
