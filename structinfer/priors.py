@@ -49,6 +49,7 @@ from jax.typing import ArrayLike
 from ._checks import (
     as_float_array,
     check_static_int,
+    first_empty_row,
     float32_at_least,
     is_concrete,
     normalise_log_weights,
@@ -102,12 +103,8 @@ def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: in
     """Raise unless every child (row of the boolean ``allowed``) has an allowed parent.
 
     ``rows_per_entry``: children per row of ``allowed`` (a block mask's block height)."""
-    empty = ~allowed.any(axis=-1)
-    if empty.any():
-        idx = tuple(int(i) for i in np.argwhere(empty)[0])
-        child = idx[-1] * rows_per_entry
-        batch = idx[:-1]
-        where = f"child {child}" + (f" (batch index {batch})" if batch else "")
+    where = first_empty_row(allowed, rows_per_entry)
+    if where is not None:
         raise ValueError(
             f"{prior_name} prior allows no parent for {where}: every child needs at "
             "least one parent with non-zero prior probability "

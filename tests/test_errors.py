@@ -87,7 +87,7 @@ def test_child_with_no_parent():
         si.log_marginal(model)
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nonfinite_score(bad):
     s = XQ @ XK.T
     s[2, 4] = bad
@@ -100,6 +100,66 @@ def test_nonfinite_score(bad):
         ValueError, match=r"edge site 'phi': score contains (NaN|inf) at index \(2, 4\)"
     ):
         si.log_marginal(model)
+
+
+def _forbidding_score(kind, forbid):
+    """A score with -inf at the ``forbid`` (child, parent) pairs, its finite table (NumPy)."""
+    if kind == "custom":
+        table = XQ @ XK.T
+        s = table.copy()
+        s[tuple(np.transpose(forbid))] = -np.inf
+        return (lambda s: si.scores.Custom(s)), s, table
+    # NegSqDist's log mixing weights: -inf forbids a parent for every child
+    table = -0.5 * ((XQ[:, None] - XK[None]) ** 2).sum(-1)
+    log_w = np.zeros(M)
+    log_w[sorted({j for _, j in forbid})] = -np.inf
+    return (lambda w: si.scores.NegSqDist(XQ, XK, log_weights=w)), log_w, table
+
+
+@pytest.mark.parametrize("kind", ["custom", "neg_sq_dist"])
+def test_a_minus_inf_score_is_a_forbidden_edge_everywhere(kind):
+    """Regression: a -inf entry of a Custom score table or of NegSqDist's log_weights
+    raised eagerly in the exact engine, while jit and si.attention read it as a forbidden
+    edge. It is a forbidden edge everywhere (as a -inf Markov transition and a masked prior
+    are): eager, jit and si.attention against a NumPy softmax without the entry. A child
+    left no parent is the engine's error for an empty prior row eagerly, NaN under jit."""
+    forbid = [(2, 4), (3, 0), (3, 1)] if kind == "custom" else [(0, 4), (0, 6)]
+    make, arg, table = _forbidding_score(kind, forbid)
+
+    def model(arg):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), make(arg))
+            numpyro.deterministic("out", jnp.asarray(V)[j])
+
+    allowed = np.ones((N, M), bool)
+    if kind == "custom":
+        allowed[tuple(np.transpose(forbid))] = False
+    else:  # a weight forbids its parent for every child
+        allowed[:, [j for _, j in forbid]] = False
+    w = np.where(allowed, np.exp(table - table.max(-1, keepdims=True)), 0.0)
+    p = w / w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(si.marginals(model, arg)["phi"], p, rtol=1e-5, atol=1e-7)
+    for out in (si.expectation(model, "out", arg),
+                jax.jit(lambda a: si.expectation(model, "out", a))(arg),
+                si.attention(model, "out")(arg),
+                jax.jit(si.attention(model, "out"))(arg)):
+        np.testing.assert_allclose(out, p @ V, rtol=1e-5, atol=1e-6)
+
+    # every parent of child 1 forbidden (Custom), or every parent at all (NegSqDist)
+    if kind == "custom":
+        arg = arg.copy()
+        arg[1] = -np.inf
+    else:
+        arg = np.full(M, -np.inf)
+    child = 1 if kind == "custom" else 0
+    said = f"edge site 'phi': the score allows no parent for child {child}"
+    for run in (lambda: si.log_marginal(model, arg), lambda: si.marginals(model, arg),
+                lambda: si.attention(model, "out")(arg)):
+        with pytest.raises(ValueError, match=said):
+            run()
+    for out in (jax.jit(lambda a: si.expectation(model, "out", a))(arg),
+                jax.jit(si.attention(model, "out"))(arg)):
+        assert np.all(np.isnan(np.asarray(out)[child]))
 
 
 def test_mismatched_feature_sizes():
