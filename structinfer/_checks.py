@@ -133,6 +133,28 @@ def check_finite(x: ArrayLike, what: str, allow_neg_inf: bool = False) -> None:
         )
 
 
+def first_empty_row(allowed: np.ndarray, rows_per_entry: int = 1) -> str | None:
+    """Where the first child with no allowed parent is, or ``None`` when every one has one.
+
+    The one rule for a child left no parent (an empty prior row, a row of ``-inf``
+    scores): on concrete values the priors and [`edge`][structinfer.edge] raise naming
+    it; under a trace the row is NaN.
+
+    Args:
+        allowed: booleans ``(..., children, parents)``, ``True`` on an allowed edge.
+        rows_per_entry: children per row of ``allowed`` (a block mask's block height).
+
+    Returns:
+        ``"child i"``, with ``" (batch index (b, ...))"`` under batch dims, or ``None``.
+    """
+    empty = ~np.asarray(allowed).any(axis=-1)
+    if not empty.any():
+        return None
+    idx = tuple(int(i) for i in np.argwhere(empty)[0])
+    batch = idx[:-1]
+    return f"child {idx[-1] * rows_per_entry}" + (f" (batch index {batch})" if batch else "")
+
+
 def check_ndim(x: ArrayLike, min_ndim: int, what: str, layout: str) -> None:
     """Raise ``ValueError`` if ``x`` has fewer than ``min_ndim`` dimensions.
 

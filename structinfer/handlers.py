@@ -11,6 +11,9 @@ r"""Effect handlers (NumPyro ``Messenger`` subclasses): the exact engine's, and 
   placeholder value of its batch shape (used to read shapes without enumerating).
 * [`pin`][structinfer.handlers.pin] — fixes discrete sites to given values and takes
   them out of enumeration.
+* [`observe_given`][structinfer.handlers.observe_given] — observes an enumerable site
+  the model already gave a value (``numpyro.handlers.substitute``), as
+  ``numpyro.handlers.condition`` would.
 * [`fill_latent`][structinfer.handlers.fill_latent] — gives every other latent sample
   site without a value a placeholder inside its support, without sampling (used to read
   a model that is still to be fitted).
@@ -33,6 +36,8 @@ from numpyro.primitives import Messenger
 
 from .primitives import (
     EDGE_INFO_KEY,
+    EDGE_SEEN_TYPE,
+    HIDDEN_EDGE_TYPE,
     MASK_PARENTS_TYPE,
     SCAN_INDEX_KEY,
     SCAN_RECORD_KEY,
@@ -49,6 +54,7 @@ __all__ = [
     "fill_discrete",
     "fill_latent",
     "pin",
+    "observe_given",
     "TiltedDistribution",
     "TILT_PREFIX",
     "PLACEHOLDER_KEY",
@@ -324,7 +330,8 @@ class mask_parents(Messenger):
         TypeError: (at an edge site) a non-boolean mask.
         ValueError: (at an edge site) a mask whose last axis is not the edge's parents, that
             does not fit its plates, that leaves a child no parent (on concrete values),
-            or a Markov edge (its parents are the chain's states).
+            or a Markov edge (its parents are the chain's states); (when the wrapped code
+            returns) no edge site ran under the handler, so the mask restricted nothing.
 
     Examples:
         ```python
@@ -348,12 +355,30 @@ class mask_parents(Messenger):
             raise TypeError("mask_parents: mask= is required (boolean, True where a parent "
                             "is allowed)")
         self.mask = mask
+        self._consults = 0  # edge sites that read the mask, over every run
+        self._starts: list[int] = []  # `_consults` at each (possibly nested) entry
         super().__init__(fn)
+
+    def __enter__(self):
+        self._starts.append(self._consults)
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        start = self._starts.pop()
+        super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is None and self._consults == start:
+            raise ValueError(
+                "mask_parents: no edge site consulted this handler: the code it wrapped "
+                "ran no structinfer.edge that saw it, so the mask restricted nothing. Wrap "
+                "the model (or the part of it) that declares the edge sites; inside a "
+                "numpyro scan, wrap the step (its edges do not see handlers outside the scan)"
+            )
 
     def process_message(self, msg: dict) -> None:
         """Add the mask to an edge site's list (`parent_masks`)."""
         if msg["type"] == MASK_PARENTS_TYPE:
             msg["masks"].append(self.mask)
+            self._consults += 1
 
 
 class require_values(Messenger):
@@ -364,7 +389,9 @@ class require_values(Messenger):
         what: who needs the values, for the error message.
 
     Raises:
-        ValueError: at the first latent continuous site without a value, naming it.
+        ValueError: at the first latent continuous site without a value, naming it; at an
+            edge site that a ``numpyro.handlers.block`` hides (nothing outside the block
+            sees it to sum it out).
     """
 
     def __init__(self, fn: Callable | None = None, what: str = "the exact engine"):
@@ -372,12 +399,28 @@ class require_values(Messenger):
         super().__init__(fn)
 
     def process_message(self, msg: dict) -> None:
-        """Check one sample site."""
+        """Check one sample site (and see every edge: refuse one hidden by a block)."""
+        _refuse_hidden_edge(msg)
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:
             return
         raise missing_value_error(msg["name"], self.what)
+
+
+def _refuse_hidden_edge(msg: dict) -> None:
+    """Mark an edge seen; the error at one a ``numpyro.handlers.block`` hides from the
+    engine."""
+    if msg["type"] == EDGE_SEEN_TYPE:
+        msg["seen"] = True
+    if msg["type"] != HIDDEN_EDGE_TYPE:
+        return
+    raise ValueError(
+        f"edge site '{msg['edge']}' is hidden by numpyro.handlers.block, so the exact "
+        "engine cannot see it to sum it out (NumPyro would sample it at random). Leave edge "
+        "sites out of `hide` (an SVI guide may hide them: block the guide, not the model "
+        "the engine reads), or fix the edge at a value with numpyro.handlers.condition"
+    )
 
 
 def missing_value_error(site: str, what: str = "the exact engine") -> ValueError:
@@ -452,10 +495,12 @@ class fill_latent(Messenger):
     unconstrained origin: 1 for a positive site, the uniform point of a simplex); it is
     never a draw, so no sampler is traced. Reading a model's sites and shapes before it
     is fitted needs no real values; computing with them does, which
-    [`require_values`][structinfer.handlers.require_values] enforces.
+    [`require_values`][structinfer.handlers.require_values] enforces. An edge site that a
+    ``numpyro.handlers.block`` hides is refused here too, as there.
     """
 
     def process_message(self, msg):
+        _refuse_hidden_edge(msg)
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:
@@ -484,4 +529,33 @@ class pin(Messenger):
         if msg["type"] == "sample" and msg["name"] in self.data:
             msg["value"] = self.data[msg["name"]]
             msg["is_observed"] = True
+            msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}
+
+
+class observe_given(Messenger):
+    r"""Observe every enumerable site that already has a value when it reaches this handler.
+
+    An [`edge`][structinfer.edge] (or another site marked for enumeration) given a value
+    by ``numpyro.handlers.substitute`` is fixed at that value, as
+    ``numpyro.handlers.condition`` fixes it: its log-probability is kept and nothing is
+    summed over it, so $\log Z$ is the joint density at the given structure. (NumPyro's
+    own enumeration would replace the value by the whole support.) Like
+    [`pin`][structinfer.handlers.pin], it takes the site out of enumeration. The engine
+    wraps a model in it before anything of its own, so the values it substitutes itself
+    (edge probes) are not affected. Sites of a ``scan``'s steps (a
+    [`Markov`][structinfer.priors.Markov] chain's edges) are left alone: the scan gives
+    their values.
+    """
+
+    def process_message(self, msg: dict) -> None:
+        """Mark one valued enumerable sample site observed."""
+        if msg["type"] != "sample" or msg.get("value") is None:
+            return
+        if SCAN_INDEX_KEY in msg["infer"]:
+            return  # a site of a scan's steps: the scan gave its value, not the model
+        if is_enumerated(msg) and msg["fn"].has_enumerate_support:
+            msg["is_observed"] = True
+        if msg["is_observed"] and "enumerate" in msg["infer"]:
+            # as `pin` (a conditioned edge too): funsor's infer_discrete reads every site
+            # marked for enumeration, observed or not
             msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from jax.typing import ArrayLike
@@ -34,7 +35,13 @@ from numpyro.distributions.util import validate_sample
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
-from ._checks import check_finite, float32_at_least, is_concrete, normalise_log_weights
+from ._checks import (
+    check_finite,
+    first_empty_row,
+    float32_at_least,
+    is_concrete,
+    normalise_log_weights,
+)
 from .priors import Markov, Masked, StructuralPrior, as_prior
 from .scores import Score, as_score
 
@@ -53,6 +60,8 @@ __all__ = [
     "active_plates",
     "parent_masks",
     "MASK_PARENTS_TYPE",
+    "EDGE_SEEN_TYPE",
+    "HIDDEN_EDGE_TYPE",
     "EDGE_INFO_KEY",
     "SCORE_SUFFIX",
     "SCAN_INDEX_KEY",
@@ -203,6 +212,44 @@ def parent_masks(name: str) -> list[jax.Array]:
     """
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
+
+def _check_score_rows(logits: jax.Array, name: str) -> None:
+    """Refuse (on concrete values) a child whose score's ``-inf`` entries forbid every
+    parent its prior allows: the rule of an empty prior row (NaN under a trace)."""
+    if not is_concrete(logits):
+        return
+    where = first_empty_row(np.isfinite(np.asarray(logits)))
+    if where is not None:
+        raise ValueError(
+            f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
+            "forbid every parent the prior allows, and every child needs at least one "
+            "parent with non-zero probability (under jit the child's row is NaN)"
+        )
+
+
+def _sample_edge(name: str, fn: dist.Distribution, infer: dict) -> jax.Array:
+    """``numpyro.sample`` of an edge site, telling the handlers that must see every edge
+    when a ``numpyro.handlers.block`` hides it from them (`EDGE_SEEN_TYPE`)."""
+    # the site's own name: a block that hides the site stops this message too
+    if not _probe({"type": EDGE_SEEN_TYPE, "name": name, "seen": False})["seen"]:
+        _probe({"type": HIDDEN_EDGE_TYPE, "name": _HIDDEN_EDGE_PROBE, "edge": name})
+    return numpyro.sample(name, fn, infer=infer)
+
+
+EDGE_SEEN_TYPE = "structinfer_edge_seen"
+"""Type of the message an [`edge`][structinfer.edge] sends under its own name before its
+sample site: a handler that must see every edge (the exact engine's) sets its ``"seen"``
+to ``True``. When none did (a ``numpyro.handlers.block`` between them hides the site),
+the edge sends a `HIDDEN_EDGE_TYPE` message."""
+
+HIDDEN_EDGE_TYPE = "structinfer_hidden_edge"
+"""Type of the message an [`edge`][structinfer.edge] that no handler saw sends, under a
+name no block hides (its ``"edge"``: the site's name), so that a handler that must see
+every edge can say which one a block hides; NumPyro's own handlers ignore it, and the
+blocked edge is sampled as NumPyro samples any hidden site."""
+
+_HIDDEN_EDGE_PROBE = "structinfer.hidden_edge"
+"""Name of the `HIDDEN_EDGE_TYPE` message (not the edge's, which the block hides)."""
 
 MASK_PARENTS_TYPE = "structinfer_mask_parents"
 """Type of the message [`parent_masks`][structinfer.primitives.parent_masks] sends."""
@@ -579,7 +626,8 @@ def edge(
         prior: a [`structinfer.priors`][structinfer.priors] prior (or a NumPyro ``Categorical``).
         score: a [`structinfer.scores`][structinfer.scores] score, or a ``(..., children, parents)``
             array of log-potentials; ``None`` for no potential (e.g. when the
-            parent enters through an observed sample site instead).
+            parent enters through an observed sample site instead). A ``-inf`` entry
+            forbids its edge, as a masked prior does.
         child: follow a chain (multi-hop attention): the node whose edge this is, e.g.
             the value of a previous edge site. The site is then node ``child``'s edge
             with its posterior conditional
@@ -603,7 +651,8 @@ def edge(
     Raises:
         ValueError: if the edge is not inside a plate at ``dim=-1``, or the prior or score
             does not fit the plates' ``(..., children)`` batch shape and the prior's
-            parents, or the score is not finite.
+            parents, or the score has a NaN or ``+inf`` entry, or (on concrete values; NaN
+            under ``jit``) its ``-inf`` entries leave a child no parent.
         TypeError: if ``name``, ``prior`` or ``score`` has the wrong type.
 
     Examples:
@@ -656,7 +705,8 @@ def edge(
                 raise
             raise type(e)(f"edge site '{name}': score {type(score_obj).__name__}: {e}") from e
         _check_table(score_table, "score", name, batch, num_parents)
-        check_finite(score_table, f"edge site '{name}': score")
+        # -inf forbids the edge, as a masked prior does; NaN and +inf are refused
+        check_finite(score_table, f"edge site '{name}': score", allow_neg_inf=True)
         if prior.parameter_dtype is None:  # uniform, a mask, Python numbers: no dtype of
             # its own, the score's (in float32 for a 16-bit score, as the engine sums it)
             log_prior = log_prior.astype(float32_at_least(score_table).dtype)
@@ -669,6 +719,7 @@ def edge(
     logits = float32_at_least(log_prior)
     if score_table is not None:
         logits = logits + float32_at_least(score_table)
+        _check_score_rows(logits, name)
     if child is not None:
         # node `child`'s edge, with its exact posterior conditional as distribution:
         # row `child` of the (..., children, parents) table, where the children dim
@@ -677,9 +728,9 @@ def edge(
         logits = jnp.broadcast_to(logits, logits.shape[:-2] + (num_children, num_parents))
         table = EdgeDistribution(logits, validate_args=False).logits
         rows = Vindex(jnp.expand_dims(table, -3))[..., child, :]
-        return numpyro.sample(name, EdgeDistribution(rows, validate_args=False), infer=site_infer)
+        return _sample_edge(name, EdgeDistribution(rows, validate_args=False), site_infer)
     fn = EdgeDistribution(logits, validate_args=False)
-    phi = numpyro.sample(name, fn, infer=site_infer)
+    phi = _sample_edge(name, fn, site_infer)
     if score_table is not None:
         # log p(phi_i = j) + psi_ij = log softmax_j(log p + psi) + log sum_j' p e^psi:
         # the edge's own factor is normalised and the row normaliser does not depend
@@ -742,7 +793,7 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
     if infer:
         site_infer.update(infer)
     fn = EdgeDistribution(logits)
-    phi = numpyro.sample(name, fn, infer=site_infer)
+    phi = _sample_edge(name, fn, site_infer)
     if SCAN_INDEX_KEY not in site_infer:
         raise ValueError(
             f"edge site '{name}': a Markov prior couples consecutive edges over time, so "

@@ -49,6 +49,7 @@ from jax.typing import ArrayLike
 from ._checks import (
     as_float_array,
     check_static_int,
+    first_empty_row,
     float32_at_least,
     is_concrete,
     normalise_log_weights,
@@ -102,12 +103,8 @@ def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: in
     """Raise unless every child (row of the boolean ``allowed``) has an allowed parent.
 
     ``rows_per_entry``: children per row of ``allowed`` (a block mask's block height)."""
-    empty = ~allowed.any(axis=-1)
-    if empty.any():
-        idx = tuple(int(i) for i in np.argwhere(empty)[0])
-        child = idx[-1] * rows_per_entry
-        batch = idx[:-1]
-        where = f"child {child}" + (f" (batch index {batch})" if batch else "")
+    where = first_empty_row(allowed, rows_per_entry)
+    if where is not None:
         raise ValueError(
             f"{prior_name} prior allows no parent for {where}: every child needs at "
             "least one parent with non-zero prior probability "
@@ -499,6 +496,58 @@ def _expand_blocks(blocks: Any, block_size: tuple[int, int], size: tuple[int, in
     return xp.repeat(xp.repeat(blocks, bc, axis=-2), bp, axis=-1)[..., :n, :m]
 
 
+def _check_mask(mask: ArrayLike, who: str, *, num_parents: int | None = None,
+                min_ndim: int = 1) -> tuple[jax.Array, np.ndarray | None]:
+    """A prior's boolean mask of allowed parents, checked: ``(mask, concrete)``.
+
+    Args:
+        mask: the mask, ``True`` where a parent is allowed.
+        who: the prior, for the messages (``"Restricted prior"``).
+        num_parents: the parents its last axis must have (``None``: any).
+        min_ndim: the fewest dims it may have.
+
+    Returns:
+        The mask as a JAX array, and as a NumPy array when it is known at trace time
+        (else ``None``).
+
+    Raises:
+        TypeError: the mask is not boolean.
+        ValueError: it has fewer than ``min_ndim`` dims, or not ``num_parents`` parents.
+    """
+    concrete = np.asarray(mask) if is_concrete(mask) else None
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"{who}: mask must be a boolean array (True where a parent is "
+                        f"allowed), got dtype {mask.dtype}")
+    if mask.ndim < min_ndim or (num_parents is not None and mask.shape[-1] != num_parents):
+        parents = "" if num_parents is None else f" with {num_parents} parents"
+        raise ValueError(f"{who}: mask must have shape (..., children, parents){parents}, "
+                         f"got shape {tuple(mask.shape)}")
+    return mask, concrete
+
+
+def _band_of(mask: np.ndarray | None) -> dict[str, Any] | None:
+    """The `band_mask` arguments whose ``(n, m)`` mask is exactly ``mask``, or ``None``.
+
+    A prior whose concrete mask is a distance band (causal, a window, all but the
+    self-edge) builds it from ``iota`` in its table: an ``(n, m)`` constant would be
+    folded by XLA at compile time (tens of seconds for ``n`` in the thousands). Only a
+    2-D mask of several rows, each with an allowed parent, is read as a band.
+    """
+    if mask is None or mask.ndim != 2 or mask.shape[0] < 2 or not mask.any(-1).all():
+        return None
+    n, m = mask.shape
+    rows = np.arange(n)
+    first = mask.argmax(-1)
+    last = m - 1 - mask[:, ::-1].argmax(-1)
+    # d = i - j: the band's extremes are the rows' first and last allowed parents
+    band = dict(dmin=int((rows - last).min()), dmax=int((rows - first).max()))
+    for exclude_zero in (False, True):
+        if np.array_equal(mask, band_mask(n, m, exclude_zero=exclude_zero, xp=np, **band)):
+            return {**band, "exclude_zero": exclude_zero}
+    return None
+
+
 class Restricted(StructuralPrior):
     r"""Uniform prior restricted to a set of allowed edges (graph / sparse attention).
 
@@ -538,17 +587,7 @@ class Restricted(StructuralPrior):
     def __init__(
         self, mask: ArrayLike, pattern: RestrictionPattern | None = None, offset: int | None = None
     ):
-        self._concrete = np.asarray(mask) if is_concrete(mask) else None
-        mask = jnp.asarray(mask)
-        if mask.dtype != jnp.bool_:
-            raise TypeError(
-                f"Restricted prior: mask must be a boolean array, got dtype {mask.dtype}"
-            )
-        if mask.ndim < 2:
-            raise ValueError(
-                "Restricted prior: mask must have shape (..., children, parents), "
-                f"got shape {tuple(mask.shape)}"
-            )
+        mask, self._concrete = _check_mask(mask, "Restricted prior", min_ndim=2)
         self._mask = mask
         #: the block mask $B$ of a prior built by `block_sparse` (``None`` otherwise): the
         #: mask is kept per block, and expanded only where an ``(n, m)`` mask is asked for
@@ -569,13 +608,9 @@ class Restricted(StructuralPrior):
             raise ValueError(
                 f"Restricted prior: offset={offset} contradicts the pattern's offset {own}"
             )
-        # a known mask that is exactly its pattern's (Restricted.causal / window) is
-        # rebuilt from iota in the table: a constant (n, m) mask would be folded by XLA at
-        # compile time (tens of seconds for n in the thousands)
-        c = self._concrete if self.blocks is None else None
-        want = (None if c is None or c.ndim != 2
-                else _pattern_mask(self.pattern, c.shape[0], c.shape[1], xp=np))
-        self._mask_is_pattern = want is not None and np.array_equal(c, want)
+        # a known mask that is a distance band (Restricted.causal / window, or any such
+        # mask) is rebuilt from iota in the table (`_band_of`)
+        self._band = _band_of(self._concrete if self.blocks is None else None)
 
     @property
     def mask(self) -> jax.Array:
@@ -607,8 +642,8 @@ class Restricted(StructuralPrior):
         elif self._concrete is not None:
             _check_allowed_rows(self._concrete.astype(bool, copy=False), "Restricted")
         mask = self.mask
-        if self._mask_is_pattern:
-            mask = _pattern_mask(self.pattern, mask.shape[0], mask.shape[1])
+        if self._band is not None:
+            mask = band_mask(mask.shape[0], mask.shape[1], **self._band)
         return jnp.where(mask, 0.0, -jnp.inf).astype(jnp.result_type(float))
 
     def describe(self) -> dict[str, Any]:
@@ -1209,20 +1244,17 @@ class Masked(StructuralPrior):
         if not isinstance(prior, StructuralPrior) or isinstance(prior, Markov):
             raise TypeError("Masked prior: prior must be a structinfer.priors prior (not a "
                             f"Markov one), got {type(prior).__name__}")
-        self._concrete = np.asarray(mask) if is_concrete(mask) else None
-        mask = jnp.asarray(mask)
-        if mask.dtype != jnp.bool_:
-            raise TypeError(f"Masked prior: mask must be a boolean array (True where a parent "
-                            f"is allowed), got dtype {mask.dtype}")
-        if mask.ndim < 1 or mask.shape[-1] != prior.num_parents:
-            raise ValueError(f"Masked prior: mask must have shape (..., children, parents) "
-                             f"with {prior.num_parents} parents, got shape {tuple(mask.shape)}")
+        mask, self._concrete = _check_mask(mask, "Masked prior",
+                                           num_parents=prior.num_parents)
         #: the base prior $p_0$
         self.prior = prior
         #: the boolean mask $M$, at least ``(1, parents)``
         self.mask = mask if mask.ndim >= 2 else mask[None, :]
         self.num_parents = prior.num_parents
         self.offset = prior.offset
+        # a known mask that is a distance band is rebuilt from iota in the table, as
+        # Restricted's (`_band_of`)
+        self._band = _band_of(self._concrete)
 
     @property
     def concrete_mask(self) -> np.ndarray | None:
@@ -1237,7 +1269,10 @@ class Masked(StructuralPrior):
         return self.prior.parameter_dtype
 
     def _log_weights(self, num_children: int) -> jax.Array:
-        return jnp.where(self.mask, self.prior.log_table(num_children), -jnp.inf)
+        mask = self.mask
+        if self._band is not None:
+            mask = band_mask(mask.shape[-2], mask.shape[-1], **self._band)
+        return jnp.where(mask, self.prior.log_table(num_children), -jnp.inf)
 
     def describe(self) -> dict[str, Any]:
         """The base prior's description under ``"prior"``, and the mask's shape."""

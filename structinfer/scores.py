@@ -481,7 +481,9 @@ class LinearGaussian(Score):
         z: parent states $z_k$, ``(..., parents, d_z)``.
         A: $A_k$: ``(d_x, d_z)`` shared or ``(parents, d_x, d_z)`` per parent.
         b: optional offset $b_k$, ``(d_x,)`` or ``(parents, d_x)`` (after any batch dims).
-        precision: $\Lambda$: ``None`` (identity), scalar or diagonal ``(d_x,)``.
+        precision: $\Lambda$, diagonal: ``None`` (identity), a scalar, ``(d_x,)``, or
+            with batch dims broadcasting against ``(..., children, parents, d_x)``
+            (per parent $\Lambda_k$: ``(parents, d_x)``; per head: ``(heads, 1, 1, d_x)``).
         normalize: add the Gaussian normalising constant.
 
     Raises:
@@ -521,13 +523,18 @@ class LinearGaussian(Score):
         self.precision = (
             None if precision is None else as_float_array(precision, "LinearGaussian: precision")
         )
-        if self.precision is not None and not _broadcasts_to(self.precision.shape, (dx,)):
-            raise ValueError(f"LinearGaussian: precision has shape {tuple(self.precision.shape)}, "
-                             f"expected a scalar or (d_x,) = ({dx},) (a diagonal precision)")
+        n = self.x.shape[-2]
+        if self.precision is not None and not (
+                _broadcasts_to(self.precision.shape[-3:], (n, m, dx))):
+            raise ValueError(
+                f"LinearGaussian: precision has shape {tuple(self.precision.shape)}, expected "
+                f"a scalar, a diagonal (d_x,) = ({dx},), or one broadcasting against "
+                f"(children, parents, d_x) = ({n}, {m}, {dx}) after any batch dims (per "
+                "parent: (parents, d_x); per head: (heads, 1, 1, d_x))")
         if self.precision is not None:
             self.precision = require(
                 lambda xp, p: p > 0, "LinearGaussian: precision must be > 0 (a scalar or a "
-                f"diagonal (d_x,) = ({self.x.shape[-1]},)), got {{}}", self.precision)
+                f"diagonal (..., d_x) with d_x = {dx}), got {{}}", self.precision)
         self.normalize = normalize
 
     @property
@@ -556,8 +563,10 @@ class LinearGaussian(Score):
         if self.normalize:
             d = self.x.shape[-1]
             # d log(precision) for a scalar: a sum would make a Python number float64
+            # (with batch dims: one log-determinant per child, parent and batch element)
             logdet = (0.0 if self.precision is None else d * jnp.log(prec) if prec.ndim == 0
-                      else jnp.sum(jnp.log(jnp.broadcast_to(prec, (d,)))))
+                      else jnp.sum(jnp.log(jnp.broadcast_to(prec, prec.shape[:-1] + (d,))),
+                                   -1))
             s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
         return s
 

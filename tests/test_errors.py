@@ -87,7 +87,7 @@ def test_child_with_no_parent():
         si.log_marginal(model)
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nonfinite_score(bad):
     s = XQ @ XK.T
     s[2, 4] = bad
@@ -100,6 +100,66 @@ def test_nonfinite_score(bad):
         ValueError, match=r"edge site 'phi': score contains (NaN|inf) at index \(2, 4\)"
     ):
         si.log_marginal(model)
+
+
+def _forbidding_score(kind, forbid):
+    """A score with -inf at the ``forbid`` (child, parent) pairs, its finite table (NumPy)."""
+    if kind == "custom":
+        table = XQ @ XK.T
+        s = table.copy()
+        s[tuple(np.transpose(forbid))] = -np.inf
+        return (lambda s: si.scores.Custom(s)), s, table
+    # NegSqDist's log mixing weights: -inf forbids a parent for every child
+    table = -0.5 * ((XQ[:, None] - XK[None]) ** 2).sum(-1)
+    log_w = np.zeros(M)
+    log_w[sorted({j for _, j in forbid})] = -np.inf
+    return (lambda w: si.scores.NegSqDist(XQ, XK, log_weights=w)), log_w, table
+
+
+@pytest.mark.parametrize("kind", ["custom", "neg_sq_dist"])
+def test_a_minus_inf_score_is_a_forbidden_edge_everywhere(kind):
+    """Regression: a -inf entry of a Custom score table or of NegSqDist's log_weights
+    raised eagerly in the exact engine, while jit and si.attention read it as a forbidden
+    edge. It is a forbidden edge everywhere (as a -inf Markov transition and a masked prior
+    are): eager, jit and si.attention against a NumPy softmax without the entry. A child
+    left no parent is the engine's error for an empty prior row eagerly, NaN under jit."""
+    forbid = [(2, 4), (3, 0), (3, 1)] if kind == "custom" else [(0, 4), (0, 6)]
+    make, arg, table = _forbidding_score(kind, forbid)
+
+    def model(arg):
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), make(arg))
+            numpyro.deterministic("out", jnp.asarray(V)[j])
+
+    allowed = np.ones((N, M), bool)
+    if kind == "custom":
+        allowed[tuple(np.transpose(forbid))] = False
+    else:  # a weight forbids its parent for every child
+        allowed[:, [j for _, j in forbid]] = False
+    w = np.where(allowed, np.exp(table - table.max(-1, keepdims=True)), 0.0)
+    p = w / w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(si.marginals(model, arg)["phi"], p, rtol=1e-5, atol=1e-7)
+    for out in (si.expectation(model, "out", arg),
+                jax.jit(lambda a: si.expectation(model, "out", a))(arg),
+                si.attention(model, "out")(arg),
+                jax.jit(si.attention(model, "out"))(arg)):
+        np.testing.assert_allclose(out, p @ V, rtol=1e-5, atol=1e-6)
+
+    # every parent of child 1 forbidden (Custom), or every parent at all (NegSqDist)
+    if kind == "custom":
+        arg = arg.copy()
+        arg[1] = -np.inf
+    else:
+        arg = np.full(M, -np.inf)
+    child = 1 if kind == "custom" else 0
+    said = f"edge site 'phi': the score allows no parent for child {child}"
+    for run in (lambda: si.log_marginal(model, arg), lambda: si.marginals(model, arg),
+                lambda: si.attention(model, "out")(arg)):
+        with pytest.raises(ValueError, match=said):
+            run()
+    for out in (jax.jit(lambda a: si.expectation(model, "out", a))(arg),
+                jax.jit(si.attention(model, "out"))(arg)):
+        assert np.all(np.isnan(np.asarray(out)[child]))
 
 
 def test_mismatched_feature_sizes():
@@ -324,14 +384,18 @@ def test_linear_gaussian_offset_and_precision_of_the_wrong_shape():
         with pytest.raises(ValueError, match=r"LinearGaussian: b has shape .*, expected "
                                              r"\(d_x,\) = \(3,\) or \(parents, d_x\) = \(4, 3\)"):
             si.scores.LinearGaussian(x, z, A, b=b)
-    for prec in (np.ones(2), np.ones((4, 3)), np.ones((1, 3))):
+    for prec in (np.ones(2), np.ones((3, 3)), np.ones((6, 1, 3))):
         with pytest.raises(ValueError, match=r"LinearGaussian: precision has shape .*, "
-                                             r"expected a scalar or \(d_x,\) = \(3,\)"):
+                                             r"expected a scalar, a diagonal \(d_x,\) = \(3,\), "
+                                             r"or one broadcasting against \(children, "
+                                             r"parents, d_x\) = \(5, 4, 3\)"):
             si.scores.LinearGaussian(x, z, A, precision=prec)
-    # the shapes it takes (what broadcasts to them too, and a batch dim on b)
+    # the shapes it takes (what broadcasts to them too, and batch dims on b and precision)
     for b in (np.ones(3), np.ones((4, 3)), np.ones((2, 4, 3)), np.ones(())):
         assert si.scores.LinearGaussian(x, z, A, b=b, precision=np.ones(3)).dense().shape[-2:] \
             == (N, 4)
+    for prec in (np.ones((4, 3)), np.ones((1, 3)), np.ones((2, 1, 1, 3))):
+        assert si.scores.LinearGaussian(x, z, A, precision=prec).dense().shape[-2:] == (N, 4)
     # traced (under jit) the shape check still runs: shapes are static
     with pytest.raises(ValueError, match="LinearGaussian: precision has shape"):
         jax.jit(lambda p: si.scores.LinearGaussian(x, z, A, precision=p).dense())(jnp.ones(2))
@@ -451,3 +515,26 @@ def test_a_traced_bad_argument_has_a_nan_gradient(case):
     for run in (si.attention(model, "out"), lambda a: si.expectation(model, "out", a)):
         g = jax.jit(jax.grad(lambda a: jnp.sum(run(a))))(bad)  # noqa: B023
         assert np.all(np.isnan(np.asarray(g))), (case, g)
+
+
+def test_an_edge_hidden_by_block_is_named():
+    """Regression: ``numpyro.handlers.block(model, hide=["phi"])`` around an edge reached
+    the engine as NumPyro's bare ``AssertionError`` (no PRNG key): the engine cannot see
+    (so cannot enumerate) a hidden edge. The error names the site and the handler."""
+    def model():
+        with numpyro.plate("queries", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+            numpyro.deterministic("out", jnp.asarray(V)[j])
+
+    hidden = numpyro.handlers.block(model, hide=["phi"])
+    said = "edge site 'phi' is hidden by numpyro.handlers.block"
+    for run in (lambda: si.log_marginal(hidden), lambda: si.marginals(hidden),
+                lambda: si.attention(hidden, "out")(),
+                lambda: jax.jit(lambda: si.log_marginal(hidden))()):
+        with pytest.raises(ValueError, match=said):
+            run()
+    # hiding another site, or the edge from a seeded run's trace, is as before
+    seeded = numpyro.handlers.block(numpyro.handlers.seed(model, 0), hide=["phi"])
+    assert "phi" not in numpyro.handlers.trace(seeded).get_trace()
+    with pytest.raises(AssertionError):  # no seed at all: NumPyro's own error, as before
+        model()

@@ -699,3 +699,43 @@ def test_nested_masks_intersect_and_a_false_mask_keeps_the_dtype(x64):
     for a in (False, jnp.zeros(4, bool)):
         lz = si.log_marginal(model, q32, k32, a, True)
         assert lz.dtype == jnp.float32 and lz == 0.0
+
+
+# -- an edge given a value by numpyro.handlers.substitute ----------------------------------
+
+def _two_edges(x, keys):
+    with numpyro.plate("children", x.shape[0]):
+        phi = si.edge("phi", si.priors.Uniform(keys.shape[0]), si.scores.Dot(x, keys))
+        numpyro.sample("x", dist.Normal(Vindex(keys)[phi], 0.7).to_event(1), obs=x)
+        psi = si.edge("psi", si.priors.Uniform(keys.shape[0]), si.scores.Dot(x, keys))
+        numpyro.deterministic("w", Vindex(keys)[psi])
+
+
+_KEYS = np.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]], np.float32)
+_X = _KEYS[[0, 1, 2, 1, 0]] + 0.5 * r.normal(size=(5, 2)).astype(np.float32)
+_PHI = np.array([0, 1, 2, 1, 0], np.int32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_substituted_edge_is_fixed_at_its_value_as_condition_fixes_it(jit):
+    """``substitute(model, data={"phi": j})`` fixes the edge: log Z is the joint density
+    at ``j`` (NumPy, written here), as with ``condition``, never the sum over every
+    structure; the marginals, expectations and ``si.attention`` sum the other edge only."""
+    sub = substitute(_two_edges, data={"phi": jnp.asarray(_PHI)})
+    cond = numpyro.handlers.condition(_two_edges, {"phi": jnp.asarray(_PHI)})
+    s = _X @ _KEYS.T                                                    # (children, parents)
+    # phi: prior x score at j, its row normaliser, the observation; psi sums to its normaliser
+    expected = (s[np.arange(5), _PHI] - np.log(3) + norm.logpdf(_X, _KEYS[_PHI], 0.7).sum(-1)
+                + logsumexp(s, -1) - np.log(3)).sum()
+    lm = jax.jit(si.log_marginal, static_argnums=0) if jit else si.log_marginal
+    np.testing.assert_allclose(lm(sub, _X, _KEYS), lm(cond, _X, _KEYS), rtol=1e-6)
+    np.testing.assert_allclose(lm(sub, _X, _KEYS), expected, rtol=1e-5)
+    assert inspect_model(sub, _X, _KEYS)["phi"].role == "observed"
+    A = si.marginals(sub, _X, _KEYS)
+    assert list(A) == ["psi"]
+    for fixed in (sub, cond):  # (funsor's MAP read the conditioned edge too: a KeyError)
+        assert list(si.map_edges(fixed, _X, _KEYS)) == ["psi"]
+    np.testing.assert_allclose(A["psi"], np.exp(log_softmax(s, -1)), rtol=1e-5, atol=1e-6)
+    w = np.exp(log_softmax(s, -1)) @ _KEYS
+    np.testing.assert_allclose(si.expectation(sub, "w", _X, _KEYS), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(si.attention(sub, "w")(_X, _KEYS), w, rtol=1e-5, atol=1e-6)

@@ -340,6 +340,44 @@ def test_mesh_arguments_are_checked_when_attention_is_built():
         head_sharded(None)
 
 
+def test_an_empty_shard_and_an_unused_mesh_are_said():
+    """Regression: ``shard=""`` was read as ``"heads"``; it is refused, naming the argument
+    and the values it takes. And ``f.explain`` of ``attention(..., mesh=...)`` for a model
+    that falls back to the exact engine said nothing of the mesh: it says the mesh is not
+    used and why (the exact engine runs on one device)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import numpyro
+    import numpyro.distributions as dist
+
+    import structinfer as si
+
+    mha = _mha_model()
+    mesh = jax.make_mesh((1,), ("x",))
+    with pytest.raises(ValueError, match=r"attention: shard must be one of \('heads', "
+                                         r"'sequence'\), got '' \(None, the default: "
+                                         r"'heads'\)"):
+        si.attention(mha, "out", mesh=mesh, shard="")
+
+    def mixed(q, k, v):  # an enumerated site that is no edge: the exact engine runs it
+        c = numpyro.sample("c", dist.Categorical(jnp.ones(2) / 2),
+                           infer={"enumerate": "parallel"})
+        with numpyro.plate("queries", q.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q * (c + 1), k))
+            numpyro.deterministic("out", v[j])
+
+    x = np.ones((3, 2), np.float32)
+    e = si.attention(mixed, "out", mesh=mesh).explain(x, x, x)
+    assert e.path == "exact" and e.fallback is not None
+    said = ("mesh= is not used: the model falls back to the exact engine, which runs on one "
+            "device")
+    assert said in e.mesh and said in str(e), str(e)
+    assert si.explain(mixed, "out", x, x, x).mesh == ""  # no mesh, nothing to say
+    lowered = si.attention(mha, "out", mesh=mesh).explain(*(np.ones((2, 4, 2), np.float32),) * 3)
+    assert lowered.path == "lowered" and lowered.mesh == ""
+
+
 def test_explain_reports_the_sharded_plan():
     """Regression: ``f.explain`` of ``attention(..., mesh=...)`` described the
     single-device path. It names, per edge, the mesh axis and its devices, heads or ring

@@ -585,7 +585,7 @@ def test_numpy_integer_sizes_are_taken_as_ints():
 
 
 def test_head_arguments_stay_traceable():
-    """The checks read concrete values only: traced arguments still work under jit."""
+    """Traced good arguments work under jit as concrete ones do."""
     f = jax.jit(lambda a, b: beta_geometric_log_pmf(a, b, 4))
     np.testing.assert_allclose(f(jnp.ones(1), jnp.ones(1)),
                                beta_geometric_log_pmf(jnp.ones(1), jnp.ones(1), 4))
@@ -594,6 +594,22 @@ def test_head_arguments_stay_traceable():
     # the reference with concrete arguments (checked as such) in one program of its own
     ref = jax.jit(lambda x: si.expectation(sinn.geometric_beta(2.0, 2.0), "out", x, x, x))(x)
     np.testing.assert_allclose(g(jnp.asarray(2.0)), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_traced_bad_head_arguments_are_nan_with_a_nan_gradient():
+    """Regression: the heads checked their values on concrete arguments only, so a traced
+    bad one (under jit or grad) gave a finite wrong answer. As every check of the library,
+    a traced bad argument now makes the answer and its gradient NaN."""
+    f = lambda a: beta_geometric_log_pmf(a, jnp.ones(1), 4).sum()  # noqa: E731
+    assert np.isnan(jax.jit(f)(-jnp.ones(1)))
+    assert np.all(np.isnan(jax.grad(f)(-jnp.ones(1))))
+    x = inputs((H, N, D), jnp.float32)
+    for make, bad in ((lambda a: sinn.geometric_beta(a, 2.0), -1.0),
+                      (lambda a: sinn.geometric_beta(2.0, a), 0.0),
+                      (lambda a: sinn.geometric(a), 1.5)):
+        out = lambda a: si.expectation(make(a), "out", x, x, x).sum()  # noqa: E731
+        assert np.isnan(jax.jit(out)(jnp.asarray(bad)))
+        assert np.isnan(jax.grad(out)(jnp.asarray(bad)))
 
 
 @pytest.mark.parametrize("temperature", [False, True])

@@ -153,10 +153,10 @@ def test_bad_masks_are_refused_naming_the_site():
         prior = P.Markov(jnp.zeros((3, 3)), jnp.zeros(3))
 
         def step(prev, e):
-            return si.edge("z", prior, e, previous=prev), None
+            with si.handlers.mask_parents(mask=jnp.ones(3, bool)):
+                return si.edge("z", prior, e, previous=prev), None
 
-        with si.handlers.mask_parents(mask=jnp.ones(3, bool)):
-            scan(step, jnp.asarray(-1), em)
+        scan(step, jnp.asarray(-1), em)
 
     with pytest.raises(ValueError, match="edge site 'z': mask_parents does not apply to a "
                                          "Markov edge"):
@@ -205,3 +205,45 @@ def test_numpyro_nuts_on_a_masked_prior_samples_the_masked_posterior():
     draws = np.asarray(mcmc.get_samples()["q"])
     assert abs(draws.mean() - mean) < 0.25 * sd
     assert 0.75 < draws.std() / sd < 1.25
+
+
+def test_a_mask_no_edge_consults_is_an_error():
+    """Regression: ``mask_parents`` around code that declares no edge (the wrong call, or
+    a model whose edges lie outside it) was silently ignored. Every run under it that
+    reaches no edge site now raises, naming the handler; a handler some edge consults is
+    as before, and an error raised inside is not hidden by this one."""
+    q, k, v = _data()
+    prior = P.Uniform(M)
+    keep = jnp.ones((M,), bool).at[3].set(False)
+
+    def outside(q, k, v):  # the handler wraps a call that comes before the edge
+        with si.handlers.mask_parents(mask=keep):
+            q = q * 1.0
+        model(q, k, v, prior)
+
+    said = "mask_parents: no edge site consulted this handler"
+    for run in (lambda: si.marginals(outside, q, k, v),
+                lambda: jax.jit(lambda *a: si.log_marginal(outside, *a))(q, k, v),
+                lambda: si.attention(outside, "out")(q, k, v)):
+        with pytest.raises(ValueError, match=said):
+            run()
+    with pytest.raises(ValueError, match=said):  # as a wrapper of a function with no edge
+        si.handlers.mask_parents(lambda: None, mask=keep)()
+
+    def steps(s):  # outside a scan: its steps' edges saw the mask in some runs only
+        def step(c, s_t):
+            with numpyro.plate("queries", N):
+                si.edge("phi", prior, s_t)
+            return c, None
+
+        with si.handlers.mask_parents(mask=keep):
+            scan(step, 0, s)
+
+    s = jnp.asarray(np.random.default_rng(3).normal(size=(3, N, M)), jnp.float32)
+    with pytest.raises(ValueError, match=said + ".*inside a numpyro scan, wrap the step"):
+        si.log_marginal(steps, s)
+    with pytest.raises(ZeroDivisionError):  # the body's own error first
+        with si.handlers.mask_parents(mask=keep):
+            raise ZeroDivisionError
+    np.testing.assert_allclose(si.expectation(masked_model, "out", q, k, v, prior, keep),
+                               _reference(prior, keep, q, k, v), atol=2e-5)

@@ -267,6 +267,32 @@ def test_a_pattern_that_is_not_its_mask_keeps_the_mask():
     np.testing.assert_allclose(jax.jit(prior.log_table, static_argnums=0)(N), want, rtol=1e-6)
 
 
+def test_a_concrete_band_mask_is_built_in_the_trace_by_masked_and_restricted():
+    """Regression: a ``Masked`` prior read its concrete (n, m) mask as a constant of the
+    program (which XLA folds while compiling), and so did a ``Restricted`` one whose band
+    mask came without a ``Causal`` / ``Window`` pattern. A concrete mask that is a distance
+    band is now rebuilt from iota by both: no (n, m) constant, the same table as the
+    traced mask's (which is never rebuilt); a mask that is no band is kept."""
+    n = 64
+    r = np.random.default_rng(4)
+    bands = {"causal": np.tril(np.ones((n, n), bool)),
+             "window": np.tril(np.ones((n, n), bool)) & ~np.tril(np.ones((n, n), bool), -4),
+             "no self": ~np.eye(n, dtype=bool)}
+    other = r.random((n, n)) < 0.5
+    other[:, 0] = True
+    base = si.priors.Categorical(jnp.linspace(0.0, 1.0, n))
+    priors = {"masked": lambda mask: si.priors.Masked(base, mask),
+              "restricted": si.priors.Restricted}
+    for kind, make in priors.items():
+        for name, mask in {**bands, "other": other}.items():
+            closed = jax.make_jaxpr(lambda mask=mask: make(mask).log_table(n))()
+            big = [np.shape(c) for c in closed.consts if np.size(c) >= n * n]
+            assert bool(big) == (name == "other"), (kind, name, big)
+            traced = jax.jit(lambda m: make(m).log_table(n))(mask)
+            np.testing.assert_allclose(make(mask).log_table(n), traced, rtol=1e-6,
+                                       err_msg=f"{kind} {name}")
+
+
 def test_a_causal_head_compiles_without_an_n_by_n_constant():
     """The engine's whole program for one causal head (expectation under jit) holds no
     (n, n) constant: XLA has nothing of that size to fold when it compiles."""
@@ -343,3 +369,36 @@ def test_from_graph_takes_a_traced_adjacency():
     for got in (jax.jit(lambda *a: si.expectation(model, "out", *a))(q, k, v, adj),
                 si.attention(model, "out")(q, k, v, adj)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("shape", ["heads", "parents", "heads_parents"])
+def test_linear_gaussian_takes_batch_dims_on_its_precision(shape, normalize, x64):
+    r"""Regression: a per-head precision ``(H, 1, 1, d_x)`` was refused while ``b`` took
+    batch dims. The precision now broadcasts against ``(..., children, parents, d_x)``
+    (per head, per parent $\Lambda_k$, both), as ``b`` does against ``(..., parents,
+    d_x)``: the table and the edge posterior against a plain float64 NumPy formula."""
+    H, n, m, dx, dz = 2, 5, 7, 3, 11
+    r = np.random.default_rng(5)
+    x, z, A = r.normal(size=(H, n, dx)), r.normal(size=(m, dz)), r.normal(size=(dx, dz))
+    b = r.normal(size=(H, 1, dx))
+    prec = r.uniform(0.5, 2.0, size={"heads": (H, 1, 1, dx), "parents": (m, dx),
+                                     "heads_parents": (H, 1, m, dx)}[shape])
+    diff = x[:, :, None, :] - (z @ A.T + b)[:, None, :, :]                 # (H, n, m, dx)
+    want = -0.5 * (prec * diff**2).sum(-1)
+    if normalize:
+        want = want + 0.5 * np.log(np.broadcast_to(prec, diff.shape)).sum(-1) \
+            - 0.5 * dx * np.log(2 * np.pi)
+    score = si.scores.LinearGaussian(x, z, A, b=b, precision=prec, normalize=normalize)
+    np.testing.assert_allclose(score.dense(), want, rtol=1e-12, atol=1e-12)
+
+    def model(x, z, A, b, prec):
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("children", n, dim=-1):
+            si.edge("phi", si.priors.Uniform(m),
+                    si.scores.LinearGaussian(x, z, A, b=b, precision=prec, normalize=normalize))
+
+    post = np.exp(want - want.max(-1, keepdims=True))
+    post = post / post.sum(-1, keepdims=True)
+    for f in (si.marginals, jax.jit(si.marginals, static_argnums=0)):
+        np.testing.assert_allclose(f(model, x, z, A, b, prec)["phi"], post, rtol=1e-10,
+                                   atol=1e-12)

@@ -34,7 +34,7 @@ from numpyro.contrib.funsor import infer_discrete
 from numpyro.handlers import block, substitute, trace
 
 from .._checks import as_arrays, is_concrete, model_name
-from ..handlers import pin, require_values
+from ..handlers import observe_given, pin, require_values
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
 
@@ -357,7 +357,7 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     trivial = {
         name: jnp.zeros(batch, jnp.int32) for name, (batch, k) in info.enumerated.items() if k == 1
     }
-    m = pin(require_values(model), data=trivial)
+    m = pin(require_values(observe_given(model)), data=trivial)
     if len(trivial) < len(info.enumerated):  # else nothing is left to infer
         m = infer_discrete(m, first_available_dim=info.first_available_dim,
                            temperature=temperature, rng_key=key)

@@ -35,7 +35,7 @@ from numpyro.contrib.funsor import trace as packed_trace
 from numpyro.contrib.funsor.infer_util import compute_markov_factors
 
 from .._checks import as_arrays, model_name
-from ..handlers import require_values, tilt
+from ..handlers import observe_given, require_values, tilt
 from .inspect import ModelInfo, inspect_model
 
 __all__ = [
@@ -171,7 +171,7 @@ def log_z(
 
 
 def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> jax.Array:
-    m = require_values(model)
+    m = require_values(observe_given(model))
     if tilts:
         m = tilt(m, tilts=dict(tilts), max_plate_nesting=info.max_plate_nesting)
     m = enum(m, first_available_dim=info.first_available_dim)
@@ -357,7 +357,7 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
         raise NotAChainError(f"edge site '{site}': the chain lies under a plate (shape "
                              f"{tuple(batch)}): only a single chain is read as one")
     steps = batch[0]
-    m = enum(require_values(model), first_available_dim=info.first_available_dim)
+    m = enum(require_values(observe_given(model)), first_available_dim=info.first_available_dim)
     with plate_to_enum_plate():
         tr = packed_trace(m).get_trace(*args, **kwargs)
     prev = "_PREV_" + site
@@ -410,7 +410,7 @@ def _frames(site) -> dict[str, tuple[int, int]]:
 def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: ScoreFactors):
     """Per-element log-likelihood over the kept plates and its `LikelihoodStructure`."""
     em = enum(
-        require_values(model, what="the pointwise log-likelihood"),
+        require_values(observe_given(model), what="the pointwise log-likelihood"),
         first_available_dim=info.first_available_dim,
     )
     with plate_to_enum_plate():

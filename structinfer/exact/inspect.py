@@ -46,7 +46,13 @@ from jax.tree_util import treedef_is_leaf
 from numpyro.handlers import block, seed, substitute, trace
 
 from .._checks import as_arrays, check_real, is_concrete, model_name
-from ..handlers import PLACEHOLDER_KEY, fill_discrete, fill_latent, require_values
+from ..handlers import (
+    PLACEHOLDER_KEY,
+    fill_discrete,
+    fill_latent,
+    observe_given,
+    require_values,
+)
 from ..primitives import (
     EDGE_INFO_KEY,
     SCAN_RECORD_KEY,
@@ -361,7 +367,9 @@ def trace_model(
 ) -> dict:
     """Run ``model`` once, blocked and without enumeration, and return its trace.
 
-    Sites in ``values`` take those values (edge probes, posterior draws); every other
+    Sites in ``values`` take those values (edge probes, posterior draws); an enumerable
+    site the model itself gives a value (``numpyro.handlers.substitute``) is observed at
+    it ([`observe_given`][structinfer.handlers.observe_given]); every other
     enumerated site holds zeros of its batch shape; a latent site without a value gets
     a placeholder inside its support (``placeholders=True``, marked with
     [`PLACEHOLDER_KEY`][structinfer.handlers.PLACEHOLDER_KEY]) or raises the error of
@@ -391,7 +399,8 @@ def trace_model(
     Raises:
         ValueError: a latent site without a value, unless ``placeholders``.
     """
-    m = substitute(model, data=dict(values)) if values else model
+    m = observe_given(model)  # the model's own values only, not ``values``
+    m = substitute(m, data=dict(values)) if values else m
     m = fill_latent(m) if placeholders else require_values(m, what=what)
     m = seed(fill_discrete(m), 0)
     with block():

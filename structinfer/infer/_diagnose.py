@@ -12,7 +12,7 @@ from numpyro.handlers import block, trace
 
 from .._checks import as_arrays
 from ..exact import inspect_model
-from ..handlers import require_values
+from ..handlers import observe_given, require_values
 
 
 def bad_leaf(tree: Any) -> str | None:
@@ -63,9 +63,9 @@ def nonfinite_site(model: Callable, *args: Any, **kwargs: Any) -> str | None:
     try:
         info = inspect_model(model, *args, **kwargs)
         with block():
-            tr = trace(
-                enum(require_values(model), first_available_dim=info.first_available_dim)
-            ).get_trace(*args, **kwargs)
+            m = enum(require_values(observe_given(model)),
+                     first_available_dim=info.first_available_dim)
+            tr = trace(m).get_trace(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - report, don't mask the original failure
         return f"(the model raised {type(e).__name__}: {e})"
     nest = info.max_plate_nesting

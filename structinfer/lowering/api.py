@@ -73,6 +73,8 @@ class Explanation:
             / batch sharding or ring attention, and the kernel each shard or ring step
             runs); empty on one device (``f.explain`` of an ``attention(...,
             mesh=...)`` fills it).
+        mesh: on the exact path of an ``attention(..., mesh=...)`` (or ``runner=``): that
+            the mesh is not used, and why; empty otherwise.
     """
 
     path: str
@@ -82,13 +84,15 @@ class Explanation:
     notes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fallback: Fallback | None = None
     sharding: dict[str, str] = field(default_factory=dict)
+    mesh: str = ""
 
     def __str__(self) -> str:
         if self.path == "exact":
             why = f"falls back to the exact engine: {self.fallback}" if self.fallback else (
                 "uses the exact engine (backend='exact')"
             )
-            return f"structinfer.attention[{self.backend}] {why}"
+            return f"structinfer.attention[{self.backend}] {why}" + (
+                f"\n  {self.mesh}" if self.mesh else "")
         lines = [f"structinfer.attention[{self.backend}] is lowered:"]
         for site, k in self.kernels.items():
             hop = f" (follows '{self.follows[site]}')" if self.follows.get(site) else ""
@@ -359,9 +363,13 @@ def _mesh_runner(mesh, shard, axis_name, backend, runner, block_q, block_k, prec
     if runner is not None:
         raise ValueError("attention: pass mesh= or runner=, not both (mesh= builds the runner "
                          "that shards the edges)")
-    from .sharded import ShardedRunner
+    from .sharded import SHARDS, ShardedRunner
 
-    return ShardedRunner(shard or "heads", mesh, axis_name, block_q, block_k, precision)
+    if shard is not None and shard not in SHARDS:  # ("": not a way to shard, not "heads")
+        raise ValueError(f"attention: shard must be one of {SHARDS}, got {shard!r} (None, "
+                         "the default: 'heads')")
+    return ShardedRunner("heads" if shard is None else shard, mesh, axis_name, block_q,
+                         block_k, precision)
 
 
 def attention(
@@ -626,13 +634,22 @@ def explain(
     return _explain(model, value, args, kwargs, backend)
 
 
+def _unused(runner: Callable | None, why: str) -> str:
+    """`Explanation.mesh` on the exact path: the mesh (or runner) given is not used."""
+    if runner is None:
+        return ""
+    arg = "mesh=" if getattr(runner, "mesh", None) is not None else "runner="
+    return f"{arg} is not used: {why}"
+
+
 def _explain(model: Callable, value: str, args: tuple, kwargs: dict, backend: str,
              runner: Callable | None = None) -> Explanation:
     """`explain`, with the ``runner`` of an `attention` (a mesh's): its kernels are traced
     too, so that the errors a call would raise at trace time (a size the mesh axis does
     not divide) are raised, and each edge's ``sharding`` is its ``describe``."""
     if backend == "exact":
-        return Explanation("exact", backend)
+        return Explanation("exact", backend, mesh=_unused(
+            runner, "backend='exact' runs the exact engine, on one device"))
     dyn, key = _split(args, kwargs)
     holder: dict[str, Any] = {}
 
@@ -656,7 +673,9 @@ def _explain(model: Callable, value: str, args: tuple, kwargs: dict, backend: st
     jax.eval_shape(f, dyn)
     plan: Plan = holder["plan"]
     if not plan.ok:
-        return Explanation("exact", backend, fallback=plan.fallback)
+        return Explanation("exact", backend, fallback=plan.fallback, mesh=_unused(
+            runner, "the model falls back to the exact engine, which runs on one device "
+            "(a mesh shards the lowered kernels only)"))
     kernels = {**holder["kernels"], **ran}
     if plan.markov is not None:
         one = {} if runner is None else {

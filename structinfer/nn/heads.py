@@ -43,7 +43,7 @@ from numpyro.distributions import constraints
 from numpyro.ops.indexing import Vindex
 
 from .. import priors, scores
-from .._checks import check_count, is_concrete
+from .._checks import check_count, is_concrete, require
 from ..primitives import edge
 
 __all__ = [
@@ -59,28 +59,25 @@ __all__ = [
 Mechanism = Callable[[jax.Array, jax.Array, jax.Array], None]
 
 
-def _check_values(x, who: str, what: str, ok: Callable[[np.ndarray], np.ndarray],
-                  expected: str) -> None:
-    """Raise when a concrete ``x`` has an element outside its domain (NaN included).
-
-    Traced values (a factory called under ``jit``) are not checked, so the factories
-    stay traceable."""
-    if x is None or not is_concrete(x):
-        return
-    try:
-        a = np.asarray(x, dtype=float)
-    except (TypeError, ValueError):
-        raise ValueError(f"{who}: {what} {expected}, got {x!r}") from None
-    if not np.all(ok(a)):
-        raise ValueError(f"{who}: {what} {expected}, got {a.tolist()}")
+def _check_values(x, who: str, what: str, ok: Callable, expected: str):
+    """``x`` with its values checked by `require`: a concrete value outside its domain (NaN
+    included) raises, naming the function and the argument; a traced one (a factory called
+    under ``jit`` or ``grad``) becomes NaN, so the answer and its gradient are NaN, never a
+    finite wrong number. ``ok(xp, a)`` says which entries are in the domain."""
+    if is_concrete(x):  # a Python number stays one (a factory may run inside a trace)
+        try:
+            np.asarray(x, dtype=float)
+        except (TypeError, ValueError):
+            raise ValueError(f"{who}: {what} {expected}, got {x!r}") from None
+    return require(ok, f"{who}: {what} {expected}, got {{}}", x)
 
 
-def _positive(a: np.ndarray) -> np.ndarray:
-    return np.isfinite(a) & (a > 0)
+def _positive(xp, a):
+    return xp.isfinite(a) & (a > 0)
 
 
-def _rate(a: np.ndarray) -> np.ndarray:
-    return np.isfinite(a) & (a > 0) & (a < 1)
+def _rate(xp, a):
+    return xp.isfinite(a) & (a > 0) & (a < 1)
 
 
 def _heads(q: jax.Array, k: jax.Array, v: jax.Array, who: str) -> tuple[int, int, int]:
@@ -241,13 +238,13 @@ def geometric(
         ``mechanism(q, k, v)`` with the ``numpyro.param`` ``"q"``.
 
     Raises:
-        ValueError: a concrete ``q`` outside (0, 1), or ``max_distance`` not ``None`` or
-            an int $\ge 0$.
+        ValueError: a concrete ``q`` outside (0, 1) (a traced one makes the answer and
+            its gradient NaN), or ``max_distance`` not ``None`` or an int $\ge 0$.
 
     Reference:
         Singh & Buckley sec. 5.2 (expanding attention).
     """
-    _check_values(q, "geometric", "q", _rate, "must lie in (0, 1)")
+    q = _check_values(q, "geometric", "q", _rate, "must lie in (0, 1)")
     if max_distance is not None:
         max_distance = check_count(max_distance, "geometric: max_distance", 0)
 
@@ -281,13 +278,14 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
         ``(..., size)``, $\log p(0), \dots, \log p(\text{size} - 1)$.
 
     Raises:
-        ValueError: a concrete ``alpha`` or ``beta`` that is not positive (checked
-            only outside ``jit``), or ``size`` not an int $\ge 1$.
+        ValueError: a concrete ``alpha`` or ``beta`` that is not positive and finite
+            (a traced one, under ``jit`` or ``grad``, makes the result and its gradient
+            NaN), or ``size`` not an int $\ge 1$.
     """
     who = "beta_geometric_log_pmf"
     size = check_count(size, f"{who}: size")
-    _check_values(alpha, who, "alpha", _positive, "must be positive and finite")
-    _check_values(beta, who, "beta", _positive, "must be positive and finite")
+    alpha = _check_values(alpha, who, "alpha", _positive, "must be positive and finite")
+    beta = _check_values(beta, who, "beta", _positive, "must be positive and finite")
     t = jnp.arange(1, size, dtype=jnp.result_type(alpha, beta))
     steps = jnp.log1p(-(alpha + 1.0) / (alpha + beta + t))
     first = jnp.log(alpha) - jnp.log(alpha + beta)
@@ -330,13 +328,15 @@ def geometric_beta(
 
     Raises:
         ValueError: a concrete ``alpha`` or ``beta`` that is not positive and finite
-            (traced values, e.g. under ``jit``, are not checked).
+            (a traced one, under ``jit`` or ``grad``, makes the answer and its gradient
+            NaN).
 
     Reference:
         Singh & Buckley sec. 5.2 and appendix 7.3 (expanding attention).
     """
-    _check_values(alpha, "geometric_beta", "alpha", _positive, "must be positive and finite")
-    _check_values(beta, "geometric_beta", "beta", _positive, "must be positive and finite")
+    alpha = _check_values(alpha, "geometric_beta", "alpha", _positive,
+                          "must be positive and finite")
+    beta = _check_values(beta, "geometric_beta", "beta", _positive, "must be positive and finite")
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "geometric_beta")
