@@ -127,10 +127,11 @@ def check_finite(x: ArrayLike, what: str, allow_neg_inf: bool = False) -> None:
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         kind = "NaN" if np.isnan(arr[idx]) else "inf"
-        raise ValueError(
-            f"{what} contains {kind} at index {idx} (shape {arr.shape}); "
-            "scores and log-priors must be finite (use a Restricted prior to forbid edges)"
-        )
+        rule = ("a log-potential may be -inf (a forbidden edge), not NaN or +inf"
+                if allow_neg_inf else
+                "scores and log-priors must be finite (use a Restricted prior to forbid "
+                "edges)")
+        raise ValueError(f"{what} contains {kind} at index {idx} (shape {arr.shape}); {rule}")
 
 
 def first_empty_row(allowed: np.ndarray, rows_per_entry: int = 1) -> str | None:

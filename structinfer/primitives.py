@@ -784,7 +784,8 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
                 f"edge site '{name}': score has shape {tuple(jnp.shape(table))}, expected "
                 f"(..., {k}) (one log-potential per parent of this step)"
             )
-        check_finite(table, f"edge site '{name}': score")
+        # -inf forbids the state at this step, as a -inf score forbids an edge
+        check_finite(table, f"edge site '{name}': score", allow_neg_inf=True)
         logits = logits + float32_at_least(table)
     plate = next((p for p in plates if p.dim == -1), None)
     info = EdgeInfo(name, prior, score_obj, batch[-1] if batch else 1, k,

@@ -888,3 +888,27 @@ def test_short_chains_are_lowered_and_equal_forward_backward(steps):
     np.testing.assert_allclose(si.marginals(hmm, em, lt, li)["z"], marg, atol=1e-5)
     np.testing.assert_allclose(si.log_marginal(hmm, em, lt, li), _forward(em, lt, li),
                                rtol=1e-5)
+
+
+def test_a_minus_inf_emission_is_a_forbidden_state_as_in_every_edge():
+    """A -inf entry in a step's score forbids that state at that step (as a -inf score
+    forbids an edge everywhere else): log Z, marginals and the expectation of the exact
+    engine (eager and jit) and of the fused scan equal brute force over every path; a
+    step with every state forbidden leaves no path: it raises eagerly and is NaN under
+    jit."""
+    em, lt, li = _params(7)
+    em = em.at[0, 2].set(-jnp.inf).at[1, 0].set(-jnp.inf).at[3, jnp.array([1, 2])].set(-jnp.inf)
+    log_z, marg, ev = _brute(em, lt, li)
+    assert np.isfinite(log_z) and marg[1, 0] == 0 and abs(marg[3, 0] - 1) < 1e-12
+    for run in (lambda f: f, jax.jit):
+        np.testing.assert_allclose(run(lambda *a: si.log_marginal(hmm, *a))(em, lt, li),
+                                   log_z, rtol=1e-5)
+        np.testing.assert_allclose(run(lambda *a: si.marginals(hmm, *a)["z"])(em, lt, li),
+                                   marg, atol=1e-5)
+        np.testing.assert_allclose(run(lambda *a: si.expectation(hmm, "v", *a))(em, lt, li),
+                                   ev, atol=1e-5)
+        np.testing.assert_allclose(run(si.attention(hmm, "v"))(em, lt, li), ev, atol=1e-5)
+    none = em.at[2].set(-jnp.inf)
+    with pytest.raises(ValueError, match="zero probability"):
+        si.marginals(hmm, none, lt, li)
+    assert np.isnan(np.asarray(jax.jit(lambda *a: si.marginals(hmm, *a)["z"])(none, lt, li))).all()
