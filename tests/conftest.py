@@ -406,3 +406,43 @@ def assert_huge_logit_gradients(got, want, rtol=1e-4):
             assert scale > 1e-3, (name, h)
             np.testing.assert_allclose(a[h] / scale, b[h] / scale, atol=rtol,
                                        err_msg=f"{name}, head {h}")
+
+
+def return_hop(s1, s2, v, y):
+    r"""Two causal hops $i \to j \to k$ ($k \le j \le i$) that must land at most one node
+    before the start ($k \ge i - 1$), observing $y_i \sim N(v_k, 1)$. Eliminating $j$
+    leaves $\log\sum_j p(j \mid i) p(k \mid j) = -\infty$ for every $k > i$: pairs the two
+    hops never connect, while $\log Z$ is finite."""
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+
+    import structinfer as si
+
+    n = s1.shape[-1]
+    with numpyro.plate("nodes", n):
+        j = si.edge("hop1", si.priors.Restricted.causal(n), si.scores.Custom(s1))
+        k = si.edge("hop2", si.priors.Restricted.causal(n), si.scores.Custom(s2), child=j)
+        numpyro.factor("lands_near_start", jnp.where(k >= jnp.arange(n) - 1, 0.0, -jnp.inf))
+        numpyro.deterministic("out", v[k])
+        numpyro.sample("y", dist.Normal(v[k], 1.0), obs=y)
+
+
+def return_hop_brute(s1, s2, v, y):
+    """log Z, the marginals of both hops and E[v_k] of `return_hop`, in NumPy float64, by
+    summing every pair (j, k) for every node i (the first hop weighs prior x e^score,
+    the followed hop is its row's softmax: `si.edge`'s ``child=``)."""
+    from scipy.special import log_softmax, logsumexp
+    from scipy.stats import norm
+
+    s1, s2, v, y = (np.asarray(a, np.float64) for a in (s1, s2, v, y))
+    n = s1.shape[-1]
+    i, j, k = np.ogrid[:n, :n, :n]
+    with np.errstate(divide="ignore"):
+        log_p = np.log(np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None])  # causal prior
+        hop2 = log_softmax(log_p + s2, axis=1)  # a followed hop: its normalised conditional
+        w = (log_p[i, j] + s1[i, j] + hop2[j, k] + norm.logpdf(y[i], v[k], 1.0)
+             + np.log(k >= i - 1))  # (node i, hop1 j, hop2 k)
+    per_node = logsumexp(w, axis=(1, 2))
+    post = np.exp(w - per_node[:, None, None])
+    return per_node.sum(), post.sum(2), post.sum(1), post.sum(1) @ v

@@ -10,6 +10,7 @@
 Sizes are distinct primes: 2 batch elements, 3 heads, 5 children, 7 parents, 11 values.
 """
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from conftest import default_xla_env, float64
+from conftest import default_xla_env, float64, return_hop, return_hop_brute
 from numpyro.distributions import constraints
 from numpyro.handlers import substitute
 from numpyro.ops.indexing import Vindex
@@ -739,3 +740,54 @@ def test_a_substituted_edge_is_fixed_at_its_value_as_condition_fixes_it(jit):
     w = np.exp(log_softmax(s, -1)) @ _KEYS
     np.testing.assert_allclose(si.expectation(sub, "w", _X, _KEYS), w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(si.attention(sub, "w")(_X, _KEYS), w, rtol=1e-5, atol=1e-6)
+
+
+# -- structural zeros inside a contraction: a product of factors that leaves some pairs of
+# -- states unconnected (log 0 = -inf) must not make the derivatives of log Z NaN
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+def test_structural_zeros_inside_a_contraction_give_exact_gradients_not_nan(x64, jit):
+    """Regression: two causal hops with a joint restriction (the second hop lands near the
+    start) gave NaN gradients of log Z, NaN marginals and expectations although log Z was
+    finite: eliminating the first hop leaves pairs (start, second hop) with no connecting
+    path, log 0 = -inf, whose derivative met a zero cotangent (0 * inf). Value, marginals,
+    expectation and d log Z / d scores equal brute force over every pair of hops in NumPy
+    float64 (the score gradients by central differences of it), eager and under jit."""
+    n = 5
+    g = np.random.default_rng(3)
+    s1, s2 = g.normal(size=(2, n, n))
+    v, y = g.normal(size=(2, n))
+    dtype = jnp.float64 if x64 else jnp.float32
+    tol = dict(rtol=1e-9, atol=1e-10) if x64 else dict(rtol=1e-4, atol=2e-5)
+
+    def run(s1, s2):
+        args = (s1, s2, jnp.asarray(v, dtype), jnp.asarray(y, dtype))
+        lz, grads = jax.value_and_grad(si.log_marginal, argnums=(1, 2))(return_hop, *args)
+        return lz, grads, si.marginals(return_hop, *args), si.expectation(
+            return_hop, "out", *args)
+
+    with float64() if x64 else contextlib.nullcontext():
+        lz, (g1, g2), marg, ev = (jax.jit(run) if jit else run)(
+            jnp.asarray(s1, dtype), jnp.asarray(s2, dtype))
+        assert lz.dtype == dtype and marg["hop1"].dtype == dtype
+    ref_z, ref_hop1, ref_hop2, ref_ev = return_hop_brute(s1, s2, v, y)
+    assert np.isfinite(ref_z) and not ref_hop2[np.triu_indices(n, 1)].any()  # k > i: none
+    np.testing.assert_allclose(lz, ref_z, **tol)
+    np.testing.assert_allclose(marg["hop1"], ref_hop1, **tol)
+    np.testing.assert_allclose(marg["hop2"], ref_hop2, **tol)
+    np.testing.assert_allclose(ev, ref_ev, **tol)
+    h = 1e-6
+    for s, grad, which in ((s1, g1, 0), (s2, g2, 1)):
+        central = np.zeros_like(s)
+        for idx in np.ndindex(s.shape):
+            up, down = s.copy(), s.copy()
+            up[idx] += h
+            down[idx] -= h
+            ab_up, ab_down = [s1, s2], [s1, s2]
+            ab_up[which], ab_down[which] = up, down
+            central[idx] = (return_hop_brute(*ab_up, v, y)[0]
+                            - return_hop_brute(*ab_down, v, y)[0]) / (2 * h)
+        np.testing.assert_allclose(grad, central, rtol=1e-5 if x64 else 1e-4,
+                                   atol=1e-7 if x64 else 2e-5)

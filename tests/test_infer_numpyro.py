@@ -11,6 +11,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from conftest import return_hop, return_hop_brute
 
 import structinfer as si
 
@@ -189,3 +190,44 @@ def test_nuts_and_svi_refuse_bad_input():
 
     with pytest.raises(ValueError, match=r"numpyro\.param site\(s\) \['s'\]"):
         si.infer.nuts(jax.random.PRNGKey(0), with_param, Y3)
+
+
+def _latent_return_hop(v, y, s2):
+    """`return_hop` with its first hop's scores a latent site."""
+    s1 = numpyro.sample("s1", dist.Normal(0.0, 1.0).expand(s2.shape).to_event(2))
+    return_hop(s1, s2, v, y)
+
+
+def test_numpyros_contraction_of_structural_zeros_has_exact_gradients():
+    r"""Regression: NumPyro's own contraction (NUTS's potential, SVI's `TraceEnum_ELBO`) of
+    two hops whose product leaves pairs unconnected (log 0 = -inf) had NaN gradients, so
+    NUTS found no start and SVI stopped. The potential's gradient at the start NUTS finds
+    and the gradient of SVI's loss (a point-mass guide, the negative log joint) equal
+    brute force:
+    $\partial \log Z / \partial s_1$ is the first hop's posterior marginal, and the
+    prior $N(0, 1)$ adds $-s_1$."""
+    n = 5
+    g = np.random.default_rng(3)
+    s2 = g.normal(size=(n, n))
+    v, y = g.normal(size=(2, n))
+    args = tuple(jnp.asarray(a, jnp.float32) for a in (v, y, s2))
+
+    def expected_grad(s1):  # of -log p(s1, y): s1 - p(hop1 | y, s1)
+        s1 = np.asarray(s1, np.float64)
+        return s1 - return_hop_brute(s1, s2, v, y)[1]
+
+    kernel = si.infer.NUTS(_latent_return_hop)
+    state = kernel.init(jax.random.key(0), 0, None, args, {})
+    np.testing.assert_allclose(state.z_grad["s1"], expected_grad(state.z["s1"]), atol=2e-5)
+
+    def guide(v, y, s2):  # a point mass (AutoDelta's start would draw the hidden edges)
+        loc = numpyro.param("loc", jnp.zeros(s2.shape))
+        numpyro.sample("s1", dist.Delta(loc, event_dim=2))
+
+    fitter, result = si.infer.svi(jax.random.key(1), _latent_return_hop, *args, guide=guide,
+                                  num_steps=3, progress_bar=False)
+    assert np.all(np.isfinite(result.losses))
+    loc = result.params["loc"]
+    grad = jax.grad(lambda p: fitter.loss.loss(jax.random.key(2), p, fitter.model,
+                                               fitter.guide, *args))(result.params)
+    np.testing.assert_allclose(grad["loc"], expected_grad(loc), atol=2e-5)

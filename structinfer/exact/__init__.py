@@ -41,6 +41,7 @@ from .contract import (
     NotAChainError,
     chain_factors,
     log_z,
+    safe_log_einsum,
 )
 from .contract import ScoreFactors as ScoreFactors  # a type alias (no docstring, not in __all__)
 from .inspect import (
@@ -66,6 +67,7 @@ __all__ = [
     "LikelihoodStructure",
     "EnergyOnlyModelError",
     "log_z",
+    "safe_log_einsum",
     "chain_factors",
     "ChainFactors",
     "NotAChainError",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import funsor
@@ -40,6 +40,7 @@ from .inspect import ModelInfo, inspect_model
 
 __all__ = [
     "log_z",
+    "safe_log_einsum",
     "chain_factors",
     "ChainFactors",
     "NotAChainError",
@@ -131,10 +132,11 @@ def log_z(
     Returns:
         A scalar, or an array shaped like the kept plates (``(children,)``,
             ``(batch, children)``); ``(value, structure)`` with ``return_structure``.
-            Jittable and differentiable, float32 and float64. With
-            [`Markov`][structinfer.priors.Markov] edges the derivatives are exact with
-            forbidden (``-inf``) moves too, and zero where $\log Z = -\infty$ (a chain
-            with no allowed path).
+            Jittable and differentiable, float32 and float64. The derivatives are exact
+            with ``-inf`` priors, scores, factors and forbidden Markov moves too (a
+            product of factors that leaves a pair of states unconnected is
+            $\log 0 = -\infty$ with a zero derivative, not NaN), and zero where
+            $\log Z = -\infty$ (no structure is possible).
 
     Raises:
         ValueError: a latent site has no value; a tensor dim is left over after the
@@ -177,7 +179,7 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     m = enum(m, first_available_dim=info.first_available_dim)
     try:
         if semiring == "sum":
-            with _log_einsum_for_chains() if info.markov_edges else contextlib.nullcontext():
+            with safe_log_einsum():
                 lp, _ = funsor_log_density(m, args, kwargs, {})
         else:
             lp = _max_product(m, args, kwargs)
@@ -195,17 +197,35 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     return lp
 
 
-#: the log-space einsum of a model with Markov edges (`structinfer.exact._log_einsum`)
+#: the log-space einsum of the engine's sum-product (`structinfer.exact._log_einsum`)
 _LOG_EINSUM = __name__.rpartition(".")[0] + "._log_einsum"
 
 
 @contextlib.contextmanager
-def _log_einsum_for_chains():
-    """funsor's log-space contractions run on `_LOG_EINSUM` inside the block (funsor's
-    own einsum is restored after): a sum with no non-zero term (two states the forbidden
-    moves of a chain leave unconnected) has log 0 = -inf with a zero derivative, not
-    NaN, so the marginals and expectations of a chain (gradients of log Z) stay exact
-    with -inf transitions and factors."""
+def safe_log_einsum() -> Iterator[None]:
+    r"""funsor's log-space contractions, with $\log 0$ differentiated to 0, inside the block.
+
+    A sum with no non-zero term, $\log \sum_j e^{a_{ij} + b_{jk}} = \log 0$ (a pair of
+    states that a product of factors leaves unconnected: the forbidden moves of a chain,
+    two restricted hops that a later factor restricts again), is $-\infty$ with a zero
+    derivative instead of NaN, so every gradient of $\log Z$ (marginals, expectations)
+    stays exact with $-\infty$ priors, scores and factors. Elsewhere the einsum
+    (`structinfer.exact._log_einsum`) is funsor's, term for term.
+
+    This is the one place that selects it. funsor reads the einsum of a `logaddexp` / `add`
+    contraction of two tensors by name from `funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND`
+    when the contraction is evaluated (for JAX: when it is traced), and offers no
+    parameter for it on the path NumPyro's `log_density` takes (`sum_product`, then
+    `apply_optimizer`): the entry is set for the block and restored after (nested
+    blocks restore in order). Like funsor's own interpretation stack, the setting is
+    process-wide for the block: contract in one thread at a time.
+
+    Yields:
+        Nothing: the block runs with the einsum in place. structinfer's contractions
+            ([`log_z`][structinfer.exact.log_z], `structinfer.infer.NUTS`,
+            [`svi`][structinfer.infer.svi]) enter it themselves; enter it around NumPyro's
+            own objects (`mcmc.run`, `svi.run`) for their gradients.
+    """
     table = funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND
     saved = table["jax"]
     table["jax"] = _LOG_EINSUM
@@ -522,7 +542,8 @@ def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: Scor
                 eliminate=eliminate,
                 plates=prod_vars,
             )
-        return funsor.optimizer.apply_optimizer(lazy)
+        with safe_log_einsum():
+            return funsor.optimizer.apply_optimizer(lazy)
 
     result = contract(enumerated + local_factors + observed)
     if local_factors:

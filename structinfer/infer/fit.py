@@ -43,7 +43,7 @@ from numpyro.infer.svi import SVIRunResult
 from numpyro.util import is_prng_key
 
 from .._checks import as_arrays, check_count, model_name
-from ..exact import ModelInfo, inspect_model
+from ..exact import ModelInfo, inspect_model, safe_log_einsum
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site
 from ._loop import NonFiniteEnergyError
@@ -79,7 +79,10 @@ class NUTS(NumPyroNUTS):
     compilations. Given a batch of keys it runs the search under `jax.lax.map` instead
     (compiled once). This kernel hands it a batch of one key and takes the one start
     out, so the draws are those of `numpyro.infer.NUTS` for the same key (the search
-    consumes the same random numbers); everything else is NumPyro's.
+    consumes the same random numbers). Its potential is contracted with the exact engine's
+    log-space einsum ([`safe_log_einsum`][structinfer.exact.safe_log_einsum]), so its
+    gradient is exact where a product of factors leaves pairs of states unconnected
+    ($-\infty$ priors, scores or factors); everything else is NumPyro's.
 
     Use it wherever `numpyro.infer.NUTS(model, ...)` is used, e.g.
     `MCMC(structinfer.infer.NUTS(model), num_warmup=..., num_samples=...)`.
@@ -87,11 +90,32 @@ class NUTS(NumPyroNUTS):
     Reference: Hoffman & Gelman (2014), the No-U-Turn sampler, as implemented by NumPyro.
     """
 
+    def init(self, *args: Any, **kwargs: Any):
+        with safe_log_einsum():  # the potential is traced here and in `sample`
+            return super().init(*args, **kwargs)
+
+    def sample(self, *args: Any, **kwargs: Any):
+        with safe_log_einsum():
+            return super().sample(*args, **kwargs)
+
     def _init_state(self, rng_key, model_args, model_kwargs, init_params):
         if self.model is None or not is_prng_key(rng_key):
             return super()._init_state(rng_key, model_args, model_kwargs, init_params)
         found = super()._init_state(rng_key[None], model_args, model_kwargs, init_params)
         return found if init_params is not None else jax.tree.map(lambda a: a[0], found)
+
+
+class _ELBO(TraceEnum_ELBO):
+    """NumPyro's `TraceEnum_ELBO` whose contraction is traced with the exact engine's
+    log-space einsum (`safe_log_einsum`): exact gradients with structural zeros."""
+
+    def loss(self, *args: Any, **kwargs: Any):
+        with safe_log_einsum():
+            return super().loss(*args, **kwargs)
+
+    def loss_with_mutable_state(self, *args: Any, **kwargs: Any):
+        with safe_log_einsum():
+            return super().loss_with_mutable_state(*args, **kwargs)
 
 
 def _check_key(rng_key: Any, what: str) -> jax.Array:
@@ -314,7 +338,7 @@ def svi(
     info = _sampled_sites(model, args, kwargs, "svi")
     guide = _guide(guide, model, info)
     optim = numpyro.optim.Adam(0.01) if optim is None else optim
-    fitter = SVI(model, guide, optim, TraceEnum_ELBO(max_plate_nesting=info.max_plate_nesting))
+    fitter = SVI(model, guide, optim, _ELBO(max_plate_nesting=info.max_plate_nesting))
     with _init_failure("svi", model, args, kwargs):
         result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar, **kwargs)
     losses = np.asarray(result.losses)
