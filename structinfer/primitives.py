@@ -223,7 +223,7 @@ def _check_score_rows(logits: jax.Array, name: str) -> None:
         raise ValueError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
             "forbid every parent the prior allows, and every child needs at least one "
-            "parent with non-zero probability (under jit the child's row is NaN)"
+            "parent with non-zero probability (under jit the answer is NaN)"
         )
 
 
