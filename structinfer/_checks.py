@@ -139,7 +139,7 @@ def first_empty_row(allowed: np.ndarray, rows_per_entry: int = 1) -> str | None:
 
     The one rule for a child left no parent (an empty prior row, a row of ``-inf``
     scores): on concrete values the priors and [`edge`][structinfer.edge] raise naming
-    it; under a trace the answer is NaN (the kernels' row, the exact engine's whole answer).
+    it; under a trace the row is NaN (a model coupling several edge sites: all of it).
 
     Args:
         allowed: booleans ``(..., children, parents)``, ``True`` on an allowed edge.

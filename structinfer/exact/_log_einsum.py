@@ -10,9 +10,9 @@ derivative is zero there, so a $-\infty$ entry is exact in values and derivative
 order; elsewhere it is funsor's, term for term.
 
 [`log_z`][structinfer.exact.log_z] selects it (by module name, in
-``contract.safe_log_einsum``) for every sum-product the engine evaluates: a chain of
-[`Markov`][structinfer.priors.Markov] edges, two hops a later factor restricts, any
-product of factors with $-\infty$ entries. A zero derivative also where $\log Z$ itself
+``contract.safe_log_einsum``) for every sum-product of a model that couples enumerated
+sites: a chain of [`Markov`][structinfer.priors.Markov] edges, two hops a later factor
+restricts, any product of factors with $-\infty$ entries over several sites. A zero derivative also where $\log Z$ itself
 is $-\infty$ (no structure is possible): the engine's marginals and expectations of
 such a model are then NaN by its own check, never the zeros of these derivatives. The
 cost is funsor's: one shift, one ``exp``, one ``einsum`` and one ``log`` per contraction,

@@ -179,7 +179,7 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     m = enum(m, first_available_dim=info.first_available_dim)
     try:
         if semiring == "sum":
-            with safe_log_einsum():
+            with _einsum_for(info):
                 lp, _ = funsor_log_density(m, args, kwargs, {})
         else:
             lp = _max_product(m, args, kwargs)
@@ -233,6 +233,14 @@ def safe_log_einsum() -> Iterator[None]:
         yield
     finally:
         table["jax"] = saved
+
+
+def _einsum_for(info: ModelInfo):
+    """The safe einsum for a model whose contraction couples enumerated sites
+    (`ModelInfo.couples_enumerated`); funsor's own for one site, whose sums are the
+    children's rows, so that a row with no allowed parent stays NaN in its own
+    derivatives (funsor's 0 / 0) rather than reading as zeros."""
+    return safe_log_einsum() if info.couples_enumerated else contextlib.nullcontext()
 
 
 def _scaled_log_probs(tr):
@@ -542,7 +550,7 @@ def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: Scor
                 eliminate=eliminate,
                 plates=prod_vars,
             )
-        with safe_log_einsum():
+        with _einsum_for(info):
             return funsor.optimizer.apply_optimizer(lazy)
 
     result = contract(enumerated + local_factors + observed)

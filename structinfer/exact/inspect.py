@@ -200,6 +200,14 @@ class ModelInfo(Mapping[str, SiteInfo]):
         return [n for n, s in self.of_role("edge").items() if s.edge is not None and s.edge.markov]
 
     @property
+    def couples_enumerated(self) -> bool:
+        r"""Whether the contraction sums enumerated sites against each other (several of
+        them, or a chain of [`Markov`][structinfer.priors.Markov] edges), where an inner sum
+        can be zero with $\log Z$ finite: `log_z` then contracts with the safe einsum
+        ([`safe_log_einsum`][structinfer.exact.safe_log_einsum])."""
+        return len(self.enumerated) > 1 or bool(self.markov_edges)
+
+    @property
     def deterministic(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """``name -> (shape, event_dim)`` of each deterministic site."""
         return {n: (s.shape, s.event_dim) for n, s in self.of_role("deterministic").items()}
