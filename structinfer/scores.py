@@ -331,7 +331,8 @@ class NegSqDist(_PairScore):
             kind = fits[0]
             self.precision_form = {"parent_diag": "diag", "parent_full": "full"}.get(kind, kind)
             def positive(xp, P):  # the quadratic form reads the symmetric part
-                if self.precision_form == "full":
+                if self.precision_form == "full":  # linear algebra in float32 at least
+                    P = P.astype(np.result_type(P.dtype, np.float32))
                     return xp.linalg.eigvalsh((P + xp.swapaxes(P, -1, -2)) / 2) > 0
                 return P > 0
 
@@ -342,22 +343,27 @@ class NegSqDist(_PairScore):
         diff = _pairwise_diff(*self._features())  # (..., n, m, d)
         d = self.q.shape[-1]
         P = self.precision
+        if P is not None:  # a 16-bit precision: its table, and linear algebra, in float32
+            P = float32_at_least(P)
         kind = self.precision_form
         if kind == "identity":
-            maha, logdet = jnp.sum(diff * diff, -1), 0.0
-        elif kind == "scalar":
-            maha, logdet = P * jnp.sum(diff * diff, -1), d * jnp.log(P)
-        elif kind == "diag":  # (d,) or (parents, d): broadcasts against (..., n, m, d)
-            maha, logdet = jnp.sum(diff * diff * P, -1), jnp.sum(jnp.log(P), -1)
+            maha = jnp.sum(diff * diff, -1)
+        elif kind in ("scalar", "diag"):  # (), (d,) or (parents, d): broadcasts
+            maha = jnp.sum(diff * diff * P, -1)
         elif P.ndim == 2:
             maha = jnp.einsum("...ijd,de,...ije->...ij", diff, P, diff)
-            # the quadratic form reads the symmetric part only: so does the normaliser
-            logdet = jnp.linalg.slogdet(0.5 * (P + P.T))[1]
         else:
             maha = jnp.einsum("...ijd,jde,...ije->...ij", diff, P, diff)
-            logdet = jnp.linalg.slogdet(0.5 * (P + jnp.swapaxes(P, -1, -2)))[1]
         s = -0.5 * maha
         if self.normalize:
+            if kind == "identity":
+                logdet = 0.0
+            elif kind == "scalar":
+                logdet = d * jnp.log(P)
+            elif kind == "diag":
+                logdet = jnp.sum(jnp.log(P), -1)
+            else:  # the quadratic form reads the symmetric part only: so does the normaliser
+                logdet = jnp.linalg.slogdet(0.5 * (P + jnp.swapaxes(P, -1, -2)))[1]
             s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
         if self.log_weights is not None:
             s = s + self.log_weights[..., None, :]
