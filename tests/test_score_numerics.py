@@ -131,3 +131,28 @@ def test_gaussian_scores_far_from_origin_gradients(form):
     scale = max(np.abs(rx).max(), np.abs(rmu).max())
     np.testing.assert_allclose(f64(gx), rx, atol=1e-4 * scale)
     np.testing.assert_allclose(f64(gmu), rmu, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 200.0])
+def test_cosine_float16_large_norms(magnitude):
+    """float16 features of norm above 256: $\\|q\\|^2$ overflows float16, not the score."""
+    r = np.random.default_rng(4)
+    q, k = (jnp.asarray(r.normal(size=(s, 8)) * magnitude, jnp.float16) for s in (N, M))
+    v = jnp.asarray(r.normal(size=(M, 2)), jnp.float16)
+    qf, kf, vf = f64(q), f64(k), f64(v)
+    s = 10.0 * (qf / np.linalg.norm(qf, axis=-1, keepdims=True)) @ (
+        kf / np.linalg.norm(kf, axis=-1, keepdims=True)).T
+    want = _ref_attention(s, vf)
+
+    def model(q, k, v):
+        with numpyro.plate("i", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Cosine(q, k, scale=10.0))
+            numpyro.deterministic("out", v[j])
+
+    got = {"exact": si.expectation(model, "out", q, k, v)}
+    for backend in ("auto", "blocked", "pallas"):
+        got[backend] = si.attention(model, "out", backend)(q, k, v)
+    got["jit"] = jax.jit(si.attention(model, "out"))(q, k, v)
+    for name, y in got.items():
+        assert y.dtype == jnp.float16
+        np.testing.assert_allclose(f64(y), want, atol=2e-2, err_msg=name)

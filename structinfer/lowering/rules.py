@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import priors as P
 from .. import scores as S
+from .._checks import float32_at_least
 from ._lower import (
     PATTERN_RULES,
     DistanceBand,
@@ -86,9 +87,11 @@ def _dot(score: S.Dot, terms: TermBuilder) -> None:
 
 @register_score_rule(S.Cosine)
 def _cosine(score: S.Cosine, terms: TermBuilder) -> None:
-    qn = score.q / jnp.sqrt(jnp.sum(score.q**2, -1, keepdims=True) + score.eps)
-    kn = score.k / jnp.sqrt(jnp.sum(score.k**2, -1, keepdims=True) + score.eps)
-    _scaled_dot(terms, qn, kn, score.scale, "Cosine")
+    def unit(x):  # the norm in float32 at least: ||x||^2 overflows float16 above 256
+        w = float32_at_least(x)
+        return (w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + score.eps)).astype(x.dtype)
+
+    _scaled_dot(terms, unit(score.q), unit(score.k), score.scale, "Cosine")
     terms.note("score Cosine (matmul of normalised features)")
 
 
