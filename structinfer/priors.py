@@ -1089,7 +1089,10 @@ class Geometric(StructuralPrior):
     def _log_weights(self, num_children: int) -> jax.Array:
         d = _distance_grid(num_children, self.num_parents, self.offset)
         # a scalar q, or one per child: (..., children) -> (..., children, 1)
-        q = self.q[..., None] if self.q.ndim else self.q
+        # in float32 at least: a 16-bit q's log-weights are those of its exact value, and
+        # distances above 256 are not integers in bfloat16
+        q = float32_at_least(self.q)
+        q = q[..., None] if q.ndim else q
         steps = (d - self.min_distance).astype(q.dtype)
         logw = jnp.log(q) + steps * jnp.log1p(-q)
         allowed = d >= self.min_distance

@@ -558,20 +558,23 @@ class LinearGaussian(Score):
     def num_parents(self) -> int:
         return int(self.z.shape[-2])
 
-    def predictions(self) -> jax.Array:
-        """Parent predictions $A_k z_k + b_k$, shape ``(..., parents, d_x)``."""
+    def predictions(self, cast=lambda a: a) -> jax.Array:
+        """Parent predictions $A_k z_k + b_k$, shape ``(..., parents, d_x)``; ``cast``
+        is applied to ``A``, ``z`` and ``b`` first."""
+        A, z = cast(self.A), cast(self.z)
         pred = (
-            jnp.einsum("...xz,...kz->...kx", self.A, self.z)
-            if self.A.ndim == 2
-            else jnp.einsum("...kxz,...kz->...kx", self.A, self.z)
+            jnp.einsum("...xz,...kz->...kx", A, z)
+            if A.ndim == 2
+            else jnp.einsum("...kxz,...kz->...kx", A, z)
         )
         if self.b is not None:
-            pred = pred + self.b
+            pred = pred + cast(self.b)
         return pred
 
     def dense(self) -> jax.Array:
-        diff = _pairwise_diff(self.x, self.predictions())
-        prec = 1.0 if self.precision is None else self.precision
+        # in float32 at least (16-bit inputs), as the kernels accumulate
+        diff = _pairwise_diff(float32_at_least(self.x), self.predictions(float32_at_least))
+        prec = 1.0 if self.precision is None else float32_at_least(self.precision)
         s = -0.5 * jnp.sum(diff * diff * prec, -1)
         if self.normalize:
             d = self.x.shape[-1]

@@ -156,3 +156,57 @@ def test_cosine_float16_large_norms(magnitude):
     for name, y in got.items():
         assert y.dtype == jnp.float16
         np.testing.assert_allclose(f64(y), want, atol=2e-2, err_msg=name)
+
+
+def _softmax_rows(a):
+    p = np.exp(a - a.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def test_geometric_bfloat16_q_marginals_in_float32():
+    """A bfloat16 $q$: the log-weights $\\log q + d\\log(1-q)$ are computed in float32 with
+    the distances exact (distances above 256 are not integers in bfloat16)."""
+    n = 300
+    r = np.random.default_rng(5)
+    q, k = (jnp.asarray(r.normal(size=(n, 4)) * 0.1, jnp.float32) for _ in range(2))
+    rate = jnp.asarray(0.005, jnp.bfloat16)
+
+    v = jnp.asarray(r.normal(size=(n, 2)), jnp.float32)
+
+    def model(q, k, rate):
+        with numpyro.plate("i", n):
+            j = si.edge("phi", si.priors.Geometric(rate, n), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    qr = f64(rate)
+    d = np.arange(n)[:, None] - np.arange(n)[None, :]
+    lp = np.where(d >= 0, np.log(qr) + np.maximum(d, 0) * np.log1p(-qr), -np.inf)
+    want = _softmax_rows(lp + f64(q) @ f64(k).T)
+    got = si.marginals(model, q, k, rate)["phi"]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(f64(got), want, atol=2e-6, rtol=1e-4)
+    for backend in ("auto", "blocked"):  # the kernels take log q, log(1-q) in float32 too
+        y = si.attention(model, "out", backend)(q, k, rate)
+        np.testing.assert_allclose(f64(y), want @ f64(v), atol=2e-6, err_msg=backend)
+
+
+def test_linear_gaussian_bfloat16_marginals_in_float32():
+    """bfloat16 features, states and maps: the exact engine's table is computed in float32
+    from the rounded inputs (the residual $x_i - A z_k - b$ is not rounded to 16 bits)."""
+    r = np.random.default_rng(6)
+    x, z = jnp.asarray(r.normal(size=(N, D)) * 3, jnp.bfloat16), jnp.asarray(
+        r.normal(size=(M, 2)), jnp.bfloat16)
+    A = jnp.asarray(r.normal(size=(D, 2)) * 3, jnp.bfloat16)
+    b = jnp.asarray(r.normal(size=(D,)) * 3, jnp.bfloat16)
+    prec = jnp.asarray(r.uniform(0.5, 2.0, size=D), jnp.bfloat16)
+
+    def model(x, z, A, b, prec):
+        with numpyro.plate("i", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.LinearGaussian(x, z, A, b, prec))
+
+    pred = f64(z) @ f64(A).T + f64(b)
+    diff = f64(x)[:, None] - pred[None]
+    want = _softmax_rows(-0.5 * (diff * diff * f64(prec)).sum(-1))
+    got = si.marginals(model, x, z, A, b, prec)["phi"]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(f64(got), want, atol=1e-5)
