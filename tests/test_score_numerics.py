@@ -210,3 +210,28 @@ def test_linear_gaussian_bfloat16_marginals_in_float32():
     got = si.marginals(model, x, z, A, b, prec)["phi"]
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(f64(got), want, atol=1e-5)
+
+
+def test_float32_prior_parameter_in_float64_model_normalised_in_float64():
+    """Under x64, a float32 relative-position bias in a float64 model: the exact engine
+    normalises the prior in float64 from the bias's exact value, as the kernels do."""
+    n = 17
+    r = np.random.default_rng(7)
+    with float64():
+        q, k, v = (jnp.asarray(r.normal(size=s)) for s in ((n, 5), (n, 5), (n, 2)))
+        bias = jnp.asarray(r.normal(size=(11,)), jnp.float32)
+
+        def model(q, k, v, bias):
+            with numpyro.plate("i", n):
+                j = si.edge("phi", si.priors.RelativePosition(bias, n, max_distance=5),
+                            si.scores.Dot(q, k, scale=0.5))
+                numpyro.deterministic("out", v[j])
+
+        d = np.arange(n)[:, None] - np.arange(n)[None]
+        lp = np.asarray(bias, np.float64)[np.clip(d, -5, 5) + 5]
+        want = _softmax_rows(lp + 0.5 * np.asarray(q) @ np.asarray(k).T)
+        got = si.marginals(model, q, k, v, bias)["phi"]
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-15)
+        y = si.expectation(model, "out", q, k, v, bias)
+        np.testing.assert_allclose(np.asarray(y), want @ np.asarray(v), rtol=1e-12, atol=1e-14)
