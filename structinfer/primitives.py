@@ -710,6 +710,10 @@ def edge(
         if prior.parameter_dtype is None:  # uniform, a mask, Python numbers: no dtype of
             # its own, the score's (in float32 for a 16-bit score, as the engine sums it)
             log_prior = log_prior.astype(float32_at_least(score_table).dtype)
+        elif jnp.result_type(log_prior, score_table) != log_prior.dtype:
+            # a wider score (a float32 parameter in a float64 model): normalise the
+            # prior in the score's dtype, not in the parameter's before promoting
+            log_prior = prior.log_table(num_children, score_table.dtype)
 
     info = EdgeInfo(name, prior, score_obj, num_children, num_parents, child_plate.name, child)
     site_infer = {"enumerate": "parallel", EDGE_INFO_KEY: info}

@@ -150,11 +150,14 @@ class StructuralPrior:
         dtype, weak = jax.dtypes.result_type(*floats, return_weak_type_flag=True)
         return None if weak else dtype
 
-    def log_table(self, num_children: int) -> jax.Array:
+    def log_table(self, num_children: int, dtype: Any = None) -> jax.Array:
         r"""Normalised log-prior $\log p(\phi_i=j)$, shape ``(..., children, parents)``.
 
         Args:
             num_children: number of children ``n`` (the size of the children plate).
+            dtype: a dtype to promote the log-weights to before normalising (a float64
+                model's, so that a float32 parameter's table is normalised in float64
+                from the parameter's exact value); ``None``: the parameters' own.
 
         Returns:
             The table $\log p(\phi_i = j)$, normalised over parents (``-inf`` marks a
@@ -176,7 +179,10 @@ class StructuralPrior:
                 f"{tuple(w.shape)}), but the children plate has size {num_children}"
             )
         w = jnp.broadcast_to(w, w.shape[:-2] + (num_children, self.num_parents))
-        table, _ = normalise_log_weights(float32_at_least(w))  # 16 bits: in float32
+        w = float32_at_least(w)  # 16 bits: in float32
+        if dtype is not None:
+            w = w.astype(jnp.result_type(w, dtype))
+        table, _ = normalise_log_weights(w)
         _check_rows_nonempty(table, type(self).__name__)
         return table
 
@@ -1089,7 +1095,10 @@ class Geometric(StructuralPrior):
     def _log_weights(self, num_children: int) -> jax.Array:
         d = _distance_grid(num_children, self.num_parents, self.offset)
         # a scalar q, or one per child: (..., children) -> (..., children, 1)
-        q = self.q[..., None] if self.q.ndim else self.q
+        # in float32 at least: a 16-bit q's log-weights are those of its exact value, and
+        # distances above 256 are not integers in bfloat16
+        q = float32_at_least(self.q)
+        q = q[..., None] if q.ndim else q
         steps = (d - self.min_distance).astype(q.dtype)
         logw = jnp.log(q) + steps * jnp.log1p(-q)
         allowed = d >= self.min_distance

@@ -247,6 +247,13 @@ class NegSqDist(_PairScore):
     (Tschantz, log-sum-exp energies: "sim = ln π_k − ½ Mahalanobis").
     McCarter's $-\|q - k\|^2$ is ``precision=2``.
 
+    Lowered (`structinfer.attention`), the score is expanded as a matmul plus a
+    per-parent bias, $x_i^\top\Lambda\mu_j - \tfrac12\mu_j^\top\Lambda\mu_j$, after
+    centring $x$ and $\mu$ on $c = \operatorname{mean}_j \mu_j$ (in float32 at least): a
+    common offset of the features costs no precision. Their spread about $c$ still does,
+    about $\epsilon\,\|x_i - c\|\,\|\mu_j - c\|$ per score for operands of precision
+    $\epsilon$, which the exact engine's direct $\|x_i - \mu_j\|^2$ does not.
+
     Args:
         x: child features ``(..., children, d)``.
         mu: parent means $\mu_j$, ``(..., parents, d)``.
@@ -331,7 +338,8 @@ class NegSqDist(_PairScore):
             kind = fits[0]
             self.precision_form = {"parent_diag": "diag", "parent_full": "full"}.get(kind, kind)
             def positive(xp, P):  # the quadratic form reads the symmetric part
-                if self.precision_form == "full":
+                if self.precision_form == "full":  # linear algebra in float32 at least
+                    P = P.astype(np.result_type(P.dtype, np.float32))
                     return xp.linalg.eigvalsh((P + xp.swapaxes(P, -1, -2)) / 2) > 0
                 return P > 0
 
@@ -342,22 +350,27 @@ class NegSqDist(_PairScore):
         diff = _pairwise_diff(*self._features())  # (..., n, m, d)
         d = self.q.shape[-1]
         P = self.precision
+        if P is not None:  # a 16-bit precision: its table, and linear algebra, in float32
+            P = float32_at_least(P)
         kind = self.precision_form
         if kind == "identity":
-            maha, logdet = jnp.sum(diff * diff, -1), 0.0
-        elif kind == "scalar":
-            maha, logdet = P * jnp.sum(diff * diff, -1), d * jnp.log(P)
-        elif kind == "diag":  # (d,) or (parents, d): broadcasts against (..., n, m, d)
-            maha, logdet = jnp.sum(diff * diff * P, -1), jnp.sum(jnp.log(P), -1)
+            maha = jnp.sum(diff * diff, -1)
+        elif kind in ("scalar", "diag"):  # (), (d,) or (parents, d): broadcasts
+            maha = jnp.sum(diff * diff * P, -1)
         elif P.ndim == 2:
             maha = jnp.einsum("...ijd,de,...ije->...ij", diff, P, diff)
-            # the quadratic form reads the symmetric part only: so does the normaliser
-            logdet = jnp.linalg.slogdet(0.5 * (P + P.T))[1]
         else:
             maha = jnp.einsum("...ijd,jde,...ije->...ij", diff, P, diff)
-            logdet = jnp.linalg.slogdet(0.5 * (P + jnp.swapaxes(P, -1, -2)))[1]
         s = -0.5 * maha
         if self.normalize:
+            if kind == "identity":
+                logdet = 0.0
+            elif kind == "scalar":
+                logdet = d * jnp.log(P)
+            elif kind == "diag":
+                logdet = jnp.sum(jnp.log(P), -1)
+            else:  # the quadratic form reads the symmetric part only: so does the normaliser
+                logdet = jnp.linalg.slogdet(0.5 * (P + jnp.swapaxes(P, -1, -2)))[1]
             s = s + 0.5 * logdet - 0.5 * d * math.log(2 * math.pi)
         if self.log_weights is not None:
             s = s + self.log_weights[..., None, :]
@@ -545,20 +558,23 @@ class LinearGaussian(Score):
     def num_parents(self) -> int:
         return int(self.z.shape[-2])
 
-    def predictions(self) -> jax.Array:
-        """Parent predictions $A_k z_k + b_k$, shape ``(..., parents, d_x)``."""
+    def predictions(self, cast=lambda a: a) -> jax.Array:
+        """Parent predictions $A_k z_k + b_k$, shape ``(..., parents, d_x)``; ``cast``
+        is applied to ``A``, ``z`` and ``b`` first."""
+        A, z = cast(self.A), cast(self.z)
         pred = (
-            jnp.einsum("...xz,...kz->...kx", self.A, self.z)
-            if self.A.ndim == 2
-            else jnp.einsum("...kxz,...kz->...kx", self.A, self.z)
+            jnp.einsum("...xz,...kz->...kx", A, z)
+            if A.ndim == 2
+            else jnp.einsum("...kxz,...kz->...kx", A, z)
         )
         if self.b is not None:
-            pred = pred + self.b
+            pred = pred + cast(self.b)
         return pred
 
     def dense(self) -> jax.Array:
-        diff = _pairwise_diff(self.x, self.predictions())
-        prec = 1.0 if self.precision is None else self.precision
+        # in float32 at least (16-bit inputs), as the kernels accumulate
+        diff = _pairwise_diff(float32_at_least(self.x), self.predictions(float32_at_least))
+        prec = 1.0 if self.precision is None else float32_at_least(self.precision)
         s = -0.5 * jnp.sum(diff * diff * prec, -1)
         if self.normalize:
             d = self.x.shape[-1]

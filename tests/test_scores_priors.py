@@ -402,3 +402,39 @@ def test_linear_gaussian_takes_batch_dims_on_its_precision(shape, normalize, x64
     for f in (si.marginals, jax.jit(si.marginals, static_argnums=0)):
         np.testing.assert_allclose(f(model, x, z, A, b, prec)["phi"], post, rtol=1e-10,
                                    atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("per_parent", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_neg_sq_dist_full_precision_16bit(dtype, per_parent, normalize):
+    """A 16-bit full precision: the check and the log-determinant run in float32."""
+    r = np.random.default_rng(3)
+    a = r.normal(size=(M, D, D)) * 0.3
+    P64 = a @ np.swapaxes(a, -1, -2) + np.eye(D)
+    x, mu, prec = (jnp.asarray(t, dtype) for t in
+                   (r.normal(size=(N, D)), r.normal(size=(M, D)), P64 if per_parent else P64[0]))
+    v = jnp.asarray(r.normal(size=(M, 2)), dtype)
+    xf, mf, pf, vf = (np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in (x, mu, prec, v))
+    diff = xf[:, None] - mf[None]
+    pj = pf if per_parent else np.broadcast_to(pf, (M, D, D))
+    s = -0.5 * np.einsum("ijd,jde,ije->ij", diff, pj, diff)
+    if normalize:
+        s = s + 0.5 * np.linalg.slogdet(pj)[1]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+
+    def model(x, mu, prec, v):
+        with numpyro.plate("points", N):
+            j = si.edge("z", si.priors.Uniform(M),
+                        si.scores.NegSqDist(x, mu, prec, normalize=normalize))
+            numpyro.deterministic("out", v[j])
+
+    np.testing.assert_allclose(si.marginals(model, x, mu, prec, v)["z"], p, atol=1e-5)
+    want, tol = p @ vf, 2e-2 if dtype == jnp.bfloat16 else 3e-3
+    got = [si.expectation(model, "out", x, mu, prec, v)]
+    if not per_parent:  # a per-parent full precision is not lowered
+        got.append(si.attention(model, "out")(x, mu, prec, v))
+    for y in got:
+        assert y.dtype == dtype
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=tol)

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .._checks import is_concrete
+from .._checks import float32_at_least, is_concrete
 from ..priors import RestrictionPattern, StructuralPrior, band_mask
 from ..scores import Score
 from ._masks import BlockMask, ConcreteMask, mask_and
@@ -258,6 +258,7 @@ class TermBuilder:
         """
         self.restrict_band(dmin=min_distance, offset=offset)
         n = self.num_children
+        q = float32_at_least(q)  # a 16-bit q's logs are those of its exact value
         qc = q[..., None] if q.ndim else jnp.reshape(q, (1, 1))
         geo = jnp.concatenate([jnp.log(qc), jnp.log1p(-qc)], -1)  # (..., n|1, 2)
         self._geo = jnp.broadcast_to(geo, geo.shape[:-2] + (n, 2))

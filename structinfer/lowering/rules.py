@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import priors as P
 from .. import scores as S
+from .._checks import float32_at_least
 from ._lower import (
     PATTERN_RULES,
     DistanceBand,
@@ -42,6 +43,7 @@ from ._lower import (
     register_score_rule,
 )
 from ._masks import BlockMask
+from ._spec import accum_dtype
 
 __all__: list[str] = []  # everything here is registered, nothing is called by name;
 # the module is public so that its rules can be read as examples of registering one
@@ -85,37 +87,62 @@ def _dot(score: S.Dot, terms: TermBuilder) -> None:
 
 @register_score_rule(S.Cosine)
 def _cosine(score: S.Cosine, terms: TermBuilder) -> None:
-    qn = score.q / jnp.sqrt(jnp.sum(score.q**2, -1, keepdims=True) + score.eps)
-    kn = score.k / jnp.sqrt(jnp.sum(score.k**2, -1, keepdims=True) + score.eps)
-    _scaled_dot(terms, qn, kn, score.scale, "Cosine")
+    def unit(x):  # the norm in float32 at least: ||x||^2 overflows float16 above 256
+        w = float32_at_least(x)
+        return (w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + score.eps)).astype(x.dtype)
+
+    _scaled_dot(terms, unit(score.q), unit(score.k), score.scale, "Cosine")
     terms.note("score Cosine (matmul of normalised features)")
 
 
 def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool, what: str):
     r"""$-\tfrac12 (x_i-\mu_j)^\top\Lambda_j(x_i-\mu_j) + \log w_j$ as a matmul plus a
-    per-parent bias (dropping the per-child $-\tfrac12 x_i^\top\Lambda x_i$)."""
+    per-parent bias (dropping the per-child $-\tfrac12 x_i^\top\Lambda x_i$).
+
+    The features are first centred on $c = \operatorname{mean}_j \mu_j$ (per batch
+    element): $x_i - \mu_j$ is unchanged, so the score is too (gradients through $c$
+    cancel), but the expansion $x_i^\top\mu_j - \tfrac12\|\mu_j\|^2$ no longer cancels
+    catastrophically when the features share a large offset. The centring, the
+    precision-weighted means and the bias are computed in float32 at least (float64 for
+    float64 inputs); the matmul operands are then cast back to the features' dtype.
+    What the expansion still loses is relative to the features' spread about $c$:
+    about $\epsilon\,\|x_i - c\|\,\|\mu_j - c\|$ per score ($\epsilon$ the operands'
+    precision), which a direct $\|x_i - \mu_j\|^2$ would not.
+    """
+    x_dtype = x.dtype
+    k_dtype = mu.dtype if prec is None else jnp.result_type(mu, prec)
+    wide = accum_dtype(jnp.result_type(x, mu))
+    x, mu = x.astype(wide), mu.astype(wide)
+    centre = jnp.mean(mu, -2, keepdims=True)
+    x, mu = x - centre, mu - centre
+    if prec is not None:
+        prec = prec.astype(wide)
+
+    def dot(a, b):
+        terms.add_dot(a.astype(x_dtype), b.astype(k_dtype))
+
     if form == "identity":
-        terms.add_dot(x, mu)
+        dot(x, mu)
         bias = -0.5 * jnp.sum(mu * mu, -1)
     elif form == "scalar":
-        terms.add_dot(x, prec * mu)
+        dot(x, prec * mu)
         bias = -0.5 * prec * jnp.sum(mu * mu, -1)
     elif form == "diag" and prec.ndim == 1:
-        terms.add_dot(x, prec * mu)
+        dot(x, prec * mu)
         bias = -0.5 * jnp.sum(prec * mu * mu, -1)
     elif form == "diag":  # (parents, d)
         shape = jnp.broadcast_shapes(prec.shape, mu.shape)
         terms.add_dot(
-            jnp.concatenate([x, x * x], -1),
+            jnp.concatenate([x, x * x], -1).astype(x_dtype),
             jnp.concatenate([jnp.broadcast_to(prec * mu, shape),
-                             jnp.broadcast_to(-0.5 * prec, shape)], -1),
+                             jnp.broadcast_to(-0.5 * prec, shape)], -1).astype(k_dtype),
         )
         bias = -0.5 * jnp.sum(prec * mu * mu, -1)
         if normalize:
             bias = bias + 0.5 * jnp.sum(jnp.log(prec), -1)
     elif form == "full" and prec.ndim == 2:
         sym = 0.5 * (prec + prec.T)
-        terms.add_dot(x, jnp.einsum("...jd,de->...je", mu, sym))
+        dot(x, jnp.einsum("...jd,de->...je", mu, sym))
         bias = -0.5 * jnp.einsum("...jd,de,...je->...j", mu, prec, mu)
     else:
         raise NotLowered(
