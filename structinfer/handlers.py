@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable
 
 import jax
@@ -371,12 +372,21 @@ class mask_parents(Messenger):
                 "mask_parents: no edge site consulted this handler: the code it wrapped "
                 "ran no structinfer.edge that saw it, so the mask restricted nothing. Wrap "
                 "the model (or the part of it) that declares the edge sites; inside a "
-                "numpyro scan, wrap the step (its edges do not see handlers outside the scan)"
+                "numpyro scan, wrap the step (its edges do not see handlers outside the "
+                "scan); around a jitted function, put the handler inside it (a call that "
+                "jax answers from its cache runs no model)"
             )
 
     def process_message(self, msg: dict) -> None:
         """Add the mask to an edge site's list (`parent_masks`)."""
         if msg["type"] == MASK_PARENTS_TYPE:
+            if msg["name"].startswith("_PREV_"):
+                # NumPyro's scan renames its first, unrolled step's sites and hides the
+                # later steps from handlers outside it: only that step would be masked
+                raise ValueError(
+                    f"edge site '{re.sub('^(_PREV_)+', '', msg['name'])}': mask_parents "
+                    "outside a numpyro scan reaches the scan's first step only; put the "
+                    "handler inside the step function")
             msg["masks"].append(self.mask)
             self._consults += 1
 

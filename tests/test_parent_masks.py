@@ -242,6 +242,21 @@ def test_a_mask_no_edge_consults_is_an_error():
     s = jnp.asarray(np.random.default_rng(3).normal(size=(3, N, M)), jnp.float32)
     with pytest.raises(ValueError, match=said + ".*inside a numpyro scan, wrap the step"):
         si.log_marginal(steps, s)
+
+    def scanned(s):  # the scan in a model called inside one handler
+        def step(c, s_t):
+            with numpyro.plate("queries", N):
+                si.edge("phi", prior, s_t)
+            return c, None
+
+        scan(step, 0, s)
+
+    # regression: the first step saw the handler (NumPyro unrolls it), the others not:
+    # a log Z masked in one step of three, a finite wrong number
+    with pytest.raises(ValueError, match="edge site 'phi': mask_parents outside a numpyro "
+                       "scan reaches the scan's first step only"):
+        with si.handlers.mask_parents(mask=keep):
+            si.log_marginal(scanned, s)
     with pytest.raises(ZeroDivisionError):  # the body's own error first
         with si.handlers.mask_parents(mask=keep):
             raise ZeroDivisionError
