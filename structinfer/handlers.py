@@ -552,13 +552,21 @@ class observe_given(Messenger):
     own enumeration would replace the value by the whole support.) Like
     [`pin`][structinfer.handlers.pin], it takes the site out of enumeration. The engine
     wraps a model in it before anything of its own, so the values it substitutes itself
-    (edge probes) are not affected. Sites of a ``scan``'s steps (a
-    [`Markov`][structinfer.priors.Markov] chain's edges) are left alone: the scan gives
-    their values.
+    (edge probes) are not affected. The sites of a ``scan``'s steps (a
+    [`Markov`][structinfer.priors.Markov] chain's edges) take their values from the scan,
+    which applies the handlers given inside this one to each step: a ``substitute`` of
+    given values there becomes a ``condition`` of them.
     """
 
     def process_message(self, msg: dict) -> None:
-        """Mark one valued enumerable sample site observed."""
+        """Mark one valued enumerable sample site observed (a scan's steps: see above)."""
+        if msg["type"] == "control_flow":
+            stack = msg["kwargs"].get("substitute_stack")
+            if stack:
+                stack[:] = [("condition", data) if kind == "substitute"
+                            and isinstance(data, dict) else (kind, data)
+                            for kind, data in stack]
+            return
         if msg["type"] != "sample" or msg.get("value") is None:
             return
         if SCAN_INDEX_KEY in msg["infer"]:

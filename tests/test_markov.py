@@ -912,3 +912,22 @@ def test_a_minus_inf_emission_is_a_forbidden_state_as_in_every_edge():
     with pytest.raises(ValueError, match="zero probability"):
         si.marginals(hmm, none, lt, li)
     assert np.isnan(np.asarray(jax.jit(lambda *a: si.marginals(hmm, *a)["z"])(none, lt, li))).all()
+
+
+def test_a_substituted_chain_is_fixed_at_its_path_as_condition_fixes_it():
+    """Regression: ``numpyro.handlers.substitute`` of a chain's edges (a path) was summed
+    over (log Z of every path, a finite wrong number) where ``condition`` fixes it: both
+    now give the joint log-density at the path (NumPy), eagerly and under jit."""
+    from numpyro.handlers import condition, substitute
+
+    em, lt, li = _params(8)
+    path = jnp.array([0, 2, 1, 1, 0])
+    e, t, i = (np.asarray(a, np.float64) for a in (em, lt, li))
+    joint = (_log_softmax(i)[path[0]] + e[0, path[0]]
+             + sum(_log_softmax(t)[path[s - 1], path[s]] + e[s, path[s]] for s in range(1, T)))
+    for handler in (substitute, condition):
+        fixed = handler(hmm, data={"z": path})
+        for run in (lambda f: f, jax.jit):
+            np.testing.assert_allclose(
+                run(lambda *a, fixed=fixed: si.log_marginal(fixed, *a))(em, lt, li), joint,
+                rtol=1e-5)
