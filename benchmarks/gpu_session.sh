@@ -11,8 +11,9 @@
 # and a step that would start with under 20 s left is skipped (the log says so). The
 # logs and tables are written under OUT_DIR/work and packed at the end into
 # OUT_DIR/session.tgz (the device tool brings back a few files only).
-# Packages the machine lacks (funsor with makefun; arviz; tokamax for its rows) are
-# installed from the wheels in .wheels-gpu/ when that folder exists
+# Packages the machine lacks (funsor with makefun; arviz; tokamax with its requirements,
+# for its rows, if wanted) are installed from the wheels in .wheels-gpu/ when that folder
+# exists
 # (`pip install --no-deps --target`, put first on PYTHONPATH).
 #
 # Steps: the Mosaic GPU kernel's tests (`pytest -m gpu tests/test_mosaic.py`); the
@@ -26,6 +27,7 @@ quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
 dest="${1:?usage: gpu_session.sh [--quick] OUT_DIR [SECONDS]}"
 budget="${2:-560}"
+mkdir -p "$dest" && dest="$(cd "$dest" && pwd)"  # a relative OUT_DIR: the caller's
 cd "$(dirname "$0")/.."
 out="$dest/work"
 mkdir -p "$out"
@@ -34,9 +36,12 @@ start=$SECONDS
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
 
 if [ -d .wheels-gpu ] && ls .wheels-gpu/*.whl > /dev/null 2>&1; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/structinfer-site .wheels-gpu/*.whl || exit 1
-  export PYTHONPATH="/tmp/structinfer-site${PYTHONPATH:+:$PYTHONPATH}"
+  if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/structinfer-site .wheels-gpu/*.whl > "$out/wheels.log" 2>&1; then
+    export PYTHONPATH="/tmp/structinfer-site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "installing .wheels-gpu/ failed (wheels.log); going on without them"
+  fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
