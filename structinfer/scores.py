@@ -496,7 +496,8 @@ class LinearGaussian(Score):
         b: optional offset $b_k$, ``(d_x,)`` or ``(parents, d_x)`` (after any batch dims).
         precision: $\Lambda$, diagonal: ``None`` (identity), a scalar, ``(d_x,)``, or
             with batch dims broadcasting against ``(..., children, parents, d_x)``
-            (per parent $\Lambda_k$: ``(parents, d_x)``; per head: ``(heads, 1, 1, d_x)``).
+            (per parent $\Lambda_k$: ``(parents, d_x)``; per head: ``(heads, 1, 1, d_x)``;
+            per child: ``(children, 1, d_x)`` — a 2-d ``(n, d_x)`` is always per parent).
         normalize: add the Gaussian normalising constant.
 
     Raises:

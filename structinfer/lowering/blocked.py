@@ -902,7 +902,8 @@ def blocked_attention(
     Returns:
         ``(y, L)`` with ``y`` of shape ``batch + (n, dv)`` and ``L`` the row
         log-sum-exp of the (unnormalised) logits, ``batch + (n,)`` (with ``stats``:
-        ``(y, RowStats)``). Both are differentiable (custom VJP, memory $O(n d)$: the
+        ``(y, RowStats)``, whose $m$ carries no gradient: differentiate $L$ =
+        ``RowStats.lse()`` instead). Both are differentiable (custom VJP, memory $O(n d)$: the
         backward keeps ``y``, $m$ and $\log l$ and rebuilds each block's
         $p = e^{(\ell - m) - \log l}$). The matmuls multiply in the
         operands' dtype and accumulate in float32 (float64 for float64 operands), as do

@@ -64,6 +64,8 @@ def _check_values(x, who: str, what: str, ok: Callable, expected: str):
     included) raises, naming the function and the argument; a traced one (a factory called
     under ``jit`` or ``grad``) becomes NaN, so the answer and its gradient are NaN, never a
     finite wrong number. ``ok(xp, a)`` says which entries are in the domain."""
+    if x is None:
+        raise ValueError(f"{who}: {what} {expected}, got None")
     if is_concrete(x):  # a Python number stays one (a factory may run inside a trace)
         try:
             np.asarray(x, dtype=float)
