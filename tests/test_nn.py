@@ -558,6 +558,7 @@ def test_zero_keys_are_an_error_naming_the_argument():
      r"geometric_beta: beta must be positive"),
     (lambda: sinn.geometric(0.0), r"geometric: q must lie in \(0, 1\)"),
     (lambda: sinn.geometric(1.5), r"geometric: q must lie in \(0, 1\)"),
+    (lambda: sinn.geometric(None), r"geometric: q must lie in \(0, 1\), got None"),
     (lambda: sinn.geometric(0.3, max_distance=-1), r"geometric: max_distance must be"),
     (lambda: sinn.geometric(0.3, max_distance=2.5), r"geometric: max_distance must be"),
     (lambda: beta_geometric_log_pmf(jnp.ones(1), -jnp.ones(1), 4),
