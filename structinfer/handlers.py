@@ -37,8 +37,8 @@ from numpyro.primitives import Messenger
 
 from .primitives import (
     EDGE_INFO_KEY,
-    EDGE_SEEN_TYPE,
-    HIDDEN_EDGE_TYPE,
+    EDGE_SEEN_KEY,
+    ENGINE_DEPTH,
     MASK_PARENTS_TYPE,
     SCAN_INDEX_KEY,
     SCAN_RECORD_KEY,
@@ -391,7 +391,31 @@ class mask_parents(Messenger):
             self._consults += 1
 
 
-class require_values(Messenger):
+class _SeesEveryEdge(Messenger):
+    """A handler of the exact engine that every edge site must reach: while it is active
+    (`ENGINE_DEPTH`), an edge that a ``numpyro.handlers.block`` hides from it is refused
+    where it is sampled."""
+
+    def __enter__(self):
+        self.__dict__.setdefault("_depth_tokens", []).append(
+            ENGINE_DEPTH.set(ENGINE_DEPTH.get() + 1))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            ENGINE_DEPTH.reset(self._depth_tokens.pop())
+
+    def process_message(self, msg: dict) -> None:
+        """Mark an edge site seen."""
+        if msg["type"] == "sample":
+            holder = (msg.get("infer") or {}).get(EDGE_SEEN_KEY)
+            if holder is not None:
+                holder["seen"] = True
+
+
+class require_values(_SeesEveryEdge):
     """Raise a clear error at a latent, non-enumerated sample site that has no value.
 
     Args:
@@ -410,27 +434,12 @@ class require_values(Messenger):
 
     def process_message(self, msg: dict) -> None:
         """Check one sample site (and see every edge: refuse one hidden by a block)."""
-        _refuse_hidden_edge(msg)
+        super().process_message(msg)
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:
             return
         raise missing_value_error(msg["name"], self.what)
-
-
-def _refuse_hidden_edge(msg: dict) -> None:
-    """Mark an edge seen; the error at one a ``numpyro.handlers.block`` hides from the
-    engine."""
-    if msg["type"] == EDGE_SEEN_TYPE:
-        msg["seen"] = True
-    if msg["type"] != HIDDEN_EDGE_TYPE:
-        return
-    raise ValueError(
-        f"edge site '{msg['edge']}' is hidden by numpyro.handlers.block, so the exact "
-        "engine cannot see it to sum it out (NumPyro would sample it at random). Leave edge "
-        "sites out of `hide` (an SVI guide may hide them: block the guide, not the model "
-        "the engine reads), or fix the edge at a value with numpyro.handlers.condition"
-    )
 
 
 def missing_value_error(site: str, what: str = "the exact engine") -> ValueError:
@@ -498,7 +507,7 @@ def _placeholder(fn: dist.Distribution, sample_shape: tuple[int, ...] = ()) -> j
     return jnp.broadcast_to(value, shape)
 
 
-class fill_latent(Messenger):
+class fill_latent(_SeesEveryEdge):
     """Give each unvalued latent site that is not enumerable a placeholder in its support.
 
     The site is marked with `infer[PLACEHOLDER_KEY] = True`. The placeholder is $T(0)$ with $T$ = `biject_to(support)` (the image of the
@@ -510,7 +519,8 @@ class fill_latent(Messenger):
     """
 
     def process_message(self, msg):
-        _refuse_hidden_edge(msg)
+        """Fill one latent site (and see every edge: refuse one hidden by a block)."""
+        super().process_message(msg)
         if msg["type"] != "sample" or msg["is_observed"] or msg.get("value") is not None:
             return
         if is_enumerated(msg) and msg["fn"].has_enumerate_support:

@@ -20,6 +20,7 @@ nothing else observes the edges).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +61,8 @@ __all__ = [
     "active_plates",
     "parent_masks",
     "MASK_PARENTS_TYPE",
-    "EDGE_SEEN_TYPE",
-    "HIDDEN_EDGE_TYPE",
+    "EDGE_SEEN_KEY",
+    "ENGINE_DEPTH",
     "EDGE_INFO_KEY",
     "SCORE_SUFFIX",
     "SCAN_INDEX_KEY",
@@ -228,28 +229,32 @@ def _check_score_rows(logits: jax.Array, name: str) -> None:
 
 
 def _sample_edge(name: str, fn: dist.Distribution, infer: dict) -> jax.Array:
-    """``numpyro.sample`` of an edge site, telling the handlers that must see every edge
-    when a ``numpyro.handlers.block`` hides it from them (`EDGE_SEEN_TYPE`)."""
-    # the site's own name: a block that hides the site stops this message too
-    if not _probe({"type": EDGE_SEEN_TYPE, "name": name, "seen": False})["seen"]:
-        _probe({"type": HIDDEN_EDGE_TYPE, "name": _HIDDEN_EDGE_PROBE, "edge": name})
-    return numpyro.sample(name, fn, infer=infer)
+    """``numpyro.sample`` of an edge site; refused when the exact engine is running but a
+    ``numpyro.handlers.block`` hid the site from it (its handlers never set the site's
+    `EDGE_SEEN_KEY`)."""
+    seen = {"seen": False}
+    infer[EDGE_SEEN_KEY] = seen
+    phi = numpyro.sample(name, fn, infer=infer)
+    # a scan's steps are hidden while they run and replayed to the engine afterwards
+    if ENGINE_DEPTH.get() and not seen["seen"] and SCAN_INDEX_KEY not in infer:
+        raise ValueError(
+            f"edge site '{name}' is hidden from the engine by a block handler "
+            "(numpyro.handlers.block, in any form: hide, hide_fn, expose or none), so the "
+            "exact engine cannot see it to sum it out (NumPyro would sample it at random). "
+            "Leave edge sites unblocked in the model the engine reads (an SVI guide may "
+            "block them), or fix the edge at a value with numpyro.handlers.condition"
+        )
+    return phi
 
 
-EDGE_SEEN_TYPE = "structinfer_edge_seen"
-"""Type of the message an [`edge`][structinfer.edge] sends under its own name before its
-sample site: a handler that must see every edge (the exact engine's) sets its ``"seen"``
-to ``True``. When none did (a ``numpyro.handlers.block`` between them hides the site),
-the edge sends a `HIDDEN_EDGE_TYPE` message."""
+EDGE_SEEN_KEY = "structinfer_edge_seen"
+"""Key of an [`edge`][structinfer.edge] site's ``infer`` dict: a ``{"seen": False}``
+holder that the exact engine's handlers set to ``True`` when the site reaches them."""
 
-HIDDEN_EDGE_TYPE = "structinfer_hidden_edge"
-"""Type of the message an [`edge`][structinfer.edge] that no handler saw sends, under a
-name no block hides (its ``"edge"``: the site's name), so that a handler that must see
-every edge can say which one a block hides; NumPyro's own handlers ignore it, and the
-blocked edge is sampled as NumPyro samples any hidden site."""
-
-_HIDDEN_EDGE_PROBE = "structinfer.hidden_edge"
-"""Name of the `HIDDEN_EDGE_TYPE` message (not the edge's, which the block hides)."""
+ENGINE_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "structinfer_engine_depth", default=0)
+"""How many of the exact engine's handlers that must see every edge are active (entered
+and not exited); while one is, an edge that none of them saw is refused."""
 
 MASK_PARENTS_TYPE = "structinfer_mask_parents"
 """Type of the message [`parent_masks`][structinfer.primitives.parent_masks] sends."""

@@ -542,15 +542,26 @@ def _band_of(mask: np.ndarray | None) -> dict[str, Any] | None:
     """
     if mask is None or mask.ndim != 2 or mask.shape[0] < 2 or not mask.any(-1).all():
         return None
+    # one pass over the mask per vector, no (n, m) temporary but a reversed bool copy
     n, m = mask.shape
     rows = np.arange(n)
     first = mask.argmax(-1)
     last = m - 1 - mask[:, ::-1].argmax(-1)
+    count = np.count_nonzero(mask, axis=-1)
     # d = i - j: the band's extremes are the rows' first and last allowed parents
     band = dict(dmin=int((rows - last).min()), dmax=int((rows - first).max()))
-    for exclude_zero in (False, True):
-        if np.array_equal(mask, band_mask(n, m, exclude_zero=exclude_zero, xp=np, **band)):
-            return {**band, "exclude_zero": exclude_zero}
+    # row i of the band: parents lo..hi (and, without the self-edge, not i)
+    lo = np.maximum(rows - band["dmax"], 0)
+    hi = np.minimum(rows - band["dmin"], m - 1)
+    if np.array_equal(first, lo) and np.array_equal(last, hi) and np.array_equal(
+            count, hi - lo + 1):
+        return {**band, "exclude_zero": False}
+    self_in = (lo <= rows) & (rows <= hi)
+    inside = np.flatnonzero((lo < rows) & (rows < hi))
+    if (np.array_equal(first, lo + (lo == rows)) and np.array_equal(last, hi - (hi == rows))
+            and np.array_equal(count, hi - lo + 1 - self_in)
+            and not mask[inside, inside].any()):
+        return {**band, "exclude_zero": True}
     return None
 
 

@@ -527,7 +527,7 @@ def test_an_edge_hidden_by_block_is_named():
             numpyro.deterministic("out", jnp.asarray(V)[j])
 
     hidden = numpyro.handlers.block(model, hide=["phi"])
-    said = "edge site 'phi' is hidden by numpyro.handlers.block"
+    said = "edge site 'phi' is hidden from the engine by a block handler"
     for run in (lambda: si.log_marginal(hidden), lambda: si.marginals(hidden),
                 lambda: si.attention(hidden, "out")(),
                 lambda: jax.jit(lambda: si.log_marginal(hidden))()):
@@ -538,3 +538,34 @@ def test_an_edge_hidden_by_block_is_named():
     assert "phi" not in numpyro.handlers.trace(seeded).get_trace()
     with pytest.raises(AssertionError):  # no seed at all: NumPyro's own error, as before
         model()
+
+
+@pytest.mark.parametrize("form", ["hide", "hide_fn", "expose", "all"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_an_edge_hidden_by_any_form_of_block_is_named(form, seeded):
+    """Regression: only ``block(hide=[...])`` was caught. ``block(hide_fn=...)`` on sample
+    sites, ``block(expose=[...])`` and ``block()`` hid the edge from the engine too, which
+    then raised a bare AssertionError or, under ``numpyro.handlers.seed``, returned the
+    joint at a random structure as log Z. Every form is now refused, naming the site."""
+    kw = {"hide": dict(hide=["phi"]), "hide_fn": dict(hide_fn=lambda m: m["type"] == "sample"),
+          "expose": dict(expose=["out"]), "all": {}}[form]
+
+    def edge():
+        with numpyro.plate("queries", N):  # inside the block, which would hide it too
+            return si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+
+    def model():
+        j = numpyro.handlers.block(edge, **kw)()
+        numpyro.deterministic("out", jnp.asarray(V)[j])
+
+    said = "edge site 'phi' is hidden from the engine by a block handler"
+    for run in (lambda: si.log_marginal(model), lambda: si.marginals(model),
+                lambda: si.attention(model, "out")()):
+        with pytest.raises(ValueError, match=said):
+            if seeded:
+                with numpyro.handlers.seed(rng_seed=0):
+                    run()
+            else:
+                run()
+    # outside the engine, a seeded run samples the hidden edge as NumPyro does
+    numpyro.handlers.seed(model, 0)()
