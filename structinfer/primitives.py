@@ -234,9 +234,18 @@ def _sample_edge(name: str, fn: dist.Distribution, infer: dict) -> jax.Array:
     `EDGE_SEEN_KEY`)."""
     seen = {"seen": False}
     infer[EDGE_SEEN_KEY] = seen
-    phi = numpyro.sample(name, fn, infer=infer)
-    # a scan's steps are hidden while they run and replayed to the engine afterwards
-    if ENGINE_DEPTH.get() and not seen["seen"] and SCAN_INDEX_KEY not in infer:
+
+    def hidden() -> bool:
+        # a scan's steps are hidden while they run and replayed to the engine afterwards
+        return bool(ENGINE_DEPTH.get()) and not seen["seen"] and SCAN_INDEX_KEY not in infer
+
+    try:
+        phi = numpyro.sample(name, fn, infer=infer)
+    except AssertionError:  # older NumPyro: a hidden site is drawn with no PRNG key
+        if not hidden():
+            raise
+        phi = None
+    if hidden():
         raise ValueError(
             f"edge site '{name}' is hidden from the engine by a block handler "
             "(numpyro.handlers.block, in any form: hide, hide_fn, expose or none), so the "
