@@ -791,3 +791,129 @@ def test_structural_zeros_inside_a_contraction_give_exact_gradients_not_nan(x64,
                             - return_hop_brute(*ab_down, v, y)[0]) / (2 * h)
         np.testing.assert_allclose(grad, central, rtol=1e-5 if x64 else 1e-4,
                                    atol=1e-7 if x64 else 2e-5)
+
+
+# -- no possible structure in a model that couples enumerated sites: under jit (where the
+# -- eager checks cannot raise) every derivative is NaN, never the safe einsum's zeros
+
+
+def _agree(s1, s2, alive, v, y):
+    """Two edges per child that must pick the same parent; no structure explains the
+    observation ``seen = 1`` of a child with ``alive`` False (0 at every parent),
+    so log Z = -inf with no empty score row (which the edge would refuse eagerly)."""
+    with numpyro.plate("children", s1.shape[0]):
+        j = si.edge("phi", si.priors.Uniform(s1.shape[1]), si.scores.Custom(s1))
+        k = si.edge("psi", si.priors.Uniform(s2.shape[1]), si.scores.Custom(s2))
+        potential("agree", jnp.where(j == k, 0.0, -jnp.inf).astype(s1.dtype))
+        numpyro.deterministic("out", v[j] + v[k])
+        numpyro.sample("y", dist.Normal(v[j], 1.0), obs=y)
+        seen = jnp.where(alive, jnp.ones_like(v)[j], 0.0)
+        numpyro.sample("seen", dist.Delta(seen), obs=jnp.ones_like(y))
+
+
+def _agree_brute(s1, s2, alive, v, y):
+    """Per child: log Z_i and d log Z_i / d s1_i of `_agree`, NumPy float64 (j = k)."""
+    s1, s2, v, y = (np.asarray(a, np.float64) for a in (s1, s2, v, y))
+    m = s1.shape[1]
+    w = s1 + s2 - 2 * np.log(m) + norm.logpdf(y[:, None], v[None], 1.0)  # (child, j = k)
+    w = np.where(np.asarray(alive)[:, None], w, -np.inf)
+    with np.errstate(invalid="ignore"):
+        return logsumexp(w, -1), np.exp(w - logsumexp(w, -1, keepdims=True))
+
+
+_NS, _MS = 5, 7
+
+
+def _agree_inputs(dtype, dead=3):
+    g = np.random.default_rng(13)
+    s1, s2 = (jnp.asarray(a, dtype) for a in g.normal(size=(2, _NS, _MS)))
+    v, y = jnp.asarray(g.normal(size=_MS), dtype), jnp.asarray(g.normal(size=_NS), dtype)
+    alive = jnp.arange(_NS) != dead
+    return s1, s2, alive, v, y
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+def test_no_possible_structure_of_coupled_edges_has_nan_derivatives_never_zeros(x64, jit):
+    """Regression: in a model whose contraction couples enumerated sites (two edges tied
+    by a factor; a Markov chain), the safe einsum differentiates log 0 to zero, so where
+    log Z = -inf (no structure at all) the derivatives of log Z in the scores were finite
+    numbers under jit (a chain's: one-hot rows; the tied edges': softmax rows), and the
+    derivatives of the (NaN) marginals and expectations were zeros. Each is now NaN, as the
+    marginals and expectations themselves; with a possible structure the same model's
+    derivatives equal brute force (NumPy float64)."""
+    dtype = jnp.float64 if x64 else jnp.float32
+    tol = dict(rtol=1e-9, atol=1e-10) if x64 else dict(rtol=1e-4, atol=2e-5)
+    stuck, em, _ = _no_structure_models()["markov"]
+    with float64() if x64 else contextlib.nullcontext():
+        s1, s2, alive, v, y = _agree_inputs(dtype)
+        em = em.astype(dtype)
+        run = jax.jit if jit else (lambda f: f)
+
+        def lm(a, b, alive):
+            return si.log_marginal(_agree, a, b, alive, v, y)
+
+        # a possible structure: exact (d log Z / d s1 is the posterior of j = k)
+        everyone = jnp.ones(_NS, bool)
+        lz, g1 = run(jax.value_and_grad(lm))(s1, s2, everyone)
+        ref_z, ref_post = _agree_brute(s1, s2, everyone, v, y)
+        np.testing.assert_allclose(lz, ref_z.sum(), **tol)
+        np.testing.assert_allclose(g1, ref_post, **tol)
+        # none: log Z = -inf; its derivatives NaN (eagerly too), never a number
+        lz, (g1, g2) = run(jax.value_and_grad(lm, argnums=(0, 1)))(s1, s2, alive)
+        assert lz.dtype == dtype and float(lz) == -np.inf
+        assert np.isnan(np.asarray(g1)).all() and np.isnan(np.asarray(g2)).all()
+        chain = run(jax.grad(lambda e: si.log_marginal(stuck, e)))(em)
+        assert np.isnan(np.asarray(chain)).all(), chain
+        if not jit:  # eagerly the marginals and expectations are the engine's error
+            with pytest.raises(ValueError, match="zero probability"):
+                si.marginals(_agree, s1, s2, alive, v, y)
+            return
+
+        def marg(a, b):
+            return si.marginals(_agree, a, b, alive, v, y)["psi"]
+
+        def ev(a, b):
+            return si.expectation(_agree, "out", a, b, alive, v, y)
+
+        for f in (marg, ev):
+            assert np.isnan(np.asarray(jax.jit(f)(s1, s2))).all()
+            for d in jax.jit(jax.grad(lambda a, b, f=f: f(a, b).sum(), argnums=(0, 1)))(s1, s2):
+                assert np.isnan(np.asarray(d)).all(), d
+        d = jax.jit(jax.grad(lambda e: si.expectation(stuck, "out", e).sum()))(em)
+        assert np.isnan(np.asarray(d)).all(), d
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+def test_a_kept_element_with_no_structure_has_nan_derivatives_the_others_exact(x64, jit):
+    """Regression: with kept plates (the pointwise log-likelihood) of a model that couples
+    enumerated sites, an element with no possible structure (l_e = -inf) had zero
+    derivatives (the safe einsum's log 0). They are now NaN in that element's own rows
+    only; every other element's value and derivatives equal brute force (NumPy float64)."""
+    dtype = jnp.float64 if x64 else jnp.float32
+    tol = dict(rtol=1e-9, atol=1e-10) if x64 else dict(rtol=1e-4, atol=2e-5)
+    dead = 3
+    with float64() if x64 else contextlib.nullcontext():
+        s1, s2, alive, v, y = _agree_inputs(dtype, dead)
+
+        def pointwise(a):
+            return log_z(_agree, (a, s2, alive, v, y), keep_plates="observed",
+                         score_factors="normalize")
+
+        run = jax.jit if jit else (lambda f: f)
+        ll = np.asarray(run(pointwise)(s1))
+        g = np.asarray(run(jax.grad(lambda a: pointwise(a).sum()))(s1))
+    # the reference: l_i = log Z_i - log sum_{j, k} (prior x scores, tied), d l_i / d s1_i
+    s1n, s2n, vn, yn = (np.asarray(a, np.float64) for a in (s1, s2, v, y))
+    w = s1n[:, :, None] + s2n[:, None, :] - 2 * np.log(_MS)
+    tied = np.where(np.eye(_MS, dtype=bool), w, -np.inf)
+    num = tied.diagonal(0, 1, 2) + norm.logpdf(yn[:, None], vn[None], 1.0)
+    den = tied.diagonal(0, 1, 2)
+    ref = logsumexp(num, -1) - logsumexp(den, -1)
+    ref_g = np.exp(num - logsumexp(num, -1, keepdims=True)) - np.exp(
+        den - logsumexp(den, -1, keepdims=True))
+    live = np.arange(_NS) != dead
+    assert ll[dead] == -np.inf and np.isnan(g[dead]).all()
+    np.testing.assert_allclose(ll[live], ref[live], **tol)
+    np.testing.assert_allclose(g[live], ref_g[live], **tol)

@@ -12,15 +12,18 @@ order; elsewhere it is funsor's, term for term.
 [`log_z`][structinfer.exact.log_z] selects it (by module name, in
 ``contract.safe_log_einsum``) for every sum-product of a model that couples enumerated
 sites: a chain of [`Markov`][structinfer.priors.Markov] edges, two hops a later factor
-restricts, any product of factors with $-\infty$ entries over several sites. A zero derivative also where $\log Z$ itself
-is $-\infty$ (no structure is possible): the engine's marginals and expectations of
-such a model are then NaN by its own check, never the zeros of these derivatives. The
+restricts, any product of factors with $-\infty$ entries over several sites. The zero
+derivative is the tangent times 0, so a NaN cotangent passes through: where $\log Z$
+itself is $-\infty$ (no structure is possible) ``log_z`` gives its result NaN derivatives
+(`contract._no_slope_at_neg_inf`), and they reach every factor behind it, so that the
+marginals, expectations and gradients of such a model are NaN, never zeros. The
 cost is funsor's: one shift, one ``exp``, one ``einsum`` and one ``log`` per contraction,
 plus a select.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from funsor.einsum.util import Tensordot
 from jax import lax
@@ -28,11 +31,23 @@ from jax import lax
 __all__ = ["einsum", "tensordot", "transpose"]
 
 
+@jax.custom_jvp
 def log0(x):
     r"""$\log x$, $-\infty$ with a zero derivative where $x = 0$ (``jnp.log``'s is NaN
-    in reverse mode: $0 \cdot \infty$)."""
+    in reverse mode: $0 \cdot \infty$).
+
+    The derivative there is the tangent times 0, not a constant 0: a finite tangent or
+    cotangent gives 0, a NaN one stays NaN, so the NaN derivatives of a $\log Z = -\infty$
+    (``contract._no_slope_at_neg_inf``) reach every factor behind it."""
     zero = x == 0
     return jnp.where(zero, -jnp.inf, jnp.log(jnp.where(zero, 1.0, x)))
+
+
+@log0.defjvp
+def _log0_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    zero = x == 0
+    return log0(x), jnp.where(zero, t * 0, t / jnp.where(zero, 1.0, x))
 
 
 def einsum(equation: str, *operands):

@@ -222,18 +222,14 @@ def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Arr
     structure zero probability ($\log Z = -\infty$) is an error, and so is a NaN
     $\log Z$ of the model itself (a NaN or infinite score, factor or input the value
     checks did not see: inside a ``scan``), naming the edge sites; a NaN that only the
-    value of an expectation brings (its tilt is $0 \cdot v$) gives NaN. Under a trace the
-    answer is NaN, never a finite number: a child with no allowed parent is NaN in its own
-    rows (funsor's 0 / 0); a model that couples enumerated sites (several, or a Markov
-    chain), whose contraction differentiates log 0 to zero (`log_z`), is NaN everywhere,
-    since where $\log Z = -\infty$ its gradients alone could read as zeros. A float16
-    $\log Z$ is not read for $-\infty$: its sum over many children can overflow while
-    every child is possible."""
+    value of an expectation brings (its tilt is $0 \cdot v$) gives NaN. Under a trace
+    ``out`` is returned as it is: `log_z`'s derivatives are NaN where it is $-\infty$ (a
+    child with no allowed parent in its own rows; a model that couples enumerated sites,
+    several or a Markov chain, everywhere), so the answer is NaN, never a finite number,
+    and so are its own derivatives. A float16 $\log Z$ is not read for $-\infty$: its sum
+    over many children can overflow while every child is possible."""
     if not is_concrete(log_marginal):
-        if not info.couples_enumerated or not _wide(log_marginal):
-            return out
-        none = jnp.isneginf(log_marginal)
-        return {n: jnp.where(none, jnp.nan, x) for n, x in out.items()}
+        return out
     lz = float(log_marginal)
     if np.isnan(lz) and np.isnan(float(log_z(model, args, kwargs, info=info))):
         sites = info.edges

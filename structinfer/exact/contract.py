@@ -135,8 +135,10 @@ def log_z(
             Jittable and differentiable, float32 and float64. The derivatives are exact
             with ``-inf`` priors, scores, factors and forbidden Markov moves too (a
             product of factors that leaves a pair of states unconnected is
-            $\log 0 = -\infty$ with a zero derivative, not NaN), and zero where
-            $\log Z = -\infty$ (no structure is possible).
+            $\log 0 = -\infty$ with a zero derivative, not NaN). Where the result is
+            $-\infty$ (no structure is possible: the model, or one kept element) its
+            derivatives are NaN (a model with one edge site: in the rows of the children
+            with no allowed parent), never a number.
 
     Raises:
         ValueError: a latent site has no value; a tensor dim is left over after the
@@ -181,6 +183,7 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
         if semiring == "sum":
             with _einsum_for(info):
                 lp, _ = funsor_log_density(m, args, kwargs, {})
+            lp = _slope_for(info, lp)
         else:
             lp = _max_product(m, args, kwargs)
     except ValueError as e:
@@ -209,7 +212,9 @@ def safe_log_einsum() -> Iterator[None]:
     states that a product of factors leaves unconnected: the forbidden moves of a chain,
     two restricted hops that a later factor restricts again), is $-\infty$ with a zero
     derivative instead of NaN, so every gradient of $\log Z$ (marginals, expectations)
-    stays exact with $-\infty$ priors, scores and factors. Elsewhere the einsum
+    stays exact with $-\infty$ priors, scores and factors. The zero derivative is the
+    tangent times 0, so a NaN cotangent (that of a $\log Z = -\infty$, which `log_z`
+    makes NaN) passes through. Elsewhere the einsum
     (`structinfer.exact._log_einsum`) is funsor's, term for term.
 
     This is the one place that selects it. funsor reads the einsum of a `logaddexp` / `add`
@@ -236,11 +241,48 @@ def safe_log_einsum() -> Iterator[None]:
 
 
 def _einsum_for(info: ModelInfo):
-    """The safe einsum for a model whose contraction couples enumerated sites
+    r"""The safe einsum for a model whose contraction couples enumerated sites
     (`ModelInfo.couples_enumerated`); funsor's own for one site, whose sums are the
     children's rows, so that a row with no allowed parent stays NaN in its own
-    derivatives (funsor's 0 / 0) rather than reading as zeros."""
+    derivatives (funsor's 0 / 0) rather than reading as zeros.
+
+    Why not the safe einsum for every model: a derivative rule is linear in the
+    cotangent (which is what lets ``jax.hessian`` of ``log_marginal`` run), so at an
+    entry $\log 0$ it maps a zero cotangent and a non-zero one alike, $c \cdot g$: it
+    cannot tell an inner sum that a finite $\log Z$ weighs by $e^{-\infty} = 0$ (derivative
+    0) from a child's row whose $-\infty$ enters the plates' sum (derivative NaN, in that
+    row only). The safe einsum answers 0 for both, and its result's NaN derivatives
+    (`_slope_for`) are the whole answer's; funsor's answers $0 \cdot \infty$ = NaN for
+    both, which for one edge site is exactly the row's."""
     return safe_log_einsum() if info.couples_enumerated else contextlib.nullcontext()
+
+
+@jax.custom_jvp
+def _no_slope_at_neg_inf(x: jax.Array) -> jax.Array:
+    r"""$x$, whose derivatives are NaN where $x = -\infty$ (elementwise).
+
+    The safe einsum differentiates $\log 0$ to zero, which is exact where the sum feeds a
+    finite $\log Z$ (its weight there is $e^{-\infty} = 0$) but would read as zero
+    derivatives of a $\log Z = -\infty$ (no structure), whose derivatives are $0 \cdot
+    \infty$: undefined. Applied to the contraction's result, this makes every derivative
+    that flows through such an entry NaN, to any order (the factor is read off the value,
+    so the rule is linear in the tangent: forward and reverse mode, ``jax.hessian``)."""
+    return x
+
+
+@_no_slope_at_neg_inf.defjvp
+def _no_slope_at_neg_inf_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return x, t * jnp.where(jnp.isneginf(x), jnp.nan, 1.0).astype(t.dtype)
+
+
+def _slope_for(info: ModelInfo, lp: jax.Array) -> jax.Array:
+    """``lp`` (a contraction's result) with NaN derivatives where it is -inf, for a model
+    contracted with the safe einsum (`_einsum_for`); as it is otherwise. A 16-bit result
+    is left alone: its sum over many children can overflow to -inf while every child is
+    possible."""
+    wide = jnp.finfo(jnp.result_type(lp)).maxexp >= jnp.finfo(jnp.float32).maxexp
+    return _no_slope_at_neg_inf(lp) if info.couples_enumerated and wide else lp
 
 
 def _scaled_log_probs(tr):
@@ -561,7 +603,7 @@ def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: Scor
     extra = set(result.inputs) - set(keep_sorted)
     if extra:  # pragma: no cover - guarded by the checks above
         raise ValueError(f"pointwise log-likelihood left free variables {sorted(extra)}")
-    data = funsor.to_data(result, name_to_dim=name_to_dim)
+    data = _slope_for(info, funsor.to_data(result, name_to_dim=name_to_dim))
     nd = max(-d for d, _ in plate_dims.values())
     full = [1] * nd
     for n in keep_sorted:
