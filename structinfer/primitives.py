@@ -214,12 +214,22 @@ def parent_masks(name: str) -> list[jax.Array]:
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
 
-def _check_score_rows(logits: jax.Array, name: str) -> None:
-    """Refuse (on concrete values) a child whose score's ``-inf`` entries forbid every
-    parent its prior allows: the rule of an empty prior row (NaN under a trace)."""
-    if not is_concrete(logits):
+def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
+    """Refuse, on concrete values, a NaN or +inf score entry (-inf forbids an edge, as a
+    masked prior does) and a child whose score's ``-inf`` entries forbid every parent its
+    prior allows (the rule of an empty prior row; NaN under a trace).
+
+    One host copy of the edge's table ``logits`` (log-prior + score) gives both: a NaN or
+    +inf score entry is NaN or +inf there too (``-inf + inf`` is NaN), so the score itself
+    is read only on that error path, for the entry's index in its own shape."""
+    what = f"edge site '{name}': score"
+    if not is_concrete(logits):  # a traced prior: the score's own values, where concrete
+        check_finite(score, what, allow_neg_inf=True)
         return
-    where = first_empty_row(np.isfinite(np.asarray(logits)))
+    table = np.asarray(logits)
+    if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
+        check_finite(score, what, allow_neg_inf=True)
+    where = first_empty_row(np.isfinite(table))
     if where is not None:
         raise ValueError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
@@ -719,8 +729,6 @@ def edge(
                 raise
             raise type(e)(f"edge site '{name}': score {type(score_obj).__name__}: {e}") from e
         _check_table(score_table, "score", name, batch, num_parents)
-        # -inf forbids the edge, as a masked prior does; NaN and +inf are refused
-        check_finite(score_table, f"edge site '{name}': score", allow_neg_inf=True)
         if prior.parameter_dtype is None:  # uniform, a mask, Python numbers: no dtype of
             # its own, the score's (in float32 for a 16-bit score, as the engine sums it)
             log_prior = log_prior.astype(float32_at_least(score_table).dtype)
@@ -737,7 +745,7 @@ def edge(
     logits = float32_at_least(log_prior)
     if score_table is not None:
         logits = logits + float32_at_least(score_table)
-        _check_score_rows(logits, name)
+        _check_score(score_table, logits, name)  # NaN / +inf entries, children left none
     if child is not None:
         # node `child`'s edge, with its exact posterior conditional as distribution:
         # row `child` of the (..., children, parents) table, where the children dim

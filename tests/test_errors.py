@@ -570,3 +570,33 @@ def test_an_edge_hidden_by_any_form_of_block_is_named(form, seeded):
     # outside the engine the check does not fire: NumPyro samples the edge (seeded inside
     # the block: an older NumPyro's block hides the site from a seed outside it too)
     numpyro.handlers.block(numpyro.handlers.seed(edge, 0), **kw)()
+
+
+def test_an_eager_edge_reads_its_score_on_the_host_once(monkeypatch):
+    """Regression: an eager edge copied its score table to the host twice (once for NaN /
+    +inf entries, once for children left no parent). One copy of the edge's table gives
+    both checks; each error is still raised (counted: ``np.asarray`` of JAX arrays)."""
+    array_type = type(jnp.zeros(()))
+    real = np.asarray
+    reads = []
+
+    def counting(a, *args, **kwargs):
+        if isinstance(a, array_type) and a.ndim >= 2:
+            reads.append(a.shape)
+        return real(a, *args, **kwargs)
+
+    def model(s):
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Custom(s))
+
+    s = jnp.asarray(XQ @ XK.T)
+    run = lambda s: numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(s)  # noqa: E731
+    monkeypatch.setattr(np, "asarray", counting)
+    run(s)
+    # the prior's table once (its own empty rows, in log_table), the edge's table once
+    assert reads == [(N, M), (N, M)]
+    for bad, said in ((s.at[2, 4].set(jnp.nan), r"score contains NaN at index \(2, 4\)"),
+                      (s.at[2, 4].set(jnp.inf), r"score contains inf at index \(2, 4\)"),
+                      (s.at[3].set(-jnp.inf), "the score allows no parent for child 3")):
+        with pytest.raises(ValueError, match=f"edge site 'phi': {said}"):
+            run(bad)
