@@ -42,7 +42,9 @@ from .primitives import (
     MASK_PARENTS_TYPE,
     SCAN_INDEX_KEY,
     SCAN_RECORD_KEY,
+    STEP_EDGES,
     gather,
+    hidden_edge_error,
     is_enumerated,
     potential,
 )
@@ -394,18 +396,28 @@ class mask_parents(Messenger):
 class _SeesEveryEdge(Messenger):
     """A handler of the exact engine that every edge site must reach: while it is active
     (`ENGINE_DEPTH`), an edge that a ``numpyro.handlers.block`` hides from it is refused
-    where it is sampled."""
+    where it is sampled; an edge of a scan step (which NumPyro hides while the step runs
+    and replays after the loop, `STEP_EDGES`) is refused when the handler exits if its
+    replay never reached it (a block around the scan)."""
 
     def __enter__(self):
-        self.__dict__.setdefault("_depth_tokens", []).append(
-            ENGINE_DEPTH.set(ENGINE_DEPTH.get() + 1))
+        pending: set[str] = set()  # edges of scan steps, to be seen when replayed
+        depth = ENGINE_DEPTH.set(ENGINE_DEPTH.get() + 1)
+        steps = STEP_EDGES.set((*STEP_EDGES.get(), pending))
+        self.__dict__.setdefault("_frames", []).append((depth, steps, pending, set()))
         return super().__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        depth, steps, pending, seen = self._frames.pop()
         try:
-            return super().__exit__(*exc)
+            out = super().__exit__(exc_type, *exc)
         finally:
-            ENGINE_DEPTH.reset(self._depth_tokens.pop())
+            STEP_EDGES.reset(steps)
+            ENGINE_DEPTH.reset(depth)
+        missing = sorted(pending - seen)
+        if exc_type is None and missing:  # a block around a scan hid its replayed edges
+            raise hidden_edge_error(missing[0])
+        return out
 
     def process_message(self, msg: dict) -> None:
         """Mark an edge site seen."""
@@ -413,6 +425,8 @@ class _SeesEveryEdge(Messenger):
             holder = (msg.get("infer") or {}).get(EDGE_SEEN_KEY)
             if holder is not None:
                 holder["seen"] = True
+                if self._frames:
+                    self._frames[-1][3].add(holder.get("name"))
 
 
 class require_values(_SeesEveryEdge):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,8 @@ __all__ = [
     "MASK_PARENTS_TYPE",
     "EDGE_SEEN_KEY",
     "ENGINE_DEPTH",
+    "STEP_EDGES",
+    "hidden_edge_error",
     "EDGE_INFO_KEY",
     "SCORE_SUFFIX",
     "SCAN_INDEX_KEY",
@@ -214,12 +217,22 @@ def parent_masks(name: str) -> list[jax.Array]:
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
 
-def _check_score_rows(logits: jax.Array, name: str) -> None:
-    """Refuse (on concrete values) a child whose score's ``-inf`` entries forbid every
-    parent its prior allows: the rule of an empty prior row (NaN under a trace)."""
-    if not is_concrete(logits):
+def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
+    """Refuse, on concrete values, a NaN or +inf score entry (-inf forbids an edge, as a
+    masked prior does) and a child whose score's ``-inf`` entries forbid every parent its
+    prior allows (the rule of an empty prior row; NaN under a trace).
+
+    One host copy of the edge's table ``logits`` (log-prior + score) gives both: a NaN or
+    +inf score entry is NaN or +inf there too (``-inf + inf`` is NaN), so the score itself
+    is read only on that error path, for the entry's index in its own shape."""
+    what = f"edge site '{name}': score"
+    if not is_concrete(logits):  # a traced prior: the score's own values, where concrete
+        check_finite(score, what, allow_neg_inf=True)
         return
-    where = first_empty_row(np.isfinite(np.asarray(logits)))
+    table = np.asarray(logits)
+    if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
+        check_finite(score, what, allow_neg_inf=True)
+    where = first_empty_row(np.isfinite(table))
     if where is not None:
         raise ValueError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
@@ -231,8 +244,10 @@ def _check_score_rows(logits: jax.Array, name: str) -> None:
 def _sample_edge(name: str, fn: dist.Distribution, infer: dict) -> jax.Array:
     """``numpyro.sample`` of an edge site; refused when the exact engine is running but a
     ``numpyro.handlers.block`` hid the site from it (its handlers never set the site's
-    `EDGE_SEEN_KEY`)."""
-    seen = {"seen": False}
+    `EDGE_SEEN_KEY`). Inside a scan step, which NumPyro runs hidden from the engine and
+    replays to it afterwards, the engine's handlers check the replay instead
+    (`STEP_EDGES`)."""
+    seen = {"seen": False, "name": name}
     infer[EDGE_SEEN_KEY] = seen
 
     def hidden() -> bool:
@@ -246,14 +261,57 @@ def _sample_edge(name: str, fn: dist.Distribution, infer: dict) -> jax.Array:
             raise
         phi = None
     if hidden():
-        raise ValueError(
-            f"edge site '{name}' is hidden from the engine by a block handler "
-            "(numpyro.handlers.block, in any form: hide, hide_fn, expose or none), so the "
-            "exact engine cannot see it to sum it out (NumPyro would sample it at random). "
-            "Leave edge sites unblocked in the model the engine reads (an SVI guide may "
-            "block them), or fix the edge at a value with numpyro.handlers.condition"
-        )
+        raise hidden_edge_error(name, in_cond=_in_cond_branch())
+    if ENGINE_DEPTH.get() and not seen["seen"]:  # a scan step: its replay must reach them
+        for pending in STEP_EDGES.get():
+            pending.add(name)
     return phi
+
+
+def _in_cond_branch() -> bool:
+    """Whether this runs inside a branch of NumPyro's ``cond`` (its ``cond_wrapper``, which
+    traces the branches hidden from the handlers, is on the call stack); ``False`` where
+    that function is not found."""
+    try:
+        from numpyro.contrib.control_flow.cond import cond_wrapper
+    except ImportError:  # pragma: no cover - another NumPyro layout
+        return False
+    code = getattr(cond_wrapper, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def hidden_edge_error(name: str, in_cond: bool = False) -> ValueError:
+    """The error for an edge site the exact engine's handlers cannot see.
+
+    Args:
+        name: the edge site's name.
+        in_cond: the site is inside a branch of ``numpyro.contrib.control_flow.cond``
+            (hidden by NumPyro itself) rather than behind a ``numpyro.handlers.block``.
+
+    Returns:
+        The ``ValueError`` to raise, naming the site, the cause and what to do.
+    """
+    if in_cond:
+        return ValueError(
+            f"edge site '{name}' is inside a branch of numpyro.contrib.control_flow.cond, "
+            "which NumPyro runs hidden from the handlers and cannot enumerate, so the "
+            "exact engine cannot sum the edge out. Choose with data instead: one edge "
+            "whose score (or prior) the condition picks, e.g. "
+            "si.scores.Custom(jnp.where(pred, score_if_true, score_if_false))"
+        )
+    return ValueError(
+        f"edge site '{name}' is hidden from the engine by a block handler "
+        "(numpyro.handlers.block, in any form: hide, hide_fn, expose or none; also one "
+        "around a numpyro scan, which hides the edges of its steps), so the exact engine "
+        "cannot see it to sum it out (NumPyro would sample it at random). Leave edge sites "
+        "unblocked in the model the engine reads (an SVI guide may block them), or fix "
+        "the edge at a value with numpyro.handlers.condition"
+    )
 
 
 EDGE_SEEN_KEY = "structinfer_edge_seen"
@@ -264,6 +322,13 @@ ENGINE_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar(
     "structinfer_engine_depth", default=0)
 """How many of the exact engine's handlers that must see every edge are active (entered
 and not exited); while one is, an edge that none of them saw is refused."""
+
+STEP_EDGES: contextvars.ContextVar[tuple[set[str], ...]] = contextvars.ContextVar(
+    "structinfer_step_edges", default=())
+"""One set per active engine handler of `ENGINE_DEPTH`: the names of the edges sampled in a
+scan step while it was active (NumPyro hides a step's sites and replays them after the
+loop). The handler refuses, when it exits, an edge of its set whose replay did not reach
+it (a ``numpyro.handlers.block`` around the scan)."""
 
 MASK_PARENTS_TYPE = "structinfer_mask_parents"
 """Type of the message [`parent_masks`][structinfer.primitives.parent_masks] sends."""
@@ -719,8 +784,6 @@ def edge(
                 raise
             raise type(e)(f"edge site '{name}': score {type(score_obj).__name__}: {e}") from e
         _check_table(score_table, "score", name, batch, num_parents)
-        # -inf forbids the edge, as a masked prior does; NaN and +inf are refused
-        check_finite(score_table, f"edge site '{name}': score", allow_neg_inf=True)
         if prior.parameter_dtype is None:  # uniform, a mask, Python numbers: no dtype of
             # its own, the score's (in float32 for a 16-bit score, as the engine sums it)
             log_prior = log_prior.astype(float32_at_least(score_table).dtype)
@@ -737,7 +800,7 @@ def edge(
     logits = float32_at_least(log_prior)
     if score_table is not None:
         logits = logits + float32_at_least(score_table)
-        _check_score_rows(logits, name)
+        _check_score(score_table, logits, name)  # NaN / +inf entries, children left none
     if child is not None:
         # node `child`'s edge, with its exact posterior conditional as distribution:
         # row `child` of the (..., children, parents) table, where the children dim

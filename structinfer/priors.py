@@ -134,6 +134,12 @@ class StructuralPrior:
     def _log_weights(self, num_children: int) -> jax.Array:  # pragma: no cover
         raise NotImplementedError
 
+    def _log_weights_in(self, num_children: int, dtype: Any) -> jax.Array:
+        """`_log_weights`, for a table to be normalised in ``dtype`` (``None``: the
+        parameters' own). A prior built on another overrides it to have that one
+        normalised in ``dtype`` too."""
+        return self._log_weights(num_children)
+
     @property
     def parameter_dtype(self) -> Any:
         """The floating dtype of the prior's array parameters (a bias table, an array
@@ -167,7 +173,7 @@ class StructuralPrior:
             ValueError: if some child has no allowed parent (checked on concrete values).
         """
         num_children = int(num_children)
-        w = self._log_weights(num_children)
+        w = self._log_weights_in(num_children, dtype)
         if w.shape[-1] != self.num_parents:
             raise ValueError(
                 f"{type(self).__name__} prior: table has {w.shape[-1]} parents, "
@@ -1289,10 +1295,15 @@ class Masked(StructuralPrior):
         return self.prior.parameter_dtype
 
     def _log_weights(self, num_children: int) -> jax.Array:
+        return self._log_weights_in(num_children, None)
+
+    def _log_weights_in(self, num_children: int, dtype: Any) -> jax.Array:
+        # the base normalised in `dtype` too (a float32 parameter in a float64 model: from
+        # its exact value), as the unmasked prior is
         mask = self.mask
         if self._band is not None:
             mask = band_mask(mask.shape[-2], mask.shape[-1], **self._band)
-        return jnp.where(mask, self.prior.log_table(num_children), -jnp.inf)
+        return jnp.where(mask, self.prior.log_table(num_children, dtype), -jnp.inf)
 
     def describe(self) -> dict[str, Any]:
         """The base prior's description under ``"prior"``, and the mask's shape."""

@@ -1,5 +1,7 @@
 """Bad input gets a clear error that names the site and what was expected."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -570,3 +572,115 @@ def test_an_edge_hidden_by_any_form_of_block_is_named(form, seeded):
     # outside the engine the check does not fire: NumPyro samples the edge (seeded inside
     # the block: an older NumPyro's block hides the site from a seed outside it too)
     numpyro.handlers.block(numpyro.handlers.seed(edge, 0), **kw)()
+
+
+def test_an_eager_edge_reads_its_score_on_the_host_once(monkeypatch):
+    """Regression: an eager edge copied its score table to the host twice (once for NaN /
+    +inf entries, once for children left no parent). One copy of the edge's table gives
+    both checks; each error is still raised (counted: ``np.asarray`` of JAX arrays)."""
+    array_type = type(jnp.zeros(()))
+    real = np.asarray
+    reads = []
+
+    def counting(a, *args, **kwargs):
+        if isinstance(a, array_type) and a.ndim >= 2:
+            reads.append(a.shape)
+        return real(a, *args, **kwargs)
+
+    def model(s):
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Custom(s))
+
+    s = jnp.asarray(XQ @ XK.T)
+    run = lambda s: numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(s)  # noqa: E731
+    monkeypatch.setattr(np, "asarray", counting)
+    run(s)
+    # the prior's table once (its own empty rows, in log_table), the edge's table once
+    assert reads == [(N, M), (N, M)]
+    for bad, said in ((s.at[2, 4].set(jnp.nan), r"score contains NaN at index \(2, 4\)"),
+                      (s.at[2, 4].set(jnp.inf), r"score contains inf at index \(2, 4\)"),
+                      (s.at[3].set(-jnp.inf), "the score allows no parent for child 3")):
+        with pytest.raises(ValueError, match=f"edge site 'phi': {said}"):
+            run(bad)
+
+
+def _scan_model(where):
+    """Attention edges over the steps of a ``scan``, hidden by a ``block`` ``where``: around
+    the edge inside the step, around the step function, or around the whole scan."""
+    steps = 3
+    qs = jnp.stack([jnp.asarray(XQ) * (t + 1) for t in range(steps)])
+
+    def model():
+        def step(c, q):
+            with numpyro.plate("queries", N):
+                def e():
+                    return si.edge("phi", si.priors.Uniform(M), si.scores.Dot(q, XK))
+
+                j = numpyro.handlers.block(e, hide=["phi"])() if where == "edge" else e()
+                numpyro.deterministic("out", jnp.asarray(V)[j])
+            return c, None
+
+        body = numpyro.handlers.block(step, hide=["phi"]) if where == "step" else step
+        run = functools.partial(scan, body, jnp.zeros(()), qs)
+        numpyro.handlers.block(run, hide=["phi"])() if where == "scan" else run()
+
+    return model
+
+
+@pytest.mark.parametrize("where", ["edge", "step", "scan"])
+def test_an_edge_hidden_by_block_in_a_scan_is_named(where):
+    """A scan's steps run hidden from the engine and are replayed to it afterwards, so the
+    check of a hidden edge was exempt inside a step. A block around the edge or the step
+    function was refused all the same; one around the whole scan hid the replayed edges:
+    the log-marginal came out of the edges' row normalisers alone, and the expectation
+    raised an unrelated error about a leftover tensor dim. Every placement is refused,
+    naming the site, eagerly and under jit; without the block the scan runs."""
+    said = "edge site 'phi' is hidden from the engine by a block handler"
+    model = _scan_model(where)
+    for run in (lambda: si.log_marginal(model), lambda: si.marginals(model),
+                lambda: si.expectation(model, "out"), lambda: si.attention(model, "out")(),
+                lambda: jax.jit(lambda: si.log_marginal(model))()):
+        with pytest.raises(ValueError, match=said):
+            run()
+    unblocked = _scan_model("none")
+    s = np.stack([(XQ * (t + 1)) @ XK.T for t in range(3)])
+    np.testing.assert_allclose(si.log_marginal(unblocked),
+                               (np.logaddexp.reduce(s, -1) - np.log(M)).sum(), rtol=1e-5)
+
+
+def test_an_edge_in_a_cond_branch_is_refused_naming_cond():
+    """An edge inside a ``numpyro.contrib.control_flow.cond`` branch: NumPyro runs the
+    branches hidden from the handlers and cannot enumerate their sites, so the engine
+    cannot sum the edge out. It was refused as hidden "by a block handler", which the
+    model has none of; the error now names cond and says how to write the choice as data
+    (a ``jnp.where`` of the two branches' scores), which the engine runs."""
+    from numpyro.contrib.control_flow import cond
+
+    def model(flag):
+        def branch(sign):
+            def run(_):
+                with numpyro.plate("queries", N):
+                    j = si.edge("phi", si.priors.Uniform(M), si.scores.Dot(sign * XQ, XK))
+                return jnp.asarray(V)[j]
+            return run
+
+        numpyro.deterministic("out", cond(flag, branch(1.0), branch(-1.0), None))
+
+    said = (r"edge site 'phi' is inside a branch of numpyro.contrib.control_flow.cond.*"
+            r"jnp.where")
+    for run in (lambda: si.log_marginal(model, True), lambda: si.marginals(model, True),
+                lambda: si.expectation(model, "out", True),
+                lambda: si.attention(model, "out")(True),
+                lambda: jax.jit(lambda f: si.log_marginal(model, f))(True)):
+        with pytest.raises(ValueError, match=said):
+            run()
+
+    def as_data(flag):  # the suggested rewrite: one edge, the score chosen by the flag
+        with numpyro.plate("queries", N):
+            s = jnp.where(flag, XQ @ XK.T, -XQ @ XK.T)
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.Custom(s))
+            numpyro.deterministic("out", jnp.asarray(V)[j])
+
+    np.testing.assert_allclose(si.log_marginal(as_data, False),
+                               (np.logaddexp.reduce(-XQ @ XK.T, -1) - np.log(M)).sum(),
+                               rtol=1e-5)

@@ -36,6 +36,7 @@ from numpyro.ops.indexing import Vindex
 import structinfer as si
 from structinfer.lowering import NotLowerableError, accel, explain
 from structinfer.lowering._lower import lower_edge
+from structinfer.lowering._softmax import RowStats
 from structinfer.lowering.dense import dense_attention
 
 H, N, D = 2, 131, 16  # 131^2 logits: above the dense kernel's limit
@@ -435,11 +436,11 @@ def _passes_against_dense(terms, prob, batch, r, mask=None):
         dy = jnp.where(fin[..., None], dy_raw, 0.0)
         dlse = jnp.where(fin, dlse_raw, 0.0)
         (g0,) = jax.vjp(lambda p: dense_attention(terms, p, batch), prob)[1]((dy, dlse))
-        y1, lse1 = accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16,
-                                        interpret=True, mask=mask)
-        grads = accel.pallas_backward(terms, prob, batch, y1, lse1, dy, dlse, block_q=16,
+        y1, stats1 = accel.pallas_forward(terms, prob, batch, block_q=16, block_k=16,
+                                          interpret=True, mask=mask, stats=True)
+        grads = accel.pallas_backward(terms, prob, batch, y1, stats1, dy, dlse, block_q=16,
                                       block_k=32, interpret=True, mask=mask)
-        return y0, lse0, fin, g0, y1, lse1, grads
+        return y0, lse0, fin, g0, y1, stats1.lse(), grads
 
     y0, lse0, fin, g0, y1, lse1, (d_row, d_col, _, d_glob, d_v) = run(prob, dy_raw, dlse_raw)
     fin = np.asarray(fin)
@@ -671,10 +672,11 @@ def test_a_mask_of_the_wrong_shape_is_named():
     q, k, v = _inputs(jnp.float32, n=n)
     low = lower_edge(si.priors.Restricted(mask), si.scores.Dot(q, k), v, n, (H,))
     y, lse = jnp.zeros((H, n, v.shape[-1])), jnp.zeros((H, n))
+    stats = RowStats(lse, lse)
     for call in (
         lambda mk: accel.pallas_forward(low.terms, low.problem, (H,), interpret=True,
                                         mask=mk),
-        lambda mk: accel.pallas_backward(low.terms, low.problem, (H,), y, lse, y, lse,
+        lambda mk: accel.pallas_backward(low.terms, low.problem, (H,), y, stats, y, lse,
                                          interpret=True, mask=mk),
     ):
         with pytest.raises(ValueError, match=r"mask of shape \(40, 39\).*\(\.\.\., 40, 40\)"):
@@ -783,9 +785,9 @@ def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
 
     def passes(p, tiles=None, starts=None):
         kw = dict(block_q=bq, block_k=bk, tiles=tiles, starts=starts, interpret=True)
-        y, lse = accel.pallas_forward(low.terms, p, batch, **kw)
-        return y, lse, accel.pallas_backward(low.terms, p, batch, y, lse, ct,
-                                             jnp.ones_like(lse), **kw)
+        y, stats = accel.pallas_forward(low.terms, p, batch, stats=True, **kw)
+        return y, stats.lse(), accel.pallas_backward(low.terms, p, batch, y, stats, ct,
+                                                     jnp.ones_like(stats.m), **kw)
 
     looked_up, tiled = (jax.jit(lambda p, t=t: passes(p, t))(low.problem) for t in (False, True))
     # the table's gradient is summed by a scatter-add, whose order a GPU does not fix (the
@@ -954,9 +956,11 @@ def test_pallas_relative_position_atomics_mask_in_the_values_shape_or_none(causa
                      si.scores.Dot(q, k, scale=0.25), v, n, (H,))
 
     def grads(p):
-        y, lse = accel.pallas_forward(low.terms, p, low.batch_shape, interpret=False)
-        return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse, jnp.ones_like(y),
-                                     jnp.zeros_like(lse), interpret=False)[3]
+        y, stats = accel.pallas_forward(low.terms, p, low.batch_shape, interpret=False,
+                                        stats=True)
+        return accel.pallas_backward(low.terms, p, low.batch_shape, y, stats,
+                                     jnp.ones_like(y), jnp.zeros_like(stats.m),
+                                     interpret=False)[3]
 
     eqns = eqns_named(jax.make_jaxpr(grads)(low.problem).jaxpr, "atomic_rmw")
     assert eqns
@@ -1015,9 +1019,11 @@ def test_pallas_backward_runs_four_warps_by_default():
                      n, (H,))
 
     def grads(p):
-        y, lse = accel.pallas_forward(low.terms, p, low.batch_shape, interpret=False)
-        return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse, jnp.ones_like(y),
-                                     jnp.zeros_like(lse), interpret=False)
+        y, stats = accel.pallas_forward(low.terms, p, low.batch_shape, interpret=False,
+                                        stats=True)
+        return accel.pallas_backward(low.terms, p, low.batch_shape, y, stats,
+                                     jnp.ones_like(y), jnp.zeros_like(stats.m),
+                                     interpret=False)
 
     calls = [e for e in jax.make_jaxpr(grads)(low.problem).jaxpr.eqns
              if e.primitive.name == "pallas_call"]
@@ -1051,10 +1057,10 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
             assert "triton" in text
 
             def grads(p, low=low, mask=mask):  # the backward passes (atomics: the table)
-                y, lse = accel.pallas_forward(low.terms, p, low.batch_shape,
-                                              interpret=False, mask=mask)
-                return accel.pallas_backward(low.terms, p, low.batch_shape, y, lse,
-                                             jnp.ones_like(y), jnp.zeros_like(lse),
+                y, stats = accel.pallas_forward(low.terms, p, low.batch_shape,
+                                                interpret=False, mask=mask, stats=True)
+                return accel.pallas_backward(low.terms, p, low.batch_shape, y, stats,
+                                             jnp.ones_like(y), jnp.zeros_like(stats.m),
                                              interpret=False, mask=mask)
 
             text = jax.jit(grads).trace(low.problem).lower(
@@ -1124,9 +1130,9 @@ def test_pallas_passes_take_traced_start_offsets(case):
     if case.startswith("relpos"):  # and Triton takes the traced offset (lowered for CUDA)
         def passes(prob, starts):
             kw = dict(interpret=False, starts=starts)
-            y, lse = accel.pallas_forward(terms, prob, (H,), **kw)
-            return accel.pallas_backward(terms, prob, (H,), y, lse, jnp.ones_like(y),
-                                         jnp.ones_like(lse), **kw)
+            y, stats = accel.pallas_forward(terms, prob, (H,), stats=True, **kw)
+            return accel.pallas_backward(terms, prob, (H,), y, stats, jnp.ones_like(y),
+                                         jnp.ones_like(stats.m), **kw)
 
         text = jax.jit(passes).trace(chunk, starts).lower(lowering_platforms=("cuda",))
         assert text.as_text().count("triton") >= 4  # forward, dK/dV, dQ, the table
@@ -1158,13 +1164,34 @@ def test_pallas_gradients_of_rows_of_huge_logits(causal):
     assert_huge_logit_gradients(vjp(ct)[0], ref[1](ct)[0])
 
 
+@pytest.mark.parametrize("entry", ["pallas_backward", "mosaic_backward", "mosaic_dq",
+                                   "mosaic_dkdv"])
+def test_the_backward_entry_points_refuse_the_log_normaliser_alone(entry):
+    """Regression: the backward entry points took an array of row log-normalisers L in
+    place of the forward's statistics, read as m = L, log l = 0: on rows of huge logits
+    (every logit near -1e9, where float32 rounds log l out of L) that gave finite wrong
+    gradients. They take the forward's statistics only (``stats=True``) and name the
+    argument when given an array."""
+    from structinfer.lowering import mosaic
+
+    low = huge_logit_edge(24, 8, jnp.float32)
+    y, stats = accel.pallas_forward(low.terms, low.problem, (2,), interpret=True, stats=True)
+    dy, dl = huge_logit_cotangents(low)
+    run = getattr(accel, entry, None) or getattr(mosaic, entry)
+    lse = stats.lse()
+    args = (y, lse, dy, dl) if entry.endswith("backward") else (dy, lse, jnp.zeros_like(lse))
+    with pytest.raises(TypeError, match=rf"{entry}: stats must be the forward's row "
+                                        r"statistics .*got an array of shape \(2, 24\)"):
+        run(low.terms, low.problem, (2,), *args)
+
+
 def test_backward_probabilities_of_a_row_with_no_edge_are_zero():
     """Regression (review): the backward's p must be 0 on a row with no edge (log l = -inf,
     L = -inf: a padding row) whatever its logits and max, also NaN or +inf ones (a
     non-finite key or bias read only by padding rows): else the gradients of the parents
     only padding rows see turn NaN. Both backwards (blocked, Pallas) compute p here; it is
     e^{(s - m) - log l}, uniform on a row of equal huge logits (where L rounds to m)."""
-    from structinfer.lowering._softmax import RowStats, backward_probs
+    from structinfer.lowering._softmax import backward_probs
 
     s = jnp.array([[0.5, jnp.nan, jnp.inf, -jnp.inf], [1.0, 2.0, 3.0, -jnp.inf],
                    [-1e9, -1e9, -1e9, -jnp.inf]])

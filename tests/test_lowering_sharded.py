@@ -378,6 +378,49 @@ def test_an_empty_shard_and_an_unused_mesh_are_said():
     assert lowered.path == "lowered" and lowered.mesh == ""
 
 
+def test_a_mesh_the_exact_engine_does_not_use_is_said_at_call_time():
+    """Regression: ``attention(..., mesh=...)`` on a model that falls back to the exact
+    engine (which runs on one device) said so only in ``f.explain``; the call was silent.
+    The call warns (`MeshFallbackWarning`), with the reason, once per trace: again for new
+    shapes, not for a call that reuses the trace, nor without a mesh or for a lowered
+    model. The answer is the exact engine's."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import numpyro
+    import numpyro.distributions as dist
+
+    import structinfer as si
+    from structinfer.lowering import MeshFallbackWarning
+
+    def mixed(q, k, v):  # an enumerated site that is no edge: the exact engine runs it
+        c = numpyro.sample("c", dist.Categorical(jnp.ones(2) / 2),
+                           infer={"enumerate": "parallel"})
+        with numpyro.plate("queries", q.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j] * (c + 1.0)[..., None])
+
+    mesh = jax.make_mesh((1,), ("x",))
+    f = si.attention(mixed, "out", mesh=mesh)
+    x = np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(3, 2)
+    said = (r"structinfer.attention: mesh= is not used: the model falls back to the exact "
+            r"engine, which runs on one device \(a mesh shards the lowered kernels only\): "
+            r"site 'c': ")
+    with pytest.warns(MeshFallbackWarning, match=said) as caught:
+        out = f(x, x, x)
+    assert len(caught) == 1
+    np.testing.assert_allclose(out, si.expectation(mixed, "out", x, x, x), rtol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(x, x, x)  # the same trace: said once
+        si.attention(mixed, "out")(x, x, x)  # no mesh: nothing to say
+        si.attention(_mha_model(), "out", mesh=mesh)(*(np.ones((2, 4, 2), np.float32),) * 3)
+    with pytest.warns(MeshFallbackWarning, match=said):
+        f(x[:2], x, x)  # new shapes: a new trace
+
+
 def test_explain_reports_the_sharded_plan():
     """Regression: ``f.explain`` of ``attention(..., mesh=...)`` described the
     single-device path. It names, per edge, the mesh axis and its devices, heads or ring

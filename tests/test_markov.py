@@ -719,27 +719,34 @@ def test_a_bfloat16_chain_is_contracted_in_float32():
                                si.marginals(hmm, *up)["z"], atol=1e-6)
 
 
+def valued_chain(s, lt, li, v):
+    """A chain whose value is a table read at the edge: ``v[z_t]``."""
+    prior = si.priors.Markov(lt, li)
+
+    def step(prev, sc):
+        z = si.edge("z", prior, sc, previous=prev)
+        numpyro.deterministic("out", v[z])
+        return z, None
+
+    scan(step, jnp.asarray(-1), s)
+
+
+def _valued_chain_args():
+    """``(s, lt, li, v)`` of `valued_chain` (float32): T steps' scores, K states' log
+    transitions and initial weights, a value of size 2 per state."""
+    r = np.random.default_rng(0)
+    return tuple(jnp.asarray(r.normal(size=x), jnp.float32)
+                 for x in ((T, K), (K, K), (K,), (K, 2)))
+
+
 def test_nan_score_in_a_chain_raises_eagerly_and_is_nan_under_jit():
     """A NaN score inside a Markov chain (a ``scan``, where the exact engine's value
     checks do not see it): called eagerly, `attention` raises naming the edge site, not
     an all-NaN answer; under an outer ``jit`` the answer is NaN, never finite."""
-    from numpyro.contrib.control_flow import scan
-
-    def chain(s, lt, li, v):
-        prior = si.priors.Markov(lt, li)
-
-        def step(prev, sc):
-            z = si.edge("z", prior, sc, previous=prev)
-            numpyro.deterministic("out", v[z])
-            return z, None
-
-        scan(step, jnp.asarray(-1), s)
-
-    r = np.random.default_rng(0)
-    s = jnp.asarray(r.normal(size=(8, 3)), jnp.float32)
-    lt, li, v = (jnp.asarray(r.normal(size=x), jnp.float32) for x in ((3, 3), (3,), (3, 2)))
-    f = si.attention(chain, "out")
-    np.testing.assert_allclose(f(s, lt, li, v), si.expectation(chain, "out", s, lt, li, v),
+    s, lt, li, v = _valued_chain_args()
+    f = si.attention(valued_chain, "out")
+    np.testing.assert_allclose(f(s, lt, li, v),
+                               si.expectation(valued_chain, "out", s, lt, li, v),
                                rtol=1e-5, atol=1e-6)
     bad = s.at[3, 1].set(jnp.nan)
     with pytest.raises(ValueError, match="edge site 'z': the model's log-marginal is NaN"):
@@ -831,27 +838,13 @@ def test_structural_zero_transitions_give_exact_marginals_not_nan(dtype):
             np.testing.assert_array_equal(np.asarray(g_lt[b])[~allowed], 0.0)
 
 
-def valued_chain(s, lt, li, v):
-    """A chain whose value is a table read at the edge: ``v[z_t]``."""
-    prior = si.priors.Markov(lt, li)
-
-    def step(prev, sc):
-        z = si.edge("z", prior, sc, previous=prev)
-        numpyro.deterministic("out", v[z])
-        return z, None
-
-    scan(step, jnp.asarray(-1), s)
-
-
 def test_exact_engine_on_a_chain_with_a_nan_score_raises_eagerly_naming_the_site():
     """Regression: `si.marginals` and `si.expectation` of a chain with a NaN score (inside
     a ``scan``, where the score's own value check does not see it) returned NaN eagerly,
     where `si.attention` raised naming the edge site, as the engine does outside a scan.
     Now the same error; under jit NaN. A NaN in the value alone (log Z finite) is no
     error: the expectation is NaN."""
-    r = np.random.default_rng(0)
-    s, lt, li, v = (jnp.asarray(r.normal(size=x), jnp.float32)
-                    for x in ((T, K), (K, K), (K,), (K, 2)))
+    s, lt, li, v = _valued_chain_args()
     bad = s.at[3, 1].set(jnp.nan)
     msg = "edge site 'z': the model's log-marginal is NaN"
     with pytest.raises(ValueError, match=msg):

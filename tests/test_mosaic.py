@@ -51,7 +51,7 @@ from numpyro.ops.indexing import Vindex
 import structinfer as si
 from structinfer.lowering import KERNELS, NotLowerableError, explain
 from structinfer.lowering._lower import lower_edge
-from structinfer.lowering._softmax import backward_delta
+from structinfer.lowering._softmax import RowStats, backward_delta
 from structinfer.lowering.accel import pallas_backward
 from structinfer.lowering.dense import dense_attention
 from structinfer.lowering.mosaic import (
@@ -353,13 +353,14 @@ def test_mosaic_dkdv_table_grad_without_a_table_says_so():
 @pytest.mark.parametrize("run", [mosaic_dq, mosaic_dkdv])
 def test_mosaic_backward_passes_name_a_misshapen_argument(run):
     low = _low("causal", 256, 64, jnp.bfloat16)
-    d_out, lse, delta = _cotangents(low)
-    with pytest.raises(ValueError, match=rf"{run.__name__}: lse of shape \(2, 255\), "
+    d_out, stats, delta = _cotangents(low)
+    short = RowStats(stats.m[:, :255], stats.log_l[:, :255])
+    with pytest.raises(ValueError, match=rf"{run.__name__}: stats.m of shape \(2, 255\), "
                                          r"expected \(2, 256\) \(batch, children\)"):
-        run(low.terms, low.problem, low.batch_shape, d_out, lse[:, :255], delta)
+        run(low.terms, low.problem, low.batch_shape, d_out, short, delta)
     with pytest.raises(ValueError, match=r"d_out of shape \(2, 256, 32\), expected "
                                          r"\(2, 256, 64\) \(batch, children, value dim\)"):
-        run(low.terms, low.problem, low.batch_shape, d_out[..., :32], lse, delta)
+        run(low.terms, low.problem, low.batch_shape, d_out[..., :32], stats, delta)
 
 
 @pytest.mark.cpu_only
@@ -459,18 +460,20 @@ def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
 
 
 def _cotangents(low, seed=3):
-    """``(d_out, lse, delta)`` for the dQ pass: a random output cotangent, the dense
-    kernel's L, and delta from its y with a random cotangent of L."""
+    """``(d_out, stats, delta)`` for the backward passes: a random output cotangent, the
+    dense kernel's L as row statistics (m = L, log l = 0: exact at these moderate logits),
+    and delta from its y with a random cotangent of L."""
     y, lse = _dense_of(low)
     r = np.random.default_rng(seed)
     d_out = jnp.asarray(r.normal(size=y.shape), low.problem.v.dtype)
     d_lse = jnp.asarray(r.normal(size=lse.shape), jnp.float32)
-    return d_out, lse, backward_delta(y, d_out, lse, d_lse, jnp.float32)
+    return d_out, RowStats.of_lse(lse), backward_delta(y, d_out, lse, d_lse, jnp.float32)
 
 
-def _dense_vjp(low, d_out, lse, delta):
+def _dense_vjp(low, d_out, stats, delta):
     """The dense kernel's gradients on float32 copies of the problem, for the cotangent of
-    y ``d_out`` and the cotangent of L that gives ``delta``."""
+    y ``d_out`` and the cotangent of L that gives ``delta`` (``stats``: the rows' L)."""
+    lse = stats.lse()
     up = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16)
                       else x, low.problem)
     (y, _), vjp = jax.vjp(lambda p: dense_attention(low.terms, p, low.batch_shape, "highest"),
@@ -516,12 +519,12 @@ def _check_dq(case, n, d, dtype):
     parent; and through `pallas_backward`'s ``dq_pass`` the rest of the gradient is the
     Triton kernel's."""
     low = _low(case, n, d, dtype)
-    d_out, lse, delta = _cotangents(low)
-    dq, dgeo = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, lse, delta,
+    d_out, stats, delta = _cotangents(low)
+    dq, dgeo = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, stats, delta,
                          low.mask)
     assert dq.shape == low.problem.row.q.shape and dq.dtype == dtype
-    want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
-    ok = np.isfinite(np.asarray(lse))
+    want, y, d_lse = _dense_vjp(low, d_out, stats, delta)
+    ok = np.isfinite(np.asarray(stats.lse()))
     assert ok.all() == (case != "strict_causal")
     _close(np.asarray(dq, np.float32)[ok], np.asarray(want.row.q)[ok])
     assert (np.asarray(dq, np.float32)[~ok] == 0).all()
@@ -531,9 +534,9 @@ def _check_dq(case, n, d, dtype):
     else:
         assert dgeo is None
     if case in ("relpos", "geometric"):  # the hook: only the dQ pass differs
-        mixed = pallas_backward(low.terms, low.problem, low.batch_shape, y, lse, d_out,
+        mixed = pallas_backward(low.terms, low.problem, low.batch_shape, y, stats, d_out,
                                 d_lse, mask=low.mask, dq_pass=mosaic_dq)
-        own = pallas_backward(low.terms, low.problem, low.batch_shape, y, lse, d_out,
+        own = pallas_backward(low.terms, low.problem, low.batch_shape, y, stats, d_out,
                               d_lse, mask=low.mask)
         np.testing.assert_array_equal(np.asarray(mixed[0].q), np.asarray(dq))
         for a, b in zip(jax.tree.leaves(mixed[1:]), jax.tree.leaves(own[1:])):
@@ -547,12 +550,12 @@ def _check_dkdv(case, n, d, dtype):
     whole `mosaic_backward` (both passes in Mosaic GPU, the table's gradient summed in
     the dK/dV pass) against it too."""
     low = _low(case, n, d, dtype)
-    d_out, lse, delta = _cotangents(low)
+    d_out, stats, delta = _cotangents(low)
     table = low.terms.relpos is not None
-    dk, dv, db, dt = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta,
+    dk, dv, db, dt = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, stats, delta,
                                  low.mask, table_grad=table)
     assert dk.dtype == dv.dtype == dtype
-    want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
+    want, y, d_lse = _dense_vjp(low, d_out, stats, delta)
     _close(dk, want.col.k)
     _close(dv, want.v)
     if low.terms.col_bias:
@@ -565,9 +568,9 @@ def _check_dkdv(case, n, d, dtype):
     else:
         assert dt is None
     if case in ("relpos", "geometric", "bias"):
-        got = mosaic_backward(low.terms, low.problem, low.batch_shape, y, lse, d_out, d_lse,
+        got = mosaic_backward(low.terms, low.problem, low.batch_shape, y, stats, d_out, d_lse,
                               mask=low.mask)
-        ok = np.isfinite(np.asarray(lse))
+        ok = np.isfinite(np.asarray(stats.lse()))
         _close(np.asarray(got[0].q, np.float32)[ok], np.asarray(want.row.q)[ok])
         _close(got[1].k, want.col.k)
         _close(got[4], want.v)
@@ -584,7 +587,7 @@ def _check_dkdv(case, n, d, dtype):
                                             lambda terms: "not here"):
                 assert "table" in mosaic_backward_refusals(low.terms, low.problem,
                                                            low.batch_shape, low.mask)
-                apart = mosaic_backward(low.terms, low.problem, low.batch_shape, y, lse,
+                apart = mosaic_backward(low.terms, low.problem, low.batch_shape, y, stats,
                                         d_out, d_lse, mask=low.mask)
             _close(apart[3].relpos, want.glob.relpos)
             _close(apart[1].k, got[1].k, atol=1e-5)
@@ -632,19 +635,19 @@ def test_mosaic_backward_interpreted_cross_attention(mosaic_interpreted):
                           v, n, (H,))
 
     low = low_of(256, 200)
-    d_out, lse, delta = _cotangents(low)
-    want, y, d_lse = _dense_vjp(low, d_out, lse, delta)
-    dq, _ = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, lse, delta)
-    dk, dv, db, dt = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, lse, delta)
+    d_out, stats, delta = _cotangents(low)
+    want, y, d_lse = _dense_vjp(low, d_out, stats, delta)
+    dq, _ = mosaic_dq(low.terms, low.problem, low.batch_shape, d_out, stats, delta)
+    dk, dv, db, dt = mosaic_dkdv(low.terms, low.problem, low.batch_shape, d_out, stats, delta)
     assert dk.shape == (H, 200, 64) and db.shape == (H, 200) and dt is None
     for a, b in ((dq, want.row.q), (dk, want.col.k), (dv, want.v), (db, want.col.bias[..., 0])):
         _close(a, b)
     small = low_of(256, 64)
     assert "64 parents (the Mosaic GPU kernel needs at least 64 and 128)" in (
         mosaic_dkdv_unsupported(small.terms, small.problem, small.batch_shape))
-    d_out, lse, delta = _cotangents(small)
-    want, y, d_lse = _dense_vjp(small, d_out, lse, delta)
-    got = mosaic_backward(small.terms, small.problem, small.batch_shape, y, lse, d_out, d_lse)
+    d_out, stats, delta = _cotangents(small)
+    want, y, d_lse = _dense_vjp(small, d_out, stats, delta)
+    got = mosaic_backward(small.terms, small.problem, small.batch_shape, y, stats, d_out, d_lse)
     for a, b in ((got[0].q, want.row.q), (got[1].k, want.col.k), (got[4], want.v)):
         _close(a, b)
     assert not mosaic_interpreted()
@@ -671,11 +674,11 @@ def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpre
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_l), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y), atol=2e-2,
                                rtol=2e-2)
-    d_out, lse, delta = _cotangents(low)
-    want, y32, d_lse = _dense_vjp(low, d_out, lse, delta)
+    d_out, stats, delta = _cotangents(low)
+    want, y32, d_lse = _dense_vjp(low, d_out, stats, delta)
     assert mosaic_dkdv_unsupported(low.terms, low.problem, low.batch_shape,
                                    table_grad=True) is None
-    got = mosaic_backward(low.terms, low.problem, low.batch_shape, y32, lse, d_out, d_lse)
+    got = mosaic_backward(low.terms, low.problem, low.batch_shape, y32, stats, d_out, d_lse)
     for a, b in ((got[0].q, want.row.q), (got[1].k, want.col.k), (got[4], want.v),
                  (got[3].relpos, want.glob.relpos)):
         _close(a, b)

@@ -488,7 +488,8 @@ def _bad_row_cases():
     return {
         # more queries than keys: the first queries of a causal cross attention see no key
         "causal_cross": (sinn.causal(), inputs((B, N, F), jnp.float32),
-                         inputs((B, M, F), jnp.float32), r"no parent for child 0"),
+                         inputs((B, M, F), jnp.float32),
+                         rf"structinfer.nn.causal: {N} queries but only {M} keys"),
         "nan_input": (sinn.uniform(), nan, None, r"score contains NaN"),
     }
 
@@ -496,21 +497,22 @@ def _bad_row_cases():
 @pytest.mark.parametrize("case", ["causal_cross", "nan_input"])
 def test_batched_bad_rows_raise_like_unbatched(case):
     """The unbatched call raises the documented error; the batched call (vmapped heads)
-    raises it too, naming the edge site and the batch element, never NaN rows. A mask
-    with an empty row is known from the shapes alone: its error names no batch element
-    and is raised under jit as well."""
+    raises it too, naming the edge site and the batch element, never NaN rows. More
+    queries than keys in a causal head is known from the shapes alone: the head's error,
+    raised under jit as well."""
     mech, xq, xk, text = _bad_row_cases()[case]
     layer = layer_for(mech)
     first = 1 if case == "nan_input" else 0  # the first batch element with a bad row
     with pytest.raises(ValueError, match=text):
         layer(xq[first], None if xk is None else xk[first])
+    jitted = nnx.jit(lambda m, a, b: m(a, b))
+    if case == "causal_cross":  # known from the shapes: the head says so, batched and jitted
+        for run in (lambda: layer(xq, xk), lambda: jitted(layer, xq, xk)):
+            with pytest.raises(ValueError, match=text):
+                run()
+        return
     with pytest.raises(ValueError, match=rf"edge site 'phi'.*{text}|{text}.*edge site 'phi'") as e:
         layer(xq, xk)
-    jitted = nnx.jit(lambda m, a, b: m(a, b))
-    if case == "causal_cross":
-        with pytest.raises(ValueError, match=rf"edge site 'phi': .*{text}"):
-            jitted(layer, xq, xk)
-        return
     assert f"batch index ({first},)" in str(e.value), str(e.value)
     with pytest.raises(ValueError, match=rf"batch index \(0, {first}\)"):  # two batch dims
         layer(xq[None], None if xk is None else xk[None])
@@ -628,11 +630,20 @@ def test_a_bfloat16_layer_with_a_temperature_keeps_bfloat16_kernels(temperature,
     assert layer(x).dtype == jnp.bfloat16
 
 
-def test_more_queries_than_keys_in_a_causal_layer_says_so():
-    """Regression: cross attention with more queries than keys in a causal layer (the
-    queries are the last n of the m keys: the first n - m have none) was told to use
-    include_self=True, which the layer's causal prior already has."""
-    layer = sinn.Attention(sinn.causal(), num_heads=2, in_features=8, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="allows no parent for child 0.*more children than "
-                       "parents.*give at least as many parents as children"):
+@pytest.mark.parametrize("name", ["causal", "window", "relative_position", "geometric",
+                                  "geometric_beta"])
+def test_more_queries_than_keys_in_a_causal_layer_says_so(name):
+    """Regression: cross attention with more queries than keys in a layer whose prior
+    forbids later keys (the queries are the last n of the m positions: the first n - m
+    have no key at or before them) raised the prior's generic error, which hinted at a
+    self-edge (include_self=True) the layer's prior already has. The head now says what
+    is wrong (the counts) and what to do, naming itself."""
+    layer = sinn.Attention(MECHANISMS[name](), num_heads=2, in_features=8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError) as err:
         layer(jnp.ones((5, 8)), jnp.ones((3, 8)))
+    said = str(err.value)
+    assert said.startswith(f"structinfer.nn.{name}: 5 queries but only 3 keys"), said
+    assert "the first 2 queries have no key at or before them" in said
+    assert "at least as many keys as queries" in said and "structinfer.nn.uniform()" in said
+    assert "include_self" not in said and "self-edge" not in said
+    layer(jnp.ones((3, 8)), jnp.ones((5, 8)))  # fewer queries than keys: a suffix, fine

@@ -212,23 +212,29 @@ def test_linear_gaussian_bfloat16_marginals_in_float32():
     np.testing.assert_allclose(f64(got), want, atol=1e-5)
 
 
-def test_float32_prior_parameter_in_float64_model_normalised_in_float64():
+@pytest.mark.parametrize("masked", [False, True])
+def test_float32_prior_parameter_in_float64_model_normalised_in_float64(masked):
     """Under x64, a float32 relative-position bias in a float64 model: the exact engine
-    normalises the prior in float64 from the bias's exact value, as the kernels do."""
+    normalises the prior in float64 from the bias's exact value, as the kernels do.
+    Regression (``masked``): under a `Masked` prior (a key-padding mask) the base prior
+    was normalised in float32, its own table before the mask: off by float32 rounding."""
     n = 17
     r = np.random.default_rng(7)
+    keep = np.arange(n) % 3 != 1 if masked else np.ones(n, bool)
     with float64():
         q, k, v = (jnp.asarray(r.normal(size=s)) for s in ((n, 5), (n, 5), (n, 2)))
-        bias = jnp.asarray(r.normal(size=(11,)), jnp.float32)
+        bias = jnp.asarray(r.normal(size=(11,)) * 3, jnp.float32)
 
         def model(q, k, v, bias):
             with numpyro.plate("i", n):
-                j = si.edge("phi", si.priors.RelativePosition(bias, n, max_distance=5),
-                            si.scores.Dot(q, k, scale=0.5))
+                prior = si.priors.RelativePosition(bias, n, max_distance=5)
+                if masked:
+                    prior = si.priors.Masked(prior, keep)
+                j = si.edge("phi", prior, si.scores.Dot(q, k, scale=0.5))
                 numpyro.deterministic("out", v[j])
 
         d = np.arange(n)[:, None] - np.arange(n)[None]
-        lp = np.asarray(bias, np.float64)[np.clip(d, -5, 5) + 5]
+        lp = np.where(keep, np.asarray(bias, np.float64)[np.clip(d, -5, 5) + 5], -np.inf)
         want = _softmax_rows(lp + 0.5 * np.asarray(q) @ np.asarray(k).T)
         got = si.marginals(model, q, k, v, bias)["phi"]
         assert got.dtype == jnp.float64

@@ -6,7 +6,9 @@ r"""The lowered engine: the same NumPyro model as a fused, memory-light JAX kern
   [`check_rows`][structinfer.lowering.check_rows] (the eager check of rows with no
   finite log-normaliser, for callers that map the function themselves),
   [`Explanation`][structinfer.lowering.Explanation],
-  [`NotLowerableError`][structinfer.lowering.NotLowerableError].
+  [`NotLowerableError`][structinfer.lowering.NotLowerableError],
+  [`MeshFallbackWarning`][structinfer.lowering.MeshFallbackWarning] (a ``mesh=`` the
+  exact engine does not use, warned at call time).
 * Extending it: [`register_prior_rule`][structinfer.lowering.register_prior_rule],
   [`register_score_rule`][structinfer.lowering.register_score_rule] and
   [`register_pattern_rule`][structinfer.lowering.register_pattern_rule] add the lowering
@@ -56,7 +58,15 @@ from ._lower import (
 )
 from ._masks import BlockMask
 from ._spec import accum_dtype
-from .api import BACKENDS, Explanation, NotLowerableError, attention, check_rows, explain
+from .api import (
+    BACKENDS,
+    Explanation,
+    MeshFallbackWarning,
+    NotLowerableError,
+    attention,
+    check_rows,
+    explain,
+)
 from .kernels import KERNELS, Kernel, KernelConfig, KernelTable
 from .windowed import (
     geometric_band_log_prior,
@@ -72,6 +82,7 @@ __all__ = [
     "check_rows",
     "Explanation",
     "NotLowerableError",
+    "MeshFallbackWarning",
     "BACKENDS",
     "KERNELS",
     "Kernel",

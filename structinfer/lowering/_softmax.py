@@ -44,14 +44,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["Running", "RowStats", "as_row_stats", "online_start", "online_shift", "online_step",
-           "online_finish", "online_stats", "online_merge",
+__all__ = ["Running", "RowStats", "as_row_stats", "require_row_stats", "online_start",
+           "online_shift", "online_step", "online_finish", "online_stats", "online_merge",
            "with_nan_rows", "backward_delta", "backward_probs"]
 
 
@@ -121,6 +121,26 @@ class RowStats(NamedTuple):
 def as_row_stats(stats: RowStats | jax.Array) -> RowStats:
     """``stats``, or `RowStats.of_lse` of an array of log-normalisers."""
     return stats if isinstance(stats, RowStats) else RowStats.of_lse(stats)
+
+
+def require_row_stats(stats: Any, caller: str) -> RowStats:
+    r"""``stats`` when it is a `RowStats`; a backward refuses anything else.
+
+    Raises:
+        TypeError: naming ``caller`` and its ``stats`` argument. An array of row
+            log-normalisers $L$ alone is refused: read as $m = L$, $\log l = 0$ it gives
+            finite wrong gradients in rows whose logits are so large that float32 rounds
+            $\log l$ out of $L$.
+    """
+    if isinstance(stats, RowStats):
+        return stats
+    got = (f"an array of shape {tuple(jnp.shape(stats))}" if hasattr(stats, "shape")
+           else type(stats).__name__)
+    raise TypeError(
+        f"{caller}: stats must be the forward's row statistics (m and log l: the second "
+        f"result of pallas_forward / mosaic_forward with stats=True), got {got}; the row "
+        "log-normaliser L alone gives wrong gradients in rows of very large logits"
+    )
 
 
 def online_stats(state: Running) -> RowStats:

@@ -80,13 +80,13 @@ from jax.custom_derivatives import SymbolicZero
 from ._masks import BlockMask, ConcreteMask, mask_shape, tile_grid
 from ._softmax import (
     RowStats,
-    as_row_stats,
     backward_delta,
     backward_probs,
     online_finish,
     online_start,
     online_stats,
     online_step,
+    require_row_stats,
 )
 from ._spec import (
     Problem,
@@ -1186,7 +1186,7 @@ def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, 
 
 
 def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], out: jax.Array,
-                    lse: RowStats | jax.Array, d_out: jax.Array, d_lse: jax.Array, *,
+                    stats: RowStats, d_out: jax.Array, d_lse: jax.Array, *,
                     block_q: int | None = None, block_k: int | None = None,
                     interpret: bool | None = None,
                     precision: lax.PrecisionLike = None, num_warps: int | None = 4,
@@ -1222,10 +1222,10 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         out: the forward's output $y$.
-        lse: the forward's `RowStats` (`pallas_forward` with ``stats=True``), or its row
-            log-normaliser $L$ alone, read as `RowStats.of_lse` ($p = e^{\ell - L}$: exact
-            except in rows whose logits are so large that float32 rounds $\log l$ out of
-            $L$).
+        stats: the forward's row statistics $m$ and $\log l$ (`RowStats`: the second
+            result of `pallas_forward` with ``stats=True``). Its $L$ alone is refused: $p =
+            e^{\ell - L}$ is wrong in rows whose logits are so large that float32 rounds
+            $\log l$ out of $L$.
         d_out: the cotangent of $y$.
         d_lse: the cotangent of $L$.
         block_q: children per block in both passes (rounded up to a power of two, at
@@ -1267,10 +1267,15 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         ``(d_row, d_col, d_pair, d_glob, d_v)``: cotangents shaped and typed like the
         problem's ``row``, ``col``, ``pair`` and ``glob`` groups and its value table.
 
+    Raises:
+        TypeError: ``stats`` is not the forward's `RowStats` (e.g. an array of $L$).
+        ValueError: the kernel cannot run the edge, or ``mask`` does not fit it.
+
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
     """
     from jax.experimental import pallas as pl
 
+    stats = require_row_stats(stats, "pallas_backward")
     why = pallas_unsupported(terms, prob, batch_shape)
     if why:
         raise ValueError(f"pallas_backward: {why}")
@@ -1280,7 +1285,6 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
                   block_k or _fit_blocks(block, mask, 1))
     acc, m, B = lay.acc, terms.num_parents, lay.B
     bq, bk, m_pad, fp, dvp = lay.bq, lay.bk, lay.m_pad, lay.fp, lay.dvp
-    stats = as_row_stats(lse)
     delta = backward_delta(out, d_out, stats.lse(), d_lse, acc)
     v_dt = prob.v.dtype
     shift = _shift(starts)

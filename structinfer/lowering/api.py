@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,8 @@ from ._softmax import with_nan_rows
 from .kernels import KERNELS, KernelConfig, auto_kernel
 from .markov import markov_scan
 
-__all__ = ["attention", "explain", "check_rows", "Explanation", "NotLowerableError", "BACKENDS"]
+__all__ = ["attention", "explain", "check_rows", "Explanation", "NotLowerableError",
+           "MeshFallbackWarning", "BACKENDS"]
 
 #: accepted values of ``backend``: ``"auto"``, ``"exact"`` and the kernel table's names
 BACKENDS = ("auto", "exact", *KERNELS)
@@ -47,6 +49,18 @@ class NotLowerableError(ValueError):
     kernel (``"dense"``, ``"blocked"``, ``"windowed"``, ``"cudnn"``, ``"pallas"``,
     ``"mosaic"``) and the model is not recognised, or the kernel cannot run the recognised edge; the
     message names the site and the reason. A subclass of ``ValueError``.
+    """
+
+
+class MeshFallbackWarning(UserWarning):
+    """An ``attention(..., mesh=...)`` (or ``runner=``) call runs on one device.
+
+    Warned by the function [`attention`][structinfer.lowering.attention] returns when the
+    model falls back to the exact engine, which does not use the mesh (it shards the
+    lowered kernels only): once each time the call is traced (its first call, and again
+    for new shapes or dtypes), naming the site and the part that was not recognised, as
+    ``f.explain`` does. Silence it with ``warnings.filterwarnings("ignore",
+    category=MeshFallbackWarning)`` where one device is meant.
     """
 
 
@@ -426,7 +440,8 @@ def attention(
             (``None``: one device); see ``shard``. Each shard runs the kernel the
             single-device path would (``backend``, or the ``"auto"`` rule: on a GPU the
             fused kernels). Not with ``backend="exact"`` (the exact engine runs on one
-            device, as does a model ``"auto"`` sends to it) nor with ``runner``.
+            device, as does a model ``"auto"`` sends to it: such a call warns,
+            `MeshFallbackWarning`) nor with ``runner``.
         shard: with ``mesh``, ``"heads"`` (``None``: the default) splits the leading
             plate (heads / batch) over the devices, each running the chosen kernel on its
             slice; ``"sequence"`` runs ring attention over children and parents, each
@@ -496,6 +511,11 @@ def attention(
         TypeError: ``model`` is not callable, ``value`` is not a site name, or ``mesh``
             is not a ``jax.sharding.Mesh``.
 
+    Warns:
+        MeshFallbackWarning: with ``mesh`` (or ``runner``), when a call's model falls back
+            to the exact engine, which runs on one device: once per trace of the call,
+            naming the site and the reason.
+
     Reference:
         Singh & Buckley, "Attention as implicit structural inference" (sec. 3 and
         Table 1); the kernels follow the online softmax of Milakov & Gimelshein (2018) /
@@ -521,6 +541,9 @@ def attention(
         plan = recognise(model, value, args, kwargs)
         if not plan.ok:
             if backend == "auto":
+                if runner is not None:  # once per trace: this runs when the call is traced
+                    warnings.warn(f"structinfer.attention: {_unused(runner, _ON_ONE_DEVICE)}: "
+                                  f"{plan.fallback}", MeshFallbackWarning, stacklevel=2)
                 return exact(args, kwargs)
             raise NotLowerableError(f"backend '{backend}' cannot lower the model: {plan.fallback}")
         out, lses, _ = _execute(plan, _kernels(plan, backend), config, runner,
@@ -634,6 +657,11 @@ def explain(
     return _explain(model, value, args, kwargs, backend)
 
 
+#: why a mesh is not used by a model that falls back to the exact engine
+_ON_ONE_DEVICE = ("the model falls back to the exact engine, which runs on one device (a mesh "
+                  "shards the lowered kernels only)")
+
+
 def _unused(runner: Callable | None, why: str) -> str:
     """`Explanation.mesh` on the exact path: the mesh (or runner) given is not used."""
     if runner is None:
@@ -673,9 +701,8 @@ def _explain(model: Callable, value: str, args: tuple, kwargs: dict, backend: st
     jax.eval_shape(f, dyn)
     plan: Plan = holder["plan"]
     if not plan.ok:
-        return Explanation("exact", backend, fallback=plan.fallback, mesh=_unused(
-            runner, "the model falls back to the exact engine, which runs on one device "
-            "(a mesh shards the lowered kernels only)"))
+        return Explanation("exact", backend, fallback=plan.fallback,
+                           mesh=_unused(runner, _ON_ONE_DEVICE))
     kernels = {**holder["kernels"], **ran}
     if plan.markov is not None:
         one = {} if runner is None else {

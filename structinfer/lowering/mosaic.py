@@ -62,7 +62,7 @@ import numpy as np
 from jax import lax
 
 from ._masks import ConcreteMask, mask_shape, tile_grid
-from ._softmax import RowStats, as_row_stats
+from ._softmax import RowStats, require_row_stats
 from ._spec import Problem, Terms, band_ok, geometric_log_prior
 from .accel import (
     RELPOS_TILES_MAX_BYTES,
@@ -344,13 +344,13 @@ def _swizzled(shape: tuple[int, ...], dtype):
 def _check_rows(caller: str, terms: Terms, prob: Problem, lay: Layout, d_out,
                 stats: RowStats, delta) -> None:
     """Raise naming the argument when the backward's per-child arrays are not shaped
-    ``batch + (n, dv)`` (``d_out``) and ``batch + (n,)`` (the statistics ``lse``,
+    ``batch + (n, dv)`` (``d_out``) and ``batch + (n,)`` (the statistics ``stats``,
     ``delta``)."""
     n, dv = terms.num_children, prob.v.shape[-1]
     rows = lay.batch + (n,)
     for name, x, want, what in (("d_out", d_out, rows + (dv,), "children, value dim"),
-                                ("lse", stats.m, rows, "children"),
-                                ("lse", stats.log_l, rows, "children"),
+                                ("stats.m", stats.m, rows, "children"),
+                                ("stats.log_l", stats.log_l, rows, "children"),
                                 ("delta", delta, rows, "children")):
         if tuple(jnp.shape(x)) != want:
             raise ValueError(f"{caller}: {name} of shape {tuple(jnp.shape(x))}, expected "
@@ -760,7 +760,7 @@ def mosaic_forward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], *,
 
 
 def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
-              lse: RowStats | jax.Array, delta: jax.Array,
+              stats: RowStats, delta: jax.Array,
               mask: ConcreteMask | None = None, *,
               max_concurrent_steps: int = 2) -> tuple[jax.Array, jax.Array | None]:
     r"""The backward's dQ pass in the Mosaic GPU kernel: $\mathrm{d}Q$ and the geometric
@@ -781,8 +781,9 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         d_out: the cotangent of $y$, ``batch + (n, dv)``.
-        lse: the forward's `RowStats` (`mosaic_forward` with ``stats=True``), each
-            ``batch + (n,)``, or its $L$ alone (read as `RowStats.of_lse`).
+        stats: the forward's row statistics $m$ and $\log l$ (`RowStats`, each
+            ``batch + (n,)``: the second result of `mosaic_forward` with ``stats=True``);
+            its $L$ alone is refused (wrong where float32 rounds $\log l$ out of $L$).
         delta: $\delta_i = \sum_c \mathrm{d}y_{ic} y_{ic} - \mathrm{d}L_i$,
             ``batch + (n,)`` (a row whose $L$ is not finite counts no output term).
         mask: the per-edge mask's value, as for `mosaic_forward`.
@@ -799,9 +800,9 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
 
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
     """
+    stats = require_row_stats(stats, "mosaic_dq")
     res = _launch(terms, prob, batch_shape, steps=max_concurrent_steps, mask=mask,
-                  nan_rows=False, caller="mosaic_dq",
-                  rows=(d_out, as_row_stats(lse), delta))
+                  nan_rows=False, caller="mosaic_dq", rows=(d_out, stats, delta))
     lay, n = _layout(terms, prob, batch_shape), terms.num_children
     dgeo = None
     if terms.geometric:  # (B, 2, n_pad) -> batch + (n, 2)
@@ -893,7 +894,7 @@ def mosaic_dkdv_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int,
 
 
 def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: jax.Array,
-                lse: RowStats | jax.Array, delta: jax.Array,
+                stats: RowStats, delta: jax.Array,
                 mask: ConcreteMask | None = None, *,
                 max_concurrent_steps: int = 2, table_grad: bool = False
                 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
@@ -930,8 +931,9 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         d_out: the cotangent of $y$, ``batch + (n, dv)``.
-        lse: the forward's `RowStats` (`mosaic_forward` with ``stats=True``), each
-            ``batch + (n,)``, or its $L$ alone (read as `RowStats.of_lse`).
+        stats: the forward's row statistics $m$ and $\log l$ (`RowStats`, each
+            ``batch + (n,)``: the second result of `mosaic_forward` with ``stats=True``);
+            its $L$ alone is refused (wrong where float32 rounds $\log l$ out of $L$).
         delta: $\delta_i$ per child, ``batch + (n,)`` (as for `mosaic_dq`).
         mask: the per-edge mask's value when known at trace time (block lists of child
             blocks of 64 per 128 parents: masks on blocks of multiples of 128 run).
@@ -953,17 +955,17 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    stats = require_row_stats(stats, "mosaic_dkdv")
     steps = max_concurrent_steps
     if steps < 2:
         raise ValueError(f"mosaic_dkdv: max_concurrent_steps={steps}, expected at least 2")
     why, lay, lists = _dkdv_plan(terms, prob, batch_shape, mask, steps, table_grad)
     if why:
         raise ValueError(f"mosaic_dkdv: {why}")
-    lse = as_row_stats(lse)
-    _check_rows("mosaic_dkdv", terms, prob, lay, d_out, lse, delta)
+    _check_rows("mosaic_dkdv", terms, prob, lay, d_out, stats, delta)
     dtype = prob.v.dtype
     f32 = jnp.float32
-    arrays, table, row_of = _operands(terms, prob, lay, lists, (d_out, lse, delta))
+    arrays, table, row_of = _operands(terms, prob, lay, lists, (d_out, stats, delta))
     sums = None
     if table is not None:  # square tiles, transposed: parents x children
         if table_grad:  # float32: the step's tile of ds takes its place
@@ -1177,7 +1179,7 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
 
 
 def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
-                    out: jax.Array, lse: RowStats | jax.Array, d_out: jax.Array,
+                    out: jax.Array, stats: RowStats, d_out: jax.Array,
                     d_lse: jax.Array, **kw) -> tuple[dict, dict, dict, dict, jax.Array]:
     r"""The backward with its dK/dV and dQ passes in the Mosaic GPU kernel (`mosaic_dkdv`,
     `mosaic_dq`; the dK/dV pass sums a trained relative-position table's gradient too)
@@ -1186,27 +1188,28 @@ def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
     shared memory, a shard's traced offsets), and its table pass where the dK/dV pass
     cannot sum the table's gradient (`mosaic_backward_refusals`). The gradients are those
     `pallas_backward` documents: $\mathrm{d}Q$, $\mathrm{d}K$, $\mathrm{d}V$ and the prior's
-    parameters' from the forward's `RowStats` ``lse`` (`mosaic_forward` with
-    ``stats=True``; or $L$ alone, `RowStats.of_lse`), $p_{ij} = e^{(\ell_{ij} - m_i) -
+    parameters' from the forward's `RowStats` ``stats`` (`mosaic_forward` with
+    ``stats=True``; its $L$ alone is refused with a ``TypeError``), $p_{ij} = e^{(\ell_{ij} - m_i) -
     \log l_i}$ and $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$.
 
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; Shah et al.,
     "FlashAttention-3" (2024) for the warp-specialised schedule.
     """
+    stats = require_row_stats(stats, "mosaic_backward")
     if kw.get("starts") is None:
         refused = mosaic_backward_refusals(terms, prob, batch_shape, kw.get("mask"))
         if "dQ" not in refused:
             kw["dq_pass"] = mosaic_dq
         if "dK/dV" not in refused:
             kw["dkdv_pass"] = functools.partial(_dkdv_pass, table_ok="table" not in refused)
-    return pallas_backward(terms, prob, batch_shape, out, lse, d_out, d_lse, **kw)
+    return pallas_backward(terms, prob, batch_shape, out, stats, d_out, d_lse, **kw)
 
 
-def _dkdv_pass(terms, prob, batch_shape, d_out, lse, delta, mask, *, table_grad: bool,
+def _dkdv_pass(terms, prob, batch_shape, d_out, stats, delta, mask, *, table_grad: bool,
                table_ok: bool):
     """`mosaic_dkdv` as `pallas_backward`'s ``dkdv_pass``: it sums the relative-position
     table's gradient when asked to and ``table_ok`` (else the Triton pass does)."""
-    return mosaic_dkdv(terms, prob, batch_shape, d_out, lse, delta, mask,
+    return mosaic_dkdv(terms, prob, batch_shape, d_out, stats, delta, mask,
                        table_grad=table_grad and table_ok)
 
 

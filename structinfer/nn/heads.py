@@ -3,7 +3,9 @@ r"""Ready-made mechanisms for [`Attention`][structinfer.nn.Attention]: one model
 Each factory returns a NumPyro model ``mechanism(q, k, v)`` of all the heads of one
 sequence: ``q`` is ``(heads, n, d)``, ``k`` and ``v`` are ``(heads, m, d)``; the
 queries are the last ``n`` of the ``m`` positions (``offset = m - n``, so ``n = m``
-is self attention). Every head's children take one parent under the prior, with a
+is self attention; a head whose prior forbids later keys, every one but `uniform` and
+`relative_position(causal=False)`, needs ``n <= m`` and says so otherwise). Every head's
+children take one parent under the prior, with a
 scaled dot-product score, and the value site ``"out"`` is the parent's value:
 
 $$
@@ -98,6 +100,21 @@ def _heads(q: jax.Array, k: jax.Array, v: jax.Array, who: str) -> tuple[int, int
     return H, n, m
 
 
+def _check_no_later_keys(n: int, m: int, who: str) -> None:
+    """Refuse more queries than keys for a head whose prior forbids later keys ($d < 0$):
+    the queries are the last ``n`` of the ``m`` positions, so the first ``n - m`` would
+    have no key at all (their rows empty whatever the prior's parameters)."""
+    if n > m:
+        raise ValueError(
+            f"structinfer.nn.{who}: {n} queries but only {m} keys: the queries are the last "
+            f"{n} positions of the keys' sequence (query i at key position i - {n - m}), and "
+            f"this head allows only keys at or before a query, so the first {n - m} "
+            "queries have no key at or before them; give at least as many keys as queries "
+            "(e.g. the keys of the whole sequence), or use structinfer.nn.uniform() for "
+            "cross attention over fewer keys"
+        )
+
+
 def _attend(prior: priors.StructuralPrior, q, k, v, temperature: bool) -> None:
     """The shared model body: one edge per (head, query), dot-product score, value read."""
     H, n, d = q.shape
@@ -144,11 +161,13 @@ def causal(*, temperature: bool = False) -> Mechanism:
 
     Returns:
         ``mechanism(q, k, v)``; the layer equals ``flax.nnx.MultiHeadAttention`` with a
-            causal mask.
+            causal mask. Called with more queries than keys it raises ``ValueError``
+            (the first queries would have no key at or before them).
     """
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "causal")
+        _check_no_later_keys(n, m, "causal")
         _attend(priors.Restricted.causal(n, m, offset=m - n), q, k, v, temperature)
 
     return _named(mechanism, "causal", "Causal uniform prior (S&B Table 1 row 3).")
@@ -174,6 +193,7 @@ def window(size: int, *, temperature: bool = False) -> Mechanism:
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "window")
+        _check_no_later_keys(n, m, "window")
         _attend(priors.Restricted.window(n, size, m, offset=m - n), q, k, v, temperature)
 
     return _named(mechanism, f"window_{size}", f"Causal sliding window of {size} keys.")
@@ -207,6 +227,8 @@ def relative_position(
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "relative_position")
+        if causal:
+            _check_no_later_keys(n, m, "relative_position")
         bias = numpyro.param("bias", jnp.zeros((H, 2 * max_distance + 1), q.dtype))
         prior = priors.RelativePosition(
             bias, m, offset=m - n, max_distance=max_distance, causal=causal
@@ -252,6 +274,7 @@ def geometric(
 
     def mechanism(qq, k, v):
         H, n, m = _heads(qq, k, v, "geometric")
+        _check_no_later_keys(n, m, "geometric")
         rate = numpyro.param(
             "q",
             jnp.broadcast_to(jnp.asarray(q, qq.dtype), (H, 1)),
@@ -342,6 +365,7 @@ def geometric_beta(
 
     def mechanism(q, k, v):
         H, n, m = _heads(q, k, v, "geometric_beta")
+        _check_no_later_keys(n, m, "geometric_beta")
         pos = constraints.positive
         a = numpyro.param("alpha", jnp.broadcast_to(jnp.asarray(alpha, q.dtype), (H, 1)),
                           constraint=pos)
