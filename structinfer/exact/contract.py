@@ -200,7 +200,7 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     return lp
 
 
-#: the log-space einsum of the engine's sum-product (`structinfer.exact._log_einsum`)
+#: the log-space einsum of the engine's sum-product (the module `_log_einsum.py` beside this one)
 _LOG_EINSUM = __name__.rpartition(".")[0] + "._log_einsum"
 
 
@@ -215,7 +215,7 @@ def safe_log_einsum() -> Iterator[None]:
     stays exact with $-\infty$ priors, scores and factors. The zero derivative is the
     tangent times 0, so a NaN cotangent (that of a $\log Z = -\infty$, which `log_z`
     makes NaN) passes through. Elsewhere the einsum
-    (`structinfer.exact._log_einsum`) is funsor's, term for term.
+    (in `_log_einsum.py`, this package's own module) is funsor's, term for term.
 
     This is the one place that selects it. funsor reads the einsum of a `logaddexp` / `add`
     contraction of two tensors by name from `funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND`
