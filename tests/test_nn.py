@@ -250,6 +250,8 @@ def test_decode_cache_equals_full_pass(name):
     np.testing.assert_allclose(steps, full, rtol=0, atol=2e-5)
     with pytest.raises(ValueError, match="cache is full"):
         layer(x[:, :1], decode=True)
+    # under jit the full cache cannot raise: a step past it is NaN, not the clamped last row
+    assert np.isnan(np.asarray(step(layer, x[:, :1]))).all()
 
 
 def test_decode_refuses_non_causal_and_uninitialised():

@@ -387,6 +387,29 @@ def test_attention_row_with_no_allowed_parent(backend):
     np.testing.assert_allclose(out[ok], np.asarray(want)[ok], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["auto", "dense", "exact"])
+def test_attention_with_one_parent_and_a_child_it_does_not_allow(backend):
+    """One key (m = 1): the edge has no sum over parents, so funsor's 0 / 0 of an empty
+    row never happens and the row's value once read as the key's value, finite. Eagerly
+    the row is refused; under jit the answer is NaN (its marginals and expectation too)."""
+    q, k, v = _qkv()[0], _qkv()[1][:1], _qkv()[2][:1]
+    logits = np.zeros((N, 1), np.float32)
+    logits[2] = -np.inf  # child 2 has no allowed parent
+    f = si.attention(categorical_attention, "out", backend=backend)
+    with pytest.raises(ValueError, match=r"no parent for child 2"):
+        f(q, k, v, logits)
+    assert np.isnan(np.asarray(jax.jit(f)(q, k, v, logits))[2]).all()
+    def marg(*a):
+        return si.marginals(categorical_attention, *a)["phi"]
+    assert np.isnan(np.asarray(jax.jit(marg)(q, k, v, logits))[2]).all()
+    def expect(*a):
+        return si.expectation(categorical_attention, "out", *a)
+    assert np.isnan(np.asarray(jax.jit(expect)(q, k, v, logits))[2]).all()
+    ok = np.zeros((N, 1), np.float32)  # every child allowed: the one parent, exactly
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(q, k, v, ok)),
+                               np.broadcast_to(v, (N, v.shape[1])), rtol=1e-6)
+
+
 def two_masked_edges(q, k, v, good, bad):
     with numpyro.plate("queries", q.shape[0]):
         a = si.edge("a", si.priors.Restricted(good), si.scores.Dot(q, k))

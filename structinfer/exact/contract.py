@@ -277,12 +277,17 @@ def _no_slope_at_neg_inf_jvp(primals, tangents):
 
 
 def _slope_for(info: ModelInfo, lp: jax.Array) -> jax.Array:
-    """``lp`` (a contraction's result) with NaN derivatives where it is -inf, for a model
-    contracted with the safe einsum (`_einsum_for`); as it is otherwise. A 16-bit result
-    is left alone: its sum over many children can overflow to -inf while every child is
-    possible."""
+    r"""``lp`` (a contraction's result) with NaN derivatives where it is -inf, for a model
+    whose contraction cannot show them itself; as it is otherwise. Those are a model
+    contracted with the safe einsum (`_einsum_for`), and one with a site of a single
+    value (an edge with one parent), which no sum reduces: a child whose one parent is
+    forbidden enters $\log Z$ as a $-\infty$ term with slope 1, not funsor's 0 / 0. A
+    16-bit result is left alone: its sum over many children can overflow to -inf while
+    every child is possible."""
     wide = jnp.finfo(jnp.result_type(lp)).maxexp >= jnp.finfo(jnp.float32).maxexp
-    return _no_slope_at_neg_inf(lp) if info.couples_enumerated and wide else lp
+    unsummed = any(k == 1 for _, k in info.enumerated.values())
+    mark = (info.couples_enumerated or unsummed) and wide
+    return _no_slope_at_neg_inf(lp) if mark else lp
 
 
 def _scaled_log_probs(tr):

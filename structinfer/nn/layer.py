@@ -831,5 +831,8 @@ class Attention(nnx.Module):
             full.append(cache[...])
         self.cache_index[...] = i + 1
         o = self._heads(*full)  # (..., L, H, d): the causal pass over the cached prefix
-        return lax.dynamic_slice_in_dim(o, i, 1, axis=o.ndim - 3)
+        row = lax.dynamic_slice_in_dim(o, i, 1, axis=o.ndim - 3)
+        # past a full cache (traced: the eager check above cannot raise) the slices clamp to
+        # the last position, overwritten: NaN, not that finite row
+        return jnp.where(i < L, row, jnp.nan).astype(row.dtype)
 
