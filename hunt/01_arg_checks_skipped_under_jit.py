@@ -1,4 +1,5 @@
-"""gmm_em / linear_mixture_em: invalid mixture weights are refused eagerly but under jit
+"""Argument checks that run only on concrete values: eager raises, jit returns FINITE numbers.
+gmm_em / linear_mixture_em weights, cccp precision, geometric_beta alpha0/beta0.
 give a finite answer (negative weight -> component silently switched off; a sum != 1 is
 silently renormalised). The project's rule (and check_nonnegative's own policy for `reg`)
 is NaN under jit, never a finite wrong number.
