@@ -4,7 +4,10 @@
  * cccp: a `precision` that is not broadcastable *to mu's shape* (a full (D, D) matrix, or
    one with extra leading dims) -> "mul got incompatible shapes" or, worse, an error about
    edge site 'm' having too many batch dims (mu silently broadcast to the precision's
-   shape inside step(); convex_concave.py step/like_tree)."""
+   shape inside step(); convex_concave.py step/like_tree);
+ * a traced `mass` in effective_window / geometric_beta: TracerBoolConversionError
+   (edges.py effective_window and mean_field.py _setup test `0 < mass` in Python);
+ * energy_em with integer params: JAX grad TypeError (em_energy.py does not as_float_tree params)."""
 import jax, jax.numpy as jnp, numpyro
 import structinfer as si
 
@@ -24,3 +27,17 @@ for p in (jnp.ones((3, 3)), jnp.ones((4, 2, 3)), jnp.ones((1, 2, 3))):
         print(f"cccp precision {p.shape}: no error, mu shape {st.mu.shape} (mu0 was (2, 3))")
     except Exception as e:
         print(f"cccp precision {p.shape}: {type(e).__name__}: {str(e)[:130]}")
+
+# --- a traced `mass` (a float argument) is not jittable and the error does not name it
+a = jnp.full((3, 3), 1 / 3)
+for name, f in (("diagnostics.effective_window", lambda a, m: si.diagnostics.effective_window(a, 0, m)),
+                ("infer.geometric_beta", lambda a, m: si.infer.geometric_beta(a, 0.1, 0.9, mass=m)[0].window)):
+    try:
+        jax.jit(f)(a, 0.9)
+    except Exception as e:
+        print(f"jit {name} with traced mass: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+# --- energy_em: integer params are not cast (latents are), error does not name `params`
+try:
+    si.infer.energy_em(lambda v, th: jnp.sum((v - th) ** 2), jnp.zeros(2), jnp.array([1, 2]), max_iters=3)
+except Exception as e:
+    print(f"energy_em int params: {type(e).__name__}: {str(e)[:80]}")
