@@ -47,3 +47,7 @@ try:
     si.infer.nuts(jax.random.key(0), model2, jnp.array([-1.0, 1.0, 5.0]), num_warmup=5, num_samples=5, progress_bar=False)
 except Exception as e:
     print("\nsi.infer.nuts (impossible observation):", type(e).__name__, str(e)[:330])
+try:
+    si.infer.svi(jax.random.key(0), model2, jnp.array([-1.0, 1.0, 5.0]), num_steps=5, progress_bar=False)
+except Exception as e:
+    print("\nsi.infer.svi (impossible observation):", type(e).__name__, str(e)[:330])
