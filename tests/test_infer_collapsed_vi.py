@@ -93,6 +93,22 @@ def run_hopfield(X, beta, mu0):
                 max_iters=200)
 
 
+def test_cccp_nonpositive_precision_under_jit_is_nan():
+    """Regression: a non-positive precision raised only on concrete values; under jit
+    cccp returned a finite energy. Now the energy is NaN and the run stops on it."""
+    X = jax.random.normal(jax.random.key(0), (7, 3))
+    mu0 = X[:2] + 0.1
+    log_z = model_log_z(hopfield, "mu", X, 1.0)
+    with pytest.raises(ValueError, match="cccp: `precision` .* must be positive"):
+        cccp(log_z, mu0, precision=-1.0)
+    for bad in (-1.0, 0.0):
+        st, info = jax.jit(lambda p: cccp(log_z, mu0, precision=p,
+                                          raise_on_nonfinite=False))(bad)
+        assert bool(info.nonfinite) and np.isnan(st.energy)
+    st, info = jax.jit(lambda p: cccp(log_z, mu0, precision=p))(1.0)
+    assert not bool(info.nonfinite) and np.isfinite(st.energy)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cccp_hopfield_matches_plain_update_and_descends(x64, seed):
     r = np.random.default_rng(seed)

@@ -415,6 +415,35 @@ def test_linear_mixture_em_checks_its_weights():
         em_linear_mixture.init(u, y, A, b, c, np.asarray([1.5, -0.5]))
 
 
+def test_bad_weights_under_jit_are_nan():
+    """Regression: the weights were checked on concrete values only. Under jit a negative
+    weight switched its component off and weights not summing to 1 were renormalised:
+    a finite wrong log-likelihood. Now (traced) they make it NaN and the run stops."""
+    x, centres = gmm_data()
+    covs = np.stack([np.eye(D)] * 3)
+    c2 = np.stack([np.eye(D)] * 2)
+    runs = {
+        "gmm_em": (lambda w: gmm_em(x, centres, covs, w, max_iters=3), 3),
+        "linear_mixture_em": (lambda w: linear_mixture_em(x[:-1], x[1:], c2,
+                                                          np.zeros((2, D)), c2, w,
+                                                          max_iters=3), 2),
+    }
+    for name, (fn, k) in runs.items():
+        for bad in (np.r_[-0.5, 1.5, np.zeros(k - 2)], np.full(k, 0.2)):
+            with pytest.raises(ValueError, match=f"{name}: weights .* sum to 1"):
+                fn(bad)
+            st, info = jax.jit(fn)(bad)
+            assert bool(info.nonfinite) and not bool(info.converged), (name, bad)
+            assert np.isnan(st.log_likelihood), (name, bad)
+        st, info = jax.jit(fn)(np.full(k, 1.0 / k))
+        assert not bool(info.nonfinite) and np.isfinite(st.log_likelihood), name
+    # float32 weights summing to 1 up to rounding pass, and stay float32
+    w32 = np.full(3, 1 / 3, np.float32)
+    st, _ = gmm_em(x.astype(np.float32), centres.astype(np.float32),
+                   covs.astype(np.float32), w32, max_iters=2)
+    assert st.weights.dtype == np.float32
+
+
 def test_arguments_are_named_in_errors():
     """Regression: these raised "not enough values to unpack", a dot_general TypeError or
     "max_iters must be a positive int" (for e_iters)."""

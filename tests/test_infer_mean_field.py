@@ -146,3 +146,18 @@ def test_max_iters_is_reported_and_bad_input():
     S_bad[4, 2] = np.nan
     with pytest.raises(si.infer.NonFiniteEnergyError, match="batch element \\(4,\\)"):
         geometric_beta(S_bad)
+
+
+def test_nonpositive_hyperprior_under_jit_is_nan():
+    """Regression: alpha0 / beta0 <= 0 raised only on concrete values; under jit
+    geometric_beta returned finite energies and attention. Now they are NaN."""
+    S = np.random.default_rng(3).normal(size=(N, N)).astype(np.float32)
+    for name in ("alpha0", "beta0"):
+        with pytest.raises(ValueError, match=f"geometric_beta: {name} must be positive"):
+            geometric_beta(S, **{name: -0.5})
+        st, info = jax.jit(lambda v: geometric_beta(S, **{name: v},  # noqa: B023
+                                                    raise_on_nonfinite=False))(-0.5)
+        assert np.all(np.asarray(info.nonfinite)), name
+        assert np.all(np.isnan(st.energy)) and np.all(np.isnan(st.attention)), name
+    st, info = jax.jit(lambda v: geometric_beta(S, alpha0=v))(0.1)
+    assert not np.any(np.asarray(info.nonfinite)) and st.energy.dtype == np.float32

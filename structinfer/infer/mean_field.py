@@ -57,8 +57,9 @@ import numpy as np
 from jax.scipy.special import betaln, digamma
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim, is_concrete
+from .._checks import as_float_array, check_ndim
 from ..scores import Score
+from ._common import check_value
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GeoBetaState", "horizon", "geometric_beta_free_energy", "init", "step", "run"]
@@ -194,9 +195,8 @@ def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, ma
     dtype = s.dtype
     a0 = jnp.broadcast_to(jnp.asarray(alpha0, dtype), batch)
     b0 = jnp.broadcast_to(jnp.asarray(beta0, dtype), batch)
-    for name, v in (("alpha0", a0), ("beta0", b0)):
-        if is_concrete(v) and not bool(np.all(np.asarray(v) > 0)):
-            raise ValueError(f"geometric_beta: {name} must be positive, got {np.asarray(v)}")
+    a0, b0 = (check_value(v, lambda xp, v: v > 0, f"geometric_beta: {name}", "must be positive")
+              for name, v in (("alpha0", a0), ("beta0", b0)))
     steps_np, allowed_np = _steps(n, m, offset, include_self, max_distance)
     empty = ~allowed_np.any(-1)
     if empty.any():
@@ -369,7 +369,8 @@ def run(
 
     Raises:
         ValueError: an unknown `method`, `mass` outside (0, 1), non-positive
-            `alpha0`/`beta0` (concrete values), or a child with no allowed parent.
+            `alpha0`/`beta0` (concrete values; traced, they become NaN and so does the
+            energy), or a child with no allowed parent.
 
     Cost: $O(n m)$ per iteration on the cached scores.
 
