@@ -232,6 +232,26 @@ def test_model_expansion_finds_the_missing_component(x64):
         assert np.min(np.linalg.norm(found - c, axis=1)) < 0.4
 
 
+def test_expand_refuses_a_sim_fn_of_another_shape():
+    """Regression: a sim_fn returning (K_max, 1) broadcast against `active` to
+    (K_max, K_max): the log-sum-exp ran over inactive placeholders too, a finite wrong
+    energy. Its shape is checked (statically: under jit too), naming sim_fn."""
+    parents = jnp.array([[0.0, 0.0], [5.0, 5.0], [0.1, 0.1], [0.0, 0.0]])
+    active = jnp.array([True, True, False, False])
+    children = jnp.array([[0.05, 0.05], [3.0, 3.0]])
+    good = lambda c, z: -0.5 * jnp.sum((z - c) ** 2, -1)  # noqa: E731
+    bad = lambda c, z: -0.5 * jnp.sum((z - c) ** 2, -1, keepdims=True)  # noqa: E731
+    for run in (expand, jax.jit(expand, static_argnums=(3, 4))):
+        with pytest.raises(ValueError, match=r"expand: sim_fn must return .* shape \(4,\) "
+                           r"\(that of `active`\), got shape \(4, 1\)"):
+            run(children, parents, active, bad, 2.0)
+    res = expand(children, parents, active, good, tau=2.0)
+    ref = [-jax.nn.logsumexp(good(c, parents[:2])) for c in children]
+    np.testing.assert_allclose(res.energies, ref, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"expand: active must be \(K_max,\)"):
+        jax.jit(lambda a: expand(children, parents, a, good, 2.0))(active[None])
+
+
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="gmm_em: x .* means .* covariances"):
         gmm_em(np.zeros((5, 2)), np.zeros((3, 3)), np.zeros((3, 3, 3)))
