@@ -578,6 +578,18 @@ def test_edge_statistics_against_loops():
         dg.edge_agreement(a, np.zeros(3, int))
     with pytest.raises(ValueError, match="outside"):
         dg.edge_agreement(a, np.full((3, n), m))
+    # Regression: under jit an index outside the parents gave finite numbers (-1 wrapped
+    # to the last parent; `parents` counted the child as wrong). Now both are NaN.
+    for bad in (-1, m):
+        t = true.copy()
+        t[1, 2] = bad
+        out = jax.jit(dg.edge_agreement)(jnp.asarray(a), jnp.asarray(t))
+        assert np.isnan(out.accuracy) and np.isnan(out.true_parent_prob), bad
+        assert not bool(out.correct[1, 2])
+        assert np.asarray(out.correct).sum() == np.asarray(jitted.correct).sum() - int(
+            jitted.correct[1, 2])
+    with pytest.raises(ValueError, match=r"shape \(3,\); expected one parent index per child"):
+        jax.jit(dg.edge_agreement)(jnp.asarray(a), jnp.zeros(3, int))
     with pytest.raises(ValueError, match="mass must lie in"):
         dg.effective_window(a, mass=0.0)
 

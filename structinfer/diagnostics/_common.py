@@ -120,19 +120,28 @@ def check_marginals(marginals: Any, what: str = "marginals") -> jax.Array:
     return a
 
 
-def check_true_edges(true_edges: Any, marginals: Any, site: str = "edges") -> np.ndarray:
-    """Known parent indices: integers, one per child of `marginals`, inside `[0, parents)`."""
-    t = np.asarray(true_edges)
+def check_true_edges(true_edges: Any, marginals: Any, site: str = "edges") -> Any:
+    """Known parent indices: integers, one per child of `marginals`, inside `[0, parents)`.
+
+    The dtype and shape are checked always (they are static); the range only on concrete
+    values: traced indices are returned as they are, and the caller makes what it reads
+    from an index outside the parents NaN.
+
+    Returns:
+        The indices, a NumPy array (concrete) or the tracer.
+    """
+    traced = isinstance(true_edges, jax.core.Tracer)
+    t = true_edges if traced else np.asarray(true_edges)
     shape = tuple(np.shape(marginals)[:-1])
     m = np.shape(marginals)[-1]
     if not np.issubdtype(t.dtype, np.integer):
         raise TypeError(f"true structure for '{site}' must be integer parent indices, got {t.dtype}")
-    if t.shape != shape:
+    if tuple(t.shape) != shape:
         raise ValueError(
-            f"true structure for '{site}' has shape {t.shape}; expected one parent index per "
-            f"child, shape {shape}"
+            f"true structure for '{site}' has shape {tuple(t.shape)}; expected one parent index "
+            f"per child, shape {shape}"
         )
-    if t.size and (t.min() < 0 or t.max() >= m):
+    if not traced and t.size and (t.min() < 0 or t.max() >= m):
         raise ValueError(
             f"true structure for '{site}' has parent indices outside [0, {m}): "
             f"min {t.min()}, max {t.max()}"
