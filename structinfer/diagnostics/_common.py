@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._checks import model_name
@@ -111,12 +112,51 @@ def posterior_draws(parts: FitParts, args: tuple, kwargs: dict, num_draws: int,
 
 
 def check_marginals(marginals: Any, what: str = "marginals") -> jax.Array:
-    """`marginals` as a JAX array of shape `(..., children, parents)`."""
-    import jax.numpy as jnp
+    r"""`marginals` as a JAX array of shape `(..., children, parents)`, rows of probabilities.
 
+    A row must be non-negative and sum to 1, to $\max(10^{-3}, 8\epsilon)$ of its dtype
+    (rounding and autodiff error, never a log-probability table or unnormalised
+    weights); a row holding NaN passes as it is (a child with no allowed parent under
+    `jit`: its statistics are NaN).
+    Concrete: another row raises. Traced: such a row becomes NaN, so its statistics are
+    NaN, never finite wrong numbers.
+
+    Args:
+        marginals: the array.
+        what: the argument's name, for the messages.
+
+    Returns:
+        The array (traced: NaN in the rows that are not probabilities).
+
+    Raises:
+        ValueError: fewer than 2 dims, or (concrete) a row with a negative entry or not
+            summing to 1, naming `what`, the row and its sum.
+    """
     a = jnp.asarray(marginals)
     if a.ndim < 2:
         raise ValueError(f"{what} must have shape (..., children, parents), got {tuple(a.shape)}")
+    eps = float(jnp.finfo(a.dtype).eps) if jnp.issubdtype(a.dtype, jnp.floating) else 0.0
+    tol = max(1e-3, 8 * eps)
+
+    def bad_rows(xp, v, acc):
+        v = v.astype(acc)
+        total = xp.sum(v, -1)
+        bad = xp.any(v < -tol, -1) | ~(xp.abs(total - 1) <= tol)
+        return bad & ~xp.any(xp.isnan(v), -1), total
+
+    if isinstance(a, jax.core.Tracer):
+        bad, _ = bad_rows(jnp, a, jnp.promote_types(a.dtype, jnp.float32))
+        return jnp.where(bad[..., None], jnp.nan, a)
+    bad, total = bad_rows(np, np.asarray(a), np.float64)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        row = np.asarray(a, np.float64)[idx]
+        where = f"child {idx[-1]}" + (f" (batch index {idx[:-1]})" if idx[:-1] else "")
+        raise ValueError(
+            f"{what}: the row of {where} sums to {total[idx]:.6g} (min entry "
+            f"{row.min():.6g}); expected probabilities, each row non-negative and summing "
+            f"to 1 (to {tol:g}): pass jnp.exp of log-marginals, normalise weights first"
+        )
     return a
 
 

@@ -99,11 +99,12 @@ def effective_window(
 
     Returns:
         `(..., children)` in the marginals' dtype: whole numbers, NaN for a row that is
-        not finite (a child with no allowed parent under `jit`) or whose mass never
-        reaches `mass` (an unnormalised row).
+        not finite (a child with no allowed parent under `jit`) or, under `jit`, not
+        probabilities (see below).
 
     Raises:
-        ValueError: `mass` outside `(0, 1]`.
+        ValueError: `mass` outside `(0, 1]`, or (concrete) a row of `marginals` with a
+            negative entry or not summing to 1 (under `jit` that row is NaN).
     """
     if not 0.0 < mass <= 1.0:
         raise ValueError(f"effective_window: mass must lie in (0, 1], got {mass}")
