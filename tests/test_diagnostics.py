@@ -296,6 +296,17 @@ def test_the_data_must_be_the_fits_own(q_task, q_fit):
     task = q_task[0]
     with pytest.raises(ValueError, match="'x'.*differ from the data the fit ran on"):
         dg.to_inference_data(q_fit, task.x + 1.0, task.weight, 0.3, posterior_predictive=False)
+    # Regression: other covariates (arguments that are not observed) were not refused:
+    # the log-likelihood of another model-data pair, finite and wrong. The MCMC keeps
+    # the arguments it ran on; each one is compared, by its name in the signature.
+    for args, name in (((task.x, 2 * task.weight, 0.3), "w"), ((task.x, task.weight, 0.31),
+                                                                "sigma")):
+        with pytest.raises(ValueError, match=rf"model argument\(s\) \['{name}'\] given here "
+                           "differ from those the MCMC ran on"):
+            dg.to_inference_data(q_fit, *args, posterior_predictive=False)
+    dt = dg.to_inference_data(q_fit, task.x, np.asarray(task.weight), sigma=0.3,
+                              posterior_predictive=False)
+    assert "log_likelihood" in dt.children
     with pytest.raises(ValueError, match="true_edges.*'ph'.*edge sites.*'phi'"):
         dg.to_inference_data(q_fit, task.x, task.weight, 0.3, true_edges={"ph": task.parents},
                              posterior_predictive=False)
