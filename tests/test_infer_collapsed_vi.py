@@ -398,6 +398,22 @@ def _masked_edge(X, beta, mu):
         si.edge("memory", si.priors.Uniform(X.shape[0]), si.scores.Dot(mu, X, scale=beta))
 
 
+def test_laplace_keeps_the_models_dtype(x64):
+    """Regression: under jax_enable_x64 a float32 model's var_term, hessian, precision
+    and covariance came out float64 (the Uniform prior's log-table is float64 there);
+    now every field is float32, as the exact engine's log Z, and equals the float64 run."""
+    X = np.random.default_rng(14).normal(size=(7, 3))
+    mu = X[:2] + 0.1
+    r32 = laplace(_hop_node, "mu", mu.astype(np.float32), X.astype(np.float32), 1.0)
+    assert {f: str(getattr(r32, f).dtype) for f in r32._fields} == dict.fromkeys(
+        r32._fields, "float32")
+    r64 = laplace(_hop_node, "mu", mu, X, 1.0)
+    assert r64.covariance.dtype == np.float64
+    np.testing.assert_allclose(r32.covariance, r64.covariance, rtol=1e-4, atol=1e-6)
+    rb = laplace(_hop_node, "mu", mu.astype(jnp.bfloat16), X.astype(jnp.bfloat16), 1.0)
+    assert all(getattr(rb, f).dtype != np.float64 for f in rb._fields)
+
+
 def test_laplace_refuses_masked_edge_eagerly_and_under_jit(x64):
     # a masked edge contributes nothing for its masked children; its score table does
     r = np.random.default_rng(13)
