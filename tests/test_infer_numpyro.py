@@ -171,6 +171,24 @@ def test_nuts_draws_are_numpyros():
             "adapt_state.step_size"} <= set(stats)
 
 
+def test_nuts_accepts_an_infinite_deterministic_site():
+    """Regression: every site of get_samples() had to be finite, deterministic ones too:
+    a model recording a causal prior's log-table (-inf on its forbidden edges) was
+    refused with "site 'logp' has non-finite draws". Only latent draws are checked."""
+    def model(y):
+        q = numpyro.sample("q", dist.Beta(2.0, 2.0))
+        prior = si.priors.Geometric(q, 4)
+        numpyro.deterministic("logp", prior.log_table(4))
+        with numpyro.plate("children", 4):
+            phi = si.edge("phi", prior)
+            numpyro.sample("y", dist.Normal(jnp.arange(4.0)[phi], 0.5), obs=y)
+
+    mcmc = si.infer.nuts(jax.random.PRNGKey(0), model, jnp.array([0.1, 0.9, 0.2, 2.8]),
+                         num_warmup=20, num_samples=10, progress_bar=False)
+    samples = mcmc.get_samples()
+    assert np.isneginf(samples["logp"]).any() and np.isfinite(samples["q"]).all()
+
+
 def test_nuts_and_svi_refuse_bad_input():
     with pytest.raises(TypeError, match="rng_key must be one PRNG key"):
         si.infer.nuts(0, tilt_model, Y3, [])

@@ -184,7 +184,8 @@ def nuts(
             `numpyro.param` site (NUTS would hold it fixed),
             a discrete latent site that is not enumerated, or no continuous latent
             site to sample.
-        FloatingPointError: a draw is not finite (naming the site).
+        FloatingPointError: a draw of a latent site is not finite (naming the site;
+            deterministic sites are not checked).
         NonFiniteEnergyError: (a `FloatingPointError`) NumPyro found no initial point with
             a finite log density, and the argument or site responsible (NaN data, say)
             was found; it is named. NumPyro's own RuntimeError where none was found.
@@ -241,8 +242,12 @@ def nuts(
     )
     with _init_failure("nuts", model, args, kwargs):
         mcmc.run(rng_key, *args, extra_fields=EXTRA_FIELDS, **kwargs)
-    for name, draws in mcmc.get_samples().items():
-        if not bool(jnp.all(jnp.isfinite(draws))):
+    samples = mcmc.get_samples()
+    # the latent sites only: a deterministic site may hold -inf by design (a causal
+    # prior's log-table)
+    for name in info.latent:
+        draws = samples.get(name)
+        if draws is not None and not bool(jnp.all(jnp.isfinite(draws))):
             raise FloatingPointError(
                 f"nuts: site '{name}' has non-finite draws; check the priors' supports and "
                 "the data for NaN/inf"
