@@ -45,7 +45,7 @@ from numpyro.util import is_prng_key
 from .._checks import as_arrays, check_count, model_name
 from ..exact import ModelInfo, inspect_model, safe_log_einsum
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
-from ._diagnose import bad_leaf, nonfinite_site
+from ._diagnose import bad_leaf, nonfinite_site, start_failure
 from ._loop import NonFiniteEnergyError
 
 __all__ = [
@@ -188,7 +188,10 @@ def nuts(
             deterministic sites are not checked).
         NonFiniteEnergyError: (a `FloatingPointError`) NumPyro found no initial point with
             a finite log density, and the argument or site responsible (NaN data, say)
-            was found; it is named. NumPyro's own RuntimeError where none was found.
+            was found, with the continuous latents at a starting point in their
+            supports; it is named. Where the model itself raises there, its own
+            exception (NumPyro's error as its cause); NumPyro's own RuntimeError where
+            nothing was found.
 
     Examples:
         ```python
@@ -325,7 +328,8 @@ def svi(
         NonFiniteEnergyError: the loss became NaN or infinite, or NumPyro found no
             initial point with a finite loss (NaN data, say); the message names the
             step and the parameter, argument or site responsible (NumPyro's own
-            RuntimeError where no initial point was found and none is responsible).
+            RuntimeError where no initial point was found and none is responsible; the
+            model's own exception where it raises at a starting point).
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
         ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
             that is not enumerated.
@@ -356,13 +360,18 @@ def svi(
 @contextlib.contextmanager
 def _init_failure(what: str, model: Callable, args: tuple, kwargs: dict):
     """Name the argument or site behind NumPyro's "Cannot find valid initial parameters"
-    (NaN data, say), where one is found; NumPyro's error otherwise."""
+    (NaN data, say), where one is found (the continuous latents at a starting point in
+    their supports); the model's own exception where it raises there (an error in the
+    model, not in the data); NumPyro's error otherwise."""
     try:
         yield
     except RuntimeError as err:
         if "Cannot find valid initial parameters" not in str(err):
             raise
-        site = nonfinite_site(model, *args, **kwargs)
+        try:
+            site = start_failure(model, args, kwargs)
+        except Exception as model_err:  # noqa: BLE001 - the model's own error is the cause
+            raise model_err from err
         if site is None:
             raise
         raise NonFiniteEnergyError(
