@@ -464,6 +464,33 @@ def test_bad_weights_under_jit_are_nan():
     assert st.weights.dtype == np.float32
 
 
+def test_16_bit_data_is_refused_naming_the_argument():
+    """Regression: bfloat16 data crashed inside jnp.linalg with "Unsupported dtype
+    bfloat16", naming neither the function nor the argument. Refused (statically: under
+    jit too), naming both."""
+    x, centres = gmm_data()
+    xb = jnp.asarray(x, jnp.bfloat16)
+    c2, c3 = np.stack([np.eye(D)] * 2), np.stack([np.eye(D)] * 3)
+    runs = {
+        "gmm_em: x": lambda x: gmm_em(x, centres, c3, max_iters=2),
+        "linear_mixture_em: inputs": lambda x: linear_mixture_em(x[:-1], x[1:], c2,
+                                                                 np.zeros((2, D)), c2),
+        "linear_mixture_em: targets": lambda x: linear_mixture_em(x[:-1].astype(np.float32),
+                                                                  x[1:], c2,
+                                                                  np.zeros((2, D)), c2),
+        "markov_switching_em: x": lambda x: markov_switching_em(x, c2, np.zeros((2, D)),
+                                                                np.ones((2, D))),
+    }
+    for what, fn in runs.items():
+        for dt in (jnp.bfloat16, jnp.float16):
+            for run in (fn, jax.jit(fn)):
+                with pytest.raises(TypeError, match=f"{what} is {jnp.dtype(dt).name}: .*"
+                                   "float32 or float64"):
+                    run(xb.astype(dt))
+    with pytest.raises(TypeError, match="gmm_em: x is bfloat16"):
+        em_gmm.init(xb, centres, c3)
+
+
 def test_arguments_are_named_in_errors():
     """Regression: these raised "not enough values to unpack", a dot_general TypeError or
     "max_iters must be a positive int" (for e_iters)."""

@@ -23,6 +23,7 @@ __all__ = [
     "check_value",
     "check_nonnegative",
     "check_weights",
+    "check_linalg_dtype",
     "weighted_affine_fit",
 ]
 
@@ -164,6 +165,28 @@ def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
                              "non-negative and sum to 1")
         return w
     return check_value(w, ok, what, "must be non-negative and sum to 1")
+
+
+def check_linalg_dtype(x: jax.Array, what: str) -> None:
+    """Refuse a 16-bit float array where an EM algorithm solves linear systems.
+
+    Its dtype is static: this runs under ``jit`` too. (XLA has no 16-bit inverse, solve
+    or eigendecomposition; NumPy's error would name neither the function nor the
+    argument.)
+
+    Args:
+        x: the data array that sets the algorithm's dtype.
+        what: ``"<function>: <argument>"``, for the message.
+
+    Raises:
+        TypeError: ``x`` is a float of fewer than 32 bits, naming ``what``.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        raise TypeError(
+            f"{what} is {jnp.dtype(x.dtype).name}: this EM algorithm solves linear systems "
+            "(inverse, solve, eigendecomposition), which need float32 or float64; pass it "
+            "as .astype(jnp.float32) and cast the result back"
+        )
 
 
 def weighted_affine_fit(u: jax.Array, y: jax.Array, r: jax.Array, A: jax.Array,
