@@ -313,3 +313,14 @@ def test_log_or_unnormalised_marginals_are_refused():
         assert dg.edge_entropy(q).dtype == dt
     nan_row = p.at[2].set(jnp.nan)
     assert np.isnan(dg.expected_distance(nan_row)[2])
+
+
+def test_effective_window_takes_a_traced_mass():
+    """Regression: a traced `mass` raised a TracerBoolConversionError (the range was
+    tested in Python). Now it runs; outside (0, 1] the windows are NaN."""
+    a = jnp.full((3, 3), 1 / 3)
+    run = jax.jit(lambda a, m: dg.effective_window(a, 0, m))
+    np.testing.assert_array_equal(run(a, 0.9), dg.effective_window(a, 0, 0.9))
+    assert np.isnan(run(a, 1.5)).all() and np.isnan(run(a, 0.0)).all()
+    with pytest.raises(ValueError, match=r"effective_window: mass must lie in \(0, 1\]"):
+        dg.effective_window(a, 0, 1.5)

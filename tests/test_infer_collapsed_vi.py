@@ -5,6 +5,8 @@ sec. 4.2-4.3 and app. 8.2.1, the predictive-coding gradient of app. 7.2, and the
 Hessian of log Z by autodiff for the Laplace term. Sizes are distinct primes.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +109,20 @@ def test_cccp_nonpositive_precision_under_jit_is_nan():
         assert bool(info.nonfinite) and np.isnan(st.energy)
     st, info = jax.jit(lambda p: cccp(log_z, mu0, precision=p))(1.0)
     assert not bool(info.nonfinite) and np.isfinite(st.energy)
+
+
+def test_cccp_precision_of_another_shape_is_named():
+    """Regression: a precision not broadcasting to mu's shape failed in a multiply, or
+    (extra leading dims) broadcast mu to its shape and failed on the edge's plates."""
+    X = jax.random.normal(jax.random.key(0), (7, 3))
+    mu0 = X[:2] + 0.1
+    log_z = model_log_z(hopfield, "mu", X, 1.0)
+    for p in (jnp.ones((3, 3)), jnp.ones((4, 2, 3)), jnp.ones((1, 2, 3))):
+        with pytest.raises(ValueError, match=rf"cccp: `precision` of shape {re.escape(str(p.shape))} "
+                           r"must broadcast to the shape of the means \(2, 3\)"):
+            cccp(log_z, mu0, precision=p)
+    st, _ = cccp(log_z, mu0, precision=jnp.ones(3), max_iters=3)  # broadcasts: fine
+    assert st.mu.shape == (2, 3)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -491,6 +491,15 @@ def test_16_bit_data_is_refused_naming_the_argument():
         em_gmm.init(xb, centres, c3)
 
 
+def test_energy_em_promotes_integer_params():
+    """Regression: integer params (latents were promoted) failed in jax.grad with "grad
+    requires real- or complex-valued inputs"."""
+    st, info = energy_em(lambda v, th: jnp.sum((v - th) ** 2), jnp.zeros(2), jnp.array([1, 2]),
+                         max_iters=3)
+    assert jnp.issubdtype(st.params.dtype, jnp.floating) and not bool(info.nonfinite)
+    np.testing.assert_allclose(st.latents, [1.0, 2.0], atol=1e-2)
+
+
 def test_arguments_are_named_in_errors():
     """Regression: these raised "not enough values to unpack", a dot_general TypeError or
     "max_iters must be a positive int" (for e_iters)."""

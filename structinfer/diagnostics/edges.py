@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import require
 from ..priors import StructuralPrior
 from ._common import check_marginals, check_true_edges, offset_of
 
@@ -103,11 +104,11 @@ def effective_window(
         probabilities (see below).
 
     Raises:
-        ValueError: `mass` outside `(0, 1]`, or (concrete) a row of `marginals` with a
+        ValueError: `mass` outside `(0, 1]` (traced: the windows are NaN), or (concrete) a row of `marginals` with a
             negative entry or not summing to 1 (under `jit` that row is NaN).
     """
-    if not 0.0 < mass <= 1.0:
-        raise ValueError(f"effective_window: mass must lie in (0, 1], got {mass}")
+    mass = require(lambda xp, m: (m > 0) & (m <= 1),
+                   "effective_window: mass must lie in (0, 1], got {}", mass)
     offset = offset_of(offset)
     a = check_marginals(marginals)
     d = jnp.abs(_distances(a, offset))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from ._common import as_float_tree, check_value, like_tree, max_abs, site_finder, sum_tree
 from ._loop import LoopInfo, check, run_loop
@@ -45,6 +46,25 @@ def _check_precision(precision) -> Any:
         precision)
 
 
+def _precision_like(precision, mu) -> Any:
+    """`precision` checked (`_check_precision`) as a pytree like `mu`, each leaf
+    broadcasting to its mean's shape (a precision of another shape would broadcast `mu`
+    to it in the update)."""
+    prec = like_tree(_check_precision(precision), mu)
+    for p, m in zip(jax.tree.leaves(prec), jax.tree.leaves(mu)):
+        p_shape, m_shape = tuple(jnp.shape(p)), tuple(jnp.shape(m))
+        try:
+            fits = jnp.broadcast_shapes(p_shape, m_shape) == m_shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"cccp: `precision` of shape {p_shape} must broadcast to the shape of the "
+                f"means {m_shape} (a diagonal precision: a scalar or an array like mu)"
+            )
+    return prec
+
+
 def _energy(log_z_fn, mu, precision) -> jax.Array:
     quad = sum_tree(jax.tree.map(lambda m, p: 0.5 * p * m * m, mu, precision))
     return quad - log_z_fn(mu)
@@ -62,7 +82,7 @@ def init(log_z_fn: Callable[[Any], jax.Array], mu0: Any, precision: Any = 1.0) -
         The `CCCPState` at `mu0`.
     """
     mu0 = as_float_tree(mu0)
-    prec = like_tree(_check_precision(precision), mu0)
+    prec = _precision_like(precision, mu0)
     return CCCPState(mu0, _energy(log_z_fn, mu0, prec))
 
 
@@ -80,7 +100,7 @@ def step(
     Returns:
         `(new_state, converged)` with `converged = max |Δμ| <= tol`.
     """
-    prec = like_tree(_check_precision(precision), state.mu)
+    prec = _precision_like(precision, state.mu)
     g = jax.grad(log_z_fn)(state.mu)
     mu = jax.tree.map(lambda gi, p, m: (gi / p).astype(m.dtype), g, prec, state.mu)
     delta = max_abs(jax.tree.map(lambda a, b: a - b, mu, state.mu))
@@ -128,7 +148,8 @@ def run(
 
     Raises:
         ValueError: a non-positive `precision` (concrete values; traced, it makes the
-            energy NaN, and the run stops on it).
+            energy NaN, and the run stops on it), or one that does not broadcast to the
+            shape of `mu0`.
         NonFiniteEnergyError: see `raise_on_nonfinite`.
 
     Cost: one forward and backward pass of the exact engine per step.
