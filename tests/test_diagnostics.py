@@ -307,9 +307,29 @@ def test_the_data_must_be_the_fits_own(q_task, q_fit):
     dt = dg.to_inference_data(q_fit, task.x, np.asarray(task.weight), sigma=0.3,
                               posterior_predictive=False)
     assert "log_likelihood" in dt.children
+
     with pytest.raises(ValueError, match="true_edges.*'ph'.*edge sites.*'phi'"):
         dg.to_inference_data(q_fit, task.x, task.weight, 0.3, true_edges={"ph": task.parents},
                              posterior_predictive=False)
+
+
+def test_a_log_argument_the_model_fills_is_not_data():
+    """A list the model appends its traced values to holds tracers after the MCMC run: it
+    is not data, and the fresh list given to to_inference_data is not refused."""
+    def model(y, log):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("children", 3):
+            phi = si.edge("phi", si.priors.Uniform(2))
+            log.append(phi)
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[phi], s), obs=y)
+
+    y = jnp.array([-1.1, 0.9, 1.2])
+    fit = si.infer.nuts(jax.random.PRNGKey(0), model, y, [], num_warmup=10, num_samples=10,
+                        progress_bar=False)
+    dt = dg.to_inference_data(fit, y, [], posterior_predictive=False)
+    assert dt["log_likelihood"]["y"].shape == (1, 10, 3)
+    with pytest.raises(ValueError, match=r"\['y'\] given here differ"):
+        dg.to_inference_data(fit, jnp.array([0.3, 0.3, 0.3]), [], posterior_predictive=False)
 
 
 def test_lp_is_the_log_density_of_the_draws(q_fit, q_idata):

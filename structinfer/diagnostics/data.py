@@ -177,9 +177,12 @@ def _as_one_chain(dt: xr.DataTree) -> xr.DataTree:
 def _same_argument(a: Any, b: Any) -> bool:
     """Whether two values of one model argument are the same data: equal arrays and
     numbers (NaN equal to NaN) in the same pytree structure; other leaves (functions,
-    objects) are not compared."""
+    objects) are not compared, nor a container holding tracers (a list the model
+    appends its traced values to, which the run has filled)."""
     leaves_a, tree_a = jax.tree.flatten(a)
     leaves_b, tree_b = jax.tree.flatten(b)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves_a + leaves_b):
+        return True  # a container the model appended its traced values to: not data
     if tree_a != tree_b:
         return False
     data = (np.ndarray, np.generic, jax.Array, int, float, complex)
