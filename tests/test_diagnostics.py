@@ -296,9 +296,40 @@ def test_the_data_must_be_the_fits_own(q_task, q_fit):
     task = q_task[0]
     with pytest.raises(ValueError, match="'x'.*differ from the data the fit ran on"):
         dg.to_inference_data(q_fit, task.x + 1.0, task.weight, 0.3, posterior_predictive=False)
+    # Regression: other covariates (arguments that are not observed) were not refused:
+    # the log-likelihood of another model-data pair, finite and wrong. The MCMC keeps
+    # the arguments it ran on; each one is compared, by its name in the signature.
+    for args, name in (((task.x, 2 * task.weight, 0.3), "w"), ((task.x, task.weight, 0.31),
+                                                                "sigma")):
+        with pytest.raises(ValueError, match=rf"model argument\(s\) \['{name}'\] given here "
+                           "differ from those the MCMC ran on"):
+            dg.to_inference_data(q_fit, *args, posterior_predictive=False)
+    dt = dg.to_inference_data(q_fit, task.x, np.asarray(task.weight), sigma=0.3,
+                              posterior_predictive=False)
+    assert "log_likelihood" in dt.children
+
     with pytest.raises(ValueError, match="true_edges.*'ph'.*edge sites.*'phi'"):
         dg.to_inference_data(q_fit, task.x, task.weight, 0.3, true_edges={"ph": task.parents},
                              posterior_predictive=False)
+
+
+def test_a_log_argument_the_model_fills_is_not_data():
+    """A list the model appends its traced values to holds tracers after the MCMC run: it
+    is not data, and the fresh list given to to_inference_data is not refused."""
+    def model(y, log):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("children", 3):
+            phi = si.edge("phi", si.priors.Uniform(2))
+            log.append(phi)
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[phi], s), obs=y)
+
+    y = jnp.array([-1.1, 0.9, 1.2])
+    fit = si.infer.nuts(jax.random.PRNGKey(0), model, y, [], num_warmup=10, num_samples=10,
+                        progress_bar=False)
+    dt = dg.to_inference_data(fit, y, [], posterior_predictive=False)
+    assert dt["log_likelihood"]["y"].shape == (1, 10, 3)
+    with pytest.raises(ValueError, match=r"\['y'\] given here differ"):
+        dg.to_inference_data(fit, jnp.array([0.3, 0.3, 0.3]), [], posterior_predictive=False)
 
 
 def test_lp_is_the_log_density_of_the_draws(q_fit, q_idata):
@@ -578,6 +609,18 @@ def test_edge_statistics_against_loops():
         dg.edge_agreement(a, np.zeros(3, int))
     with pytest.raises(ValueError, match="outside"):
         dg.edge_agreement(a, np.full((3, n), m))
+    # Regression: under jit an index outside the parents gave finite numbers (-1 wrapped
+    # to the last parent; `parents` counted the child as wrong). Now both are NaN.
+    for bad in (-1, m):
+        t = true.copy()
+        t[1, 2] = bad
+        out = jax.jit(dg.edge_agreement)(jnp.asarray(a), jnp.asarray(t))
+        assert np.isnan(out.accuracy) and np.isnan(out.true_parent_prob), bad
+        assert not bool(out.correct[1, 2])
+        assert np.asarray(out.correct).sum() == np.asarray(jitted.correct).sum() - int(
+            jitted.correct[1, 2])
+    with pytest.raises(ValueError, match=r"shape \(3,\); expected one parent index per child"):
+        jax.jit(dg.edge_agreement)(jnp.asarray(a), jnp.zeros(3, int))
     with pytest.raises(ValueError, match="mass must lie in"):
         dg.effective_window(a, mass=0.0)
 

@@ -273,6 +273,54 @@ def test_a_row_that_is_not_finite_or_short_of_the_mass_is_nan():
     ag = dg.edge_agreement(a, np.array([0, 0, 0]))
     assert np.asarray(ag.correct).tolist() == [True, True, False]
     assert np.isnan(ag.accuracy) and np.isnan(ag.true_parent_prob)
-    short = dg.effective_window(jnp.array([[0.5, 0.3, 0.0], [0.6, 0.3, 0.1]]), mass=0.9)
+    short = jax.jit(lambda a: dg.effective_window(a, mass=0.9))(
+        jnp.array([[0.5, 0.3, 0.0], [0.6, 0.3, 0.1]]))
     assert np.isnan(short[0]) and short[1] == 1
     assert jax.jit(dg.effective_window)(a).shape == (3,)
+
+
+def test_log_or_unnormalised_marginals_are_refused():
+    """Regression: the edge statistics took any (..., children, parents) array: a
+    log-probability table or rows summing to 2 gave finite wrong expected distances,
+    distance posteriors and true-parent probabilities. Concrete: refused, naming the
+    argument and the row; under jit: NaN in those rows, the others unchanged."""
+    p = jnp.exp(P.Geometric(0.4, 5).log_table(5))
+    logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -30.0)
+    half = p.at[3].multiply(0.5)
+    stats = {
+        "edge_entropy": dg.edge_entropy,
+        "expected_distance": dg.expected_distance,
+        "effective_window": dg.effective_window,
+        "distance_posterior": lambda a: dg.distance_posterior(a)[1],
+        "edge_agreement": lambda a: dg.edge_agreement(a, jnp.zeros(5, int)).true_parent_prob,
+    }
+    for name, fn in stats.items():
+        for bad, row in ((logp, 0), (2 * p, 0), (half, 3)):
+            with pytest.raises(ValueError, match=rf"marginals: the row of child {row} sums to"):
+                fn(bad)
+        out = np.asarray(jax.jit(fn)(half))
+        ref = np.asarray(fn(p))
+        if name in ("distance_posterior", "edge_agreement"):  # averages over the children
+            assert np.isnan(out).all(), name
+        else:
+            assert np.isnan(out[3]) and not np.isnan(np.delete(out, 3)).any(), name
+            np.testing.assert_allclose(np.delete(out, 3), np.delete(ref, 3), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"batch index \(1,\)"):
+        dg.edge_entropy(jnp.stack([p, -p]))
+    # rounding is not refused: float32 and bfloat16 rows, and a NaN row passes as NaN
+    for dt in (jnp.float32, jnp.bfloat16):
+        q = jax.nn.softmax(jax.random.normal(jax.random.key(0), (7, 11)).astype(dt), -1)
+        assert dg.edge_entropy(q).dtype == dt
+    nan_row = p.at[2].set(jnp.nan)
+    assert np.isnan(dg.expected_distance(nan_row)[2])
+
+
+def test_effective_window_takes_a_traced_mass():
+    """Regression: a traced `mass` raised a TracerBoolConversionError (the range was
+    tested in Python). Now it runs; outside (0, 1] the windows are NaN."""
+    a = jnp.full((3, 3), 1 / 3)
+    run = jax.jit(lambda a, m: dg.effective_window(a, 0, m))
+    np.testing.assert_array_equal(run(a, 0.9), dg.effective_window(a, 0, 0.9))
+    assert np.isnan(run(a, 1.5)).all() and np.isnan(run(a, 0.0)).all()
+    with pytest.raises(ValueError, match=r"effective_window: mass must lie in \(0, 1\]"):
+        dg.effective_window(a, 0, 1.5)

@@ -5,6 +5,8 @@ sec. 4.2-4.3 and app. 8.2.1, the predictive-coding gradient of app. 7.2, and the
 Hessian of log Z by autodiff for the Laplace term. Sizes are distinct primes.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,36 @@ def pcn_energy_ref(y, w1, w2, m, k1, k2, z1, z2):
 def run_hopfield(X, beta, mu0):
     return cccp(model_log_z(hopfield, "mu", X, beta), mu0, precision=beta, tol=1e-10,
                 max_iters=200)
+
+
+def test_cccp_nonpositive_precision_under_jit_is_nan():
+    """Regression: a non-positive precision raised only on concrete values; under jit
+    cccp returned a finite energy. Now the energy is NaN and the run stops on it."""
+    X = jax.random.normal(jax.random.key(0), (7, 3))
+    mu0 = X[:2] + 0.1
+    log_z = model_log_z(hopfield, "mu", X, 1.0)
+    with pytest.raises(ValueError, match="cccp: `precision` .* must be positive"):
+        cccp(log_z, mu0, precision=-1.0)
+    for bad in (-1.0, 0.0):
+        st, info = jax.jit(lambda p: cccp(log_z, mu0, precision=p,
+                                          raise_on_nonfinite=False))(bad)
+        assert bool(info.nonfinite) and np.isnan(st.energy)
+    st, info = jax.jit(lambda p: cccp(log_z, mu0, precision=p))(1.0)
+    assert not bool(info.nonfinite) and np.isfinite(st.energy)
+
+
+def test_cccp_precision_of_another_shape_is_named():
+    """Regression: a precision not broadcasting to mu's shape failed in a multiply, or
+    (extra leading dims) broadcast mu to its shape and failed on the edge's plates."""
+    X = jax.random.normal(jax.random.key(0), (7, 3))
+    mu0 = X[:2] + 0.1
+    log_z = model_log_z(hopfield, "mu", X, 1.0)
+    for p in (jnp.ones((3, 3)), jnp.ones((4, 2, 3)), jnp.ones((1, 2, 3))):
+        with pytest.raises(ValueError, match=rf"cccp: `precision` of shape {re.escape(str(p.shape))} "
+                           r"must broadcast to the shape of the means \(2, 3\)"):
+            cccp(log_z, mu0, precision=p)
+    st, _ = cccp(log_z, mu0, precision=jnp.ones(3), max_iters=3)  # broadcasts: fine
+    assert st.mu.shape == (2, 3)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -380,6 +412,22 @@ def _masked_edge(X, beta, mu):
     numpyro.factor("node", -0.5 * beta * jnp.sum(mu**2))
     with numpyro.plate("queries", 3), numpyro.handlers.mask(mask=jnp.array([True, False, True])):
         si.edge("memory", si.priors.Uniform(X.shape[0]), si.scores.Dot(mu, X, scale=beta))
+
+
+def test_laplace_keeps_the_models_dtype(x64):
+    """Regression: under jax_enable_x64 a float32 model's var_term, hessian, precision
+    and covariance came out float64 (the Uniform prior's log-table is float64 there);
+    now every field is float32, as the exact engine's log Z, and equals the float64 run."""
+    X = np.random.default_rng(14).normal(size=(7, 3))
+    mu = X[:2] + 0.1
+    r32 = laplace(_hop_node, "mu", mu.astype(np.float32), X.astype(np.float32), 1.0)
+    assert {f: str(getattr(r32, f).dtype) for f in r32._fields} == dict.fromkeys(
+        r32._fields, "float32")
+    r64 = laplace(_hop_node, "mu", mu, X, 1.0)
+    assert r64.covariance.dtype == np.float64
+    np.testing.assert_allclose(r32.covariance, r64.covariance, rtol=1e-4, atol=1e-6)
+    rb = laplace(_hop_node, "mu", mu.astype(jnp.bfloat16), X.astype(jnp.bfloat16), 1.0)
+    assert all(getattr(rb, f).dtype != np.float64 for f in rb._fields)
 
 
 def test_laplace_refuses_masked_edge_eagerly_and_under_jit(x64):

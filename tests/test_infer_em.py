@@ -232,6 +232,26 @@ def test_model_expansion_finds_the_missing_component(x64):
         assert np.min(np.linalg.norm(found - c, axis=1)) < 0.4
 
 
+def test_expand_refuses_a_sim_fn_of_another_shape():
+    """Regression: a sim_fn returning (K_max, 1) broadcast against `active` to
+    (K_max, K_max): the log-sum-exp ran over inactive placeholders too, a finite wrong
+    energy. Its shape is checked (statically: under jit too), naming sim_fn."""
+    parents = jnp.array([[0.0, 0.0], [5.0, 5.0], [0.1, 0.1], [0.0, 0.0]])
+    active = jnp.array([True, True, False, False])
+    children = jnp.array([[0.05, 0.05], [3.0, 3.0]])
+    good = lambda c, z: -0.5 * jnp.sum((z - c) ** 2, -1)  # noqa: E731
+    bad = lambda c, z: -0.5 * jnp.sum((z - c) ** 2, -1, keepdims=True)  # noqa: E731
+    for run in (expand, jax.jit(expand, static_argnums=(3, 4))):
+        with pytest.raises(ValueError, match=r"expand: sim_fn must return .* shape \(4,\) "
+                           r"\(that of `active`\), got shape \(4, 1\)"):
+            run(children, parents, active, bad, 2.0)
+    res = expand(children, parents, active, good, tau=2.0)
+    ref = [-jax.nn.logsumexp(good(c, parents[:2])) for c in children]
+    np.testing.assert_allclose(res.energies, ref, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"expand: active must be \(K_max,\)"):
+        jax.jit(lambda a: expand(children, parents, a, good, 2.0))(active[None])
+
+
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="gmm_em: x .* means .* covariances"):
         gmm_em(np.zeros((5, 2)), np.zeros((3, 3)), np.zeros((3, 3, 3)))
@@ -413,6 +433,71 @@ def test_linear_mixture_em_checks_its_weights():
         linear_mixture_em(u, y, A, b, c, np.full(3, 1 / 3))
     with pytest.raises(ValueError, match="linear_mixture_em: weights"):
         em_linear_mixture.init(u, y, A, b, c, np.asarray([1.5, -0.5]))
+
+
+def test_bad_weights_under_jit_are_nan():
+    """Regression: the weights were checked on concrete values only. Under jit a negative
+    weight switched its component off and weights not summing to 1 were renormalised:
+    a finite wrong log-likelihood. Now (traced) they make it NaN and the run stops."""
+    x, centres = gmm_data()
+    covs = np.stack([np.eye(D)] * 3)
+    c2 = np.stack([np.eye(D)] * 2)
+    runs = {
+        "gmm_em": (lambda w: gmm_em(x, centres, covs, w, max_iters=3), 3),
+        "linear_mixture_em": (lambda w: linear_mixture_em(x[:-1], x[1:], c2,
+                                                          np.zeros((2, D)), c2, w,
+                                                          max_iters=3), 2),
+    }
+    for name, (fn, k) in runs.items():
+        for bad in (np.r_[-0.5, 1.5, np.zeros(k - 2)], np.full(k, 0.2)):
+            with pytest.raises(ValueError, match=f"{name}: weights .* sum to 1"):
+                fn(bad)
+            st, info = jax.jit(fn)(bad)
+            assert bool(info.nonfinite) and not bool(info.converged), (name, bad)
+            assert np.isnan(st.log_likelihood), (name, bad)
+        st, info = jax.jit(fn)(np.full(k, 1.0 / k))
+        assert not bool(info.nonfinite) and np.isfinite(st.log_likelihood), name
+    # float32 weights summing to 1 up to rounding pass, and stay float32
+    w32 = np.full(3, 1 / 3, np.float32)
+    st, _ = gmm_em(x.astype(np.float32), centres.astype(np.float32),
+                   covs.astype(np.float32), w32, max_iters=2)
+    assert st.weights.dtype == np.float32
+
+
+def test_16_bit_data_is_refused_naming_the_argument():
+    """Regression: bfloat16 data crashed inside jnp.linalg with "Unsupported dtype
+    bfloat16", naming neither the function nor the argument. Refused (statically: under
+    jit too), naming both."""
+    x, centres = gmm_data()
+    xb = jnp.asarray(x, jnp.bfloat16)
+    c2, c3 = np.stack([np.eye(D)] * 2), np.stack([np.eye(D)] * 3)
+    runs = {
+        "gmm_em: x": lambda x: gmm_em(x, centres, c3, max_iters=2),
+        "linear_mixture_em: inputs": lambda x: linear_mixture_em(x[:-1], x[1:], c2,
+                                                                 np.zeros((2, D)), c2),
+        "linear_mixture_em: targets": lambda x: linear_mixture_em(x[:-1].astype(np.float32),
+                                                                  x[1:], c2,
+                                                                  np.zeros((2, D)), c2),
+        "markov_switching_em: x": lambda x: markov_switching_em(x, c2, np.zeros((2, D)),
+                                                                np.ones((2, D))),
+    }
+    for what, fn in runs.items():
+        for dt in (jnp.bfloat16, jnp.float16):
+            for run in (fn, jax.jit(fn)):
+                with pytest.raises(TypeError, match=f"{what} is {jnp.dtype(dt).name}: .*"
+                                   "float32 or float64"):
+                    run(xb.astype(dt))
+    with pytest.raises(TypeError, match="gmm_em: x is bfloat16"):
+        em_gmm.init(xb, centres, c3)
+
+
+def test_energy_em_promotes_integer_params():
+    """Regression: integer params (latents were promoted) failed in jax.grad with "grad
+    requires real- or complex-valued inputs"."""
+    st, info = energy_em(lambda v, th: jnp.sum((v - th) ** 2), jnp.zeros(2), jnp.array([1, 2]),
+                         max_iters=3)
+    assert jnp.issubdtype(st.params.dtype, jnp.floating) and not bool(info.nonfinite)
+    np.testing.assert_allclose(st.latents, [1.0, 2.0], atol=1e-2)
 
 
 def test_arguments_are_named_in_errors():

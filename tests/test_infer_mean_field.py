@@ -146,3 +146,43 @@ def test_max_iters_is_reported_and_bad_input():
     S_bad[4, 2] = np.nan
     with pytest.raises(si.infer.NonFiniteEnergyError, match="batch element \\(4,\\)"):
         geometric_beta(S_bad)
+
+
+def test_nonpositive_hyperprior_under_jit_is_nan():
+    """Regression: alpha0 / beta0 <= 0 raised only on concrete values; under jit
+    geometric_beta returned finite energies and attention. Now they are NaN."""
+    S = np.random.default_rng(3).normal(size=(N, N)).astype(np.float32)
+    for name in ("alpha0", "beta0"):
+        with pytest.raises(ValueError, match=f"geometric_beta: {name} must be positive"):
+            geometric_beta(S, **{name: -0.5})
+        st, info = jax.jit(lambda v: geometric_beta(S, **{name: v},  # noqa: B023
+                                                    raise_on_nonfinite=False))(-0.5)
+        assert np.all(np.asarray(info.nonfinite)), name
+        assert np.all(np.isnan(st.energy)) and np.all(np.isnan(st.attention)), name
+    st, info = jax.jit(lambda v: geometric_beta(S, alpha0=v))(0.1)
+    assert not np.any(np.asarray(info.nonfinite)) and st.energy.dtype == np.float32
+
+
+def test_bad_hyperprior_shape_and_traced_mass():
+    """Regression: alpha0 / beta0 not broadcasting against (..., children) failed in
+    jnp.broadcast_to without naming them; a traced `mass` raised a
+    TracerBoolConversionError. The shapes are named; a traced mass outside (0, 1) is NaN."""
+    S = np.zeros((2, 4, 6), np.float32)
+    for a0 in (np.full(6, 0.1), np.full((3, 4), 0.1)):
+        with pytest.raises(ValueError, match=rf"geometric_beta: alpha0 of shape \({a0.shape[0]},"
+                           r".* must broadcast against the scores' \(\.\.\., children\) "
+                           r"shape \(2, 4\)"):
+            geometric_beta(S, a0, 0.9, offset=2)
+    with pytest.raises(ValueError, match="geometric_beta: beta0 of shape"):
+        geometric_beta(S, 0.1, np.full(5, 0.9), offset=2)
+    a = np.random.default_rng(4).normal(size=(N, N)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"geometric_beta: mass must lie in \(0, 1\)"):
+        geometric_beta(a, mass=1.5)
+    for method in ("exact", "plugin"):
+        run = jax.jit(lambda a, m: geometric_beta(a, mass=m, method=method,  # noqa: B023
+                                                  raise_on_nonfinite=False))
+        st, info = run(a, 0.9)
+        ref, _ = geometric_beta(a, mass=0.9, method=method)
+        np.testing.assert_allclose(st.attention, ref.attention, rtol=1e-5, atol=1e-6)
+        st, info = run(a, 1.5)
+        assert np.all(np.asarray(info.nonfinite)) and np.all(np.isnan(st.attention)), method

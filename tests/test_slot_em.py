@@ -269,3 +269,12 @@ def test_slot_em_names_bad_arguments():
     att = np.full((len(x), 2), 0.5)
     with pytest.raises(ValueError, match="slot_m_step: ridge must be a non-negative number"):
         slot_m_step(x, slots, att, wk, wq, ridge=-1.0)
+    # Regression: bfloat16 data crashed inside jnp.linalg ("Unsupported dtype bfloat16"),
+    # naming neither the function nor the argument
+    xb = jnp.asarray(x, jnp.bfloat16)
+    with pytest.raises(TypeError, match="slot_em: x is bfloat16: .*float32 or float64"):
+        slot_em(xb, slots, wk, wq)
+    with pytest.raises(TypeError, match="slot_em: x is bfloat16"):
+        jax.jit(lambda x: slot_em(x, slots, wk, wq))(xb)
+    with pytest.raises(TypeError, match="slot_m_step: x is bfloat16"):
+        slot_m_step(xb, slots, att, wk, wq)

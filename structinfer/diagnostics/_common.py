@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._checks import model_name
@@ -111,28 +112,76 @@ def posterior_draws(parts: FitParts, args: tuple, kwargs: dict, num_draws: int,
 
 
 def check_marginals(marginals: Any, what: str = "marginals") -> jax.Array:
-    """`marginals` as a JAX array of shape `(..., children, parents)`."""
-    import jax.numpy as jnp
+    r"""`marginals` as a JAX array of shape `(..., children, parents)`, rows of probabilities.
 
+    A row must be non-negative and sum to 1, to $\max(10^{-3}, 8\epsilon)$ of its dtype
+    (rounding and autodiff error, never a log-probability table or unnormalised
+    weights); a row holding NaN passes as it is (a child with no allowed parent under
+    `jit`: its statistics are NaN).
+    Concrete: another row raises. Traced: such a row becomes NaN, so its statistics are
+    NaN, never finite wrong numbers.
+
+    Args:
+        marginals: the array.
+        what: the argument's name, for the messages.
+
+    Returns:
+        The array (traced: NaN in the rows that are not probabilities).
+
+    Raises:
+        ValueError: fewer than 2 dims, or (concrete) a row with a negative entry or not
+            summing to 1, naming `what`, the row and its sum.
+    """
     a = jnp.asarray(marginals)
     if a.ndim < 2:
         raise ValueError(f"{what} must have shape (..., children, parents), got {tuple(a.shape)}")
+    eps = float(jnp.finfo(a.dtype).eps) if jnp.issubdtype(a.dtype, jnp.floating) else 0.0
+    tol = max(1e-3, 8 * eps)
+
+    def bad_rows(xp, v, acc):
+        v = v.astype(acc)
+        total = xp.sum(v, -1)
+        bad = xp.any(v < -tol, -1) | ~(xp.abs(total - 1) <= tol)
+        return bad & ~xp.any(xp.isnan(v), -1), total
+
+    if isinstance(a, jax.core.Tracer):
+        bad, _ = bad_rows(jnp, a, jnp.promote_types(a.dtype, jnp.float32))
+        return jnp.where(bad[..., None], jnp.nan, a)
+    bad, total = bad_rows(np, np.asarray(a), np.float64)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        row = np.asarray(a, np.float64)[idx]
+        where = f"child {idx[-1]}" + (f" (batch index {idx[:-1]})" if idx[:-1] else "")
+        raise ValueError(
+            f"{what}: the row of {where} sums to {total[idx]:.6g} (min entry "
+            f"{row.min():.6g}); expected probabilities, each row non-negative and summing "
+            f"to 1 (to {tol:g}): pass jnp.exp of log-marginals, normalise weights first"
+        )
     return a
 
 
-def check_true_edges(true_edges: Any, marginals: Any, site: str = "edges") -> np.ndarray:
-    """Known parent indices: integers, one per child of `marginals`, inside `[0, parents)`."""
-    t = np.asarray(true_edges)
+def check_true_edges(true_edges: Any, marginals: Any, site: str = "edges") -> Any:
+    """Known parent indices: integers, one per child of `marginals`, inside `[0, parents)`.
+
+    The dtype and shape are checked always (they are static); the range only on concrete
+    values: traced indices are returned as they are, and the caller makes what it reads
+    from an index outside the parents NaN.
+
+    Returns:
+        The indices, a NumPy array (concrete) or the tracer.
+    """
+    traced = isinstance(true_edges, jax.core.Tracer)
+    t = true_edges if traced else np.asarray(true_edges)
     shape = tuple(np.shape(marginals)[:-1])
     m = np.shape(marginals)[-1]
     if not np.issubdtype(t.dtype, np.integer):
         raise TypeError(f"true structure for '{site}' must be integer parent indices, got {t.dtype}")
-    if t.shape != shape:
+    if tuple(t.shape) != shape:
         raise ValueError(
-            f"true structure for '{site}' has shape {t.shape}; expected one parent index per "
-            f"child, shape {shape}"
+            f"true structure for '{site}' has shape {tuple(t.shape)}; expected one parent index "
+            f"per child, shape {shape}"
         )
-    if t.size and (t.min() < 0 or t.max() >= m):
+    if not traced and t.size and (t.min() < 0 or t.max() >= m):
         raise ValueError(
             f"true structure for '{site}' has parent indices outside [0, {m}): "
             f"min {t.min()}, max {t.max()}"

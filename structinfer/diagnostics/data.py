@@ -128,11 +128,14 @@ def _prior_draws(model: Callable, args: tuple, kwargs: dict, names: list[str], n
     return {n: np.asarray(v)[None] for n, v in jax.jit(jax.vmap(one))(keys).items()}
 
 
-def _constant_data(model: Callable, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
-    """The model's array arguments, named as in its signature (`arg<i>` when unnamed)."""
+def _named_arguments(model: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The model's arguments, named as in its signature (`arg<i>` when unnamed), its
+    defaults filled in."""
     try:
-        bound = dict(inspect.signature(model).bind(*args, **kwargs).arguments)
-        params = inspect.signature(model).parameters
+        sig = inspect.signature(model)
+        bound_args = sig.bind(*args, **kwargs)
+        bound_args.apply_defaults()
+        bound, params = dict(bound_args.arguments), sig.parameters
     except (TypeError, ValueError):
         bound, params = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}, {}
     named: dict[str, Any] = {}
@@ -144,8 +147,13 @@ def _constant_data(model: Callable, args: tuple, kwargs: dict) -> dict[str, np.n
             named.update(value)
         else:
             named[name] = value
+    return named
+
+
+def _constant_data(model: Callable, args: tuple, kwargs: dict) -> dict[str, np.ndarray]:
+    """The model's array arguments, named as in its signature (`arg<i>` when unnamed)."""
     out = {}
-    for name, value in named.items():
+    for name, value in _named_arguments(model, args, kwargs).items():
         if isinstance(value, (np.ndarray, jax.Array)) and value.dtype.kind in "biuf":
             out[name] = np.asarray(value)
     return out
@@ -166,22 +174,60 @@ def _as_one_chain(dt: xr.DataTree) -> xr.DataTree:
     return out
 
 
-def _check_same_data(dt: Any, model: Callable, args: tuple, kwargs: dict) -> None:
+def _same_argument(a: Any, b: Any) -> bool:
+    """Whether two values of one model argument are the same data: equal arrays and
+    numbers (NaN equal to NaN) in the same pytree structure; other leaves (functions,
+    objects) are not compared, nor a container holding tracers (a list the model
+    appends its traced values to, which the run has filled)."""
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves_a + leaves_b):
+        return True  # a container the model appended its traced values to: not data
+    if tree_a != tree_b:
+        return False
+    data = (np.ndarray, np.generic, jax.Array, int, float, complex)
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, data) or isinstance(y, data):
+            if not (isinstance(x, data) and isinstance(y, data)):
+                return False
+            x, y = np.asarray(x), np.asarray(y)
+            if x.shape != y.shape or not np.array_equal(
+                    x, y, equal_nan=x.dtype.kind in "fc" and y.dtype.kind in "fc"):
+                return False
+    return True
+
+
+def _check_same_data(dt: Any, model: Callable, args: tuple, kwargs: dict, fit: Any) -> None:
     """Refuse data other than the fit's: `observed_data` (ArviZ's, from the fit) and the
-    groups computed here must describe one dataset."""
-    if "observed_data" not in dt.children:
+    groups computed here must describe one dataset, and the other arguments (the
+    covariates) must be those the MCMC ran on (NumPyro's `MCMC` keeps them, as ArviZ's
+    `from_numpyro` reads them)."""
+    if "observed_data" in dt.children:
+        obs = dt["observed_data"].to_dataset()
+        tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
+        differ = [
+            n for n, site in tr.items()
+            if site["type"] == "sample" and site.get("is_observed") and n in obs
+            and not np.array_equal(np.asarray(site["value"]), obs[n].values, equal_nan=True)
+        ]
+        if differ:
+            raise ValueError(
+                f"to_inference_data: the observed site(s) {differ} given here differ from the "
+                "data the fit ran on; pass the fit's own data"
+            )
+    ran_args, ran_kwargs = getattr(fit, "_args", None), getattr(fit, "_kwargs", None)
+    if ran_args is None or ran_kwargs is None:  # not recorded (another NumPyro release)
         return
-    obs = dt["observed_data"].to_dataset()
-    tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
-    differ = [
-        n for n, site in tr.items()
-        if site["type"] == "sample" and site.get("is_observed") and n in obs
-        and not np.array_equal(np.asarray(site["value"]), obs[n].values, equal_nan=True)
-    ]
+    given = _named_arguments(model, args, kwargs)
+    ran = _named_arguments(model, *as_arrays(ran_args, ran_kwargs))
+    missing = object()
+    differ = [n for n in dict.fromkeys([*ran, *given])
+              if not _same_argument(given.get(n, missing), ran.get(n, missing))]
     if differ:
         raise ValueError(
-            f"to_inference_data: the observed site(s) {differ} given here differ from the "
-            "data the fit ran on; pass the fit's own data"
+            f"to_inference_data: the model argument(s) {differ} given here differ from "
+            "those the MCMC ran on; pass the fit's own arguments (the log-likelihood and "
+            "edge posterior would describe another model and data)"
         )
 
 
@@ -296,7 +342,11 @@ def to_inference_data(
     Args:
         fit: a finished `numpyro.infer.MCMC` (`structinfer.infer.nuts`) or an
             `(SVI, SVIRunResult)` pair (`structinfer.infer.svi`).
-        *model_args: the model's positional arguments, as given to the fit.
+        *model_args: the model's positional arguments, as given to the fit. For an MCMC
+            every array (and number) argument is checked against those it ran on
+            (NumPyro's `MCMC` records them). An `(SVI, SVIRunResult)` pair keeps no
+            record of them, so for SVI nothing is checked: pass the arguments the guide
+            was fitted on, or the groups describe another model and data.
         score_factors: `"error"` or `"normalize"`: score factors in the likelihood
             (see `structinfer.exact.pointwise_log_likelihood`).
         true_edges: `{edge site: the true parent of each child}`, stored as `<site>_true`.
@@ -318,8 +368,8 @@ def to_inference_data(
         EnergyOnlyModelError: the model has no normalised observation.
         TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair.
         ValueError: a `numpyro.param` site, a discrete latent site that is not
-            enumerated, no latent site, a bad `true_edges`, observations other than
-            those the MCMC ran on, or a count (`num_draws`, `num_prior_draws`,
+            enumerated, no latent site, a bad `true_edges`, observations or other
+            array arguments than those the MCMC ran on, or a count (`num_draws`, `num_prior_draws`,
             `batch_size`) that is not an int in its range.
     """
     import arviz_base as azb
@@ -345,7 +395,7 @@ def to_inference_data(
 
     if parts.kind == "nuts":
         dt = azb.from_numpyro(fit, log_likelihood=False)
-        _check_same_data(dt, model, args, kwargs)
+        _check_same_data(dt, model, args, kwargs, fit)
         extra = fit.get_extra_fields(group_by_chain=True)
         if "potential_energy" in extra and "sample_stats" in dt.children:
             # `lp` is the log density of each draw, -U (ArviZ stored U itself)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import require
 from ..priors import StructuralPrior
 from ._common import check_marginals, check_true_edges, offset_of
 
@@ -99,14 +100,15 @@ def effective_window(
 
     Returns:
         `(..., children)` in the marginals' dtype: whole numbers, NaN for a row that is
-        not finite (a child with no allowed parent under `jit`) or whose mass never
-        reaches `mass` (an unnormalised row).
+        not finite (a child with no allowed parent under `jit`) or, under `jit`, not
+        probabilities (see below).
 
     Raises:
-        ValueError: `mass` outside `(0, 1]`.
+        ValueError: `mass` outside `(0, 1]` (traced: the windows are NaN), or (concrete) a row of `marginals` with a
+            negative entry or not summing to 1 (under `jit` that row is NaN).
     """
-    if not 0.0 < mass <= 1.0:
-        raise ValueError(f"effective_window: mass must lie in (0, 1], got {mass}")
+    mass = require(lambda xp, m: (m > 0) & (m <= 1),
+                   "effective_window: mass must lie in (0, 1], got {}", mass)
     offset = offset_of(offset)
     a = check_marginals(marginals)
     d = jnp.abs(_distances(a, offset))
@@ -149,10 +151,12 @@ class EdgeAgreement(NamedTuple):
 
     Attributes:
         accuracy: fraction of children whose MAP parent (argmax of the marginals) is the
-            true one; NaN when a child's row is not finite.
-        true_parent_prob: mean posterior probability of the true parent.
+            true one; NaN when a child's row is not finite or (traced) its true parent
+            is outside the parents.
+        true_parent_prob: mean posterior probability of the true parent (NaN likewise
+            for a true parent outside the parents).
         correct: `(..., children)` bool, MAP parent equals the true one (False for a
-            row that is not finite).
+            row that is not finite or a true parent outside the parents).
     """
 
     accuracy: jax.Array
@@ -168,24 +172,27 @@ def edge_agreement(marginals: jax.Array, true_edges: Any) -> EdgeAgreement:
 
     Args:
         marginals: `(..., children, parents)`.
-        true_edges: int `(..., children)`, the true parent of each child (checked when
-            concrete).
+        true_edges: int `(..., children)`, the true parent of each child (its range is
+            checked when concrete; traced, an index outside the parents makes both
+            `accuracy` and `true_parent_prob` NaN, and its child not correct).
 
     Returns:
         An [`EdgeAgreement`][structinfer.diagnostics.EdgeAgreement].
 
     Raises:
         TypeError: `true_edges` is not integer.
-        ValueError: `true_edges` has the wrong shape or an index outside the parents.
+        ValueError: `true_edges` has the wrong shape, or (concrete) an index outside the
+            parents.
     """
     a = check_marginals(marginals)
-    if not isinstance(true_edges, jax.core.Tracer):
-        true_edges = check_true_edges(true_edges, a)
-    t = jnp.asarray(true_edges)
+    t = jnp.asarray(check_true_edges(true_edges, a))
+    valid = (t >= 0) & (t < a.shape[-1])
     finite = jnp.all(jnp.isfinite(a), axis=-1)
-    correct = (jnp.argmax(a, axis=-1) == t) & finite
-    p_true = jnp.take_along_axis(a, t[..., None], axis=-1)[..., 0]
-    accuracy = jnp.where(jnp.all(finite), jnp.mean(correct), jnp.nan)
+    correct = (jnp.argmax(a, axis=-1) == t) & finite & valid
+    # an index outside the parents reads NaN (take_along_axis would wrap a negative one)
+    p_true = jnp.take_along_axis(a, jnp.where(valid, t, 0)[..., None], axis=-1)[..., 0]
+    p_true = jnp.where(valid, p_true, jnp.nan)
+    accuracy = jnp.where(jnp.all(finite & valid), jnp.mean(correct), jnp.nan)
     return EdgeAgreement(accuracy, jnp.mean(p_true), correct)
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import is_concrete
+from .._checks import is_concrete, require
 from ._model_fn import ModelFunction
 
 __all__ = [
@@ -20,8 +20,10 @@ __all__ = [
     "as_float_tree",
     "like_tree",
     "site_finder",
+    "check_value",
     "check_nonnegative",
     "check_weights",
+    "check_linalg_dtype",
     "weighted_affine_fit",
 ]
 
@@ -39,8 +41,10 @@ def rel_change_small_tree(new: Any, old: Any, tol: float) -> jax.Array:
 
 
 def safe_log(w: jax.Array) -> jax.Array:
-    r"""$\log w$ with $\log 0 = -\infty$ and no NaN in its gradient."""
-    return jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1.0)), -jnp.inf)
+    r"""$\log w$ with $\log 0 = -\infty$ and no NaN in its gradient; a negative or NaN $w$
+    gives NaN."""
+    return jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1.0)),
+                     jnp.where(w == 0, -jnp.inf, jnp.nan))
 
 
 def sum_tree(tree: Any) -> jax.Array:
@@ -79,12 +83,36 @@ def site_finder(fn: Any, mu_of_failure: Any) -> Any:
     return None
 
 
-def check_nonnegative(value: Any, what: str, role: str) -> Any:
-    """A ridge or other amount that must be ``>= 0``.
+def check_value(value: Any, ok: Any, what: str, rule: str) -> Any:
+    """The one rule for an algorithm's checked argument (a ridge, a precision, weights).
 
-    Concrete: raise ``ValueError`` when it is negative or NaN. Traced (under ``jit``,
-    where it cannot be checked): a negative value becomes NaN, so the algorithm stops
-    on a non-finite energy instead of returning a finite wrong result.
+    Concrete: raise ``ValueError`` naming ``what`` unless every entry of
+    ``ok(xp, value)`` holds (``xp`` is ``numpy``). Traced (under ``jit``, ``grad`` or
+    ``vmap``, where it cannot be checked): unless it holds (``xp`` is ``jax.numpy``),
+    the value becomes NaN, so the algorithm stops on a non-finite energy instead of
+    returning a finite wrong result. The policy of the scores' and priors' checks.
+
+    Args:
+        value: the argument (an array or a Python number).
+        ok: ``ok(xp, value) -> booleans``; NaN must fail it.
+        what: ``"<function>: <argument>"``, for the message.
+        rule: what it must be, for the message (``"must be ..."``).
+
+    Returns:
+        ``value`` (concrete: unchanged; traced: NaN unless it passes), in its dtype.
+
+    Raises:
+        ValueError: a concrete value that fails, naming ``what``.
+    """
+    return require(ok, f"{_braces(what)} {_braces(rule)}, got {{}}", value)
+
+
+def _braces(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def check_nonnegative(value: Any, what: str, role: str) -> Any:
+    """A ridge or other amount that must be ``>= 0`` (`check_value`: NaN when traced).
 
     Args:
         value: the amount (a scalar).
@@ -93,16 +121,19 @@ def check_nonnegative(value: Any, what: str, role: str) -> Any:
 
     Returns:
         ``value``, or (traced) NaN where it is negative.
+
+    Raises:
+        ValueError: a concrete value that is negative or NaN.
     """
-    if is_concrete(value):
-        if not bool(np.all(np.asarray(value) >= 0)):
-            raise ValueError(f"{what} must be a non-negative number ({role}), got {value!r}")
-        return value
-    return jnp.where(value >= 0, value, jnp.nan)
+    return check_value(value, lambda xp, v: v >= 0, what,
+                       f"must be a non-negative number ({role})")
 
 
 def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
-    """Mixture weights: ``(k,)``, and (when concrete) non-negative and summing to 1.
+    """Mixture weights: ``(k,)``, non-negative and summing to 1 (`check_value`: NaN when
+    traced).
+
+    The sum is compared with 1 to ``max(1e-4, k * eps)`` of ``dtype``.
 
     Args:
         weights: the weights, or None for uniform ones.
@@ -111,7 +142,7 @@ def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
         what: ``"<function>: weights"``, for the messages.
 
     Returns:
-        The weights as a ``(k,)`` array.
+        The weights as a ``(k,)`` array (traced: NaN unless they pass).
 
     Raises:
         ValueError: another shape, or (concrete) a negative weight or a sum other than 1.
@@ -122,10 +153,40 @@ def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
     if w.shape != (k,):
         raise ValueError(f"{what} of shape {tuple(w.shape)}, expected ({k},) (one per "
                          "component)")
-    if is_concrete(w) and not (bool(jnp.all(w >= 0)) and abs(float(w.sum()) - 1.0) < 1e-4):
-        raise ValueError(f"{what} {np.asarray(w).round(4).tolist()} must be non-negative and "
-                         "sum to 1")
-    return w
+    tol = max(1e-4, k * float(jnp.finfo(w.dtype).eps))
+
+    def ok(xp, v):
+        total = xp.sum(v.astype(xp.float32) if v.dtype.itemsize < 4 else v)
+        return xp.all(v >= 0) & (xp.abs(total - 1.0) <= tol)
+
+    if is_concrete(w):
+        if not bool(ok(np, np.asarray(w))):
+            raise ValueError(f"{what} {np.asarray(w, np.float64).round(4).tolist()} must be "
+                             "non-negative and sum to 1")
+        return w
+    return check_value(w, ok, what, "must be non-negative and sum to 1")
+
+
+def check_linalg_dtype(x: jax.Array, what: str) -> None:
+    """Refuse a 16-bit float array where an EM algorithm solves linear systems.
+
+    Its dtype is static: this runs under ``jit`` too. (XLA has no 16-bit inverse, solve
+    or eigendecomposition; NumPy's error would name neither the function nor the
+    argument.)
+
+    Args:
+        x: the data array that sets the algorithm's dtype.
+        what: ``"<function>: <argument>"``, for the message.
+
+    Raises:
+        TypeError: ``x`` is a float of fewer than 32 bits, naming ``what``.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        raise TypeError(
+            f"{what} is {jnp.dtype(x.dtype).name}: this EM algorithm solves linear systems "
+            "(inverse, solve, eigendecomposition), which need float32 or float64; pass it "
+            "as .astype(jnp.float32) and cast the result back"
+        )
 
 
 def weighted_affine_fit(u: jax.Array, y: jax.Array, r: jax.Array, A: jax.Array,

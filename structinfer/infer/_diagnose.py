@@ -12,7 +12,7 @@ from numpyro.handlers import block, trace
 
 from .._checks import as_arrays
 from ..exact import inspect_model
-from ..handlers import observe_given, require_values
+from ..handlers import fill_latent, observe_given, require_values
 
 
 def bad_leaf(tree: Any) -> str | None:
@@ -41,7 +41,10 @@ def nonfinite_site(model: Callable, *args: Any, **kwargs: Any) -> str | None:
 
     That is the first argument or site whose value / log-density is NaN or +inf, or
     whose log-density is -inf under every structure (so that $\log Z = -\infty$).
-    Runs the model eagerly under funsor enumeration; meant for error messages only.
+    Runs the model eagerly under funsor enumeration; meant for error messages only. A
+    continuous latent site without a value is read at a starting point in its support,
+    $T(0)$ with $T$ = `biject_to(support)` (the placeholder of
+    [`fill_latent`][structinfer.handlers.fill_latent]).
 
     Args:
         model: a NumPyro model with edge sites.
@@ -49,7 +52,29 @@ def nonfinite_site(model: Callable, *args: Any, **kwargs: Any) -> str | None:
         **kwargs: the model's keyword arguments.
 
     Returns:
-        A description of the argument or site, or ``None`` when none was found.
+        A description of the argument or site, or ``None`` when none was found; where
+        the model itself raises, ``"(the model raised <its error>)"``.
+    """
+    try:
+        return start_failure(model, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - report, don't mask the original failure
+        return f"(the model raised {type(e).__name__}: {e})"
+
+
+def start_failure(model: Callable, args: tuple, kwargs: dict) -> str | None:
+    """`nonfinite_site`, letting the model's own exception propagate (for a fit that found no starting point: the model's error
+    is the cause to report).
+
+    Args:
+        model: a NumPyro model with edge sites.
+        args: the model's positional arguments.
+        kwargs: the model's keyword arguments.
+
+    Returns:
+        As `nonfinite_site`.
+
+    Raises:
+        Exception: whatever the model raises when run at the starting point.
     """
     for i, a in enumerate(args):
         bad = bad_leaf(a)
@@ -60,14 +85,11 @@ def nonfinite_site(model: Callable, *args: Any, **kwargs: Any) -> str | None:
         if bad:
             return f"model argument '{k}' ({bad})"
     args, kwargs = as_arrays(args, kwargs)
-    try:
-        info = inspect_model(model, *args, **kwargs)
-        with block():
-            m = enum(require_values(observe_given(model)),
-                     first_available_dim=info.first_available_dim)
-            tr = trace(m).get_trace(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - report, don't mask the original failure
-        return f"(the model raised {type(e).__name__}: {e})"
+    info = inspect_model(model, *args, **kwargs)
+    with block():
+        m = enum(require_values(fill_latent(observe_given(model))),
+                 first_available_dim=info.first_available_dim)
+        tr = trace(m).get_trace(*args, **kwargs)
     nest = info.max_plate_nesting
     for name, site in tr.items():
         if site["type"] != "sample":

@@ -22,10 +22,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
-from .._checks import is_concrete
-from ._common import as_float_tree, like_tree, max_abs, site_finder, sum_tree
+from ._common import as_float_tree, check_value, like_tree, max_abs, site_finder, sum_tree
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["CCCPState", "init", "step", "run"]
@@ -38,13 +37,32 @@ class CCCPState(NamedTuple):
     energy: jax.Array
 
 
-def _check_precision(precision) -> None:
-    for p in jax.tree.leaves(precision):
-        if is_concrete(p) and bool(np.any(np.asarray(p) <= 0)):
+def _check_precision(precision) -> Any:
+    """Every leaf of ``precision`` positive (`check_value`: NaN when traced)."""
+    return jax.tree.map(
+        lambda p: check_value(p, lambda xp, v: v > 0, "cccp: `precision`",
+                              "(the quadratic node potential 1/2 mu^T Lambda mu) must be "
+                              "positive"),
+        precision)
+
+
+def _precision_like(precision, mu) -> Any:
+    """`precision` checked (`_check_precision`) as a pytree like `mu`, each leaf
+    broadcasting to its mean's shape (a precision of another shape would broadcast `mu`
+    to it in the update)."""
+    prec = like_tree(_check_precision(precision), mu)
+    for p, m in zip(jax.tree.leaves(prec), jax.tree.leaves(mu)):
+        p_shape, m_shape = tuple(jnp.shape(p)), tuple(jnp.shape(m))
+        try:
+            fits = jnp.broadcast_shapes(p_shape, m_shape) == m_shape
+        except ValueError:
+            fits = False
+        if not fits:
             raise ValueError(
-                "cccp: `precision` (the quadratic node potential 1/2 mu^T Lambda mu) must be "
-                f"positive, got {p}"
+                f"cccp: `precision` of shape {p_shape} must broadcast to the shape of the "
+                f"means {m_shape} (a diagonal precision: a scalar or an array like mu)"
             )
+    return prec
 
 
 def _energy(log_z_fn, mu, precision) -> jax.Array:
@@ -64,7 +82,7 @@ def init(log_z_fn: Callable[[Any], jax.Array], mu0: Any, precision: Any = 1.0) -
         The `CCCPState` at `mu0`.
     """
     mu0 = as_float_tree(mu0)
-    prec = like_tree(precision, mu0)
+    prec = _precision_like(precision, mu0)
     return CCCPState(mu0, _energy(log_z_fn, mu0, prec))
 
 
@@ -82,7 +100,7 @@ def step(
     Returns:
         `(new_state, converged)` with `converged = max |Δμ| <= tol`.
     """
-    prec = like_tree(precision, state.mu)
+    prec = _precision_like(precision, state.mu)
     g = jax.grad(log_z_fn)(state.mu)
     mu = jax.tree.map(lambda gi, p, m: (gi / p).astype(m.dtype), g, prec, state.mu)
     delta = max_abs(jax.tree.map(lambda a, b: a - b, mu, state.mu))
@@ -129,12 +147,14 @@ def run(
         `(CCCPState, LoopInfo)`; `info.energy[t]` is $F(\mu^t)$.
 
     Raises:
-        ValueError: a non-positive `precision` (concrete values).
+        ValueError: a non-positive `precision` (concrete values; traced, it makes the
+            energy NaN, and the run stops on it), or one that does not broadcast to the
+            shape of `mu0`.
         NonFiniteEnergyError: see `raise_on_nonfinite`.
 
     Cost: one forward and backward pass of the exact engine per step.
     """
-    _check_precision(precision)
+    precision = _check_precision(precision)
     state = init(log_z_fn, mu0, precision)
 
     def body(s):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .._checks import check_count
 from . import gradient
-from ._common import like_tree, rel_change_small
+from ._common import as_float_tree, like_tree, rel_change_small
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["EMState", "init", "step", "run"]
@@ -83,7 +83,7 @@ def init(
     Args:
         energy_fn: `(latents, params) -> E`.
         latents: initial latents (pytree).
-        params: initial parameters (pytree).
+        params: initial parameters (pytree; integer leaves are promoted to floats).
         e_step_size: step size of the inner gradient descent.
         e_iters: its most steps (a positive int).
         e_tol: its gradient tolerance.
@@ -96,6 +96,7 @@ def init(
     Raises:
         ValueError: `e_iters` is not a positive int.
     """
+    params = as_float_tree(params)  # integers promoted, as the latents are
     v0, e0 = _e_step(energy_fn, latents, params, e_step_size, e_iters, e_tol)
     return EMState(v0, params, e0)
 

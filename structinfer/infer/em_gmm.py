@@ -24,6 +24,7 @@ from .._checks import as_float_array, check_layout
 from ..exact import log_marginal, marginals
 from ..mechanisms.mixtures import gaussian_mixture
 from ._common import (
+    check_linalg_dtype,
     check_nonnegative,
     check_weights,
     rel_change_small,
@@ -74,6 +75,7 @@ def _m_step(x, resp, old_means, old_covs, reg):
 
 def _prepare(x, means, covariances, weights):
     x = as_float_array(x, "gmm_em: x")
+    check_linalg_dtype(x, "gmm_em: x")
     check_layout(x, 2, "gmm_em: x", "(points, d)",
                  "; for a batch of data sets map gmm_em over it with jax.vmap")
     means = jnp.asarray(means, x.dtype)
@@ -115,6 +117,8 @@ def init(
         The `GMMState` at the initial parameters.
 
     Raises:
+        TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`, or weights
             that are negative or do not sum to 1.
     """
@@ -186,6 +190,8 @@ def run(
             (non-increasing).
 
     Raises:
+        TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)` (for a batch
             of data sets use `jax.vmap`), weights that are negative or do not sum to 1,
             or a negative `reg`.

@@ -24,6 +24,7 @@ from .._checks import as_float_array, check_layout
 from ..exact import log_marginal, marginals
 from ..mechanisms.dynamics import switching_linear_dynamics
 from ._common import (
+    check_linalg_dtype,
     check_nonnegative,
     check_weights,
     rel_change_small,
@@ -58,6 +59,8 @@ class LinearMixtureState(NamedTuple):
 def _prepare(inputs, targets, A, b, covariances, weights):
     u = as_float_array(inputs, "linear_mixture_em: inputs")
     y = as_float_array(targets, "linear_mixture_em: targets")
+    check_linalg_dtype(u, "linear_mixture_em: inputs")
+    check_linalg_dtype(y, "linear_mixture_em: targets")
     vmap = "; for a batch of data sets map linear_mixture_em over it with jax.vmap"
     check_layout(u, 2, "linear_mixture_em: inputs", "(T, d_u)", vmap)
     check_layout(y, 2, "linear_mixture_em: targets", "(T, d_y)", vmap)
@@ -121,6 +124,8 @@ def init(
         The `LinearMixtureState` at the initial parameters.
 
     Raises:
+        TypeError: `inputs` or `targets` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: shapes other than those above, or weights that are negative or do
             not sum to 1.
     """
@@ -222,6 +227,8 @@ def run(
             (non-increasing for `reg = 0`).
 
     Raises:
+        TypeError: `inputs` or `targets` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: shapes other than those above (for a batch of data sets use
             `jax.vmap`), weights that are negative or do not sum to 1, or a negative
             `reg`.

@@ -27,6 +27,7 @@ from .._checks import as_float_array, check_layout
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
 from ._common import (
+    check_linalg_dtype,
     check_nonnegative,
     rel_change_small,
     safe_log,
@@ -63,6 +64,7 @@ class MarkovSwitchingState(NamedTuple):
 
 def _prepare(x, A, b, precisions, log_transition, log_initial):
     x = as_float_array(x, "markov_switching_em: x")
+    check_linalg_dtype(x, "markov_switching_em: x")
     check_layout(x, 2, "markov_switching_em: x", "(T, d)",
                  "; for a batch of time series map markov_switching_em over it with jax.vmap")
     A, b, prec = (jnp.asarray(a, x.dtype) for a in (A, b, precisions))
@@ -116,6 +118,8 @@ def init(
         The `MarkovSwitchingState` at the initial parameters.
 
     Raises:
+        TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: shapes other than those above.
     """
     x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
@@ -222,6 +226,8 @@ def run(
             (non-increasing up to the ridge).
 
     Raises:
+        TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: shapes other than those above (for a batch of time series use
             `jax.vmap`), or a negative `reg`.
 

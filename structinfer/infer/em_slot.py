@@ -27,6 +27,7 @@ from ..exact import log_marginal, marginals
 from ..mechanisms.slot import slot_attention
 from . import convex_concave
 from ._common import (
+    check_linalg_dtype,
     check_nonnegative,
     rel_change_small,
     rel_change_small_tree,
@@ -123,6 +124,8 @@ def m_step(
         ``(wk, wq)``, the new $W_K$ and $W_Q$.
 
     Raises:
+        TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: a negative ``ridge``.
 
     Reference:
@@ -130,6 +133,7 @@ def m_step(
         coordinate ascent for $W_K, W_Q$.
     """
     A = attention
+    check_linalg_dtype(jnp.asarray(x), "slot_m_step: x")
     ridge = check_nonnegative(ridge, "slot_m_step: ridge", "added to both Gram matrices")
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
     cxx = jnp.einsum("js,ja,jb->ab", A, x, x) + ridge * jnp.eye(x.shape[-1], dtype=x.dtype)
@@ -235,6 +239,7 @@ class SlotState(NamedTuple):
 
 def _prepare(x, slots, wk, wq):
     x = as_float_array(x, "slot_em: x")
+    check_linalg_dtype(x, "slot_em: x")
     check_layout(x, 2, "slot_em: x", "(tokens, d_x)",
                  "; for a batch of token sets map slot_em over it with jax.vmap")
     slots = jnp.asarray(slots, x.dtype)
@@ -299,6 +304,8 @@ def init(
             then its last finite ones).
 
     Raises:
+        TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: arrays that are not `(tokens, d_x)`, `(S, d_mu)`, `(d_k, d_x)`,
             `(d_k, d_mu)` with matching sizes, or `e_iters` not a positive int.
     """
@@ -453,6 +460,8 @@ def run(
         ``(SlotState, LoopInfo)``.
 
     Raises:
+        TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
+            float64).
         ValueError: arrays that are not ``(tokens, d_x)``, ``(S, d_mu)``,
             ``(d_k, d_x)``, ``(d_k, d_mu)`` with matching sizes (for a batch use
             ``jax.vmap``), ``e_iters`` not a positive int, or a negative ``ridge``.

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._checks import is_concrete
 from ..mechanisms.expansion import add_component
 
 __all__ = ["ExpansionResult", "expand"]
@@ -72,17 +71,24 @@ def expand(
         `ExpansionResult`.
 
     Raises:
-        ValueError: `active` is not one-dimensional.
+        ValueError: `active` is not one-dimensional, or `sim_fn` returns another shape
+            than `active`'s (shapes are static: under `jit` too).
     """
     active = jnp.asarray(active, bool)
     init = init_fn or (lambda c: c)
-    if is_concrete(active) and active.ndim != 1:
+    if active.ndim != 1:
         raise ValueError(f"expand: active must be (K_max,), got shape {active.shape}")
     tau = jnp.asarray(tau)
 
     def body(carry, child):
         par, act, overflow = carry
-        sim = jnp.where(act, sim_fn(child, par), -jnp.inf)
+        sim = sim_fn(child, par)
+        if jnp.shape(sim) != act.shape:
+            raise ValueError(
+                f"expand: sim_fn must return one similarity per parent, shape {act.shape} "
+                f"(that of `active`), got shape {tuple(jnp.shape(sim))}"
+            )
+        sim = jnp.where(act, sim, -jnp.inf)
         e = -jax.nn.logsumexp(sim)
         want = e > tau
         par, act, add = add_component(par, act, init(child), want)

@@ -45,7 +45,7 @@ from numpyro.util import is_prng_key
 from .._checks import as_arrays, check_count, model_name
 from ..exact import ModelInfo, inspect_model, safe_log_einsum
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
-from ._diagnose import bad_leaf, nonfinite_site
+from ._diagnose import bad_leaf, nonfinite_site, start_failure
 from ._loop import NonFiniteEnergyError
 
 __all__ = [
@@ -184,10 +184,14 @@ def nuts(
             `numpyro.param` site (NUTS would hold it fixed),
             a discrete latent site that is not enumerated, or no continuous latent
             site to sample.
-        FloatingPointError: a draw is not finite (naming the site).
+        FloatingPointError: a draw of a latent site is not finite (naming the site;
+            deterministic sites are not checked).
         NonFiniteEnergyError: (a `FloatingPointError`) NumPyro found no initial point with
             a finite log density, and the argument or site responsible (NaN data, say)
-            was found; it is named. NumPyro's own RuntimeError where none was found.
+            was found, with the continuous latents at a starting point in their
+            supports; it is named. Where the model itself raises there, its own
+            exception (NumPyro's error as its cause); NumPyro's own RuntimeError where
+            nothing was found.
 
     Examples:
         ```python
@@ -241,8 +245,12 @@ def nuts(
     )
     with _init_failure("nuts", model, args, kwargs):
         mcmc.run(rng_key, *args, extra_fields=EXTRA_FIELDS, **kwargs)
-    for name, draws in mcmc.get_samples().items():
-        if not bool(jnp.all(jnp.isfinite(draws))):
+    samples = mcmc.get_samples()
+    # the latent sites only: a deterministic site may hold -inf by design (a causal
+    # prior's log-table)
+    for name in info.latent:
+        draws = samples.get(name)
+        if draws is not None and not bool(jnp.all(jnp.isfinite(draws))):
             raise FloatingPointError(
                 f"nuts: site '{name}' has non-finite draws; check the priors' supports and "
                 "the data for NaN/inf"
@@ -320,7 +328,8 @@ def svi(
         NonFiniteEnergyError: the loss became NaN or infinite, or NumPyro found no
             initial point with a finite loss (NaN data, say); the message names the
             step and the parameter, argument or site responsible (NumPyro's own
-            RuntimeError where no initial point was found and none is responsible).
+            RuntimeError where no initial point was found and none is responsible; the
+            model's own exception where it raises at a starting point).
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
         ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
             that is not enumerated.
@@ -351,13 +360,18 @@ def svi(
 @contextlib.contextmanager
 def _init_failure(what: str, model: Callable, args: tuple, kwargs: dict):
     """Name the argument or site behind NumPyro's "Cannot find valid initial parameters"
-    (NaN data, say), where one is found; NumPyro's error otherwise."""
+    (NaN data, say), where one is found (the continuous latents at a starting point in
+    their supports); the model's own exception where it raises there (an error in the
+    model, not in the data); NumPyro's error otherwise."""
     try:
         yield
     except RuntimeError as err:
         if "Cannot find valid initial parameters" not in str(err):
             raise
-        site = nonfinite_site(model, *args, **kwargs)
+        try:
+            site = start_failure(model, args, kwargs)
+        except Exception as model_err:  # noqa: BLE001 - the model's own error is the cause
+            raise model_err from err
         if site is None:
             raise
         raise NonFiniteEnergyError(

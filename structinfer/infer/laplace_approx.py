@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from .._checks import as_arrays, is_concrete, is_masked
+from .._checks import as_arrays, float32_at_least, is_concrete, is_masked
 from .._jaxpr import Branch, Call, Loop, classify, is_literal, loop_fixed_point, open_jaxpr, union
 from ..exact import inspect_model, log_marginal, trace_model
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
@@ -53,7 +53,7 @@ class LaplaceResult(NamedTuple):
     covariance: jax.Array
 
 
-def _edge_terms(model, args, kwargs, edges):
+def _edge_terms(model, args, kwargs, edges, dtype):
     r"""Trace once: the per-edge logit tables $f_{ij}$ and the node term $A$.
 
     $$
@@ -68,6 +68,8 @@ def _edge_terms(model, args, kwargs, edges):
         edges: the enumerated (collapsed) edge sites. An edge site given a value
             (``handlers.condition``) is not collapsed: its log-prob at the value and
             its ``".score"`` factor are part of $A$, like any observed site.
+        dtype: the tables' dtype, promoted with the score's: a prior's log-table (float64
+            under ``jax_enable_x64`` when it has no parameter) never promotes the model.
 
     Returns:
         ``(tables, rest)``: ``{edge: (..., children, parents) table}`` and the sum of
@@ -81,9 +83,9 @@ def _edge_terms(model, args, kwargs, edges):
         if name in edges:
             info = site["infer"][EDGE_INFO_KEY]
             table = info.prior.log_table(info.num_children)
-            if info.score is not None:
-                table = table + info.score.dense()
-            logits[name] = table
+            score = None if info.score is None else info.score.dense()
+            dt = dtype if score is None else jnp.result_type(dtype, score)
+            logits[name] = table.astype(dt) if score is None else table.astype(dt) + score
             continue
         if name.endswith(SCORE_SUFFIX) and name[: -len(SCORE_SUFFIX)] in edges:
             continue
@@ -287,11 +289,14 @@ def laplace(
     edges = frozenset(info.edges)
     _check_separable(model, args, call_kw(flat), info)
 
+    # the model's dtype (float32 at least, as the exact engine's tables)
+    dtype = float32_at_least(flat).dtype
+
     def logits_of(u):
-        return _edge_terms(model, args, call_kw(u), edges)[0]
+        return _edge_terms(model, args, call_kw(u), edges, dtype)[0]
 
     def rest_of(u):
-        return _edge_terms(model, args, call_kw(u), edges)[1]
+        return _edge_terms(model, args, call_kw(u), edges, dtype)[1]
 
     tables = logits_of(flat)
     probs = {k: jax.nn.softmax(v, axis=-1) for k, v in tables.items()}

@@ -49,7 +49,7 @@ pure functions of a `GeoBetaState`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +57,9 @@ import numpy as np
 from jax.scipy.special import betaln, digamma
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim, is_concrete
+from .._checks import as_float_array, check_ndim, is_concrete, require
 from ..scores import Score
+from ._common import check_value
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GeoBetaState", "horizon", "geometric_beta_free_energy", "init", "step", "run"]
@@ -182,21 +183,32 @@ class _Problem(NamedTuple):
     allowed: jax.Array  # (children, parents) bool
 
 
-def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass) -> _Problem:
+def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance,
+           mass) -> tuple[_Problem, Any]:
+    """The problem and the checked `mass` (traced: NaN outside (0, 1))."""
     if method not in ("exact", "plugin"):
         raise ValueError(f"geometric_beta: method must be 'exact' or 'plugin', got {method!r}")
-    if not 0.0 < mass < 1.0:
-        raise ValueError(f"geometric_beta: mass must lie in (0, 1), got {mass}")
+    mass = require(lambda xp, m: (m > 0) & (m < 1),
+                   "geometric_beta: mass must lie in (0, 1), got {}", mass)
     s = scores.dense() if isinstance(scores, Score) else as_float_array(scores, "geometric_beta: scores")
     check_ndim(s, 2, "geometric_beta: scores", "(..., children, parents)")
+    if not is_concrete(mass):  # a NaN mass (outside (0, 1)) makes everything NaN
+        s = s + (0 * mass).astype(s.dtype)
     n, m = s.shape[-2:]
     batch = s.shape[:-1]
     dtype = s.dtype
-    a0 = jnp.broadcast_to(jnp.asarray(alpha0, dtype), batch)
-    b0 = jnp.broadcast_to(jnp.asarray(beta0, dtype), batch)
+    a0, b0 = (jnp.asarray(v, dtype) for v in (alpha0, beta0))
     for name, v in (("alpha0", a0), ("beta0", b0)):
-        if is_concrete(v) and not bool(np.all(np.asarray(v) > 0)):
-            raise ValueError(f"geometric_beta: {name} must be positive, got {np.asarray(v)}")
+        try:
+            fits = jnp.broadcast_shapes(v.shape, batch) == batch
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"geometric_beta: {name} of shape {v.shape} must broadcast "
+                             f"against the scores' (..., children) shape {batch}")
+    a0, b0 = jnp.broadcast_to(a0, batch), jnp.broadcast_to(b0, batch)
+    a0, b0 = (check_value(v, lambda xp, v: v > 0, f"geometric_beta: {name}", "must be positive")
+              for name, v in (("alpha0", a0), ("beta0", b0)))
     steps_np, allowed_np = _steps(n, m, offset, include_self, max_distance)
     empty = ~allowed_np.any(-1)
     if empty.any():
@@ -204,7 +216,7 @@ def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, ma
             f"geometric_beta: child {int(np.argmax(empty))} has no allowed parent "
             f"(include_self={include_self}, offset={offset}, max_distance={max_distance})"
         )
-    return _Problem(s, a0, b0, jnp.asarray(steps_np, dtype), jnp.asarray(allowed_np))
+    return _Problem(s, a0, b0, jnp.asarray(steps_np, dtype), jnp.asarray(allowed_np)), mass
 
 
 def _attend(p: _Problem, log_decay, window):
@@ -276,7 +288,7 @@ def init(
     Raises:
         ValueError: as [`geometric_beta`][structinfer.infer.geometric_beta].
     """
-    p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
+    p, mass = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
     return _factors(p, p.alpha0, p.beta0, method, mass)
 
 
@@ -317,7 +329,7 @@ def step(
         `(new_state, converged)`, `converged` `(..., children)`: the attention moved by
             at most `tol` and the window stayed put.
     """
-    p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
+    p, mass = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
     return _step(p, state, method, mass, _default_tol(method, tol))
 
 
@@ -369,14 +381,15 @@ def run(
 
     Raises:
         ValueError: an unknown `method`, `mass` outside (0, 1), non-positive
-            `alpha0`/`beta0` (concrete values), or a child with no allowed parent.
+            `alpha0`/`beta0` (concrete values; traced, they become NaN and so does the
+            energy), or a child with no allowed parent.
 
     Cost: $O(n m)$ per iteration on the cached scores.
 
     Reference:
         Singh & Buckley sec. 5.2, appendix 7.3 and Algorithm 3.
     """
-    p = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
+    p, mass = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
     tol = _default_tol(method, tol)
 
     def body(st: GeoBetaState):
