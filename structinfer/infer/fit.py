@@ -331,8 +331,11 @@ def svi(
             RuntimeError where no initial point was found and none is responsible; the
             model's own exception where it raises at a starting point).
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
-        ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
-            that is not enumerated.
+        ValueError: an unknown guide name, a bad `num_steps`, a discrete latent site
+            that is not enumerated, or an edge with a
+            [`Markov`][structinfer.priors.Markov] prior (NumPyro's `TraceEnum_ELBO` does
+            not contract a chain in a ``scan`` exactly: fit it with
+            [`nuts`][structinfer.infer.nuts]).
         RuntimeError: the installed NumPyro cannot trace a model's dependencies on the
             installed JAX (NumPyro 0.21 or older on JAX 0.11.1 or newer: upgrade NumPyro).
 
@@ -345,6 +348,14 @@ def svi(
     _check_numpyro_provenance("svi")
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = _sampled_sites(model, args, kwargs, "svi")
+    if info.markov_edges:  # TraceEnum_ELBO's contraction of a scan is not the chain's
+        raise ValueError(
+            f"svi: edge site '{info.markov_edges[0]}' has a Markov prior (a chain in a "
+            "scan), whose ELBO NumPyro's TraceEnum_ELBO does not compute exactly (it sums "
+            "the scan's time dim like a plate). Fit the model with si.infer.nuts (its "
+            "potential contracts the chain exactly), or maximise si.log_marginal with "
+            "optax for point estimates"
+        )
     guide = _guide(guide, model, info)
     optim = numpyro.optim.Adam(0.01) if optim is None else optim
     fitter = SVI(model, guide, optim, _ELBO(max_plate_nesting=info.max_plate_nesting))
