@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import sys
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,12 +277,7 @@ def _in_cond_branch() -> bool:
     except ImportError:  # pragma: no cover - another NumPyro layout
         return False
     code = getattr(cond_wrapper, "__code__", None)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return any(f.frame.f_code is code for f in inspect.stack(0))
 
 
 def hidden_edge_error(name: str, in_cond: bool = False) -> ValueError:
