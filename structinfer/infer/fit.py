@@ -35,15 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-from numpyro.handlers import block, substitute
-from numpyro.infer import MCMC, SVI, TraceEnum_ELBO
+from numpyro.handlers import block, seed, substitute
+from numpyro.infer import ELBO, MCMC, SVI, TraceEnum_ELBO
 from numpyro.infer import NUTS as NumPyroNUTS
 from numpyro.infer.autoguide import AutoDelta, AutoNormal
 from numpyro.infer.svi import SVIRunResult
+from numpyro.infer.util import log_density
 from numpyro.util import is_prng_key
 
 from .._checks import as_arrays, check_count, model_name
-from ..exact import ModelInfo, inspect_model, safe_log_einsum
+from ..exact import ModelInfo, inspect_model, log_marginal, safe_log_einsum
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site, start_failure
 from ._loop import NonFiniteEnergyError
@@ -116,6 +117,34 @@ class _ELBO(TraceEnum_ELBO):
     def loss_with_mutable_state(self, *args: Any, **kwargs: Any):
         with safe_log_einsum():
             return super().loss_with_mutable_state(*args, **kwargs)
+
+
+class _CollapsedELBO(ELBO):
+    r"""The ELBO $\mathbb E_q[\log p(\theta, x) - \log q(\theta)]$ with
+    $\log p(\theta, x) = \log \sum_\phi p(x, \phi, \theta)$ from the exact engine
+    ([`log_marginal`][structinfer.exact.log_marginal], at the guide's draw and the
+    parameters): for a model with a [`Markov`][structinfer.priors.Markov] edge, whose
+    chain in a ``scan`` `TraceEnum_ELBO` does not contract exactly (it sums the time dim
+    like a plate) while NumPyro's ``log_density`` under enumeration, which the engine
+    runs, does."""
+
+    can_infer_discrete = True  # the engine sums the edges out
+
+    def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
+        def particle(key: jax.Array) -> jax.Array:
+            g_lp, g_tr = log_density(seed(substitute(guide, data=param_map), key),
+                                     args, kwargs, {})
+            draw = {n: s["value"] for n, s in g_tr.items()
+                    if s["type"] == "sample" and not s.get("is_observed")}
+            at = substitute(model, data={**param_map, **draw})
+            return g_lp - log_marginal(at, *args, **kwargs)
+
+        keys = jax.random.split(rng_key, self.num_particles)
+        if self.vectorize_particles:
+            losses = jax.vmap(particle)(keys)
+        else:
+            losses = jnp.stack([particle(k) for k in keys])
+        return {"loss": jnp.mean(losses), "mutable_state": None}
 
 
 def _check_key(rng_key: Any, what: str) -> jax.Array:
@@ -304,7 +333,11 @@ def svi(
     $\mathcal L(\lambda) = \mathbb E_{q_\lambda(\theta)}\big[\log p(\theta)
     + \log \sum_\phi p(x, \phi \mid \theta) - \log q_\lambda(\theta)\big]$;
     with a point-mass guide (`"delta"`) or only `numpyro.param` sites this is MAP /
-    maximum likelihood of the parameters with the edges collapsed.
+    maximum likelihood of the parameters with the edges collapsed. A model with a
+    [`Markov`][structinfer.priors.Markov] edge (a chain in a ``scan``), which
+    `TraceEnum_ELBO` does not contract exactly (it sums the scan's time dim like a
+    plate), takes $\log \sum_\phi p(x, \phi, \theta)$ from the exact engine
+    ([`log_marginal`][structinfer.exact.log_marginal]) at each draw of the guide instead.
 
     Args:
         rng_key: one PRNG key (`jax.random.key(seed)`), as for `SVI.run`.
@@ -331,11 +364,8 @@ def svi(
             RuntimeError where no initial point was found and none is responsible; the
             model's own exception where it raises at a starting point).
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
-        ValueError: an unknown guide name, a bad `num_steps`, a discrete latent site
-            that is not enumerated, or an edge with a
-            [`Markov`][structinfer.priors.Markov] prior (NumPyro's `TraceEnum_ELBO` does
-            not contract a chain in a ``scan`` exactly: fit it with
-            [`nuts`][structinfer.infer.nuts]).
+        ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
+            that is not enumerated.
         RuntimeError: the installed NumPyro cannot trace a model's dependencies on the
             installed JAX (NumPyro 0.21 or older on JAX 0.11.1 or newer: upgrade NumPyro).
 
@@ -348,17 +378,12 @@ def svi(
     _check_numpyro_provenance("svi")
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = _sampled_sites(model, args, kwargs, "svi")
-    if info.markov_edges:  # TraceEnum_ELBO's contraction of a scan is not the chain's
-        raise ValueError(
-            f"svi: edge site '{info.markov_edges[0]}' has a Markov prior (a chain in a "
-            "scan), whose ELBO NumPyro's TraceEnum_ELBO does not compute exactly (it sums "
-            "the scan's time dim like a plate). Fit the model with si.infer.nuts (its "
-            "potential contracts the chain exactly), or maximise si.log_marginal with "
-            "optax for point estimates"
-        )
     guide = _guide(guide, model, info)
     optim = numpyro.optim.Adam(0.01) if optim is None else optim
-    fitter = SVI(model, guide, optim, _ELBO(max_plate_nesting=info.max_plate_nesting))
+    # a chain in a scan: the exact engine's log p(theta, x) (TraceEnum_ELBO's is wrong)
+    elbo = (_CollapsedELBO() if info.markov_edges
+            else _ELBO(max_plate_nesting=info.max_plate_nesting))
+    fitter = SVI(model, guide, optim, elbo)
     with _init_failure("svi", model, args, kwargs):
         result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar, **kwargs)
     losses = np.asarray(result.losses)
