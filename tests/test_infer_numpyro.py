@@ -176,8 +176,9 @@ def test_svi_on_a_markov_chain_is_the_exact_elbo(initial):
     """Regression: NumPyro's TraceEnum_ELBO does not contract a scan's chain exactly (it
     sums the time dim like a plate), so `svi` on a Markov edge optimised a finite wrong
     ELBO (a uniform start, a delta guide at s = 1: 9.71 where -log p(s = 1, y) is 7.85),
-    and the same 9.71 for a chain with no initial distribution. The loss is now -log p from the exact engine (a delta guide:
-    exactly), its gradient too, and a chain with no initial distribution is refused."""
+    and the same 9.71 for a chain with no initial distribution. The loss is now -log p
+    from the exact engine (a delta guide: exactly), its gradient too, and a chain with no
+    initial distribution is refused."""
     lt = jnp.log(jnp.array([[0.9, 0.1], [0.2, 0.8]]))
     li = jnp.log(jnp.array([0.3, 0.7])) if initial else None
 

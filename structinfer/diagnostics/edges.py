@@ -104,7 +104,8 @@ def effective_window(
         probabilities (see below).
 
     Raises:
-        ValueError: `mass` outside `(0, 1]` (traced: the windows are NaN), or (concrete) a row of `marginals` with a
+        ValueError: `mass` outside `(0, 1]` (traced: the windows are NaN), or
+            (concrete) a row of `marginals` with a
             negative entry or not summing to 1 (under `jit` that row is NaN).
     """
     mass = require(lambda xp, m: (m > 0) & (m <= 1),

@@ -62,7 +62,8 @@ def nonfinite_site(model: Callable, *args: Any, **kwargs: Any) -> str | None:
 
 
 def start_failure(model: Callable, args: tuple, kwargs: dict) -> str | None:
-    """`nonfinite_site`, letting the model's own exception propagate (for a fit that found no starting point: the model's error
+    """`nonfinite_site`, letting the model's own exception propagate (for a fit that
+    found no starting point: the model's error
     is the cause to report).
 
     Args:

@@ -1189,8 +1189,9 @@ def mosaic_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
     cannot sum the table's gradient (`mosaic_backward_refusals`). The gradients are those
     `pallas_backward` documents: $\mathrm{d}Q$, $\mathrm{d}K$, $\mathrm{d}V$ and the prior's
     parameters' from the forward's `RowStats` ``stats`` (`mosaic_forward` with
-    ``stats=True``; its $L$ alone is refused with a ``TypeError``), $p_{ij} = e^{(\ell_{ij} - m_i) -
-    \log l_i}$ and $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$.
+    ``stats=True``; its $L$ alone is refused with a ``TypeError``),
+    $p_{ij} = e^{(\ell_{ij} - m_i) - \log l_i}$ and
+    $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top V_j - \delta_i)$.
 
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; Shah et al.,
     "FlashAttention-3" (2024) for the warp-specialised schedule.
