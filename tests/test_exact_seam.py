@@ -832,7 +832,8 @@ def _agree_inputs(dtype, dead=3):
     return s1, s2, alive, v, y
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("jit", [pytest.param(False, id="eager", marks=pytest.mark.exhaustive),
+                                 pytest.param(True, id="jit")])
 @pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
 def test_no_possible_structure_of_coupled_edges_has_nan_derivatives_never_zeros(x64, jit):
     """Regression: in a model whose contraction couples enumerated sites (two edges tied
