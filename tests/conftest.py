@@ -408,6 +408,22 @@ def assert_huge_logit_gradients(got, want, rtol=1e-4):
                                        err_msg=f"{name}, head {h}")
 
 
+def tilt_model(y, log):
+    """Three children copy one of two parents; `log` records each run's edge value (a
+    model argument that holds tracers after a fit, not data)."""
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+
+    import structinfer as si
+
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("children", 3):
+        phi = si.edge("phi", si.priors.Uniform(2))
+        log.append(phi)
+        numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[phi], s), obs=y)
+
+
 def return_hop(s1, s2, v, y):
     r"""Two causal hops $i \to j \to k$ ($k \le j \le i$) that must land at most one node
     before the start ($k \ge i - 1$), observing $y_i \sim N(v_k, 1)$. Eliminating $j$

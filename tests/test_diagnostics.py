@@ -22,6 +22,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from conftest import tilt_model
 from numpyro.ops.indexing import Vindex
 from scipy.special import logsumexp, softmax
 from scipy.stats import beta as beta_dist
@@ -316,15 +317,8 @@ def test_the_data_must_be_the_fits_own(q_task, q_fit):
 def test_a_log_argument_the_model_fills_is_not_data():
     """A list the model appends its traced values to holds tracers after the MCMC run: it
     is not data, and the fresh list given to to_inference_data is not refused."""
-    def model(y, log):
-        s = numpyro.sample("s", dist.HalfNormal(1.0))
-        with numpyro.plate("children", 3):
-            phi = si.edge("phi", si.priors.Uniform(2))
-            log.append(phi)
-            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[phi], s), obs=y)
-
     y = jnp.array([-1.1, 0.9, 1.2])
-    fit = si.infer.nuts(jax.random.PRNGKey(0), model, y, [], num_warmup=10, num_samples=10,
+    fit = si.infer.nuts(jax.random.PRNGKey(0), tilt_model, y, [], num_warmup=10, num_samples=10,
                         progress_bar=False)
     dt = dg.to_inference_data(fit, y, [], posterior_predictive=False)
     assert dt["log_likelihood"]["y"].shape == (1, 10, 3)

@@ -11,7 +11,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from conftest import return_hop, return_hop_brute
+from conftest import return_hop, return_hop_brute, tilt_model
 from numpyro.contrib.control_flow import scan
 
 import structinfer as si
@@ -220,15 +220,6 @@ def test_svi_on_a_markov_chain_is_the_exact_elbo(initial):
     s_map = grid[np.argmin([brute(s) for s in grid])]
     assert abs(s_hat - s_map) < 5e-3
     assert np.isfinite(np.asarray(result.losses)).all()
-
-
-def tilt_model(y, log):
-    """Three children copy one of two parents; `log` records each run's edge value."""
-    s = numpyro.sample("s", dist.HalfNormal(1.0))
-    with numpyro.plate("children", 3):
-        phi = si.edge("phi", si.priors.Uniform(2))
-        log.append(phi)
-        numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[phi], s), obs=y)
 
 
 Y3 = jnp.array([-1.1, 0.9, 1.2])
