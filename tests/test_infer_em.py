@@ -1,5 +1,7 @@
 """EM on log-sum-exp energies (Tschantz) against plain EM loops written here."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -378,6 +380,9 @@ def test_markov_switching_em_keeps_a_dead_mode_off(x64):
     A0, b0 = np.stack([np.eye(D)] * 2), np.array([[0.0, 0.0], [1e3, 1e3]])
     p0 = np.ones((2, D))
     st, info = markov_switching_em(x, A0, b0, p0, tol=1e-12)
+    with backend_compiles() as compiles:  # (the same shapes again: nothing to compile)
+        again, _ = markov_switching_em(x + 1.0, A0, b0 + 1.0, p0, tol=1e-12)
+    assert not compiles and np.all(np.asarray(again.responsibilities)[:, 1] == 0)
     assert bool(info.converged)
     assert np.all(np.asarray(st.responsibilities)[:, 1] == 0)
     np.testing.assert_array_equal(st.A[1], A0[1])
@@ -533,3 +538,43 @@ def test_arguments_are_named_in_errors():
         gmm_em(x, x[:3], c, max_iters=0)
     with pytest.raises(ValueError, match=r"energy_em: max_iters must be a positive int"):
         energy_em(energy, jnp.ones(2), jnp.zeros(2), max_iters=-1)
+
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """The list of XLA compilations while the block runs (JAX's monitoring events)."""
+    seen = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_a_second_em_run_of_the_same_shapes_compiles_nothing():
+    """Regression: each EM `run` built a fresh loop closure, so every call, even with the
+    same shapes, traced and compiled its loop again (and ran the first E-step op by op):
+    7-25 s for a 43-step `markov_switching_em` (checked in its dead-mode test). A second
+    call now reuses the compiled run (that it computes the same numbers, the other tests
+    here check)."""
+    r = np.random.default_rng(3)
+    x1, x2 = r.normal(size=(2, 9, D))
+    eye2, eye3 = np.stack([np.eye(D)] * 2), np.stack([np.eye(D)] * 3)
+    runs = {
+        "gmm_em": lambda x: gmm_em(x, x[:3], eye3, reg=1e-3),
+        "linear_mixture_em": lambda x: linear_mixture_em(x[:-1], x[1:], eye2,
+                                                         np.zeros((2, D)), eye2, reg=1e-3),
+        "slot_em": lambda x: si.infer.slot_em(x, x[:2], np.eye(D), np.eye(D), e_iters=2,
+                                              max_iters=3),
+    }
+    for name, run in runs.items():
+        run(x1)
+        with backend_compiles() as compiles:
+            run(x2)
+        assert not compiles, f"{name} compiled {len(compiles)} programs again"

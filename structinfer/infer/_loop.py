@@ -19,6 +19,7 @@ Users read the outcome from `LoopInfo` (`converged`, `max_iters_reached`,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +37,8 @@ __all__ = [
     "MAX_ITERS",
     "NONFINITE",
     "check",
+    "iterate",
+    "neg_log_likelihood",
     "run_loop",
 ]
 
@@ -183,6 +186,65 @@ def run_loop(
     _, state, trace, status, nsteps = jax.lax.while_loop(cond, body, carry)
     status = jnp.where(status == RUNNING, MAX_ITERS, status).astype(jnp.int32)
     return state, LoopInfo(trace, nsteps, status == CONVERGED, status)
+
+
+def neg_log_likelihood(state: Any) -> jax.Array:
+    """The energy of an EM state: minus its ``log_likelihood`` (for `iterate`)."""
+    return -state.log_likelihood
+
+
+def iterate(
+    init: Callable[..., Any],
+    step: Callable[..., tuple[Any, jax.Array]],
+    energy: Callable[[Any], jax.Array],
+    init_args: tuple,
+    step_args: tuple,
+    options: dict[str, Any],
+    max_iters: int,
+    who: str,
+    static_options: dict[str, Any] | None = None,
+) -> tuple[Any, LoopInfo]:
+    """``state = init(*init_args, **static_options)``, then `run_loop` over
+    ``step(*step_args, state, **options, **static_options) -> (state, converged)``,
+    compiled once.
+
+    The whole run is one `jax.jit` whose static arguments are the module-level
+    functions ``init``, ``step`` and ``energy`` and ``max_iters``: a second call with
+    arrays of the same shapes and dtypes reuses the compiled loop (a fresh closure per
+    call would retrace and recompile it every time, and an eager first E-step would run
+    op by op). ``options`` (``reg``, ``tol``, ...) are traced: the caller checks their
+    values before, where they are concrete.
+
+    Args:
+        init: ``(*init_args, **static_options) -> state``, the first E-step.
+        step: ``(*step_args, state, **options) -> (new_state, converged)``.
+        energy: ``state -> energy`` (e.g. `neg_log_likelihood`).
+        init_args: arrays (a pytree) for ``init``.
+        step_args: arrays (a pytree) for ``step``.
+        options: keyword arrays or numbers for ``step`` (traced).
+        max_iters: the most steps (a positive Python int).
+        who: the algorithm, for error messages.
+        static_options: keyword arguments for ``init`` and ``step`` that fix their trace (Python ints,
+            bools, floats: part of the compile cache key).
+
+    Returns:
+        `run_loop`'s ``(state, info)``.
+    """
+    max_iters = check_count(max_iters, f"{who}: max_iters")
+    fixed = tuple(sorted((static_options or {}).items()))
+    return _iterate(init, step, energy, init_args, step_args, options, max_iters, who, fixed)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("init", "step", "energy", "max_iters", "who", "fixed"))
+def _iterate(init, step, energy, init_args, step_args, options, max_iters, who, fixed):
+    state = init(*init_args, **dict(fixed))
+
+    def body(st):
+        new, conv = step(*step_args, st, **options, **dict(fixed))
+        return new, energy(new), conv
+
+    return run_loop(body, state, energy(state), max_iters, who)
 
 
 def check(

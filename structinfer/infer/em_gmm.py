@@ -30,7 +30,7 @@ from ._common import (
     rel_change_small,
     safe_log,
 )
-from ._loop import LoopInfo, check, run_loop
+from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["GMMState", "init", "step", "run"]
 
@@ -201,14 +201,8 @@ def run(
         (1977).
     """
     x, means, covs, w = _prepare(x, means, covariances, weights)
-    reg = _check_reg(reg)
-    state = _init(x, means, covs, w)
-
-    def body(st: GMMState):
-        new, conv = step(x, st, reg=reg, tol=tol)
-        return new, -new.log_likelihood, conv
-
-    state, info = run_loop(body, state, -state.log_likelihood, max_iters, "gmm_em")
+    state, info = iterate(_init, step, neg_log_likelihood, (x, means, covs, w), (x,),
+                          {"reg": _check_reg(reg), "tol": tol}, max_iters, "gmm_em")
     if raise_on_nonfinite:
         check(info, "gmm_em", "'component' (a covariance became singular? set reg > 0)")
     return state, info

@@ -31,7 +31,7 @@ from ._common import (
     safe_log,
     weighted_affine_fit,
 )
-from ._loop import LoopInfo, check, run_loop
+from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["LinearMixtureState", "init", "step", "run"]
 
@@ -238,14 +238,8 @@ def run(
         mixture.
     """
     u, y, A, b, covs, w = _prepare(inputs, targets, A, b, covariances, weights)
-    reg = _check_reg(reg)
-    state = _init(u, y, A, b, covs, w)
-
-    def body(st):
-        new, conv = step(u, y, st, reg=reg, tol=tol)
-        return new, -new.log_likelihood, conv
-
-    state, info = run_loop(body, state, -state.log_likelihood, max_iters, "linear_mixture_em")
+    state, info = iterate(_init, step, neg_log_likelihood, (u, y, A, b, covs, w), (u, y),
+                          {"reg": _check_reg(reg), "tol": tol}, max_iters, "linear_mixture_em")
     if raise_on_nonfinite:
         check(info, "linear_mixture_em", "'mode' (a mode with too few points to fit its A, b "
               "and covariance? set reg > 0)")

@@ -33,7 +33,7 @@ from ._common import (
     safe_log,
     weighted_affine_fit,
 )
-from ._loop import LoopInfo, check, run_loop
+from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["MarkovSwitchingState", "init", "step", "run"]
 
@@ -96,6 +96,10 @@ def _e_step(x, A, b, prec, lt, li):
     return gamma, jnp.clip(counts, 0.0, None), ll
 
 
+def _init(x, A, b, prec, lt, li) -> MarkovSwitchingState:
+    return MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
+
+
 def init(
     x: ArrayLike,
     A: ArrayLike,
@@ -122,8 +126,7 @@ def init(
             float64).
         ValueError: shapes other than those above.
     """
-    x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
-    return MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
+    return _init(*_prepare(x, A, b, precisions, log_transition, log_initial))
 
 
 def _m_step(x, st: MarkovSwitchingState, reg):
@@ -236,14 +239,8 @@ def run(
         Markov mode); Baum-Welch's transition update.
     """
     x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
-    reg = _check_reg(reg)
-    state = MarkovSwitchingState(A, b, prec, lt, li, *_e_step(x, A, b, prec, lt, li))
-
-    def body(st):
-        new, conv = step(x, st, reg=reg, tol=tol)
-        return new, -new.log_likelihood, conv
-
-    state, info = run_loop(body, state, -state.log_likelihood, max_iters, "markov_switching_em")
+    state, info = iterate(_init, step, neg_log_likelihood, (x, A, b, prec, lt, li), (x,),
+                          {"reg": _check_reg(reg), "tol": tol}, max_iters, "markov_switching_em")
     if raise_on_nonfinite:
         check(info, "markov_switching_em", "'mode' (a mode with too few points to fit its A, "
               "b and precisions? raise reg)")

@@ -32,7 +32,7 @@ from ._common import (
     rel_change_small,
     rel_change_small_tree,
 )
-from ._loop import LoopInfo, check, run_loop
+from ._loop import LoopInfo, check, iterate
 
 __all__ = ["SlotState", "m_step", "tied_m_step", "init", "step", "run"]
 
@@ -312,6 +312,15 @@ def init(
     return _e_step(*_prepare(x, slots, wk, wq), e_iters)
 
 
+def _init(x, slots, wk, wq, *, e_iters, whiten, rtol):
+    del whiten, rtol  # (the M-step's options: `iterate` hands both functions the same)
+    return _e_step(x, slots, wk, wq, e_iters)
+
+
+def _energy(state: SlotState) -> jax.Array:
+    return state.energy
+
+
 def step(
     x: jax.Array,
     state: SlotState,
@@ -474,13 +483,10 @@ def run(
     x, slots, wk, wq = _prepare(x, slots, wk, wq)
     ridge = _check_ridge(ridge)
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
-    state = _e_step(x, slots, wk, wq, e_iters)
-
-    def body(st):
-        new, conv = step(x, st, e_iters=e_iters, whiten=whiten, ridge=ridge, tol=tol, rtol=rtol)
-        return new, new.energy, conv
-
-    state, info = run_loop(body, state, state.energy, max_iters, "slot_em")
+    e_iters = check_count(e_iters, "slot_em: e_iters", role="the CCCP steps of each E-step")
+    state, info = iterate(_init, step, _energy, (x, slots, wk, wq), (x,),
+                          {"ridge": ridge, "tol": tol}, max_iters, "slot_em",
+                          {"e_iters": e_iters, "whiten": bool(whiten), "rtol": float(rtol)})
     if raise_on_nonfinite:
         check(info, "slot_em", "'phi' (in the E-step's CCCP on the slots)")
     return state, info
