@@ -415,9 +415,10 @@ def test_em_refuses_a_negative_reg():
         for bad in (-10.0, np.float32(-1e-3), np.nan):
             with pytest.raises(ValueError, match=f"{name}: reg must be a non-negative"):
                 fn(bad)
-        _, info = jax.jit(fn)(-10.0)
+        jitted = jax.jit(fn)  # (one program for both values)
+        _, info = jitted(-10.0)
         assert bool(info.nonfinite) and not bool(info.converged), name
-        _, info = jax.jit(fn)(1e-3)
+        _, info = jitted(1e-3)
         assert not bool(info.nonfinite), name
     st = em_gmm.init(x, x[:3], c3)
     with pytest.raises(ValueError, match="gmm_em: reg must be a non-negative"):

@@ -491,19 +491,25 @@ def _close(got, want, atol=2e-2):
     np.testing.assert_allclose(got / scale, want / scale, atol=atol)
 
 
-DQ_INTERPRETED = [("relpos", 256, 64, jnp.bfloat16), ("geometric", 200, 64, jnp.float16),
-                  ("block_sparse", 400, 64, jnp.bfloat16),
+# (check, case, n, d, dtype): by default one pass per case (each takes 10-25 s
+# interpreted), the table's gradient (dK/dV) for relpos; the other passes and cases in the
+# exhaustive tier
+DQ_INTERPRETED = [("dkdv", "relpos", 256, 64, jnp.bfloat16),
+                  ("dq", "geometric", 200, 64, jnp.float16),
+                  ("dq", "block_sparse", 400, 64, jnp.bfloat16),
                   # padded parents: not in the table's gradient
-                  ("relpos_full", 200, 64, jnp.float16)]
-DQ_INTERPRETED_REST = [("causal", 384, 64, jnp.float16), ("window", 384, 64, jnp.bfloat16),
-                       ("bias", 256, 128, jnp.bfloat16), ("strict_causal", 256, 64,
-                                                          jnp.bfloat16),
-                       ("geometric_band", 384, 64, jnp.bfloat16)]
+                  ("dkdv", "relpos_full", 200, 64, jnp.float16)]
+DQ_INTERPRETED_REST = [(other, *c[1:]) for c in DQ_INTERPRETED
+                       for other in ("dq", "dkdv") if other != c[0]] + [
+    (check, *c) for c in [("causal", 384, 64, jnp.float16), ("window", 384, 64, jnp.bfloat16),
+                          ("bias", 256, 128, jnp.bfloat16),
+                          ("strict_causal", 256, 64, jnp.bfloat16),
+                          ("geometric_band", 384, 64, jnp.bfloat16)]
+    for check in ("dq", "dkdv")]
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("check", ["dq", "dkdv"])
-@pytest.mark.parametrize(("case", "n", "d", "dtype"), DQ_INTERPRETED + [
+@pytest.mark.parametrize(("check", "case", "n", "d", "dtype"), DQ_INTERPRETED + [
     pytest.param(*c, marks=pytest.mark.exhaustive) for c in DQ_INTERPRETED_REST])
 def test_mosaic_backward_pass_interpreted_matches_the_dense_gradient(check, case, n, d, dtype,
                                                                      mosaic_interpreted):
@@ -594,6 +600,7 @@ def _check_dkdv(case, n, d, dtype):
 
 
 @pytest.mark.cpu_only
+@pytest.mark.exhaustive  # (interpreted: 15-35 s)
 def test_mosaic_dkdv_table_sum_under_vmap_interpreted(mosaic_interpreted):
     """Under `jax.vmap` the dK/dV pass that sums the table's gradient (its sums are
     mutable arrays, which `plgpu.kernel`'s own batching does not take) launches once with
@@ -620,6 +627,7 @@ def test_mosaic_dkdv_table_sum_under_vmap_interpreted(mosaic_interpreted):
 
 
 @pytest.mark.cpu_only
+@pytest.mark.exhaustive  # (interpreted: 15-35 s)
 def test_mosaic_backward_interpreted_cross_attention(mosaic_interpreted):
     """Children and parents of different lengths with a per-parent bias (256 queries, 200
     keys: the parents padded to the dK/dV pass's 128 per program): both passes against
@@ -690,6 +698,7 @@ def test_mosaic_forward_interpreted_two_batch_dims_share_a_table(mosaic_interpre
 
 
 @pytest.mark.cpu_only
+@pytest.mark.exhaustive  # (interpreted: 15-35 s)
 def test_mosaic_gradients_of_rows_of_huge_logits(mosaic_interpreted):
     r"""Regression: the Mosaic GPU forward and backward (interpreted) on rows whose every
     key carries a finite -1e9 bias, where float32 rounds the row max $m$ and
