@@ -297,9 +297,29 @@ def hide_edges(model: Callable) -> Callable:
         model: a NumPyro model.
 
     Returns:
-        `numpyro.handlers.block(model)` hiding every enumerated site.
+        `numpyro.handlers.block(model)` hiding every enumerated site; a hidden edge is
+        drawn with a key from the enclosing `seed` handler (as newer NumPyro's `block`
+        does itself; NumPyro 0.15's drew it with no key, an `AssertionError` when an
+        autoguide traced the model).
     """
-    return block(model, hide_fn=is_enumerated)
+    return _HideEdges(model, hide_fn=is_enumerated)
+
+
+class _HideEdges(block):
+    """`block` that gives a hidden sample site with no value a PRNG key before hiding it,
+    and a ``scan`` with no key one too (its steps draw the hidden edges: they run hidden
+    from this handler). The key comes from the `seed` handler above, or is key 0 where there
+    is none, as newer NumPyro does itself (its `block` draws the key, its `log_density`
+    supplies key 0); NumPyro 0.15 did neither, and the edge was drawn with no key."""
+
+    def process_message(self, msg: dict) -> None:
+        wants_key = (msg["type"] == "control_flow"
+                     or msg["type"] == "sample" and self.hide_fn(msg))
+        if (wants_key and msg["value"] is None and "rng_key" in msg["kwargs"]
+                and msg["kwargs"]["rng_key"] is None):
+            key = numpyro.prng_key()  # this handler is on the stack: no warning
+            msg["kwargs"]["rng_key"] = jax.random.PRNGKey(0) if key is None else key
+        super().process_message(msg)
 
 
 def _no_guide(*args: Any, **kwargs: Any) -> None:
