@@ -222,6 +222,38 @@ def test_svi_on_a_markov_chain_is_the_exact_elbo(initial):
     assert np.isfinite(np.asarray(result.losses)).all()
 
 
+class _DeltaNoRsample(dist.Delta):
+    """A point mass that declares no reparameterized sampler (as a REINFORCE-only site)."""
+
+    reparametrized_params = []
+
+
+def test_exact_elbo_refuses_a_guide_without_reparameterized_draws():
+    """The exact engine's ELBO (a Markov edge; and every model where NumPyro's TraceEnum_ELBO
+    cannot trace dependencies) differentiates through the guide's draws: a guide site with
+    no reparameterized sampler would get a silently wrong gradient, so it is named."""
+    lt = jnp.log(jnp.array([[0.9, 0.1], [0.2, 0.8]]))
+
+    def chain(y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+
+        def step(prev, yt):
+            z = si.edge("z", si.priors.Markov(lt, jnp.log(jnp.array([0.3, 0.7]))),
+                        previous=prev)
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[z], s), obs=yt)
+            return z, None
+
+        scan(step, jnp.asarray(-1), y)
+
+    def guide(y):
+        numpyro.sample("s", _DeltaNoRsample(numpyro.param("s_loc", 0.5)))
+
+    with pytest.raises(ValueError, match=r"svi: guide site 's' \(_DeltaNoRsample\) has no "
+                       r"reparameterized sampler"):
+        si.infer.svi(jax.random.key(0), chain, jnp.array([-1.1, 0.9, 1.2]), guide=guide,
+                     num_steps=2, progress_bar=False)
+
+
 Y3 = jnp.array([-1.1, 0.9, 1.2])
 
 
