@@ -139,11 +139,14 @@ def test_no_start_names_the_real_cause(fit):
            "svi": lambda *a, **k: si.infer.svi(*a, num_steps=2, **k)}[fit]
 
     def impossible(y):
+        # y ~ Uniform(loc - 0.5, loc + 0.5), written out: NumPyro 0.15's Uniform has a finite
+        # density outside its support
         w = numpyro.sample("w", dist.HalfNormal(0.1))
         with numpyro.plate("children", 3):
             phi = si.edge("phi", si.priors.Uniform(2))
             loc = jnp.array([-1.0, 1.0])[phi]
-            numpyro.sample("y", dist.Uniform(loc - 0.5, loc + 0.5), obs=y * w / w)
+            si.primitives.potential(
+                "y", jnp.where(jnp.abs(y * w / w - loc) < 0.5, 0.0, -jnp.inf))
 
     with pytest.raises(si.infer.NonFiniteEnergyError,
                        match=r"responsible: 'y' \(log-density is -inf for every structure "
@@ -216,9 +219,14 @@ def test_svi_on_a_markov_chain_is_the_exact_elbo(initial):
     loss = fitter.loss.loss(jax.random.key(1), result.params, chain, fitter.guide,
                             jnp.asarray(y))
     np.testing.assert_allclose(float(loss), brute(s_hat), rtol=1e-5)
-    grid = np.linspace(0.02, 1.0, 9801)
-    s_map = grid[np.argmin([brute(s) for s in grid])]
-    assert abs(s_hat - s_map) < 5e-3
+    # the fit stops at a mode of p(s | y): it has two (s = 0.122 and 1.044), and which one
+    # depends on the start AutoDelta draws (NumPyro 0.15's lies in the second's basin)
+    grid = np.linspace(0.02, 2.0, 9901)
+    lp = np.array([brute(s) for s in grid])
+    inner = np.arange(1, grid.size - 1)
+    modes = grid[inner][(lp[inner] < lp[inner - 1]) & (lp[inner] < lp[inner + 1])]
+    np.testing.assert_allclose(modes, [0.1222, 1.044], atol=1e-3)
+    assert np.min(np.abs(s_hat - modes)) < 5e-3
     assert np.isfinite(np.asarray(result.losses)).all()
 
 
