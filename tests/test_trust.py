@@ -301,8 +301,8 @@ def test_numpyro_log_density_under_enum_is_float32_safe():
 
 def test_trace_enum_elbo_is_float32_safe():
     if not numpyro_provenance_works():
-        pytest.skip("NumPyro <= 0.21 on JAX >= 0.11.1: TraceEnum_ELBO fails on any model "
-                    "with array arguments (upstream, fixed in NumPyro 0.22)")
+        pytest.skip("NumPyro <= 0.21 on JAX >= 0.11.1 or NumPyro 0.15.0/0.15.1 on JAX >= "
+                    "0.4.31: TraceEnum_ELBO fails on any model with array arguments (upstream)")
 
     def guide(scale_loc, y):
         numpyro.sample("w", dist.Delta(jnp.float32(0.5)))
@@ -535,31 +535,39 @@ def test_exact_causal_head_under_jit_equals_jax_nn():
 
 def test_structinfer_svi_and_nuts_are_float32_safe():
     """Regression: the wrappers saw the unfolded model and raised NonFiniteEnergyError."""
-    if numpyro_provenance_works():
-        _, result = si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, guide="delta",
-                                 num_steps=20, progress_bar=False)
-        assert np.isfinite(np.asarray(result.losses)).all()
-    else:  # NumPyro <= 0.21 on JAX >= 0.11.1: a clear error, not NumPyro's AssertionError
-        with pytest.raises(RuntimeError, match="upgrade NumPyro"):
-            si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, num_steps=2,
-                         progress_bar=False)
+    _, result = si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, guide="delta",
+                             num_steps=20, progress_bar=False)
+    assert np.isfinite(np.asarray(result.losses)).all()
     mcmc = si.infer.nuts(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, num_warmup=10,
                          num_samples=10, progress_bar=False)
     assert np.isfinite(np.asarray(mcmc.get_samples()["w"])).all()
 
 
-def test_svi_names_the_numpyro_upgrade_when_provenance_is_broken(monkeypatch):
-    """Regression (GPU machine, JAX 0.11.2 + NumPyro 0.21): si.infer.svi raised NumPyro's
-    ``AssertionError: length mismatch`` from TraceEnum_ELBO's dependency tracing."""
+@pytest.mark.parametrize("error", [AssertionError("length mismatch: [2, 1]"),
+                                   KeyError("provenance")], ids=["numpyro-0.21", "numpyro-0.15"])
+def test_svi_takes_the_exact_elbo_where_numpyro_cannot_trace_dependencies(monkeypatch, error):
+    """Regression: where NumPyro's eval_provenance (which TraceEnum_ELBO runs on every model)
+    fails, si.infer.svi raised from inside NumPyro: ``AssertionError: length mismatch``
+    (NumPyro 0.21 on JAX 0.11.2; later a RuntimeError asking to upgrade NumPyro) and
+    ``KeyError: 'provenance'`` (NumPyro 0.15.0, the floor, on JAX 0.4.33). It now takes
+    its ELBO from the exact engine: the same loss, and the fit runs."""
     from numpyro.ops import provenance
 
     def broken(fn, **kwargs):
-        raise AssertionError("length mismatch: [2, 1]")
+        raise error
+
+    def guide(scale_loc, y):
+        numpyro.sample("w", dist.Delta(jnp.float32(0.5)))
 
     monkeypatch.setattr(provenance, "eval_provenance", broken)
-    with pytest.raises(RuntimeError, match=r"svi: NumPyro .* upgrade NumPyro to 0.22"):
-        si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, num_steps=2,
-                     progress_bar=False)
+    fitter, result = si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, guide=guide,
+                                  num_steps=2, progress_bar=False)
+    assert np.isfinite(np.asarray(result.losses)).all()
+    loss = fitter.loss.loss(jax.random.PRNGKey(1), {}, far_forbidden, guide, 0.0, Y)
+    np.testing.assert_allclose(-loss, _exact(jnp.float32(0.5)), rtol=1e-5)
+    _, result = si.infer.svi(jax.random.PRNGKey(0), far_forbidden, 0.0, Y, guide="delta",
+                             num_steps=20, progress_bar=False)
+    assert np.isfinite(np.asarray(result.losses)).all()
 
 
 def test_sink_parent_model_is_not_a_false_alarm():

@@ -126,7 +126,10 @@ class _CollapsedELBO(ELBO):
     parameters): for a model with a [`Markov`][structinfer.priors.Markov] edge, whose
     chain in a ``scan`` `TraceEnum_ELBO` does not contract exactly (it sums the time dim
     like a plate) while NumPyro's ``log_density`` under enumeration, which the engine
-    runs, does."""
+    runs, does; and for every model where NumPyro's `TraceEnum_ELBO` cannot trace a
+    model's dependencies on the installed JAX (`_numpyro_traces_dependencies`). The
+    gradient flows through the guide's draws, so every guide site must be reparameterized
+    (no score-function term)."""
 
     can_infer_discrete = True  # the engine sums the edges out
 
@@ -136,6 +139,15 @@ class _CollapsedELBO(ELBO):
                                      args, kwargs, {})
             draw = {n: s["value"] for n, s in g_tr.items()
                     if s["type"] == "sample" and not s.get("is_observed")}
+            for n in draw:
+                if not g_tr[n]["fn"].has_rsample:
+                    raise ValueError(
+                        f"svi: guide site '{n}' ({type(g_tr[n]['fn']).__name__}) has no "
+                        "reparameterized sampler; the exact engine's ELBO (used for a Markov "
+                        "edge, and where NumPyro's TraceEnum_ELBO cannot trace dependencies: "
+                        "NumPyro 0.15.0-0.15.1 on JAX >= 0.4.31, NumPyro <= 0.21 on JAX >= "
+                        "0.11.1) differentiates through the guide's draws: give the site a "
+                        "reparameterizable distribution (AutoNormal, AutoDelta)")
             at = substitute(model, data={**param_map, **draw})
             return g_lp - log_marginal(at, *args, **kwargs)
 
@@ -297,9 +309,29 @@ def hide_edges(model: Callable) -> Callable:
         model: a NumPyro model.
 
     Returns:
-        `numpyro.handlers.block(model)` hiding every enumerated site.
+        `numpyro.handlers.block(model)` hiding every enumerated site; a hidden edge is
+        drawn with a key from the enclosing `seed` handler (as newer NumPyro's `block`
+        does itself; NumPyro 0.15's drew it with no key, an `AssertionError` when an
+        autoguide traced the model).
     """
-    return block(model, hide_fn=is_enumerated)
+    return _HideEdges(model, hide_fn=is_enumerated)
+
+
+class _HideEdges(block):
+    """`block` that gives a hidden sample site with no value a PRNG key before hiding it,
+    and a ``scan`` with no key one too (its steps draw the hidden edges: they run hidden
+    from this handler). The key comes from the `seed` handler above, or is key 0 where there
+    is none, as newer NumPyro does itself (its `block` draws the key, its `log_density`
+    supplies key 0); NumPyro 0.15 did neither, and the edge was drawn with no key."""
+
+    def process_message(self, msg: dict) -> None:
+        wants_key = (msg["type"] == "control_flow"
+                     or msg["type"] == "sample" and self.hide_fn(msg))
+        if (wants_key and msg["value"] is None and "rng_key" in msg["kwargs"]
+                and msg["kwargs"]["rng_key"] is None):
+            key = numpyro.prng_key()  # this handler is on the stack: no warning
+            msg["kwargs"]["rng_key"] = jax.random.PRNGKey(0) if key is None else key
+        super().process_message(msg)
 
 
 def _no_guide(*args: Any, **kwargs: Any) -> None:
@@ -337,7 +369,11 @@ def svi(
     [`Markov`][structinfer.priors.Markov] edge (a chain in a ``scan``), which
     `TraceEnum_ELBO` does not contract exactly (it sums the scan's time dim like a
     plate), takes $\log \sum_\phi p(x, \phi, \theta)$ from the exact engine
-    ([`log_marginal`][structinfer.exact.log_marginal]) at each draw of the guide instead.
+    ([`log_marginal`][structinfer.exact.log_marginal]) at each draw of the guide instead,
+    as does every model where the installed NumPyro's `TraceEnum_ELBO` cannot trace a
+    model's dependencies on the installed JAX (NumPyro 0.15.0 and 0.15.1 on JAX 0.4.31 and
+    newer, NumPyro 0.21 and older on JAX 0.11.1 and newer): the same ELBO, for guides
+    whose sites are all reparameterized.
 
     Args:
         rng_key: one PRNG key (`jax.random.key(seed)`), as for `SVI.run`.
@@ -364,10 +400,9 @@ def svi(
             RuntimeError where no initial point was found and none is responsible; the
             model's own exception where it raises at a starting point).
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
-        ValueError: an unknown guide name, a bad `num_steps`, or a discrete latent site
-            that is not enumerated.
-        RuntimeError: the installed NumPyro cannot trace a model's dependencies on the
-            installed JAX (NumPyro 0.21 or older on JAX 0.11.1 or newer: upgrade NumPyro).
+        ValueError: an unknown guide name, a bad `num_steps`, a discrete latent site
+            that is not enumerated, or (where the ELBO comes from the exact engine, above)
+            a guide site without a reparameterized sampler.
 
     Reference: NumPyro's `SVI` with `TraceEnum_ELBO` (edges summed out exactly);
     learning $W_Q, W_K, W_V$ of Singh & Buckley Table 1 by maximising the collapsed
@@ -375,14 +410,16 @@ def svi(
     """
     rng_key = _check_key(rng_key, "svi")
     num_steps = check_count(num_steps, "svi: num_steps")
-    _check_numpyro_provenance("svi")
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = _sampled_sites(model, args, kwargs, "svi")
     guide = _guide(guide, model, info)
     optim = numpyro.optim.Adam(0.01) if optim is None else optim
-    # a chain in a scan: the exact engine's log p(theta, x) (TraceEnum_ELBO's is wrong)
-    elbo = (_CollapsedELBO() if info.markov_edges
-            else _ELBO(max_plate_nesting=info.max_plate_nesting))
+    # the exact engine's log p(theta, x) for a chain in a scan (TraceEnum_ELBO's is wrong)
+    # and where NumPyro's TraceEnum_ELBO cannot trace dependencies on this JAX
+    if info.markov_edges or not _numpyro_traces_dependencies():
+        elbo = _CollapsedELBO()
+    else:
+        elbo = _ELBO(max_plate_nesting=info.max_plate_nesting)
     fitter = SVI(model, guide, optim, elbo)
     with _init_failure("svi", model, args, kwargs):
         result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar, **kwargs)
@@ -416,23 +453,21 @@ def _init_failure(what: str, model: Callable, args: tuple, kwargs: dict):
             "Restricted prior instead of -inf scores.", 0, site, ()) from err
 
 
-def _check_numpyro_provenance(where: str) -> None:
-    """Raise a clear error where NumPyro's `eval_provenance` (which `TraceEnum_ELBO` runs on
-    every model) cannot trace a function that closes over an array: NumPyro 0.21 and older
-    on JAX 0.11.1 and newer, which moved closed-over constants into the jaxpr's inputs
-    (fixed in NumPyro 0.22). Without this check the user meets an ``AssertionError:
-    length mismatch`` from inside NumPyro."""
+def _numpyro_traces_dependencies() -> bool:
+    """Whether NumPyro's `eval_provenance`, which `TraceEnum_ELBO` runs on every model to
+    find each site's dependencies, traces a function that closes over an array on the
+    installed JAX. Two pairings fail: NumPyro 0.15.0 and 0.15.1 on JAX 0.4.31 and newer
+    (``KeyError: 'provenance'``: it reads the named shapes JAX removed) and NumPyro 0.21 and
+    older on JAX 0.11.1 and newer (``AssertionError: length mismatch``: JAX moved closed-over
+    constants into the jaxpr's inputs). `svi` then takes its ELBO from the exact engine."""
     from numpyro.ops import provenance
 
     closed_over = jnp.arange(2.0)
     try:
         provenance.eval_provenance(lambda z: jnp.sum(closed_over * z), z=jnp.ones(()))
-    except AssertionError as err:
-        raise RuntimeError(
-            f"{where}: NumPyro {numpyro.__version__} cannot trace a model's dependencies on "
-            f"JAX {jax.__version__} (its eval_provenance, which TraceEnum_ELBO runs, fails "
-            f"with {err!s:.60}); upgrade NumPyro to 0.22 or newer, or use JAX 0.11.0 or older"
-        ) from err
+    except Exception:  # noqa: BLE001 - any failure: the exact engine's ELBO needs none of it
+        return False
+    return True
 
 
 def _raise_nonfinite(fitter: SVI, rng_key: jax.Array, step: int, args: tuple,
