@@ -220,7 +220,8 @@ def parent_masks(name: str) -> list[jax.Array]:
 def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
     """Refuse, on concrete values, a NaN or +inf score entry (-inf forbids an edge, as a
     masked prior does) and a child whose score's ``-inf`` entries forbid every parent its
-    prior allows (the rule of an empty prior row; NaN under a trace).
+    prior allows (the rule of an empty prior row; NaN under a trace). A child that
+    ``numpyro.handlers.mask`` masks out (padding) may have no parent: it is not there.
 
     One host copy of the edge's table ``logits`` (log-prior + score) gives both: a NaN or
     +inf score entry is NaN or +inf there too (``-inf + inf`` is NaN), so the score itself
@@ -232,7 +233,14 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
     table = np.asarray(logits)
     if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
         check_finite(score, what, allow_neg_inf=True)
-    where = first_empty_row(np.isfinite(table))
+    allowed = np.isfinite(table)
+    where = first_empty_row(allowed)
+    if where is not None:  # a child masked out (padding) is not there: it may have none
+        mask = numpyro.get_mask()
+        if mask is not None and not is_concrete(mask):
+            return  # which children are kept is not known here (NaN if a kept one)
+        if mask is not None:
+            where = first_empty_row(allowed | ~np.asarray(mask, bool)[..., None])
     if where is not None:
         raise ValueError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
