@@ -217,10 +217,11 @@ def parent_masks(name: str) -> list[jax.Array]:
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
 
-def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
+def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bool) -> None:
     """Refuse, on concrete values, a NaN or +inf score entry (-inf forbids an edge, as a
     masked prior does) and a child whose score's ``-inf`` entries forbid every parent its
-    prior allows (the rule of an empty prior row; NaN under a trace). A child that
+    prior allows (the rule of an empty prior row; NaN under a trace). With
+    ``rows_masked`` (the mask's batch is the table's rows: no ``child=``), a child that
     ``numpyro.handlers.mask`` masks out (padding) may have no parent: it is not there.
 
     One host copy of the edge's table ``logits`` (log-prior + score) gives both: a NaN or
@@ -236,7 +237,7 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
     allowed = np.isfinite(table)
     where = first_empty_row(allowed)
     if where is not None:  # a child masked out (padding) is not there: it may have none
-        mask = numpyro.get_mask()
+        mask = numpyro.get_mask() if rows_masked else None
         if mask is not None and not is_concrete(mask):
             return  # which children are kept is not known here (NaN if a kept one)
         if mask is not None:
@@ -803,7 +804,8 @@ def edge(
     logits = float32_at_least(log_prior)
     if score_table is not None:
         logits = logits + float32_at_least(score_table)
-        _check_score(score_table, logits, name)  # NaN / +inf entries, children left none
+        # NaN / +inf entries, children left none
+        _check_score(score_table, logits, name, rows_masked=child is None)
     if child is not None:
         # node `child`'s edge, with its exact posterior conditional as distribution:
         # row `child` of the (..., children, parents) table, where the children dim
