@@ -8,6 +8,7 @@ NaN, so that a bad value never gives a finite answer.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +133,13 @@ def check_finite(x: ArrayLike, what: str, allow_neg_inf: bool = False) -> None:
                 "scores and log-priors must be finite (use a Restricted prior to forbid "
                 "edges)")
         raise ValueError(f"{what} contains {kind} at index {idx} (shape {arr.shape}); {rule}")
+
+
+#: ``False`` while an edge site re-reads its prior's table for children that
+#: ``numpyro.handlers.mask`` masks out: the priors' own checks of empty rows are skipped
+#: then, and the edge checks the kept children instead (`first_empty_row`).
+ROWS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_checked",
+                                                                    default=True)
 
 
 def first_empty_row(allowed: np.ndarray, rows_per_entry: int = 1) -> str | None:

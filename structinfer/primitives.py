@@ -38,6 +38,7 @@ from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
 from ._checks import (
+    ROWS_CHECKED,
     check_finite,
     first_empty_row,
     float32_at_least,
@@ -215,6 +216,30 @@ def parent_masks(name: str) -> list[jax.Array]:
         The masks, innermost handler first (empty when there is none).
     """
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
+
+
+def _table_of_masked_out_rows(prior: StructuralPrior, num_children: int, error: str,
+                              child: Any) -> jax.Array | None:
+    """The prior's table when the only children it leaves no parent are masked out by
+    ``numpyro.handlers.mask`` (padding: they are not there), else ``None`` (its error
+    stands). Read on the error path of the prior's own check only; with a traced mask
+    (or prior) the table, unchecked: a kept child left no parent is NaN."""
+    mask = numpyro.get_mask() if child is None else None
+    if "allows no parent" not in error or mask is None or mask is True:
+        return None
+    token = ROWS_CHECKED.set(False)
+    try:
+        with jax.ensure_compile_time_eval():  # a concrete prior stays concrete under jit
+            table = prior.log_table(num_children)
+    finally:
+        ROWS_CHECKED.reset(token)
+    if not (is_concrete(table) and is_concrete(mask)):  # which rows are kept is not
+        return table  # known here: a kept child left no parent reads NaN, as under jit
+    try:
+        allowed = np.isfinite(np.asarray(table)) | ~np.asarray(mask, bool)[..., None]
+    except ValueError:  # a mask that does not broadcast: NumPyro's error comes later
+        return None
+    return table if first_empty_row(allowed) is None else None
 
 
 def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bool) -> None:
@@ -770,7 +795,9 @@ def edge(
     try:
         log_prior = prior.log_table(num_children)
     except ValueError as e:
-        raise ValueError(f"edge site '{name}': {e}") from None
+        log_prior = _table_of_masked_out_rows(prior, num_children, str(e), child)
+        if log_prior is None:
+            raise ValueError(f"edge site '{name}': {e}") from None
     except TypeError as e:  # e.g. JAX's broadcasting of parameters of mismatched shapes
         if type(e) is not TypeError:  # JAX's own subclasses (a concretization error) as is
             raise

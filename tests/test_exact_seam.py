@@ -582,6 +582,34 @@ def test_a_padded_child_with_no_allowed_parent_has_zero_gradient(x64, jit):
     np.testing.assert_allclose(grad, want, rtol=1e-12, atol=1e-15)
 
 
+def test_a_padded_child_the_prior_leaves_no_parent_is_not_refused(x64):
+    """Regression: a prior that gives a padded child (masked out) no parent, a
+    ``Restricted`` mask of the kept pairs, was refused eagerly as a child left no parent
+    (the prior's own check), eagerly and under jit. Log Z is the kept children's; a kept
+    child with no parent is still refused, and under jit (a traced mask: which children
+    are kept is not known) log Z is not finite."""
+    r = np.random.default_rng(8)
+    n = 4
+    keep = np.array([True, True, True, False])
+    allowed = np.tril(np.ones((n, n), bool)) & keep[:, None] & keep[None, :]
+    s = jnp.asarray(r.normal(size=(n, n)))
+
+    def model(s, keep):
+        with numpyro.plate("children", n), numpyro.handlers.mask(mask=keep):
+            si.edge("phi", si.priors.Restricted(allowed), s)
+
+    t = np.where(allowed, np.asarray(s) - np.log(np.maximum(allowed.sum(-1, keepdims=True),
+                                                            1)), -np.inf)
+    want = logsumexp(t[:3], -1).sum()
+    np.testing.assert_allclose(si.log_marginal(model, s, jnp.asarray(keep)), want, rtol=1e-12)
+    np.testing.assert_allclose(jax.jit(lambda s: si.log_marginal(model, s, keep))(s), want,
+                               rtol=1e-12)
+    with pytest.raises(ValueError, match="Restricted prior allows no parent for child 3"):
+        si.log_marginal(model, s, jnp.ones(n, bool))
+    assert not np.isfinite(jax.jit(lambda s, k: si.log_marginal(model, s, k))(
+        s, jnp.ones(n, bool)))
+
+
 def test_attention_with_padded_queries_and_keys_has_the_gradients_of_the_unpadded(x64):
     """As above through ``si.attention`` under jit (padding keys masked by
     ``mask_parents``, from every query a padded one; padded queries masked out by
