@@ -8,6 +8,7 @@ NaN, so that a bad value never gives a finite answer.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +133,13 @@ def check_finite(x: ArrayLike, what: str, allow_neg_inf: bool = False) -> None:
                 "scores and log-priors must be finite (use a Restricted prior to forbid "
                 "edges)")
         raise ValueError(f"{what} contains {kind} at index {idx} (shape {arr.shape}); {rule}")
+
+
+#: ``False`` while an edge site re-reads its prior's table for children that
+#: ``numpyro.handlers.mask`` masks out: the priors' own checks of empty rows are skipped
+#: then, and the edge checks the kept children instead (`first_empty_row`).
+ROWS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_checked",
+                                                                    default=True)
 
 
 def first_empty_row(allowed: np.ndarray, rows_per_entry: int = 1) -> str | None:
@@ -337,8 +345,9 @@ def normalise_log_weights(
     $$
 
     A non-finite $L_i$ is not subtracted: a row of all $-\infty$ (no allowed parent)
-    stays $-\infty$. ``log_normalizer`` is $L$ when the caller has it already (it is
-    returned as given).
+    stays $-\infty$, and its $L_i = -\infty$ has gradient 0 (a padded child masked out
+    reads no NaN gradient through the mask). ``log_normalizer`` is $L$ when the caller
+    has it already (it is returned as given).
 
     One compiled program: run eagerly (a model called outside ``jit``), it is one
     dispatch instead of the dozen small programs of ``logsumexp`` and the subtraction.
@@ -348,6 +357,10 @@ def normalise_log_weights(
             without the last axis).
     """
     if log_normalizer is None:
-        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+        # a row of all -inf is summed as a row of zeros, then set to -inf: its gradient is
+        # 0, not logsumexp's NaN (which a mask's where would pass on as 0 * NaN = NaN)
+        empty = jnp.all(logits == -jnp.inf, axis=-1)
+        lse = jax.nn.logsumexp(jnp.where(empty[..., None], 0.0, logits), axis=-1)
+        log_normalizer = jnp.where(empty, -jnp.inf, lse)
     safe = jnp.where(jnp.isfinite(log_normalizer), log_normalizer, 0.0)
     return logits - safe[..., None], log_normalizer

@@ -38,6 +38,7 @@ from numpyro.ops.indexing import Vindex
 from numpyro.primitives import CondIndepStackFrame, apply_stack
 
 from ._checks import (
+    ROWS_CHECKED,
     check_finite,
     first_empty_row,
     float32_at_least,
@@ -217,10 +218,36 @@ def parent_masks(name: str) -> list[jax.Array]:
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
 
-def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
+def _table_of_masked_out_rows(prior: StructuralPrior, num_children: int, error: str,
+                              child: Any) -> jax.Array | None:
+    """The prior's table when the only children it leaves no parent are masked out by
+    ``numpyro.handlers.mask`` (padding: they are not there), else ``None`` (its error
+    stands). Read on the error path of the prior's own check only; with a traced mask
+    (or prior) the table, unchecked: a kept child left no parent is NaN."""
+    mask = numpyro.get_mask() if child is None else None
+    if "allows no parent" not in error or mask is None or mask is True:
+        return None
+    token = ROWS_CHECKED.set(False)
+    try:
+        with jax.ensure_compile_time_eval():  # a concrete prior stays concrete under jit
+            table = prior.log_table(num_children)
+    finally:
+        ROWS_CHECKED.reset(token)
+    if not (is_concrete(table) and is_concrete(mask)):  # which rows are kept is not
+        return table  # known here: a kept child left no parent reads NaN, as under jit
+    try:
+        allowed = np.isfinite(np.asarray(table)) | ~np.asarray(mask, bool)[..., None]
+    except ValueError:  # a mask that does not broadcast: NumPyro's error comes later
+        return None
+    return table if first_empty_row(allowed) is None else None
+
+
+def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bool) -> None:
     """Refuse, on concrete values, a NaN or +inf score entry (-inf forbids an edge, as a
     masked prior does) and a child whose score's ``-inf`` entries forbid every parent its
-    prior allows (the rule of an empty prior row; NaN under a trace).
+    prior allows (the rule of an empty prior row; NaN under a trace). With
+    ``rows_masked`` (the mask's batch is the table's rows: no ``child=``), a child that
+    ``numpyro.handlers.mask`` masks out (padding) may have no parent: it is not there.
 
     One host copy of the edge's table ``logits`` (log-prior + score) gives both: a NaN or
     +inf score entry is NaN or +inf there too (``-inf + inf`` is NaN), so the score itself
@@ -232,7 +259,14 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str) -> None:
     table = np.asarray(logits)
     if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
         check_finite(score, what, allow_neg_inf=True)
-    where = first_empty_row(np.isfinite(table))
+    allowed = np.isfinite(table)
+    where = first_empty_row(allowed)
+    if where is not None:  # a child masked out (padding) is not there: it may have none
+        mask = numpyro.get_mask() if rows_masked else None
+        if mask is not None and not is_concrete(mask):
+            return  # which children are kept is not known here (NaN if a kept one)
+        if mask is not None:
+            where = first_empty_row(allowed | ~np.asarray(mask, bool)[..., None])
     if where is not None:
         raise ValueError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
@@ -761,7 +795,9 @@ def edge(
     try:
         log_prior = prior.log_table(num_children)
     except ValueError as e:
-        raise ValueError(f"edge site '{name}': {e}") from None
+        log_prior = _table_of_masked_out_rows(prior, num_children, str(e), child)
+        if log_prior is None:
+            raise ValueError(f"edge site '{name}': {e}") from None
     except TypeError as e:  # e.g. JAX's broadcasting of parameters of mismatched shapes
         if type(e) is not TypeError:  # JAX's own subclasses (a concretization error) as is
             raise
@@ -795,7 +831,8 @@ def edge(
     logits = float32_at_least(log_prior)
     if score_table is not None:
         logits = logits + float32_at_least(score_table)
-        _check_score(score_table, logits, name)  # NaN / +inf entries, children left none
+        # NaN / +inf entries, children left none
+        _check_score(score_table, logits, name, rows_masked=child is None)
     if child is not None:
         # node `child`'s edge, with its exact posterior conditional as distribution:
         # row `child` of the (..., children, parents) table, where the children dim

@@ -555,6 +555,90 @@ def test_a_masked_out_child_adds_nothing_to_log_z(x64, prior, jit):
         si.log_marginal(_masked_attention, q, k, v, jnp.zeros(n, bool), pr), 0.0, atol=1e-12)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_padded_child_with_no_allowed_parent_has_zero_gradient(x64, jit):
+    """Regression: a padded query (masked out) whose keys are all padding too (a score
+    row of -inf) made d log Z / d score NaN on every entry of its row under jit (the
+    logsumexp of the empty row, read through the mask's where: 0 * NaN), and was refused
+    eagerly as a child left no parent. It is not there: its gradient is 0, and the kept
+    children's is that of the model without it (the plain softmax of their rows)."""
+    r = np.random.default_rng(4)
+    n = m = 4
+    keep = jnp.array([True, True, True, False])
+    s = jnp.where(keep[None, :] & keep[:, None], jnp.asarray(r.normal(size=(n, m))), -jnp.inf)
+
+    def model(s):
+        with numpyro.plate("children", n), numpyro.handlers.mask(mask=keep):
+            si.edge("phi", si.priors.Uniform(m), s)
+
+    f = lambda s: si.log_marginal(model, s)  # noqa: E731
+    log_z, grad = (jax.jit(jax.value_and_grad(f)) if jit else jax.value_and_grad(f))(s)
+    kept = np.asarray(s)[:3, :3] - np.log(m)
+    np.testing.assert_allclose(log_z, logsumexp(kept, -1).sum(), rtol=1e-12)
+    if not jit:  # on concrete values, the check of empty rows passes the padded child
+        np.testing.assert_allclose(f(s), log_z, rtol=1e-12)
+    want = np.zeros((n, m))
+    want[:3, :3] = np.exp(kept - logsumexp(kept, -1, keepdims=True))
+    np.testing.assert_allclose(grad, want, rtol=1e-12, atol=1e-15)
+
+
+def test_a_padded_child_the_prior_leaves_no_parent_is_not_refused(x64):
+    """Regression: a prior that gives a padded child (masked out) no parent, a
+    ``Restricted`` mask of the kept pairs, was refused eagerly as a child left no parent
+    (the prior's own check), eagerly and under jit. Log Z is the kept children's; a kept
+    child with no parent is still refused, and under jit (a traced mask: which children
+    are kept is not known) log Z is not finite."""
+    r = np.random.default_rng(8)
+    n = 4
+    keep = np.array([True, True, True, False])
+    allowed = np.tril(np.ones((n, n), bool)) & keep[:, None] & keep[None, :]
+    s = jnp.asarray(r.normal(size=(n, n)))
+
+    def model(s, keep):
+        with numpyro.plate("children", n), numpyro.handlers.mask(mask=keep):
+            si.edge("phi", si.priors.Restricted(allowed), s)
+
+    t = np.where(allowed, np.asarray(s) - np.log(np.maximum(allowed.sum(-1, keepdims=True),
+                                                            1)), -np.inf)
+    want = logsumexp(t[:3], -1).sum()
+    np.testing.assert_allclose(si.log_marginal(model, s, jnp.asarray(keep)), want, rtol=1e-12)
+    np.testing.assert_allclose(jax.jit(lambda s: si.log_marginal(model, s, keep))(s), want,
+                               rtol=1e-12)
+    with pytest.raises(ValueError, match="Restricted prior allows no parent for child 3"):
+        si.log_marginal(model, s, jnp.ones(n, bool))
+    assert not np.isfinite(jax.jit(lambda s, k: si.log_marginal(model, s, k))(
+        s, jnp.ones(n, bool)))
+
+
+def test_attention_with_padded_queries_and_keys_has_the_gradients_of_the_unpadded(x64):
+    """As above through ``si.attention`` under jit (padding keys masked by
+    ``mask_parents``, from every query a padded one; padded queries masked out by
+    ``numpyro.handlers.mask``): the gradients in q, k
+    and v are those of a plain softmax over the kept rows (a padded query reads the
+    values' mean: its edge is uniform), no NaN."""
+    r = np.random.default_rng(6)
+    n, d = 4, 2
+    q, k, v = (jnp.asarray(r.normal(size=(n, d))) for _ in range(3))
+    keep = jnp.array([True, True, True, False])
+
+    def model(q, k, v):
+        with numpyro.plate("children", n):
+            pad = keep[:, None] & keep[None, :]  # a padded query is allowed no key
+            with si.handlers.mask_parents(mask=pad), numpyro.handlers.mask(mask=keep):
+                j = si.edge("phi", si.priors.Uniform(n), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    att = si.attention(model, "out")
+
+    def plain(q, k, v):
+        o = jax.nn.softmax(q[:3] @ k[:3].T, -1) @ v[:3]
+        return jnp.sum(o ** 2) + jnp.sum(v.mean(0) ** 2)
+
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(att(*a) ** 2), (0, 1, 2)))(q, k, v)
+    for g, w in zip(got, jax.grad(plain, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-14)
+
+
 def test_a_masked_out_child_observed_through_its_edge_takes_its_parent_uniformly(x64):
     """An observation read at a masked-out child's edge sees a uniform parent: the
     child's term is the uniform mixture over parents, a proper density."""

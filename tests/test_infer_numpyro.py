@@ -262,6 +262,42 @@ def test_exact_elbo_refuses_a_guide_without_reparameterized_draws():
                      num_steps=2, progress_bar=False)
 
 
+def test_svi_refuses_bfloat16_parameters_that_numpyros_adam_cannot_move():
+    """Regression: `svi` on a bfloat16 Markov chain (its parameters bfloat16) with the
+    default optimiser returned the initial parameters, unfitted: NumPyro's Adam (JAX's
+    ``example_libraries`` one) rounds ``b2 = 0.999`` to 1 in the parameters' dtype, so
+    its bias correction divides by 0 and every step is 0. It is refused, naming the
+    parameter; SGD moves the same parameters, and its loss is the forward algorithm's."""
+    from scipy.stats import norm
+
+    y = jnp.asarray([-1.1, 0.9, 1.2, -1.0], jnp.bfloat16)
+
+    def chain(y):
+        mu = numpyro.param("mu", jnp.array([-0.5, 0.5], jnp.bfloat16))
+        lt = jnp.log(jnp.array([[0.9, 0.1], [0.2, 0.8]], jnp.bfloat16))
+
+        def step(prev, yt):
+            z = si.edge("z", si.priors.Markov(lt, jnp.zeros(2, jnp.bfloat16)), previous=prev)
+            numpyro.sample("y", dist.Normal(mu[z], jnp.asarray(0.5, jnp.bfloat16)), obs=yt)
+            return z, None
+
+        scan(step, jnp.asarray(-1), y)
+
+    with pytest.raises(TypeError, match=r"svi: parameter 'mu' is bfloat16.*NumPyro's Adam"):
+        si.infer.svi(jax.random.key(0), chain, y, num_steps=2, progress_bar=False)
+    fitter, result = si.infer.svi(jax.random.key(0), chain, y, num_steps=20,
+                                  optim=numpyro.optim.SGD(0.02), progress_bar=False)
+    mu = result.params["mu"]
+    assert mu.dtype == jnp.bfloat16 and float(mu[0]) < -0.6 and float(mu[1]) > 0.6
+    lt = np.log(np.array([[0.9, 0.1], [0.2, 0.8]]))
+    emit = norm.pdf(np.asarray(y, np.float64)[:, None], np.asarray(mu, np.float64), 0.5)
+    alpha = 0.5 * emit[0]
+    for t in range(1, 4):
+        alpha = (alpha @ np.exp(lt)) * emit[t]
+    loss = fitter.loss.loss(jax.random.key(1), result.params, chain, fitter.guide, y)
+    np.testing.assert_allclose(float(loss), -np.log(alpha.sum()), rtol=1e-2)
+
+
 Y3 = jnp.array([-1.1, 0.9, 1.2])
 
 

@@ -921,6 +921,37 @@ def test_the_dense_backend_keeps_forward_mode_and_second_derivatives():
         np.testing.assert_allclose(b, a, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["blocked", "pallas"])
+def test_a_loss_that_drops_an_empty_row_has_the_dense_kernels_gradient(backend):
+    """Regression: the blocked and Pallas kernels write the NaN of a row with no allowed
+    parent inside their custom VJP, whose backward read that row's cotangent (NaN after
+    a nonlinearity: ``0 * cos(NaN)``), so a loss that drops the row had NaN gradients in
+    every key and value, where the dense kernel's (the ``where`` of `with_nan_rows`) are
+    those of the model without the row. Now the row's cotangent is zeroed as the dense
+    kernel's: the gradients are the exact engine's with the row given any parent."""
+    n, d = 8, 2
+    r = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(r.normal(size=(n, d)), jnp.float32) for _ in range(3))
+
+    def model(q, k, v, mask):
+        with numpyro.plate("nodes", n):
+            j = si.edge("phi", si.priors.Restricted(mask), si.scores.Dot(q, k, scale=0.7))
+            numpyro.deterministic("out", v[j])
+
+    causal = np.tril(np.ones((n, n), bool))
+    empty = causal.copy()
+    empty[5] = False  # child 5 has no allowed parent
+    drop = (np.arange(n) == 5)[:, None]
+
+    def kept(f, mask):  # the loss without row 5, after a nonlinearity
+        return lambda q, k, v: jnp.sum(jnp.where(drop, 0.0, jnp.sin(f(q, k, v, mask))))
+
+    f = attention(model, "out", backend, block_q=4, block_k=4)
+    want = jax.grad(kept(attention(model, "out", "exact"), causal), (0, 1, 2))(q, k, v)
+    for g, w in zip(jax.jit(jax.grad(kept(f, empty), (0, 1, 2)))(q, k, v), want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
 @pytest.mark.parametrize("n", [1, 5])
 @pytest.mark.parametrize("prior", ["uniform", "relpos", "geometric"])
 def test_a_single_parent_is_lowered_on_every_kernel(n, prior):

@@ -399,7 +399,9 @@ def svi(
             step and the parameter, argument or site responsible (NumPyro's own
             RuntimeError where no initial point was found and none is responsible; the
             model's own exception where it raises at a starting point).
-        TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
+        TypeError: `rng_key` is not one PRNG key, `model` is not callable, or a
+            bfloat16 parameter under NumPyro's `Adam` / `ClippedAdam` (which cannot move
+            it: its ``b2 = 0.999`` rounds to 1).
         ValueError: an unknown guide name, a bad `num_steps`, a discrete latent site
             that is not enumerated, or (where the ELBO comes from the exact engine, above)
             a guide site without a reparameterized sampler.
@@ -422,12 +424,30 @@ def svi(
         elbo = _ELBO(max_plate_nesting=info.max_plate_nesting)
     fitter = SVI(model, guide, optim, elbo)
     with _init_failure("svi", model, args, kwargs):
-        result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar, **kwargs)
+        state = fitter.init(rng_key, *args, **kwargs)
+        _check_adam_dtypes(optim, fitter.optim.get_params(state.optim_state))
+        result = fitter.run(rng_key, num_steps, *args, progress_bar=progress_bar,
+                            init_state=state, **kwargs)
     losses = np.asarray(result.losses)
     bad = np.flatnonzero(~np.isfinite(losses))
     if bad.size:
         _raise_nonfinite(fitter, rng_key, int(bad[0]), args, kwargs)
     return fitter, result
+
+
+def _check_adam_dtypes(optim: Any, params: dict) -> None:
+    """Refuse a bfloat16 parameter under NumPyro's ``Adam`` / ``ClippedAdam`` (JAX's
+    ``example_libraries`` Adam): it casts ``b2 = 0.999`` to the parameter's dtype, 1 in
+    bfloat16, so its bias correction divides by 0 and the parameter never moves."""
+    if not isinstance(optim, (numpyro.optim.Adam, numpyro.optim.ClippedAdam)):
+        return
+    for name, p in params.items():
+        if jnp.asarray(p).dtype == jnp.bfloat16:
+            raise TypeError(
+                f"svi: parameter '{name}' is bfloat16, which NumPyro's {type(optim).__name__} "
+                "cannot update (it rounds b2 = 0.999 to 1 in bfloat16: every step is 0); "
+                "keep the parameters in float32 (compute in bfloat16 inside the model), or "
+                "pass another optimiser (an optax one, numpyro.optim.SGD)")
 
 
 @contextlib.contextmanager

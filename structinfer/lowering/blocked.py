@@ -776,11 +776,14 @@ def _float0(tree):
 
 def _attend_bwd(res, cts):
     static, need, prob, starts, out, stats = res
-    terms, sched, batch, _, backward, _, precision, _, has_starts, mask, with_stats = (
+    terms, sched, batch, _, backward, nan_rows, precision, _, has_starts, mask, with_stats = (
         static.value)
     d_out, d_second = jax.tree.map(
         lambda c: jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c,
         cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
+    if nan_rows:  # the NaN rows are a `with_nan_rows` where: their cotangent is zeroed
+        # (a loss that drops them after a nonlinearity sends 0 * NaN there)
+        d_out = jnp.where(jnp.isfinite(stats.lse())[..., None], d_out, 0)
     # with `stats`, m is a shift (not differentiated) and log l's cotangent is L's
     d_lse = d_second.log_l if with_stats else d_second
     if backward is not None:
