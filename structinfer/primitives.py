@@ -709,6 +709,8 @@ def edge(
             as distribution (Singh & Buckley appendix 7.3: the second hop uses the
             edge of the node the first hop reached). No separate score factor is
             added: each hop is normalised, so ``log Z`` is that of the first hop.
+            Its values must index this edge's children (a value past them is an error
+            on concrete values; under ``jit`` its row reads NaN, never a clamped row).
         previous: with a [`Markov`][structinfer.priors.Markov] prior (and only then):
             the previous edge's value, which chooses the prior's row; ``-1`` for the
             first edge of the chain. The edge must then be inside a
@@ -726,7 +728,8 @@ def edge(
         ValueError: if the edge is not inside a plate at ``dim=-1``, or the prior or score
             does not fit the plates' ``(..., children)`` batch shape and the prior's
             parents, or the score has a NaN or ``+inf`` entry, or (on concrete values; NaN
-            under ``jit``) its ``-inf`` entries leave a child no parent.
+            under ``jit``) its ``-inf`` entries leave a child no parent, or (likewise) a
+            ``child=`` value is not one of the edge's children.
         TypeError: if ``name``, ``prior`` or ``score`` has the wrong type.
 
     Examples:
@@ -803,7 +806,19 @@ def edge(
         # heads, batch — aligned with the index's own right-aligned dims)
         logits = jnp.broadcast_to(logits, logits.shape[:-2] + (num_children, num_parents))
         table = EdgeDistribution(logits, validate_args=False).logits
+        child = jnp.asarray(child)
+        inside = (child >= 0) & (child < num_children)
+        if is_concrete(inside) and not bool(jnp.all(inside)):
+            bad = int(child[~inside].reshape(-1)[0])
+            raise ValueError(
+                f"edge site '{name}': child= takes the value {bad}, but the edge has "
+                f"{num_children} children (plate '{child_plate.name}'): a hop follows the "
+                "node the previous hop reached, so the previous edge's parents must be "
+                "this edge's children"
+            )
+        # JAX would clamp the row read past the end: NaN there (under jit) instead
         rows = Vindex(jnp.expand_dims(table, -3))[..., child, :]
+        rows = jnp.where(inside[..., None], rows, jnp.nan)
         return _sample_edge(name, EdgeDistribution(rows, validate_args=False), site_infer)
     fn = EdgeDistribution(logits, validate_args=False)
     phi = _sample_edge(name, fn, site_infer)

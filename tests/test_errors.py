@@ -684,3 +684,25 @@ def test_an_edge_in_a_cond_branch_is_refused_naming_cond():
     np.testing.assert_allclose(si.log_marginal(as_data, False),
                                (np.logaddexp.reduce(-XQ @ XK.T, -1) - np.log(M)).sum(),
                                rtol=1e-5)
+
+
+def test_a_hop_past_the_nodes_is_refused_or_nan_under_numpyros_own_contraction():
+    """``edge(..., child=a)`` reads row ``a`` of its ``(children, parents)`` table: a previous
+    hop with more parents (5) than this edge has children (3) would read a clamped row, a
+    finite wrong log-density in NumPyro's own ``log_density`` (the exact engine's bounds
+    check refuses it). Eagerly the site is named; under ``jit`` the density is NaN."""
+    from numpyro.contrib.funsor import enum, log_density
+
+    scores = jnp.asarray(r.normal(size=(3, 5)))
+
+    def model(s):
+        with numpyro.plate("nodes", 3):
+            a = si.edge("hop1", si.priors.Uniform(5), s)
+            si.edge("hop2", si.priors.Uniform(5), s, child=a)
+
+    def numpyros(s):
+        return log_density(enum(model, first_available_dim=-2), (s,), {}, {})[0]
+
+    with pytest.raises(ValueError, match=r"edge site 'hop2': child= takes the value 3, but the edge has 3 children"):
+        numpyros(scores)
+    assert jnp.isnan(jax.jit(numpyros)(scores))
