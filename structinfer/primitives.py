@@ -805,7 +805,11 @@ def edge(
         # is replaced by the index (a singleton dim keeps the plates' batch dims —
         # heads, batch — aligned with the index's own right-aligned dims)
         logits = jnp.broadcast_to(logits, logits.shape[:-2] + (num_children, num_parents))
-        table = EdgeDistribution(logits, validate_args=False).logits
+        rows_fn = EdgeDistribution(logits, validate_args=False)
+        # a node left no parent (a traced prior or score; concrete ones raised above) has
+        # no conditional: NaN, not a row of -inf that would drop the paths through it
+        table = jnp.where(jnp.isfinite(rows_fn.log_normalizer)[..., None], rows_fn.logits,
+                          jnp.nan)
         child = jnp.asarray(child)
         inside = (child >= 0) & (child < num_children)
         if is_concrete(inside) and not bool(jnp.all(inside)):
