@@ -352,7 +352,9 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     index is exactly ``0..m-1`` along one dim (what enumeration produces; checked with one
     comparison, at run time with ``lax.cond`` when the index is traced), it is a
     transpose of the table, no gather.
-    Out-of-range indices read NaN, never a clamped row.
+    Out-of-range indices read NaN, never a clamped row (in a floating table; an integer
+    table fills with its most negative value, and the exact engine refuses such a read
+    at an edge value).
 
     It is how a value $v_i(x, \phi_i = j) = V x_j$ is read (Singh & Buckley
     sec. 3.2, the value function), and how an edge site's log-prob is evaluated.

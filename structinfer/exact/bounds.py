@@ -10,8 +10,10 @@ values carries a range $[lo, hi]$ (one per component of the last axis), and a
 clamping read whose edge component can leave the operand's bounds is an error.
 
 Reads the model shaped on purpose are left alone: an index computed with arithmetic
-(``where(phi < k, phi, 0)``, ``clip``, an offset) and ``jnp.take(..., mode="clip" |
-"fill")`` (explicit clipping, or NaN past the end). Calls (``jit``, ``custom_jvp``,
+(``where(phi < k, phi, 0)``, ``clip``, an offset), ``jnp.take(..., mode="clip")``
+(explicit clipping) and a ``"fill"`` read of a floating table (NaN past the end; an
+integer or boolean table fills with a number, the most negative integer, which is no
+safer than a clamped entry, so such a read is checked). Calls (``jit``, ``custom_jvp``,
 ``checkpoint``) are entered; the bodies it does not follow — loops, conditionals (whose
 branch may be the model's own guard) and primitives it does not know — cannot be proved
 in bounds and are left unchecked, as are their results. Shapes are static, so eager and
@@ -238,8 +240,10 @@ def _negative_index_wrap(eqn, defs) -> int | None:
 
 def _check_gather(eqn, idx: _Range, where: str) -> None:
     mode = str(eqn.params.get("mode", "")).upper()
-    if "CLIP" in mode or "FILL" in mode:  # asked for clipping, or NaN past the end
+    if "CLIP" in mode:  # asked for clipping
         return
+    if "FILL" in mode and np.issubdtype(eqn.invars[0].aval.dtype, np.inexact):
+        return  # NaN past the end (an integer or boolean table fills with a number)
     dn = eqn.params["dimension_numbers"]
     operand = eqn.invars[0].aval.shape
     sizes = eqn.params["slice_sizes"]
