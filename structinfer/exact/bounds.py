@@ -10,7 +10,9 @@ values carries a range $[lo, hi]$ (one per component of the last axis), and a
 clamping read whose edge component can leave the operand's bounds is an error.
 
 Reads the model shaped on purpose are left alone: an index computed with arithmetic
-(``where(phi < k, phi, 0)``, ``clip``, an offset), ``jnp.take(..., mode="clip")``
+(``where(phi < k, phi, 0)``, ``clip``, an offset; not a ``maximum`` / ``minimum`` with
+a bound the edge's range never reaches, which leaves the value as it is),
+``jnp.take(..., mode="clip")``
 (explicit clipping) and a ``"fill"`` read of a floating table (NaN past the end; an
 integer or boolean table fills with a number, the most negative integer, which is no
 safer than a clamped entry, so such a read is checked). Calls (``jit``, ``custom_jvp``,
@@ -175,6 +177,8 @@ def _walk(jaxpr, env: dict, where: str) -> None:
         elif name == "neg" and ins[0] is not None:
             u = ins[0].union()
             out = _Range.of(-u.hi[0], -u.lo[0], u.sites)
+        elif name in ("max", "min") and None not in ins and _bound_is_identity(name, ins):
+            out = next(r for r in ins if r.sites)  # max(phi, 0), min(phi, big): phi itself
         elif name in ("add", "sub", "mul", "max", "min", "lt", "le", "gt", "ge") and None not in ins:
             out = _binop(name, ins[0], ins[1])
         elif name == "clamp" and None not in ins:
@@ -217,6 +221,18 @@ def _walk(jaxpr, env: dict, where: str) -> None:
                                 frozenset().union(*(u.sites for u in us)))
         if out is not None:
             env[eqn.outvars[0]] = out
+
+
+def _bound_is_identity(name: str, ins: list[_Range]) -> bool:
+    """Whether ``max`` / ``min`` of an edge-derived operand and a constant bound leaves the
+    operand as it is at every value of its range (a guard the range never reaches)."""
+    edge = [r for r in ins if r.sites]
+    if len(edge) != 1:
+        return False
+    x, c = edge[0].union(), next(r for r in ins if not r.sites).union()
+    if name == "max":
+        return c.hi[0] <= x.lo[0]
+    return c.lo[0] >= x.hi[0]
 
 
 def _literal(v):
