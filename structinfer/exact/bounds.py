@@ -12,14 +12,15 @@ clamping read whose edge component can leave the operand's bounds is an error.
 Reads the model shaped on purpose are left alone: an index computed with arithmetic
 (``where(phi < k, phi, 0)``, ``clip``, an offset; not a ``maximum`` / ``minimum`` with
 a bound the edge's range never reaches, which leaves the value as it is),
-``jnp.take(..., mode="clip")``
-(explicit clipping) and a ``"fill"`` read of a floating table (NaN past the end; an
+``jnp.take(..., mode="clip")`` (explicit clipping) and a ``"fill"`` read of a floating table (NaN past the end; an
 integer or boolean table fills with a number, the most negative integer, which is no
 safer than a clamped entry, so such a read is checked). Calls (``jit``, ``custom_jvp``,
 ``checkpoint``) are entered; the bodies it does not follow — loops, conditionals (whose
 branch may be the model's own guard) and primitives it does not know — cannot be proved
-in bounds and are left unchecked, as are their results. Shapes are static, so eager and
-``jit`` agree.
+in bounds and are left unchecked, as are their results. So is a read inside a
+``jax.vmap`` over the edge values (``vmap(lambda j: v[j])(phi)``): JAX writes the
+mapped scalar read as a clipping gather, which this check cannot tell from
+``mode="clip"``. Shapes are static, so eager and ``jit`` agree.
 """
 
 from __future__ import annotations
