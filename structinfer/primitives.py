@@ -386,7 +386,9 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     index is exactly ``0..m-1`` along one dim (what enumeration produces; checked with one
     comparison, at run time with ``lax.cond`` when the index is traced), it is a
     transpose of the table, no gather.
-    Out-of-range indices read NaN, never a clamped row.
+    Out-of-range indices read NaN, never a clamped row (in a floating table; an integer
+    table fills with its most negative value, and the exact engine refuses such a read
+    at an edge value).
 
     It is how a value $v_i(x, \phi_i = j) = V x_j$ is read (Singh & Buckley
     sec. 3.2, the value function), and how an edge site's log-prob is evaluated.
@@ -743,6 +745,8 @@ def edge(
             as distribution (Singh & Buckley appendix 7.3: the second hop uses the
             edge of the node the first hop reached). No separate score factor is
             added: each hop is normalised, so ``log Z`` is that of the first hop.
+            Its values must index this edge's children (a value past them is an error
+            on concrete values; under ``jit`` its row reads NaN, never a clamped row).
         previous: with a [`Markov`][structinfer.priors.Markov] prior (and only then):
             the previous edge's value, which chooses the prior's row; ``-1`` for the
             first edge of the chain. The edge must then be inside a
@@ -760,7 +764,8 @@ def edge(
         ValueError: if the edge is not inside a plate at ``dim=-1``, or the prior or score
             does not fit the plates' ``(..., children)`` batch shape and the prior's
             parents, or the score has a NaN or ``+inf`` entry, or (on concrete values; NaN
-            under ``jit``) its ``-inf`` entries leave a child no parent.
+            under ``jit``) its ``-inf`` entries leave a child no parent, or (likewise) a
+            ``child=`` value is not one of the edge's children.
         TypeError: if ``name``, ``prior`` or ``score`` has the wrong type.
 
     Examples:
@@ -839,8 +844,24 @@ def edge(
         # is replaced by the index (a singleton dim keeps the plates' batch dims —
         # heads, batch — aligned with the index's own right-aligned dims)
         logits = jnp.broadcast_to(logits, logits.shape[:-2] + (num_children, num_parents))
-        table = EdgeDistribution(logits, validate_args=False).logits
+        rows_fn = EdgeDistribution(logits, validate_args=False)
+        # a node left no parent (a traced prior or score; concrete ones raised above) has
+        # no conditional: NaN, not a row of -inf that would drop the paths through it
+        table = jnp.where(jnp.isfinite(rows_fn.log_normalizer)[..., None], rows_fn.logits,
+                          jnp.nan)
+        child = jnp.asarray(child)
+        inside = (child >= 0) & (child < num_children)
+        if is_concrete(inside) and not bool(jnp.all(inside)):
+            bad = int(child[~inside].reshape(-1)[0])
+            raise ValueError(
+                f"edge site '{name}': child= takes the value {bad}, but the edge has "
+                f"{num_children} children (plate '{child_plate.name}'): a hop follows the "
+                "node the previous hop reached, so the previous edge's parents must be "
+                "this edge's children"
+            )
+        # JAX would clamp the row read past the end: NaN there (under jit) instead
         rows = Vindex(jnp.expand_dims(table, -3))[..., child, :]
+        rows = jnp.where(inside[..., None], rows, jnp.nan)
         return _sample_edge(name, EdgeDistribution(rows, validate_args=False), site_infer)
     fn = EdgeDistribution(logits, validate_args=False)
     phi = _sample_edge(name, fn, site_infer)

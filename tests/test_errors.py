@@ -684,3 +684,52 @@ def test_an_edge_in_a_cond_branch_is_refused_naming_cond():
     np.testing.assert_allclose(si.log_marginal(as_data, False),
                                (np.logaddexp.reduce(-XQ @ XK.T, -1) - np.log(M)).sum(),
                                rtol=1e-5)
+
+
+def test_a_hop_past_the_nodes_is_refused_or_nan_under_numpyros_own_contraction():
+    """``edge(..., child=a)`` reads row ``a`` of its ``(children, parents)`` table: a previous
+    hop with more parents (5) than this edge has children (3) would read a clamped row, a
+    finite wrong log-density in NumPyro's own ``log_density`` (the exact engine's bounds
+    check refuses it). Eagerly the site is named; under ``jit`` the density is NaN."""
+    from numpyro.contrib.funsor import enum, log_density
+
+    scores = jnp.asarray(r.normal(size=(3, 5)))
+
+    def model(s):
+        with numpyro.plate("nodes", 3):
+            a = si.edge("hop1", si.priors.Uniform(5), s)
+            si.edge("hop2", si.priors.Uniform(5), s, child=a)
+
+    def numpyros(s):
+        return log_density(enum(model, first_available_dim=-2), (s,), {}, {})[0]
+
+    with pytest.raises(ValueError, match=r"edge site 'hop2': child= takes the value 3, but the edge has 3 children"):
+        numpyros(scores)
+    assert jnp.isnan(jax.jit(numpyros)(scores))
+
+
+def test_a_hop_to_a_node_with_no_parent_is_nan_under_jit():
+    """A ``child=`` edge whose prior (or score) leaves node 1 no parent: eagerly the site is
+    named; under ``jit`` every answer of the coupled model is NaN, as for any child left no
+    parent. (The hop's row is read only at the node the previous hop reached, and carries
+    no row normaliser: the empty row dropped the paths through node 1 and the answers were
+    finite.)"""
+    scores = jnp.asarray(r.normal(size=(3, 3)))
+    keep = jnp.ones((3, 3), bool).at[1].set(False)
+
+    def model(s, keep, forbid_by_score):
+        with numpyro.plate("nodes", 3):
+            a = si.edge("hop1", si.priors.Uniform(3), s)
+            if forbid_by_score:
+                b = si.edge("hop2", si.priors.Uniform(3), jnp.where(keep, s, -jnp.inf), child=a)
+            else:
+                b = si.edge("hop2", si.priors.Restricted(keep), s, child=a)
+            numpyro.deterministic("out", jnp.asarray(V[:3])[b])
+
+    for by_score in (False, True):
+        with pytest.raises(ValueError, match="edge site 'hop2': .*allows no parent for child 1"):
+            si.log_marginal(model, scores, keep, by_score)
+        answers = jax.jit(lambda *a: (si.log_marginal(model, *a, by_score),
+                                      si.marginals(model, *a, by_score),
+                                      si.expectation(model, "out", *a, by_score)))(scores, keep)
+        assert all(np.isnan(x).all() for x in jax.tree.leaves(answers)), answers

@@ -743,6 +743,35 @@ def test_a_negative_edge_value_has_no_probability():
                                   [True, False, False, True])
 
 
+def test_an_edge_conditioned_outside_its_support_leaves_no_finite_answer_under_jit():
+    """Regression: with ``phi`` conditioned on -1 (`map_edges`' answer under jit for a row
+    with no posterior) log Z was NaN, but under jit the marginals and expectations of the
+    other edge, derivatives of log Z in its tilts, were finite (the NaN is a constant).
+    Eagerly the edges are named; under jit every answer is NaN."""
+    r = np.random.default_rng(1)
+    s, v = jnp.asarray(r.normal(size=(3, 4))), jnp.asarray(r.normal(size=4))
+
+    def model(s, fixed):
+        with numpyro.plate("queries", 3):
+            a = si.edge("phi", si.priors.Uniform(4), s)
+            b = si.edge("psi", si.priors.Uniform(4), s)
+            numpyro.deterministic("out", si.gather(v, a) - si.gather(v, b))
+
+    def answers(s, fixed):
+        cond = numpyro.handlers.condition(model, {"phi": fixed})
+        return si.marginals(cond, s, fixed)["psi"], si.expectation(cond, "out", s, fixed)
+
+    good = jnp.array([0, 3, 1])
+    p = np.asarray(jax.nn.softmax(s, -1))  # psi is independent of phi: its softmax
+    marg, out = jax.jit(answers)(s, good)
+    np.testing.assert_allclose(marg, p, rtol=1e-5)
+    np.testing.assert_allclose(out, np.asarray(v)[good] - p @ np.asarray(v), rtol=1e-5)
+    bad = good.at[1].set(-1)
+    with pytest.raises(ValueError, match="log-marginal is NaN"):
+        answers(s, bad)
+    assert all(np.isnan(x).all() for x in jax.jit(answers)(s, bad))
+
+
 def test_a_value_recorded_inside_the_mask_has_the_uniform_expectation(x64):
     """Regression: a deterministic site recorded inside ``numpyro.handlers.mask`` had its
     engine tilt masked too, so a masked-out child's expectation came out 0, not the

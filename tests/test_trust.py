@@ -515,6 +515,49 @@ def test_bounds_check_reads_negative_index_wrap_and_clipping():
             check_gather_bounds(bad, probes, "bad")
 
 
+def test_a_short_integer_table_read_at_an_edge_is_an_error():
+    """Regression: ``si.gather`` (and ``jnp.take``) of an integer table with fewer entries
+    than parents fills past the end with the most negative integer, not NaN; used as an
+    index (``V[labels[phi]]``) it wrapped and clamped to row 0, a finite wrong expectation
+    (brute force below). The read is refused, eagerly and under jit, as a clamped one is."""
+    n, m = 3, 5
+    s = jnp.asarray(np.random.default_rng(0).normal(size=(n, m)))
+    v = jnp.array([-1.0, 2.0])
+
+    def model(s, labels, read):
+        with numpyro.plate("queries", n):
+            phi = si.edge("phi", si.priors.Uniform(m), s)
+            numpyro.deterministic("out", v[read(labels, phi)])
+
+    p = np.asarray(jax.nn.softmax(s, -1))
+    full = jnp.array([0, 1, 0, 1, 1])
+    for read in (si.gather, jnp.take):
+        for f in (si.expectation, jax.jit(si.expectation, static_argnums=(0, 1, 4))):
+            np.testing.assert_allclose(f(model, "out", s, full, read), p @ np.asarray(v)[full],
+                                       rtol=1e-5)
+            with pytest.raises(ValueError, match=r"edge site\(s\) 'phi' takes values 0\.\.4 "
+                                                 r".* shape \(4,\)"):
+                f(model, "out", s, full[:4], read)
+
+
+def test_a_guard_that_leaves_the_edge_value_as_it_is_is_still_checked():
+    """Regression: ``v[jnp.maximum(phi, 0)]`` (a guard against a -1 sentinel) and
+    ``v[jnp.minimum(phi, 10)]`` are the edge value itself at every parent, but counted as
+    arithmetic on the index: a table one row short was read clamped, unchecked. A bound
+    that cuts the range (``jnp.minimum(phi, 5)``) is the model's own clipping."""
+    from structinfer.exact.bounds import check_gather_bounds
+
+    v = jnp.ones((7, 2))
+    probes = {"phi": np.arange(7, dtype=np.int32).reshape(7, 1)}
+    check_gather_bounds(lambda d: v[:6][jnp.minimum(d["phi"], 5)], probes, "ok")
+    check_gather_bounds(lambda d: v[jnp.maximum(d["phi"], 0)], probes, "ok")
+    for bad in (lambda d: v[:6][jnp.maximum(d["phi"], 0)],
+                lambda d: v[:6][jnp.minimum(10, d["phi"])],
+                lambda d: v[:6][jnp.maximum(jnp.minimum(d["phi"], 6), -1)]):
+        with pytest.raises(ValueError, match="takes values 0..6"):
+            check_gather_bounds(bad, probes, "bad")
+
+
 def test_exact_causal_head_under_jit_equals_jax_nn():
     """One causal head at a size where the old (parents x children x parents) log-prob
     needed 0.5 GB: the exact expectation under jit equals jax.nn's attention."""

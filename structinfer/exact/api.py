@@ -223,13 +223,16 @@ def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Arr
     $\log Z$ of the model itself (a NaN or infinite score, factor or input the value
     checks did not see: inside a ``scan``), naming the edge sites; a NaN that only the
     value of an expectation brings (its tilt is $0 \cdot v$) gives NaN. Under a trace
-    ``out`` is returned as it is: `log_z`'s derivatives are NaN where it is $-\infty$ (a
-    child with no allowed parent in its own rows; a model that couples enumerated sites,
-    several or a Markov chain, everywhere), so the answer is NaN, never a finite number,
-    and so are its own derivatives. A float16 $\log Z$ is not read for $-\infty$: its sum
-    over many children can overflow while every child is possible."""
+    ``out`` is returned as it is where $\log Z$ is a number: `log_z`'s derivatives are NaN
+    where it is $-\infty$ (a child with no allowed parent in its own rows; a model that
+    couples enumerated sites, several or a Markov chain, everywhere), so the answer is
+    NaN, never a finite number, and so are its own derivatives. A NaN $\log Z$ makes all
+    of ``out`` NaN: a NaN that does not depend on the tilts (an edge conditioned outside
+    its support) leaves their derivatives finite. A float16 $\log Z$ is not read for
+    $-\infty$: its sum over many children can overflow while every child is possible."""
     if not is_concrete(log_marginal):
-        return out
+        nan = jnp.isnan(log_marginal)
+        return jax.tree.map(lambda x: jnp.where(nan, jnp.nan, x).astype(x.dtype), out)
     lz = float(log_marginal)
     if np.isnan(lz) and np.isnan(float(log_z(model, args, kwargs, info=info))):
         sites = info.edges

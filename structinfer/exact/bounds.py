@@ -10,12 +10,17 @@ values carries a range $[lo, hi]$ (one per component of the last axis), and a
 clamping read whose edge component can leave the operand's bounds is an error.
 
 Reads the model shaped on purpose are left alone: an index computed with arithmetic
-(``where(phi < k, phi, 0)``, ``clip``, an offset) and ``jnp.take(..., mode="clip" |
-"fill")`` (explicit clipping, or NaN past the end). Calls (``jit``, ``custom_jvp``,
+(``where(phi < k, phi, 0)``, ``clip``, an offset; not a ``maximum`` / ``minimum`` with
+a bound the edge's range never reaches, which leaves the value as it is),
+``jnp.take(..., mode="clip")`` (explicit clipping) and a ``"fill"`` read of a floating table (NaN past the end; an
+integer or boolean table fills with a number, the most negative integer, which is no
+safer than a clamped entry, so such a read is checked). Calls (``jit``, ``custom_jvp``,
 ``checkpoint``) are entered; the bodies it does not follow — loops, conditionals (whose
 branch may be the model's own guard) and primitives it does not know — cannot be proved
-in bounds and are left unchecked, as are their results. Shapes are static, so eager and
-``jit`` agree.
+in bounds and are left unchecked, as are their results. So is a read inside a
+``jax.vmap`` over the edge values (``vmap(lambda j: v[j])(phi)``): JAX writes the
+mapped scalar read as a clipping gather, which this check cannot tell from
+``mode="clip"``. Shapes are static, so eager and ``jit`` agree.
 """
 
 from __future__ import annotations
@@ -173,6 +178,8 @@ def _walk(jaxpr, env: dict, where: str) -> None:
         elif name == "neg" and ins[0] is not None:
             u = ins[0].union()
             out = _Range.of(-u.hi[0], -u.lo[0], u.sites)
+        elif name in ("max", "min") and None not in ins and _bound_is_identity(name, ins):
+            out = next(r for r in ins if r.sites)  # max(phi, 0), min(phi, big): phi itself
         elif name in ("add", "sub", "mul", "max", "min", "lt", "le", "gt", "ge") and None not in ins:
             out = _binop(name, ins[0], ins[1])
         elif name == "clamp" and None not in ins:
@@ -217,6 +224,18 @@ def _walk(jaxpr, env: dict, where: str) -> None:
             env[eqn.outvars[0]] = out
 
 
+def _bound_is_identity(name: str, ins: list[_Range]) -> bool:
+    """Whether ``max`` / ``min`` of an edge-derived operand and a constant bound leaves the
+    operand as it is at every value of its range (a guard the range never reaches)."""
+    edge = [r for r in ins if r.sites]
+    if len(edge) != 1:
+        return False
+    x, c = edge[0].union(), next(r for r in ins if not r.sites).union()
+    if name == "max":
+        return c.hi[0] <= x.lo[0]
+    return c.lo[0] >= x.hi[0]
+
+
 def _literal(v):
     return v.val if is_literal(v) else None
 
@@ -238,8 +257,10 @@ def _negative_index_wrap(eqn, defs) -> int | None:
 
 def _check_gather(eqn, idx: _Range, where: str) -> None:
     mode = str(eqn.params.get("mode", "")).upper()
-    if "CLIP" in mode or "FILL" in mode:  # asked for clipping, or NaN past the end
+    if "CLIP" in mode:  # asked for clipping
         return
+    if "FILL" in mode and np.issubdtype(eqn.invars[0].aval.dtype, np.inexact):
+        return  # NaN past the end (an integer or boolean table fills with a number)
     dn = eqn.params["dimension_numbers"]
     operand = eqn.invars[0].aval.shape
     sizes = eqn.params["slice_sizes"]
