@@ -463,3 +463,28 @@ def return_hop_brute(s1, s2, v, y):
     per_node = logsumexp(w, axis=(1, 2))
     post = np.exp(w - per_node[:, None, None])
     return per_node.sum(), post.sum(2), post.sum(1), post.sum(1) @ v
+
+
+@contextlib.contextmanager
+def lowered_programs():
+    """The programs JAX lowers (traces to MLIR) while the block runs, from its
+    ``jax.monitoring`` events: a call that reuses a compiled program adds none. On leaving,
+    a sentinel program must be heard, so a renamed event cannot make the list empty."""
+    event = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+    seen = []
+
+    def listen(name, duration, **_):
+        if name == event:
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+        n = len(seen)
+        jax.jit(lambda x: x * 3.5 - 1.25)(np.arange(7.0))  # a new function: a new program
+        assert len(seen) > n, f"no {event} event heard for a new program"
+        del seen[n:]
+    finally:
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:
+            unregister(listen)

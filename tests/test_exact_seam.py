@@ -21,7 +21,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from conftest import default_xla_env, float64, return_hop, return_hop_brute
+from conftest import default_xla_env, float64, lowered_programs, return_hop, return_hop_brute
 from numpyro.distributions import constraints
 from numpyro.handlers import substitute
 from numpyro.ops.indexing import Vindex
@@ -388,8 +388,6 @@ def test_a_repeated_eager_call_lowers_no_new_program():
     JAX traced, lowered and compiled them again at each eager call of the exact engine
     (0.1-0.4 s a call, 3-5x the rest of a repeated call). A repeated call with the same
     shapes must lower nothing."""
-    lowering = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # jax.monitoring's event
-
     def model(q, k, v):
         with numpyro.plate("heads", 2, dim=-2), numpyro.plate("queries", 6, dim=-1):
             j = si.edge("phi", si.priors.Restricted.causal(6), si.scores.Dot(q, k, scale=0.3))
@@ -402,22 +400,9 @@ def test_a_repeated_eager_call_lowers_no_new_program():
                 si.expectation(model, "out", q, k, v))
 
     first = calls()
-    lowered = []
-
-    def listen(event, duration, **_):
-        if event == lowering:
-            lowered.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowered_programs() as lowered:
         again = calls()
-        heard_nothing = lowered == []
-        jax.jit(lambda x: x * 3.5 - 1.25)(jnp.arange(7.0))  # a new program: it is heard
-    finally:
-        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
-        if unregister is not None:
-            unregister(listen)
-    assert heard_nothing and lowered  # nothing from the repeat, the sentinel heard
+    assert not lowered
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
         np.testing.assert_array_equal(a, b)
 

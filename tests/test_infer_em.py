@@ -1,12 +1,10 @@
 """EM on log-sum-exp energies (Tschantz) against plain EM loops written here."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_run_is_iterated_step, iterate_steps
+from conftest import assert_run_is_iterated_step, iterate_steps, lowered_programs
 from scipy.stats import multivariate_normal
 
 import structinfer as si
@@ -380,7 +378,7 @@ def test_markov_switching_em_keeps_a_dead_mode_off(x64):
     A0, b0 = np.stack([np.eye(D)] * 2), np.array([[0.0, 0.0], [1e3, 1e3]])
     p0 = np.ones((2, D))
     st, info = markov_switching_em(x, A0, b0, p0, tol=1e-12)
-    with backend_compiles() as compiles:  # (the same shapes again: nothing to compile)
+    with lowered_programs() as compiles:  # (the same shapes again: nothing to compile)
         again, _ = markov_switching_em(x + 1.0, A0, b0 + 1.0, p0, tol=1e-12)
     assert not compiles and np.all(np.asarray(again.responsibilities)[:, 1] == 0)
     assert bool(info.converged)
@@ -542,22 +540,6 @@ def test_arguments_are_named_in_errors():
 
 
 
-@contextlib.contextmanager
-def backend_compiles():
-    """The list of XLA compilations while the block runs (JAX's monitoring events)."""
-    seen = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
-
 def test_a_second_em_run_of_the_same_shapes_compiles_nothing():
     """Regression: each EM `run` built a fresh loop closure, so every call, even with the
     same shapes, traced and compiled its loop again (and ran the first E-step op by op):
@@ -576,6 +558,10 @@ def test_a_second_em_run_of_the_same_shapes_compiles_nothing():
     }
     for name, run in runs.items():
         run(x1)
-        with backend_compiles() as compiles:
+        with lowered_programs() as compiles:
             run(x2)
         assert not compiles, f"{name} compiled {len(compiles)} programs again"
+    # slot_em's eigenvalue cut-off stays an array argument: traced, it runs
+    st, info = jax.jit(lambda rt: si.infer.slot_em(x1, x1[:2], np.eye(D), np.eye(D), e_iters=2,
+                                                   max_iters=3, rtol=rt))(1e-5)
+    assert int(info.num_steps) >= 1 and np.isfinite(np.asarray(st.energy)).all()

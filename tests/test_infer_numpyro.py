@@ -298,6 +298,30 @@ def test_svi_refuses_bfloat16_parameters_that_numpyros_adam_cannot_move():
     np.testing.assert_allclose(float(loss), -np.log(alpha.sum()), rtol=1e-2)
 
 
+
+def test_svi_takes_a_param_whose_value_is_a_pytree():
+    """Regression: a `numpyro.param` whose value is a dict of arrays (how
+    `numpyro.contrib.module` stores a Flax / Haiku module's parameters) made `svi` fail in
+    its model inspection (numpy's "entry not a 2- or 3- tuple"). It fits now (the MAP of
+    this model is the mean of y at each parent, brute force); and a bfloat16 leaf under
+    NumPyro's Adam is refused, naming its path."""
+    y = jnp.array([1.0, 3.0])
+
+    def model(y, dtype=jnp.float32):
+        w = numpyro.param("w", {"a": jnp.zeros(2, dtype), "b": jnp.zeros(2)})
+        with numpyro.plate("q", 2):
+            phi = si.edge("phi", si.priors.Uniform(2), jnp.zeros((2, 2)))
+            numpyro.sample("y", dist.Normal(w["b"][phi] + w["a"][phi].astype(jnp.float32),
+                                            1.0), obs=y)
+
+    _, result = si.infer.svi(jax.random.key(0), model, y, num_steps=400,
+                             optim=numpyro.optim.Adam(0.05), progress_bar=False)
+    w = result.params["w"]
+    np.testing.assert_allclose(w["a"] + w["b"], [2.0, 2.0], atol=0.05)
+    with pytest.raises(TypeError, match=r"svi: parameter 'w'\['a'\] is bfloat16"):
+        si.infer.svi(jax.random.key(0), model, y, dtype=jnp.bfloat16,
+                     num_steps=2, progress_bar=False)
+
 Y3 = jnp.array([-1.1, 0.9, 1.2])
 
 

@@ -539,6 +539,13 @@ def test_a_short_integer_table_read_at_an_edge_is_an_error():
                                                  r".* shape \(4,\)"):
                 f(model, "out", s, full[:4], read)
 
+    def chosen_fill(labels, phi):  # a fill value the model chose, and tests for: read as is
+        lab = jnp.take(labels, phi, mode="fill", fill_value=-1)
+        return jnp.where(lab >= 0, lab, 0)
+
+    np.testing.assert_allclose(si.expectation(model, "out", s, full[:3], chosen_fill),
+                               p @ np.asarray(v)[np.r_[full[:3], 0, 0]], rtol=1e-5)
+
 
 def test_a_guard_that_leaves_the_edge_value_as_it_is_is_still_checked():
     """Regression: ``v[jnp.maximum(phi, 0)]`` (a guard against a -1 sentinel) and

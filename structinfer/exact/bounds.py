@@ -255,12 +255,25 @@ def _negative_index_wrap(eqn, defs) -> int | None:
     return int(_literal(ye.invars[1]))
 
 
+def _default_integer_fill(eqn) -> bool:
+    """A fill-mode gather of an integer or boolean table with JAX's default fill (the most
+    negative integer, True): a number a later read turns into a wrong finite row, unlike a
+    float table's NaN or a ``fill_value`` the model gave (``jnp.take(..., fill_value=-1)``
+    and a guard on it)."""
+    dtype = np.dtype(eqn.invars[0].aval.dtype)
+    if np.issubdtype(dtype, np.inexact):
+        return False
+    fill = eqn.params.get("fill_value")
+    default = True if dtype == np.bool_ else np.iinfo(dtype).min
+    return fill is None or fill == default
+
+
 def _check_gather(eqn, idx: _Range, where: str) -> None:
     mode = str(eqn.params.get("mode", "")).upper()
     if "CLIP" in mode:  # asked for clipping
         return
-    if "FILL" in mode and np.issubdtype(eqn.invars[0].aval.dtype, np.inexact):
-        return  # NaN past the end (an integer or boolean table fills with a number)
+    if "FILL" in mode and not _default_integer_fill(eqn):
+        return  # NaN past the end, or a fill value the model chose (and can test for)
     dn = eqn.params["dimension_numbers"]
     operand = eqn.invars[0].aval.shape
     sizes = eqn.params["slice_sizes"]

@@ -90,8 +90,10 @@ class SiteInfo:
         name: the site name.
         role: see the module docstring.
         shape: ``edge`` / ``enumerated``: the batch shape (one entry per child);
-            ``factor``: the shape of the log-factor; otherwise the value's shape.
-        dtype: the value's dtype (of the placeholder for an unvalued latent site).
+            ``factor``: the shape of the log-factor; otherwise the value's shape (``()``
+            for a param whose value is a pytree, e.g. a module's parameters).
+        dtype: the value's dtype (of the placeholder for an unvalued latent site;
+            ``None`` for a param whose value is a pytree).
         plates: names of the plates around the site, outermost first.
         event_dim: event dims of the site's distribution; for a deterministic site the
             value dims beyond the plates around it.
@@ -434,6 +436,10 @@ def _check_unscaled(site) -> None:
 def _site_info(name: str, site: dict, plates: tuple[str, ...], nesting: int) -> SiteInfo:
     kind = site["type"]
     value = site.get("value")
+    if kind == "param" and isinstance(value, (dict, list, tuple)):
+        # a pytree of arrays (a Flax / Haiku module's parameters through
+        # numpyro.contrib.module): no one shape or dtype
+        return SiteInfo(name, "param", (), None, plates)
     vshape, vdtype = tuple(jnp.shape(value)), jnp.result_type(value)
     if kind == "param":
         return SiteInfo(name, "param", vshape, vdtype, plates)

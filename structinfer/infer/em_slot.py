@@ -312,8 +312,8 @@ def init(
     return _e_step(*_prepare(x, slots, wk, wq), e_iters)
 
 
-def _init(x, slots, wk, wq, *, e_iters, whiten, rtol):
-    del whiten, rtol  # (the M-step's options: `iterate` hands both functions the same)
+def _init(x, slots, wk, wq, *, e_iters, whiten):
+    del whiten  # (an M-step option: `iterate` hands both functions the same)
     return _e_step(x, slots, wk, wq, e_iters)
 
 
@@ -485,8 +485,8 @@ def run(
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
     e_iters = check_count(e_iters, "slot_em: e_iters", role="the CCCP steps of each E-step")
     state, info = iterate(_init, step, _energy, (x, slots, wk, wq), (x,),
-                          {"ridge": ridge, "tol": tol}, max_iters, "slot_em",
-                          {"e_iters": e_iters, "whiten": bool(whiten), "rtol": float(rtol)})
+                          {"ridge": ridge, "tol": tol, "rtol": rtol}, max_iters, "slot_em",
+                          {"e_iters": e_iters, "whiten": bool(whiten)})
     if raise_on_nonfinite:
         check(info, "slot_em", "'phi' (in the E-step's CCCP on the slots)")
     return state, info
