@@ -948,7 +948,12 @@ def test_a_loss_that_drops_an_empty_row_has_the_dense_kernels_gradient(backend):
 
     f = attention(model, "out", backend, block_q=4, block_k=4)
     want = jax.grad(kept(attention(model, "out", "exact"), causal), (0, 1, 2))(q, k, v)
-    for g, w in zip(jax.jit(jax.grad(kept(f, empty), (0, 1, 2)))(q, k, v), want):
+    try:
+        got = jax.jit(jax.grad(kept(f, empty), (0, 1, 2)))(q, k, v)
+    except NotLowerableError as err:  # Pallas (interpreted) needs its Triton backend
+        assert backend == "pallas" and "Triton backend" in str(err), str(err)
+        pytest.skip(str(err))
+    for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
