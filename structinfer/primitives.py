@@ -45,7 +45,7 @@ from ._checks import (
     is_concrete,
     normalise_log_weights,
 )
-from .priors import Markov, Masked, StructuralPrior, as_prior
+from .priors import Markov, Masked, NoParentError, StructuralPrior, as_prior
 from .scores import Score, as_score
 
 __all__ = [
@@ -218,14 +218,14 @@ def parent_masks(name: str) -> list[jax.Array]:
     return list(_probe({"type": MASK_PARENTS_TYPE, "name": name, "masks": []})["masks"])
 
 
-def _table_of_masked_out_rows(prior: StructuralPrior, num_children: int, error: str,
+def _table_of_masked_out_rows(prior: StructuralPrior, num_children: int,
                               child: Any) -> jax.Array | None:
     """The prior's table when the only children it leaves no parent are masked out by
     ``numpyro.handlers.mask`` (padding: they are not there), else ``None`` (its error
     stands). Read on the error path of the prior's own check only; with a traced mask
     (or prior) the table, unchecked: a kept child left no parent is NaN."""
     mask = numpyro.get_mask() if child is None else None
-    if "allows no parent" not in error or mask is None or mask is True:
+    if mask is None or mask is True:
         return None
     token = ROWS_CHECKED.set(False)
     try:
@@ -268,7 +268,7 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bo
         if mask is not None:
             where = first_empty_row(allowed | ~np.asarray(mask, bool)[..., None])
     if where is not None:
-        raise ValueError(
+        raise NoParentError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
             "forbid every parent the prior allows, and every child needs at least one "
             "parent with non-zero probability (under jit the answer is NaN)"
@@ -799,10 +799,12 @@ def edge(
     num_parents = prior.num_parents
     try:
         log_prior = prior.log_table(num_children)
-    except ValueError as e:
-        log_prior = _table_of_masked_out_rows(prior, num_children, str(e), child)
+    except NoParentError as e:
+        log_prior = _table_of_masked_out_rows(prior, num_children, child)
         if log_prior is None:
-            raise ValueError(f"edge site '{name}': {e}") from None
+            raise NoParentError(f"edge site '{name}': {e}") from None
+    except ValueError as e:
+        raise ValueError(f"edge site '{name}': {e}") from None
     except TypeError as e:  # e.g. JAX's broadcasting of parameters of mismatched shapes
         if type(e) is not TypeError:  # JAX's own subclasses (a concretization error) as is
             raise

@@ -73,7 +73,17 @@ __all__ = [
     "Geometric",
     "Markov",
     "Masked",
+    "NoParentError",
 ]
+
+
+class NoParentError(ValueError):
+    r"""A child is left no parent: every entry of its row of $\log p(\phi_i = j)$ is
+    $-\infty$ (a structural prior's, or at an edge site the prior plus the score's
+    ``-inf`` entries), so $p(\phi_i \mid x)$ cannot be normalised (Singh & Buckley,
+    sec. 3: each child takes exactly one parent). A subclass of ``ValueError``, raised
+    on concrete values (under ``jit`` such a child's answers are NaN). A child that
+    ``numpyro.handlers.mask`` masks out (padding) may have no parent: it is not there."""
 
 
 def _distance_grid(num_children: int, num_parents: int, offset: int) -> jax.Array:
@@ -109,7 +119,7 @@ def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: in
         return
     where = first_empty_row(allowed, rows_per_entry)
     if where is not None:
-        raise ValueError(
+        raise NoParentError(
             f"{prior_name} prior allows no parent for {where}: every child needs at "
             "least one parent with non-zero prior probability "
             "(a causal prior without a self-edge leaves its first child no earlier "
@@ -174,7 +184,8 @@ class StructuralPrior:
                 forbidden edge); in float32 for 16-bit parameters (normalised in it).
 
         Raises:
-            ValueError: if some child has no allowed parent (checked on concrete values).
+            NoParentError: if some child has no allowed parent (checked on concrete
+                values; a ``ValueError``).
         """
         num_children = int(num_children)
         w = self._log_weights_in(num_children, dtype)

@@ -74,8 +74,9 @@ def test_child_with_no_parent():
             si.edge("phi", restricted, si.scores.Dot(XQ, XK))
 
     for run in (si.log_marginal, jax.jit(si.log_marginal, static_argnums=0)):
-        with pytest.raises(
-            ValueError, match="edge site 'phi': Restricted prior allows no parent for child 3"
+        with pytest.raises(  # a ValueError, as its type says
+            si.priors.NoParentError,
+            match="edge site 'phi': Restricted prior allows no parent for child 3",
         ):
             run(masked)
 
@@ -84,7 +85,8 @@ def test_child_with_no_parent():
             si.edge("phi", si.priors.Geometric(0.5, M, include_self=False), si.scores.Dot(XQ, XK))
 
     with pytest.raises(
-        ValueError, match="edge site 'phi': Geometric prior allows no parent for child 0"
+        si.priors.NoParentError,
+        match="edge site 'phi': Geometric prior allows no parent for child 0",
     ):
         si.log_marginal(model)
 
@@ -157,7 +159,7 @@ def test_a_minus_inf_score_is_a_forbidden_edge_everywhere(kind):
     said = f"edge site 'phi': the score allows no parent for child {child}"
     for run in (lambda: si.log_marginal(model, arg), lambda: si.marginals(model, arg),
                 lambda: si.attention(model, "out")(arg)):
-        with pytest.raises(ValueError, match=said):
+        with pytest.raises(si.priors.NoParentError, match=said):
             run()
     for out in (jax.jit(lambda a: si.expectation(model, "out", a))(arg),
                 jax.jit(si.attention(model, "out"))(arg)):
