@@ -31,7 +31,6 @@ from scipy.stats import norm
 import structinfer as si
 from structinfer import diagnostics as dg
 from structinfer.demo import make_task, recency_model
-from structinfer.diagnostics.comparison import _relative_efficiency
 
 matplotlib.use("Agg")
 
@@ -396,17 +395,26 @@ def test_edge_summary_and_hyperparameters(q_task, q_idata):
         dg.hyperparameter_summary(q_idata, ["nope"])
 
 
-def test_relative_efficiency_matches_arviz(q_idata):
-    """PSIS's r_eff (used for children whose log-likelihood is constant over the draws)
-    comes from ArviZ's public ESS; it equals arviz-stats' own helper on a 2-chain fit."""
-    helper = pytest.importorskip("arviz_stats.loo.helper_loo")
-    if not hasattr(helper, "_get_r_eff"):
-        pytest.skip("arviz-stats no longer has _get_r_eff")
-    reff = _relative_efficiency(q_idata, 2 * 400)
-    assert reff == pytest.approx(float(helper._get_r_eff(q_idata, 2 * 400)), rel=1e-12)
-    assert 0.05 < reff < 2.0
-    one = azb.from_dict({"posterior": {"q": q_idata["posterior"]["q"].values[:1]}})
-    assert _relative_efficiency(one, 400) == 1.0
+def test_loo_with_a_constant_child_keeps_arviz_reff(q_idata):
+    """Where a child's log-likelihood is constant over the draws (the first child: one
+    possible parent), `loo` builds PSIS weights itself; the other children's weights use
+    ArviZ's default relative efficiency r_eff (the mean ESS over the draws), so their
+    elpd_i equal ArviZ's own loo on them alone, on a 2-chain fit (r_eff sets the tail
+    length Pareto smoothing fits)."""
+    import arviz_stats as azs
+
+    ll = q_idata["log_likelihood"]["x"].values.astype(np.float64)  # as `loo` weighs it
+    const = np.ptp(ll, axis=(0, 1)) == 0
+    assert const[0] and not const[1:].any()  # the path under test: one constant child
+    post = {"q": q_idata["posterior"]["q"].values}
+    rest = azb.from_dict({"posterior": post, "log_likelihood": {"x": ll[..., 1:]}},
+                         dims={"x": ["children"]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = np.asarray(dg.loo(q_idata).elpd_i)
+        theirs = np.asarray(azs.loo(rest, pointwise=True).elpd_i)
+    np.testing.assert_allclose(ours[1:], theirs, rtol=1e-12)
+    np.testing.assert_allclose(ours[0], ll[0, 0, 0], rtol=1e-12)  # exactly its likelihood
 
 
 # ---------------------------------------------------------------------------------------
