@@ -749,7 +749,9 @@ def edge(
             on concrete values; under ``jit`` its row reads NaN, never a clamped row).
         previous: with a [`Markov`][structinfer.priors.Markov] prior (and only then):
             the previous edge's value, which chooses the prior's row; ``-1`` for the
-            first edge of the chain. The edge must then be inside a
+            first edge of the chain (a state ``>= K`` is an error on concrete values;
+            under ``jit`` its row reads NaN, never a clamped row). The edge must then be
+            inside a
             ``numpyro.contrib.control_flow.scan`` over time (the time steps are its
             children; no children plate is needed), and its row normaliser, which
             depends on the previous edge, is the ``"<name>.score"``
@@ -903,6 +905,11 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             f"edge site '{name}': the chain's first edge (previous=-1) has no initial "
             "distribution: give the Markov prior log_initial=, or start the chain from a "
             "given previous edge"
+        )
+    if is_concrete(previous) and bool(jnp.any(previous >= k)):
+        raise ValueError(
+            f"edge site '{name}': previous= holds {int(jnp.max(previous))}, but the Markov "
+            f"prior's states are 0 ... {k - 1} (-1 starts the chain)"
         )
     plates = active_plates()
     batch = _batch_shape(plates) if plates else ()

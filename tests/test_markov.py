@@ -924,3 +924,39 @@ def test_a_substituted_chain_is_fixed_at_its_path_as_condition_fixes_it():
             np.testing.assert_allclose(
                 run(lambda *a, fixed=fixed: si.log_marginal(fixed, *a))(em, lt, li), joint,
                 rtol=1e-5)
+
+
+def test_a_chain_started_from_a_state_out_of_range_is_refused_not_clamped():
+    """Regression: a chain started from ``previous = K`` (or beyond; states are 0 ... K-1)
+    took the prior's last row (the index was clamped): a finite wrong log Z, marginals and
+    value from every engine. Now an error naming the site and ``previous`` on concrete
+    values, NaN under jit (the start is traced), never a number."""
+    em, lt, li = _params(9)
+
+    def started(emission, start):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, start, emission)
+
+    # in range, a given start is the chain from that state: row `start` of the transitions
+    e, ltn = np.asarray(em, np.float64), _log_softmax(lt)
+    paths = np.array(list(itertools.product(range(K), repeat=T)))
+    score = ltn[1, paths[:, 0]] + e[np.arange(T), paths].sum(1)
+    score += ltn[paths[:, :-1], paths[:, 1:]].sum(1)
+    np.testing.assert_allclose(si.log_marginal(started, em, jnp.asarray(1)),
+                               np.logaddexp.reduce(score), rtol=1e-5)
+    start = jnp.asarray(K)
+    msg = rf"edge site 'z': previous= holds {K}.*0 \.\.\. {K - 1}"
+    with pytest.raises(ValueError, match=msg):
+        si.log_marginal(started, em, start)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(started, "v")(em, start)
+    jitted = jax.jit(lambda e, s: (si.marginals(started, e, s)["z"],
+                                   si.attention(started, "v")(e, s)))
+    for out in jitted(em, start):
+        assert np.isnan(np.asarray(out)).all()
