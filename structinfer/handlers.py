@@ -32,6 +32,7 @@ import numpyro.distributions as dist
 from jax.custom_derivatives import SymbolicZero
 from numpyro.distributions.batch_util import promote_batch_shape
 from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import trace as numpyro_trace
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import Messenger
 
@@ -420,13 +421,40 @@ class _SeesEveryEdge(Messenger):
         return out
 
     def process_message(self, msg: dict) -> None:
-        """Mark an edge site seen."""
+        """Mark an edge site seen; refuse a Markov edge in a scan whose ``history`` is not 1."""
+        if msg["type"] == "control_flow" and msg["kwargs"].get("history", 1) != 1:
+            _first_order_steps(msg)
+            return
         if msg["type"] == "sample":
             holder = (msg.get("infer") or {}).get(EDGE_SEEN_KEY)
             if holder is not None:
                 holder["seen"] = True
                 if self._frames:
                     self._frames[-1][3].add(holder.get("name"))
+
+
+def _first_order_steps(msg: dict) -> None:
+    """Wrap a scan's body so that a Markov edge among its sites raises: the chain is first
+    order, and NumPyro's enumeration of a scan with another ``history`` is not that chain
+    (``history=0`` runs the steps as a plate; ``history=2`` let a step read the edge two
+    steps back, which NumPyro then summed wrongly)."""
+    f, *rest = msg["args"]
+    history = msg["kwargs"]["history"]
+
+    def step(carry, x):
+        with numpyro_trace() as sites:
+            out = f(carry, x)
+        for name, site in sites.items():
+            edge = (site.get("infer") or {}).get(EDGE_INFO_KEY)
+            if site["type"] == "sample" and edge is not None and edge.markov:
+                raise ValueError(
+                    f"edge site '{name}': a Markov edge's scan must have history=1 (each "
+                    f"step reads the previous edge only), got history={history}: a chain "
+                    "of Markov edges is first order"
+                )
+        return out
+
+    msg["args"] = (step, *rest)
 
 
 class require_values(_SeesEveryEdge):

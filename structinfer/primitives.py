@@ -751,9 +751,9 @@ def edge(
             the previous edge's value, which chooses the prior's row; ``-1`` for the
             first edge of the chain (a state ``>= K`` is an error on concrete values;
             under ``jit`` its row reads NaN, never a clamped row). The edge must then be
-            inside a
-            ``numpyro.contrib.control_flow.scan`` over time (the time steps are its
-            children; no children plate is needed), and its row normaliser, which
+            inside a ``numpyro.contrib.control_flow.scan`` over time with ``history=1``
+            (the time steps are its children; no children plate is needed), and its row
+            normaliser, which
             depends on the previous edge, is the ``"<name>.score"``
             [`potential`][structinfer.primitives.potential].
         infer: extra ``infer`` entries for the sample site.

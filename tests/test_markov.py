@@ -960,3 +960,32 @@ def test_a_chain_started_from_a_state_out_of_range_is_refused_not_clamped():
                                    si.attention(started, "v")(e, s)))
     for out in jitted(em, start):
         assert np.isnan(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("history", [0, 2])
+def test_a_chain_in_a_scan_with_history_other_than_one_is_refused(history):
+    """Regression: a Markov edge in ``scan(..., history=2)`` whose step also reads the edge
+    two steps back (a second-order chain through the carry) gave a finite wrong log Z
+    (2.25 where brute force over every path gives 0.06); with ``history=0`` (steps
+    independent, as a plate) a bare ``AssertionError``. A chain of Markov edges is first
+    order: every engine refuses another ``history`` naming the site and the argument."""
+    em, lt, li = _params(5)
+
+    def second_order(emission):
+        prior = si.priors.Markov(lt, li)
+
+        def step(carry, e):
+            before, previous = carry
+            z = si.edge("z", prior, e, previous=previous)
+            potential("again", jnp.where(before < 0, 0.0, 0.4 * (z == before)))
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return (previous, z), None
+
+        scan(step, (jnp.asarray(-1), jnp.asarray(-1)), emission, history=history)
+
+    msg = rf"edge site 'z': a Markov edge's scan must have history=1.*got history={history}"
+    with pytest.raises(ValueError, match=msg):
+        si.log_marginal(second_order, em)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(second_order, "v")(em)
+
