@@ -39,6 +39,7 @@ from numpyro.primitives import CondIndepStackFrame, apply_stack
 
 from ._checks import (
     ROWS_CHECKED,
+    as_float_array,
     check_finite,
     first_empty_row,
     float32_at_least,
@@ -918,8 +919,8 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
     if score is not None:
         if isinstance(score, Score):
             score_obj, table = score, score.dense()
-        else:  # one step's log-potentials, (..., K)
-            table = jnp.asarray(score)
+        else:  # one step's log-potentials, (..., K); integers read as floats
+            table = as_float_array(score, f"edge site '{name}': score")
         if table.ndim < 1 or table.shape[-1] != k:
             raise ValueError(
                 f"edge site '{name}': score has shape {tuple(jnp.shape(table))}, expected "

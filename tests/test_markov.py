@@ -989,3 +989,16 @@ def test_a_chain_in_a_scan_with_history_other_than_one_is_refused(history):
     with pytest.raises(ValueError, match=msg):
         si.attention(second_order, "v")(em)
 
+
+def test_an_integer_score_is_read_as_float_as_for_every_edge():
+    """Regression: a chain whose per-step score is an integer array (counts, say) failed
+    with a bare ``data type int32 not inexact``, where every other edge reads an integer
+    score as float: now log Z and the fused value equal those of the same scores as
+    floats."""
+    em, lt, li = _params(6)
+    counts = jnp.round(3 * em).astype(jnp.int32)
+    as_float = counts.astype(jnp.float32)
+    np.testing.assert_allclose(si.log_marginal(hmm, counts, lt, li),
+                               _forward(as_float, lt, li), rtol=1e-5)
+    np.testing.assert_allclose(si.attention(hmm, "v")(counts, lt, li),
+                               _brute(as_float, lt, li)[2], atol=1e-5)
