@@ -226,7 +226,7 @@ class tilt(Messenger):
         tilts: dict[str, tuple[jax.Array, int]] | None = None,
         max_plate_nesting: int = 0,
     ):
-        if not isinstance(tilts, dict) or not tilts:
+        if not isinstance(tilts, (dict, _StepTilts)) or not tilts:
             raise ValueError("tilt: `tilts` must be a non-empty dict {site: (t, event_dim)}")
         self.tilts = tilts
         self.max_plate_nesting = max_plate_nesting
@@ -260,8 +260,7 @@ class tilt(Messenger):
 
         def step(carry, x_s):
             x, s = x_s
-            sliced = {n: (t[s], ev) for n, (t, ev) in tilts.items()}
-            with tilt(tilts=sliced, max_plate_nesting=nesting):
+            with tilt(tilts=_StepTilts(tilts, s), max_plate_nesting=nesting):
                 return f(carry, x)
 
         msg["args"] = (step, init, (xs, jnp.arange(length)), length, reverse)
@@ -307,6 +306,24 @@ class tilt(Messenger):
             term = t * v
         # unmasked: a mask around the value must not drop its expectation
         potential(TILT_PREFIX + name, term, maskable=False)
+
+
+class _StepTilts:
+    """The tilts of one scan step: a site's tilt is sliced at the step when the step
+    looks it up, so the tilts of sites outside the scan (any shape) are never sliced."""
+
+    def __init__(self, tilts, s):
+        self._tilts, self._s = tilts, s
+
+    def __bool__(self) -> bool:
+        return bool(self._tilts)
+
+    def __contains__(self, name) -> bool:
+        return name in self._tilts
+
+    def __getitem__(self, name):
+        t, ev = self._tilts[name]
+        return t[self._s], ev
 
 
 class mask_parents(Messenger):

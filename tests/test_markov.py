@@ -1002,3 +1002,31 @@ def test_an_integer_score_is_read_as_float_as_for_every_edge():
                                _forward(as_float, lt, li), rtol=1e-5)
     np.testing.assert_allclose(si.attention(hmm, "v")(counts, lt, li),
                                _brute(as_float, lt, li)[2], atol=1e-5)
+
+
+def test_a_value_read_after_the_scan_is_refused_by_name_not_an_index_error():
+    """Regression: the expectation of a value recorded after the chain's scan (here one
+    read off the scan's last carry, ``z_{T-1}``) failed with a bare ``IndexError`` (the
+    scan's steps sliced every site's zero tilt per step, this scalar one too); a value
+    recorded inside the step beside it kept working. NumPyro's enumerated scan does not
+    give the carry as a function of the last edge, so every engine refuses it, saying to
+    record the value inside the scan's step."""
+    em, lt, li = _params(2)
+
+    def last(emission):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        final, _ = scan(step, jnp.asarray(-1), emission)
+        numpyro.deterministic("last", jnp.sin(1.0 + final))
+
+    msg = "record the value inside the scan's step"
+    with pytest.raises(ValueError, match=msg):
+        si.expectation(last, "last", em)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(last, "last")(em)
+    np.testing.assert_allclose(si.expectation(last, "v", em), _brute(em, lt, li)[2], atol=1e-5)
