@@ -438,9 +438,20 @@ class _SeesEveryEdge(Messenger):
         return out
 
     def process_message(self, msg: dict) -> None:
-        """Mark an edge site seen; refuse a Markov edge in a scan whose ``history`` is not 1."""
-        if msg["type"] == "control_flow" and msg["kwargs"].get("history", 1) != 1:
-            _first_order_steps(msg)
+        """Mark an edge site seen; refuse a scan over no steps, and a Markov edge in a scan
+        whose ``history`` is not 1."""
+        if msg["type"] == "control_flow" and len(msg["args"]) == 5:  # a scan
+            _, _, xs, length, _ = msg["args"]
+            leaves = jax.tree.leaves(xs)
+            if (length if length is not None else jnp.shape(leaves[0])[0] if leaves
+                    else None) == 0:
+                raise ValueError(
+                    "numpyro.contrib.control_flow.scan over 0 steps (its xs have a leading "
+                    "dim of 0): NumPyro's enumeration of a scan needs one step at least; "
+                    "leave the scan out of the model when there are no steps"
+                )
+            if msg["kwargs"].get("history", 1) != 1:
+                _first_order_steps(msg)
             return
         if msg["type"] == "sample":
             holder = (msg.get("infer") or {}).get(EDGE_SEEN_KEY)

@@ -1030,3 +1030,16 @@ def test_a_value_read_after_the_scan_is_refused_by_name_not_an_index_error():
     with pytest.raises(ValueError, match=msg):
         si.attention(last, "last")(em)
     np.testing.assert_allclose(si.expectation(last, "v", em), _brute(em, lt, li)[2], atol=1e-5)
+
+
+def test_an_empty_chain_is_refused_by_name_not_an_unbound_local_error():
+    """Regression: a chain over 0 steps (an empty emission array) failed inside NumPyro's
+    enumerated scan with a bare ``UnboundLocalError``: every engine now says the scan has
+    no steps."""
+    _, lt, li = _params()
+    empty = jnp.zeros((0, K), jnp.float32)
+    msg = "scan over 0 steps"
+    with pytest.raises(ValueError, match=msg):
+        si.log_marginal(hmm, empty, lt, li)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(hmm, "v")(empty, lt, li)
