@@ -47,6 +47,7 @@ from .primitives import (
     gather,
     hidden_edge_error,
     is_enumerated,
+    is_factor,
     potential,
 )
 
@@ -465,7 +466,10 @@ def _first_order_steps(msg: dict) -> None:
     """Wrap a scan's body so that a Markov edge among its sites raises: the chain is first
     order, and NumPyro's enumeration of a scan with another ``history`` is not that chain
     (``history=0`` runs the steps as a plate; ``history=2`` let a step read the edge two
-    steps back, which NumPyro then summed wrongly)."""
+    steps back, whose factor the contraction then summed wrongly). With ``history`` above
+    1 a factor site raises too: NumPyro's ``factor`` fails there, and a
+    [`potential`][structinfer.primitives.potential] reading the site two steps back gave
+    a wrong log Z."""
     f, *rest = msg["args"]
     history = msg["kwargs"]["history"]
 
@@ -479,6 +483,13 @@ def _first_order_steps(msg: dict) -> None:
                     f"edge site '{name}': a Markov edge's scan must have history=1 (each "
                     f"step reads the previous edge only), got history={history}: a chain "
                     "of Markov edges is first order"
+                )
+            if history > 1 and is_factor(site):
+                raise ValueError(
+                    f"factor site '{name}' is inside a scan with history={history}: the "
+                    "exact engine does not contract a factor in a scan whose steps see "
+                    "more than the previous one (write the dependence as a sample site's "
+                    "distribution, or use history=1)"
                 )
         return out
 

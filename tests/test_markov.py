@@ -1056,3 +1056,28 @@ def test_a_score_with_more_batch_dims_than_the_plates_is_refused_by_name():
                                              "more batch dims than the plates"):
             si.log_marginal(hmm, extra, lt, li)
 
+
+def test_a_factor_in_a_scan_with_history_two_is_refused_by_name():
+    """Regression: a `potential` in ``scan(..., history=2)`` reading the discrete site two
+    steps back (a second-order factor on NumPyro's own categorical chain, no edge) gave a
+    finite wrong log Z (-3.07 where brute force over the 2^5 paths gives -4.48; NumPyro's
+    ``numpyro.factor`` there raises). The engine refuses a factor in a scan whose history
+    is above 1, naming the site."""
+    import numpyro.distributions as dist
+
+    y = jnp.array([0.1, 1.2, 0.9, -0.3, 1.1])
+    probs = jnp.array([[0.8, 0.2], [0.3, 0.7]])
+
+    def second_order(y):
+        def step(carry, yt):
+            before, previous = carry
+            x = numpyro.sample("x", dist.Categorical(probs[previous]),
+                               infer={"enumerate": "parallel"})
+            potential("again", 0.4 * (x == before))
+            numpyro.sample("y", dist.Normal(x * 1.0, 0.5), obs=yt)
+            return (previous, x), None
+
+        scan(step, (jnp.asarray(0), jnp.asarray(0)), y, history=2)
+
+    with pytest.raises(ValueError, match=r"factor site 'again'.*history=2"):
+        si.log_marginal(second_order, y)
