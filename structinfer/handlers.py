@@ -439,8 +439,8 @@ class _SeesEveryEdge(Messenger):
         return out
 
     def process_message(self, msg: dict) -> None:
-        """Mark an edge site seen; refuse a scan over no steps, and a Markov edge in a scan
-        whose ``history`` is not 1."""
+        """Mark an edge site seen; refuse a scan over no steps, a Markov edge in a scan
+        whose ``history`` is not 1, and a factor in one whose ``history`` is above 1."""
         if msg["type"] == "control_flow" and len(msg["args"]) == 5:  # a scan
             _, _, xs, length, _ = msg["args"]
             leaves = jax.tree.leaves(xs)
