@@ -32,6 +32,7 @@ import numpyro.distributions as dist
 from jax.custom_derivatives import SymbolicZero
 from numpyro.distributions.batch_util import promote_batch_shape
 from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import trace as numpyro_trace
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import Messenger
 
@@ -46,6 +47,7 @@ from .primitives import (
     gather,
     hidden_edge_error,
     is_enumerated,
+    is_factor,
     potential,
 )
 
@@ -225,7 +227,7 @@ class tilt(Messenger):
         tilts: dict[str, tuple[jax.Array, int]] | None = None,
         max_plate_nesting: int = 0,
     ):
-        if not isinstance(tilts, dict) or not tilts:
+        if not isinstance(tilts, (dict, _StepTilts)) or not tilts:
             raise ValueError("tilt: `tilts` must be a non-empty dict {site: (t, event_dim)}")
         self.tilts = tilts
         self.max_plate_nesting = max_plate_nesting
@@ -259,8 +261,7 @@ class tilt(Messenger):
 
         def step(carry, x_s):
             x, s = x_s
-            sliced = {n: (t[s], ev) for n, (t, ev) in tilts.items()}
-            with tilt(tilts=sliced, max_plate_nesting=nesting):
+            with tilt(tilts=_StepTilts(tilts, s), max_plate_nesting=nesting):
                 return f(carry, x)
 
         msg["args"] = (step, init, (xs, jnp.arange(length)), length, reverse)
@@ -306,6 +307,24 @@ class tilt(Messenger):
             term = t * v
         # unmasked: a mask around the value must not drop its expectation
         potential(TILT_PREFIX + name, term, maskable=False)
+
+
+class _StepTilts:
+    """The tilts of one scan step: a site's tilt is sliced at the step when the step
+    looks it up, so the tilts of sites outside the scan (any shape) are never sliced."""
+
+    def __init__(self, tilts, s):
+        self._tilts, self._s = tilts, s
+
+    def __bool__(self) -> bool:
+        return bool(self._tilts)
+
+    def __contains__(self, name) -> bool:
+        return name in self._tilts
+
+    def __getitem__(self, name):
+        t, ev = self._tilts[name]
+        return t[self._s], ev
 
 
 class mask_parents(Messenger):
@@ -420,13 +439,61 @@ class _SeesEveryEdge(Messenger):
         return out
 
     def process_message(self, msg: dict) -> None:
-        """Mark an edge site seen."""
+        """Mark an edge site seen; refuse a scan over no steps, a Markov edge in a scan
+        whose ``history`` is not 1, and a factor in one whose ``history`` is above 1."""
+        if msg["type"] == "control_flow" and len(msg["args"]) == 5:  # a scan
+            _, _, xs, length, _ = msg["args"]
+            leaves = jax.tree.leaves(xs)
+            if (length if length is not None else jnp.shape(leaves[0])[0] if leaves
+                    else None) == 0:
+                raise ValueError(
+                    "numpyro.contrib.control_flow.scan over 0 steps (its xs have a leading "
+                    "dim of 0): NumPyro's enumeration of a scan needs one step at least; "
+                    "leave the scan out of the model when there are no steps"
+                )
+            if msg["kwargs"].get("history", 1) != 1:
+                _first_order_steps(msg)
+            return
         if msg["type"] == "sample":
             holder = (msg.get("infer") or {}).get(EDGE_SEEN_KEY)
             if holder is not None:
                 holder["seen"] = True
                 if self._frames:
                     self._frames[-1][3].add(holder.get("name"))
+
+
+def _first_order_steps(msg: dict) -> None:
+    """Wrap a scan's body so that a Markov edge among its sites raises: the chain is first
+    order, and NumPyro's enumeration of a scan with another ``history`` is not that chain
+    (``history=0`` runs the steps as a plate; ``history=2`` let a step read the edge two
+    steps back, whose factor the contraction then summed wrongly). With ``history`` above
+    1 a factor site raises too: NumPyro's ``factor`` fails there, and a
+    [`potential`][structinfer.primitives.potential] reading the site two steps back gave
+    a wrong log Z."""
+    f, *rest = msg["args"]
+    history = msg["kwargs"]["history"]
+
+    def step(carry, x):
+        with numpyro_trace() as sites:
+            out = f(carry, x)
+        for name, site in sites.items():
+            edge = (site.get("infer") or {}).get(EDGE_INFO_KEY)
+            if site["type"] == "sample" and edge is not None and edge.markov:
+                raise ValueError(
+                    f"edge site '{name}': a Markov edge's scan must have history=1 (each "
+                    f"step reads the previous edge only), got history={history}: a chain "
+                    "of Markov edges is first order"
+                )
+            if history > 1 and is_factor(site):
+                raise ValueError(
+                    f"factor site '{name}' is inside a scan with history={history}: the "
+                    "exact engine does not contract a factor in a scan whose steps see "
+                    "more than the previous one (write the dependence as a sample site's "
+                    "distribution, or use history=1)"
+                )
+        return out
+
+    msg["args"] = (step, *rest)
 
 
 class require_values(_SeesEveryEdge):

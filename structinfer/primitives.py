@@ -39,6 +39,7 @@ from numpyro.primitives import CondIndepStackFrame, apply_stack
 
 from ._checks import (
     ROWS_CHECKED,
+    as_float_array,
     check_finite,
     first_empty_row,
     float32_at_least,
@@ -749,9 +750,11 @@ def edge(
             on concrete values; under ``jit`` its row reads NaN, never a clamped row).
         previous: with a [`Markov`][structinfer.priors.Markov] prior (and only then):
             the previous edge's value, which chooses the prior's row; ``-1`` for the
-            first edge of the chain. The edge must then be inside a
-            ``numpyro.contrib.control_flow.scan`` over time (the time steps are its
-            children; no children plate is needed), and its row normaliser, which
+            first edge of the chain (a state ``>= K`` is an error on concrete values;
+            under ``jit`` its row reads NaN, never a clamped row). The edge must then be
+            inside a ``numpyro.contrib.control_flow.scan`` over time with ``history=1``
+            (the time steps are its children; no children plate is needed), and its row
+            normaliser, which
             depends on the previous edge, is the ``"<name>.score"``
             [`potential`][structinfer.primitives.potential].
         infer: extra ``infer`` entries for the sample site.
@@ -906,6 +909,11 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             "distribution: give the Markov prior log_initial=, or start the chain from a "
             "given previous edge"
         )
+    if is_concrete(previous) and bool(jnp.any(previous >= k)):
+        raise ValueError(
+            f"edge site '{name}': previous= holds {int(jnp.max(previous))}, but the Markov "
+            f"prior's states are 0 ... {k - 1} (-1 starts the chain)"
+        )
     plates = active_plates()
     batch = _batch_shape(plates) if plates else ()
     logits = float32_at_least(prior.row(previous))  # 16 bits: summed in float32
@@ -913,12 +921,23 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
     if score is not None:
         if isinstance(score, Score):
             score_obj, table = score, score.dense()
-        else:  # one step's log-potentials, (..., K)
-            table = jnp.asarray(score)
+        else:  # one step's log-potentials, (..., K); integers read as floats
+            table = as_float_array(score, f"edge site '{name}': score")
         if table.ndim < 1 or table.shape[-1] != k:
             raise ValueError(
                 f"edge site '{name}': score has shape {tuple(jnp.shape(table))}, expected "
                 f"(..., {k}) (one log-potential per parent of this step)"
+            )
+        lead = table.shape[:-1]
+        if len(lead) > len(batch) or any(a not in (1, b) for a, b in
+                                         zip(lead[::-1], batch[::-1])):
+            # the step's edge (the scan's carry) has the plates' batch shape: a dim no
+            # plate declares changes the carry's type (or meets the plates' broadcast)
+            raise ValueError(
+                f"edge site '{name}': score of shape {tuple(table.shape)} has more batch "
+                f"dims than the plates around the edge (batch shape {tuple(batch)}), or "
+                f"dims that differ from theirs: a step's score is ({k},) or the plates' "
+                f"batch shape + ({k},) (several chains: a plate inside the scan's step)"
             )
         # -inf forbids the state at this step, as a -inf score forbids an edge
         check_finite(table, f"edge site '{name}': score", allow_neg_inf=True)

@@ -1229,7 +1229,8 @@ class Markov(StructuralPrior):
 
         Returns:
             ``previous.shape + (K,)`` log-probabilities; the initial distribution where
-                ``previous < 0`` (NaN there when the prior has no ``log_initial``).
+                ``previous < 0`` (NaN there when the prior has no ``log_initial``); NaN
+                where ``previous >= K`` (no such state: never another state's row).
         """
         previous = jnp.asarray(previous)
         # 16-bit tables normalised in float32, where the engine sums them
@@ -1240,6 +1241,7 @@ class Markov(StructuralPrior):
             else normalise_log_weights(float32_at_least(self.log_initial))[0].astype(lt.dtype)
         )
         rows = jnp.take(lt, jnp.clip(previous, 0, self.num_parents - 1), axis=0)
+        rows = jnp.where((previous >= self.num_parents)[..., None], jnp.nan, rows)
         return jnp.where((previous < 0)[..., None], start, rows)
 
     def describe(self) -> dict[str, Any]:

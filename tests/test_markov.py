@@ -924,3 +924,160 @@ def test_a_substituted_chain_is_fixed_at_its_path_as_condition_fixes_it():
             np.testing.assert_allclose(
                 run(lambda *a, fixed=fixed: si.log_marginal(fixed, *a))(em, lt, li), joint,
                 rtol=1e-5)
+
+
+def test_a_chain_started_from_a_state_out_of_range_is_refused_not_clamped():
+    """Regression: a chain started from ``previous = K`` (or beyond; states are 0 ... K-1)
+    took the prior's last row (the index was clamped): a finite wrong log Z, marginals and
+    value from every engine. Now an error naming the site and ``previous`` on concrete
+    values, NaN under jit (the start is traced), never a number."""
+    em, lt, li = _params(9)
+
+    def started(emission, start):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, start, emission)
+
+    # in range, a given start is the chain from that state: row `start` of the transitions
+    e, ltn = np.asarray(em, np.float64), _log_softmax(lt)
+    paths = np.array(list(itertools.product(range(K), repeat=T)))
+    score = ltn[1, paths[:, 0]] + e[np.arange(T), paths].sum(1)
+    score += ltn[paths[:, :-1], paths[:, 1:]].sum(1)
+    np.testing.assert_allclose(si.log_marginal(started, em, jnp.asarray(1)),
+                               np.logaddexp.reduce(score), rtol=1e-5)
+    start = jnp.asarray(K)
+    msg = rf"edge site 'z': previous= holds {K}.*0 \.\.\. {K - 1}"
+    with pytest.raises(ValueError, match=msg):
+        si.log_marginal(started, em, start)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(started, "v")(em, start)
+    jitted = jax.jit(lambda e, s: (si.marginals(started, e, s)["z"],
+                                   si.attention(started, "v")(e, s)))
+    for out in jitted(em, start):
+        assert np.isnan(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("history", [0, 2])
+def test_a_chain_in_a_scan_with_history_other_than_one_is_refused(history):
+    """Regression: a Markov edge in ``scan(..., history=2)`` whose step also reads the edge
+    two steps back (a second-order chain through the carry) gave a finite wrong log Z
+    (2.25 where brute force over every path gives 0.06); with ``history=0`` (steps
+    independent, as a plate) a bare ``AssertionError``. A chain of Markov edges is first
+    order: every engine refuses another ``history`` naming the site and the argument."""
+    em, lt, li = _params(5)
+
+    def second_order(emission):
+        prior = si.priors.Markov(lt, li)
+
+        def step(carry, e):
+            before, previous = carry
+            z = si.edge("z", prior, e, previous=previous)
+            potential("again", jnp.where(before < 0, 0.0, 0.4 * (z == before)))
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return (previous, z), None
+
+        scan(step, (jnp.asarray(-1), jnp.asarray(-1)), emission, history=history)
+
+    msg = rf"edge site 'z': a Markov edge's scan must have history=1.*got history={history}"
+    with pytest.raises(ValueError, match=msg):
+        si.log_marginal(second_order, em)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(second_order, "v")(em)
+
+
+def test_an_integer_score_is_read_as_float_as_for_every_edge():
+    """Regression: a chain whose per-step score is an integer array (counts, say) failed
+    with a bare ``data type int32 not inexact``, where every other edge reads an integer
+    score as float: now log Z and the fused value equal those of the same scores as
+    floats."""
+    em, lt, li = _params(6)
+    counts = jnp.round(3 * em).astype(jnp.int32)
+    as_float = counts.astype(jnp.float32)
+    np.testing.assert_allclose(si.log_marginal(hmm, counts, lt, li),
+                               _forward(as_float, lt, li), rtol=1e-5)
+    np.testing.assert_allclose(si.attention(hmm, "v")(counts, lt, li),
+                               _brute(as_float, lt, li)[2], atol=1e-5)
+
+
+def test_a_value_read_after_the_scan_is_refused_by_name_not_an_index_error():
+    """Regression: the expectation of a value recorded after the chain's scan (here one
+    read off the scan's last carry, ``z_{T-1}``) failed with a bare ``IndexError`` (the
+    scan's steps sliced every site's zero tilt per step, this scalar one too); a value
+    recorded inside the step beside it kept working. NumPyro's enumerated scan does not
+    give the carry as a function of the last edge, so every engine refuses it, saying to
+    record the value inside the scan's step."""
+    em, lt, li = _params(2)
+
+    def last(emission):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        final, _ = scan(step, jnp.asarray(-1), emission)
+        numpyro.deterministic("last", jnp.sin(1.0 + final))
+
+    msg = "record the value inside the scan's step"
+    with pytest.raises(ValueError, match=msg):
+        si.expectation(last, "last", em)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(last, "last")(em)
+    np.testing.assert_allclose(si.expectation(last, "v", em), _brute(em, lt, li)[2], atol=1e-5)
+
+
+def test_an_empty_chain_is_refused_by_name_not_an_unbound_local_error():
+    """Regression: a chain over 0 steps (an empty emission array) failed inside NumPyro's
+    enumerated scan with a bare ``UnboundLocalError``: every engine now says the scan has
+    no steps."""
+    _, lt, li = _params()
+    empty = jnp.zeros((0, K), jnp.float32)
+    msg = "scan over 0 steps"
+    with pytest.raises(ValueError, match=msg):
+        si.log_marginal(hmm, empty, lt, li)
+    with pytest.raises(ValueError, match=msg):
+        si.attention(hmm, "v")(empty, lt, li)
+
+
+def test_a_score_with_more_batch_dims_than_the_plates_is_refused_by_name():
+    """Regression: a chain's per-step score with a batch dim no plate declares (``(1, K)``
+    from ``Dot(q_t[None], k)``, or ``(B, K)`` for B chains without a plate) failed with
+    JAX's carry-type or broadcasting errors, naming neither the site nor the score; a
+    plain edge refuses such a score naming it. Now the Markov edge does too."""
+    em, lt, li = _params()
+    for extra in (em[:, None, :], jnp.stack([em, em], 1)):
+        with pytest.raises(ValueError, match=r"edge site 'z': score of shape \(\d, 3\) has "
+                                             "more batch dims than the plates"):
+            si.log_marginal(hmm, extra, lt, li)
+
+
+def test_a_factor_in_a_scan_with_history_two_is_refused_by_name():
+    """Regression: a `potential` in ``scan(..., history=2)`` reading the discrete site two
+    steps back (a second-order factor on NumPyro's own categorical chain, no edge) gave a
+    finite wrong log Z (-3.07 where brute force over the 2^5 paths gives -4.48; NumPyro's
+    ``numpyro.factor`` there raises). The engine refuses a factor in a scan whose history
+    is above 1, naming the site."""
+    import numpyro.distributions as dist
+
+    y = jnp.array([0.1, 1.2, 0.9, -0.3, 1.1])
+    probs = jnp.array([[0.8, 0.2], [0.3, 0.7]])
+
+    def second_order(y):
+        def step(carry, yt):
+            before, previous = carry
+            x = numpyro.sample("x", dist.Categorical(probs[previous]),
+                               infer={"enumerate": "parallel"})
+            potential("again", 0.4 * (x == before))
+            numpyro.sample("y", dist.Normal(x * 1.0, 0.5), obs=yt)
+            return (previous, x), None
+
+        scan(step, (jnp.asarray(0), jnp.asarray(0)), y, history=2)
+
+    with pytest.raises(ValueError, match=r"factor site 'again'.*history=2"):
+        si.log_marginal(second_order, y)

@@ -194,8 +194,11 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
             "over, so some factor or value mixes enumeration dims with plate dims. Typical "
             "causes: indexing one edge variable with another (follow a chain with "
             "si.edge(..., child=j) instead), summing over a plate dim inside the model, or "
-            "indexing batched tables without Vindex/si.gather. (funsor: "
-            f"{str(e).splitlines()[0]})"
+            "indexing batched tables without Vindex/si.gather"
+            + (", or a value or factor read off a scan's carry or stacked outputs after the "
+               "scan (a Markov chain's edges: record the value inside the scan's step)"
+               if info.markov_edges else "")
+            + f". (funsor: {str(e).splitlines()[0]})"
         ) from None
     return lp
 
