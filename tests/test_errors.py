@@ -733,3 +733,17 @@ def test_a_hop_to_a_node_with_no_parent_is_nan_under_jit():
                                       si.marginals(model, *a, by_score),
                                       si.expectation(model, "out", *a, by_score)))(scores, keep)
         assert all(np.isnan(x).all() for x in jax.tree.leaves(answers)), answers
+
+
+def test_an_observed_python_list_is_named():
+    """Regression: ``obs=`` a Python list (a plausible slip: data typed as a list) failed
+    deep in JAX's dtype lattice, 'Cannot determine dtype of [...]', from the model check
+    that every entry point (`si.log_marginal`, `si.infer.nuts`, ...) runs first."""
+
+    def model(y):
+        with numpyro.plate("children", len(y)):
+            phi = si.edge("phi", si.priors.Uniform(3))
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 0.0, 1.0])[phi], 1.0), obs=y)
+
+    with pytest.raises(TypeError, match=r"site 'y': its observed value is a list, not an array"):
+        si.log_marginal(model, [-1.0, 0.1, 0.9])
