@@ -33,7 +33,7 @@ from numpyro import validation_enabled
 from numpyro.contrib.funsor import infer_discrete
 from numpyro.handlers import block, substitute, trace
 
-from .._checks import as_arrays, is_concrete, model_name
+from .._checks import as_arrays, check_key, is_concrete, model_name
 from ..handlers import observe_given, pin, require_values
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
@@ -438,6 +438,7 @@ def sample_edges(
             under ``vmap``, per mapped element).
 
     Raises:
+        TypeError: ``rng_key`` is not one PRNG key (a seed, or a batch of keys).
         ValueError: the model has no edge sites; or, on concrete inputs, it gives every
             structure zero probability (forbidden edges, $-\infty$ factors) or a NaN
             log-weight: there is no posterior to draw from, never a forbidden structure.
@@ -446,7 +447,7 @@ def sample_edges(
         Stochastic (sampled) attention as a draw from the edge posterior (Singh &
         Buckley sec. 2, "latent alignment"); funsor forward-filter backward-sample.
     """
-    return _discrete_posterior(model, args, kwargs, 1, rng_key)
+    return _discrete_posterior(model, args, kwargs, 1, check_key(rng_key, "sample_edges"))
 
 
 def pointwise_log_likelihood(
