@@ -787,6 +787,15 @@ def test_an_edge_conditioned_on_a_forbidden_parent_leaves_no_finite_answer():
         si.attention(cond, "out")(s, bad)
     assert np.isnan(jax.jit(si.attention(cond, "out"))(s, bad)).all()
 
+    def one(s):  # one edge, its child 0 left no parent: that row is NaN, the others are not
+        with numpyro.plate("queries", 3):
+            a = si.edge("phi", si.priors.Restricted.causal(3, 4), s)
+            numpyro.deterministic("out", si.gather(v, a))
+
+    s0 = s.at[0, 0].set(-jnp.inf)
+    out = jax.jit(lambda s: si.expectation(one, "out", s))(s0)
+    assert np.isnan(out[0]) and np.isfinite(out[1:]).all()
+
 
 def test_a_value_recorded_inside_the_mask_has_the_uniform_expectation(x64):
     """Regression: a deterministic site recorded inside ``numpyro.handlers.mask`` had its

@@ -226,16 +226,20 @@ def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Arr
     ``out`` is returned as it is where $\log Z$ is a number: `log_z`'s derivatives are NaN
     where it is $-\infty$ (a child with no allowed parent in its own rows; a model that
     couples enumerated sites, several or a Markov chain, everywhere), so the answer is
-    NaN, never a finite number, and so are its own derivatives. A NaN or $-\infty$
-    $\log Z$ makes all of ``out`` NaN: a NaN or $-\infty$ that does not depend on the
-    tilts (an edge conditioned outside its support, or on a parent its prior forbids)
-    leaves their derivatives finite (and so would the derivatives of the answer).
-    A float16 $\log Z$ is not read for $-\infty$: its
-    sum over many children can overflow while every child is possible."""
+    NaN, never a finite number, and so are its own derivatives. A NaN $\log Z$, and a
+    $-\infty$ that no entry of ``out`` shows as NaN, make all of ``out`` NaN: a NaN or
+    $-\infty$ that does not depend on the tilts (an edge conditioned outside its
+    support, or on a parent its prior forbids) leaves their derivatives finite (and so
+    would the derivatives of the answer), while a child with no allowed parent makes its
+    own row NaN and leaves the rows of independent children as they are. A float16
+    $\log Z$ is not read for $-\infty$: its sum over many children can overflow while
+    every child is possible."""
     if not is_concrete(log_marginal):
         bad = jnp.isnan(log_marginal)
-        if _wide(log_marginal):
-            bad = bad | (log_marginal == -jnp.inf)
+        leaves = jax.tree.leaves(out)
+        if _wide(log_marginal) and leaves:
+            shown = jnp.any(jnp.stack([jnp.isnan(x).any() for x in leaves]))
+            bad = bad | ((log_marginal == -jnp.inf) & ~shown)
         # a product, not a where: the derivatives through the answer are NaN too, not 0
         return jax.tree.map(lambda x: x * jnp.where(bad, jnp.nan, 1).astype(x.dtype), out)
     lz = float(log_marginal)
