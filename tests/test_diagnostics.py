@@ -283,6 +283,14 @@ def test_to_inference_data_refuses_bad_counts(q_task, small_svi_fit, kw, match):
                              posterior_predictive=False, **kw)
 
 
+@pytest.mark.parametrize("key", [0, np.uint32(3), "0"])
+def test_to_inference_data_names_a_key_that_is_not_one(q_task, small_svi_fit, key):
+    """Regression: ``rng_key=0`` (a seed) failed inside JAX, 'invalid PRNG key data'."""
+    task = q_task[0]
+    with pytest.raises(TypeError, match=r"to_inference_data: rng_key must be one PRNG key"):
+        dg.to_inference_data(small_svi_fit, task.x, task.weight, 0.3, rng_key=key)
+
+
 def test_to_inference_data_accepts_good_counts(q_task, small_svi_fit):
     task = q_task[0]
     dt = dg.to_inference_data(small_svi_fit, task.x, task.weight, 0.3, num_draws=7,
