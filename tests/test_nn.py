@@ -649,3 +649,13 @@ def test_more_queries_than_keys_in_a_causal_layer_says_so(name):
     assert "at least as many keys as queries" in said and "structinfer.nn.uniform()" in said
     assert "include_self" not in said and "self-edge" not in said
     layer(jnp.ones((3, 8)), jnp.ones((5, 8)))  # fewer queries than keys: a suffix, fine
+
+
+@pytest.mark.parametrize("factory", ["uniform", "causal", "window", "relative_position",
+                                     "geometric", "geometric_beta"])
+def test_a_mechanism_factory_passed_uncalled_is_named(factory):
+    """Regression: ``Attention(si.nn.causal, ...)`` (the factory, not the mechanism it
+    returns) failed while tracing it on q, k, v: 'causal() takes 0 positional arguments
+    but 3 were given'."""
+    with pytest.raises(TypeError, match=rf"si\.nn\.{factory} makes a mechanism: call it"):
+        sinn.Attention(getattr(sinn, factory), num_heads=H, in_features=F, rngs=nnx.Rngs(0))
