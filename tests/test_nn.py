@@ -659,3 +659,23 @@ def test_a_mechanism_factory_passed_uncalled_is_named(factory):
     but 3 were given'."""
     with pytest.raises(TypeError, match=rf"si\.nn\.{factory} makes a mechanism: call it"):
         sinn.Attention(getattr(sinn, factory), num_heads=H, in_features=F, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda v: sinn.geometric(v), "q"),
+    (lambda v: sinn.geometric_beta(v, 2.0), "alpha"),
+    (lambda v: sinn.geometric_beta(1.0, v), "beta"),
+])
+def test_a_per_head_initial_value_of_the_wrong_shape_is_named(make, name):
+    """Regression: one rate per head given as a flat ``(heads,)`` list failed in JAX,
+    'Incompatible types for broadcasting: input type=float32[3] and requested type
+    float32[3,1]', naming neither the argument nor the shape it needs."""
+    flat = [0.2, 0.4, 0.6][:H]
+    with pytest.raises(ValueError, match=rf"{name} of shape \({H},\) must broadcast to "
+                                         rf"\(heads, 1\) = \({H}, 1\)"):
+        sinn.Attention(make(flat), num_heads=H, in_features=F, qkv_features=H * D,
+                       rngs=nnx.Rngs(0))
+    col = np.asarray(flat)[:, None]  # the documented (heads, 1) works
+    layer = sinn.Attention(make(col), num_heads=H, in_features=F, qkv_features=H * D,
+                           rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(layer.hyperparameters()[name].ravel(), flat, rtol=1e-6)
