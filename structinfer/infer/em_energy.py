@@ -52,11 +52,11 @@ def _e_step(energy_fn, v, th, e_step_size, e_iters, e_tol):
 
 
 def _positive(step_size: Any, name: str) -> Any:
-    """Every leaf of a step size positive (`check_value`: NaN when traced): a negative step
-    climbs the energy."""
+    """Every leaf of a step size non-negative (`check_value`: NaN when traced): a negative
+    step climbs the energy (a zero leaf holds its latent or parameter fixed)."""
     return jax.tree.map(
-        lambda h: check_value(h, lambda xp, v: v > 0, f"energy_em: `{name}`",
-                              "must be positive"),
+        lambda h: check_value(h, lambda xp, v: v >= 0, f"energy_em: `{name}`",
+                              "must be non-negative"),
         step_size)
 
 

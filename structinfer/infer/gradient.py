@@ -68,11 +68,11 @@ def step(
 
 
 def _check_step_size(step_size: Any) -> Any:
-    """Every leaf of ``step_size`` positive (`check_value`: NaN when traced): a negative
-    step climbs the energy, a zero one never moves."""
+    """Every leaf of ``step_size`` non-negative (`check_value`: NaN when traced): a
+    negative step climbs the energy (a zero leaf holds its mean where it is)."""
     return jax.tree.map(
-        lambda h: check_value(h, lambda xp, v: v > 0, "gradient_descent: `step_size`",
-                              "must be positive"),
+        lambda h: check_value(h, lambda xp, v: v >= 0, "gradient_descent: `step_size`",
+                              "must be non-negative"),
         step_size)
 
 
@@ -98,7 +98,7 @@ def run(
     Args:
         energy_fn: `mu -> F(mu)`, e.g. `structinfer.infer.model_energy`.
         mu0: initial means (pytree).
-        step_size: $\eta > 0$, a scalar or a pytree like `mu`.
+        step_size: $\eta \ge 0$, a scalar or a pytree like `mu`.
         tol: converged when $\max|\nabla F| \le$ `tol` (the rule of `step`).
         max_iters: the most steps (reported in `info.max_iters_reached` when reached).
         raise_on_nonfinite: raise `NonFiniteEnergyError` on a non-finite energy when the
