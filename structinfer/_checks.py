@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from jax.typing import ArrayLike
+from numpyro.util import is_prng_key
 
 
 def as_arrays(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -235,6 +236,28 @@ def require(ok: Callable[..., Any], message: str, *values: Any) -> Any:
         out = tuple(v if is_concrete(v) else v + jnp.where(good, 0.0, jnp.nan)
                     for v in values)
     return out[0] if len(out) == 1 else out
+
+
+def check_key(rng_key: Any, what: str) -> jax.Array:
+    """``rng_key`` if it is one PRNG key (new-style or raw ``uint32[2]``), else a TypeError.
+
+    Args:
+        rng_key: the argument.
+        what: the function, for the message.
+
+    Returns:
+        ``rng_key``.
+
+    Raises:
+        TypeError: a seed, a batch of keys or anything else, naming ``what``.
+    """
+    if not (isinstance(rng_key, jax.Array) and is_prng_key(rng_key)):
+        raise TypeError(
+            f"{what}: rng_key must be one PRNG key (jax.random.key(seed) or "
+            f"jax.random.PRNGKey(seed)), got {type(rng_key).__name__} "
+            f"{getattr(rng_key, 'shape', '')}"
+        )
+    return rng_key
 
 
 def check_count(value: Any, what: str, minimum: int = 1, *, none_ok: bool = False,

@@ -12,6 +12,7 @@ registered by the tests run in-process, as `reproduce` runs every reproduction.
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -303,6 +304,8 @@ def test_reproduce_lists_the_shipped_reproductions(tmp_path):
     for name in ("multihop", "expanding", "hopfield", "idw", "mixtures"):
         assert f"structinfer.reproductions.{name}" in r.stdout
     assert "Multi-hop attention on the toy task" in r.stdout
+    # the descriptions speak to users: no tracker numbers of the project's own history
+    assert not re.search(r"\bissues? #?\d", r.stdout), r.stdout
 
 
 def test_reproduce_registry_and_run(registered, capsys):

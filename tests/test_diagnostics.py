@@ -282,6 +282,14 @@ def test_to_inference_data_refuses_bad_counts(q_task, small_svi_fit, kw, match):
                              posterior_predictive=False, **kw)
 
 
+@pytest.mark.parametrize("key", [0, np.uint32(3), "0"])
+def test_to_inference_data_names_a_key_that_is_not_one(q_task, small_svi_fit, key):
+    """Regression: ``rng_key=0`` (a seed) failed inside JAX, 'invalid PRNG key data'."""
+    task = q_task[0]
+    with pytest.raises(TypeError, match=r"to_inference_data: rng_key must be one PRNG key"):
+        dg.to_inference_data(small_svi_fit, task.x, task.weight, 0.3, rng_key=key)
+
+
 def test_to_inference_data_accepts_good_counts(q_task, small_svi_fit):
     task = q_task[0]
     dt = dg.to_inference_data(small_svi_fit, task.x, task.weight, 0.3, num_draws=7,
@@ -822,3 +830,18 @@ def test_masked_children_are_not_observations():
     ll2 = dg.to_inference_data(fit2, x2, m[1], posterior_predictive=False)[
         "log_likelihood"]["x"]
     np.testing.assert_array_equal(ll2["children"].values, [0, 2])
+
+
+def test_compare_edges_names_the_model_with_several_edge_sites():
+    """Regression: `compare_edges` of models one of which has two edge sites raised
+    `edge_summary`'s 'several edge sites ['a', 'b']; pass site=' without saying which
+    model (the `structinfer compare` note printed it as it was)."""
+    import xarray as xr
+
+    a = np.full((3, 4), 0.25)
+    one = xr.DataTree.from_dict({"edge_posterior": xr.Dataset({"a": (("c", "p"), a)})})
+    two = xr.DataTree.from_dict({"edge_posterior": xr.Dataset(
+        {"a": (("c", "p"), a), "b": (("c", "p"), a)})})
+    assert list(dg.compare_edges({"one": one}).index) == ["one"]
+    with pytest.raises(ValueError, match=r"compare_edges: model 'two': .*several edge sites"):
+        dg.compare_edges({"one": one, "two": two})

@@ -735,3 +735,34 @@ def test_a_hop_to_a_node_with_no_parent_is_nan_under_jit():
                                       si.marginals(model, *a, by_score),
                                       si.expectation(model, "out", *a, by_score)))(scores, keep)
         assert all(np.isnan(x).all() for x in jax.tree.leaves(answers)), answers
+
+
+def test_an_observed_python_list_is_named():
+    """Regression: ``obs=`` a Python list (a plausible slip: data typed as a list) failed
+    deep in JAX's dtype lattice, 'Cannot determine dtype of [...]', from the model check
+    that every entry point (`si.log_marginal`, `si.infer.nuts`, ...) runs first."""
+
+    def model(y):
+        with numpyro.plate("children", len(y)):
+            phi = si.edge("phi", si.priors.Uniform(3))
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 0.0, 1.0])[phi], 1.0), obs=y)
+
+    with pytest.raises(TypeError, match=r"site 'y': its observed value is a list, not an array"):
+        si.log_marginal(model, [-1.0, 0.1, 0.9])
+
+
+@pytest.mark.parametrize("key", [0, np.uint32(7), None])
+def test_sample_edges_names_a_key_that_is_not_one(key):
+    """Regression: ``si.sample_edges(0, model, ...)`` (a seed where the key goes) failed
+    inside JAX, 'invalid PRNG key data ... Got 0'; `si.infer.nuts` and `svi` name it."""
+
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+
+    with pytest.raises(TypeError, match=r"sample_edges: rng_key must be one PRNG key"):
+        si.sample_edges(key, model)
+    keys = jax.random.split(jax.random.key(0), 3)
+    with pytest.raises(TypeError, match=r"sample_edges: rng_key must be one PRNG key"):
+        si.sample_edges(keys, model)  # several keys: jax.vmap over them
+    assert jax.vmap(lambda k: si.sample_edges(k, model)["phi"])(keys).shape == (3, N)

@@ -757,6 +757,46 @@ def test_an_edge_conditioned_outside_its_support_leaves_no_finite_answer_under_j
     assert all(np.isnan(x).all() for x in jax.jit(answers)(s, bad))
 
 
+def test_an_edge_conditioned_on_a_forbidden_parent_leaves_no_finite_answer():
+    """Regression: with ``phi`` (a causal edge) conditioned on a parent its prior forbids,
+    log Z is -inf: no structure is possible. Eagerly `expectation` raised, but under jit
+    the marginals and expectations of the other edge (derivatives in its tilts, which the
+    constant -inf does not reach) were finite, and `si.attention` called eagerly (which
+    runs the engine under its own jit) returned them as the answer."""
+    r = np.random.default_rng(1)
+    s, v = jnp.asarray(r.normal(size=(3, 4))), jnp.asarray(r.normal(size=4))
+
+    def model(s, fixed):
+        with numpyro.plate("queries", 3):
+            a = si.edge("phi", si.priors.Restricted.causal(3, 4), s)
+            b = si.edge("psi", si.priors.Uniform(4), s)
+            numpyro.deterministic("out", si.gather(v, a) - si.gather(v, b))
+
+    def answers(s, fixed):
+        cond = numpyro.handlers.condition(model, {"phi": fixed})
+        return si.marginals(cond, s, fixed)["psi"], si.expectation(cond, "out", s, fixed)
+
+    bad = jnp.array([0, 2, 1])  # child 1 takes parent 2, after it
+    with pytest.raises(ValueError, match="zero probability"):
+        answers(s, bad)
+    assert all(np.isnan(x).all() for x in jax.jit(answers)(s, bad))
+    grad = jax.jit(jax.grad(lambda s: answers(s, bad)[1].sum()))(s)
+    assert np.isnan(grad).all()  # not the 0 of a where
+    cond = numpyro.handlers.condition(model, {"phi": bad})
+    with pytest.raises(ValueError, match="zero probability"):
+        si.attention(cond, "out")(s, bad)
+    assert np.isnan(jax.jit(si.attention(cond, "out"))(s, bad)).all()
+
+    def one(s):  # one edge, its child 0 left no parent: that row is NaN, the others are not
+        with numpyro.plate("queries", 3):
+            a = si.edge("phi", si.priors.Restricted.causal(3, 4), s)
+            numpyro.deterministic("out", si.gather(v, a))
+
+    s0 = s.at[0, 0].set(-jnp.inf)
+    out = jax.jit(lambda s: si.expectation(one, "out", s))(s0)
+    assert np.isnan(out[0]) and np.isfinite(out[1:]).all()
+
+
 def test_a_value_recorded_inside_the_mask_has_the_uniform_expectation(x64):
     """Regression: a deterministic site recorded inside ``numpyro.handlers.mask`` had its
     engine tilt masked too, so a masked-out child's expectation came out 0, not the

@@ -111,6 +111,25 @@ def test_cccp_nonpositive_precision_under_jit_is_nan():
     assert not bool(info.nonfinite) and np.isfinite(st.energy)
 
 
+def test_gradient_descent_refuses_a_negative_step_size():
+    """Regression: a negative step size ran gradient *ascent* on the free energy and
+    reported it converged (the Hopfield energy rose from -5.0 to 0.9, `info.converged`
+    True). Concrete: an error naming it; under jit: NaN. (A zero leaf holds a mean.)"""
+    X = jax.random.normal(jax.random.key(0), (7, 3))
+    energy = model_energy(hopfield, "mu", X, 1.0)
+    mu0 = X[:2] + 0.1
+    for bad in (-0.1, [-0.1, 0.1]):
+        with pytest.raises(ValueError, match="gradient_descent: `step_size` must be non-negative"):
+            gradient_descent(energy, mu0, step_size=jnp.asarray(bad)[:, None] if isinstance(
+                bad, list) else bad)
+    st, info = jax.jit(lambda h: gradient_descent(energy, mu0, step_size=h,
+                                                  raise_on_nonfinite=False))(-0.1)
+    assert bool(info.nonfinite) and not bool(info.converged)
+    st, _ = gradient_descent(energy, mu0, step_size=jnp.array([[0.0], [0.1]]), max_iters=5)
+    np.testing.assert_array_equal(st.mu[0], mu0[0])  # a zero step holds that mean
+    assert not np.allclose(st.mu[1], mu0[1])
+
+
 def test_cccp_precision_of_another_shape_is_named():
     """Regression: a precision not broadcasting to mu's shape failed in a multiply, or
     (extra leading dims) broadcast mu to its shape and failed on the edge's plates."""

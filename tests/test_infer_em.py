@@ -565,3 +565,15 @@ def test_a_second_em_run_of_the_same_shapes_compiles_nothing():
     st, info = jax.jit(lambda rt: si.infer.slot_em(x1, x1[:2], np.eye(D), np.eye(D), e_iters=2,
                                                    max_iters=3, rtol=rt))(1e-5)
     assert int(info.num_steps) >= 1 and np.isfinite(np.asarray(st.energy)).all()
+
+
+@pytest.mark.parametrize("which", ["e_step_size", "m_step_size"])
+def test_energy_em_refuses_a_negative_step_size(which):
+    """Regression: a negative M-step size climbed the energy in the parameters; a negative
+    E-step size climbed it in the latents. Each is named."""
+    def energy(z, th):
+        return jnp.sum((z - th) ** 2) + jnp.sum(th ** 2)
+
+    kw = {"e_step_size": 0.1, "m_step_size": 0.1, which: -0.1}
+    with pytest.raises(ValueError, match=rf"energy_em: `{which}` must be non-negative"):
+        energy_em(energy, jnp.ones(2), jnp.zeros(2), **kw)

@@ -649,3 +649,33 @@ def test_more_queries_than_keys_in_a_causal_layer_says_so(name):
     assert "at least as many keys as queries" in said and "structinfer.nn.uniform()" in said
     assert "include_self" not in said and "self-edge" not in said
     layer(jnp.ones((3, 8)), jnp.ones((5, 8)))  # fewer queries than keys: a suffix, fine
+
+
+@pytest.mark.parametrize("factory", ["uniform", "causal", "window", "relative_position",
+                                     "geometric", "geometric_beta"])
+def test_a_mechanism_factory_passed_uncalled_is_named(factory):
+    """Regression: ``Attention(si.nn.causal, ...)`` (the factory, not the mechanism it
+    returns) failed while tracing it on q, k, v: 'causal() takes 0 positional arguments
+    but 3 were given'."""
+    with pytest.raises(TypeError, match=rf"si\.nn\.{factory} makes a mechanism: call it"):
+        sinn.Attention(getattr(sinn, factory), num_heads=H, in_features=F, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda v: sinn.geometric(v), "q"),
+    (lambda v: sinn.geometric_beta(v, 2.0), "alpha"),
+    (lambda v: sinn.geometric_beta(1.0, v), "beta"),
+])
+def test_a_per_head_initial_value_of_the_wrong_shape_is_named(make, name):
+    """Regression: one rate per head given as a flat ``(heads,)`` list failed in JAX,
+    'Incompatible types for broadcasting: input type=float32[3] and requested type
+    float32[3,1]', naming neither the argument nor the shape it needs."""
+    flat = [0.2, 0.4, 0.6][:H]
+    with pytest.raises(ValueError, match=rf"{name} of shape \({H},\) must broadcast to "
+                                         rf"\(heads, 1\) = \({H}, 1\)"):
+        sinn.Attention(make(flat), num_heads=H, in_features=F, qkv_features=H * D,
+                       rngs=nnx.Rngs(0))
+    col = np.asarray(flat)[:, None]  # the documented (heads, 1) works
+    layer = sinn.Attention(make(col), num_heads=H, in_features=F, qkv_features=H * D,
+                           rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(layer.hyperparameters()[name].ravel(), flat, rtol=1e-6)

@@ -44,7 +44,7 @@ except ImportError:  # NumPyro < 0.20 (the releases for JAX < 0.7) has no uncond
                 msg["is_observed"], msg["value"] = False, None
 
 from .. import exact
-from .._checks import as_arrays, check_count, model_name
+from .._checks import as_arrays, check_count, check_key, model_name
 from ..exact import LikelihoodStructure, ScoreFactors
 from ._common import check_true_edges, latent_sites, offset_of, read_fit
 
@@ -366,7 +366,8 @@ def to_inference_data(
 
     Raises:
         EnergyOnlyModelError: the model has no normalised observation.
-        TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair.
+        TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair, or
+            `rng_key` is not one PRNG key.
         ValueError: a `numpyro.param` site, a discrete latent site that is not
             enumerated, no latent site, a bad `true_edges`, observations or other
             array arguments than those the MCMC ran on, or a count (`num_draws`, `num_prior_draws`,
@@ -378,6 +379,8 @@ def to_inference_data(
     num_draws = check_count(num_draws, "to_inference_data: num_draws")
     num_prior_draws = check_count(num_prior_draws, "to_inference_data: num_prior_draws", 0)
     batch_size = check_count(batch_size, "to_inference_data: batch_size", none_ok=True)
+    if rng_key is not None:
+        check_key(rng_key, "to_inference_data")
 
     parts = read_fit(fit, "to_inference_data")
     model = parts.model

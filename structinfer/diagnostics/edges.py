@@ -258,10 +258,20 @@ def compare_edges(
     Returns:
         A `pandas.DataFrame`, one row per model, sorted by MAP accuracy when a true
         structure is known.
+
+    Raises:
+        ValueError, KeyError: `edge_summary`'s error for one model (no `edge_posterior`
+            group, several edge sites and no `site`, no edge site `site`), naming it.
     """
     import pandas as pd
 
-    rows = {n: edge_summary(dt, site=site, true_edges=true_edges) for n, dt in idatas.items()}
+    rows = {}
+    for n, dt in idatas.items():
+        try:
+            rows[n] = edge_summary(dt, site=site, true_edges=true_edges)
+        except (ValueError, KeyError) as err:
+            msg = err.args[0] if err.args else str(err)
+            raise type(err)(f"compare_edges: model '{n}': {msg}") from err
     df = pd.DataFrame.from_dict(rows, orient="index")
     if "map_accuracy" in df:
         df = df.sort_values(["map_accuracy", "true_parent_prob"], ascending=False)

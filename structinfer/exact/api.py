@@ -33,7 +33,7 @@ from numpyro import validation_enabled
 from numpyro.contrib.funsor import infer_discrete
 from numpyro.handlers import block, substitute, trace
 
-from .._checks import as_arrays, is_concrete, model_name
+from .._checks import as_arrays, check_key, is_concrete, model_name
 from ..handlers import observe_given, pin, require_values
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
@@ -226,13 +226,22 @@ def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Arr
     ``out`` is returned as it is where $\log Z$ is a number: `log_z`'s derivatives are NaN
     where it is $-\infty$ (a child with no allowed parent in its own rows; a model that
     couples enumerated sites, several or a Markov chain, everywhere), so the answer is
-    NaN, never a finite number, and so are its own derivatives. A NaN $\log Z$ makes all
-    of ``out`` NaN: a NaN that does not depend on the tilts (an edge conditioned outside
-    its support) leaves their derivatives finite. A float16 $\log Z$ is not read for
-    $-\infty$: its sum over many children can overflow while every child is possible."""
+    NaN, never a finite number, and so are its own derivatives. A NaN $\log Z$, and a
+    $-\infty$ that no entry of ``out`` shows as NaN, make all of ``out`` NaN: a NaN or
+    $-\infty$ that does not depend on the tilts (an edge conditioned outside its
+    support, or on a parent its prior forbids) leaves their derivatives finite (and so
+    would the derivatives of the answer), while a child with no allowed parent makes its
+    own row NaN and leaves the rows of independent children as they are. A float16
+    $\log Z$ is not read for $-\infty$: its sum over many children can overflow while
+    every child is possible."""
     if not is_concrete(log_marginal):
-        nan = jnp.isnan(log_marginal)
-        return jax.tree.map(lambda x: jnp.where(nan, jnp.nan, x).astype(x.dtype), out)
+        bad = jnp.isnan(log_marginal)
+        leaves = jax.tree.leaves(out)
+        if _wide(log_marginal) and leaves:
+            shown = jnp.any(jnp.stack([jnp.isnan(x).any() for x in leaves]))
+            bad = bad | ((log_marginal == -jnp.inf) & ~shown)
+        # a product, not a where: the derivatives through the answer are NaN too, not 0
+        return jax.tree.map(lambda x: x * jnp.where(bad, jnp.nan, 1).astype(x.dtype), out)
     lz = float(log_marginal)
     if np.isnan(lz) and np.isnan(float(log_z(model, args, kwargs, info=info))):
         sites = info.edges
@@ -433,6 +442,7 @@ def sample_edges(
             under ``vmap``, per mapped element).
 
     Raises:
+        TypeError: ``rng_key`` is not one PRNG key (a seed, or a batch of keys).
         ValueError: the model has no edge sites; or, on concrete inputs, it gives every
             structure zero probability (forbidden edges, $-\infty$ factors) or a NaN
             log-weight: there is no posterior to draw from, never a forbidden structure.
@@ -441,7 +451,7 @@ def sample_edges(
         Stochastic (sampled) attention as a draw from the edge posterior (Singh &
         Buckley sec. 2, "latent alignment"); funsor forward-filter backward-sample.
     """
-    return _discrete_posterior(model, args, kwargs, 1, rng_key)
+    return _discrete_posterior(model, args, kwargs, 1, check_key(rng_key, "sample_edges"))
 
 
 def pointwise_log_likelihood(

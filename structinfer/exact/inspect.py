@@ -440,6 +440,11 @@ def _site_info(name: str, site: dict, plates: tuple[str, ...], nesting: int) -> 
         # a pytree of arrays (a Flax / Haiku module's parameters through
         # numpyro.contrib.module): no one shape or dtype
         return SiteInfo(name, "param", (), None, plates)
+    if isinstance(value, (list, tuple)):
+        what = "observed value" if site.get("is_observed") else "value"
+        raise TypeError(
+            f"site '{name}': its {what} is a {type(value).__name__}, not an array; pass "
+            f"jnp.asarray(...) (a {type(value).__name__} has no dtype for the engine to read)")
     vshape, vdtype = tuple(jnp.shape(value)), jnp.result_type(value)
     if kind == "param":
         return SiteInfo(name, "param", vshape, vdtype, plates)

@@ -43,7 +43,7 @@ from numpyro.infer.svi import SVIRunResult
 from numpyro.infer.util import log_density
 from numpyro.util import is_prng_key
 
-from .._checks import as_arrays, check_count, model_name
+from .._checks import as_arrays, check_count, check_key, model_name
 from ..exact import ModelInfo, inspect_model, log_marginal, safe_log_einsum
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site, start_failure
@@ -159,16 +159,6 @@ class _CollapsedELBO(ELBO):
         return {"loss": jnp.mean(losses), "mutable_state": None}
 
 
-def _check_key(rng_key: Any, what: str) -> jax.Array:
-    if not (isinstance(rng_key, jax.Array) and is_prng_key(rng_key)):
-        raise TypeError(
-            f"{what}: rng_key must be one PRNG key (jax.random.key(seed) or "
-            f"jax.random.PRNGKey(seed)), got {type(rng_key).__name__} "
-            f"{getattr(rng_key, 'shape', '')}"
-        )
-    return rng_key
-
-
 def _sampled_sites(model: Callable, args: tuple, kwargs: dict, what: str) -> ModelInfo:
     """The model's inspection, refusing what a sampler over its latent sites cannot do."""
     if not callable(model):
@@ -254,7 +244,7 @@ def nuts(
     prior with the edges enumerated, e.g. the geometric $q$ of expanding attention
     (Singh & Buckley sec. 5.2).
     """
-    rng_key = _check_key(rng_key, "nuts")
+    rng_key = check_key(rng_key, "nuts")
     num_warmup = check_count(num_warmup, "nuts: num_warmup", minimum=0)
     num_samples = check_count(num_samples, "nuts: num_samples")
     num_chains = check_count(num_chains, "nuts: num_chains")
@@ -410,7 +400,7 @@ def svi(
     learning $W_Q, W_K, W_V$ of Singh & Buckley Table 1 by maximising the collapsed
     evidence.
     """
-    rng_key = _check_key(rng_key, "svi")
+    rng_key = check_key(rng_key, "svi")
     num_steps = check_count(num_steps, "svi: num_steps")
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = _sampled_sites(model, args, kwargs, "svi")

@@ -84,6 +84,19 @@ def _rate(xp, a):
     return xp.isfinite(a) & (a > 0) & (a < 1)
 
 
+def _per_head(x, heads: int, dtype, who: str, what: str) -> jax.Array:
+    """An initial value ``x`` (a scalar, or one per head) as ``(heads, 1)``, or an error
+    naming the argument and the shape it must broadcast to."""
+    x = jnp.asarray(x, dtype)
+    try:
+        return jnp.broadcast_to(x, (heads, 1))
+    except ValueError:
+        raise ValueError(
+            f"{who}: {what} of shape {tuple(x.shape)} must broadcast to (heads, 1) = "
+            f"({heads}, 1): a scalar, or one value per head as a column (e.g. "
+            f"jnp.asarray({what})[:, None])") from None
+
+
 def _heads(q: jax.Array, k: jax.Array, v: jax.Array, who: str) -> tuple[int, int, int]:
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(
@@ -277,7 +290,7 @@ def geometric(
         _check_no_later_keys(n, m, "geometric")
         rate = numpyro.param(
             "q",
-            jnp.broadcast_to(jnp.asarray(q, qq.dtype), (H, 1)),
+            _per_head(q, H, qq.dtype, "geometric", "q"),
             constraint=constraints.unit_interval,
         )
         prior = priors.Geometric(rate, m, offset=m - n, max_distance=max_distance)
@@ -367,9 +380,9 @@ def geometric_beta(
         H, n, m = _heads(q, k, v, "geometric_beta")
         _check_no_later_keys(n, m, "geometric_beta")
         pos = constraints.positive
-        a = numpyro.param("alpha", jnp.broadcast_to(jnp.asarray(alpha, q.dtype), (H, 1)),
+        a = numpyro.param("alpha", _per_head(alpha, H, q.dtype, "geometric_beta", "alpha"),
                           constraint=pos)
-        b = numpyro.param("beta", jnp.broadcast_to(jnp.asarray(beta, q.dtype), (H, 1)),
+        b = numpyro.param("beta", _per_head(beta, H, q.dtype, "geometric_beta", "beta"),
                           constraint=pos)
         # bias[h, d + m - 1] for d = -(m-1) .. m-1 (offset m - n puts the last query at
         # distance m - 1 from the first key); d < 0 is forbidden by causal=True (bias 0)

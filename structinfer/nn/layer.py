@@ -41,6 +41,10 @@ from .._checks import is_concrete, model_name
 from ..handlers import mask_parents
 from ..lowering import BACKENDS, Explanation, accum_dtype, attention, check_rows
 from ..primitives import EDGE_INFO_KEY, is_enumerated
+from .heads import causal, geometric, geometric_beta, relative_position, uniform, window
+
+#: the ready-made mechanisms' factories, which a mechanism argument must not be
+_FACTORIES = (uniform, causal, window, relative_position, geometric, geometric_beta)
 
 __all__ = ["Attention", "Hyperparameter", "MechanismInfo", "describe_mechanism"]
 
@@ -362,6 +366,11 @@ class Attention(nnx.Module):
             raise TypeError(
                 f"structinfer.nn.Attention: mechanism must be a model (callable), got "
                 f"{type(mechanism).__name__}"
+            )
+        if any(mechanism is f for f in _FACTORIES):
+            raise TypeError(
+                f"structinfer.nn.Attention: si.nn.{mechanism.__name__} makes a mechanism: "
+                f"call it (si.nn.{mechanism.__name__}(...)) and pass the mechanism it returns"
             )
         if not isinstance(value, str):
             raise TypeError(f"structinfer.nn.Attention: value must be a site name, got {value!r}")

@@ -1,4 +1,4 @@
-"""Character-level language modelling with the attention prior swapped (issue 14).
+"""Character-level language modelling with the attention prior swapped.
 
 The same small transformer is trained with five structural priors on its attention,
 each a mechanism of ``structinfer.nn`` and nothing else changed (there is no

@@ -1,5 +1,5 @@
 """Mixtures by EM on structinfer models: a Gaussian mixture, slot attention on a synthetic
-scene, and switching linear dynamics segmentation (issue 7; Tschantz's log-sum-exp EM,
+scene, and switching linear dynamics segmentation (Tschantz's log-sum-exp EM,
 Singh & Buckley sec. 4.3).
 
 Each E-step is the exact engine on a structinfer model (``structinfer.infer.gmm_em``,
