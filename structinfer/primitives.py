@@ -387,7 +387,9 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     index is exactly ``0..m-1`` along one dim (what enumeration produces; checked with one
     comparison, at run time with ``lax.cond`` when the index is traced), it is a
     transpose of the table, no gather.
-    Out-of-range indices read NaN, never a clamped row (in a floating table; an integer
+    Out-of-range indices, negative ones included (no NumPy wrap: a parent index is never
+    negative, and ``-1`` is the "no path" that `map_edges` and `sample_edges` return under
+    ``jit``), read NaN, never a clamped or wrapped row (in a floating table; an integer
     table fills with its most negative value, and the exact engine refuses such a read
     at an edge value).
 
@@ -409,7 +411,7 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     if not all(a == 1 or b == 1 for a, b in zip(tpad, ipad)):
         out = Vindex(table)[..., index]  # JAX clamps out-of-range reads: mark them
         if jnp.issubdtype(out.dtype, jnp.inexact):
-            out = jnp.where((index >= -m) & (index < m), out, jnp.nan)
+            out = jnp.where((index >= 0) & (index < m), out, jnp.nan)
         return out
     out_shape = tuple(max(a, b) for a, b in zip(tpad, ipad))
     flat = jnp.reshape(index, (-1,))
@@ -434,7 +436,10 @@ def _gather_branches(tpad: tuple, ipad: tuple, out_shape: tuple, m: int):
     def take(table, flat):
         # out[b, v] = table[b, index[v]] with b and v on disjoint dims: take the columns,
         # then interleave the table's dims with the index's (one of each pair has size 1)
-        cols = jnp.take(table, flat, axis=-1, mode="fill")  # NaN past the end (floats)
+        # NaN past the end (floats), and for a negative index (no NumPy wrap: a parent
+        # index is never negative; -1 is the "no path" of map_edges under jit)
+        flat = jnp.where(flat < 0, m, flat)
+        cols = jnp.take(table, flat, axis=-1, mode="fill")
         return jnp.reshape(jnp.transpose(jnp.reshape(cols, tpad + ipad), perm), out_shape)
 
     p = next((k for k, s in enumerate(ipad) if s != 1), 0)

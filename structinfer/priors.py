@@ -78,9 +78,10 @@ __all__ = [
 
 
 class NoParentError(ValueError):
-    r"""A child is left no parent: every entry of its row of $\log p(\phi_i = j)$ is
-    $-\infty$ (a structural prior's, or at an edge site the prior plus the score's
-    ``-inf`` entries), so $p(\phi_i \mid x)$ cannot be normalised (Singh & Buckley,
+    r"""A child is left no parent: its row of $\log p(\phi_i = j)$ is all $-\infty$.
+
+    The row is a structural prior's, or at an edge site the prior plus the score's
+    ``-inf`` entries, so $p(\phi_i \mid x)$ cannot be normalised (Singh & Buckley,
     sec. 3: each child takes exactly one parent). A subclass of ``ValueError``, raised
     on concrete values (under ``jit`` such a child's answers are NaN). A child that
     ``numpyro.handlers.mask`` masks out (padding) may have no parent: it is not there."""

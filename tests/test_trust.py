@@ -228,6 +228,21 @@ def test_gather_matches_vindex_on_every_layout():
     assert np.isnan(si.gather(jnp.zeros((2, 3)), jnp.full((4, 1), 3))).all()
 
 
+def test_gather_reads_a_negative_index_as_nan_not_a_wrapped_row():
+    """A parent index is never negative: -1 is the sentinel `map_edges` and
+    `sample_edges` return under jit where no structure is possible, so
+    `si.gather(V, path)` must not read the last parent there (NumPy's wrap), on either
+    of gather's layouts (a column take, a broadcast Vindex), eagerly and under jit."""
+    table = jnp.arange(12.0).reshape(3, 4) + 1.0
+    for index in (jnp.array([0, -1, 2]),  # one index per row: the broadcast layout
+                  jnp.array([[0], [-1], [-4], [3]])):  # an enumerated-like column
+        for run in (si.gather, jax.jit(si.gather)):
+            got = np.asarray(run(table, index))
+            bad = np.broadcast_to(np.asarray(index) < 0, got.shape)
+            assert np.isnan(got[bad]).all(), got
+            assert np.isfinite(got[~bad]).all(), got
+
+
 # ----------------------------------------------------------------- child= in batch plates
 
 def two_hop(score, v):
