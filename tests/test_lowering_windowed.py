@@ -153,3 +153,39 @@ def test_windowed_input_errors():
         windowed_scores(np.zeros((3, 2)), np.zeros((5, 2)), 0)
     with pytest.raises(ValueError, match="same d"):
         windowed_scores(np.zeros((3, 2)), np.zeros((5, 4)), 2)
+
+
+def test_a_16_bit_geometric_q_is_the_exact_values_prior_past_256_distances():
+    """A bfloat16 ``q`` (a bfloat16 model's parameter) gives the band log-prior of its exact
+    value, computed in float32 as `priors.Geometric` does: in bfloat16 the distances past
+    256 are not integers and ``t log(1 - q)`` keeps 8 bits."""
+    W = 300
+    qg = jnp.bfloat16(0.01)
+    t = np.arange(W)
+    q64 = np.float64(qg)
+    want = np.log(q64) + t * np.log1p(-q64)  # independent reference, float64
+    lp = geometric_band_log_prior(qg, W)
+    assert lp.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lp, np.float64)[0], want, rtol=1e-6)
+    # the same through the fused function on float32 features: a float32 answer
+    r = np.random.default_rng(5)
+    n = W + 2
+    q, k, v = (jnp.asarray(0.1 * r.normal(size=(n, 2)), jnp.float32) for _ in range(3))
+    y = windowed_attention(q, k, v, qg, W, block_size=64)
+    d = np.arange(n)[:, None] - np.arange(n)[None, :]
+    logits = (np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+              + np.where((d >= 0) & (d < W), np.log(q64) + d * np.log1p(-q64), -np.inf))
+    np.testing.assert_allclose(y, softmax_np(logits) @ np.asarray(v, np.float64), atol=2e-6)
+
+
+@pytest.mark.parametrize("qg", [0.0, 1.0, -0.5, 1.5])
+def test_a_geometric_q_outside_the_open_unit_interval_is_named_or_nan(qg):
+    """``q = 0`` gave every band slot ``-inf`` and an output of zeros, a finite wrong
+    number; ``q = 1`` gave NaN without a word. Concrete: the error names ``q``; traced: NaN."""
+    x = jnp.ones((5, 2))
+    with pytest.raises(ValueError, match=r"geometric_band_log_prior: q must lie in \(0, 1\)"):
+        windowed_attention(x, x, x, qg, 3, block_size=4)
+    with pytest.raises(ValueError, match=r"q must lie in \(0, 1\)"):
+        geometric_band_log_prior(qg, 3)
+    y = jax.jit(lambda g: windowed_attention(x, x, x, g, 3, block_size=4))(qg)
+    assert np.isnan(np.asarray(y)).all()

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from .._checks import float32_at_least, require
 from ._spec import (
     Cols,
     Consts,
@@ -282,7 +283,11 @@ def geometric_band_log_prior(
             (``None``: no truncation inside the band).
 
     Returns:
-        ``(..., n or 1, W)`` log-prior, in ``q``'s floating dtype.
+        ``(..., n or 1, W)`` log-prior, in ``q``'s floating dtype (float32 for a 16-bit
+            ``q``, computed from its exact value).
+
+    Raises:
+        ValueError: a concrete ``q`` outside $(0, 1)$ (a traced one gives NaN).
 
     Reference:
         Singh & Buckley, "Attention as implicit structural inference", sec. 5.2 and
@@ -291,6 +296,11 @@ def geometric_band_log_prior(
     q = jnp.asarray(q)
     if not jnp.issubdtype(q.dtype, jnp.floating):
         q = q.astype(jnp.result_type(float))
+    q = require(lambda xp, q: (q > 0) & (q < 1),
+                "geometric_band_log_prior: q must lie in (0, 1), got {}", q)
+    # in float32 at least, as priors.Geometric: a 16-bit q's log-prior is its exact value's,
+    # and band distances past 256 are not integers in bfloat16
+    q = float32_at_least(q)
     qc = q[..., None] if q.ndim else q.reshape(1, 1)
     t = jnp.arange(int(window), dtype=q.dtype)
     lp = geometric_log_prior(jnp.log(qc), jnp.log1p(-qc), t)
@@ -401,7 +411,8 @@ def windowed_attention(
             computed in float32 for bfloat16 / float16 inputs).
 
     Raises:
-        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores].
+        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores], or a
+            concrete ``geometric_q`` outside $(0, 1)$ (a traced one gives NaN).
 
     Reference:
         Singh & Buckley, "Attention as implicit structural inference", sec. 5.2 and
