@@ -447,7 +447,10 @@ class GaussianKernel(_PairScore):
                              sigma)
 
     def dense(self) -> jax.Array:
-        return jnp.exp(-_sq_dist(*self._features()) / (self.sigma**2))
+        # a 16-bit sigma squared in float32, as the features are (its square rounds, and a
+        # float16 one below 0.0078 is subnormal)
+        sigma = float32_at_least(jnp.asarray(self.sigma))
+        return jnp.exp(-_sq_dist(*self._features()) / (sigma**2))
 
 
 class Cosine(_PairScore):

@@ -340,6 +340,22 @@ def test_a_16_bit_hartley_prior_is_its_exact_coefficients_table(dtype):
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("sigma", [0.7, 0.002])
+def test_a_16_bit_gaussian_kernel_width_is_squared_in_float32(dtype, sigma):
+    """`GaussianKernel` with a 16-bit ``sigma``: the float32 table is the one of its exact
+    value. ``sigma ** 2`` was rounded to 16 bits (5e-4 off at 0.7 in bfloat16), and a
+    float16 ``0.002 ** 2`` is subnormal, losing most of its bits."""
+    r = np.random.default_rng(0)
+    q, k = (jnp.asarray(0.5 * sigma * r.normal(size=(n, 3)), dtype) for n in (5, 7))
+    s = jnp.asarray(sigma, dtype)
+    d2 = ((np.asarray(q, np.float64)[:, None] - np.asarray(k, np.float64)[None]) ** 2).sum(-1)
+    want = np.exp(-d2 / np.float64(s) ** 2)
+    got = si.scores.GaussianKernel(q, k, sigma=s).dense()
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
 def test_negsqdist_full_precision_normaliser_reads_its_symmetric_part():
     """The quadratic form of a full precision reads only its symmetric part, and so does
     the normaliser: a non-symmetric precision whose symmetric part is I gives log Z and
