@@ -149,7 +149,7 @@ def test_windowed_gradients_match_dense_autodiff(x64):
 
 
 def test_windowed_input_errors():
-    with pytest.raises(ValueError, match="window must be >= 1"):
+    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
         windowed_scores(np.zeros((3, 2)), np.zeros((5, 2)), 0)
     with pytest.raises(ValueError, match="same d"):
         windowed_scores(np.zeros((3, 2)), np.zeros((5, 4)), 2)
@@ -189,3 +189,27 @@ def test_a_geometric_q_outside_the_open_unit_interval_is_named_or_nan(qg):
         geometric_band_log_prior(qg, 3)
     y = jax.jit(lambda g: windowed_attention(x, x, x, g, 3, block_size=4))(qg)
     assert np.isnan(np.asarray(y)).all()
+
+
+_WINDOWED_INT_ARGS = {  # argument -> a call taking it (the others valid)
+    "window": lambda x, a: windowed_attention(x, x, x, 0.3, a),
+    "offset": lambda x, a: windowed_attention(x, x, x, 0.3, 3, offset=a),
+    "min_distance": lambda x, a: windowed_scores(x, x, 3, min_distance=a),
+    "block_size": lambda x, a: windowed_values(jnp.ones((5, 3)), x, block_size=a),
+}
+
+
+@pytest.mark.parametrize("arg", list(_WINDOWED_INT_ARGS))
+def test_windowed_integer_arguments_are_checked_by_name(arg):
+    """The band's sizes set shapes: a traced one raised JAX's concretization error naming
+    no argument, and a float (``window=2.5``), a bool or a block size of 0 or below was
+    silently truncated or taken. Each is now refused naming the argument."""
+    x = jnp.ones((5, 2))
+    call = _WINDOWED_INT_ARGS[arg]
+    with pytest.raises(TypeError, match=f"`{arg}` must be a static Python int"):
+        jax.jit(lambda a: call(x, a))(2)
+    bad = [2.5, True] + ([0, -4] if arg in ("window", "block_size") else [])
+    for value in bad:
+        with pytest.raises(ValueError, match=f"{arg} must be an? .*int.*got {value!r}"):
+            call(x, value)
+    call(x, np.int64(1))  # NumPy ints are ints
