@@ -213,3 +213,23 @@ def test_windowed_integer_arguments_are_checked_by_name(arg):
         with pytest.raises(ValueError, match=f"{arg} must be an? .*int.*got {value!r}"):
             call(x, value)
     call(x, np.int64(1))  # NumPy ints are ints
+
+
+def test_a_child_with_no_parent_in_the_band_is_an_error_or_nan():
+    """A child whose band holds no parent (the first child without the self-edge, or a
+    horizon of 0) came out of `windowed_attention` as a row of zeros, a finite number the
+    exact engine (which refuses such a child) never gives. Concrete: the error names the
+    child; traced: its row is NaN, the others unchanged."""
+    r = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(r.normal(size=(6, 2)), jnp.float32) for _ in range(3))
+    with pytest.raises(ValueError, match=r"windowed_attention: child 0 has no parent"):
+        windowed_attention(q, k, v, 0.3, 3, min_distance=1)
+    with pytest.raises(ValueError, match=r"windowed_attention: child 0 has no parent"):
+        windowed_attention(q, k, v, 0.3, 3, horizon=0)
+    y = jax.jit(lambda a: windowed_attention(a, k, v, 0.3, 3, min_distance=1))(q)
+    assert np.isnan(np.asarray(y[0])).all()
+    d = np.arange(6)[:, None] - np.arange(6)[None, :]
+    logits = (np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+              + np.where((d >= 1) & (d <= 3), np.log(0.3) + (d - 1) * np.log1p(-0.3), -np.inf))
+    np.testing.assert_allclose(y[1:], (softmax_np(logits[1:]) @ np.asarray(v, np.float64)),
+                               atol=2e-6)

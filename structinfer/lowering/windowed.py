@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from .._checks import check_static_int, float32_at_least, require
+from .._checks import check_static_int, float32_at_least, is_concrete, require
 from ._spec import (
     Cols,
     Consts,
@@ -437,11 +437,14 @@ def windowed_attention(
 
     Returns:
         ``(..., n, dv)``, in ``v``'s floating dtype (the scores and the posterior are
-            computed in float32 for bfloat16 / float16 inputs).
+            computed in float32 for bfloat16 / float16 inputs); NaN in the row of a child
+            with no parent in the band, when traced.
 
     Raises:
-        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores], or a
-            concrete ``geometric_q`` outside $(0, 1)$ (a traced one gives NaN).
+        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores], a
+            concrete ``geometric_q`` outside $(0, 1)$ (a traced one gives NaN), or, on
+            concrete inputs, a child with no parent in the band (none within the parents
+            at distances ``min_distance .. min_distance + window - 1``, or the horizon).
         TypeError: as [`windowed_scores`][structinfer.lowering.windowed_scores].
 
     Reference:
@@ -454,4 +457,17 @@ def windowed_attention(
     v = jnp.asarray(v)
     y = windowed_values(windowed_posterior(s, lp), v, offset=offset,
                         min_distance=min_distance, block_size=block_size)
+    # a child with no parent in the band has no posterior (the exact engine refuses it):
+    # an error on concrete inputs, else NaN, never the posterior's row of zeros
+    empty = jnp.all(jnp.isneginf(s + lp), axis=-1)
+    if is_concrete(empty) and bool(jnp.any(empty)):
+        idx = tuple(int(i) for i in np.argwhere(np.asarray(empty))[0])
+        where = f"child {idx[-1]}" + (f" (batch index {idx[:-1]})" if idx[:-1] else "")
+        raise ValueError(
+            f"windowed_attention: {where} has no parent in the band (distances "
+            f"{min_distance}..{min_distance + window - 1} from position {idx[-1]} + offset "
+            f"{offset}, within the {jnp.shape(k)[-2]} parents and "
+            "the horizon): it has no posterior; drop that child or widen the band"
+        )
+    y = jnp.where(empty[..., None], jnp.nan, y)
     return y.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else y
