@@ -971,7 +971,8 @@ class RelativePosition(StructuralPrior):
         $b_k^{(i,j)} = \cos(2\pi k (i-j)/n) + \sin(2\pi k (i-j)/n)$ for $k = 0..K-1$.
 
         Args:
-            beta: the Hartley coefficients $\beta$, ``(..., K)``.
+            beta: the Hartley coefficients $\beta$, ``(..., K)`` (16-bit ones give
+                float32 log-weights, those of their exact values).
             num_nodes: number of nodes ``n``.
             causal: also forbid parents after the child.
 
@@ -980,6 +981,9 @@ class RelativePosition(StructuralPrior):
         """
         beta = as_float_array(beta, "RelativePosition.hartley beta")
         n = int(check_static_int(num_nodes, "num_nodes", "RelativePosition.hartley"))
+        # 16-bit coefficients: the basis and the sum in float32 (the table of their exact
+        # values, as every prior's), not rounded to 16 bits
+        beta = float32_at_least(beta)
         r = jnp.arange(n)
         k = jnp.arange(beta.shape[-1])
         ang = 2.0 * math.pi * k[:, None] * r[None, :] / n

@@ -79,6 +79,10 @@ def safe_pow_dist(sq: jax.Array, p: ArrayLike) -> jax.Array:
     """
     if is_concrete(p) and np.ndim(p) == 0 and float(p) == 2.0:
         return sq
+    # a 16-bit p's exponent in float32 (p / 2 - 1 rounds in 16 bits), as the table is
+    p = jnp.asarray(p)
+    if jnp.issubdtype(p.dtype, jnp.floating):
+        p = float32_at_least(p)
     pos = sq > 0
     safe = jnp.where(pos, sq, 1.0)
     return jnp.where(pos, safe * safe ** (p / 2.0 - 1.0), 0.0)
@@ -447,7 +451,10 @@ class GaussianKernel(_PairScore):
                              sigma)
 
     def dense(self) -> jax.Array:
-        return jnp.exp(-_sq_dist(*self._features()) / (self.sigma**2))
+        # a 16-bit sigma squared in float32, as the features are (its square rounds, and a
+        # float16 one below 0.0078 is subnormal)
+        sigma = float32_at_least(jnp.asarray(self.sigma))
+        return jnp.exp(-_sq_dist(*self._features()) / (sigma**2))
 
 
 class Cosine(_PairScore):

@@ -279,6 +279,21 @@ def test_a_row_that_is_not_finite_or_short_of_the_mass_is_nan():
     assert jax.jit(dg.effective_window)(a).shape == (3,)
 
 
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.float64])
+def test_the_whole_mass_of_a_rounded_row_has_a_window(dtype, x64):
+    """`effective_window(mass=1.0)` of a row that is a probability row to its dtype's
+    rounding (summing to 0.9995, which the marginals' check accepts) was NaN: its mass
+    never reached 1. It is the smallest window holding all of the row, as for any mass
+    (read as a fraction of the row's own total)."""
+    a = jnp.asarray([[0.6, 0.3995, 0.0], [0.2, 0.2, 0.6]], dtype)
+    want = [1, 1]  # child 0: parents 0 and 1 (|d| <= 1); child 1: parent 2 at d = -1
+    for f in (dg.effective_window, jax.jit(dg.effective_window, static_argnums=1)):
+        w = f(a, 0, 1.0)
+        assert w.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(w), want)
+    np.testing.assert_array_equal(np.asarray(dg.effective_window(a, 0, 0.6)), [0, 1])
+
 def test_log_or_unnormalised_marginals_are_refused():
     """Regression: the edge statistics took any (..., children, parents) array: a
     log-probability table or rows summing to 2 gave finite wrong expected distances,

@@ -149,7 +149,87 @@ def test_windowed_gradients_match_dense_autodiff(x64):
 
 
 def test_windowed_input_errors():
-    with pytest.raises(ValueError, match="window must be >= 1"):
+    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
         windowed_scores(np.zeros((3, 2)), np.zeros((5, 2)), 0)
     with pytest.raises(ValueError, match="same d"):
         windowed_scores(np.zeros((3, 2)), np.zeros((5, 4)), 2)
+
+
+def test_a_16_bit_geometric_q_is_the_exact_values_prior_past_256_distances():
+    """A bfloat16 ``q`` (a bfloat16 model's parameter) gives the band log-prior of its exact
+    value, computed in float32 as `priors.Geometric` does: in bfloat16 the distances past
+    256 are not integers and ``t log(1 - q)`` keeps 8 bits."""
+    W = 300
+    qg = jnp.bfloat16(0.01)
+    t = np.arange(W)
+    q64 = np.float64(qg)
+    want = np.log(q64) + t * np.log1p(-q64)  # independent reference, float64
+    lp = geometric_band_log_prior(qg, W)
+    assert lp.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lp, np.float64)[0], want, rtol=1e-6)
+    # the same through the fused function on float32 features: a float32 answer
+    r = np.random.default_rng(5)
+    n = W + 2
+    q, k, v = (jnp.asarray(0.1 * r.normal(size=(n, 2)), jnp.float32) for _ in range(3))
+    y = windowed_attention(q, k, v, qg, W, block_size=64)
+    d = np.arange(n)[:, None] - np.arange(n)[None, :]
+    logits = (np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+              + np.where((d >= 0) & (d < W), np.log(q64) + d * np.log1p(-q64), -np.inf))
+    np.testing.assert_allclose(y, softmax_np(logits) @ np.asarray(v, np.float64), atol=2e-6)
+
+
+@pytest.mark.parametrize("qg", [0.0, 1.0, -0.5, 1.5])
+def test_a_geometric_q_outside_the_open_unit_interval_is_named_or_nan(qg):
+    """``q = 0`` gave every band slot ``-inf`` and an output of zeros, a finite wrong
+    number; ``q = 1`` gave NaN without a word. Concrete: the error names ``q``; traced: NaN."""
+    x = jnp.ones((5, 2))
+    with pytest.raises(ValueError, match=r"geometric_band_log_prior: q must lie in \(0, 1\)"):
+        windowed_attention(x, x, x, qg, 3, block_size=4)
+    with pytest.raises(ValueError, match=r"q must lie in \(0, 1\)"):
+        geometric_band_log_prior(qg, 3)
+    y = jax.jit(lambda g: windowed_attention(x, x, x, g, 3, block_size=4))(qg)
+    assert np.isnan(np.asarray(y)).all()
+
+
+_WINDOWED_INT_ARGS = {  # argument -> a call taking it (the others valid)
+    "window": lambda x, a: windowed_attention(x, x, x, 0.3, a),
+    "offset": lambda x, a: windowed_attention(x, x, x, 0.3, 3, offset=a),
+    "min_distance": lambda x, a: windowed_scores(x, x, 3, min_distance=a),
+    "block_size": lambda x, a: windowed_values(jnp.ones((5, 3)), x, block_size=a),
+}
+
+
+@pytest.mark.parametrize("arg", list(_WINDOWED_INT_ARGS))
+def test_windowed_integer_arguments_are_checked_by_name(arg):
+    """The band's sizes set shapes: a traced one raised JAX's concretization error naming
+    no argument, and a float (``window=2.5``), a bool or a block size of 0 or below was
+    silently truncated or taken. Each is now refused naming the argument."""
+    x = jnp.ones((5, 2))
+    call = _WINDOWED_INT_ARGS[arg]
+    with pytest.raises(TypeError, match=f"`{arg}` must be a static Python int"):
+        jax.jit(lambda a: call(x, a))(2)
+    bad = [2.5, True] + ([0, -4] if arg in ("window", "block_size") else [])
+    for value in bad:
+        with pytest.raises(ValueError, match=f"{arg} must be an? .*int.*got {value!r}"):
+            call(x, value)
+    call(x, np.int64(1))  # NumPy ints are ints
+
+
+def test_a_child_with_no_parent_in_the_band_is_an_error_or_nan():
+    """A child whose band holds no parent (the first child without the self-edge, or a
+    horizon of 0) came out of `windowed_attention` as a row of zeros, a finite number the
+    exact engine (which refuses such a child) never gives. Concrete: the error names the
+    child; traced: its row is NaN, the others unchanged."""
+    r = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(r.normal(size=(6, 2)), jnp.float32) for _ in range(3))
+    with pytest.raises(ValueError, match=r"windowed_attention: child 0 has no parent"):
+        windowed_attention(q, k, v, 0.3, 3, min_distance=1)
+    with pytest.raises(ValueError, match=r"windowed_attention: child 0 has no parent"):
+        windowed_attention(q, k, v, 0.3, 3, horizon=0)
+    y = jax.jit(lambda a: windowed_attention(a, k, v, 0.3, 3, min_distance=1))(q)
+    assert np.isnan(np.asarray(y[0])).all()
+    d = np.arange(6)[:, None] - np.arange(6)[None, :]
+    logits = (np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+              + np.where((d >= 1) & (d <= 3), np.log(0.3) + (d - 1) * np.log1p(-0.3), -np.inf))
+    np.testing.assert_allclose(y[1:], (softmax_np(logits[1:]) @ np.asarray(v, np.float64)),
+                               atol=2e-6)

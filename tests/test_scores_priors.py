@@ -322,6 +322,57 @@ def test_a_16_bit_prior_is_normalised_in_float32():
                                    rtol=1e-6, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_16_bit_hartley_prior_is_its_exact_coefficients_table(dtype):
+    """`RelativePosition.hartley` with 16-bit coefficients: the log-table (float32) is the
+    one of the coefficients' exact values, as for every 16-bit prior. The basis and the
+    sum over coefficients were rounded to 16 bits (an error of 0.015 in a float32 table)."""
+    n, K = 11, 5
+    beta = jnp.asarray(2 * np.random.default_rng(0).normal(size=(2, K)), dtype)
+    b64 = np.asarray(beta, np.float64)
+    ang = 2 * np.pi * np.arange(K)[:, None] * np.arange(n)[None, :] / n
+    logits = b64 @ (np.cos(ang) + np.sin(ang))  # (2, n): one per distance mod n
+    d = (np.arange(n)[:, None] - np.arange(n)[None, :]) % n
+    want = logits[:, d]
+    want = want - np.log(np.exp(want).sum(-1, keepdims=True))
+    got = si.priors.RelativePosition.hartley(beta, n).log_table(n)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("sigma", [0.7, 0.002])
+def test_a_16_bit_gaussian_kernel_width_is_squared_in_float32(dtype, sigma):
+    """`GaussianKernel` with a 16-bit ``sigma``: the float32 table is the one of its exact
+    value. ``sigma ** 2`` was rounded to 16 bits (5e-4 off at 0.7 in bfloat16), and a
+    float16 ``0.002 ** 2`` is subnormal, losing most of its bits."""
+    r = np.random.default_rng(0)
+    q, k = (jnp.asarray(0.5 * sigma * r.normal(size=(n, 3)), dtype) for n in (5, 7))
+    s = jnp.asarray(sigma, dtype)
+    d2 = ((np.asarray(q, np.float64)[:, None] - np.asarray(k, np.float64)[None]) ** 2).sum(-1)
+    want = np.exp(-d2 / np.float64(s) ** 2)
+    got = si.scores.GaussianKernel(q, k, sigma=s).dense()
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cls", [si.scores.NegLogDist, si.scores.InvDist])
+def test_a_16_bit_distance_exponent_is_its_exact_value(cls, dtype):
+    """`NegLogDist` / `InvDist` with a 16-bit ``p``: the float32 table is the one of its
+    exact value. The exponent ``p / 2 - 1`` was rounded to 16 bits (a bfloat16 ``p = 0.3``
+    put NegLogDist's table 0.019 off at distances ~50)."""
+    r = np.random.default_rng(0)
+    q, k = (jnp.asarray(30 * r.normal(size=(n, 3)), dtype) for n in (5, 7))
+    p = jnp.asarray(0.3, dtype)
+    d2 = ((np.asarray(q, np.float64)[:, None] - np.asarray(k, np.float64)[None]) ** 2).sum(-1)
+    dp = d2 ** (np.float64(p) / 2)
+    want = -np.log(1e-3 + dp) if cls is si.scores.NegLogDist else 1 / (1e-3 + dp)
+    got = cls(q, k, p=p).dense()
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
 def test_negsqdist_full_precision_normaliser_reads_its_symmetric_part():
     """The quadratic form of a full precision reads only its symmetric part, and so does
     the normaliser: a non-symmetric precision whose symmetric part is I gives log Z and

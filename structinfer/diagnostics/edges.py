@@ -93,6 +93,9 @@ def effective_window(
 
     $$w_i = \min\{w \ge 0 : \textstyle\sum_{j : |d_{ij}| \le w} A_{ij} \ge \text{mass}\}$$
 
+    (``mass`` is read as a fraction of the row's total, so a row summing to 1 only to its
+    dtype's rounding has a window holding all of it).
+
     Args:
         marginals: `(..., children, parents)`, rows summing to one.
         offset: an int, or the structural prior of the edge site (its `offset` is used).
@@ -118,7 +121,10 @@ def effective_window(
     inside = (d[..., None] <= ws).astype(a.dtype)  # (n, m, W)
     cum = jnp.einsum("...ij,ijw->...iw", a, inside)
     tol = 1e-6 if a.dtype == jnp.float32 else 1e-12
-    held = cum >= mass - tol
+    # `mass` of the row's own total (the largest window holds every parent): a row that
+    # sums to 1 only to its dtype's rounding (as `check_marginals` accepts) still has a
+    # window holding all of it
+    held = cum >= mass * cum[..., -1:] - tol
     w = jnp.argmax(held, axis=-1).astype(a.dtype)
     ok = held[..., -1] & jnp.all(jnp.isfinite(a), axis=-1)
     return jnp.where(ok, w, jnp.nan)

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from .._checks import check_static_int, float32_at_least, is_concrete, require
 from ._spec import (
     Cols,
     Consts,
@@ -57,6 +59,18 @@ __all__ = [
     "windowed_values",
     "windowed_attention",
 ]
+
+
+
+def _band_int(value, name: str, who: str, minimum: int | None = None) -> int:
+    """A size of the band (it sets a shape) as a Python int: refuse a traced one, a bool, a
+    float and one below ``minimum``, naming the argument."""
+    check_static_int(value, name, who)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{who}: {name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def _pad2(x: jax.Array, axis: int, left: int, right: int, value=0) -> jax.Array:
@@ -233,7 +247,9 @@ def windowed_scores(
 
     Raises:
         ValueError: ``q`` and ``k`` are not ``(..., n, d)`` and ``(..., m, d)`` with the
-            same ``d``, or ``window < 1``.
+            same ``d``, or ``window``, ``offset``, ``min_distance`` or ``block_size`` is not
+            an int (``window`` and ``block_size`` at least 1).
+        TypeError: one of those ints is traced (each sets a shape).
 
     Reference:
         Singh & Buckley, "Attention as implicit structural inference", sec. 5.2
@@ -244,8 +260,11 @@ def windowed_scores(
     if q.ndim < 2 or k.ndim < 2 or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"windowed_scores: q {q.shape} and k {k.shape} must be (..., n, d) "
                          "and (..., m, d) with the same d")
-    if int(window) < 1:
-        raise ValueError(f"windowed_scores: window must be >= 1, got {window}")
+    who = "windowed_scores"
+    window = _band_int(window, "window", who, 1)
+    offset = _band_int(offset, "offset", who)
+    min_distance = _band_int(min_distance, "min_distance", who)
+    block_size = _band_int(block_size, "block_size", who, 1)
     n, m = q.shape[-2], k.shape[-2]
     qq = q if scale is None else q * scale
     dtype = jnp.result_type(qq.dtype, k.dtype)
@@ -282,7 +301,13 @@ def geometric_band_log_prior(
             (``None``: no truncation inside the band).
 
     Returns:
-        ``(..., n or 1, W)`` log-prior, in ``q``'s floating dtype.
+        ``(..., n or 1, W)`` log-prior, in ``q``'s floating dtype (float32 for a 16-bit
+            ``q``, computed from its exact value).
+
+    Raises:
+        ValueError: a concrete ``q`` outside $(0, 1)$ (a traced one gives NaN), or
+            ``window`` is not an int >= 1.
+        TypeError: ``window`` is traced (it sets a shape).
 
     Reference:
         Singh & Buckley, "Attention as implicit structural inference", sec. 5.2 and
@@ -291,8 +316,13 @@ def geometric_band_log_prior(
     q = jnp.asarray(q)
     if not jnp.issubdtype(q.dtype, jnp.floating):
         q = q.astype(jnp.result_type(float))
+    q = require(lambda xp, q: (q > 0) & (q < 1),
+                "geometric_band_log_prior: q must lie in (0, 1), got {}", q)
+    # in float32 at least, as priors.Geometric: a 16-bit q's log-prior is its exact value's,
+    # and band distances past 256 are not integers in bfloat16
+    q = float32_at_least(q)
     qc = q[..., None] if q.ndim else q.reshape(1, 1)
-    t = jnp.arange(int(window), dtype=q.dtype)
+    t = jnp.arange(_band_int(window, "window", "geometric_band_log_prior", 1), dtype=q.dtype)
     lp = geometric_log_prior(jnp.log(qc), jnp.log1p(-qc), t)
     if horizon is not None:
         h = jnp.asarray(horizon)
@@ -343,7 +373,16 @@ def windowed_values(
 
     Returns:
         ``(..., n, dv)``. Cost $O(n W d_v)$.
+
+    Raises:
+        ValueError: ``offset``, ``min_distance`` or ``block_size`` is not an int
+            (``block_size`` at least 1).
+        TypeError: one of them is traced (each sets a shape).
     """
+    who = "windowed_values"
+    offset = _band_int(offset, "offset", who)
+    min_distance = _band_int(min_distance, "min_distance", who)
+    block_size = _band_int(block_size, "block_size", who, 1)
     probs = jnp.asarray(probs)
     v = jnp.asarray(v)
     dtype = jnp.result_type(probs.dtype, v.dtype)
@@ -398,10 +437,15 @@ def windowed_attention(
 
     Returns:
         ``(..., n, dv)``, in ``v``'s floating dtype (the scores and the posterior are
-            computed in float32 for bfloat16 / float16 inputs).
+            computed in float32 for bfloat16 / float16 inputs); NaN in the row of a child
+            with no parent in the band, when traced.
 
     Raises:
-        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores].
+        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores], a
+            concrete ``geometric_q`` outside $(0, 1)$ (a traced one gives NaN), or, on
+            concrete inputs, a child with no parent in the band (none within the parents
+            at distances ``min_distance .. min_distance + window - 1``, or the horizon).
+        TypeError: as [`windowed_scores`][structinfer.lowering.windowed_scores].
 
     Reference:
         Singh & Buckley, "Attention as implicit structural inference", sec. 5.2 and
@@ -413,4 +457,17 @@ def windowed_attention(
     v = jnp.asarray(v)
     y = windowed_values(windowed_posterior(s, lp), v, offset=offset,
                         min_distance=min_distance, block_size=block_size)
+    # a child with no parent in the band has no posterior (the exact engine refuses it):
+    # an error on concrete inputs, else NaN, never the posterior's row of zeros
+    empty = jnp.all(jnp.isneginf(s + lp), axis=-1)
+    if is_concrete(empty) and bool(jnp.any(empty)):
+        idx = tuple(int(i) for i in np.argwhere(np.asarray(empty))[0])
+        where = f"child {idx[-1]}" + (f" (batch index {idx[:-1]})" if idx[:-1] else "")
+        raise ValueError(
+            f"windowed_attention: {where} has no parent in the band (distances "
+            f"{min_distance}..{min_distance + window - 1} from position {idx[-1]} + offset "
+            f"{offset}, within the {jnp.shape(k)[-2]} parents and "
+            "the horizon): it has no posterior; drop that child or widen the band"
+        )
+    y = jnp.where(empty[..., None], jnp.nan, y)
     return y.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else y
