@@ -933,17 +933,6 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
                 f"edge site '{name}': score has shape {tuple(jnp.shape(table))}, expected "
                 f"(..., {k}) (one log-potential per parent of this step)"
             )
-        lead = table.shape[:-1]
-        if len(lead) > len(batch) or any(a not in (1, b) for a, b in
-                                         zip(lead[::-1], batch[::-1])):
-            # the step's edge (the scan's carry) has the plates' batch shape: a dim no
-            # plate declares changes the carry's type (or meets the plates' broadcast)
-            raise ValueError(
-                f"edge site '{name}': score of shape {tuple(table.shape)} has more batch "
-                f"dims than the plates around the edge (batch shape {tuple(batch)}), or "
-                f"dims that differ from theirs: a step's score is ({k},) or the plates' "
-                f"batch shape + ({k},) (several chains: a plate inside the scan's step)"
-            )
         # -inf forbids the state at this step, as a -inf score forbids an edge
         check_finite(table, f"edge site '{name}': score", allow_neg_inf=True)
         logits = logits + float32_at_least(table)

@@ -1045,18 +1045,6 @@ def test_an_empty_chain_is_refused_by_name_not_an_unbound_local_error():
         si.attention(hmm, "v")(empty, lt, li)
 
 
-def test_a_score_with_more_batch_dims_than_the_plates_is_refused_by_name():
-    """Regression: a chain's per-step score with a batch dim no plate declares (``(1, K)``
-    from ``Dot(q_t[None], k)``, or ``(B, K)`` for B chains without a plate) failed with
-    JAX's carry-type or broadcasting errors, naming neither the site nor the score; a
-    plain edge refuses such a score naming it. Now the Markov edge does too."""
-    em, lt, li = _params()
-    for extra in (em[:, None, :], jnp.stack([em, em], 1)):
-        with pytest.raises(ValueError, match=r"edge site 'z': score of shape \(\d, 3\) has "
-                                             "more batch dims than the plates"):
-            si.log_marginal(hmm, extra, lt, li)
-
-
 def test_a_factor_in_a_scan_with_history_two_is_refused_by_name():
     """Regression: a `potential` in ``scan(..., history=2)`` reading the discrete site two
     steps back (a second-order factor on NumPyro's own categorical chain, no edge) gave a
