@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
+import numpyro.distributions as dist
 import pytest
 from conftest import float64
 from numpyro.contrib.control_flow import scan
@@ -1069,3 +1070,38 @@ def test_a_factor_in_a_scan_with_history_two_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"factor site 'again'.*history=2"):
         si.log_marginal(second_order, y)
+
+
+def test_a_chain_whose_score_depends_on_another_enumerated_site_is_exact():
+    """A per-step score that reads another enumerated site (a regime c shifting every
+    step's score) carries c's enumeration dim: not a batch dim the plates miss. Its log Z
+    and marginals equal brute force over (c, path)."""
+    T, K = 4, 3
+    r = np.random.default_rng(0)
+    em, lt, li, off = (jnp.asarray(r.normal(size=s), jnp.float32)
+                       for s in ((T, K), (K, K), (K,), (2, K)))
+    pc = np.array([0.3, 0.7])
+
+    def model(em):
+        c = numpyro.sample("c", dist.Categorical(jnp.asarray(pc)),
+                           infer={"enumerate": "parallel"})
+        prior = si.priors.Markov(lt, li)
+
+        def step(prev, e):
+            return si.edge("z", prior, e + off[c], previous=prev), None
+
+        scan(step, jnp.asarray(-1), em)
+
+    ltn, lin = np.asarray(jax.nn.log_softmax(lt, -1)), np.asarray(jax.nn.log_softmax(li))
+    logw, paths = [], []
+    for c in range(2):
+        for p in itertools.product(range(K), repeat=T):
+            s = np.log(pc[c]) + lin[p[0]] + sum(em[t, p[t]] + off[c, p[t]] for t in range(T))
+            logw.append(float(s + sum(ltn[p[t - 1], p[t]] for t in range(1, T))))
+            paths.append(p)
+    logz = np.logaddexp.reduce(logw)
+    marg = np.zeros((T, K))
+    for w, p in zip(np.exp(np.array(logw) - logz), paths):
+        marg[np.arange(T), p] += w
+    assert float(si.log_marginal(model, em)) == pytest.approx(logz, abs=1e-4)
+    np.testing.assert_allclose(si.marginals(model, em)["z"], marg, atol=1e-5)
