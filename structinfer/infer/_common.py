@@ -222,3 +222,12 @@ def weighted_affine_fit(u: jax.Array, y: jax.Array, r: jax.Array, A: jax.Array,
     b_new = jnp.where(live[:, None], Ab[..., -1], b)
     err = y[None] - (jnp.einsum("kij,tj->kti", A_new, u) + b_new[:, None, :])
     return A_new, b_new, err, nk, live
+
+
+def check_step_size(step_size: Any, what: str) -> Any:
+    """Every leaf of a step size non-negative (`check_value`: an error naming ``what``,
+    NaN when traced): a negative step climbs the energy; a zero leaf holds its mean or
+    parameter where it is."""
+    return jax.tree.map(
+        lambda h: check_value(h, lambda xp, v: v >= 0, what, "must be non-negative"),
+        step_size)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .._checks import check_count
 from . import gradient
-from ._common import as_float_tree, check_value, like_tree, rel_change_small
+from ._common import as_float_tree, check_step_size, like_tree, rel_change_small
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["EMState", "init", "step", "run"]
@@ -45,24 +45,15 @@ def _e_step(energy_fn, v, th, e_step_size, e_iters, e_tol):
     """
     e_iters = check_count(e_iters, "energy_em: e_iters",
                           role="the most gradient steps of each E-step")
-    e_step_size = _positive(e_step_size, "e_step_size")
+    e_step_size = check_step_size(e_step_size, "energy_em: `e_step_size`")
     st, info = gradient.run(lambda z: energy_fn(z, th), v, step_size=e_step_size, tol=e_tol,
                             max_iters=e_iters, raise_on_nonfinite=False)
     return st.mu, jnp.where(info.nonfinite, info.final_energy(), st.energy)
 
 
-def _positive(step_size: Any, name: str) -> Any:
-    """Every leaf of a step size non-negative (`check_value`: NaN when traced): a negative
-    step climbs the energy (a zero leaf holds its latent or parameter fixed)."""
-    return jax.tree.map(
-        lambda h: check_value(h, lambda xp, v: v >= 0, f"energy_em: `{name}`",
-                              "must be non-negative"),
-        step_size)
-
-
 def _m_step(energy_fn, state, m_step_size):
     g = jax.grad(energy_fn, argnums=1)(state.latents, state.params)
-    lr = like_tree(_positive(m_step_size, "m_step_size"), g)
+    lr = like_tree(check_step_size(m_step_size, "energy_em: `m_step_size`"), g)
     return jax.tree.map(lambda p, gi, h: (p - h * gi).astype(jnp.result_type(p)),
                         state.params, g, lr)
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._common import as_float_tree, check_value, like_tree, max_abs, site_finder
+from ._common import as_float_tree, check_step_size, like_tree, max_abs, site_finder
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GradientState", "init", "step", "run"]
@@ -61,19 +61,10 @@ def step(
     Returns:
         `(new_state, converged)` with `converged = max |∇F(new μ)| <= tol`.
     """
-    lr = like_tree(_check_step_size(step_size), state.mu)
+    lr = like_tree(check_step_size(step_size, "gradient_descent: `step_size`"), state.mu)
     mu = jax.tree.map(lambda m, g, h: (m - h * g).astype(m.dtype), state.mu, state.grad, lr)
     e, g = jax.value_and_grad(energy_fn)(mu)
     return GradientState(mu, e, g), max_abs(g) <= tol
-
-
-def _check_step_size(step_size: Any) -> Any:
-    """Every leaf of ``step_size`` non-negative (`check_value`: NaN when traced): a
-    negative step climbs the energy (a zero leaf holds its mean where it is)."""
-    return jax.tree.map(
-        lambda h: check_value(h, lambda xp, v: v >= 0, "gradient_descent: `step_size`",
-                              "must be non-negative"),
-        step_size)
 
 
 def run(
@@ -107,7 +98,7 @@ def run(
     Returns:
         `(GradientState, LoopInfo)`.
     """
-    step_size = _check_step_size(step_size)
+    step_size = check_step_size(step_size, "gradient_descent: `step_size`")
     state = init(energy_fn, mu0)
 
     def body(s):
