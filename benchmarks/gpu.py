@@ -50,7 +50,12 @@ reported as ``failed: <reason>`` and the run goes on):
   for block_sparse a ``create_block_mask`` of the same pattern);
   its backward differentiates ``sum(out * v[..., :1])``, the same cost;
 * ``tokamax-triton`` / ``tokamax-mosaic`` -- ``tokamax.dot_product_attention(...,
-  implementation=...)`` when tokamax is importable.
+  implementation=...)`` when tokamax is importable;
+* run only when named: ``cudnn-residual`` -- the ``cudnn`` call with
+  ``return_residual=True`` (cuDNN's training-mode forward, which also writes the row
+  log-normalisers), and ``cudnn-as-ours`` -- that call with the heads as cuDNN's batch,
+  (heads, n, 1, d): the call structinfer's cuDNN kernel makes, to split its overhead
+  over ``cudnn``.
 
 Timing: each implementation is called once (compile, tracing and first run), once more
 (warm; the compile seconds printed are the first call minus this one), then timed as the
@@ -144,7 +149,13 @@ IMPLS = {
     "pallas-mha": (2, "JAX Pallas mha"),
     "tokamax-triton": (2, "tokamax triton"),
     "tokamax-mosaic": (2, "tokamax mosaic"),
+    "cudnn-residual": (3, "jax.nn cuDNN + L"),
+    "cudnn-as-ours": (3, "jax.nn cuDNN + L, heads as batch"),
 }
+#: implementations run only when named: the bare cuDNN call made as structinfer's cuDNN
+#: kernel makes it, to split the model path's overhead over ``cudnn`` (the forward with
+#: the row log-normalisers, then also the heads as cuDNN's batch)
+EXTRA_IMPLS = ("cudnn-residual", "cudnn-as-ours")
 GEO_Q = bench.GEO_Q
 
 
@@ -417,8 +428,11 @@ def _peer_kwargs(case: str, p: Problem, window: int, dtype) -> tuple[dict, jax.A
     return {}, jnp.broadcast_to(p.colbias, (p.H, n, n)).astype(dtype)[None]
 
 
-def _bthd_check(mode):
-    back = lambda x: jnp.swapaxes(x[0], 0, 1)  # (1, n, H, d) -> (H, n, d)  # noqa: E731
+def _bthd_check(mode, heads_as_batch: bool = False):
+    if heads_as_batch:
+        back = lambda x: x[:, :, 0]  # (H, n, 1, d) -> (H, n, d)  # noqa: E731
+    else:
+        back = lambda x: jnp.swapaxes(x[0], 0, 1)  # (1, n, H, d) -> (H, n, d)  # noqa: E731
     if mode == "fwd":
         return lambda y: {"out": back(y)}
     # the relative-position table's gradient, (H, 2n - 1), as it is
@@ -426,36 +440,50 @@ def _bthd_check(mode):
                       for name, x in zip(("dq", "dk", "dv", "dtable"), g)}
 
 
-def _build_bthd(ctx, attend):
-    """A peer taking (1, n, H, d) inputs: ``attend(q, k, v, bias=, **static) -> out``."""
+def _build_bthd(ctx, attend, heads_as_batch: bool = False):
+    """A peer taking (1, n, H, d) inputs: ``attend(q, k, v, bias=, **static) -> out``;
+    with ``heads_as_batch``, (H, n, 1, d) inputs and a (H, 1, n, n) bias table instead
+    (the layout structinfer's cuDNN kernel passes: the model's (H, n, d) arrays as they
+    are), made before the timed calls."""
     case, p, mode = ctx["case"], ctx["p"], ctx["mode"]
     q, k, v, w = p.bthd
+    if heads_as_batch:
+        q, k, v, w = (x[:, :, None] for x in (p.q, p.k, p.v, p.w))
     if case == "relpos_grad" and mode != "fwd":  # the table made in the program, trained
         n = p.n
 
         def f(q, k, v, rel):
             dd = jax.lax.iota(jnp.int32, n)[:, None] - jax.lax.iota(jnp.int32, n)[None, :]
-            return attend(q, k, v, bias=jnp.take(rel, dd + n - 1, axis=-1).astype(p.dtype)[None])
+            table = jnp.take(rel, dd + n - 1, axis=-1).astype(p.dtype)
+            return attend(q, k, v, bias=table[:, None] if heads_as_batch else table[None])
 
         bias = p.extra(case)
     else:
         static, bias = _peer_kwargs(case, p, ctx["window"], p.dtype)
         if bias is not None:  # the table is an input, made before the timed calls
-            bias = jax.block_until_ready(bias)
+            bias = jax.block_until_ready(jnp.swapaxes(bias, 0, 1) if heads_as_batch else bias)
 
         def f(q, k, v, bias):
             return attend(q, k, v, bias=bias, **static)
 
     fn = jax.jit(f) if mode == "fwd" else jax.jit(_loss_grad(f, w, case == "relpos_grad"))
-    return (lambda: fn(q, k, v, bias)), _jax_sync, _bthd_check(mode), {}
+    return (lambda: fn(q, k, v, bias)), _jax_sync, _bthd_check(mode, heads_as_batch), {}
 
 
-def build_cudnn(ctx):
+def build_cudnn(ctx, residual: bool = False, heads_as_batch: bool = False):
+    """jax.nn's cuDNN call; ``residual`` asks for the row log-normalisers too (cuDNN's
+    training-mode forward, which structinfer's kernel runs), ``heads_as_batch`` passes
+    the heads as cuDNN's batch (structinfer's layout)."""
     if jax.default_backend() != "gpu":
         raise Skip("cuDNN needs a GPU")
     scale = ctx["p"].d ** -0.5
-    return _build_bthd(ctx, lambda q, k, v, **kw: jax.nn.dot_product_attention(
-        q, k, v, scale=scale, implementation="cudnn", **kw))
+
+    def attend(q, k, v, **kw):
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn",
+                                           return_residual=residual, **kw)
+        return out[0] if residual else out
+
+    return _build_bthd(ctx, attend, heads_as_batch)
 
 
 def build_tokamax(ctx, implementation: str):
@@ -663,6 +691,8 @@ BUILDERS = {
     "structinfer-mosaic": lambda ctx: build_structinfer(ctx, "mosaic"),
     "structinfer-cudnn": lambda ctx: build_structinfer(ctx, "cudnn"),
     "cudnn": build_cudnn,
+    "cudnn-residual": lambda ctx: build_cudnn(ctx, residual=True),
+    "cudnn-as-ours": lambda ctx: build_cudnn(ctx, residual=True, heads_as_batch=True),
     "pallas-mha": build_pallas_mha,
     "torch-sdpa": build_torch_sdpa,
     "torch-flex": build_flex,
@@ -947,7 +977,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=None, help="default 128")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + EXTRA_CASES)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--impls", nargs="+", choices=list(IMPLS),
+                    default=[i for i in IMPLS if i not in EXTRA_IMPLS])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="default bfloat16 (float32 with --quick)")
     ap.add_argument("--window", type=int, default=None, help="sliding window (default 256)")

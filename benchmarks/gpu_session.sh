@@ -16,12 +16,12 @@
 # exists
 # (`pip install --no-deps --target`, put first on PYTHONPATH).
 #
-# Steps: the Mosaic GPU kernel's tests (`pytest -m gpu tests/test_mosaic.py`); the
-# kernels alone on the relative-position prior (`benchmarks/gpu_tune.py`: the table's
-# gradient as its own Triton pass and inside the dK/dV pass, side by side); the model
-# path against the peers at n = 4096 (a trained table, dense, causal, window) and at
-# n = 1024 and 2048 (relative position on cuDNN or on our kernels); then the rest of
-# `pytest -m gpu`.
+# Steps, the measurements still open first: the model path's forward overhead over the
+# bare cuDNN call, split (`benchmarks/gpu.py` at n = 4096: dense, causal, window against
+# `cudnn`, `cudnn-residual` and `cudnn-as-ours`, the call structinfer makes); the peers on
+# per-parent bias, block-sparse and geometric at n = 4096 and on causal and window at
+# n = 16384; then the whole `pytest -m gpu`, spread over several processes (pytest-xdist,
+# JAX's GPU memory allocated as needed, not preallocated per process).
 set -uo pipefail
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
@@ -80,24 +80,25 @@ if [ "$quick" = 1 ]; then
   pytest+=(--collect-only)  # a CPU runs the kernels' tests in the suite already
   q=(--quick)
   sizes4k=(--sizes 128 --heads 2)
-  sizes_small=(--sizes 64 96 --heads 2)
-  tune=(--quick --cases relpos)
+  sizes16k=(--sizes 256 --heads 2)
 else
+  pytest+=(-n "${GPU_TEST_WORKERS:-6}" --timeout 300)
   q=()
   sizes4k=(--sizes 4096 --heads 32)
-  sizes_small=(--sizes 1024 2048 --heads 16)
-  tune=(--sizes 4096 16384 --heads 32 16 --cases relpos --steps 2)
+  sizes16k=(--sizes 16384 --heads 16)
 fi
 
-step mosaic_tests 150 "${pytest[@]}" tests/test_mosaic.py
-step tune_relpos 100 "$py" benchmarks/gpu_tune.py "${tune[@]}" --budget-seconds 80
-step model_4096 170 "$py" benchmarks/gpu.py "${q[@]}" "${sizes4k[@]}" \
-  --cases relpos_grad dense causal window \
-  --impls structinfer structinfer-pallas torch-sdpa torch-flex cudnn \
-  --budget-seconds 140 --out "$out"
-step model_small 90 "$py" benchmarks/gpu.py "${q[@]}" "${sizes_small[@]}" \
-  --cases relpos relpos_grad --impls structinfer structinfer-cudnn cudnn \
-  --budget-seconds 70 --out "$out/small"
-step gpu_suite 600 "${pytest[@]}" --ignore=tests/test_mosaic.py tests
+step overhead 100 "$py" benchmarks/gpu.py "${q[@]}" "${sizes4k[@]}" \
+  --cases dense causal window --modes fwd \
+  --impls structinfer cudnn cudnn-residual cudnn-as-ours torch-sdpa \
+  --budget-seconds 80 --out "$out/overhead"
+step peers_4096 130 "$py" benchmarks/gpu.py "${q[@]}" "${sizes4k[@]}" \
+  --cases bias block_sparse geometric --impls structinfer torch-sdpa torch-flex cudnn \
+  --budget-seconds 110 --out "$out/peers"
+step peers_16384 90 "$py" benchmarks/gpu.py "${q[@]}" "${sizes16k[@]}" \
+  --cases causal window --impls structinfer cudnn torch-sdpa torch-flex \
+  --budget-seconds 70 --out "$out/peers16k"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
+step gpu_suite 600 "${pytest[@]}" tests
 echo "total: $((SECONDS - start))s" | tee -a "$out/steps.log"
 tar czf "$dest/session.tgz" -C "$dest" work && cp "$out/steps.log" "$dest/"

@@ -114,3 +114,36 @@ def test_gpu_benchmark_order_impl_runs_each_tier_over_every_case(tmp_path):
     assert [(r["impl"], r["case"]) for r in data["rows"]] == [
         ("structinfer", "bias"), ("structinfer", "block_sparse"),
         ("structinfer-pallas", "bias"), ("structinfer-pallas", "block_sparse")]
+
+
+def test_gpu_benchmark_cudnn_layouts_agree():
+    """The cuDNN peers' two layouts (the heads as cuDNN's heads, and as its batch, the call
+    structinfer's kernel makes) give the same outputs and gradients, read back by their
+    checks: run here with jax.nn's XLA implementation in cuDNN's place, on the cases
+    with a bias table (per head for relpos, one for geometric) and a mask."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_bench", os.path.join(ROOT, "benchmarks", "gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    p = gpu.Problem(64, 2, 16, jnp.float32)
+
+    def attend(q, k, v, **kw):
+        return jax.nn.dot_product_attention(q, k, v, scale=0.25, implementation="xla", **kw)
+
+    for case in ("relpos", "geometric", "window", "relpos_grad"):
+        for mode in ("fwd", "fwd+bwd"):
+            ctx = {"p": p, "case": case, "mode": mode, "window": 8}
+            got = []
+            for heads_as_batch in (False, True):
+                call, sync, check, _ = gpu._build_bthd(ctx, attend, heads_as_batch)
+                got.append(check(call()))
+            assert got[0].keys() == got[1].keys()
+            for name in got[0]:
+                np.testing.assert_allclose(got[1][name], got[0][name], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{case} {mode} {name}")
