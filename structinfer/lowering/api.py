@@ -613,7 +613,8 @@ def _reverse_mode_only(model, value, backend, args, kwargs) -> str:
     ways = ", ".join(f"'{k.name}'" for k in KERNELS.values() if k.forward_mode)
     return (f"structinfer.attention[{backend}]: {where or 'a fused kernel runs'}, whose "
             "gradient is a custom VJP, reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
-            f"forward mode (jax.jvp, jax.jacfwd) runs on backend {ways} or 'exact'")
+            f"forward mode (jax.jvp, jax.jacfwd, jax.linearize) runs on backend {ways} or "
+            "'exact'")
 
 
 def explain(
