@@ -679,3 +679,23 @@ def test_a_per_head_initial_value_of_the_wrong_shape_is_named(make, name):
     layer = sinn.Attention(make(col), num_heads=H, in_features=F, qkv_features=H * D,
                            rngs=nnx.Rngs(0))
     np.testing.assert_allclose(layer.hyperparameters()[name].ravel(), flat, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["geometric", "geometric_beta", "causal_temperature"])
+def test_low_precision_hyperparameters_are_constrained_in_the_computation_dtype(name):
+    """Regression: with ``param_dtype=jnp.bfloat16`` and a float32 computation the layer
+    mapped each stored (unconstrained) hyperparameter to the mechanism's value in
+    bfloat16 (a sigmoid / softplus rounded to 8 bits) and only then cast it to float32:
+    a finite answer off by up to 3e-4 from the float32 layer with the same parameters.
+    As flax promotes its parameters to the computation dtype before using them, the
+    layer equals that float32 layer to float32 rounding."""
+    ref = layer_for(MECHANISMS[name](), jnp.float32)
+    randomise_hyper(ref)
+    layer = sinn.Attention(MECHANISMS[name](), H, F, H * D, OUT, param_dtype=jnp.bfloat16,
+                           dtype=jnp.float32, rngs=nnx.Rngs(0))
+    nnx.update(layer, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(ref, nnx.Param)))
+    nnx.update(ref, jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(layer, nnx.Param)))
+    x = inputs((B, N, F), jnp.float32)
+    got, want = layer(x), ref(x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(want))))

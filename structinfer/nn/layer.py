@@ -463,14 +463,19 @@ class Attention(nnx.Module):
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
     # ------------------------------------------------------------------ hyperparameters
-    def hyperparameters(self) -> dict[str, jax.Array]:
+    def hyperparameters(self, dtype: Any = None) -> dict[str, jax.Array]:
         r"""The hyperparameters $\theta$ as the mechanism sees them (constrained), by site name.
+
+        Args:
+            dtype: compute $T(u)$ in this dtype, ``u`` cast to it first (as flax promotes
+                its parameters to the computation dtype); default: the stored dtype.
 
         Returns:
             ``{site: value}``, $\theta = T(u)$ of each stored unconstrained $u$.
         """
+        cast = (lambda a: a) if dtype is None else (lambda a: a.astype(dtype))  # noqa: E731
         return {
-            name: biject_to(c)(self.hyper[name][...])
+            name: biject_to(c)(cast(self.hyper[name][...]))
             for name, c in self.hyperparameter_constraints
         }
 
@@ -552,7 +557,8 @@ class Attention(nnx.Module):
         # the prior's terms are added to logits accumulated in float32: bfloat16 heads
         # keep float32 hyperparameters (which never promote the queries, keys, values)
         hyper_dtype = accum_dtype(dtype)
-        hyper = {name: a.astype(hyper_dtype) for name, a in self.hyperparameters().items()}
+        # constrained in that dtype (a bfloat16 sigmoid would round the rate to 8 bits)
+        hyper = self.hyperparameters(hyper_dtype)
         shape, params = _value_and_param_shapes(
             self.mechanism, self.value_site, q.shape[-3:], k.shape[-3:], v.shape[-3:],
             jnp.dtype(dtype))
