@@ -699,3 +699,17 @@ def test_low_precision_hyperparameters_are_constrained_in_the_computation_dtype(
     got, want = layer(x), ref(x)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(param_dtype=jnp.int32), r"param_dtype must be a floating dtype.*int32"),
+    (dict(dtype=jnp.int32), r"dtype must be None or a floating dtype.*int32"),
+    (dict(dtype=jnp.complex64), r"dtype must be None or a floating dtype.*complex64"),
+    (dict(dropout_rate=None), r"dropout_rate must lie in \[0, 1\) \(a number\), got None"),
+])
+def test_bad_dtypes_and_dropout_rate_are_named(kw, match):
+    """Regression: an integer ``param_dtype`` reached the geometric prior as a rate of 0
+    (its error named ``q``, not the argument), an integer ``dtype`` failed inside the
+    projections, and ``dropout_rate=None`` raised a bare ``float()`` TypeError."""
+    with pytest.raises(ValueError, match=match):
+        sinn.Attention(sinn.geometric(0.3), H, F, H * D, rngs=nnx.Rngs(0), **kw)

@@ -398,10 +398,25 @@ class Attention(nnx.Module):
                 f"structinfer.nn.Attention: qkv_features ({self.qkv_features}) must be "
                 f"divisible by num_heads ({self.num_heads})"
             )
-        if not 0.0 <= float(dropout_rate) < 1.0:
+        if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number))
+                or not 0.0 <= float(dropout_rate) < 1.0):
             raise ValueError(
-                f"structinfer.nn.Attention: dropout_rate must lie in [0, 1), got {dropout_rate}"
+                f"structinfer.nn.Attention: dropout_rate must lie in [0, 1) (a number), got "
+                f"{dropout_rate!r}"
             )
+        for what, dt, optional in (("param_dtype", param_dtype, False), ("dtype", dtype, True)):
+            if optional and dt is None:
+                continue
+            try:
+                ok = jnp.issubdtype(jnp.dtype(dt), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"structinfer.nn.Attention: {what} must be "
+                    f"{'None or ' if optional else ''}a floating dtype (float32, float64, "
+                    f"bfloat16, float16), got {dt!r}"
+                )
         self.head_dim = self.qkv_features // self.num_heads
         self.mechanism = mechanism
         self.value_site = value
