@@ -713,3 +713,19 @@ def test_bad_dtypes_and_dropout_rate_are_named(kw, match):
     projections, and ``dropout_rate=None`` raised a bare ``float()`` TypeError."""
     with pytest.raises(ValueError, match=match):
         sinn.Attention(sinn.geometric(0.3), H, F, H * D, rngs=nnx.Rngs(0), **kw)
+
+
+@pytest.mark.parametrize("name", ["causal", "geometric"])
+def test_decode_answers_in_the_dtype_of_the_full_pass(name):
+    """Regression: a bfloat16 layer (bfloat16 parameters and inputs) decoding with
+    ``init_cache``'s default float32 cache ran the heads on the float32 cache and
+    answered in float32, 4e-3 off its own full pass (flax's layer refuses the dtype
+    mix). Each step now runs in the dtype of the projections, as the full pass does,
+    and equals it."""
+    layer = layer_for(MECHANISMS[name](), jnp.bfloat16)
+    x = inputs((B, N, F), jnp.float32).astype(jnp.bfloat16)
+    full = layer(x)
+    layer.init_cache(x.shape)
+    steps = jnp.concatenate([layer(x[:, t:t + 1], decode=True) for t in range(N)], axis=1)
+    assert steps.dtype == full.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(steps, np.float32), np.asarray(full, np.float32))

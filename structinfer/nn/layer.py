@@ -813,7 +813,8 @@ class Attention(nnx.Module):
 
         Args:
             input_shape: ``(..., max_length, in_features)``.
-            dtype: dtype of the cache.
+            dtype: dtype of the cache (what it stores; each step computes in the
+                projections' dtype and answers in the full pass's).
 
         Raises:
             ValueError: the mechanism is not causal, or a bad shape.
@@ -855,10 +856,13 @@ class Attention(nnx.Module):
             raise ValueError(f"structinfer.nn.Attention: the decode cache is full ({L} positions)")
         at = (0,) * len(batch) + (i, 0, 0)
         caches = (self.cached_query, self.cached_key, self.cached_value)
+        # the heads run in the projections' dtype, as the full pass does (a float32 cache
+        # of a bfloat16 layer would otherwise make the step float32, off its full pass)
+        dtype = jnp.result_type(query, key, value)
         full = []
         for cache, new in zip(caches, (query, key, value)):
             cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype), at)
-            full.append(cache[...])
+            full.append(cache[...].astype(dtype))
         self.cache_index[...] = i + 1
         o = self._heads(*full)  # (..., L, H, d): the causal pass over the cached prefix
         row = lax.dynamic_slice_in_dim(o, i, 1, axis=o.ndim - 3)
