@@ -538,8 +538,9 @@ class Attention(nnx.Module):
             ``{edge site: (heads, length, length) log-prior table}``.
         """
         length = _check_int(length, "length")
-        dtype = self.hyper[next(iter(self.hyper))][...].dtype if len(self.hyper) else (
-            self.param_dtype)
+        # in the dtype the heads add the prior in (float32 for bfloat16 parameters)
+        dtype = accum_dtype(self.hyper[next(iter(self.hyper))][...].dtype if len(self.hyper)
+                            else self.param_dtype)
         z = jnp.zeros((self.num_heads, length, self.head_dim), dtype)
         shape = (self.num_heads, length, length)
 
@@ -554,7 +555,7 @@ class Attention(nnx.Module):
                     out[name] = jnp.broadcast_to(info.prior.log_table(info.num_children), shape)
             return out
 
-        return jax.jit(run)(self.hyperparameters())
+        return jax.jit(run)(self.hyperparameters(dtype))
 
     # ------------------------------------------------------------------ the forward pass
     def _per_head(self, query, key, value):
