@@ -679,3 +679,69 @@ def test_a_per_head_initial_value_of_the_wrong_shape_is_named(make, name):
     layer = sinn.Attention(make(col), num_heads=H, in_features=F, qkv_features=H * D,
                            rngs=nnx.Rngs(0))
     np.testing.assert_allclose(layer.hyperparameters()[name].ravel(), flat, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["geometric", "geometric_beta", "causal_temperature"])
+def test_low_precision_hyperparameters_are_constrained_in_the_computation_dtype(name):
+    """Regression: with ``param_dtype=jnp.bfloat16`` and a float32 computation the layer
+    mapped each stored (unconstrained) hyperparameter to the mechanism's value in
+    bfloat16 (a sigmoid / softplus rounded to 8 bits) and only then cast it to float32:
+    a finite answer off by up to 3e-4 from the float32 layer with the same parameters.
+    As flax promotes its parameters to the computation dtype before using them, the
+    layer equals that float32 layer to float32 rounding."""
+    ref = layer_for(MECHANISMS[name](), jnp.float32)
+    randomise_hyper(ref)
+    layer = sinn.Attention(MECHANISMS[name](), H, F, H * D, OUT, param_dtype=jnp.bfloat16,
+                           dtype=jnp.float32, rngs=nnx.Rngs(0))
+    nnx.update(layer, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(ref, nnx.Param)))
+    nnx.update(ref, jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(layer, nnx.Param)))
+    x = inputs((B, N, F), jnp.float32)
+    got, want = layer(x), ref(x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(param_dtype=jnp.int32), r"param_dtype must be a floating dtype.*int32"),
+    (dict(dtype=jnp.int32), r"dtype must be None or a floating dtype.*int32"),
+    (dict(dtype=jnp.complex64), r"dtype must be None or a floating dtype.*complex64"),
+    (dict(dropout_rate=None), r"dropout_rate must lie in \[0, 1\) \(a number\), got None"),
+])
+def test_bad_dtypes_and_dropout_rate_are_named(kw, match):
+    """Regression: an integer ``param_dtype`` reached the geometric prior as a rate of 0
+    (its error named ``q``, not the argument), an integer ``dtype`` failed inside the
+    projections, and ``dropout_rate=None`` raised a bare ``float()`` TypeError."""
+    with pytest.raises(ValueError, match=match):
+        sinn.Attention(sinn.geometric(0.3), H, F, H * D, rngs=nnx.Rngs(0), **kw)
+
+
+@pytest.mark.parametrize("name", ["causal", "geometric"])
+def test_decode_answers_in_the_dtype_of_the_full_pass(name):
+    """Regression: a bfloat16 layer (bfloat16 parameters and inputs) decoding with
+    ``init_cache``'s default float32 cache ran the heads on the float32 cache and
+    answered in float32, 4e-3 off its own full pass (flax's layer refuses the dtype
+    mix). Each step now runs in the dtype of the projections, as the full pass does,
+    and equals it."""
+    layer = layer_for(MECHANISMS[name](), jnp.bfloat16)
+    x = inputs((B, N, F), jnp.float32).astype(jnp.bfloat16)
+    full = layer(x)
+    layer.init_cache(x.shape)
+    steps = jnp.concatenate([layer(x[:, t:t + 1], decode=True) for t in range(N)], axis=1)
+    assert steps.dtype == full.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(steps, np.float32), np.asarray(full, np.float32))
+
+
+@pytest.mark.parametrize("name", ["geometric", "geometric_beta"])
+def test_prior_tables_of_a_bfloat16_layer_are_the_prior_it_applies(name):
+    """Regression: ``prior_tables`` of a layer with bfloat16 parameters computed the
+    tables from the bfloat16-rounded rates (up to 8e-3 off in log space), not the
+    float32 values the heads add: they equal the float32 layer's with the same
+    parameters."""
+    ref = layer_for(MECHANISMS[name](), jnp.float32)
+    randomise_hyper(ref)
+    layer = layer_for(MECHANISMS[name](), jnp.bfloat16)
+    nnx.update(layer, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(ref, nnx.Param)))
+    nnx.update(ref, jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(layer, nnx.Param)))
+    got, want = layer.prior_tables(N)["phi"], ref.prior_tables(N)["phi"]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

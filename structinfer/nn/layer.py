@@ -398,10 +398,25 @@ class Attention(nnx.Module):
                 f"structinfer.nn.Attention: qkv_features ({self.qkv_features}) must be "
                 f"divisible by num_heads ({self.num_heads})"
             )
-        if not 0.0 <= float(dropout_rate) < 1.0:
+        if (isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number))
+                or not 0.0 <= float(dropout_rate) < 1.0):
             raise ValueError(
-                f"structinfer.nn.Attention: dropout_rate must lie in [0, 1), got {dropout_rate}"
+                f"structinfer.nn.Attention: dropout_rate must lie in [0, 1) (a number), got "
+                f"{dropout_rate!r}"
             )
+        for what, dt, optional in (("param_dtype", param_dtype, False), ("dtype", dtype, True)):
+            if optional and dt is None:
+                continue
+            try:
+                ok = jnp.issubdtype(jnp.dtype(dt), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"structinfer.nn.Attention: {what} must be "
+                    f"{'None or ' if optional else ''}a floating dtype (float32, float64, "
+                    f"bfloat16, float16), got {dt!r}"
+                )
         self.head_dim = self.qkv_features // self.num_heads
         self.mechanism = mechanism
         self.value_site = value
@@ -463,14 +478,19 @@ class Attention(nnx.Module):
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
     # ------------------------------------------------------------------ hyperparameters
-    def hyperparameters(self) -> dict[str, jax.Array]:
+    def hyperparameters(self, dtype: Any = None) -> dict[str, jax.Array]:
         r"""The hyperparameters $\theta$ as the mechanism sees them (constrained), by site name.
+
+        Args:
+            dtype: compute $T(u)$ in this dtype, ``u`` cast to it first (as flax promotes
+                its parameters to the computation dtype); default: the stored dtype.
 
         Returns:
             ``{site: value}``, $\theta = T(u)$ of each stored unconstrained $u$.
         """
+        cast = (lambda a: a) if dtype is None else (lambda a: a.astype(dtype))  # noqa: E731
         return {
-            name: biject_to(c)(self.hyper[name][...])
+            name: biject_to(c)(cast(self.hyper[name][...]))
             for name, c in self.hyperparameter_constraints
         }
 
@@ -518,8 +538,9 @@ class Attention(nnx.Module):
             ``{edge site: (heads, length, length) log-prior table}``.
         """
         length = _check_int(length, "length")
-        dtype = self.hyper[next(iter(self.hyper))][...].dtype if len(self.hyper) else (
-            self.param_dtype)
+        # in the dtype the heads add the prior in (float32 for bfloat16 parameters)
+        dtype = accum_dtype(self.hyper[next(iter(self.hyper))][...].dtype if len(self.hyper)
+                            else self.param_dtype)
         z = jnp.zeros((self.num_heads, length, self.head_dim), dtype)
         shape = (self.num_heads, length, length)
 
@@ -534,7 +555,7 @@ class Attention(nnx.Module):
                     out[name] = jnp.broadcast_to(info.prior.log_table(info.num_children), shape)
             return out
 
-        return jax.jit(run)(self.hyperparameters())
+        return jax.jit(run)(self.hyperparameters(dtype))
 
     # ------------------------------------------------------------------ the forward pass
     def _per_head(self, query, key, value):
@@ -552,7 +573,8 @@ class Attention(nnx.Module):
         # the prior's terms are added to logits accumulated in float32: bfloat16 heads
         # keep float32 hyperparameters (which never promote the queries, keys, values)
         hyper_dtype = accum_dtype(dtype)
-        hyper = {name: a.astype(hyper_dtype) for name, a in self.hyperparameters().items()}
+        # constrained in that dtype (a bfloat16 sigmoid would round the rate to 8 bits)
+        hyper = self.hyperparameters(hyper_dtype)
         shape, params = _value_and_param_shapes(
             self.mechanism, self.value_site, q.shape[-3:], k.shape[-3:], v.shape[-3:],
             jnp.dtype(dtype))
@@ -792,7 +814,8 @@ class Attention(nnx.Module):
 
         Args:
             input_shape: ``(..., max_length, in_features)``.
-            dtype: dtype of the cache.
+            dtype: dtype of the cache (what it stores; each step computes in the
+                projections' dtype and answers in the full pass's).
 
         Raises:
             ValueError: the mechanism is not causal, or a bad shape.
@@ -834,10 +857,13 @@ class Attention(nnx.Module):
             raise ValueError(f"structinfer.nn.Attention: the decode cache is full ({L} positions)")
         at = (0,) * len(batch) + (i, 0, 0)
         caches = (self.cached_query, self.cached_key, self.cached_value)
+        # the heads run in the projections' dtype, as the full pass does (a float32 cache
+        # of a bfloat16 layer would otherwise make the step float32, off its full pass)
+        dtype = jnp.result_type(query, key, value)
         full = []
         for cache, new in zip(caches, (query, key, value)):
             cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype), at)
-            full.append(cache[...])
+            full.append(cache[...].astype(dtype))
         self.cache_index[...] = i + 1
         o = self._heads(*full)  # (..., L, H, d): the causal pass over the cached prefix
         row = lax.dynamic_slice_in_dim(o, i, 1, axis=o.ndim - 3)
