@@ -436,3 +436,27 @@ def test_numpyros_contraction_of_structural_zeros_has_exact_gradients():
     grad = jax.grad(lambda p: fitter.loss.loss(jax.random.key(2), p, fitter.model,
                                                fitter.guide, *args))(result.params)
     np.testing.assert_allclose(grad["loc"], expected_grad(loc), atol=2e-5)
+
+
+def _copy_model(x, keys):
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with numpyro.plate("children", x.shape[0]):
+        phi = si.edge("phi", si.priors.Uniform(keys.shape[0]))
+        numpyro.sample("x", dist.Normal(keys[phi], tau).to_event(1), obs=x)
+
+
+def test_numpyros_unenumerated_tools_name_the_edge_and_the_exact_call():
+    """NumPyro's ``log_likelihood`` and ``log_density`` run the model with no seed and no
+    enumeration: the edge has no PRNG key to be drawn with. That is refused naming the
+    site and the exact engine's calls, not NumPyro's bare ``AssertionError``."""
+    from numpyro.infer.util import log_density, log_likelihood
+
+    keys = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    x = keys + 0.3
+    calls = [lambda: log_likelihood(_copy_model, {"tau": jnp.array([0.7, 0.7])}, x, keys),
+             lambda: log_density(_copy_model, (x, keys), {}, {"tau": 0.7}),
+             lambda: numpyro.handlers.substitute(_copy_model, {"tau": 0.7})(x, keys)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"edge site 'phi'.*PRNG key.*"
+                           r"pointwise_log_likelihood.*log_marginal.*seed"):
+            call()
