@@ -291,16 +291,43 @@ def _sample_edge(name: str, fn: dist.Distribution, infer: dict) -> jax.Array:
 
     try:
         phi = numpyro.sample(name, fn, infer=infer)
-    except AssertionError:  # older NumPyro: a hidden site is drawn with no PRNG key
-        if not hidden():
+    except AssertionError as e:  # older NumPyro: a hidden site is drawn with no PRNG key
+        if hidden():
+            phi = None
+        elif _drawn_without_key(e):
+            raise _no_key_error(name) from e
+        else:
             raise
-        phi = None
     if hidden():
         raise hidden_edge_error(name, in_cond=_in_cond_branch())
     if ENGINE_DEPTH.get() and not seen["seen"]:  # a scan step: its replay must reach them
         for pending in STEP_EDGES.get():
             pending.add(name)
     return phi
+
+
+def _drawn_without_key(e: AssertionError) -> bool:
+    """Whether ``e`` is a NumPyro distribution's ``assert is_prng_key(key)`` in ``sample``
+    (the innermost frame of its traceback)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    code = tb.tb_frame.f_code
+    return code.co_name == "sample" and "numpyro" in code.co_filename
+
+
+def _no_key_error(name: str) -> ValueError:
+    """The error for an edge site drawn with no PRNG key and not enumerated."""
+    return ValueError(
+        f"edge site '{name}' was drawn at random with no PRNG key: the model ran with no "
+        "seed handler and without the exact engine enumerating the edge (as NumPyro's "
+        "numpyro.infer.util.log_likelihood and log_density run it), so the edge is "
+        "neither summed out nor drawn. For the log-likelihood with the edges summed out "
+        "use si.exact.pointwise_log_likelihood; for log p(x) use si.log_marginal; to draw "
+        "the edges from their prior wrap the model in numpyro.handlers.seed"
+    )
 
 
 def _in_cond_branch() -> bool:
