@@ -239,7 +239,8 @@ def require(ok: Callable[..., Any], message: str, *values: Any) -> Any:
 
 
 def check_key(rng_key: Any, what: str) -> jax.Array:
-    """``rng_key`` if it is one PRNG key (new-style or raw ``uint32[2]``), else a TypeError.
+    """``rng_key`` if it is one PRNG key (new-style, or raw ``uint32[2]`` as a JAX or NumPy
+    array, as `jax.random` takes it), else a TypeError.
 
     Args:
         rng_key: the argument.
@@ -251,6 +252,8 @@ def check_key(rng_key: Any, what: str) -> jax.Array:
     Raises:
         TypeError: a seed, a batch of keys or anything else, naming ``what``.
     """
+    if isinstance(rng_key, np.ndarray) and rng_key.dtype == np.uint32 and rng_key.shape == (2,):
+        rng_key = jnp.asarray(rng_key)  # a raw key saved with np.asarray
     if not (isinstance(rng_key, jax.Array) and is_prng_key(rng_key)):
         raise TypeError(
             f"{what}: rng_key must be one PRNG key (jax.random.key(seed) or "

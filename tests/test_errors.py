@@ -766,3 +766,20 @@ def test_sample_edges_names_a_key_that_is_not_one(key):
     with pytest.raises(TypeError, match=r"sample_edges: rng_key must be one PRNG key"):
         si.sample_edges(keys, model)  # several keys: jax.vmap over them
     assert jax.vmap(lambda k: si.sample_edges(k, model)["phi"])(keys).shape == (3, N)
+
+
+def test_sample_edges_takes_every_key_jax_takes():
+    """Regression: a raw key as a NumPy ``uint32[2]`` array (which ``jax.random`` takes:
+    a key saved with ``np.asarray``) was refused as "not one PRNG key"; it draws what the
+    same key as a JAX array draws."""
+
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+
+    raw = jax.random.PRNGKey(3)
+    want = si.sample_edges(raw, model)["phi"]
+    for key in (np.asarray(raw), np.array([0, 3], np.uint32)):
+        np.testing.assert_array_equal(si.sample_edges(key, model)["phi"], want)
+    with pytest.raises(TypeError, match=r"sample_edges: rng_key must be one PRNG key"):
+        si.sample_edges(np.array([0, 3], np.int64), model)  # not a key's dtype

@@ -380,7 +380,7 @@ def to_inference_data(
     num_prior_draws = check_count(num_prior_draws, "to_inference_data: num_prior_draws", 0)
     batch_size = check_count(batch_size, "to_inference_data: batch_size", none_ok=True)
     if rng_key is not None:
-        check_key(rng_key, "to_inference_data")
+        rng_key = check_key(rng_key, "to_inference_data")
 
     parts = read_fit(fit, "to_inference_data")
     model = parts.model
