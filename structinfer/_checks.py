@@ -238,6 +238,14 @@ def require(ok: Callable[..., Any], message: str, *values: Any) -> Any:
     return out[0] if len(out) == 1 else out
 
 
+class NotFoundError(KeyError):
+    """A ``KeyError`` whose message is a sentence, printed as written (``KeyError``'s own
+    ``str()`` shows the repr of its argument, in quotes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
 def check_key(rng_key: Any, what: str) -> jax.Array:
     """``rng_key`` if it is one PRNG key (new-style, or raw ``uint32[2]`` as a JAX or NumPy
     array, as `jax.random` takes it), else a TypeError.

@@ -399,8 +399,16 @@ def test_edge_summary_and_hyperparameters(q_task, q_idata):
     assert summ["true_parent_prob"] == pytest.approx(a[np.arange(11), task.parents].mean(), rel=1e-5)
     table = dg.hyperparameter_summary(q_idata, ["q"])
     assert table.loc["q", "mean"] == pytest.approx(float(q_idata["posterior"]["q"].mean()), abs=1e-3)
-    with pytest.raises(KeyError, match="'nope'"):
+    with pytest.raises(KeyError, match="'nope'") as err:
         dg.hyperparameter_summary(q_idata, ["nope"])
+    # regression: KeyError's own str() quoted the sentence ('"hyperparameter_summary: ..."')
+    assert str(err.value).startswith("hyperparameter_summary: ['nope'] not in"), str(err.value)
+    for call, start in ((lambda: dg.edge_summary(q_idata, site="nope"), "edge_summary: "),
+                        (lambda: dg.compare_edges({"a": q_idata}, site="nope"),
+                         "compare_edges: model 'a': edge_summary: ")):
+        with pytest.raises(KeyError) as err:
+            call()
+        assert str(err.value).startswith(start), str(err.value)
 
 
 def test_loo_with_a_constant_child_keeps_arviz_reff(q_idata):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import require
+from .._checks import NotFoundError, require
 from ..priors import StructuralPrior
 from ._common import check_marginals, check_true_edges, offset_of
 
@@ -233,7 +233,7 @@ def edge_summary(
             raise ValueError(f"edge_summary: several edge sites {sites}; pass site=")
         site = sites[0]
     if site not in sites:
-        raise KeyError(f"edge_summary: no edge site '{site}'; edge sites: {sites}")
+        raise NotFoundError(f"edge_summary: no edge site '{site}'; edge sites: {sites}")
     a = jnp.asarray(ds[site].values)
     offset = int(ds.attrs.get(f"{site}.offset", 0))
     out = {
@@ -277,7 +277,8 @@ def compare_edges(
             rows[n] = edge_summary(dt, site=site, true_edges=true_edges)
         except (ValueError, KeyError) as err:
             msg = err.args[0] if err.args else str(err)
-            raise type(err)(f"compare_edges: model '{n}': {msg}") from err
+            kind = NotFoundError if isinstance(err, KeyError) else type(err)
+            raise kind(f"compare_edges: model '{n}': {msg}") from err
     df = pd.DataFrame.from_dict(rows, orient="index")
     if "map_accuracy" in df:
         df = df.sort_values(["map_accuracy", "true_parent_prob"], ascending=False)
@@ -307,7 +308,7 @@ def hyperparameter_summary(
     post = idata["posterior"].to_dataset()
     missing = [v for v in var_names if v not in post]
     if missing:
-        raise KeyError(
+        raise NotFoundError(
             f"hyperparameter_summary: {missing} not in the posterior; variables: "
             f"{list(post.data_vars)}"
         )

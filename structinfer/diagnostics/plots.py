@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.handlers import block, seed, substitute, trace
 
-from .._checks import as_arrays
+from .._checks import NotFoundError, as_arrays
 from ..priors import StructuralPrior
 from ._common import (
     check_marginals,
@@ -221,7 +221,7 @@ def _draws_of(fit: Any, site: str, args: tuple, kwargs: dict, what: str) -> tupl
     parts = read_fit(fit, what)
     info = latent_sites(parts.model, args, kwargs, what)
     if site not in info.latent:
-        raise KeyError(f"{what}: no latent site '{site}'; latent sites: {sorted(info.latent)}")
+        raise NotFoundError(f"{what}: no latent site '{site}'; latent sites: {sorted(info.latent)}")
     if info[site].shape:
         raise ValueError(f"{what}: site '{site}' is not scalar (shape {info[site].shape})")
     return parts.model, posterior_draws(parts, args, kwargs, 1000, list(info.latent))

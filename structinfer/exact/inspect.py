@@ -45,7 +45,7 @@ import numpyro.distributions as dist
 from jax.tree_util import treedef_is_leaf
 from numpyro.handlers import block, seed, substitute, trace
 
-from .._checks import as_arrays, check_real, is_concrete, model_name
+from .._checks import NotFoundError, as_arrays, check_real, is_concrete, model_name
 from ..handlers import (
     PLACEHOLDER_KEY,
     fill_discrete,
@@ -231,7 +231,7 @@ class ModelInfo(Mapping[str, SiteInfo]):
         if site is None or site.role != "deterministic":
             kind = self.sites.get(name)
             if kind is None:
-                raise KeyError(
+                raise NotFoundError(
                     f"model '{model_name(model)}' has no site '{name}'; deterministic sites: "
                     f"{sorted(self.deterministic)}"
                 )

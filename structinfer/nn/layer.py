@@ -37,7 +37,7 @@ from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
-from .._checks import is_concrete, model_name
+from .._checks import NotFoundError, is_concrete, model_name
 from ..handlers import mask_parents
 from ..lowering import BACKENDS, Explanation, accum_dtype, attention, check_rows
 from ..primitives import EDGE_INFO_KEY, is_enumerated
@@ -516,7 +516,7 @@ class Attention(nnx.Module):
         out = {}
         for name, p in priors.items():
             if name not in cons:
-                raise KeyError(
+                raise NotFoundError(
                     f"hyperprior: '{name}' is not a hyperparameter of the mechanism "
                     f"(it has {sorted(cons)})"
                 )

@@ -29,7 +29,7 @@ from jax.scipy.stats import beta as beta_dist
 from numpyro.handlers import substitute
 
 from .. import mechanisms as mech
-from .._checks import as_arrays
+from .._checks import NotFoundError, as_arrays
 from ..exact import expectation, inspect_model, log_z
 from .oracles import (
     NEG_INF,
@@ -315,7 +315,7 @@ def evaluate(
         dtype = jnp.result_type(float)
         for n in values:
             if n not in info.deterministic:
-                raise KeyError(f"mechanism '{row.name}': the model has no deterministic site '{n}'")
+                raise NotFoundError(f"mechanism '{row.name}': the model has no deterministic site '{n}'")
         # a Markov edge (a chain in a scan) takes a pairwise tilt (previous, next); its
         # attention sums the previous out
         markov = {n for n in edges if info[n].edge is not None and info[n].edge.markov}
@@ -2019,4 +2019,4 @@ def get(name: str) -> Mechanism:
     for m in REGISTRY:
         if m.name == name:
             return m
-    raise KeyError(f"no mechanism named {name!r}; registered: {', '.join(names())}")
+    raise NotFoundError(f"no mechanism named {name!r}; registered: {', '.join(names())}")
