@@ -309,6 +309,15 @@ def _edge_sites(fn: Callable, kwargs: dict) -> dict[str, tuple[tuple[int, ...], 
     return sites
 
 
+def _no_edge_table(err: Exception) -> str:
+    """The note when ``compare_edges`` cannot summarise the models' edges (a model with
+    several edge sites): what it means on the command line, which has no site option."""
+    return (f"note: no edges.csv and no attention plots ({err}): the command line "
+            "summarises models with one edge site each; for one site of several call "
+            "structinfer.diagnostics.compare_edges(idatas, site=...) in Python on the "
+            "fitted models")
+
+
 def _check_true_edges(key: str, true_edges, models: dict, sites: dict) -> None:
     """``--true-edges``: one integer parent index per child of each model's one edge site."""
     import numpy as np
@@ -551,7 +560,7 @@ def cmd_compare(args) -> int:
         except ValueError as e:  # several edge sites (a true structure was checked before)
             if true_edges is not None:
                 raise
-            log(f"note: no edge table ({e})")
+            log(_no_edge_table(e))
     if edges is not None:
         edges.to_csv(os.path.join(args.out, "edges.csv"))
         files.append("edges.csv")

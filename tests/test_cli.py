@@ -540,3 +540,25 @@ def test_demo_quick(files, capsys, monkeypatch):
     for png in ("attention.png", "distance.png", "compare.png", "trace_geometric.png",
                 "q_prior_posterior.png"):
         assert (out / png).stat().st_size > 0, png
+
+
+def test_the_note_for_several_edge_sites_speaks_to_the_command_line():
+    """Regression: the note passed on compare_edges' "pass site=", an argument the command
+    line does not have; it says what the command skipped and where a site is chosen."""
+    import structinfer.diagnostics as dg
+
+    with pytest.raises(ValueError) as err:
+        dg.edge_summary(_two_edge_sites_idata(), site=None)
+    note = cli._no_edge_table(err.value)
+    assert note.startswith("note: no edges.csv and no attention plots (")
+    assert "compare_edges(idatas, site=...) in Python" in note
+
+
+def _two_edge_sites_idata():
+    import numpy as np
+    import xarray as xr
+
+    a = np.full((1, 1, 2, 2), 0.5)
+    dims = ["chain", "draw", "child", "parent"]
+    post = xr.Dataset({"phi": (dims, a), "psi": (dims, a)})
+    return xr.DataTree.from_dict({"edge_posterior": post})
