@@ -416,9 +416,10 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     transpose of the table, no gather.
     Out-of-range indices, negative ones included (no NumPy wrap: a parent index is never
     negative, and ``-1`` is the "no path" that `map_edges` and `sample_edges` return under
-    ``jit``), read NaN, never a clamped or wrapped row (in a floating table; an integer
-    table fills with its most negative value, and the exact engine refuses such a read
-    at an edge value).
+    ``jit``), read NaN, never a clamped or wrapped row (in a floating table; a signed
+    integer table reads its dtype's most negative value, an unsigned one its largest, a
+    boolean one ``True``, on every path; the exact engine refuses such a read at an edge
+    value).
 
     It is how a value $v_i(x, \phi_i = j) = V x_j$ is read (Singh & Buckley
     sec. 3.2, the value function), and how an edge site's log-prob is evaluated.
@@ -437,9 +438,7 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     m = table.shape[-1]
     if not all(a == 1 or b == 1 for a, b in zip(tpad, ipad)):
         out = Vindex(table)[..., index]  # JAX clamps out-of-range reads: mark them
-        if jnp.issubdtype(out.dtype, jnp.inexact):
-            out = jnp.where((index >= 0) & (index < m), out, jnp.nan)
-        return out
+        return jnp.where((index >= 0) & (index < m), out, _fill_value(out.dtype))
     out_shape = tuple(max(a, b) for a, b in zip(tpad, ipad))
     flat = jnp.reshape(index, (-1,))
     moved, take = _gather_branches(tpad, ipad, out_shape, m)
@@ -449,6 +448,20 @@ def gather(table: jax.Array, index: jax.Array) -> jax.Array:
     if is_concrete(is_range):  # an index with values (run eagerly): choose here
         return moved(table, flat) if bool(is_range) else take(table, flat)
     return jax.lax.cond(is_range, moved, take, table, flat)
+
+
+def _fill_value(dtype):
+    """What `gather` reads out of range, as ``jnp.take(mode="fill")`` fills: NaN in a
+    floating table, the most negative value of a signed integer one, the largest of an
+    unsigned one, ``True`` in a boolean one."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.array(jnp.nan, dtype)
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return jnp.array(jnp.iinfo(dtype).min, dtype)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return jnp.array(jnp.iinfo(dtype).max, dtype)
+    return jnp.array(True, dtype)
 
 
 @functools.lru_cache(maxsize=512)

@@ -243,6 +243,21 @@ def test_gather_reads_a_negative_index_as_nan_not_a_wrapped_row():
             assert np.isfinite(got[~bad]).all(), got
 
 
+def test_gather_reads_an_integer_table_out_of_range_alike_on_both_layouts():
+    """Regression: an integer table read past its last parent (or at -1) filled with the
+    dtype's most negative value on the column-take layout but returned a clamped row's
+    value, a finite wrong number, on the broadcast (Vindex) layout."""
+    table = jnp.arange(12, dtype=jnp.int32).reshape(3, 4) + 1
+    fill = np.iinfo(np.int32).min
+    for index in (jnp.array([0, 4, -1]),  # one index per row: the broadcast layout
+                  jnp.array([[0], [4], [-1], [3]])):  # an enumerated-like column
+        for run in (si.gather, jax.jit(si.gather)):
+            got = np.asarray(run(table, index))
+            bad = np.broadcast_to((np.asarray(index) < 0) | (np.asarray(index) > 3), got.shape)
+            assert (got[bad] == fill).all(), got
+            assert (got[~bad] > 0).all(), got
+
+
 # ----------------------------------------------------------------- child= in batch plates
 
 def two_hop(score, v):
