@@ -294,9 +294,15 @@ class tilt(Messenger):
         lead = v.ndim - event_dim - self.max_plate_nesting
         if lead <= 0:
             raise ValueError(
-                f"deterministic site '{name}' does not depend on any edge site: its value "
-                "is the same under every structure, so it has no posterior expectation to "
-                "compute (use the value directly, or build it from the edge variables)"
+                f"deterministic site '{name}': under enumeration its value (shape "
+                f"{v.shape}) has no dims left of its plates, where an edge's enumerated "
+                "value puts its parents: either it depends on no edge site (it is the same "
+                "under every structure, with no posterior expectation to compute: use the "
+                "value directly), or an index, sum or reshape over those leading dims "
+                "removed them (e.g. values[j][0] outside the plate, which reads the first "
+                "enumerated parent). Record a value read from an edge inside the plate of "
+                "its children, index parent tables with structinfer.gather / "
+                "numpyro.ops.indexing.Vindex, and reduce over trailing dims only"
             )
         if event_dim:
             # <t, v> over the event dims as one contraction: never the broadcast product,

@@ -181,7 +181,8 @@ def test_value_site_without_edge_dependence():
             si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
             numpyro.deterministic("out", jnp.asarray(XQ))
 
-    with pytest.raises(ValueError, match="deterministic site 'out' does not depend on any edge"):
+    with pytest.raises(ValueError, match="deterministic site 'out': .*either it depends on no "
+                       "edge site"):
         si.expectation(model, "out")
 
 
@@ -783,3 +784,23 @@ def test_sample_edges_takes_every_key_jax_takes():
         np.testing.assert_array_equal(si.sample_edges(key, model)["phi"], want)
     with pytest.raises(TypeError, match=r"sample_edges: rng_key must be one PRNG key"):
         si.sample_edges(np.array([0, 3], np.int64), model)  # not a key's dtype
+
+
+def test_a_value_indexed_out_of_its_plate_is_not_called_independent_of_the_edges():
+    """Regression: ``si.gather(v, j)[0]`` recorded outside the plate (child 0's value, one
+    would think; under enumeration the index takes the first enumerated value) was
+    called "does not depend on any edge site", though it is read from one; the error
+    says its leading dims are gone and how to record such a value."""
+    s = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4)))
+    v = jnp.arange(4.0)
+
+    def model(s):
+        with numpyro.plate("i", 3):
+            j = si.edge("phi", si.priors.Uniform(4), s)
+        numpyro.deterministic("out", si.gather(v, j)[0])
+
+    with pytest.raises(ValueError) as err:
+        si.expectation(model, "out", s)
+    msg = str(err.value)
+    assert "deterministic site 'out'" in msg and "an index, sum or reshape" in msg, msg
+    assert "Record a value read from an edge inside the plate" in msg, msg
