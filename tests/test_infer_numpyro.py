@@ -460,35 +460,3 @@ def test_numpyros_unenumerated_tools_name_the_edge_and_the_exact_call():
         with pytest.raises(ValueError, match=r"edge site 'phi'.*PRNG key.*"
                            r"pointwise_log_likelihood.*log_marginal.*seed"):
             call()
-
-
-def test_exact_calls_inside_a_numpyro_model_keep_their_sites_to_themselves():
-    """``si.marginals`` / ``si.log_marginal`` called inside an outer NumPyro model (an
-    attention layer inside a model NUTS samples) run the inner model under the outer
-    model's handlers: its edges, plates and potentials must not leak into the outer
-    trace (``log_density`` scored the enumeration tensors and leaked a tracer)."""
-    from numpyro.infer.util import log_density
-
-    keys = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
-    q = keys + jnp.array([[0.3, -0.2], [0.1, 0.4], [-0.5, 0.2]])
-    v, y = jnp.array([1.0, -1.0, 0.5]), jnp.array([0.8, -0.5, 0.3])
-
-    def inner(q, keys, t):
-        with numpyro.plate("children", q.shape[0]):
-            si.edge("phi", si.priors.Uniform(3), si.scores.Dot(q * t, keys))
-
-    def outer(q, keys, y):
-        t = numpyro.sample("t", dist.LogNormal(0.0, 1.0))
-        a = si.marginals(inner, q, keys, t)["phi"]
-        numpyro.factor("z", si.log_marginal(inner, q, keys, t))
-        numpyro.sample("y", dist.Normal(a @ v, 0.5), obs=y)
-
-    tr = numpyro.handlers.trace(numpyro.handlers.seed(outer, 0)).get_trace(q, keys, y)
-    assert set(tr) == {"t", "z", "y"}
-    t = 1.3
-    s = t * q @ keys.T
-    a = jax.nn.softmax(s, -1)
-    expected = (dist.LogNormal(0.0, 1.0).log_prob(t) + dist.Normal(a @ v, 0.5).log_prob(y).sum()
-                + jax.nn.logsumexp(s - jnp.log(3.0), -1).sum())
-    got = log_density(outer, (q, keys, y), {}, {"t": t})[0]
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
