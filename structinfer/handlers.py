@@ -17,10 +17,15 @@ r"""Effect handlers (NumPyro ``Messenger`` subclasses): the exact engine's, and 
 * [`fill_latent`][structinfer.handlers.fill_latent] — gives every other latent sample
   site without a value a placeholder inside its support, without sampling (used to read
   a model that is still to be fitted).
+* [`contain`][structinfer.handlers.contain] — keeps the sites of a model the engine runs
+  inside the engine call, passing parameters and parent masks on to the handlers around;
+  [`replay_outside`][structinfer.handlers.replay_outside] gives a later run what they
+  answered.
 """
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 import re
@@ -32,6 +37,7 @@ import numpyro.distributions as dist
 from jax.custom_derivatives import SymbolicZero
 from numpyro.distributions.batch_util import promote_batch_shape
 from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import block
 from numpyro.handlers import trace as numpyro_trace
 from numpyro.ops.indexing import Vindex
 from numpyro.primitives import Messenger
@@ -60,6 +66,9 @@ __all__ = [
     "fill_latent",
     "pin",
     "observe_given",
+    "contain",
+    "OUTSIDE_READS",
+    "replay_outside",
     "TiltedDistribution",
     "TILT_PREFIX",
     "PLACEHOLDER_KEY",
@@ -674,3 +683,114 @@ class observe_given(Messenger):
             # as `pin` (a conditioned edge too): funsor's infer_discrete reads every site
             # marked for enumeration, observed or not
             msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}
+
+
+
+_PASSED_ON = frozenset({"param", "mutable", "prng_key", MASK_PARENTS_TYPE})
+_MASKS_INSIDE = "structinfer_masks_inside"  # (key, handler id): a mask message's mask
+# count and its edge's name when it left that contain handler
+
+OUTSIDE_READS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "structinfer_outside_reads", default=None)
+"""While set to a list, [`contain`][structinfer.handlers.contain] appends to it the name of
+each message whose answer can come from the handlers around the engine call: a ``param``,
+``mutable`` or ``prng_key`` site, and an edge's parent-mask message that a handler outside
+answered. A caller that caches a traced model run (the lowering's ``jit``) must not reuse
+it for a model that reads them: the answer depends on handlers the cache key cannot see."""
+
+
+def _stays_inside(msg: dict) -> bool:
+    """A message of the model's own sites, or a parameter the model gave a value itself
+    (a ``substitute`` inside it): ``contain`` stops it."""
+    if msg["type"] in ("param", "mutable"):
+        return msg.get("value") is not None
+    return msg["type"] not in _PASSED_ON
+
+
+class contain(block):
+    r"""Keep a model's sites inside the engine call that runs it.
+
+    The exact engine and the lowering run the model they are given under handlers of their
+    own and return numbers, not sites. Called inside an outer NumPyro model
+    (``numpyro.factor("z", si.log_marginal(inner, x))``, attention inside a model that
+    NUTS samples), the inner model's sample, plate, deterministic and factor messages would
+    otherwise reach the outer model's handlers: its ``trace`` would record the enumerated
+    edges and ``log_density`` score them again, or refuse a second call's sites as
+    duplicates. This ``numpyro.handlers.block`` stops them, and passes on the messages
+    that belong to the handlers around the call:
+
+    * ``param`` (and ``mutable``, ``prng_key``) messages, so a ``substitute`` around the
+      outer model (SVI, ``log_density``) sets and fits the inner model's parameters (a
+      parameter the model gave a value itself, by a ``substitute`` inside it, stays
+      inside);
+    * the parent-mask message of each [`edge`][structinfer.edge], so a
+      [`mask_parents`][structinfer.handlers.mask_parents] around the call restricts its
+      edges.
+
+    Handlers that should act on the inner model's own sites (``condition``, ``scale``,
+    ``mask``) wrap the model that is passed in. Each message that passed on and may have
+    been answered outside is recorded in [`OUTSIDE_READS`][structinfer.handlers.OUTSIDE_READS].
+
+    Args:
+        fn: the model (or ``None`` to use as a context manager).
+    """
+
+    def __init__(self, fn: Callable | None = None):
+        self.values: dict[str, object] = {}  # param / mutable site -> value it came back with
+        self.masks: dict[str, list] = {}  # edge site -> masks added outside
+        super().__init__(fn, hide_fn=_stays_inside)
+
+    def process_message(self, msg: dict) -> None:
+        """Stop a message of the model's own sites; note one that goes on."""
+        super().process_message(msg)
+        if msg.get("stop"):
+            return
+        if msg["type"] == MASK_PARENTS_TYPE:  # its name is dropped before postprocessing
+            msg[(_MASKS_INSIDE, id(self))] = (len(msg["masks"]), msg["name"])
+        elif msg["type"] in _PASSED_ON:
+            _note_outside_read(msg.get("name") or msg["type"])
+
+    def postprocess_message(self, msg: dict) -> None:
+        """Record a parameter's value and the masks handlers outside added to an edge."""
+        if msg["type"] in ("param", "mutable"):
+            self.values[msg["name"]] = msg["value"]
+        elif msg["type"] == MASK_PARENTS_TYPE and (_MASKS_INSIDE, id(self)) in msg:
+            inside, name = msg.pop((_MASKS_INSIDE, id(self)))
+            if len(msg["masks"]) > inside:
+                self.masks[name] = msg["masks"][inside:]
+                _note_outside_read(name)
+
+
+class replay_outside(Messenger):
+    r"""Give a model's parameters and edges what the handlers around a call answered.
+
+    Replays, from a [`contain`][structinfer.handlers.contain] handler a first run passed
+    through, each ``param`` / ``mutable`` site's value and the parent masks that
+    [`mask_parents`][structinfer.handlers.mask_parents] handlers outside added to each
+    edge. For code that runs the model where those handlers cannot reach it (NumPyro's
+    ``infer_discrete`` enumerates under a ``block``), so that every run sees the same
+    parameters and masks.
+
+    Args:
+        fn: the model (or ``None`` to use as a context manager).
+        outside: the ``contain`` handler of the first run.
+    """
+
+    def __init__(self, fn: Callable | None = None, outside: contain | None = None):
+        if not isinstance(outside, contain):
+            raise TypeError("replay_outside: outside= must be the contain handler of a run")
+        self.outside = outside
+        super().__init__(fn)
+
+    def process_message(self, msg: dict) -> None:
+        """Set a recorded parameter's value; add an edge's recorded masks."""
+        if msg["type"] in ("param", "mutable") and msg["name"] in self.outside.values:
+            msg["value"] = self.outside.values[msg["name"]]
+        elif msg["type"] == MASK_PARENTS_TYPE and msg["name"] in self.outside.masks:
+            msg["masks"].extend(self.outside.masks[msg["name"]])
+
+
+def _note_outside_read(name: str) -> None:
+    reads = OUTSIDE_READS.get()
+    if reads is not None:
+        reads.append(name)

@@ -460,3 +460,71 @@ def test_numpyros_unenumerated_tools_name_the_edge_and_the_exact_call():
         with pytest.raises(ValueError, match=r"edge site 'phi'.*PRNG key.*"
                            r"pointwise_log_likelihood.*log_marginal.*seed"):
             call()
+
+
+def test_exact_calls_inside_a_numpyro_model_keep_their_sites_and_read_its_params(x64):
+    """Regression: ``si.log_marginal`` / ``marginals`` / ``expectation`` / a lowered
+    ``si.attention`` called inside an outer NumPyro model ran the inner model under the
+    outer model's handlers: its edges and plates reached the outer ``trace``
+    (``log_density`` scored them again: -86.9 for -5.7, or a duplicate-name error), while
+    the lowering hid the inner model's ``numpyro.param`` from the outer ``substitute``
+    (it used the parameter's initial value: a finite wrong number and a zero gradient).
+    Now only the parameters pass out, and a lowered function that read one is never
+    answered from its cache."""
+    from numpyro.handlers import substitute
+    from numpyro.infer.util import log_density
+
+    keys = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    q = keys + jnp.array([[0.3, -0.2], [0.1, 0.4], [-0.5, 0.2]])
+    v, y = jnp.array([1.0, -1.0, 0.5]), jnp.array([0.8, -0.5, 0.3])
+
+    def inner(q, keys, t):
+        tau = numpyro.param("tau", 1.0)
+        with numpyro.plate("children", q.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(3), si.scores.Dot(q * t * tau, keys))
+            numpyro.deterministic("out", v[j])
+
+    def expected(t, tau):
+        s = t * tau * q @ keys.T
+        return (dist.LogNormal(0.0, 1.0).log_prob(t)
+                + dist.Normal(jax.nn.softmax(s, -1) @ v, 0.5).log_prob(y).sum()
+                + jax.nn.logsumexp(s - jnp.log(3.0), -1).sum())
+
+    lowered = si.attention(inner, "out")
+    for mean in (lambda t: si.marginals(inner, q, keys, t)["phi"] @ v,
+                 lambda t: si.expectation(inner, "out", q, keys, t),
+                 lambda t: lowered(q, keys, t)):
+        def outer(q, keys, y, mean=mean):
+            t = numpyro.sample("t", dist.LogNormal(0.0, 1.0))
+            numpyro.factor("z", si.log_marginal(inner, q, keys, t))
+            numpyro.sample("y", dist.Normal(mean(t), 0.5), obs=y)
+
+        tr = numpyro.handlers.trace(numpyro.handlers.seed(outer, 0)).get_trace(q, keys, y)
+        assert {name: s["type"] for name, s in tr.items()} == {
+            "t": "sample", "tau": "param", "z": "sample", "y": "sample"}
+
+        def f(t, tau, outer=outer):
+            return log_density(outer, (q, keys, y), {}, {"t": t, "tau": tau})[0]
+
+        for t, tau in ((1.3, 0.7), (0.8, 1.6)):
+            np.testing.assert_allclose(f(t, tau), expected(t, tau), rtol=1e-10)
+            np.testing.assert_allclose(jax.jit(f)(t, tau), expected(t, tau), rtol=1e-10)
+            np.testing.assert_allclose(jax.grad(f, 1)(t, tau), jax.grad(expected, 1)(t, tau),
+                                       rtol=1e-8)
+    # the lowered function read a param: a plain call afterwards is not the cached one
+    plain = si.expectation(inner, "out", q, keys, 1.3)
+    np.testing.assert_allclose(lowered(q, keys, 1.3), plain, rtol=1e-10)
+    with substitute(data={"tau": 0.5}):
+        np.testing.assert_allclose(lowered(q, keys, 1.3), si.expectation(
+            substitute(inner, data={"tau": 0.5}), "out", q, keys, 1.3), rtol=1e-10)
+    # NumPyro's infer_discrete (the MAP and draws) enumerates under a block of its own: it
+    # gets the parameter the handlers around gave (a negative tau reverses the MAP)
+    for tau in (-2.0, 1.0):
+        s = 1.3 * tau * q @ keys.T
+        with substitute(data={"tau": tau}):
+            best = si.map_edges(inner, q, keys, 1.3)["phi"]
+            draws = jax.vmap(lambda key: si.sample_edges(key, inner, q, keys, 1.3)["phi"])(
+                jax.random.split(jax.random.PRNGKey(0), 2000))
+        np.testing.assert_array_equal(best, jnp.argmax(s, -1))
+        freq = (draws[..., None] == jnp.arange(3)).mean(0)
+        np.testing.assert_allclose(freq, jax.nn.softmax(s, -1), atol=0.04)

@@ -132,6 +132,42 @@ def test_mask_parents_is_the_masked_prior_and_nests():
     np.testing.assert_allclose(one, _reference(prior, masks["keys"], q, k, v), atol=2e-5)
 
 
+def test_mask_parents_around_an_engine_call_reaches_every_entry_point():
+    """Regression: ``mask_parents`` as a context around ``si.attention(...)(...)``,
+    ``si.map_edges`` or ``si.sample_edges`` raised "no edge site consulted" (their model
+    runs hid every message from the handlers around the call). Now each applies the mask;
+    a lowered function traced under the mask is not reused from its cache without it
+    (it kept the mask of the call that traced it), and one cached before the mask refuses
+    it rather than ignore it."""
+    q, k, v = _data()
+    prior = P.Uniform(M)
+    keep = jnp.asarray(_masks()["keys"])
+
+    def plain(q, k, v):
+        model(q, k, v, prior)
+
+    want = _reference(prior, keep, q, k, v)
+    unmasked = _reference(prior, jnp.ones_like(keep), q, k, v)
+    f = si.attention(plain, "out")
+    with si.handlers.mask_parents(mask=keep):
+        np.testing.assert_allclose(f(q, k, v), want, atol=2e-5)
+        np.testing.assert_allclose(si.attention(plain, "out", "blocked")(q, k, v), want,
+                                   atol=2e-5)
+        best = si.map_edges(plain, q, k, v)["phi"]
+        drawn = si.sample_edges(jax.random.PRNGKey(0), plain, q, k, v)["phi"]
+    np.testing.assert_allclose(f(q, k, v), unmasked, atol=2e-5)  # the mask is gone
+    scores = jnp.where(keep, jnp.einsum("hid,hjd->hij", q, k), -jnp.inf)
+    np.testing.assert_array_equal(best, jnp.argmax(scores, -1))
+    assert bool(jnp.all(jnp.take_along_axis(jnp.broadcast_to(keep, scores.shape),
+                                            drawn[..., None], -1)))
+
+    g = si.attention(plain, "out")
+    np.testing.assert_allclose(g(q, k, v), unmasked, atol=2e-5)  # cached without a mask
+    with pytest.raises(ValueError, match="no edge site consulted"):
+        with si.handlers.mask_parents(mask=keep):
+            g(q, k, v)
+
+
 def test_bad_masks_are_refused_naming_the_site():
     q, k, v = _data()
     prior = P.Uniform(M)

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro import validation_enabled
 from numpyro.contrib.funsor import infer_discrete
-from numpyro.handlers import block, substitute, trace
+from numpyro.handlers import substitute, trace
 
 from .._checks import as_arrays, check_key, is_concrete, model_name
-from ..handlers import observe_given, pin, require_values
+from ..handlers import contain, observe_given, pin, replay_outside, require_values
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
 
@@ -355,7 +355,9 @@ def expectation(
 
 def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[str, jax.Array]:
     args, kwargs = as_arrays(args, kwargs)
-    info = inspect_model(model, *args, **kwargs)
+    outside = contain()  # NumPyro's infer_discrete enumerates under a block: its runs get
+    with outside:  # the parameters and parent masks of the handlers around from this one
+        info = inspect_model(model, *args, **kwargs)
     if not info.enumerated:
         raise ValueError(f"model '{model_name(model)}' has no edge sites")
     key = jax.random.PRNGKey(0) if rng_key is None else rng_key
@@ -366,13 +368,13 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
     trivial = {
         name: jnp.zeros(batch, jnp.int32) for name, (batch, k) in info.enumerated.items() if k == 1
     }
-    m = pin(require_values(observe_given(model)), data=trivial)
+    m = pin(require_values(observe_given(replay_outside(model, outside=outside))), data=trivial)
     if len(trivial) < len(info.enumerated):  # else nothing is left to infer
         m = infer_discrete(m, first_available_dim=info.first_available_dim,
                            temperature=temperature, rng_key=key)
     # funsor draws through a NumPyro Categorical built from the posterior logits, whose
     # argument validation (on by default) rejects the -inf of forbidden parents
-    with block(), validation_enabled(False):
+    with contain(), validation_enabled(False):
         tr = trace(m).get_trace(*args, **kwargs)
     # funsor's MAP and draws read a structure off any table, -inf or NaN everywhere too:
     # the model's log-weight at the structure read says whether it is one

@@ -43,11 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from jax.tree_util import treedef_is_leaf
-from numpyro.handlers import block, seed, substitute, trace
+from numpyro.handlers import seed, substitute, trace
 
 from .._checks import NotFoundError, as_arrays, check_real, is_concrete, model_name
 from ..handlers import (
     PLACEHOLDER_KEY,
+    contain,
     fill_discrete,
     fill_latent,
     observe_given,
@@ -413,7 +414,7 @@ def trace_model(
     m = substitute(m, data=dict(values)) if values else m
     m = fill_latent(m) if placeholders else require_values(m, what=what)
     m = seed(fill_discrete(m), 0)
-    with block():
+    with contain():
         return trace(m).get_trace(*args, **dict(kwargs or {}))
 
 

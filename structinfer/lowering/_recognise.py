@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numpyro.handlers import block, substitute, trace
+from numpyro.handlers import substitute, trace
 from numpyro.primitives import Messenger
 
 from .._checks import is_concrete, is_masked
@@ -67,7 +67,7 @@ from .._jaxpr import (
     union,
 )
 from ..exact import NotAChainError, chain_factors, inspect_model, stage_at_probes
-from ..handlers import TILT_PREFIX, missing_value_error, require_values, tilt
+from ..handlers import TILT_PREFIX, contain, missing_value_error, require_values, tilt
 from ..primitives import EDGE_INFO_KEY, SCAN_RECORD_KEY, SCORE_SUFFIX
 from ._lower import Lowered, NotLowered, lower_edge
 from ._views import eval_with_views, replay_with_views
@@ -129,7 +129,7 @@ class _Fail(Exception):
 
 
 def _run(model, args, kwargs, values: dict):
-    with block():
+    with contain():
         return trace(require_values(substitute(model, data=values))).get_trace(*args, **kwargs)
 
 
@@ -615,7 +615,7 @@ def _build_markov(plan: Plan, model, value, args, kwargs, info, e: str) -> None:
 
     def along(j):
         path = jnp.full((steps,), j, dtype)
-        with block(), scans:
+        with contain(), scans:
             tr = trace(require_values(substitute(model, data={e: path}))
                        ).get_trace(*args, **kwargs)
         return jnp.asarray(tr[value]["value"])

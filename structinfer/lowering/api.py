@@ -30,6 +30,7 @@ import numpy as np
 
 from .._checks import is_concrete
 from ..exact import expectation, inspect_model, marginals
+from ..handlers import OUTSIDE_READS
 from ._recognise import Fallback, Plan, recognise
 from ._softmax import with_nan_rows
 from .kernels import KERNELS, KernelConfig, auto_kernel
@@ -564,11 +565,18 @@ def attention(
             _raise_bad_rows(model, args, kwargs, lses)
         return out
 
+    reads_handlers = False  # the model reads the handlers around a call: never cached
+
     def with_log_normalisers(*args, **kwargs):
+        nonlocal reads_handlers
         dyn, key = _split(args, kwargs)
         try:
             hash(key)
         except TypeError:
+            cacheable = False
+        else:
+            cacheable = not reads_handlers  # else traced afresh under each call's handlers
+        if not cacheable:
             call = functools.partial(impl, *args, **kwargs)
         else:
             jitted = cache.get(key)
@@ -579,12 +587,21 @@ def attention(
 
                 jitted = cache[key] = jax.jit(run)
             call = functools.partial(jitted, dyn)
+        reads: list[str] = []
+        token = OUTSIDE_READS.set(reads)
         try:
-            return call()
+            result = call()
         except TypeError as err:  # JAX's message names neither the site nor a way out
             if "forward-mode autodiff" not in str(err):
                 raise
             raise TypeError(_reverse_mode_only(model, value, backend, args, kwargs)) from err
+        finally:
+            OUTSIDE_READS.reset(token)
+        if reads:  # a param, a random key or an outside mask_parents: the cached trace
+            # would keep this call's answer to them, so no call is cached from now on
+            reads_handlers = True
+            cache.clear()
+        return result
 
     @functools.wraps(model)
     def fn(*args, **kwargs):
