@@ -68,6 +68,7 @@ __all__ = [
     "observe_given",
     "contain",
     "OUTSIDE_READS",
+    "masking",
     "replay_outside",
     "TiltedDistribution",
     "TILT_PREFIX",
@@ -342,6 +343,21 @@ class _StepTilts:
         return t[self._s], ev
 
 
+_MASKING: contextvars.ContextVar[int] = contextvars.ContextVar("structinfer_masking", default=0)
+
+
+def masking() -> bool:
+    """Whether a [`mask_parents`][structinfer.handlers.mask_parents] handler is active here.
+
+    Code that answers a call from a trace cached without the handlers around it (the
+    lowering's ``jit``) checks this first: an edge it runs would take that handler's mask.
+
+    Returns:
+        ``True`` inside a ``mask_parents`` (entered and not exited), else ``False``.
+    """
+    return _MASKING.get() > 0
+
+
 class mask_parents(Messenger):
     r"""Restrict every edge site in scope to the parents a boolean mask allows.
 
@@ -397,11 +413,12 @@ class mask_parents(Messenger):
         super().__init__(fn)
 
     def __enter__(self):
-        self._starts.append(self._consults)
+        self._starts.append((self._consults, _MASKING.set(_MASKING.get() + 1)))
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
-        start = self._starts.pop()
+        start, token = self._starts.pop()
+        _MASKING.reset(token)
         super().__exit__(exc_type, exc_value, traceback)
         if exc_type is None and self._consults == start:
             raise ValueError(
@@ -686,6 +703,9 @@ class observe_given(Messenger):
 
 
 
+_ENUMERATING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "structinfer_enumerating", default=None)  # the model an active contain enumerates
+
 _PASSED_ON = frozenset({"param", "mutable", "prng_key", MASK_PARENTS_TYPE})
 _MASKS_INSIDE = "structinfer_masks_inside"  # (key, handler id): a mask message's mask
 # count and its edge's name when it left that contain handler
@@ -731,14 +751,45 @@ class contain(block):
     ``mask``) wrap the model that is passed in. Each message that passed on and may have
     been answered outside is recorded in [`OUTSIDE_READS`][structinfer.handlers.OUTSIDE_READS].
 
+    NumPyro's enumeration does not nest (its enumeration dims and plates are global): a
+    run that enumerates names its model in ``enumerates``, and one entered while another
+    is active raises.
+
     Args:
         fn: the model (or ``None`` to use as a context manager).
+        enumerates: the name of the model, when the run enumerates its edges.
+
+    Raises:
+        ValueError: (on entry) ``enumerates`` is given while another enumerating run is
+            active: an exact call inside a model the exact engine is enumerating.
     """
 
-    def __init__(self, fn: Callable | None = None):
+    def __init__(self, fn: Callable | None = None, *, enumerates: str | None = None):
         self.values: dict[str, object] = {}  # param / mutable site -> value it came back with
         self.masks: dict[str, list] = {}  # edge site -> masks added outside
+        self.enumerates = enumerates
+        self._tokens: list = []
         super().__init__(fn, hide_fn=_stays_inside)
+
+    def __enter__(self):
+        if self.enumerates is not None:
+            outer = _ENUMERATING.get()
+            if outer is not None:
+                raise ValueError(
+                    f"model '{self.enumerates}' is given to an exact call (log_marginal, "
+                    f"marginals, expectation, map_edges, sample_edges) inside model "
+                    f"'{outer}', which the exact engine is enumerating: NumPyro's "
+                    "enumeration does not nest. Compute the inner result outside and pass "
+                    "it to the model, or use a lowered si.attention for the inner call "
+                    "(its kernels do not enumerate)")
+        self._tokens.append(_ENUMERATING.set(self.enumerates or _ENUMERATING.get()))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ENUMERATING.reset(self._tokens.pop())
 
     def process_message(self, msg: dict) -> None:
         """Stop a message of the model's own sites; note one that goes on."""

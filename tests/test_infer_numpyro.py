@@ -517,6 +517,16 @@ def test_exact_calls_inside_a_numpyro_model_keep_their_sites_and_read_its_params
     with substitute(data={"tau": 0.5}):
         np.testing.assert_allclose(lowered(q, keys, 1.3), si.expectation(
             substitute(inner, data={"tau": 0.5}), "out", q, keys, 1.3), rtol=1e-10)
+    # the parameter the only traced input (jit, vmap over it) with concrete data
+    at = jnp.array([0.5, 2.0])
+    want = jnp.stack([si.expectation(substitute(inner, data={"tau": t}), "out", q, keys, 1.3)
+                      for t in at])
+
+    def by_tau(tau):
+        return substitute(lowered, data={"tau": tau})(q, keys, 1.3)
+
+    np.testing.assert_allclose(jax.jit(by_tau)(at[0]), want[0], rtol=1e-10)
+    np.testing.assert_allclose(jax.vmap(by_tau)(at), want, rtol=1e-10)
     # NumPyro's infer_discrete (the MAP and draws) enumerates under a block of its own: it
     # gets the parameter the handlers around gave (a negative tau reverses the MAP)
     for tau in (-2.0, 1.0):
@@ -528,3 +538,39 @@ def test_exact_calls_inside_a_numpyro_model_keep_their_sites_and_read_its_params
         np.testing.assert_array_equal(best, jnp.argmax(s, -1))
         freq = (draws[..., None] == jnp.arange(3)).mean(0)
         np.testing.assert_allclose(freq, jax.nn.softmax(s, -1), atol=0.04)
+
+
+def test_an_exact_call_inside_a_model_the_engine_enumerates_is_refused_naming_both():
+    """Regression: ``si.log_marginal`` / ``si.expectation`` of an inner model called inside
+    a model that the exact engine enumerates blamed the outer model for a leftover tensor
+    dim (NumPyro's enumeration does not nest). The error now names both models and the
+    ways out; a lowered inner call, which does not enumerate, works there."""
+    keys = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    x = keys + jnp.array([[0.3, -0.2], [0.1, 0.4], [-0.5, 0.2]])
+    v = jnp.array([1.0, -1.0, 0.5])
+
+    def inner(x, keys):
+        with numpyro.plate("children", x.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(3), si.scores.Dot(x, keys))
+            numpyro.deterministic("out", v[j])
+
+    def own(x, keys):
+        with numpyro.plate("c2", x.shape[0]):
+            si.edge("psi", si.priors.Uniform(3), si.scores.Dot(-x, keys))
+
+    def outer_with(sub):
+        def outer(x, keys):
+            numpyro.factor("sub", sub())
+            own(x, keys)
+        return outer
+
+    for sub in (lambda: si.log_marginal(inner, x, keys),
+                lambda: si.expectation(inner, "out", x, keys).sum(),
+                lambda: si.map_edges(inner, x, keys)["phi"].sum()):
+        with pytest.raises(ValueError, match=r"model 'inner' is given to an exact call.*"
+                           r"inside model 'outer'.*does not nest.*si.attention"):
+            si.log_marginal(outer_with(sub), x, keys)
+    lowered = si.attention(inner, "out")
+    np.testing.assert_allclose(
+        si.log_marginal(outer_with(lambda: lowered(x, keys).sum()), x, keys),
+        lowered(x, keys).sum() + si.log_marginal(own, x, keys), rtol=1e-5)

@@ -374,7 +374,7 @@ def _discrete_posterior(model, args, kwargs, temperature: int, rng_key) -> dict[
                            temperature=temperature, rng_key=key)
     # funsor draws through a NumPyro Categorical built from the posterior logits, whose
     # argument validation (on by default) rejects the -inf of forbidden parents
-    with contain(), validation_enabled(False):
+    with contain(enumerates=model_name(model)), validation_enabled(False):
         tr = trace(m).get_trace(*args, **kwargs)
     # funsor's MAP and draws read a structure off any table, -inf or NaN everywhere too:
     # the model's log-weight at the structure read says whether it is one

@@ -181,11 +181,11 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     m = enum(m, first_available_dim=info.first_available_dim)
     try:
         if semiring == "sum":
-            with contain(), _einsum_for(info):  # the model's sites stay inside
+            with contain(enumerates=model_name(model)), _einsum_for(info):
                 lp, _ = funsor_log_density(m, args, kwargs, {})
             lp = _slope_for(info, lp)
         else:
-            lp = _max_product(m, args, kwargs)
+            lp = _max_product(m, args, kwargs, model_name(model))
     except ValueError as e:
         if "joint log density is a scalar" not in str(e):
             raise
@@ -301,11 +301,11 @@ def _scaled_log_probs(tr):
             yield s, (lp if s["scale"] is None else s["scale"] * lp)
 
 
-def _max_product(m, args, kwargs) -> jax.Array:
+def _max_product(m, args, kwargs, name: str) -> jax.Array:
     r"""$\max_\phi \log p(x, \phi)$ of an enumerated model: NumPyro's contraction of
     ``log_density`` with ``max`` for ``logaddexp``, a scan's time dims contracted by
     funsor's parallel-scan ``sequential_sum_product`` (``compute_markov_factors``)."""
-    with contain(), plate_to_enum_plate():  # the model's sites stay inside
+    with contain(enumerates=name), plate_to_enum_plate():
         tr = packed_trace(m).get_trace(*args, **kwargs)
     factors, by_time = [], defaultdict(list)
     init_vars: dict = defaultdict(frozenset)
@@ -436,7 +436,7 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
                              f"{tuple(batch)}): only a single chain is read as one")
     steps = batch[0]
     m = enum(require_values(observe_given(model)), first_available_dim=info.first_available_dim)
-    with contain(), plate_to_enum_plate():  # the model's sites stay inside
+    with contain(enumerates=model_name(model)), plate_to_enum_plate():
         tr = packed_trace(m).get_trace(*args, **kwargs)
     prev = "_PREV_" + site
     dtype = info.float_dtype
@@ -491,7 +491,7 @@ def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: Scor
         require_values(observe_given(model), what="the pointwise log-likelihood"),
         first_available_dim=info.first_available_dim,
     )
-    with contain(), plate_to_enum_plate():  # the model's sites stay inside
+    with contain(enumerates=model_name(model)), plate_to_enum_plate():
         tr = packed_trace(em).get_trace(*args, **kwargs)
 
     sites = [s for s in tr.values() if s["type"] == "sample"]

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._checks import is_concrete
 from ..exact import expectation, inspect_model, marginals
-from ..handlers import OUTSIDE_READS
+from ..handlers import OUTSIDE_READS, masking
 from ._recognise import Fallback, Plan, recognise
 from ._softmax import with_nan_rows
 from .kernels import KERNELS, KernelConfig, auto_kernel
@@ -555,10 +555,10 @@ def attention(
 
     def checked(args, kwargs, dyn, result):
         out, lses = result
-        # concrete inputs: a non-finite row is an error, as in the exact engine (inside our
-        # jit its value checks see tracers, and a bad value is NaN); under an outer jit the
-        # row stays NaN
-        if all(is_concrete(x) for x in dyn) and (
+        # concrete inputs and outputs: a non-finite row is an error, as in the exact engine
+        # (inside our jit its value checks see tracers, and a bad value is NaN); under an
+        # outer jit the row stays NaN (a param set from outside may be its only tracer)
+        if all(is_concrete(x) for x in (*dyn, out, *lses.values())) and (
             any(not bool(jnp.all(jnp.isfinite(lse))) for lse in lses.values())
             or (not lses and bool(jnp.any(jnp.isnan(out))))
         ):
@@ -575,7 +575,9 @@ def attention(
         except TypeError:
             cacheable = False
         else:
-            cacheable = not reads_handlers  # else traced afresh under each call's handlers
+            # else run afresh under each call's handlers (a mask_parents around this call
+            # would not reach a model that the cache answers for)
+            cacheable = not reads_handlers and not masking()
         if not cacheable:
             call = functools.partial(impl, *args, **kwargs)
         else:
