@@ -948,15 +948,18 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             f"of the chain), got dtype {previous.dtype}"
         )
     k = prior.num_parents
-    if prior.log_initial is None and is_concrete(previous) and bool(jnp.any(previous < 0)):
+    # on the host: a concrete start closed over by a jitted model stays concrete, but a
+    # jnp comparison of it would be traced
+    held = np.asarray(previous) if is_concrete(previous) else None
+    if prior.log_initial is None and held is not None and bool(np.any(held < 0)):
         raise ValueError(
             f"edge site '{name}': the chain's first edge (previous=-1) has no initial "
             "distribution: give the Markov prior log_initial=, or start the chain from a "
             "given previous edge"
         )
-    if is_concrete(previous) and bool(jnp.any(previous >= k)):
+    if held is not None and bool(np.any(held >= k)):
         raise ValueError(
-            f"edge site '{name}': previous= holds {int(jnp.max(previous))}, but the Markov "
+            f"edge site '{name}': previous= holds {int(np.max(held))}, but the Markov "
             f"prior's states are 0 ... {k - 1} (-1 starts the chain)"
         )
     plates = active_plates()

@@ -1105,3 +1105,46 @@ def test_a_chain_whose_score_depends_on_another_enumerated_site_is_exact():
         marg[np.arange(T), p] += w
     assert float(si.log_marginal(model, em)) == pytest.approx(logz, abs=1e-4)
     np.testing.assert_allclose(si.marginals(model, em)["z"], marg, atol=1e-5)
+
+
+# --- wrongly shaped steps: a score or a carry the chain cannot keep ---------------------
+
+
+def _faulty_chain(score_of=lambda e: e, carry_of=lambda carry, z: z, start=None,
+                  chains=None):
+    """A chain whose step scores ``score_of(e)`` and returns ``carry_of(carry, z)``
+    (``start`` the scan's init, ``chains`` a plate of that many chains in the step); a
+    tuple carry holds the previous edge first."""
+    _, lt, li = _params()
+    prior = si.priors.Markov(lt, li)
+
+    def model(emission):
+        def step(carry, e):
+            previous = carry[0] if isinstance(carry, tuple) else carry
+            plate = numpyro.plate("chains", chains) if chains else contextlib.nullcontext()
+            with plate:
+                z = si.edge("z", prior, score_of(e), previous=previous)
+                numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return carry_of(carry, z), None
+
+        init = start if start is not None else (
+            jnp.full((chains,), -1) if chains else jnp.asarray(-1))
+        scan(step, init, emission)
+
+    return model
+
+
+def test_a_chain_started_from_a_concrete_array_runs_under_jit():
+    """Regression: a chain under a plate whose start is a concrete array the model closes
+    over (``jnp.full((2,), -1)`` made outside it) failed under ``jax.jit`` and in
+    `si.attention` with a bare ``TracerBoolConversionError`` (the check of ``previous``
+    against the states ran a traced comparison on it); now it runs, equal to the forward
+    algorithm of each chain."""
+    em, lt, li = _params()
+    ems = jnp.stack([em, _params(1)[0]], axis=1)
+    model = _faulty_chain(start=jnp.full((2,), -1), chains=2)
+    ref = sum(_forward(ems[:, b], lt, li) for b in range(2))
+    np.testing.assert_allclose(jax.jit(lambda e: si.log_marginal(model, e))(ems), ref,
+                               rtol=1e-5)
+    np.testing.assert_allclose(si.attention(model, "v")(ems), si.expectation(model, "v", ems),
+                               atol=1e-5)
