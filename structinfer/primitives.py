@@ -964,6 +964,8 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
         )
     plates = active_plates()
     batch = _batch_shape(plates) if plates else ()
+    if not _fits_plates(previous.shape, batch):
+        raise _previous_shape_error(name, previous.shape, batch)
     logits = float32_at_least(prior.row(previous))  # 16 bits: summed in float32
     score_obj = None
     if score is not None:
@@ -976,6 +978,9 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
                 f"edge site '{name}': score has shape {tuple(jnp.shape(table))}, expected "
                 f"(..., {k}) (one log-potential per parent of this step)"
             )
+        if not _fits_plates(table.shape[:-1], batch):
+            raise _step_score_error(name, table.shape, batch, "its dims under the plates "
+                                    "do not match the plates' sizes")
         # -inf forbids the state at this step, as a -inf score forbids an edge
         check_finite(table, f"edge site '{name}': score", allow_neg_inf=True)
         logits = logits + float32_at_least(table)
@@ -993,6 +998,49 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             "the edge must be inside a numpyro.contrib.control_flow.scan over the time "
             "steps (the carry holds the previous edge); it was called outside a time dim"
         )
+    if jnp.shape(phi) == jnp.broadcast_shapes(logits.shape[:-1], batch):
+        # nothing enumerated the edge (a plain run: the model alone, or the engine's first
+        # pass), so no dim is an enumeration dim: the edge, which the step returns as the
+        # scan's carry, has the plates' batch shape, as its previous value had (under
+        # enumeration both gain enumeration dims on the left, which NumPyro's scan allows)
+        if score is not None and table.ndim - 1 > len(batch):
+            raise _step_score_error(
+                name, table.shape, batch,
+                f"its leading dims {tuple(table.shape[: table.ndim - 1 - len(batch)])} lie "
+                "outside every plate, so the edge, the scan's carry, would change shape "
+                "from step to step: drop them, or add a plate for each")
+        if tuple(previous.shape) != batch:
+            raise _previous_shape_error(name, previous.shape, batch)
     if score is not None:
         potential(name + SCORE_SUFFIX, fn.log_normalizer)
     return phi.astype(previous.dtype)  # the scan's carry keeps its type (int32 / int64)
+
+
+def _fits_plates(shape: tuple[int, ...], batch: tuple[int, ...]) -> bool:
+    """Whether the dims of ``shape`` under the plates (right-aligned with their batch
+    shape ``batch``) broadcast to the plates' sizes; dims left of the plates are not
+    looked at."""
+    n = min(len(shape), len(batch))
+    return all(s in (1, b) for s, b in zip(shape[len(shape) - n:], batch[len(batch) - n:]))
+
+
+def _step_score_error(name: str, shape: tuple[int, ...], batch: tuple[int, ...],
+                      why: str) -> ValueError:
+    """The error for a Markov step's score that does not fit the plates around the edge."""
+    return ValueError(
+        f"edge site '{name}': the step's score has shape {tuple(shape)}, expected "
+        f"{tuple(batch) + (shape[-1],)} (the batch shape {tuple(batch)} of the plates "
+        f"around the edge, then one log-potential per state; a dim of size 1 "
+        f"broadcasts): {why}"
+    )
+
+
+def _previous_shape_error(name: str, shape: tuple[int, ...],
+                          batch: tuple[int, ...]) -> ValueError:
+    """The error for a Markov edge's ``previous=`` that does not have the edge's shape."""
+    return ValueError(
+        f"edge site '{name}': previous= has shape {tuple(shape)}, expected {tuple(batch)} "
+        "(the batch shape of the plates around the edge): the scan's carry holds the "
+        "previous edge, so it has the edge's shape from the start; begin it at "
+        f"jnp.full({tuple(batch)}, -1)"
+    )
