@@ -1179,9 +1179,18 @@ def test_a_step_score_shared_by_the_chains_of_a_plate_still_broadcasts():
 
 
 @pytest.mark.parametrize("chains, carry_of, start, msg", [
+    (None, lambda p, z: p + z, None,
+     r"carry is not the edge's value.*such as previous \+ z"),
+    (2, lambda p, z: p + z, None,
+     r"carry is not the edge's value.*such as previous \+ z"),
+    (None, lambda p, z: (z[None], p[1] + 1), (jnp.asarray(-1), jnp.asarray(0)),
+     r"carry\[0\] has shape \(1,\) and dtype int32, but it took shape \(\) and dtype int32"),
+    (None, lambda p, z: z.astype(jnp.float32), jnp.array(-1, jnp.int32),
+     r"carry has shape \(\) and dtype float32, but it took shape \(\) and dtype int32"),
     (2, lambda p, z: z, jnp.asarray(-1),
      r"previous= has shape \(\), expected \(2,\)"),
-], ids=["scalar-start-under-plate"])
+], ids=["accumulating", "accumulating-under-plate", "extra-dim-in-a-tuple", "float",
+        "scalar-start-under-plate"])
 def test_a_carry_that_is_not_the_edge_is_refused_naming_the_site(chains, carry_of, start,
                                                                   msg):
     """Regression: a step whose carry is not the edge it drew (``previous + z``, the edge
