@@ -801,7 +801,10 @@ def edge(
             (the time steps are its children; no children plate is needed), and its row
             normaliser, which
             depends on the previous edge, is the ``"<name>.score"``
-            [`potential`][structinfer.primitives.potential].
+            [`potential`][structinfer.primitives.potential]. ``previous`` has the
+            batch shape of the plates inside the step, the step's score that batch shape
+            (or one that broadcasts to it) then the $K$ states, and the step returns the
+            edge as the scan's carry.
         infer: extra ``infer`` entries for the sample site.
 
     Returns:
@@ -813,7 +816,9 @@ def edge(
             does not fit the plates' ``(..., children)`` batch shape and the prior's
             parents, or the score has a NaN or ``+inf`` entry, or (on concrete values; NaN
             under ``jit``) its ``-inf`` entries leave a child no parent, or (likewise) a
-            ``child=`` value is not one of the edge's children.
+            ``child=`` value is not one of the edge's children; for a Markov edge, if the
+            step's score or ``previous`` does not have the plates' batch shape (a scan
+            step returning a carry other than the edge raises under the exact engine).
         TypeError: if ``name``, ``prior`` or ``score`` has the wrong type.
 
     Examples:
