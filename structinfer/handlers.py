@@ -472,7 +472,8 @@ class _SeesEveryEdge(Messenger):
 
     def process_message(self, msg: dict) -> None:
         """Mark an edge site seen; refuse a scan over no steps, a Markov edge in a scan
-        whose ``history`` is not 1, and a factor in one whose ``history`` is above 1."""
+        whose ``history`` is not 1 or whose step returns a carry that is not the edge, and
+        a factor in a scan whose ``history`` is above 1."""
         if msg["type"] == "control_flow" and len(msg["args"]) == 5:  # a scan
             _, _, xs, length, _ = msg["args"]
             leaves = jax.tree.leaves(xs)
@@ -483,8 +484,7 @@ class _SeesEveryEdge(Messenger):
                     "dim of 0): NumPyro's enumeration of a scan needs one step at least; "
                     "leave the scan out of the model when there are no steps"
                 )
-            if msg["kwargs"].get("history", 1) != 1:
-                _first_order_steps(msg)
+            _checked_steps(msg)
             return
         if msg["type"] == "sample":
             holder = (msg.get("infer") or {}).get(EDGE_SEEN_KEY)
@@ -494,23 +494,28 @@ class _SeesEveryEdge(Messenger):
                     self._frames[-1][3].add(holder.get("name"))
 
 
-def _first_order_steps(msg: dict) -> None:
-    """Wrap a scan's body so that a Markov edge among its sites raises: the chain is first
-    order, and NumPyro's enumeration of a scan with another ``history`` is not that chain
+def _checked_steps(msg: dict) -> None:
+    """Wrap a scan's body so that its Markov edges are checked as the step runs.
+
+    A Markov edge in a scan whose ``history`` is not 1 raises: the chain is first order,
+    and NumPyro's enumeration of a scan with another ``history`` is not that chain
     (``history=0`` runs the steps as a plate; ``history=2`` let a step read the edge two
     steps back, whose factor the contraction then summed wrongly). With ``history`` above
     1 a factor site raises too: NumPyro's ``factor`` fails there, and a
     [`potential`][structinfer.primitives.potential] reading the site two steps back gave
-    a wrong log Z."""
+    a wrong log Z. A step with a Markov edge must return a carry of the shape and dtype
+    it took (`_check_carry`). The checks read shapes only, once per trace of the step."""
     f, *rest = msg["args"]
-    history = msg["kwargs"]["history"]
+    history = msg["kwargs"].get("history", 1)
 
     def step(carry, x):
         with numpyro_trace() as sites:
             out = f(carry, x)
+        chain = None  # the step's first Markov edge site
         for name, site in sites.items():
             edge = (site.get("infer") or {}).get(EDGE_INFO_KEY)
-            if site["type"] == "sample" and edge is not None and edge.markov:
+            is_markov = site["type"] == "sample" and edge is not None and edge.markov
+            if is_markov and history != 1:
                 raise ValueError(
                     f"edge site '{name}': a Markov edge's scan must have history=1 (each "
                     f"step reads the previous edge only), got history={history}: a chain "
@@ -523,9 +528,60 @@ def _first_order_steps(msg: dict) -> None:
                     "more than the previous one (write the dependence as a sample site's "
                     "distribution, or use history=1)"
                 )
+            if is_markov and chain is None:
+                chain = site
+        if chain is not None and isinstance(out, tuple) and len(out) == 2:
+            # the enumeration flag is set by NumPyro's enum handler on this message by the
+            # time the step runs (it may sit outside this handler)
+            _check_carry(chain, carry, out[0], enumerated=bool(msg["kwargs"].get("enum")))
         return out
 
     msg["args"] = (step, *rest)
+
+
+def _check_carry(site: dict, took, returned, enumerated: bool) -> None:
+    """Refuse a carry that a Markov chain's step returns changed from the one it took,
+    naming the edge ``site`` (JAX's scan and NumPyro's enumerated scan fail on it with
+    errors that name neither the site nor the cause).
+
+    Without enumeration each leaf must keep its shape and dtype (a weakly typed leaf may
+    change dtype: JAX promotes it). Under enumeration NumPyro's scan gives each step's
+    edge its own enumeration dim and reshapes the carry back, so a leaf must keep its
+    size: one computed from two steps' edges (``previous + z``) has both dims. The first,
+    unrolled steps of an enumerated scan (a concrete scan index) take the plain start
+    and are not compared."""
+    edge = site["infer"][EDGE_INFO_KEY].name
+    if enumerated and not isinstance(site["infer"].get(SCAN_INDEX_KEY), jax.core.Tracer):
+        return
+    took_leaves, took_tree = jax.tree_util.tree_flatten_with_path(took)
+    returned_leaves, returned_tree = jax.tree.flatten(returned)
+    if took_tree != returned_tree:
+        raise ValueError(
+            f"edge site '{edge}': the scan's step returns a carry of structure "
+            f"{returned_tree}, but it took {took_tree}: the carry keeps its structure "
+            "from step to step, and holds the edge's value where the step reads previous="
+        )
+    for (path, a), b in zip(took_leaves, returned_leaves):
+        ta, tb = jax.typeof(a), jax.typeof(b)
+        where = "carry" + jax.tree_util.keystr(path)
+        if enumerated and ta.size != tb.size:
+            raise ValueError(
+                f"edge site '{edge}': the scan's carry is not the edge's value: {where} has "
+                f"shape {tb.shape} under enumeration where the carry the step took had "
+                f"shape {ta.shape} ({tb.size} entries for {ta.size}; each step's edge "
+                "takes an enumeration dim on the left). A Markov chain's carry holds the "
+                "edge itself as the step draws it (return z, or a tuple holding z), not a "
+                "value computed from it and the previous carry (such as previous + z)"
+            )
+        if (not enumerated and ta.shape != tb.shape) or (ta.dtype != tb.dtype
+                                                           and not ta.weak_type):
+            raise ValueError(
+                f"edge site '{edge}': the scan's step changes its carry: {where} has shape "
+                f"{tb.shape} and dtype {tb.dtype}, but it took shape {ta.shape} and dtype "
+                f"{ta.dtype}: the carry keeps its shape and dtype from step to step, "
+                "and a Markov chain's carry holds the edge's value as the step draws it "
+                f"(integer, of the plates' batch shape {tuple(jnp.shape(site['value']))})"
+            )
 
 
 class require_values(_SeesEveryEdge):

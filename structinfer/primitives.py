@@ -801,7 +801,10 @@ def edge(
             (the time steps are its children; no children plate is needed), and its row
             normaliser, which
             depends on the previous edge, is the ``"<name>.score"``
-            [`potential`][structinfer.primitives.potential].
+            [`potential`][structinfer.primitives.potential]. ``previous`` has the
+            batch shape of the plates inside the step, the step's score that batch shape
+            (or one that broadcasts to it) then the $K$ states, and the step returns the
+            edge as the scan's carry.
         infer: extra ``infer`` entries for the sample site.
 
     Returns:
@@ -813,7 +816,9 @@ def edge(
             does not fit the plates' ``(..., children)`` batch shape and the prior's
             parents, or the score has a NaN or ``+inf`` entry, or (on concrete values; NaN
             under ``jit``) its ``-inf`` entries leave a child no parent, or (likewise) a
-            ``child=`` value is not one of the edge's children.
+            ``child=`` value is not one of the edge's children; for a Markov edge, if the
+            step's score or ``previous`` does not have the plates' batch shape (a scan
+            step returning a carry other than the edge raises under the exact engine).
         TypeError: if ``name``, ``prior`` or ``score`` has the wrong type.
 
     Examples:
@@ -948,19 +953,24 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             f"of the chain), got dtype {previous.dtype}"
         )
     k = prior.num_parents
-    if prior.log_initial is None and is_concrete(previous) and bool(jnp.any(previous < 0)):
+    # on the host: a concrete start closed over by a jitted model stays concrete, but a
+    # jnp comparison of it would be traced
+    held = np.asarray(previous) if is_concrete(previous) else None
+    if prior.log_initial is None and held is not None and bool(np.any(held < 0)):
         raise ValueError(
             f"edge site '{name}': the chain's first edge (previous=-1) has no initial "
             "distribution: give the Markov prior log_initial=, or start the chain from a "
             "given previous edge"
         )
-    if is_concrete(previous) and bool(jnp.any(previous >= k)):
+    if held is not None and bool(np.any(held >= k)):
         raise ValueError(
-            f"edge site '{name}': previous= holds {int(jnp.max(previous))}, but the Markov "
+            f"edge site '{name}': previous= holds {int(np.max(held))}, but the Markov "
             f"prior's states are 0 ... {k - 1} (-1 starts the chain)"
         )
     plates = active_plates()
     batch = _batch_shape(plates) if plates else ()
+    if not _fits_plates(previous.shape, batch):
+        raise _previous_shape_error(name, previous.shape, batch)
     logits = float32_at_least(prior.row(previous))  # 16 bits: summed in float32
     score_obj = None
     if score is not None:
@@ -973,6 +983,9 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
                 f"edge site '{name}': score has shape {tuple(jnp.shape(table))}, expected "
                 f"(..., {k}) (one log-potential per parent of this step)"
             )
+        if not _fits_plates(table.shape[:-1], batch):
+            raise _step_score_error(name, table.shape, batch, "its dims under the plates "
+                                    "do not match the plates' sizes")
         # -inf forbids the state at this step, as a -inf score forbids an edge
         check_finite(table, f"edge site '{name}': score", allow_neg_inf=True)
         logits = logits + float32_at_least(table)
@@ -990,6 +1003,49 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
             "the edge must be inside a numpyro.contrib.control_flow.scan over the time "
             "steps (the carry holds the previous edge); it was called outside a time dim"
         )
+    if jnp.shape(phi) == jnp.broadcast_shapes(logits.shape[:-1], batch):
+        # nothing enumerated the edge (a plain run: the model alone, or the engine's first
+        # pass), so no dim is an enumeration dim: the edge, which the step returns as the
+        # scan's carry, has the plates' batch shape, as its previous value had (under
+        # enumeration both gain enumeration dims on the left, which NumPyro's scan allows)
+        if score is not None and table.ndim - 1 > len(batch):
+            raise _step_score_error(
+                name, table.shape, batch,
+                f"its leading dims {tuple(table.shape[: table.ndim - 1 - len(batch)])} lie "
+                "outside every plate, so the edge, the scan's carry, would change shape "
+                "from step to step: drop them, or add a plate for each")
+        if tuple(previous.shape) != batch:
+            raise _previous_shape_error(name, previous.shape, batch)
     if score is not None:
         potential(name + SCORE_SUFFIX, fn.log_normalizer)
     return phi.astype(previous.dtype)  # the scan's carry keeps its type (int32 / int64)
+
+
+def _fits_plates(shape: tuple[int, ...], batch: tuple[int, ...]) -> bool:
+    """Whether the dims of ``shape`` under the plates (right-aligned with their batch
+    shape ``batch``) broadcast to the plates' sizes; dims left of the plates are not
+    looked at."""
+    n = min(len(shape), len(batch))
+    return all(s in (1, b) for s, b in zip(shape[len(shape) - n:], batch[len(batch) - n:]))
+
+
+def _step_score_error(name: str, shape: tuple[int, ...], batch: tuple[int, ...],
+                      why: str) -> ValueError:
+    """The error for a Markov step's score that does not fit the plates around the edge."""
+    return ValueError(
+        f"edge site '{name}': the step's score has shape {tuple(shape)}, expected "
+        f"{tuple(batch) + (shape[-1],)} (the batch shape {tuple(batch)} of the plates "
+        f"around the edge, then one log-potential per state; a dim of size 1 "
+        f"broadcasts): {why}"
+    )
+
+
+def _previous_shape_error(name: str, shape: tuple[int, ...],
+                          batch: tuple[int, ...]) -> ValueError:
+    """The error for a Markov edge's ``previous=`` that does not have the edge's shape."""
+    return ValueError(
+        f"edge site '{name}': previous= has shape {tuple(shape)}, expected {tuple(batch)} "
+        "(the batch shape of the plates around the edge): the scan's carry holds the "
+        "previous edge, so it has the edge's shape from the start; begin it at "
+        f"jnp.full({tuple(batch)}, -1)"
+    )

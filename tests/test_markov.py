@@ -1105,3 +1105,115 @@ def test_a_chain_whose_score_depends_on_another_enumerated_site_is_exact():
         marg[np.arange(T), p] += w
     assert float(si.log_marginal(model, em)) == pytest.approx(logz, abs=1e-4)
     np.testing.assert_allclose(si.marginals(model, em)["z"], marg, atol=1e-5)
+
+
+# --- wrongly shaped steps: a score or a carry the chain cannot keep ---------------------
+
+
+def _faulty_chain(score_of=lambda e: e, carry_of=lambda carry, z: z, start=None,
+                  chains=None):
+    """A chain whose step scores ``score_of(e)`` and returns ``carry_of(carry, z)``
+    (``start`` the scan's init, ``chains`` a plate of that many chains in the step); a
+    tuple carry holds the previous edge first."""
+    _, lt, li = _params()
+    prior = si.priors.Markov(lt, li)
+
+    def model(emission):
+        def step(carry, e):
+            previous = carry[0] if isinstance(carry, tuple) else carry
+            plate = numpyro.plate("chains", chains) if chains else contextlib.nullcontext()
+            with plate:
+                z = si.edge("z", prior, score_of(e), previous=previous)
+                numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return carry_of(carry, z), None
+
+        init = start if start is not None else (
+            jnp.full((chains,), -1) if chains else jnp.asarray(-1))
+        scan(step, init, emission)
+
+    return model
+
+
+def _every_engine_raises(model, emission, msg):
+    """Eager and jit, exact and fused, and a plain seeded run (where the check can see it)."""
+    runs = {
+        "log_marginal": lambda: si.log_marginal(model, emission),
+        "jit marginals": lambda: jax.jit(lambda e: si.marginals(model, e)["z"])(emission),
+        "attention": lambda: si.attention(model, "v")(emission),
+    }
+    for what, run in runs.items():
+        with pytest.raises((ValueError, TypeError), match=msg) as info:
+            run()
+        assert "edge site 'z'" in str(info.value), what
+
+
+@pytest.mark.parametrize("chains, score_of, got, expected", [
+    (None, lambda e: e[None], r"\(1, 3\)", r"\(3,\)"),  # a leading dim, no plate
+    (2, lambda e: e[None], r"\(1, 2, 3\)", r"\(2, 3\)"),  # a leading dim outside the plate
+    (2, lambda e: jnp.concatenate([e, e[:1]]), r"\(3, 3\)", r"\(2, 3\)"),  # 3 rows, 2 chains
+], ids=["leading-dim", "leading-dim-under-plate", "rows-not-chains"])
+def test_a_step_score_that_does_not_fit_the_plates_is_refused_naming_both_shapes(
+        chains, score_of, got, expected):
+    """Regression: a step's score with a leading dim no plate covers (``(1, K)`` where
+    ``(K,)`` or, under a plate of B chains, ``(B, K)`` is meant) failed with JAX's bare
+    "scan body function carry input and carry output must have equal types" (the edge, the
+    carry, gained the dim); one with other rows than the plate's chains with a bare
+    "add got incompatible shapes". Every engine, and a plain run of the model, now names
+    the site, the score's shape and the one expected."""
+    em = _params()[0] if chains is None else jnp.stack([_params(s)[0] for s in (0, 1)], 1)
+    model = _faulty_chain(score_of, chains=chains)
+    msg = rf"edge site 'z': the step's score has shape {got}, expected {expected}"
+    _every_engine_raises(model, em, msg)
+    with pytest.raises(ValueError, match=msg):
+        numpyro.handlers.seed(model, 0)(em)
+
+
+def test_a_step_score_shared_by_the_chains_of_a_plate_still_broadcasts():
+    """A ``(K,)`` (or ``(1, K)``) score under a plate of 2 chains is each chain's score:
+    log Z is twice the one chain's (the shape checks above leave a broadcast alone)."""
+    em, lt, li = _params()
+    for score_of in (lambda e: e[0], lambda e: e[:1]):
+        model = _faulty_chain(score_of, chains=2)
+        np.testing.assert_allclose(si.log_marginal(model, jnp.stack([em, em], 1)),
+                                   2 * _forward(em, lt, li), rtol=1e-5)
+
+
+@pytest.mark.parametrize("chains, carry_of, start, msg", [
+    (None, lambda p, z: p + z, None,
+     r"carry is not the edge's value.*such as previous \+ z"),
+    (2, lambda p, z: p + z, None,
+     r"carry is not the edge's value.*such as previous \+ z"),
+    (None, lambda p, z: (z[None], p[1] + 1), (jnp.asarray(-1), jnp.asarray(0)),
+     r"carry\[0\] has shape \(1,\) and dtype int32, but it took shape \(\) and dtype int32"),
+    (None, lambda p, z: z.astype(jnp.float32), jnp.array(-1, jnp.int32),
+     r"carry has shape \(\) and dtype float32, but it took shape \(\) and dtype int32"),
+    (2, lambda p, z: z, jnp.asarray(-1),
+     r"previous= has shape \(\), expected \(2,\)"),
+], ids=["accumulating", "accumulating-under-plate", "extra-dim-in-a-tuple", "float",
+        "scalar-start-under-plate"])
+def test_a_carry_that_is_not_the_edge_is_refused_naming_the_site(chains, carry_of, start,
+                                                                  msg):
+    """Regression: a step whose carry is not the edge it drew (``previous + z``, the edge
+    with an extra dim inside a tuple, the edge as a float, or a chain under a plate started
+    from one scalar) failed with a bare "cannot reshape array" (NumPyro's enumerated scan)
+    or JAX's "carry input and carry output must have equal types". Every engine now names
+    the edge site, the carry's shape and dtype and the ones expected."""
+    em = _params()[0] if chains is None else jnp.stack([_params(s)[0] for s in (0, 1)], 1)
+    model = _faulty_chain(carry_of=carry_of, start=start, chains=chains)
+    _every_engine_raises(model, em, msg)
+
+
+def test_a_chain_started_from_a_concrete_array_runs_under_jit():
+    """Regression: a chain under a plate whose start is a concrete array the model closes
+    over (``jnp.full((2,), -1)`` made outside it) failed under ``jax.jit`` and in
+    `si.attention` with a bare ``TracerBoolConversionError`` (the check of ``previous``
+    against the states ran a traced comparison on it); now it runs, equal to the forward
+    algorithm of each chain."""
+    em, lt, li = _params()
+    ems = jnp.stack([em, _params(1)[0]], axis=1)
+    model = _faulty_chain(start=jnp.full((2,), -1), chains=2)
+    ref = sum(_forward(ems[:, b], lt, li) for b in range(2))
+    np.testing.assert_allclose(jax.jit(lambda e: si.log_marginal(model, e))(ems), ref,
+                               rtol=1e-5)
+    np.testing.assert_allclose(si.attention(model, "v")(ems), si.expectation(model, "v", ems),
+                               atol=1e-5)
