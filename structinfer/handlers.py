@@ -562,7 +562,7 @@ def _check_carry(site: dict, took, returned, enumerated: bool) -> None:
             "from step to step, and holds the edge's value where the step reads previous="
         )
     for (path, a), b in zip(took_leaves, returned_leaves):
-        ta, tb = jax.typeof(a), jax.typeof(b)
+        ta, tb = jnp.asarray(a), jnp.asarray(b)  # shape, dtype, size, weak_type (traced too)
         where = "carry" + jax.tree_util.keystr(path)
         if enumerated and ta.size != tb.size:
             raise ValueError(
