@@ -466,8 +466,12 @@ def test_mask_errors():
     # a query the mask and the prior leave no key: the error names the edge site and the
     # batch element; under jit its row is NaN
     none = jnp.ones((B, 1, N, N), bool).at[1, 0, 3, :4].set(False)
-    with pytest.raises(ValueError, match=r"batch index \(1,\).*edge site 'phi'.*child 3"):
+    with pytest.raises(ValueError, match=r"batch index \(1,\).*edge site 'phi'.*child 3 "
+                       r"\(head 0\)"):
         layer(x, mask=none)
+    per_head = jnp.ones((B, H, N, N), bool).at[1, 2, 3, :4].set(False)
+    with pytest.raises(ValueError, match=r"batch index \(1,\).*child 3 \(head 2\)"):
+        layer(x, mask=per_head)
     out = nnx.jit(lambda layer, x, m: layer(x, mask=m))(layer, x, none)
     assert np.isnan(np.asarray(out[1, 3])).all() and np.isfinite(np.asarray(out[0])).all()
     # a query masked from every key is padding: unrestricted, its output the unmasked one

@@ -22,6 +22,7 @@ Reference:
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -646,7 +647,8 @@ class Attention(nnx.Module):
     def _check_rows(self, model, o, lses, batch, per_seq, hyper):
         """Concrete inputs: the error of the unbatched call for the first batch element
         with a row whose log-normaliser is not finite (or, on the exact path, a NaN
-        output), naming its batch index. Under a trace (jit) the rows stay NaN."""
+        output), naming its batch index (and the head). Under a trace (jit) the rows stay
+        NaN."""
         if not all(is_concrete(a) for a in (o, *lses.values())):
             return
         rows = [~np.isfinite(np.asarray(a)) for a in lses.values()] or [np.isnan(np.asarray(o))]
@@ -659,7 +661,9 @@ class Attention(nnx.Module):
         try:
             check_rows(model, {s: a[b] for s, a in lses.items()}, q, k, v, hyper, *rest)
         except ValueError as err:
-            raise ValueError(f"structinfer.nn.Attention: batch index {at}: {err}") from err
+            # the heads are the one batch dim of the unbatched call's model
+            said = re.sub(r"\(batch index \((\d+),\)\)", r"(head \1)", str(err))
+            raise ValueError(f"structinfer.nn.Attention: batch index {at}: {said}") from err
 
     def _project(self, inputs_q, inputs_k, inputs_v):
         if inputs_k is None:
