@@ -762,16 +762,18 @@ class observe_given(Messenger):
 _ENUMERATING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "structinfer_enumerating", default=None)  # the model an active contain enumerates
 
-_PASSED_ON = frozenset({"param", "mutable", "prng_key", MASK_PARENTS_TYPE})
+# (not ``prng_key``: the engine runs a model several times, and a seed around the call
+# would give each run another key)
+_PASSED_ON = frozenset({"param", "mutable", MASK_PARENTS_TYPE})
 _MASKS_INSIDE = "structinfer_masks_inside"  # (key, handler id): a mask message's mask
 # count and its edge's name when it left that contain handler
 
 OUTSIDE_READS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "structinfer_outside_reads", default=None)
 """While set to a list, [`contain`][structinfer.handlers.contain] appends to it the name of
-each message whose answer can come from the handlers around the engine call: a ``param``,
-``mutable`` or ``prng_key`` site, and an edge's parent-mask message that a handler outside
-answered. A caller that caches a traced model run (the lowering's ``jit``) must not reuse
+each message whose answer can come from the handlers around the engine call: a ``param``
+or ``mutable`` site, and an edge's parent-mask message that a handler outside answered.
+A caller that caches a traced model run (the lowering's ``jit``) must not reuse
 it for a model that reads them: the answer depends on handlers the cache key cannot see."""
 
 
@@ -795,7 +797,7 @@ class contain(block):
     duplicates. This ``numpyro.handlers.block`` stops them, and passes on the messages
     that belong to the handlers around the call:
 
-    * ``param`` (and ``mutable``, ``prng_key``) messages, so a ``substitute`` around the
+    * ``param`` (and ``mutable``) messages, so a ``substitute`` around the
       outer model (SVI, ``log_density``) sets and fits the inner model's parameters (a
       parameter the model gave a value itself, by a ``substitute`` inside it, stays
       inside);

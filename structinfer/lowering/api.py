@@ -599,7 +599,7 @@ def attention(
             raise TypeError(_reverse_mode_only(model, value, backend, args, kwargs)) from err
         finally:
             OUTSIDE_READS.reset(token)
-        if reads:  # a param, a random key or an outside mask_parents: the cached trace
+        if reads:  # a param or an outside mask_parents: the cached trace
             # would keep this call's answer to them, so no call is cached from now on
             reads_handlers = True
             cache.clear()
