@@ -339,3 +339,15 @@ def test_effective_window_takes_a_traced_mass():
     assert np.isnan(run(a, 1.5)).all() and np.isnan(run(a, 0.0)).all()
     with pytest.raises(ValueError, match=r"effective_window: mass must lie in \(0, 1\]"):
         dg.effective_window(a, 0, 1.5)
+
+
+def test_effective_window_of_bfloat16_marginals_sums_accurately():
+    # the row's running mass was summed in bfloat16: 0.8979 rounded up to 0.9 and the
+    # window came back 5 where 6 is needed
+    row = jnp.asarray([[0.0255127, 0.77734375, 0.00105286, 0.01318359, 0.01025391,
+                        0.0703125, 0.10205078]], jnp.bfloat16)
+    a = np.asarray(row.astype(jnp.float32), np.float64)
+    held = np.cumsum(a[0]) >= 0.9 * a.sum()
+    w = dg.effective_window(row, 0, 0.9)
+    assert w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(w, np.float64), [np.argmax(held)])

@@ -102,7 +102,8 @@ def effective_window(
         mass: the posterior mass the window must hold, in `(0, 1]`.
 
     Returns:
-        `(..., children)` in the marginals' dtype: whole numbers, NaN for a row that is
+        `(..., children)` in the marginals' dtype (16-bit marginals are summed in
+        float32): whole numbers, NaN for a row that is
         not finite (a child with no allowed parent under `jit`) or, under `jit`, not
         probabilities (see below).
 
@@ -118,16 +119,19 @@ def effective_window(
     d = jnp.abs(_distances(a, offset))
     wmax = int(a.shape[-2] + a.shape[-1] + abs(offset))
     ws = jnp.arange(wmax + 1)
-    inside = (d[..., None] <= ws).astype(a.dtype)  # (n, m, W)
-    cum = jnp.einsum("...ij,ijw->...iw", a, inside)
-    tol = 1e-6 if a.dtype == jnp.float32 else 1e-12
+    # summed in float32 at least: a 16-bit running sum rounds a mass just short of
+    # `mass` up to it (the window a step too small)
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    inside = (d[..., None] <= ws).astype(acc)  # (n, m, W)
+    cum = jnp.einsum("...ij,ijw->...iw", a.astype(acc), inside)
+    tol = 1e-6 if acc == jnp.float32 else 1e-12
     # `mass` of the row's own total (the largest window holds every parent): a row that
     # sums to 1 only to its dtype's rounding (as `check_marginals` accepts) still has a
     # window holding all of it
     held = cum >= mass * cum[..., -1:] - tol
     w = jnp.argmax(held, axis=-1).astype(a.dtype)
     ok = held[..., -1] & jnp.all(jnp.isfinite(a), axis=-1)
-    return jnp.where(ok, w, jnp.nan)
+    return jnp.where(ok, w, jnp.asarray(jnp.nan, a.dtype))
 
 
 def distance_posterior(
