@@ -351,3 +351,17 @@ def test_effective_window_of_bfloat16_marginals_sums_accurately():
     w = dg.effective_window(row, 0, 0.9)
     assert w.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(w, np.float64), [np.argmax(held)])
+
+
+def test_entropy_of_bfloat16_marginals_is_the_rounded_exact_value():
+    # the 4096 terms were rounded to bfloat16 before the sum: a step off (seed 16's
+    # entropy, seed 3's expected distance)
+    rows = [np.random.default_rng(s).dirichlet(np.ones(4096), size=3) for s in (3, 16)]
+    ab = jnp.asarray(np.concatenate(rows)[:, None], jnp.bfloat16)[:, 0]
+    a = np.asarray(ab.astype(jnp.float32), np.float64)
+    h = -np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=-1)
+    d = np.sum(a * (np.arange(6)[:, None] - np.arange(4096)), axis=-1)
+    for got, want in ((dg.edge_entropy(ab), h), (dg.expected_distance(ab), d)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float64),
+                                      np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64))

@@ -54,10 +54,12 @@ def edge_entropy(marginals: jax.Array) -> jax.Array:
         marginals: `(..., children, parents)`, rows summing to one.
 
     Returns:
-        `(..., children)`; 0 for a certain edge, $\log m$ for a uniform one.
+        `(..., children)` in the marginals' dtype (16-bit marginals are summed in
+        float32); 0 for a certain edge, $\log m$ for a uniform one.
     """
     a = check_marginals(marginals)
-    return jnp.sum(jax.scipy.special.entr(a), axis=-1)
+    acc = jnp.promote_types(a.dtype, jnp.float32)  # 16-bit terms summed in float32
+    return jnp.sum(jax.scipy.special.entr(a.astype(acc)), axis=-1).astype(a.dtype)
 
 
 def effective_parents(marginals: jax.Array) -> jax.Array:
@@ -80,10 +82,13 @@ def expected_distance(marginals: jax.Array, offset: int | StructuralPrior = 0) -
         offset: an int, or the structural prior of the edge site (its `offset` is used).
 
     Returns:
-        `(..., children)`.
+        `(..., children)` in the marginals' dtype (16-bit marginals are summed in
+        float32).
     """
     a = check_marginals(marginals)
-    return jnp.sum(a * _distances(a, offset_of(offset)).astype(a.dtype), axis=-1)
+    acc = jnp.promote_types(a.dtype, jnp.float32)  # 16-bit terms summed in float32
+    d = _distances(a, offset_of(offset)).astype(acc)
+    return jnp.sum(a.astype(acc) * d, axis=-1).astype(a.dtype)
 
 
 def effective_window(
