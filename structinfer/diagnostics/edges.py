@@ -69,9 +69,13 @@ def effective_parents(marginals: jax.Array) -> jax.Array:
         marginals: `(..., children, parents)`, rows summing to one.
 
     Returns:
-        `(..., children)`.
+        `(..., children)` in the marginals' dtype (16-bit marginals: computed in
+        float32, so $e^{H_i}$ is not that of a rounded $H_i$).
     """
-    return jnp.exp(edge_entropy(marginals))
+    a = check_marginals(marginals)
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    h = jnp.sum(jax.scipy.special.entr(a.astype(acc)), axis=-1)
+    return jnp.exp(h).astype(a.dtype)
 
 
 def expected_distance(marginals: jax.Array, offset: int | StructuralPrior = 0) -> jax.Array:
