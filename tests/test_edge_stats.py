@@ -376,3 +376,16 @@ def test_effective_parents_of_bfloat16_marginals_is_the_rounded_exact_value():
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float64),
                                   np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64))
+
+
+def test_distance_posterior_of_bfloat16_marginals_is_the_rounded_exact_value():
+    # the sum was rounded to bfloat16 and then divided by n: a step off at 78 of 315
+    n, m = 300, 16
+    ab = jnp.asarray(np.random.default_rng(0).dirichlet(np.ones(m), size=n), jnp.bfloat16)
+    a = np.asarray(ab.astype(jnp.float32), np.float64)
+    ds, got = dg.distance_posterior(ab)
+    d = np.arange(n)[:, None] - np.arange(m)
+    want = np.array([a[d == k].sum() / n for k in ds])
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float64),
+                                  np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64))

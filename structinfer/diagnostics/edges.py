@@ -156,14 +156,16 @@ def distance_posterior(
 
     Returns:
         `(distances, probs)`: every value of $d_{ij}$ on the grid (ascending) and the
-        mass at each, of shape `(..., len(distances))`.
+        mass at each, of shape `(..., len(distances))`, in the marginals' dtype
+        (16-bit marginals are summed in float32).
     """
     offset = offset_of(offset)
     a = check_marginals(marginals)
     n, m = a.shape[-2:]
     ds = np.arange(-(m - 1) + offset, n - 1 + offset + 1)
-    onehot = (_distances(a, offset)[..., None] == jnp.asarray(ds)).astype(a.dtype)
-    return ds, jnp.einsum("...ij,ijd->...d", a, onehot) / n
+    acc = jnp.promote_types(a.dtype, jnp.float32)  # 16-bit: summed and divided in float32
+    onehot = (_distances(a, offset)[..., None] == jnp.asarray(ds)).astype(acc)
+    return ds, (jnp.einsum("...ij,ijd->...d", a.astype(acc), onehot) / n).astype(a.dtype)
 
 
 class EdgeAgreement(NamedTuple):
