@@ -198,6 +198,19 @@ def check_layout(x: jax.Array, ndim: int, what: str, layout: str, hint: str = ""
         raise ValueError(f"{what} must be {layout}, got shape {tuple(jnp.shape(x))}{hint}")
 
 
+def check_rows(x: jax.Array, what: str, layout: str) -> None:
+    """Raise ``ValueError`` when ``x`` has no rows (its leading dim is 0).
+
+    Args:
+        x: the array (its shape is static: this runs under ``jit`` too).
+        what: ``"<function>: <argument>"``, for the message.
+        layout: the expected layout, e.g. ``"(points, d)"``.
+    """
+    if jnp.shape(x)[0] == 0:
+        raise ValueError(f"{what} must be {layout} with at least one row, "
+                         f"got shape {tuple(jnp.shape(x))}")
+
+
 def require(ok: Callable[..., Any], message: str, *values: Any) -> Any:
     """Check the arguments of a score or prior: an error on concrete values, NaN on traced ones.
 

@@ -339,3 +339,53 @@ def test_effective_window_takes_a_traced_mass():
     assert np.isnan(run(a, 1.5)).all() and np.isnan(run(a, 0.0)).all()
     with pytest.raises(ValueError, match=r"effective_window: mass must lie in \(0, 1\]"):
         dg.effective_window(a, 0, 1.5)
+
+
+def test_effective_window_of_bfloat16_marginals_sums_accurately():
+    # the row's running mass was summed in bfloat16: 0.8979 rounded up to 0.9 and the
+    # window came back 5 where 6 is needed
+    row = jnp.asarray([[0.0255127, 0.77734375, 0.00105286, 0.01318359, 0.01025391,
+                        0.0703125, 0.10205078]], jnp.bfloat16)
+    a = np.asarray(row.astype(jnp.float32), np.float64)
+    held = np.cumsum(a[0]) >= 0.9 * a.sum()
+    w = dg.effective_window(row, 0, 0.9)
+    assert w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(w, np.float64), [np.argmax(held)])
+
+
+def test_entropy_of_bfloat16_marginals_is_the_rounded_exact_value():
+    # the 4096 terms were rounded to bfloat16 before the sum: a step off (seed 16's
+    # entropy, seed 3's expected distance)
+    rows = [np.random.default_rng(s).dirichlet(np.ones(4096), size=3) for s in (3, 16)]
+    ab = jnp.asarray(np.concatenate(rows)[:, None], jnp.bfloat16)[:, 0]
+    a = np.asarray(ab.astype(jnp.float32), np.float64)
+    h = -np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=-1)
+    d = np.sum(a * (np.arange(6)[:, None] - np.arange(4096)), axis=-1)
+    for got, want in ((dg.edge_entropy(ab), h), (dg.expected_distance(ab), d)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float64),
+                                      np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64))
+
+
+def test_effective_parents_of_bfloat16_marginals_is_the_rounded_exact_value():
+    # was exp of the entropy already rounded to bfloat16: 2624 for 2672, three steps off
+    ab = jnp.asarray(np.random.default_rng(0).dirichlet(np.ones(4096), size=3), jnp.bfloat16)
+    a = np.asarray(ab.astype(jnp.float32), np.float64)
+    want = np.exp(-np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=-1))
+    got = dg.effective_parents(ab)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float64),
+                                  np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64))
+
+
+def test_distance_posterior_of_bfloat16_marginals_is_the_rounded_exact_value():
+    # the sum was rounded to bfloat16 and then divided by n: a step off at 78 of 315
+    n, m = 300, 16
+    ab = jnp.asarray(np.random.default_rng(0).dirichlet(np.ones(m), size=n), jnp.bfloat16)
+    a = np.asarray(ab.astype(jnp.float32), np.float64)
+    ds, got = dg.distance_posterior(ab)
+    d = np.arange(n)[:, None] - np.arange(m)
+    want = np.array([a[d == k].sum() / n for k in ds])
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float64),
+                                  np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64))

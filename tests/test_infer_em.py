@@ -577,3 +577,16 @@ def test_energy_em_refuses_a_negative_step_size(which):
     kw = {"e_step_size": 0.1, "m_step_size": 0.1, which: -0.1}
     with pytest.raises(ValueError, match=rf"energy_em: `{which}` must be non-negative"):
         energy_em(energy, jnp.ones(2), jnp.zeros(2), **kw)
+
+
+def test_em_on_no_data_names_the_argument():
+    # was a bare AssertionError ("size of plate should be positive") from the E-step
+    m, c = np.zeros((2, 2)), np.stack([np.eye(2)] * 2)
+    with pytest.raises(ValueError, match=r"gmm_em: x must be \(points, d\) with at least one"):
+        gmm_em(np.zeros((0, 2)), m, c)
+    with pytest.raises(ValueError, match=r"linear_mixture_em: inputs must be \(T, d_u\) with"):
+        linear_mixture_em(np.zeros((0, 2)), np.zeros((0, 2)), c, m, c, reg=0.1)
+    with pytest.raises(ValueError, match=r"slot_em: x must be \(tokens, d_x\) with at least"):
+        si.infer.slot_em(np.zeros((0, 2)), np.ones((2, 2)), np.eye(2), np.eye(2))
+    with pytest.raises(ValueError, match=r"markov_switching_em: x must be \(T, d\) with at"):
+        markov_switching_em(np.zeros((0, 2)), c, m, np.ones((2, 2)))

@@ -186,3 +186,9 @@ def test_bad_hyperprior_shape_and_traced_mass():
         np.testing.assert_allclose(st.attention, ref.attention, rtol=1e-5, atol=1e-6)
         st, info = run(a, 1.5)
         assert np.all(np.asarray(info.nonfinite)) and np.all(np.isnan(st.attention)), method
+
+
+def test_geometric_beta_with_no_parents_names_the_scores():
+    # (0, 0) scores were a bare "zero-size array to reduction operation max"
+    with pytest.raises(ValueError, match=r"geometric_beta: scores .* at least one parent"):
+        si.infer.geometric_beta(np.zeros((0, 0)))

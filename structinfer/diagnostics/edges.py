@@ -54,10 +54,12 @@ def edge_entropy(marginals: jax.Array) -> jax.Array:
         marginals: `(..., children, parents)`, rows summing to one.
 
     Returns:
-        `(..., children)`; 0 for a certain edge, $\log m$ for a uniform one.
+        `(..., children)` in the marginals' dtype (16-bit marginals are summed in
+        float32); 0 for a certain edge, $\log m$ for a uniform one.
     """
     a = check_marginals(marginals)
-    return jnp.sum(jax.scipy.special.entr(a), axis=-1)
+    acc = jnp.promote_types(a.dtype, jnp.float32)  # 16-bit terms summed in float32
+    return jnp.sum(jax.scipy.special.entr(a.astype(acc)), axis=-1).astype(a.dtype)
 
 
 def effective_parents(marginals: jax.Array) -> jax.Array:
@@ -67,9 +69,13 @@ def effective_parents(marginals: jax.Array) -> jax.Array:
         marginals: `(..., children, parents)`, rows summing to one.
 
     Returns:
-        `(..., children)`.
+        `(..., children)` in the marginals' dtype (16-bit marginals: computed in
+        float32, so $e^{H_i}$ is not that of a rounded $H_i$).
     """
-    return jnp.exp(edge_entropy(marginals))
+    a = check_marginals(marginals)
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    h = jnp.sum(jax.scipy.special.entr(a.astype(acc)), axis=-1)
+    return jnp.exp(h).astype(a.dtype)
 
 
 def expected_distance(marginals: jax.Array, offset: int | StructuralPrior = 0) -> jax.Array:
@@ -80,10 +86,13 @@ def expected_distance(marginals: jax.Array, offset: int | StructuralPrior = 0) -
         offset: an int, or the structural prior of the edge site (its `offset` is used).
 
     Returns:
-        `(..., children)`.
+        `(..., children)` in the marginals' dtype (16-bit marginals are summed in
+        float32).
     """
     a = check_marginals(marginals)
-    return jnp.sum(a * _distances(a, offset_of(offset)).astype(a.dtype), axis=-1)
+    acc = jnp.promote_types(a.dtype, jnp.float32)  # 16-bit terms summed in float32
+    d = _distances(a, offset_of(offset)).astype(acc)
+    return jnp.sum(a.astype(acc) * d, axis=-1).astype(a.dtype)
 
 
 def effective_window(
@@ -102,7 +111,8 @@ def effective_window(
         mass: the posterior mass the window must hold, in `(0, 1]`.
 
     Returns:
-        `(..., children)` in the marginals' dtype: whole numbers, NaN for a row that is
+        `(..., children)` in the marginals' dtype (16-bit marginals are summed in
+        float32): whole numbers, NaN for a row that is
         not finite (a child with no allowed parent under `jit`) or, under `jit`, not
         probabilities (see below).
 
@@ -118,16 +128,19 @@ def effective_window(
     d = jnp.abs(_distances(a, offset))
     wmax = int(a.shape[-2] + a.shape[-1] + abs(offset))
     ws = jnp.arange(wmax + 1)
-    inside = (d[..., None] <= ws).astype(a.dtype)  # (n, m, W)
-    cum = jnp.einsum("...ij,ijw->...iw", a, inside)
-    tol = 1e-6 if a.dtype == jnp.float32 else 1e-12
+    # summed in float32 at least: a 16-bit running sum rounds a mass just short of
+    # `mass` up to it (the window a step too small)
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    inside = (d[..., None] <= ws).astype(acc)  # (n, m, W)
+    cum = jnp.einsum("...ij,ijw->...iw", a.astype(acc), inside)
+    tol = 1e-6 if acc == jnp.float32 else 1e-12
     # `mass` of the row's own total (the largest window holds every parent): a row that
     # sums to 1 only to its dtype's rounding (as `check_marginals` accepts) still has a
     # window holding all of it
     held = cum >= mass * cum[..., -1:] - tol
     w = jnp.argmax(held, axis=-1).astype(a.dtype)
     ok = held[..., -1] & jnp.all(jnp.isfinite(a), axis=-1)
-    return jnp.where(ok, w, jnp.nan)
+    return jnp.where(ok, w, jnp.asarray(jnp.nan, a.dtype))
 
 
 def distance_posterior(
@@ -143,14 +156,16 @@ def distance_posterior(
 
     Returns:
         `(distances, probs)`: every value of $d_{ij}$ on the grid (ascending) and the
-        mass at each, of shape `(..., len(distances))`.
+        mass at each, of shape `(..., len(distances))`, in the marginals' dtype
+        (16-bit marginals are summed in float32).
     """
     offset = offset_of(offset)
     a = check_marginals(marginals)
     n, m = a.shape[-2:]
     ds = np.arange(-(m - 1) + offset, n - 1 + offset + 1)
-    onehot = (_distances(a, offset)[..., None] == jnp.asarray(ds)).astype(a.dtype)
-    return ds, jnp.einsum("...ij,ijd->...d", a, onehot) / n
+    acc = jnp.promote_types(a.dtype, jnp.float32)  # 16-bit: summed and divided in float32
+    onehot = (_distances(a, offset)[..., None] == jnp.asarray(ds)).astype(acc)
+    return ds, (jnp.einsum("...ij,ijd->...d", a.astype(acc), onehot) / n).astype(a.dtype)
 
 
 class EdgeAgreement(NamedTuple):

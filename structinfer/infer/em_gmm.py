@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout
+from .._checks import as_float_array, check_layout, check_rows
 from ..exact import log_marginal, marginals
 from ..mechanisms.mixtures import gaussian_mixture
 from ._common import (
@@ -78,6 +78,7 @@ def _prepare(x, means, covariances, weights):
     check_linalg_dtype(x, "gmm_em: x")
     check_layout(x, 2, "gmm_em: x", "(points, d)",
                  "; for a batch of data sets map gmm_em over it with jax.vmap")
+    check_rows(x, "gmm_em: x", "(points, d)")
     means = jnp.asarray(means, x.dtype)
     covs = jnp.asarray(covariances, x.dtype)
     check_layout(means, 2, "gmm_em: means", "(K, d)")
@@ -119,7 +120,7 @@ def init(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`, or weights
+        ValueError: no points, shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`, or weights
             that are negative or do not sum to 1.
     """
     return _init(*_prepare(x, means, covariances, weights))
@@ -192,7 +193,7 @@ def run(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: shapes other than `(points, d)`, `(K, d)`, `(K, d, d)` (for a batch
+        ValueError: no points, shapes other than `(points, d)`, `(K, d)`, `(K, d, d)` (for a batch
             of data sets use `jax.vmap`), weights that are negative or do not sum to 1,
             or a negative `reg`.
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout
+from .._checks import as_float_array, check_layout, check_rows
 from ..exact import log_marginal, marginals
 from ..mechanisms.dynamics import switching_linear_dynamics
 from ._common import (
@@ -64,6 +64,7 @@ def _prepare(inputs, targets, A, b, covariances, weights):
     vmap = "; for a batch of data sets map linear_mixture_em over it with jax.vmap"
     check_layout(u, 2, "linear_mixture_em: inputs", "(T, d_u)", vmap)
     check_layout(y, 2, "linear_mixture_em: targets", "(T, d_y)", vmap)
+    check_rows(u, "linear_mixture_em: inputs", "(T, d_u)")
     A = jnp.asarray(A, y.dtype)
     b = jnp.asarray(b, y.dtype)
     covs = jnp.asarray(covariances, y.dtype)
@@ -126,7 +127,7 @@ def init(
     Raises:
         TypeError: `inputs` or `targets` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: shapes other than those above, or weights that are negative or do
+        ValueError: no data (`T = 0`), shapes other than those above, or weights that are negative or do
             not sum to 1.
     """
     return _init(*_prepare(inputs, targets, A, b, covariances, weights))
@@ -229,7 +230,7 @@ def run(
     Raises:
         TypeError: `inputs` or `targets` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: shapes other than those above (for a batch of data sets use
+        ValueError: no data (`T = 0`), shapes other than those above (for a batch of data sets use
             `jax.vmap`), weights that are negative or do not sum to 1, or a negative
             `reg`.
 

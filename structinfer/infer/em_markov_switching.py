@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout
+from .._checks import as_float_array, check_layout, check_rows
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
 from ._common import (
@@ -67,6 +67,7 @@ def _prepare(x, A, b, precisions, log_transition, log_initial):
     check_linalg_dtype(x, "markov_switching_em: x")
     check_layout(x, 2, "markov_switching_em: x", "(T, d)",
                  "; for a batch of time series map markov_switching_em over it with jax.vmap")
+    check_rows(x, "markov_switching_em: x", "(T, d)")
     A, b, prec = (jnp.asarray(a, x.dtype) for a in (A, b, precisions))
     check_layout(A, 3, "markov_switching_em: A", "(K, d, d)")
     k, d = A.shape[0], x.shape[1]
@@ -124,7 +125,7 @@ def init(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: shapes other than those above.
+        ValueError: no data (`T = 0`), shapes other than those above.
     """
     return _init(*_prepare(x, A, b, precisions, log_transition, log_initial))
 
@@ -231,7 +232,7 @@ def run(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: shapes other than those above (for a batch of time series use
+        ValueError: no data (`T = 0`), shapes other than those above (for a batch of time series use
             `jax.vmap`), or a negative `reg`.
 
     Reference:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from numpyro.handlers import substitute
 
-from .._checks import as_float_array, check_count, check_layout
+from .._checks import as_float_array, check_count, check_layout, check_rows
 from ..exact import log_marginal, marginals
 from ..mechanisms.slot import slot_attention
 from . import convex_concave
@@ -242,6 +242,7 @@ def _prepare(x, slots, wk, wq):
     check_linalg_dtype(x, "slot_em: x")
     check_layout(x, 2, "slot_em: x", "(tokens, d_x)",
                  "; for a batch of token sets map slot_em over it with jax.vmap")
+    check_rows(x, "slot_em: x", "(tokens, d_x)")
     slots = jnp.asarray(slots, x.dtype)
     wk, wq = jnp.asarray(wk, x.dtype), jnp.asarray(wq, x.dtype)
     check_layout(slots, 2, "slot_em: slots", "(S, d_mu)")
@@ -306,7 +307,7 @@ def init(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: arrays that are not `(tokens, d_x)`, `(S, d_mu)`, `(d_k, d_x)`,
+        ValueError: no tokens, arrays that are not `(tokens, d_x)`, `(S, d_mu)`, `(d_k, d_x)`,
             `(d_k, d_mu)` with matching sizes, or `e_iters` not a positive int.
     """
     return _e_step(*_prepare(x, slots, wk, wq), e_iters)
@@ -471,7 +472,7 @@ def run(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: arrays that are not ``(tokens, d_x)``, ``(S, d_mu)``,
+        ValueError: no tokens, arrays that are not ``(tokens, d_x)``, ``(S, d_mu)``,
             ``(d_k, d_x)``, ``(d_k, d_mu)`` with matching sizes (for a batch use
             ``jax.vmap``), ``e_iters`` not a positive int, or a negative ``ridge``.
         NonFiniteEnergyError: see ``raise_on_nonfinite``.

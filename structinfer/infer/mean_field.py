@@ -195,6 +195,9 @@ def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance,
     if not is_concrete(mass):  # a NaN mass (outside (0, 1)) makes everything NaN
         s = s + (0 * mass).astype(s.dtype)
     n, m = s.shape[-2:]
+    if m == 0:
+        raise ValueError(f"geometric_beta: scores must be (..., children, parents) with at least "
+                         f"one parent, got shape {tuple(s.shape)}")
     batch = s.shape[:-1]
     dtype = s.dtype
     a0, b0 = (jnp.asarray(v, dtype) for v in (alpha0, beta0))
@@ -382,7 +385,7 @@ def run(
     Raises:
         ValueError: an unknown `method`, `mass` outside (0, 1), non-positive
             `alpha0`/`beta0` (concrete values; traced, they become NaN and so does the
-            energy), or a child with no allowed parent.
+            energy), scores with no parents, or a child with no allowed parent.
 
     Cost: $O(n m)$ per iteration on the cached scores.
 
