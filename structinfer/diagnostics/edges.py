@@ -58,8 +58,13 @@ def edge_entropy(marginals: jax.Array) -> jax.Array:
         float32); 0 for a certain edge, $\log m$ for a uniform one.
     """
     a = check_marginals(marginals)
-    acc = jnp.promote_types(a.dtype, jnp.float32)  # 16-bit terms summed in float32
-    return jnp.sum(jax.scipy.special.entr(a.astype(acc)), axis=-1).astype(a.dtype)
+    return _entropy(a).astype(a.dtype)
+
+
+def _entropy(a: jax.Array) -> jax.Array:
+    """Each row's entropy, in float32 at least (16-bit terms summed in float32)."""
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    return jnp.sum(jax.scipy.special.entr(a.astype(acc)), axis=-1)
 
 
 def effective_parents(marginals: jax.Array) -> jax.Array:
@@ -73,9 +78,7 @@ def effective_parents(marginals: jax.Array) -> jax.Array:
         float32, so $e^{H_i}$ is not that of a rounded $H_i$).
     """
     a = check_marginals(marginals)
-    acc = jnp.promote_types(a.dtype, jnp.float32)
-    h = jnp.sum(jax.scipy.special.entr(a.astype(acc)), axis=-1)
-    return jnp.exp(h).astype(a.dtype)
+    return jnp.exp(_entropy(a)).astype(a.dtype)
 
 
 def expected_distance(marginals: jax.Array, offset: int | StructuralPrior = 0) -> jax.Array:
