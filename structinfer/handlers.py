@@ -758,7 +758,6 @@ class observe_given(Messenger):
             msg["infer"] = {k: v for k, v in msg["infer"].items() if k != "enumerate"}
 
 
-
 _ENUMERATING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "structinfer_enumerating", default=None)  # the model an active contain enumerates
 
