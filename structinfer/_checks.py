@@ -198,7 +198,7 @@ def check_layout(x: jax.Array, ndim: int, what: str, layout: str, hint: str = ""
         raise ValueError(f"{what} must be {layout}, got shape {tuple(jnp.shape(x))}{hint}")
 
 
-def check_rows(x: jax.Array, what: str, layout: str) -> None:
+def check_nonempty(x: jax.Array, what: str, layout: str) -> None:
     """Raise ``ValueError`` when ``x`` has no rows (its leading dim is 0).
 
     Args:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout, check_rows
+from .._checks import as_float_array, check_layout, check_nonempty
 from ..exact import log_marginal, marginals
 from ..mechanisms.mixtures import gaussian_mixture
 from ._common import (
@@ -78,7 +78,7 @@ def _prepare(x, means, covariances, weights):
     check_linalg_dtype(x, "gmm_em: x")
     check_layout(x, 2, "gmm_em: x", "(points, d)",
                  "; for a batch of data sets map gmm_em over it with jax.vmap")
-    check_rows(x, "gmm_em: x", "(points, d)")
+    check_nonempty(x, "gmm_em: x", "(points, d)")
     means = jnp.asarray(means, x.dtype)
     covs = jnp.asarray(covariances, x.dtype)
     check_layout(means, 2, "gmm_em: means", "(K, d)")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout, check_rows
+from .._checks import as_float_array, check_layout, check_nonempty
 from ..exact import log_marginal, marginals
 from ..mechanisms.dynamics import switching_linear_dynamics
 from ._common import (
@@ -64,7 +64,7 @@ def _prepare(inputs, targets, A, b, covariances, weights):
     vmap = "; for a batch of data sets map linear_mixture_em over it with jax.vmap"
     check_layout(u, 2, "linear_mixture_em: inputs", "(T, d_u)", vmap)
     check_layout(y, 2, "linear_mixture_em: targets", "(T, d_y)", vmap)
-    check_rows(u, "linear_mixture_em: inputs", "(T, d_u)")
+    check_nonempty(u, "linear_mixture_em: inputs", "(T, d_u)")
     A = jnp.asarray(A, y.dtype)
     b = jnp.asarray(b, y.dtype)
     covs = jnp.asarray(covariances, y.dtype)

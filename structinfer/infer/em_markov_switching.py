@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout, check_rows
+from .._checks import as_float_array, check_layout, check_nonempty
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
 from ._common import (
@@ -67,7 +67,7 @@ def _prepare(x, A, b, precisions, log_transition, log_initial):
     check_linalg_dtype(x, "markov_switching_em: x")
     check_layout(x, 2, "markov_switching_em: x", "(T, d)",
                  "; for a batch of time series map markov_switching_em over it with jax.vmap")
-    check_rows(x, "markov_switching_em: x", "(T, d)")
+    check_nonempty(x, "markov_switching_em: x", "(T, d)")
     A, b, prec = (jnp.asarray(a, x.dtype) for a in (A, b, precisions))
     check_layout(A, 3, "markov_switching_em: A", "(K, d, d)")
     k, d = A.shape[0], x.shape[1]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from numpyro.handlers import substitute
 
-from .._checks import as_float_array, check_count, check_layout, check_rows
+from .._checks import as_float_array, check_count, check_layout, check_nonempty
 from ..exact import log_marginal, marginals
 from ..mechanisms.slot import slot_attention
 from . import convex_concave
@@ -242,7 +242,7 @@ def _prepare(x, slots, wk, wq):
     check_linalg_dtype(x, "slot_em: x")
     check_layout(x, 2, "slot_em: x", "(tokens, d_x)",
                  "; for a batch of token sets map slot_em over it with jax.vmap")
-    check_rows(x, "slot_em: x", "(tokens, d_x)")
+    check_nonempty(x, "slot_em: x", "(tokens, d_x)")
     slots = jnp.asarray(slots, x.dtype)
     wk, wq = jnp.asarray(wk, x.dtype), jnp.asarray(wq, x.dtype)
     check_layout(slots, 2, "slot_em: slots", "(S, d_mu)")

@@ -489,9 +489,9 @@ class Attention(nnx.Module):
         Returns:
             ``{site: value}``, $\theta = T(u)$ of each stored unconstrained $u$.
         """
-        cast = (lambda a: a) if dtype is None else (lambda a: a.astype(dtype))  # noqa: E731
+        stored = {name: self.hyper[name][...] for name, _ in self.hyperparameter_constraints}
         return {
-            name: biject_to(c)(cast(self.hyper[name][...]))
+            name: biject_to(c)(stored[name] if dtype is None else stored[name].astype(dtype))
             for name, c in self.hyperparameter_constraints
         }
 
