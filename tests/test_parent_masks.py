@@ -132,7 +132,8 @@ def test_mask_parents_is_the_masked_prior_and_nests():
     np.testing.assert_allclose(one, _reference(prior, masks["keys"], q, k, v), atol=2e-5)
 
 
-def test_mask_parents_around_an_engine_call_reaches_every_entry_point():
+@pytest.mark.parametrize("base", ["uniform", "relpos"])
+def test_mask_parents_around_an_engine_call_reaches_every_entry_point(base):
     """Regression: ``mask_parents`` as a context around ``si.attention(...)(...)``,
     ``si.map_edges`` or ``si.sample_edges`` raised "no edge site consulted" (their model
     runs hid every message from the handlers around the call). Now each applies the mask,
@@ -140,7 +141,7 @@ def test_mask_parents_around_an_engine_call_reaches_every_entry_point():
     under it nor a call under the mask from a trace made without it (both kept the
     other call's answer)."""
     q, k, v = _data()
-    prior = P.Uniform(M)
+    prior = BASES[base]()
     keep = jnp.asarray(_masks()["keys"])
 
     def plain(q, k, v):
@@ -151,12 +152,13 @@ def test_mask_parents_around_an_engine_call_reaches_every_entry_point():
     f = si.attention(plain, "out")
     with si.handlers.mask_parents(mask=keep):
         np.testing.assert_allclose(f(q, k, v), want, atol=2e-5)
+        np.testing.assert_allclose(jax.jit(f)(q, k, v), want, atol=2e-5)
         np.testing.assert_allclose(si.attention(plain, "out", "blocked")(q, k, v), want,
                                    atol=2e-5)
         best = si.map_edges(plain, q, k, v)["phi"]
         drawn = si.sample_edges(jax.random.PRNGKey(0), plain, q, k, v)["phi"]
     np.testing.assert_allclose(f(q, k, v), unmasked, atol=2e-5)  # the mask is gone
-    scores = jnp.where(keep, jnp.einsum("hid,hjd->hij", q, k), -jnp.inf)
+    scores = jnp.where(keep, jnp.einsum("hid,hjd->hij", q, k) + prior.log_table(N), -jnp.inf)
     np.testing.assert_array_equal(best, jnp.argmax(scores, -1))
     assert bool(jnp.all(jnp.take_along_axis(jnp.broadcast_to(keep, scores.shape),
                                             drawn[..., None], -1)))
