@@ -113,3 +113,35 @@ def test_expand_is_the_sequential_rule(x64, capacity):
     for got, want in zip(res, ref):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12)
     assert bool(res.overflow) == (capacity == 4)
+
+
+@pytest.mark.parametrize("tol", [-1e-6, float("nan"), "1e-6", np.full(2, 1e-6), True])
+def test_a_bad_tolerance_is_named(tol):
+    """Regression: no loop checked `tol`. A negative or NaN one ran to `max_iters` (it
+    can never be met) with no error; a string or an array failed inside JAX with a bare
+    TypeError ("'<=' not supported between instances of 'DynamicJaxprTracer' and 'str'")
+    or a broadcasting ValueError. Each run now names its argument first, before any work."""
+    import structinfer as si
+
+    x, eye = np.zeros((3, 2)), np.stack([np.eye(2)] * 2)
+    log_z = hopfield_log_z(np.eye(2), 1.0)
+    runs = {
+        "cccp": lambda t: si.infer.cccp(log_z, x, tol=t),
+        "gradient_descent": lambda t: si.infer.gradient_descent(lambda m: -log_z(m), x, tol=t),
+        "geometric_beta": lambda t: si.infer.geometric_beta(np.zeros((3, 3)), 0.1, 0.9, tol=t),
+        "energy_em": lambda t: si.infer.energy_em(lambda v, th: jnp.sum((v - th) ** 2),
+                                                  x, x, tol=t),
+        "energy_em e_tol": lambda t: si.infer.energy_em(lambda v, th: jnp.sum((v - th) ** 2),
+                                                        x, x, e_tol=t),
+        "gmm_em": lambda t: si.infer.gmm_em(x, x[:2], eye, tol=t),
+        "linear_mixture_em": lambda t: si.infer.linear_mixture_em(x, x, eye, x[:2], eye,
+                                                                  tol=t),
+        "markov_switching_em": lambda t: si.infer.markov_switching_em(x, eye, x[:2],
+                                                                      np.ones((2, 2)), tol=t),
+        "slot_em": lambda t: si.infer.slot_em(x, x[:2], np.eye(2), np.eye(2), tol=t),
+    }
+    for name, run in runs.items():
+        fn, _, arg = name.partition(" ")
+        with pytest.raises(ValueError, match=rf"^{fn}: {arg or 'tol'} must be a "
+                                             r"non-negative number \(a convergence tolerance\), got"):
+            run(tol)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ __all__ = [
     "site_finder",
     "check_value",
     "check_nonnegative",
+    "check_tol",
     "check_weights",
     "check_linalg_dtype",
     "weighted_affine_fit",
@@ -127,6 +129,35 @@ def check_nonnegative(value: Any, what: str, role: str) -> Any:
     """
     return check_value(value, lambda xp, v: v >= 0, what,
                        f"must be a non-negative number ({role})")
+
+
+def check_tol(tol: Any, what: str) -> Any:
+    """A convergence tolerance: one non-negative real number (a 0-d array too).
+
+    Concrete: a negative or NaN tolerance can never be met (the loop would run to
+    ``max_iters``), and a string, a bool or an array with dims fails inside JAX; each
+    raises here, naming ``what``. Traced (``jit``, ``vmap``), only its type and shape are
+    checked: a negative one then stops at ``max_iters``, reported in
+    ``info.max_iters_reached``.
+
+    Args:
+        tol: the tolerance.
+        what: ``"<function>: <argument>"``, for the message.
+
+    Returns:
+        ``tol``, unchanged.
+
+    Raises:
+        ValueError: anything else, naming ``what``.
+    """
+    number = isinstance(tol, numbers.Real) and not isinstance(tol, (bool, np.bool_))
+    array = (isinstance(tol, (jax.Array, np.ndarray)) and np.ndim(tol) == 0
+             and (jnp.issubdtype(tol.dtype, jnp.floating)
+                  or jnp.issubdtype(tol.dtype, jnp.integer)))
+    if not (number or array) or (is_concrete(tol) and not float(tol) >= 0):
+        raise ValueError(f"{what} must be a non-negative number (a convergence tolerance), "
+                         f"got {tol!r}")
+    return tol
 
 
 def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:

@@ -24,7 +24,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._common import as_float_tree, check_value, like_tree, max_abs, site_finder, sum_tree
+from ._common import (
+    as_float_tree,
+    check_tol,
+    check_value,
+    like_tree,
+    max_abs,
+    site_finder,
+    sum_tree,
+)
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["CCCPState", "init", "step", "run"]
@@ -149,11 +157,13 @@ def run(
     Raises:
         ValueError: a non-positive `precision` (concrete values; traced, it makes the
             energy NaN, and the run stops on it), or one that does not broadcast to the
-            shape of `mu0`.
+            shape of `mu0`; a `tol` that is not a non-negative number (a negative or
+            NaN one could never be met).
         NonFiniteEnergyError: see `raise_on_nonfinite`.
 
     Cost: one forward and backward pass of the exact engine per step.
     """
+    check_tol(tol, "cccp: tol")
     precision = _check_precision(precision)
     state = init(log_z_fn, mu0, precision)
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .._checks import check_count
 from . import gradient
-from ._common import as_float_tree, check_step_size, like_tree, rel_change_small
+from ._common import as_float_tree, check_step_size, check_tol, like_tree, rel_change_small
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["EMState", "init", "step", "run"]
@@ -179,13 +179,16 @@ def run(
             (`info.nonfinite`; the state is the last one with a finite energy).
 
     Raises:
-        ValueError: `e_iters` is not a positive int.
+        ValueError: `e_iters` is not a positive int, or `tol` or `e_tol` is not a
+            non-negative number.
         NonFiniteEnergyError: see `raise_on_nonfinite`; the message says whether the
             E-step or the M-step left $E$ non-finite.
 
     Reference:
         Tschantz, "log-sum-exp expectation maximisation".
     """
+    check_tol(tol, "energy_em: tol")
+    check_tol(e_tol, "energy_em: e_tol")
     kw = dict(e_step_size=e_step_size, e_iters=e_iters, e_tol=e_tol)
     state = init(energy_fn, latents, params, **kw)
 

@@ -26,6 +26,7 @@ from ..mechanisms.mixtures import gaussian_mixture
 from ._common import (
     check_linalg_dtype,
     check_nonnegative,
+    check_tol,
     check_weights,
     rel_change_small,
     safe_log,
@@ -195,7 +196,7 @@ def run(
             float64).
         ValueError: no points, shapes other than `(points, d)`, `(K, d)`, `(K, d, d)` (for a batch
             of data sets use `jax.vmap`), weights that are negative or do not sum to 1,
-            or a negative `reg`.
+            a negative `reg`, or a `tol` that is not a non-negative number.
 
     Reference:
         Tschantz, "log-sum-exp expectation maximisation", sec. 2; Dempster et al.
@@ -203,7 +204,7 @@ def run(
     """
     x, means, covs, w = _prepare(x, means, covariances, weights)
     state, info = iterate(_init, step, neg_log_likelihood, (x, means, covs, w), (x,),
-                          {"reg": _check_reg(reg), "tol": tol}, max_iters, "gmm_em")
+                          {"reg": _check_reg(reg), "tol": check_tol(tol, "gmm_em: tol")}, max_iters, "gmm_em")
     if raise_on_nonfinite:
         check(info, "gmm_em", "'component' (a covariance became singular? set reg > 0)")
     return state, info

@@ -26,6 +26,7 @@ from ..mechanisms.dynamics import switching_linear_dynamics
 from ._common import (
     check_linalg_dtype,
     check_nonnegative,
+    check_tol,
     check_weights,
     rel_change_small,
     safe_log,
@@ -231,8 +232,8 @@ def run(
         TypeError: `inputs` or `targets` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no data (`T = 0`), shapes other than those above (for a batch of data sets use
-            `jax.vmap`), weights that are negative or do not sum to 1, or a negative
-            `reg`.
+            `jax.vmap`), weights that are negative or do not sum to 1, a negative
+            `reg`, or a `tol` that is not a non-negative number.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy" v2 sec. 10 and the slides' linear
@@ -240,7 +241,7 @@ def run(
     """
     u, y, A, b, covs, w = _prepare(inputs, targets, A, b, covariances, weights)
     state, info = iterate(_init, step, neg_log_likelihood, (u, y, A, b, covs, w), (u, y),
-                          {"reg": _check_reg(reg), "tol": tol}, max_iters, "linear_mixture_em")
+                          {"reg": _check_reg(reg), "tol": check_tol(tol, "linear_mixture_em: tol")}, max_iters, "linear_mixture_em")
     if raise_on_nonfinite:
         check(info, "linear_mixture_em", "'mode' (a mode with too few points to fit its A, b "
               "and covariance? set reg > 0)")

@@ -29,6 +29,7 @@ from ..mechanisms.markov import markov_switching_dynamics
 from ._common import (
     check_linalg_dtype,
     check_nonnegative,
+    check_tol,
     rel_change_small,
     safe_log,
     weighted_affine_fit,
@@ -233,7 +234,7 @@ def run(
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no data (`T = 0`), shapes other than those above (for a batch of time series use
-            `jax.vmap`), or a negative `reg`.
+            `jax.vmap`), a negative `reg`, or a `tol` that is not a non-negative number.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy" v2 sec. 7 (switching systems with a
@@ -241,7 +242,7 @@ def run(
     """
     x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
     state, info = iterate(_init, step, neg_log_likelihood, (x, A, b, prec, lt, li), (x,),
-                          {"reg": _check_reg(reg), "tol": tol}, max_iters, "markov_switching_em")
+                          {"reg": _check_reg(reg), "tol": check_tol(tol, "markov_switching_em: tol")}, max_iters, "markov_switching_em")
     if raise_on_nonfinite:
         check(info, "markov_switching_em", "'mode' (a mode with too few points to fit its A, "
               "b and precisions? raise reg)")

@@ -29,6 +29,7 @@ from . import convex_concave
 from ._common import (
     check_linalg_dtype,
     check_nonnegative,
+    check_tol,
     rel_change_small,
     rel_change_small_tree,
 )
@@ -474,7 +475,8 @@ def run(
             float64).
         ValueError: no tokens, arrays that are not ``(tokens, d_x)``, ``(S, d_mu)``,
             ``(d_k, d_x)``, ``(d_k, d_mu)`` with matching sizes (for a batch use
-            ``jax.vmap``), ``e_iters`` not a positive int, or a negative ``ridge``.
+            ``jax.vmap``), ``e_iters`` not a positive int, a negative ``ridge``, or a
+            ``tol`` that is not a non-negative number.
         NonFiniteEnergyError: see ``raise_on_nonfinite``.
 
     Reference:
@@ -486,7 +488,7 @@ def run(
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
     e_iters = check_count(e_iters, "slot_em: e_iters", role="the CCCP steps of each E-step")
     state, info = iterate(_init, step, _energy, (x, slots, wk, wq), (x,),
-                          {"ridge": ridge, "tol": tol, "rtol": rtol}, max_iters, "slot_em",
+                          {"ridge": ridge, "tol": check_tol(tol, "slot_em: tol"), "rtol": rtol}, max_iters, "slot_em",
                           {"e_iters": e_iters, "whiten": bool(whiten)})
     if raise_on_nonfinite:
         check(info, "slot_em", "'phi' (in the E-step's CCCP on the slots)")

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._common import as_float_tree, check_step_size, like_tree, max_abs, site_finder
+from ._common import as_float_tree, check_step_size, check_tol, like_tree, max_abs, site_finder
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GradientState", "init", "step", "run"]
@@ -97,8 +97,12 @@ def run(
 
     Returns:
         `(GradientState, LoopInfo)`.
+
+    Raises:
+        ValueError: a negative `step_size`, or a `tol` that is not a non-negative number.
     """
     step_size = check_step_size(step_size, "gradient_descent: `step_size`")
+    check_tol(tol, "gradient_descent: tol")
     state = init(energy_fn, mu0)
 
     def body(s):

@@ -59,7 +59,7 @@ from jax.typing import ArrayLike
 
 from .._checks import as_float_array, check_ndim, is_concrete, require
 from ..scores import Score
-from ._common import check_value
+from ._common import check_tol, check_value
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GeoBetaState", "horizon", "geometric_beta_free_energy", "init", "step", "run"]
@@ -385,7 +385,8 @@ def run(
     Raises:
         ValueError: an unknown `method`, `mass` outside (0, 1), non-positive
             `alpha0`/`beta0` (concrete values; traced, they become NaN and so does the
-            energy), scores with no parents, or a child with no allowed parent.
+            energy), scores with no parents, a child with no allowed parent, or a `tol`
+            that is not a non-negative number.
 
     Cost: $O(n m)$ per iteration on the cached scores.
 
@@ -393,7 +394,7 @@ def run(
         Singh & Buckley sec. 5.2, appendix 7.3 and Algorithm 3.
     """
     p, mass = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
-    tol = _default_tol(method, tol)
+    tol = check_tol(_default_tol(method, tol), "geometric_beta: tol")
 
     def body(st: GeoBetaState):
         new, conv = _step(p, st, method, mass, tol)
