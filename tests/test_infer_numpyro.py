@@ -462,6 +462,41 @@ def test_numpyros_unenumerated_tools_name_the_edge_and_the_exact_call():
             call()
 
 
+def test_numpyros_discrete_samplers_draw_an_edge_declared_unenumerated():
+    """docs/numpyro_tools.md: NumPyro's ``DiscreteHMCGibbs`` draws only discrete sites
+    that are not enumerated, so it finds nothing to draw in a plain edge model;
+    ``infer={"enumerate": None}`` hands it the edge, whose Gibbs conditional is the
+    edge's table, and the exact engine and ``nuts`` refuse that site naming it."""
+    from numpyro.infer import MCMC, NUTS, DiscreteHMCGibbs
+
+    keys = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    x = keys[jnp.array([0, 1, 2, 1])] + 0.1
+
+    def model(x, infer=None):
+        tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        with numpyro.plate("children", x.shape[0]):
+            phi = si.edge("phi", si.priors.Uniform(3), infer=infer)
+            numpyro.sample("x", dist.Normal(keys[phi], tau).to_event(1), obs=x)
+
+    # NumPyro's own refusal: a ValueError (0.22), an AssertionError (0.15)
+    with pytest.raises((ValueError, AssertionError),
+                       match="owns no sites|Cannot detect any discrete latent"):
+        MCMC(DiscreteHMCGibbs(NUTS(model)), num_warmup=1, num_samples=1,
+             progress_bar=False).run(jax.random.key(0), x)
+    drawn = {"enumerate": None}
+    mcmc = MCMC(DiscreteHMCGibbs(NUTS(model)), num_warmup=20, num_samples=20,
+                progress_bar=False)
+    mcmc.run(jax.random.key(0), x, drawn)
+    # the children sit 0.1 from their keys: every draw takes the true parents
+    np.testing.assert_array_equal(mcmc.get_samples()["phi"], np.broadcast_to([0, 1, 2, 1],
+                                                                              (20, 4)))
+    at = numpyro.handlers.substitute(model, {"tau": 0.5})
+    with pytest.raises(ValueError, match="'phi'"):
+        si.log_marginal(at, x, drawn)
+    with pytest.raises(ValueError, match="'phi'"):
+        si.infer.nuts(jax.random.key(0), model, x, drawn, num_warmup=1, num_samples=1)
+
+
 def test_exact_calls_inside_a_numpyro_model_keep_their_sites_and_read_its_params(x64):
     """Regression: ``si.log_marginal`` / ``marginals`` / ``expectation`` / a lowered
     ``si.attention`` called inside an outer NumPyro model ran the inner model under the
