@@ -204,7 +204,8 @@ def run(
     """
     x, means, covs, w = _prepare(x, means, covariances, weights)
     state, info = iterate(_init, step, neg_log_likelihood, (x, means, covs, w), (x,),
-                          {"reg": _check_reg(reg), "tol": check_tol(tol, "gmm_em: tol")}, max_iters, "gmm_em")
+                          {"reg": _check_reg(reg), "tol": check_tol(tol, "gmm_em: tol")},
+                          max_iters, "gmm_em")
     if raise_on_nonfinite:
         check(info, "gmm_em", "'component' (a covariance became singular? set reg > 0)")
     return state, info

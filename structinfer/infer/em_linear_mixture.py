@@ -241,7 +241,8 @@ def run(
     """
     u, y, A, b, covs, w = _prepare(inputs, targets, A, b, covariances, weights)
     state, info = iterate(_init, step, neg_log_likelihood, (u, y, A, b, covs, w), (u, y),
-                          {"reg": _check_reg(reg), "tol": check_tol(tol, "linear_mixture_em: tol")}, max_iters, "linear_mixture_em")
+                          {"reg": _check_reg(reg), "tol": check_tol(tol, "linear_mixture_em: tol")},
+                          max_iters, "linear_mixture_em")
     if raise_on_nonfinite:
         check(info, "linear_mixture_em", "'mode' (a mode with too few points to fit its A, b "
               "and covariance? set reg > 0)")

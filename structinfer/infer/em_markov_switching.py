@@ -242,7 +242,8 @@ def run(
     """
     x, A, b, prec, lt, li = _prepare(x, A, b, precisions, log_transition, log_initial)
     state, info = iterate(_init, step, neg_log_likelihood, (x, A, b, prec, lt, li), (x,),
-                          {"reg": _check_reg(reg), "tol": check_tol(tol, "markov_switching_em: tol")}, max_iters, "markov_switching_em")
+                          {"reg": _check_reg(reg), "tol": check_tol(tol, "markov_switching_em: tol")},
+                          max_iters, "markov_switching_em")
     if raise_on_nonfinite:
         check(info, "markov_switching_em", "'mode' (a mode with too few points to fit its A, "
               "b and precisions? raise reg)")

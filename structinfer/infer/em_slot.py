@@ -488,7 +488,8 @@ def run(
     rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
     e_iters = check_count(e_iters, "slot_em: e_iters", role="the CCCP steps of each E-step")
     state, info = iterate(_init, step, _energy, (x, slots, wk, wq), (x,),
-                          {"ridge": ridge, "tol": check_tol(tol, "slot_em: tol"), "rtol": rtol}, max_iters, "slot_em",
+                          {"ridge": ridge, "tol": check_tol(tol, "slot_em: tol"), "rtol": rtol},
+                          max_iters, "slot_em",
                           {"e_iters": e_iters, "whiten": bool(whiten)})
     if raise_on_nonfinite:
         check(info, "slot_em", "'phi' (in the E-step's CCCP on the slots)")
