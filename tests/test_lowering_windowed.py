@@ -233,3 +233,31 @@ def test_a_child_with_no_parent_in_the_band_is_an_error_or_nan():
               + np.where((d >= 1) & (d <= 3), np.log(0.3) + (d - 1) * np.log1p(-0.3), -np.inf))
     np.testing.assert_allclose(y[1:], (softmax_np(logits[1:]) @ np.asarray(v, np.float64)),
                                atol=2e-6)
+
+
+@pytest.mark.parametrize("call, match", [
+    # v with fewer parents than k: the mass on the missing parents read as a zero value
+    (lambda q, k, v: windowed_attention(q, k, v[:, :6], 0.3, 4, offset=2),
+     r"windowed_attention: v .*\(2, 6, 4\).* 8 parents of k"),
+    (lambda q, k, v: jax.jit(lambda a: windowed_attention(q, k, a, 0.3, 4, offset=2))(v[:, :6]),
+     r"windowed_attention: v "),
+    (lambda q, k, v: windowed_attention(q, k, jnp.concatenate([v, v[:1]]), 0.3, 4, offset=2),
+     r"windowed_attention: v .*batch dims \(3,\) do not broadcast"),
+    (lambda q, k, v: windowed_attention(q, k, v, jnp.full((5,), 0.3), 4, offset=2),
+     r"windowed_attention: geometric_q of shape \(5,\) does not broadcast"),
+    (lambda q, k, v: windowed_attention(q, k, v, 0.3, 4, offset=2, horizon=jnp.ones(5)),
+     r"windowed_attention: horizon of shape \(5,\) does not broadcast"),
+    (lambda q, k, v: windowed_values(jnp.ones((2, 6, 4)) / 4, v[0, :, 0]),
+     r"windowed_values: v must be \(\.\.\., m, dv\)"),
+])
+def test_windowed_attention_names_an_argument_of_the_wrong_shape(call, match):
+    """``v`` with fewer parents than ``k`` ran, its missing parents' posterior mass
+    silently multiplying a zero value (a finite wrong number); a ``v``, ``geometric_q``
+    or ``horizon`` that did not fit the batch gave JAX's bare broadcasting error. Each now
+    raises naming the argument and the expected shape."""
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.normal(size=(2, 6, 3)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(2, 8, 3)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(2, 8, 4)), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        call(q, k, v)

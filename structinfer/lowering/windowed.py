@@ -375,8 +375,8 @@ def windowed_values(
         ``(..., n, dv)``. Cost $O(n W d_v)$.
 
     Raises:
-        ValueError: ``offset``, ``min_distance`` or ``block_size`` is not an int
-            (``block_size`` at least 1).
+        ValueError: ``probs`` or ``v`` has fewer than two dims, or ``offset``,
+            ``min_distance`` or ``block_size`` is not an int (``block_size`` at least 1).
         TypeError: one of them is traced (each sets a shape).
     """
     who = "windowed_values"
@@ -385,9 +385,36 @@ def windowed_values(
     block_size = _band_int(block_size, "block_size", who, 1)
     probs = jnp.asarray(probs)
     v = jnp.asarray(v)
+    if probs.ndim < 2 or v.ndim < 2:
+        raise ValueError(f"{who}: v must be (..., m, dv) and probs (..., n, W), got v "
+                         f"{tuple(v.shape)} and probs {tuple(probs.shape)}")
     dtype = jnp.result_type(probs.dtype, v.dtype)
     return _band_values(probs.astype(dtype), v.astype(dtype), int(offset), int(min_distance),
                         block_size)
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (without growing it)."""
+    try:
+        return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
+
+
+def _check_values_fit(k_shape: tuple[int, ...], s_shape: tuple[int, ...],
+                      v_shape: tuple[int, ...]) -> None:
+    """``v`` is ``(..., m, dv)`` with ``k``'s ``m`` parents and batch dims that broadcast
+    against the scores' (a shorter ``v`` would give its missing parents a zero value)."""
+    who = "windowed_attention"
+    if len(v_shape) < 2 or v_shape[-2] != k_shape[-2]:
+        raise ValueError(f"{who}: v of shape {tuple(v_shape)} must be (..., m, dv) with the "
+                         f"{k_shape[-2]} parents of k (shape {tuple(k_shape)})")
+    try:
+        np.broadcast_shapes(tuple(v_shape[:-2]), tuple(s_shape[:-2]))
+    except ValueError:
+        raise ValueError(f"{who}: v of shape {tuple(v_shape)}: its batch dims "
+                         f"{tuple(v_shape[:-2])} do not broadcast against those of q and k "
+                         f"{tuple(s_shape[:-2])}") from None
 
 
 def windowed_attention(
@@ -441,7 +468,10 @@ def windowed_attention(
             with no parent in the band, when traced.
 
     Raises:
-        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores], a
+        ValueError: as [`windowed_scores`][structinfer.lowering.windowed_scores], ``v``
+            not ``(..., m, dv)`` with ``k``'s parents and batch dims broadcasting against
+            ``q``'s and ``k``'s, a ``geometric_q`` or ``horizon`` that does not broadcast
+            against the children ``(..., n)``, a
             concrete ``geometric_q`` outside $(0, 1)$ (a traced one gives NaN), or, on
             concrete inputs, a child with no parent in the band (none within the parents
             at distances ``min_distance .. min_distance + window - 1``, or the horizon).
@@ -453,8 +483,16 @@ def windowed_attention(
     """
     s = windowed_scores(q, k, window, offset=offset, min_distance=min_distance, scale=scale,
                         block_size=block_size)
-    lp = geometric_band_log_prior(geometric_q, window, horizon)
     v = jnp.asarray(v)
+    _check_values_fit(jnp.shape(k), s.shape, v.shape)
+    who = "windowed_attention"
+    for name, x, lead in (("geometric_q", geometric_q, s.shape[:-1]),
+                          ("horizon", horizon, s.shape[:-1])):
+        if x is not None and not _broadcasts(jnp.shape(x), lead):
+            raise ValueError(f"{who}: {name} of shape {tuple(jnp.shape(x))} does not broadcast "
+                             f"against the children (..., n) = {lead} (a scalar, per child "
+                             "(..., n) or per head (..., 1))")
+    lp = geometric_band_log_prior(geometric_q, window, horizon)
     y = windowed_values(windowed_posterior(s, lp), v, offset=offset,
                         min_distance=min_distance, block_size=block_size)
     # a child with no parent in the band has no posterior (the exact engine refuses it):
