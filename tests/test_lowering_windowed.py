@@ -249,6 +249,10 @@ def test_a_child_with_no_parent_in_the_band_is_an_error_or_nan():
      r"windowed_attention: horizon of shape \(5,\) does not broadcast"),
     (lambda q, k, v: windowed_values(jnp.ones((2, 6, 4)) / 4, v[0, :, 0]),
      r"windowed_values: v must be \(\.\.\., m, dv\)"),
+    (lambda q, k, v: windowed_values(jnp.ones((2, 6, 4)) / 4, jnp.concatenate([v, v[:1]])),
+     r"windowed_values: the batch dims of probs \(2,\) and v \(3,\) do not broadcast"),
+    (lambda q, k, v: windowed_scores(q, jnp.concatenate([k, k[:1]]), 4),
+     r"windowed_scores: the batch dims of q \(2,\) and k \(3,\) do not broadcast"),
 ])
 def test_windowed_attention_names_an_argument_of_the_wrong_shape(call, match):
     """``v`` with fewer parents than ``k`` ran, its missing parents' posterior mass

@@ -73,6 +73,16 @@ def _band_int(value, name: str, who: str, minimum: int | None = None) -> int:
     return int(value)
 
 
+def _batch_of(a: tuple[int, ...], b: tuple[int, ...], na: str, nb: str, who: str
+              ) -> tuple[int, ...]:
+    """The broadcast of two arguments' batch dims, or an error naming both."""
+    try:
+        return tuple(np.broadcast_shapes(tuple(a), tuple(b)))
+    except ValueError:
+        raise ValueError(f"{who}: the batch dims of {na} {tuple(a)} and {nb} {tuple(b)} do not "
+                         "broadcast") from None
+
+
 def _pad2(x: jax.Array, axis: int, left: int, right: int, value=0) -> jax.Array:
     if left == 0 and right == 0:
         return x
@@ -247,8 +257,9 @@ def windowed_scores(
 
     Raises:
         ValueError: ``q`` and ``k`` are not ``(..., n, d)`` and ``(..., m, d)`` with the
-            same ``d``, or ``window``, ``offset``, ``min_distance`` or ``block_size`` is not
-            an int (``window`` and ``block_size`` at least 1).
+            same ``d`` and batch dims that broadcast, or ``window``, ``offset``,
+            ``min_distance`` or ``block_size`` is not an int (``window`` and
+            ``block_size`` at least 1).
         TypeError: one of those ints is traced (each sets a shape).
 
     Reference:
@@ -272,7 +283,7 @@ def windowed_scores(
                   dmax=int(min_distance) + int(window) - 1)
     prob = Problem(Rows(q=qq.astype(dtype)), Cols(k=k.astype(dtype)), Pairs(), Globals(),
                    Consts(), jnp.zeros((m, 1), dtype))
-    batch = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    batch = _batch_of(q.shape[:-2], k.shape[:-2], "q", "k", who)
     s, _ = band_logits(terms, prob, batch, block_size)
     return s
 
@@ -375,7 +386,8 @@ def windowed_values(
         ``(..., n, dv)``. Cost $O(n W d_v)$.
 
     Raises:
-        ValueError: ``probs`` or ``v`` has fewer than two dims, or ``offset``,
+        ValueError: ``probs`` or ``v`` has fewer than two dims, their batch dims do not
+            broadcast, or ``offset``,
             ``min_distance`` or ``block_size`` is not an int (``block_size`` at least 1).
         TypeError: one of them is traced (each sets a shape).
     """
@@ -388,6 +400,7 @@ def windowed_values(
     if probs.ndim < 2 or v.ndim < 2:
         raise ValueError(f"{who}: v must be (..., m, dv) and probs (..., n, W), got v "
                          f"{tuple(v.shape)} and probs {tuple(probs.shape)}")
+    _batch_of(probs.shape[:-2], v.shape[:-2], "probs", "v", who)
     dtype = jnp.result_type(probs.dtype, v.dtype)
     return _band_values(probs.astype(dtype), v.astype(dtype), int(offset), int(min_distance),
                         block_size)
