@@ -1098,7 +1098,8 @@ class Geometric(StructuralPrior):
             traced (a window inferred under jit), then `si.attention` uses the exact engine.
 
     Raises:
-        ValueError: if a concrete ``q`` lies outside (0, 1).
+        ValueError: if a concrete ``q`` lies outside (0, 1); (building the table) if
+            ``q``'s last axis is neither 1 nor the number of children.
     """
 
     kind = "geometric"
@@ -1135,6 +1136,10 @@ class Geometric(StructuralPrior):
         # in float32 at least: a 16-bit q's log-weights are those of its exact value, and
         # distances above 256 are not integers in bfloat16
         q = float32_at_least(self.q)
+        if q.ndim and q.shape[-1] not in (1, num_children):
+            raise ValueError(f"Geometric prior: q of shape {tuple(q.shape)} does not broadcast "
+                             f"against (..., children) = (..., {num_children}): give a scalar, "
+                             "one per child (..., children) or one per head (..., 1)")
         q = q[..., None] if q.ndim else q
         steps = (d - self.min_distance).astype(q.dtype)
         logw = jnp.log(q) + steps * jnp.log1p(-q)

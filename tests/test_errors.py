@@ -226,6 +226,16 @@ def test_bad_score_scale_arguments():
     jax.jit(lambda s: si.scores.GaussianKernel(q, q, sigma=s).dense())(2.0)
 
 
+def test_a_geometric_q_that_does_not_fit_the_children_is_named():
+    """A per-head ``q`` written ``(heads, 2)`` (not ``(heads, 1)``) gave JAX's bare
+    broadcasting error; it names the prior's ``q`` and the children it must fit."""
+    with pytest.raises(ValueError, match=r"Geometric prior: q of shape \(2, 2\) does not "
+                                         r"broadcast against \(\.\.\., children\) = "
+                                         r"\(\.\.\., 6\)"):
+        si.priors.Geometric(jnp.full((2, 2), 0.3), 6).log_table(6)
+    assert si.priors.Geometric(jnp.full((2, 1), 0.3), 6).log_table(6).shape == (2, 6, 6)
+
+
 def test_bad_prior_arguments():
     with pytest.raises(TypeError, match="mask must be a boolean array"):
         si.priors.Restricted(np.ones((N, M)))
@@ -328,7 +338,7 @@ def test_relative_position_bias_checks_are_static():
 
 @pytest.mark.parametrize("prior, score, error, said", [
     (lambda n, X: si.priors.Geometric(jnp.full((n + 1,), 0.3), n),
-     lambda X: si.scores.Dot(X, X), TypeError, "prior Geometric: "),
+     lambda X: si.scores.Dot(X, X), ValueError, r"Geometric prior: q of shape \(6,\) "),
     (lambda n, X: si.priors.Uniform(n),
      lambda X: si.scores.NegSqDist(X, X, log_weights=jnp.zeros((3, X.shape[-2]))),
      TypeError, "score NegSqDist: "),
