@@ -442,10 +442,15 @@ def test_mosaic_forward_interpreted_matches_the_dense_kernel(case, n, d, dtype,
     rows with no allowed parent NaN with ``nan_rows`` (y = 0 without) and L = -inf, no
     barrier phase skipped, no race. Lengths over 2 parent blocks per slot pair reuse the
     pipeline's slots; n = 200 pads children and parents; the window skips blocks; the
-    block-sparse mask (n = 400, the last block cut) is walked as block lists."""
+    block-sparse mask (n = 400, the last block cut) is walked as block lists.
+
+    ``nan_rows`` changes only the rows with no allowed parent (it adds 0, or NaN where L
+    is not finite): both settings run on the case that has such rows (strict_causal,
+    every row checked); the other cases run the kernel once (each run is seconds of
+    interpreted warpgroups)."""
     low = _low(case, n, d, dtype)
     want_y, want_l = (np.asarray(x) for x in _dense_of(low))
-    for nan_rows in (True, False):
+    for nan_rows in (True, False) if case == "strict_causal" else (True,):
         y, lse = mosaic_forward(low.terms, low.problem, low.batch_shape, nan_rows=nan_rows,
                                 mask=low.mask)
         assert y.dtype == dtype and lse.dtype == jnp.float32
