@@ -21,7 +21,14 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from conftest import default_xla_env, float64, lowered_programs, return_hop, return_hop_brute
+from conftest import (
+    default_xla_env,
+    float64,
+    lowered_programs,
+    matrix,
+    return_hop,
+    return_hop_brute,
+)
 from numpyro.distributions import constraints
 from numpyro.handlers import substitute
 from numpyro.ops.indexing import Vindex
@@ -884,8 +891,14 @@ def test_a_substituted_edge_is_fixed_at_its_value_as_condition_fixes_it(jit):
 # -- states unconnected (log 0 = -inf) must not make the derivatives of log Z NaN
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+#: (x64, jit) of the NaN-derivative regressions below: by default each dtype and each
+#: mode once (float64 eagerly, float32 under jit); the other pair in the exhaustive tier
+DTYPE_MODE = matrix([(False, False), (False, True), (True, False), (True, True)],
+                    keep=lambda x64, jit: x64 != jit,
+                    ids=["float32-eager", "float32-jit", "float64-eager", "float64-jit"])
+
+
+@pytest.mark.parametrize("x64, jit", DTYPE_MODE)
 def test_structural_zeros_inside_a_contraction_give_exact_gradients_not_nan(x64, jit):
     """Regression: two causal hops with a joint restriction (the second hop lands near the
     start) gave NaN gradients of log Z, NaN marginals and expectations although log Z was
@@ -1023,8 +1036,7 @@ def test_no_possible_structure_of_coupled_edges_has_nan_derivatives_never_zeros(
         assert np.isnan(np.asarray(d)).all(), d
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+@pytest.mark.parametrize("x64, jit", DTYPE_MODE)
 def test_a_kept_element_with_no_structure_has_nan_derivatives_the_others_exact(x64, jit):
     """Regression: with kept plates (the pointwise log-likelihood) of a model that couples
     enumerated sites, an element with no possible structure (l_e = -inf) had zero
