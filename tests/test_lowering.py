@@ -23,6 +23,7 @@ from conftest import (
     float32_softmax,
     huge_logit_cotangents,
     huge_logit_edge,
+    matrix,
     on_gpu,
 )
 from hypothesis import given, settings
@@ -957,8 +958,13 @@ def test_a_loss_that_drops_an_empty_row_has_the_dense_kernels_gradient(backend):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-@pytest.mark.parametrize("n", [1, 5])
-@pytest.mark.parametrize("prior", ["uniform", "relpos", "geometric"])
+#: by default the uniform prior with one child and with five, the relative-position
+#: prior with five (a table of five entries) and the geometric with one (a 1 x 1 problem
+#: on the windowed kernel too); the other two in the exhaustive tier
+@pytest.mark.parametrize("prior, n", matrix(
+    [(p, n) for p in ("uniform", "relpos", "geometric") for n in (1, 5)],
+    keep=lambda prior, n: prior == "uniform" or (prior, n) in (("relpos", 5), ("geometric", 1)),
+    ids=[f"{p}-{n}" for p in ("uniform", "relpos", "geometric") for n in (1, 5)]))
 def test_a_single_parent_is_lowered_on_every_kernel(n, prior):
     """One parent (m = 1): every child takes it, ``y_i = v_0``; the model is lowered (a
     probe over one parent cannot show the value depending on the edge, and needs not) and
