@@ -351,10 +351,16 @@ def test_a_concrete_mask_is_kept_only_when_every_per_edge_mask_is_concrete():
     assert masks == [None]
 
 
-@pytest.mark.parametrize("shape", [(), (1,), (4,), (2, 1, 4), (2, 6, 1), (6, 1), (2, 1, 1),
-                                   (6, 4)])
-@pytest.mark.parametrize("score", ["Dot", "Cosine"])
-@pytest.mark.parametrize("d", [4, 3])  # d = 4: as many features as parents
+SCALE_SHAPES = [(), (1,), (4,), (2, 1, 4), (2, 6, 1), (6, 1), (2, 1, 1), (6, 4)]
+
+
+# d = 4: as many features as parents (the silent wrong answer), every shape with both
+# scores; d = 3 (a broadcasting error) every shape with Dot, with Cosine in the exhaustive
+# tier
+@pytest.mark.parametrize("d, score, shape", [
+    pytest.param(d, score, shape, id=f"{d}-{score}-shape{i}",
+                 marks=[pytest.mark.exhaustive] if (d, score) == (3, "Cosine") else [])
+    for d in (4, 3) for score in ("Dot", "Cosine") for i, shape in enumerate(SCALE_SHAPES)])
 def test_a_scale_array_scales_the_scores_not_the_features(shape, score, d):
     """Regression: an array ``scale`` multiplies the score table, as the exact engine
     reads it; the lowering multiplied the queries' features by it, so a per-parent scale
