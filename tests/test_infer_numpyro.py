@@ -467,9 +467,9 @@ def test_numpyros_discrete_samplers_draw_an_edge_declared_unenumerated():
     that are not enumerated, so it finds nothing to draw in a plain edge model;
     ``infer={"enumerate": None}`` hands it the edge, whose Gibbs conditional is the
     edge's table, and the exact engine and ``nuts`` refuse that site naming it."""
-    from numpyro.infer import MCMC, NUTS, DiscreteHMCGibbs
+    from numpyro.infer import HMC, MCMC, NUTS, DiscreteHMCGibbs
 
-    keys = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    keys = jnp.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     x = keys[jnp.array([0, 1, 2, 1])] + 0.1
 
     def model(x, infer=None):
@@ -484,12 +484,15 @@ def test_numpyros_discrete_samplers_draw_an_edge_declared_unenumerated():
         MCMC(DiscreteHMCGibbs(NUTS(model)), num_warmup=1, num_samples=1,
              progress_bar=False).run(jax.random.key(0), x)
     drawn = {"enumerate": None}
-    mcmc = MCMC(DiscreteHMCGibbs(NUTS(model)), num_warmup=20, num_samples=20,
-                progress_bar=False)
+    # one leapfrog step of fixed size compiles far faster than NUTS; each Gibbs step
+    # redraws one child's parent from its conditional
+    inner = HMC(model, step_size=0.1, adapt_step_size=False, num_steps=1)
+    mcmc = MCMC(DiscreteHMCGibbs(inner), num_warmup=20, num_samples=5, progress_bar=False)
     mcmc.run(jax.random.key(0), x, drawn)
-    # the children sit 0.1 from their keys: every draw takes the true parents
+    # the children sit 0.1 from their keys, 10 apart: once each child has been redrawn
+    # (20 warm-up steps), every draw takes the true parents
     np.testing.assert_array_equal(mcmc.get_samples()["phi"], np.broadcast_to([0, 1, 2, 1],
-                                                                              (20, 4)))
+                                                                              (5, 4)))
     at = numpyro.handlers.substitute(model, {"tau": 0.5})
     with pytest.raises(ValueError, match="'phi'"):
         si.log_marginal(at, x, drawn)
