@@ -192,3 +192,18 @@ def test_geometric_beta_with_no_parents_names_the_scores():
     # (0, 0) scores were a bare "zero-size array to reduction operation max"
     with pytest.raises(ValueError, match=r"geometric_beta: scores .* at least one parent"):
         si.infer.geometric_beta(np.zeros((0, 0)))
+
+
+def test_an_infinite_hyperprior_is_named():
+    """Regression: an infinite alpha0 or beta0 passed the check (it is positive) and the
+    run raised NonFiniteEnergyError blaming the edge scores ("check them for NaN/inf"),
+    which were finite. Beta(inf, .) is no distribution: the argument is named, and under
+    jit the run is NaN, as for a non-positive one."""
+    S = np.random.default_rng(4).normal(size=(3, 3))
+    for name in ("alpha0", "beta0"):
+        with pytest.raises(ValueError, match=rf"^geometric_beta: {name} must be positive "
+                                             r"and finite, got \[inf"):
+            geometric_beta(S, **{name: np.inf})
+        _, info = jax.jit(lambda v: geometric_beta(S, **{name: v},  # noqa: B023
+                                                   raise_on_nonfinite=False))(np.inf)
+        assert np.all(np.asarray(info.nonfinite)), name

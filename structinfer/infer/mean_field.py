@@ -210,7 +210,9 @@ def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance,
             raise ValueError(f"geometric_beta: {name} of shape {v.shape} must broadcast "
                              f"against the scores' (..., children) shape {batch}")
     a0, b0 = jnp.broadcast_to(a0, batch), jnp.broadcast_to(b0, batch)
-    a0, b0 = (check_value(v, lambda xp, v: v > 0, f"geometric_beta: {name}", "must be positive")
+    # Beta(inf, .) is no distribution (its energy is NaN, then blamed on the scores)
+    a0, b0 = (check_value(v, lambda xp, v: (v > 0) & xp.isfinite(v), f"geometric_beta: {name}",
+                          "must be positive and finite")
               for name, v in (("alpha0", a0), ("beta0", b0)))
     steps_np, allowed_np = _steps(n, m, offset, include_self, max_distance)
     empty = ~allowed_np.any(-1)
@@ -383,9 +385,9 @@ def run(
             $-\ln\sum_{k<H_t} e^{s + \ln q_t + k\ln(1-q_t)}$).
 
     Raises:
-        ValueError: an unknown `method`, `mass` outside (0, 1), non-positive
-            `alpha0`/`beta0` (concrete values; traced, they become NaN and so does the
-            energy), scores with no parents, a child with no allowed parent, or a `tol`
+        ValueError: an unknown `method`, `mass` outside (0, 1), non-positive or
+            infinite `alpha0`/`beta0` (concrete values; traced, they become NaN and so
+            does the energy), scores with no parents, a child with no allowed parent, or a `tol`
             that is not a non-negative number.
 
     Cost: $O(n m)$ per iteration on the cached scores.
