@@ -459,3 +459,14 @@ def test_laplace_refuses_masked_edge_eagerly_and_under_jit(x64):
     with pytest.raises(ValueError, match="site 'memory' is under numpyro.handlers.mask") as jitted:
         jax.jit(lambda m: laplace(_masked_edge, "mu", m, X, beta))(mu)
     assert str(eager.value) == str(jitted.value)
+
+
+@pytest.mark.parametrize("rtol", [-1e-4, float("nan"), "1e-4", np.full(2, 1e-4)])
+def test_laplace_names_a_bad_rtol(rtol):
+    """Regression: `laplace` passed `rtol` unchecked to its consistency check: a string
+    failed inside JAX naming `atol` ("Error interpreting argument to allclose"), and a
+    negative or NaN one was taken (a check no value meets, unless both sides agree
+    exactly). It is now refused, named, before any work."""
+    X, mu = np.eye(3), np.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"^laplace: rtol must be a non-negative number"):
+        laplace(_hop_node, "mu", mu, X, 1.0, rtol=rtol)

@@ -131,8 +131,8 @@ def check_nonnegative(value: Any, what: str, role: str) -> Any:
                        f"must be a non-negative number ({role})")
 
 
-def check_tol(tol: Any, what: str) -> Any:
-    """A convergence tolerance: one non-negative real number (a 0-d array too).
+def check_tol(tol: Any, what: str, role: str = "a convergence tolerance") -> Any:
+    """A tolerance: one non-negative real number (a 0-d array too).
 
     Concrete: a negative or NaN tolerance can never be met (the loop would run to
     ``max_iters``), and a string, a bool or an array with dims fails inside JAX; each
@@ -143,6 +143,7 @@ def check_tol(tol: Any, what: str) -> Any:
     Args:
         tol: the tolerance.
         what: ``"<function>: <argument>"``, for the message.
+        role: what the tolerance is for, for the message.
 
     Returns:
         ``tol``, unchanged.
@@ -155,8 +156,7 @@ def check_tol(tol: Any, what: str) -> Any:
              and (jnp.issubdtype(tol.dtype, jnp.floating)
                   or jnp.issubdtype(tol.dtype, jnp.integer)))
     if not (number or array) or (is_concrete(tol) and not float(tol) >= 0):
-        raise ValueError(f"{what} must be a non-negative number (a convergence tolerance), "
-                         f"got {tol!r}")
+        raise ValueError(f"{what} must be a non-negative number ({role}), got {tol!r}")
     return tol
 
 

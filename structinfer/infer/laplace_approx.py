@@ -24,7 +24,7 @@ from .._checks import as_arrays, float32_at_least, is_concrete, is_masked
 from .._jaxpr import Branch, Call, Loop, classify, is_literal, loop_fixed_point, open_jaxpr, union
 from ..exact import inspect_model, log_marginal, trace_model
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
-from ._common import as_float_tree
+from ._common import as_float_tree, check_tol
 
 __all__ = ["LaplaceResult", "laplace"]
 
@@ -267,12 +267,14 @@ def laplace(
     Raises:
         ValueError: when a site's log-density depends on an edge (naming both), an
             edge or its score is masked or follows ``child=``, or the model has
-            enumerated sites that are not edges — eagerly and under ``jit`` alike.
+            enumerated sites that are not edges — eagerly and under ``jit`` alike; an
+            ``rtol`` that is not a non-negative number.
         TypeError: the model indexes a NumPy array with an edge variable.
 
     Cost: a Jacobian of the ``(children, parents)`` score tables (``D`` forward
     passes, ``D`` = latent size) and a ``D × D`` Hessian.
     """
+    check_tol(rtol, "laplace: rtol", "the tolerance of the consistency check")
     args, kwargs = as_arrays(args, kwargs)
     mu = as_float_tree(mu)
     flat, unravel = ravel_pytree(mu)
