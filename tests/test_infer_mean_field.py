@@ -207,3 +207,20 @@ def test_an_infinite_hyperprior_is_named():
         _, info = jax.jit(lambda v: geometric_beta(S, **{name: v},  # noqa: B023
                                                    raise_on_nonfinite=False))(np.inf)
         assert np.all(np.asarray(info.nonfinite)), name
+
+
+def test_horizon_names_a_rate_or_mass_outside_the_unit_interval():
+    """Regression: `horizon` checked nothing: a rate of -0.1 or 1 gave a window of 1, a
+    rate of 0 or a mass of 1 an infinite one, and a string mass a bare TypeError ("bad
+    operand type for unary -"). Each is refused naming the argument; under jit the
+    window is NaN."""
+    assert float(horizon(0.5)) == 5.0 and float(horizon(0.5, 0.75)) == 2.0
+    for q in (-0.1, 0.0, 1.0, np.nan):
+        with pytest.raises(ValueError, match=r"^horizon: q must lie in \(0, 1\)"):
+            horizon(q)
+        assert np.isnan(jax.jit(horizon)(q)), q
+    for mass in (0.0, 1.0, np.nan):
+        with pytest.raises(ValueError, match=r"^horizon: mass must lie in \(0, 1\)"):
+            horizon(0.5, mass)
+    with pytest.raises(TypeError, match="horizon: mass"):
+        horizon(0.5, "0.9")

@@ -105,10 +105,23 @@ def horizon(q: ArrayLike, mass: float = 0.95) -> jax.Array:
     Returns:
         $H(q)$, shaped like ``q`` (a float array of integer values).
 
+    Raises:
+        ValueError: a ``q`` or ``mass`` outside $(0, 1)$ (concrete values; traced, the
+            horizon is NaN).
+        TypeError: ``q`` or ``mass`` is not a real number or array.
+
     Reference:
         Singh & Buckley app. 7.3 (expanding attention).
     """
-    q = jnp.asarray(q)
+    q = require(lambda xp, q: (q > 0) & (q < 1), "horizon: q must lie in (0, 1), got {}",
+                as_float_array(q, "horizon: q"))
+    mass = require(lambda xp, m: (m > 0) & (m < 1), "horizon: mass must lie in (0, 1), got {}",
+                   as_float_array(mass, "horizon: mass"))
+    return _horizon(q, mass)
+
+
+def _horizon(q: jax.Array, mass: Any) -> jax.Array:
+    """`horizon` of a checked ``q`` and ``mass``."""
     h = jnp.ceil(jnp.log1p(-mass) / jnp.log1p(-q))
     return jnp.maximum(h, 1.0)
 
@@ -237,10 +250,10 @@ def _factors(p: _Problem, alpha, beta, method: str, mass: float) -> GeoBetaState
         r, _ = _attend(p, digamma(beta) - digamma(alpha + beta), None)
         e = geometric_beta_free_energy(p.scores, r, alpha, beta, p.alpha0, p.beta0, p.steps,
                                        p.allowed)
-        win = horizon(alpha / (alpha + beta), mass).astype(jnp.int32)
+        win = _horizon(alpha / (alpha + beta), mass).astype(jnp.int32)
         return GeoBetaState(r, alpha, beta, win, e)
     q = alpha / (alpha + beta)
-    win = horizon(q, mass)
+    win = _horizon(q, mass)
     r, logits = _attend(p, jnp.log1p(-q), win)
     e = -jax.nn.logsumexp(logits + jnp.log(q)[..., None], -1)
     return GeoBetaState(r, alpha, beta, win.astype(jnp.int32), e)
