@@ -224,3 +224,21 @@ def test_horizon_names_a_rate_or_mass_outside_the_unit_interval():
             horizon(0.5, mass)
     with pytest.raises(TypeError, match="horizon: mass"):
         horizon(0.5, "0.9")
+
+
+def test_offset_and_max_distance_are_static_ints():
+    """Regression: `geometric_beta` took a fractional `offset` (1.5: fractional steps, a
+    model no Geometric prior has: ``Geometric(offset=1.5)`` is refused) and a traced
+    `offset` or `max_distance` failed inside NumPy with JAX's
+    TracerArrayConversionError, naming neither. Both are now named."""
+    S = np.random.default_rng(5).normal(size=(4, 4))
+    for kw in ({"offset": 1.5}, {"max_distance": 1.5}, {"offset": True}):
+        (name, value), = kw.items()
+        with pytest.raises(TypeError, match=rf"^geometric_beta: {name} must be an int"):
+            geometric_beta(S, **kw)
+    for name in ("offset", "max_distance"):
+        with pytest.raises(TypeError, match=rf"^geometric_beta: `{name}` must be a static"):
+            jax.jit(lambda v: geometric_beta(S, **{name: v}))(1)  # noqa: B023
+    st, _ = geometric_beta(S, offset=np.int64(1), max_distance=np.int64(2))
+    ref, _ = geometric_beta(S, offset=1, max_distance=2)
+    np.testing.assert_array_equal(st.attention, ref.attention)

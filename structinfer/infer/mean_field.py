@@ -49,6 +49,7 @@ pure functions of a `GeoBetaState`.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -57,7 +58,7 @@ import numpy as np
 from jax.scipy.special import betaln, digamma
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim, is_concrete, require
+from .._checks import as_float_array, check_ndim, check_static_int, is_concrete, require
 from ..scores import Score
 from ._common import check_tol, check_value
 from ._loop import LoopInfo, check, run_loop
@@ -201,6 +202,9 @@ def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance,
     """The problem and the checked `mass` (traced: NaN outside (0, 1))."""
     if method not in ("exact", "plugin"):
         raise ValueError(f"geometric_beta: method must be 'exact' or 'plugin', got {method!r}")
+    offset = _static_int(offset, "offset")
+    if max_distance is not None:
+        max_distance = _static_int(max_distance, "max_distance")
     mass = require(lambda xp, m: (m > 0) & (m < 1),
                    "geometric_beta: mass must lie in (0, 1), got {}", mass)
     s = scores.dense() if isinstance(scores, Score) else as_float_array(scores, "geometric_beta: scores")
@@ -235,6 +239,18 @@ def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance,
             f"(include_self={include_self}, offset={offset}, max_distance={max_distance})"
         )
     return _Problem(s, a0, b0, jnp.asarray(steps_np, dtype), jnp.asarray(allowed_np)), mass
+
+
+def _static_int(value: Any, name: str) -> int:
+    """``value`` as a Python int: it sets the parent layout, so it cannot be traced, and a
+    float or a bool is refused (as by the `Geometric` prior)."""
+    check_static_int(value, name, "geometric_beta")
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"geometric_beta: {name} must be an int, got {value!r}")
 
 
 def _attend(p: _Problem, log_decay, window):
@@ -379,9 +395,9 @@ def run(
         include_self: the query's own position is a parent ($d_0 = 0$; without it
             $d_0 = 1$), as in [`Geometric`][structinfer.priors.Geometric].
         offset: child $i$ sits at parent position $i + \text{offset}$, as in
-            [`Geometric`][structinfer.priors.Geometric].
+            [`Geometric`][structinfer.priors.Geometric] (a Python int, not traced).
         max_distance: optional largest distance $d_{ij}$ allowed, as in
-            [`Geometric`][structinfer.priors.Geometric].
+            [`Geometric`][structinfer.priors.Geometric] (a Python int, not traced).
         mass: prior mass kept by the horizon $H(q)$ (0.95 in the paper).
         tol: a query has converged when its attention moves by at most `tol` and its
             window stays put (default `1e-6` exact; `1e-3` plug-in, whose accumulating
