@@ -364,6 +364,23 @@ def test_bad_input_errors_name_the_argument(build, call, match):
         layer(**args, mask=mask)
 
 
+def test_array_like_inputs_are_arrays_and_others_are_named():
+    """Nested lists (what ``jnp.shape`` reads) run as their arrays; a non-array input is a
+    TypeError naming the argument, not an AttributeError on ``.shape``."""
+    layer = layer_for(sinn.causal())
+    x = inputs((B, N, F), jnp.float32)
+    listed = np.asarray(x).tolist()
+    np.testing.assert_allclose(layer(listed), layer(x), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(layer(x, listed, listed), layer(x), rtol=0, atol=1e-6)
+    assert layer.explain(listed).kernels == layer.explain(x).kernels
+    with pytest.raises(TypeError, match="inputs_k must be an array"):
+        layer(x, object())
+    with pytest.raises(ValueError, match=r"decode takes one position per call.*got inputs_q of "
+                                         r"shape \(2, 2, 11\)"):
+        layer.init_cache((B, N, F))
+        layer(x[:, :2], decode=True)
+
+
 # --------------------------------------------------------------------------- masks
 @pytest.mark.parametrize("mech, dtype", [("uniform", jnp.float32), ("causal", jnp.float64)])
 def test_mask_equals_flax_multihead_attention(mech, dtype):

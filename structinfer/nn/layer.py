@@ -244,6 +244,20 @@ def _check_keys(query: jax.Array, key: jax.Array) -> None:
         )
 
 
+def _as_array(x, name: str):
+    """An input as an array: arrays (JAX, NumPy, tracers) as they are, array-likes (nested
+    lists) converted, anything else a TypeError naming the argument."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"structinfer.nn.Attention: {name} must be an array (..., length, features), got "
+            f"{type(x).__name__}"
+        ) from None
+
+
 def _check_int(x, what: str, minimum: int = 1) -> int:
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < minimum:
         raise ValueError(f"structinfer.nn.Attention: {what} must be an int >= {minimum}, got {x!r}")
@@ -675,6 +689,9 @@ class Attention(nnx.Module):
             inputs_k = inputs_q
         if inputs_v is None:
             inputs_v = inputs_k
+        inputs_q, inputs_k, inputs_v = (
+            _as_array(x, name) for x, name in ((inputs_q, "inputs_q"), (inputs_k, "inputs_k"),
+                                               (inputs_v, "inputs_v")))
         for name, x, f in (("inputs_q", inputs_q, self.in_features),
                            ("inputs_k", inputs_k, self.in_kv_features),
                            ("inputs_v", inputs_v, self.in_kv_features)):
@@ -740,7 +757,8 @@ class Attention(nnx.Module):
                 there are no queries.
 
         Raises:
-            TypeError: a ``mask`` that is neither boolean nor real.
+            TypeError: a ``mask`` that is neither boolean nor real, or an input that
+                is not an array (nested lists are converted).
             ValueError: a ``mask`` that does not broadcast (or with ``decode``), inputs
                 of the wrong shape, keys of length 0 with
                 some queries, or dropout without
@@ -854,7 +872,9 @@ class Attention(nnx.Module):
         if query.shape[:-2] != want or key.shape[:-2] != want:
             raise ValueError(
                 f"structinfer.nn.Attention: decode takes one position per call, inputs of shape "
-                f"{tuple(batch) + (1, self.in_features)}; got queries {query.shape[:-2]}"
+                f"{tuple(batch) + (1, self.in_features)}; got inputs_q of shape "
+                f"{query.shape[:-2] + (self.in_features,)} and inputs_k of shape "
+                f"{key.shape[:-2] + (self.in_kv_features,)}"
             )
         i = self.cache_index[...]
         if is_concrete(i) and int(i) >= L:
