@@ -9,6 +9,7 @@ NaN, so that a bad value never gives a finite answer.
 from __future__ import annotations
 
 import contextvars
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -316,6 +317,28 @@ def float32_at_least(x: jax.Array) -> jax.Array:
     builds and contracts its tables in (as the kernels accumulate), so that a bfloat16
     model's scores are not rounded to 16 bits."""
     return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+
+
+def check_int(value: Any, what: str) -> int:
+    """An int argument that is a position or offset, as a Python int (a NumPy integer too):
+    floats and bools are refused (they are never meant).
+
+    Args:
+        value: the argument.
+        what: ``"<object>: <argument>"``, for the message.
+
+    Returns:
+        ``operator.index(value)``.
+
+    Raises:
+        TypeError: ``value`` is not an int, naming ``what``.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an int, got {value!r}")
 
 
 def check_static_int(x: Any, name: str, what: str) -> Any:

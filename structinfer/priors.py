@@ -36,7 +36,6 @@ and so is everything computed from it.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -49,6 +48,7 @@ from jax.typing import ArrayLike
 from ._checks import (
     ROWS_CHECKED,
     as_float_array,
+    check_int,
     check_static_int,
     first_empty_row,
     float32_at_least,
@@ -92,16 +92,6 @@ def _distance_grid(num_children: int, num_parents: int, offset: int) -> jax.Arra
     i = jnp.arange(num_children)[:, None]
     j = jnp.arange(num_parents)[None, :]
     return i + offset - j
-
-
-def _check_offset(offset, who: str) -> int:
-    """``offset`` as a Python int; floats and bools are refused (they are never meant)."""
-    if not isinstance(offset, bool):
-        try:
-            return operator.index(offset)
-        except TypeError:
-            pass
-    raise TypeError(f"{who}: offset must be an int, got {offset!r}")
 
 
 def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
@@ -257,7 +247,7 @@ class Uniform(StructuralPrior):
 
     def __init__(self, num_parents: int, offset: int = 0):
         self.num_parents = _check_num_parents(num_parents)
-        self.offset = _check_offset(offset, "Uniform prior")
+        self.offset = check_int(offset, "Uniform prior: offset")
 
     def _log_weights(self, num_children: int) -> jax.Array:
         return jnp.zeros((1, self.num_parents), dtype=jnp.result_type(float))
@@ -353,7 +343,7 @@ class Causal(RestrictionPattern):
     def __post_init__(self):
         object.__setattr__(self, "include_self",
                            _check_flag(self.include_self, "include_self", "Causal pattern"))
-        object.__setattr__(self, "offset", _check_offset(self.offset, "Causal pattern"))
+        object.__setattr__(self, "offset", check_int(self.offset, "Causal pattern: offset"))
 
 
 @dataclass(frozen=True)
@@ -383,7 +373,7 @@ class Window(RestrictionPattern):
         object.__setattr__(self, "causal", _check_flag(self.causal, "causal", "Window pattern"))
         object.__setattr__(self, "include_self",
                            _check_flag(self.include_self, "include_self", "Window pattern"))
-        object.__setattr__(self, "offset", _check_offset(self.offset, "Window pattern"))
+        object.__setattr__(self, "offset", check_int(self.offset, "Window pattern: offset"))
 
 
 @dataclass(frozen=True)
@@ -642,7 +632,8 @@ class Restricted(StructuralPrior):
         #: the ``RestrictionPattern`` the mask is known to follow
         self.pattern = _as_pattern(pattern)
         own = getattr(self.pattern, "offset", None)
-        self.offset = _check_offset((own or 0) if offset is None else offset, "Restricted prior")
+        self.offset = check_int((own or 0) if offset is None else offset,
+                                "Restricted prior: offset")
         if own is not None and own != self.offset:
             raise ValueError(
                 f"Restricted prior: offset={offset} contradicts the pattern's offset {own}"
@@ -883,7 +874,7 @@ class Categorical(StructuralPrior):
         self.logits = require(lambda xp, lg: ~(xp.isnan(lg) | (lg == xp.inf)),
                               "Categorical prior: logits contain NaN or +inf", logits)
         self.num_parents = int(logits.shape[-1])
-        self.offset = _check_offset(offset, "Categorical prior")
+        self.offset = check_int(offset, "Categorical prior: offset")
 
     def _log_weights(self, num_children: int) -> jax.Array:
         lg = self.logits
@@ -943,7 +934,7 @@ class RelativePosition(StructuralPrior):
         if max_distance is not None and int(max_distance) < 0:
             raise ValueError(f"RelativePosition: max_distance must be >= 0 (or None), got "
                              f"{max_distance}")
-        self.offset = _check_offset(offset, "RelativePosition prior")
+        self.offset = check_int(offset, "RelativePosition prior: offset")
         self.max_distance = max_distance
         self.causal = bool(causal)
         self.mode = _mode
@@ -1118,7 +1109,7 @@ class Geometric(StructuralPrior):
         self.num_parents = _check_num_parents(num_parents)
         self.include_self = bool(include_self)
         check_static_int(offset, "offset", "Geometric prior")
-        self.offset = _check_offset(offset, "Geometric prior")
+        self.offset = check_int(offset, "Geometric prior: offset")
         # a truncation only masks the table, so it may be traced (e.g. a window inferred
         # under jit); the lowered engine then falls back to the exact one
         if max_distance is not None and is_concrete(max_distance):

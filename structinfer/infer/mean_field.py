@@ -49,7 +49,6 @@ pure functions of a `GeoBetaState`.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -58,7 +57,14 @@ import numpy as np
 from jax.scipy.special import betaln, digamma
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_ndim, check_static_int, is_concrete, require
+from .._checks import (
+    as_float_array,
+    check_int,
+    check_ndim,
+    check_static_int,
+    is_concrete,
+    require,
+)
 from ..scores import Score
 from ._common import check_tol, check_value
 from ._loop import LoopInfo, check, run_loop
@@ -245,12 +251,7 @@ def _static_int(value: Any, name: str) -> int:
     """``value`` as a Python int: it sets the parent layout, so it cannot be traced, and a
     float or a bool is refused (as by the `Geometric` prior)."""
     check_static_int(value, name, "geometric_beta")
-    if not isinstance(value, (bool, np.bool_)):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"geometric_beta: {name} must be an int, got {value!r}")
+    return check_int(value, f"geometric_beta: {name}")
 
 
 def _attend(p: _Problem, log_decay, window):
