@@ -155,8 +155,10 @@ def check_tol(tol: Any, what: str, role: str = "a convergence tolerance") -> Any
     array = (isinstance(tol, (jax.Array, np.ndarray)) and np.ndim(tol) == 0
              and (jnp.issubdtype(tol.dtype, jnp.floating)
                   or jnp.issubdtype(tol.dtype, jnp.integer)))
-    if not (number or array) or (is_concrete(tol) and not float(tol) >= 0):
+    if not (number or array):
         raise ValueError(f"{what} must be a non-negative number ({role}), got {tol!r}")
+    if is_concrete(tol):  # the value rule of `check_nonnegative`; ``tol`` stays as given
+        check_nonnegative(tol, what, role)
     return tol
 
 
