@@ -350,8 +350,10 @@ def test_nuts_draws_are_numpyros():
         mcmc.run(jax.random.PRNGKey(3), Y3, [])
         draws.append(np.asarray(mcmc.get_samples()["s"]))
     np.testing.assert_allclose(draws[0], draws[1], rtol=1e-4)
+    # (a 0-d array target is the default's number)
     mcmc = si.infer.nuts(jax.random.PRNGKey(3), tilt_model, Y3, [], num_warmup=5,
-                         num_samples=5, progress_bar=False)
+                         num_samples=5, progress_bar=False,
+                         target_accept_prob=jnp.asarray(0.8))
     np.testing.assert_allclose(np.asarray(mcmc.get_samples()["s"]), draws[1], rtol=1e-4)
     stats = mcmc.get_extra_fields()
     assert {"energy", "diverging", "potential_energy", "accept_prob", "num_steps",
@@ -381,7 +383,7 @@ def test_nuts_and_svi_refuse_bad_input():
         si.infer.nuts(0, tilt_model, Y3, [])
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
         si.infer.nuts(jax.random.PRNGKey(0), tilt_model, Y3, [], num_samples=0)
-    for bad in (1.5, 0, True, "0.8"):
+    for bad in (1.5, 0, True, "0.8", jnp.asarray(1.5), jnp.asarray([0.8]), jnp.asarray(True)):
         with pytest.raises(ValueError, match=r"target_accept_prob must be a number in \(0, 1\)"):
             si.infer.nuts(jax.random.PRNGKey(0), tilt_model, Y3, [], target_accept_prob=bad)
     with pytest.raises(ValueError, match="guide must be 'normal', 'delta' or a callable"):

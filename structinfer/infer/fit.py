@@ -43,7 +43,7 @@ from numpyro.infer.svi import SVIRunResult
 from numpyro.infer.util import log_density
 from numpyro.util import is_prng_key
 
-from .._checks import as_arrays, check_count, check_key, model_name
+from .._checks import as_arrays, check_count, check_key, is_concrete, model_name
 from ..exact import ModelInfo, inspect_model, log_marginal, safe_log_einsum
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site, start_failure
@@ -201,7 +201,8 @@ def nuts(
         num_warmup: warm-up (adaptation) steps per chain.
         num_samples: draws kept per chain.
         num_chains: chains (run vectorized when more than one).
-        target_accept_prob: the step-size adaptation's target acceptance probability.
+        target_accept_prob: the step-size adaptation's target acceptance probability, in
+            (0, 1) (a 0-d array too).
         progress_bar: show NumPyro's progress bar.
         **model_kwargs: the model's keyword arguments.
 
@@ -248,6 +249,10 @@ def nuts(
     num_warmup = check_count(num_warmup, "nuts: num_warmup", minimum=0)
     num_samples = check_count(num_samples, "nuts: num_samples")
     num_chains = check_count(num_chains, "nuts: num_chains")
+    tap = target_accept_prob
+    if (isinstance(tap, (jax.Array, np.ndarray)) and np.ndim(tap) == 0 and is_concrete(tap)
+            and jnp.issubdtype(tap.dtype, jnp.floating)):
+        target_accept_prob = float(tap)  # a 0-d array, as a tolerance may be
     if isinstance(target_accept_prob, bool) or not (
             isinstance(target_accept_prob, numbers.Real) and 0 < target_accept_prob < 1):
         raise ValueError(f"nuts: target_accept_prob must be a number in (0, 1), got "
