@@ -1031,7 +1031,8 @@ def test_pallas_backward_runs_four_warps_by_default():
     assert warps == [8, 4, 4, 4]  # forward, dK/dV, dQ, the table's gradient
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.exhaustive),
+                                   jnp.bfloat16])
 def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
     """Lowering (not running) for CUDA on this CPU: every operation of the kernel body
     must have a Triton lowering (a gather of the relative-position bias included)."""
