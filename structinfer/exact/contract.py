@@ -200,7 +200,7 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
                if info.markov_edges else "")
             + f". (funsor: {str(e).splitlines()[0]})"
         ) from None
-    return lp
+    return jnp.asarray(lp)  # a model with no factor at all: funsor's Python 0.0, log 1
 
 
 #: the log-space einsum of the engine's sum-product (the module `_log_einsum.py` beside this one)
