@@ -242,3 +242,24 @@ def test_offset_and_max_distance_are_static_ints():
     st, _ = geometric_beta(S, offset=np.int64(1), max_distance=np.int64(2))
     ref, _ = geometric_beta(S, offset=1, max_distance=2)
     np.testing.assert_array_equal(st.attention, ref.attention)
+
+
+@pytest.mark.parametrize("method", ["exact", "plugin"])
+def test_16_bit_scores_run_in_float32(method):
+    """Regression: bfloat16 / float16 scores ran the whole mean field in 16 bits: the
+    distances and the pseudo-counts were rounded (a bfloat16 ``beta`` gained nothing once
+    large), so at n = 40 the attention was 0.17 off (bfloat16) and ``beta`` 100% off while
+    reported converged. The loop now runs in float32, as the exact engine contracts
+    16-bit scores, and answers in float32; `horizon` of a 16-bit rate likewise (a bfloat16
+    ``q = 0.001`` gave 3008 for 2996)."""
+    S = 2 * np.random.default_rng(6).normal(size=(24, 24))
+    for dt in (jnp.bfloat16, jnp.float16):
+        s = jnp.asarray(S, dt)
+        got, _ = geometric_beta(s, method=method)
+        want, _ = geometric_beta(s.astype(jnp.float32), method=method)
+        assert [a.dtype for a in (got.attention, got.beta, got.energy)] == [jnp.float32] * 3
+        np.testing.assert_array_equal(got.attention, want.attention)
+        q = jnp.asarray(0.001, dt)
+        h = horizon(q)
+        assert h.dtype == jnp.float32
+        assert float(h) == np.ceil(np.log1p(-0.95) / np.log1p(-np.float64(q)))
