@@ -133,6 +133,22 @@ def test_integer_value_table_answers_in_the_exact_engines_dtype(prior, backend):
                                            np.asarray(want, np.float32), rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["dense", "blocked"])
+def test_bfloat16_queries_beside_float32_keys_are_scaled_in_float32(backend):
+    """Regression: a bfloat16 ``q`` with float32 keys and values answers in float32, but
+    the kernels scaled ``q`` (``Dot(scale=0.3)``) in bfloat16 before casting it to the
+    operands' float32, so the answer was 2e-3 off the exact engine's on the same inputs;
+    the scale is now applied in the operands' dtype."""
+    n = 24
+    model = _model(PRIORS["causal"], n, scale=0.3)  # not a power of 2
+    q, k, v, _ = _inputs(jnp.float32, n)
+    q = q.astype(BF16)
+    want = jax.jit(lambda *a: si.expectation(model, "out", *a))(q.astype(jnp.float32), k, v)
+    y = si.attention(model, "out", backend, block_q=16, block_k=16)(q, k, v)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["auto", "exact", "dense", "blocked", "windowed", "pallas"])
 def test_float32_in_float32_out_under_x64(backend):
     # "pallas" regression (review): under x64 the kernels' block arithmetic mixed int32
