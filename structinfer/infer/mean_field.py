@@ -179,11 +179,15 @@ def geometric_beta_free_energy(
         allowed: ``(children, parents)`` bool, the parents each query may take.
 
     Returns:
-        $F$, ``(..., children)``.
+        $F$, ``(..., children)``; 16-bit inputs are computed, and answered, in float32.
 
     Reference:
         Singh & Buckley sec. 5.2 and appendix 7.3.
     """
+    scores, attention, alpha, beta, alpha0, beta0, steps = (
+        float32_at_least(as_float_array(x, f"geometric_beta_free_energy: {name}"))
+        for name, x in (("scores", scores), ("attention", attention), ("alpha", alpha),
+                        ("beta", beta), ("alpha0", alpha0), ("beta0", beta0), ("steps", steps)))
     elq = digamma(alpha) - digamma(alpha + beta)
     el1q = digamma(beta) - digamma(alpha + beta)
     r = jnp.where(allowed, attention, 0.0)
