@@ -286,6 +286,15 @@ def test_console_script_is_declared():
     assert [ep.value for ep in eps] == ["structinfer.cli:main"]
 
 
+def test_python_dash_m_structinfer_runs_the_command():
+    """``python -m structinfer`` is the ``structinfer`` command (was "No module named
+    structinfer.__main__")."""
+    out = subprocess.run([sys.executable, "-m", "structinfer", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: structinfer ") and "reproduce" in out.stdout
+
+
 @pytest.fixture
 def registered(files, monkeypatch):
     """The test modules of ``files/mods`` registered as reproductions (run in-process)."""

@@ -343,3 +343,24 @@ def test_score_shared_by_every_child(x64):
     check_all(
         shared, (xq, xk, v), np.full((N, M), -np.log(M)), np.broadcast_to(s, (N, M)), v, 1e-12
     )
+
+
+def test_a_model_with_no_factor_has_log_marginal_zero():
+    """No edge, sample or factor site: the sum over structures is log 1 = 0 (was an
+    AttributeError from ``.astype`` on funsor's Python 0.0), eagerly and under jit; a model
+    with an observation only gives its log-density."""
+    import numpyro.distributions as dist
+
+    def empty(x):
+        numpyro.deterministic("a", x)
+
+    def observed():
+        numpyro.sample("y", dist.Normal(0.0, 1.0), obs=1.0)
+
+    x = jnp.ones(3)
+    for f in (si.log_marginal, jax.jit(si.log_marginal, static_argnums=0)):
+        lz = f(empty, x)
+        assert lz.shape == () and lz.dtype == jnp.float32 and float(lz) == 0.0
+    assert float(si.energy(empty, x)) == 0.0
+    np.testing.assert_allclose(si.log_marginal(observed), -0.5 * math.log(2 * math.pi) - 0.5,
+                               rtol=1e-6)

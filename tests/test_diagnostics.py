@@ -665,6 +665,17 @@ def test_convergence_report():
         dg.convergence_report(np.zeros((2, 3)))
 
 
+@pytest.mark.parametrize("tol", [float("nan"), -1e-6, "1e-6", np.ones(2)])
+def test_convergence_report_names_a_bad_tol(tol):
+    """Regression: a NaN tol called a rising trace monotone (every ``inc > NaN`` is False),
+    a negative one called a falling trace not monotone with ``max_increase`` 0; a string
+    or an array failed inside NumPy. Each is now a ValueError naming tol."""
+    with pytest.raises(ValueError, match="convergence_report: tol must be a non-negative"):
+        dg.convergence_report(np.array([1.0, 2.0, 3.0]), tol=tol)
+    for ok in (0, np.float32(1e-3), jnp.asarray(1e-3)):
+        assert dg.convergence_report(np.array([3.0, 2.0]), tol=ok).monotone
+
+
 def test_convergence_report_counts_a_nonfinite_stop_as_an_increase():
     """Regression: a run that stopped on a non-finite energy was reported monotone (its
     failing value was dropped as if it were the NaN padding after the run), and so was

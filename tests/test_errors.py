@@ -64,6 +64,27 @@ def test_extra_batch_dims_without_plate():
         si.log_marginal(model)
 
 
+@pytest.mark.parametrize("site", ["obs", "factor"])
+def test_a_site_with_batch_dims_outside_any_plate_is_named(site):
+    """A vector observation or factor outside a plate next to an edge: the left-over dim
+    error names the site and the fix (was a list of causes none of which was this one)."""
+    def model():
+        with numpyro.plate("queries", N):
+            si.edge("phi", si.priors.Uniform(M), si.scores.Dot(XQ, XK))
+        with numpyro.plate("ok", 3):  # a plated vector site is fine
+            numpyro.sample("z", dist.Normal(0.0, 1.0), obs=jnp.ones(3))
+        numpyro.sample("y2", dist.Normal(jnp.zeros(3), 1.0).to_event(1), obs=jnp.ones(3))
+        if site == "obs":
+            numpyro.sample("y", dist.Normal(0.0, 1.0), obs=jnp.ones(3))
+        else:
+            numpyro.factor("y", jnp.ones(3))
+
+    with pytest.raises(ValueError, match=r"site 'y' has batch shape \(3,\) with no plate at "
+                       r"dim -1 .*to_event") as err:
+        si.log_marginal(model)
+    assert "'z'" not in str(err.value) and "'y2'" not in str(err.value)
+
+
 def test_child_with_no_parent():
     mask = np.ones((N, M), bool)
     mask[3] = False

@@ -252,6 +252,31 @@ def test_expand_refuses_a_sim_fn_of_another_shape():
         jax.jit(lambda a: expand(children, parents, a, good, 2.0))(active[None])
 
 
+def test_expand_names_a_nan_or_non_numeric_tau():
+    """Regression: a NaN tau compared False with every energy: no child was ever added (an
+    unexplained child with energy inf stayed so), with no error. Now it is a ValueError
+    naming tau (under jit, the energies are NaN); a string is a TypeError naming tau (was
+    JAX's bare one)."""
+    parents, active = jnp.zeros((2, 2)), jnp.zeros(2, bool)
+    children = jnp.array([[0.0, 0.0], [3.0, 3.0]])
+    sim = lambda c, z: -0.5 * jnp.sum((z - c) ** 2, -1)  # noqa: E731
+    with pytest.raises(ValueError, match="expand: tau must not be NaN"):
+        expand(children, parents, active, sim, float("nan"))
+    with pytest.raises(TypeError, match="expand: tau"):
+        expand(children, parents, active, sim, "1")
+    res = jax.jit(lambda t: expand(children, parents, active, sim, t))(jnp.nan)
+    assert np.isnan(np.asarray(res.energies)).all()
+    with pytest.raises(ValueError, match="expand_components: tau must not be NaN"):
+        si.mechanisms.expand_components(children[0], parents, active, float("nan"))
+    e = jax.jit(lambda t: si.mechanisms.expand_components(children[0], parents, active, t))(
+        jnp.nan)[2]
+    assert np.isnan(np.asarray(e)).all()
+    for tau, added in ((2.0, [True, True]), (np.inf, [False, False])):
+        res = jax.jit(lambda t: expand(children, parents, active, sim, t))(tau)
+        assert np.asarray(res.added).tolist() == added
+        assert not np.isnan(np.asarray(res.energies)).any()
+
+
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="gmm_em: x .* means .* covariances"):
         gmm_em(np.zeros((5, 2)), np.zeros((3, 3)), np.zeros((3, 3, 3)))

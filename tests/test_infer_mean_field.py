@@ -18,7 +18,7 @@ from scipy.special import digamma
 from scipy.stats import beta as beta_dist
 
 import structinfer as si
-from structinfer.infer import geometric_beta, horizon
+from structinfer.infer import geometric_beta, geometric_beta_free_energy, horizon
 
 N, D = 11, 3
 
@@ -242,3 +242,38 @@ def test_offset_and_max_distance_are_static_ints():
     st, _ = geometric_beta(S, offset=np.int64(1), max_distance=np.int64(2))
     ref, _ = geometric_beta(S, offset=1, max_distance=2)
     np.testing.assert_array_equal(st.attention, ref.attention)
+
+
+@pytest.mark.parametrize("method", ["exact", "plugin"])
+def test_16_bit_scores_run_in_float32(method):
+    """Regression: bfloat16 / float16 scores ran the whole mean field in 16 bits: the
+    distances and the pseudo-counts were rounded (a bfloat16 ``beta`` gained nothing once
+    large), so at n = 40 the attention was 0.17 off (bfloat16) and ``beta`` 100% off while
+    reported converged. The loop now runs in float32, as the exact engine contracts
+    16-bit scores, and answers in float32."""
+    s = jnp.asarray(2 * np.random.default_rng(6).normal(size=(24, 24)), jnp.bfloat16)
+    got, _ = geometric_beta(s, method=method)
+    want, _ = geometric_beta(s.astype(jnp.float32), method=method)
+    assert [a.dtype for a in (got.attention, got.beta, got.energy)] == [jnp.float32] * 3
+    np.testing.assert_array_equal(got.attention, want.attention)
+
+
+def test_16_bit_free_energy_and_horizon_in_float32():
+    """Regression: `geometric_beta_free_energy` of 16-bit terms was computed in 16 bits
+    (bfloat16: 2.3 off an energy of 5 at n = 300), and `horizon` of a 16-bit rate too (a
+    bfloat16 ``q = 0.001`` gave 3008 for 2996); both now run, and answer, in float32."""
+    r = np.random.default_rng(7)
+    k = np.arange(24)[:, None] - np.arange(24)[None, :]
+    att = np.where(k >= 0, r.random((24, 24)), 0.0)
+    terms = (2 * r.normal(size=(24, 24)), att / att.sum(-1, keepdims=True),
+             np.full(24, 1.1), np.full(24, 30.0), 0.1, 0.9, np.maximum(k, 0))
+    energy = jax.jit(geometric_beta_free_energy)
+    for dt in (jnp.bfloat16, jnp.float16):
+        f = energy(*(jnp.asarray(t, dt) for t in terms), k >= 0)
+        f32 = energy(*(jnp.asarray(t, dt).astype(jnp.float32) for t in terms), k >= 0)
+        assert f.dtype == jnp.float32
+        np.testing.assert_allclose(f, f32, rtol=1e-6)
+        q = jnp.asarray(0.001, dt)
+        h = horizon(q)
+        assert h.dtype == jnp.float32
+        assert float(h) == np.ceil(np.log1p(-0.95) / np.log1p(-np.float64(q)))

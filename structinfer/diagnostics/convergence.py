@@ -101,8 +101,13 @@ def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
         A [`ConvergenceReport`][structinfer.diagnostics.ConvergenceReport].
 
     Raises:
-        ValueError: the trace is not a non-empty 1-d array.
+        ValueError: the trace is not a non-empty 1-d array, or `tol` is not a
+            non-negative number (a NaN one would call any trace monotone).
     """
+    a = np.asarray(tol)  # one real number (a 0-d array too); NaN: no step would count
+    if a.ndim != 0 or a.dtype.kind not in "fiu" or not float(a) >= 0:
+        raise ValueError("convergence_report: tol must be a non-negative number (the "
+                         f"relative tolerance of an increase), got {tol!r}")
     t = _taken(trace, as_trace(trace))
     inc = np.diff(t)
     with np.errstate(invalid="ignore"):

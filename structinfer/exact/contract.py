@@ -198,9 +198,29 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
             + (", or a value or factor read off a scan's carry or stacked outputs after the "
                "scan (a Markov chain's edges: record the value inside the scan's step)"
                if info.markov_edges else "")
+            + "".join(f"; {u}" for u in _unplated_sites(info))
             + f". (funsor: {str(e).splitlines()[0]})"
         ) from None
-    return lp
+    return jnp.asarray(lp)  # a model with no factor at all: funsor's Python 0.0, log 1
+
+
+def _unplated_sites(info: ModelInfo) -> list[str]:
+    """A sentence for each sample or factor site with a batch dim (size > 1) that no plate
+    around it declares: enumeration reads such a dim as left over (NumPyro's plain
+    ``log_density`` would sum it silently)."""
+    found = []
+    for name, s in info.records.items():
+        if s.role in ("deterministic", "param"):
+            continue
+        batch = s.shape if s.role == "factor" else s.shape[:len(s.shape) - s.event_dim]
+        dims = {info.plates[p][0] for p in s.plates if p in info.plates}
+        free = [-i for i in range(1, len(batch) + 1) if batch[-i] > 1 and -i not in dims]
+        if free:
+            found.append(
+                f"site '{name}' has batch shape {tuple(batch)} with no plate at dim "
+                f"{', '.join(map(str, sorted(free)))} (declare a plate for each batch dim, "
+                "or make them event dims with .to_event())")
+    return found
 
 
 #: the log-space einsum of the engine's sum-product (the module `_log_einsum.py` beside this one)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..mechanisms.expansion import add_component
+from ..mechanisms.expansion import add_component, check_tau
 
 __all__ = ["ExpansionResult", "expand"]
 
@@ -72,13 +72,15 @@ def expand(
 
     Raises:
         ValueError: `active` is not one-dimensional, or `sim_fn` returns another shape
-            than `active`'s (shapes are static: under `jit` too).
+            than `active`'s (shapes are static: under `jit` too); a NaN `tau` (traced:
+            the energies are NaN).
+        TypeError: `tau` is not a number.
     """
     active = jnp.asarray(active, bool)
     init = init_fn or (lambda c: c)
     if active.ndim != 1:
         raise ValueError(f"expand: active must be (K_max,), got shape {active.shape}")
-    tau = jnp.asarray(tau)
+    tau = check_tau(tau, "expand")
 
     def body(carry, child):
         par, act, overflow = carry
@@ -90,6 +92,7 @@ def expand(
             )
         sim = jnp.where(act, sim, -jnp.inf)
         e = -jax.nn.logsumexp(sim)
+        e = jnp.where(jnp.isnan(tau), jnp.nan, e)  # a traced NaN tau: NaN energies
         want = e > tau
         par, act, add = add_component(par, act, init(child), want)
         return (par, act, overflow | (want & ~add)), (e, add)

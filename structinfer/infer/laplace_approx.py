@@ -32,7 +32,8 @@ __all__ = ["LaplaceResult", "laplace"]
 class LaplaceResult(NamedTuple):
     r"""Second-order (Laplace) approximation at $\mu$ (appendix 7.1).
 
-    Matrices act on the flattened latent (``jax.flatten_util.ravel_pytree(mu)``).
+    Matrices act on the flattened latent (``jax.flatten_util.ravel_pytree(mu)``), in the
+    model's dtype: float32 at least (a 16-bit ``mu`` is expanded in float32).
 
     Attributes:
         mean: $\mu$.
@@ -277,7 +278,9 @@ def laplace(
     check_tol(rtol, "laplace: rtol", "the tolerance of the consistency check")
     args, kwargs = as_arrays(args, kwargs)
     mu = as_float_tree(mu)
-    flat, unravel = ravel_pytree(mu)
+    # expanded in float32 at least, as the exact engine's tables: the Hessian in a 16-bit
+    # mu would come back rounded to 16 bits
+    flat, unravel = ravel_pytree(jax.tree.map(float32_at_least, mu))
     call_kw = lambda u: {**kwargs, argname: unravel(u)}  # noqa: E731
     info = inspect_model(model, *args, **call_kw(flat))
     others = [n for n in info.enumerated if n not in info.edges]
@@ -291,8 +294,7 @@ def laplace(
     edges = frozenset(info.edges)
     _check_separable(model, args, call_kw(flat), info)
 
-    # the model's dtype (float32 at least, as the exact engine's tables)
-    dtype = float32_at_least(flat).dtype
+    dtype = flat.dtype  # the model's (float32 at least)
 
     def logits_of(u):
         return _edge_terms(model, args, call_kw(u), edges, dtype)[0]

@@ -62,6 +62,7 @@ from .._checks import (
     check_int,
     check_ndim,
     check_static_int,
+    float32_at_least,
     is_concrete,
     require,
 )
@@ -110,7 +111,8 @@ def horizon(q: ArrayLike, mass: float = 0.95) -> jax.Array:
         mass: the prior mass to hold, in $(0, 1)$.
 
     Returns:
-        $H(q)$, shaped like ``q`` (a float array of integer values).
+        $H(q)$, shaped like ``q`` (a float array of integer values; float32 for a
+            16-bit ``q``, which could not hold them).
 
     Raises:
         ValueError: a ``q`` or ``mass`` outside $(0, 1)$ (concrete values; traced, the
@@ -121,7 +123,7 @@ def horizon(q: ArrayLike, mass: float = 0.95) -> jax.Array:
         Singh & Buckley app. 7.3 (expanding attention).
     """
     q = require(lambda xp, q: (q > 0) & (q < 1), "horizon: q must lie in (0, 1), got {}",
-                as_float_array(q, "horizon: q"))
+                float32_at_least(as_float_array(q, "horizon: q")))
     mass = require(lambda xp, m: (m > 0) & (m < 1), "horizon: mass must lie in (0, 1), got {}",
                    as_float_array(mass, "horizon: mass"))
     return _horizon(q, mass)
@@ -177,11 +179,15 @@ def geometric_beta_free_energy(
         allowed: ``(children, parents)`` bool, the parents each query may take.
 
     Returns:
-        $F$, ``(..., children)``.
+        $F$, ``(..., children)``; 16-bit inputs are computed, and answered, in float32.
 
     Reference:
         Singh & Buckley sec. 5.2 and appendix 7.3.
     """
+    scores, attention, alpha, beta, alpha0, beta0, steps = (
+        float32_at_least(as_float_array(x, f"geometric_beta_free_energy: {name}"))
+        for name, x in (("scores", scores), ("attention", attention), ("alpha", alpha),
+                        ("beta", beta), ("alpha0", alpha0), ("beta0", beta0), ("steps", steps)))
     elq = digamma(alpha) - digamma(alpha + beta)
     el1q = digamma(beta) - digamma(alpha + beta)
     r = jnp.where(allowed, attention, 0.0)
@@ -214,6 +220,7 @@ def _setup(scores, alpha0, beta0, method, include_self, offset, max_distance,
     mass = require(lambda xp, m: (m > 0) & (m < 1),
                    "geometric_beta: mass must lie in (0, 1), got {}", mass)
     s = scores.dense() if isinstance(scores, Score) else as_float_array(scores, "geometric_beta: scores")
+    s = float32_at_least(s)  # 16 bits would round the distances and the pseudo-counts
     check_ndim(s, 2, "geometric_beta: scores", "(..., children, parents)")
     if not is_concrete(mass):  # a NaN mass (outside (0, 1)) makes everything NaN
         s = s + (0 * mass).astype(s.dtype)
@@ -388,7 +395,8 @@ def run(
 
     Args:
         scores: `(..., children, parents)` log-potentials $s_{ij}$ (e.g.
-            `q k^T / sqrt(d)`) or a [`Score`][structinfer.scores.Score].
+            `q k^T / sqrt(d)`) or a [`Score`][structinfer.scores.Score]; 16-bit scores
+            are iterated, and answered, in float32 (as the exact engine contracts them).
         alpha0: the Beta hyper-prior's $\alpha_0$, broadcasting against
             `(..., children)` (the paper uses 0.1).
         beta0: the Beta hyper-prior's $\beta_0$, likewise (the paper uses 0.9).

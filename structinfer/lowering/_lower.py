@@ -579,9 +579,28 @@ def lower_edge(
     kw = dict(acc._kw)
     q = k = bias = logits = None
     raw_q = scale = None
+    v = jnp.asarray(value_table)
+    # dtypes: the score's features and the values are the kernels' operands, in their
+    # common dtype; the prior's parameters (and every other term) are added to logits
+    # accumulated in float32 (float64 for float64 operands), so a float32 prior parameter
+    # never promotes bfloat16 operands
+    inputs = [*acc._dot_q, *acc._dot_k, v]
+    floats = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
+    dtype = jnp.result_type(*floats) if floats else jnp.result_type(float)
+    acc_dtype = accum_dtype(dtype)
+
+    def operand(x):
+        return None if x is None else x.astype(dtype)
+
+    def term(x):
+        return None if x is None else x.astype(acc_dtype)
+
     if acc._dot_q:
-        scaled = [x if c is None else x * c for x, c in zip(acc._dot_q, acc._dot_scale)]
-        q, k = _bcast_cat(scaled), _bcast_cat(acc._dot_k)
+        # scaled in the operands' dtype: a bfloat16 q beside float32 keys is not rounded
+        # to bfloat16 once scaled
+        scaled = [operand(x) if c is None else operand(x) * c
+                  for x, c in zip(acc._dot_q, acc._dot_scale)]
+        q, k = _bcast_cat(scaled), _bcast_cat([operand(x) for x in acc._dot_k])
         kw["dot"] = True
         if len(acc._dot_q) == 1 and acc._dot_scale[0] is not None:
             raw_q, scale = acc._dot_q[0], acc._dot_scale[0]
@@ -598,22 +617,6 @@ def lower_edge(
             t = t + x
         logits = t
         kw["pair_logits"] = True
-    v = jnp.asarray(value_table)
-    # dtypes: the score's features and the values are the kernels' operands, in their
-    # common dtype; the prior's parameters (and every other term) are added to logits
-    # accumulated in float32 (float64 for float64 operands), so a float32 prior parameter
-    # never promotes bfloat16 operands
-    inputs = [x for x in (q, k) if x is not None] + [v]
-    floats = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
-    dtype = jnp.result_type(*floats) if floats else jnp.result_type(float)
-    acc_dtype = accum_dtype(dtype)
-
-    def operand(x):
-        return None if x is None else x.astype(dtype)
-
-    def term(x):
-        return None if x is None else x.astype(acc_dtype)
-
     def idw(part: int) -> tuple[jax.Array, ...]:  # x, y, p or eps of every IDW term
         return tuple(term(t[part]) for t in acc._idw)
 

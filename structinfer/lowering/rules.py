@@ -87,9 +87,13 @@ def _dot(score: S.Dot, terms: TermBuilder) -> None:
 
 @register_score_rule(S.Cosine)
 def _cosine(score: S.Cosine, terms: TermBuilder) -> None:
+    # in the operands' common dtype (a bfloat16 q beside float32 keys is not rounded
+    # back to bfloat16 once normalised)
+    dtype = jnp.result_type(score.q, score.k)
+
     def unit(x):  # the norm in float32 at least: ||x||^2 overflows float16 above 256
         w = float32_at_least(x)
-        return (w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + score.eps)).astype(x.dtype)
+        return (w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + score.eps)).astype(dtype)
 
     _scaled_dot(terms, unit(score.q), unit(score.k), score.scale, "Cosine")
     terms.note("score Cosine (matmul of normalised features)")
@@ -104,13 +108,15 @@ def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool
     cancel), but the expansion $x_i^\top\mu_j - \tfrac12\|\mu_j\|^2$ no longer cancels
     catastrophically when the features share a large offset. The centring, the
     precision-weighted means and the bias are computed in float32 at least (float64 for
-    float64 inputs); the matmul operands are then cast back to the features' dtype.
+    float64 inputs); the matmul operands are then cast back to the features' common
+    dtype (the kernels' operands: a bfloat16 ``x`` beside float32 means is not rounded
+    to bfloat16 once centred).
     What the expansion still loses is relative to the features' spread about $c$:
     about $\epsilon\,\|x_i - c\|\,\|\mu_j - c\|$ per score ($\epsilon$ the operands'
     precision), which a direct $\|x_i - \mu_j\|^2$ would not.
     """
-    x_dtype = x.dtype
     k_dtype = mu.dtype if prec is None else jnp.result_type(mu, prec)
+    x_dtype = k_dtype = jnp.result_type(x.dtype, k_dtype)  # the operands' common dtype
     wide = accum_dtype(jnp.result_type(x, mu))
     x, mu = x.astype(wide), mu.astype(wide)
     centre = jnp.mean(mu, -2, keepdims=True)

@@ -10,16 +10,25 @@ import jax.numpy as jnp
 import numpyro
 
 from .. import priors, scores
+from .._checks import float32_at_least
 from ..primitives import edge
 from ._common import check_matrix, features, latent_nodes
 
 __all__ = ["switching_linear_dynamics", "dynamic_mixture_attention", "atari_model"]
 
 
+def _float32_at_least(*arrays) -> list[jax.Array]:
+    """16-bit float arrays in float32 (a score table summed and kept in float32, as
+    `structinfer.scores` keeps those of 16-bit features); others as they are."""
+    out = [jnp.asarray(a) for a in arrays]
+    return [float32_at_least(a) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in out]
+
+
 def _transition_scores(x_prev, x_next, A, b, precisions, normalize: bool = False) -> jax.Array:
     r"""``-1/2 (x_{t+1} - A_k x_t - b_k)^T Lambda_k (...)``, shape ``(T-1, K)``; ``Lambda_k``
     diagonal ``(K, d)`` or full ``(K, d, d)``; ``normalize`` adds
-    ``1/2 ln|Lambda_k| - d/2 ln 2 pi``."""
+    ``1/2 ln|Lambda_k| - d/2 ln 2 pi``. In float32 for 16-bit inputs."""
+    x_prev, x_next, A, b, precisions = _float32_at_least(x_prev, x_next, A, b, precisions)
     resid = x_next[:, None, :] - jnp.einsum("kde,te->tkd", A, x_prev) - b
     full = jnp.ndim(precisions) == 3
     if full:
@@ -236,8 +245,9 @@ def atari_model(
     _check_modes(A, b, d, "atari_model")
     K = A.shape[0]
     z = latent_nodes("z", (T, d), None, x.dtype)
-    diff = x - z
-    obs = -0.5 * jnp.einsum("td,kd->tk", diff * diff, obs_precisions)
+    xf, zf, obs_prec = _float32_at_least(x, z, obs_precisions)  # a float32 table at least
+    diff = xf - zf
+    obs = -0.5 * jnp.einsum("td,kd->tk", diff * diff, obs_prec)
     with numpyro.plate("frames", T):
         edge("obs_mode", priors.Uniform(K), obs)
     with numpyro.plate("transitions", T - 1):

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpyro
 
 from .. import priors, scores
+from .._checks import as_float_array, require
 from ..exact import energy
 from ..primitives import edge
 from ._common import features
 
-__all__ = ["expandable_mixture", "expand_components", "add_component"]
+__all__ = ["expandable_mixture", "expand_components", "add_component", "check_tau"]
 
 
 def expandable_mixture(
@@ -100,6 +101,28 @@ def add_component(
     return components, active, added
 
 
+def check_tau(tau: Any, who: str) -> jax.Array:
+    r"""The energy threshold $\tau$ of model expansion, checked: a number, not NaN.
+
+    A NaN $\tau$ compares False with every energy $E > \tau$, so nothing would ever be
+    added (Tschantz, slides "Bayesian model expansion").
+
+    Args:
+        tau: the threshold ($\pm\infty$ allowed: always / never expand).
+        who: the function, for the error message.
+
+    Returns:
+        ``tau`` as a floating array (traced and NaN: NaN, which the caller passes on to
+        the energies it returns).
+
+    Raises:
+        TypeError: ``tau`` is not a number, naming it.
+        ValueError: a concrete NaN ``tau``, naming it.
+    """
+    return require(lambda xp, t: ~xp.isnan(t), f"{who}: tau must not be NaN (the energy "
+                   "threshold), got {}", as_float_array(tau, f"{who}: tau"))
+
+
 def expand_components(
     x_new: jax.Array,
     components: jax.Array,
@@ -132,12 +155,16 @@ def expand_components(
         ``(components, active, energy_new)`` after the step.
 
     Raises:
-        ValueError: if ``x_new`` is not one point ``(d,)``.
+        ValueError: if ``x_new`` is not one point ``(d,)``, or ``tau`` is NaN (traced: the
+            energy is NaN).
+        TypeError: ``tau`` is not a number.
     """
     x_new = jnp.asarray(x_new)
     if x_new.ndim != 1:
         raise ValueError(f"expand_components: x_new must be one point (d,), got {x_new.shape}")
     components, active = jnp.asarray(components), jnp.asarray(active)
+    tau = check_tau(tau, "expand_components")
     e_new = energy(expandable_mixture, x_new[None], components, active, precision)
+    e_new = jnp.where(jnp.isnan(tau), jnp.nan, e_new)  # a traced NaN tau: a NaN energy
     components, active, _ = add_component(components, active, x_new, e_new > tau)
     return components, active, e_new

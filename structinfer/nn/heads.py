@@ -45,7 +45,7 @@ from numpyro.distributions import constraints
 from numpyro.ops.indexing import Vindex
 
 from .. import priors, scores
-from .._checks import check_count, is_concrete, require
+from .._checks import check_count, float32_at_least, is_concrete, require
 from ..primitives import edge
 
 __all__ = [
@@ -313,7 +313,8 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
         size: number of distances.
 
     Returns:
-        ``(..., size)``, $\log p(0), \dots, \log p(\text{size} - 1)$.
+        ``(..., size)``, $\log p(0), \dots, \log p(\text{size} - 1)$; in float32 for
+            16-bit parameters.
 
     Raises:
         ValueError: a concrete ``alpha`` or ``beta`` that is not positive and finite
@@ -324,6 +325,8 @@ def beta_geometric_log_pmf(alpha: jax.Array, beta: jax.Array, size: int) -> jax.
     size = check_count(size, f"{who}: size")
     alpha = _check_values(alpha, who, "alpha", _positive, "must be positive and finite")
     beta = _check_values(beta, who, "beta", _positive, "must be positive and finite")
+    # 16-bit parameters: summed in float32 (as every prior's table of 16-bit parameters)
+    alpha, beta = float32_at_least(jnp.asarray(alpha)), float32_at_least(jnp.asarray(beta))
     t = jnp.arange(1, size, dtype=jnp.result_type(alpha, beta))
     steps = jnp.log1p(-(alpha + 1.0) / (alpha + beta + t))
     first = jnp.log(alpha) - jnp.log(alpha + beta)
