@@ -9,6 +9,7 @@ NaN, so that a bad value never gives a finite answer.
 from __future__ import annotations
 
 import contextvars
+import numbers
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -434,3 +435,80 @@ def normalise_log_weights(
         log_normalizer = jnp.where(empty, -jnp.inf, lse)
     safe = jnp.where(jnp.isfinite(log_normalizer), log_normalizer, 0.0)
     return logits - safe[..., None], log_normalizer
+
+
+def check_value(value: Any, ok: Any, what: str, rule: str) -> Any:
+    """The one rule for an algorithm's checked argument (a ridge, a precision, weights).
+
+    Concrete: raise ``ValueError`` naming ``what`` unless every entry of
+    ``ok(xp, value)`` holds (``xp`` is ``numpy``). Traced (under ``jit``, ``grad`` or
+    ``vmap``, where it cannot be checked): unless it holds (``xp`` is ``jax.numpy``),
+    the value becomes NaN, so the algorithm stops on a non-finite energy instead of
+    returning a finite wrong result. The policy of the scores' and priors' checks.
+
+    Args:
+        value: the argument (an array or a Python number).
+        ok: ``ok(xp, value) -> booleans``; NaN must fail it.
+        what: ``"<function>: <argument>"``, for the message.
+        rule: what it must be, for the message (``"must be ..."``).
+
+    Returns:
+        ``value`` (concrete: unchanged; traced: NaN unless it passes), in its dtype.
+
+    Raises:
+        ValueError: a concrete value that fails, naming ``what``.
+    """
+    return require(ok, f"{_braces(what)} {_braces(rule)}, got {{}}", value)
+
+
+def _braces(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def check_nonnegative(value: Any, what: str, role: str) -> Any:
+    """A ridge or other amount that must be ``>= 0`` (`check_value`: NaN when traced).
+
+    Args:
+        value: the amount (a scalar).
+        what: ``"<function>: <argument>"``, for the message.
+        role: what the amount does, for the message.
+
+    Returns:
+        ``value``, or (traced) NaN where it is negative.
+
+    Raises:
+        ValueError: a concrete value that is negative or NaN.
+    """
+    return check_value(value, lambda xp, v: v >= 0, what,
+                       f"must be a non-negative number ({role})")
+
+
+def check_tol(tol: Any, what: str, role: str = "a convergence tolerance") -> Any:
+    """A tolerance: one non-negative real number (a 0-d array too).
+
+    Concrete: a negative or NaN tolerance can never be met (the loop would run to
+    ``max_iters``), and a string, a bool or an array with dims fails inside JAX; each
+    raises here, naming ``what``. Traced (``jit``, ``vmap``), only its type and shape are
+    checked: a negative one then stops at ``max_iters``, reported in
+    ``info.max_iters_reached``.
+
+    Args:
+        tol: the tolerance.
+        what: ``"<function>: <argument>"``, for the message.
+        role: what the tolerance is for, for the message.
+
+    Returns:
+        ``tol``, unchanged.
+
+    Raises:
+        ValueError: anything else, naming ``what``.
+    """
+    number = isinstance(tol, numbers.Real) and not isinstance(tol, (bool, np.bool_))
+    array = (isinstance(tol, (jax.Array, np.ndarray)) and np.ndim(tol) == 0
+             and (jnp.issubdtype(tol.dtype, jnp.floating)
+                  or jnp.issubdtype(tol.dtype, jnp.integer)))
+    if not (number or array):
+        raise ValueError(f"{what} must be a non-negative number ({role}), got {tol!r}")
+    if is_concrete(tol):  # the value rule of `check_nonnegative`; ``tol`` stays as given
+        check_nonnegative(tol, what, role)
+    return tol

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._checks import check_tol
+
 __all__ = ["ConvergenceReport", "convergence_report", "as_trace"]
 
 
@@ -104,10 +106,7 @@ def convergence_report(trace: Any, tol: float = 1e-6) -> ConvergenceReport:
         ValueError: the trace is not a non-empty 1-d array, or `tol` is not a
             non-negative number (a NaN one would call any trace monotone).
     """
-    a = np.asarray(tol)  # one real number (a 0-d array too); NaN: no step would count
-    if a.ndim != 0 or a.dtype.kind not in "fiu" or not float(a) >= 0:
-        raise ValueError("convergence_report: tol must be a non-negative number (the "
-                         f"relative tolerance of an increase), got {tol!r}")
+    check_tol(tol, "convergence_report: tol", "the relative tolerance of an increase")
     t = _taken(trace, as_trace(trace))
     inc = np.diff(t)
     with np.errstate(invalid="ignore"):

@@ -24,15 +24,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._common import (
-    as_float_tree,
-    check_tol,
-    check_value,
-    like_tree,
-    max_abs,
-    site_finder,
-    sum_tree,
-)
+from .._checks import check_tol, check_value
+from ._common import as_float_tree, like_tree, max_abs, site_finder, sum_tree
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["CCCPState", "init", "step", "run"]

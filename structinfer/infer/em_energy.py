@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._checks import check_count
+from .._checks import check_count, check_tol
 from . import gradient
-from ._common import as_float_tree, check_step_size, check_tol, like_tree, rel_change_small
+from ._common import as_float_tree, check_step_size, like_tree, rel_change_small
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["EMState", "init", "step", "run"]

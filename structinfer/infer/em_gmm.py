@@ -20,17 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout, check_nonempty
+from .._checks import as_float_array, check_layout, check_nonempty, check_nonnegative, check_tol
 from ..exact import log_marginal, marginals
 from ..mechanisms.mixtures import gaussian_mixture
-from ._common import (
-    check_linalg_dtype,
-    check_nonnegative,
-    check_tol,
-    check_weights,
-    rel_change_small,
-    safe_log,
-)
+from ._common import check_linalg_dtype, check_weights, rel_change_small, safe_log
 from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["GMMState", "init", "step", "run"]

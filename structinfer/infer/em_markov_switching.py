@@ -23,17 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout, check_nonempty
+from .._checks import as_float_array, check_layout, check_nonempty, check_nonnegative, check_tol
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
-from ._common import (
-    check_linalg_dtype,
-    check_nonnegative,
-    check_tol,
-    rel_change_small,
-    safe_log,
-    weighted_affine_fit,
-)
+from ._common import check_linalg_dtype, rel_change_small, safe_log, weighted_affine_fit
 from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["MarkovSwitchingState", "init", "step", "run"]

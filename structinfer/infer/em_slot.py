@@ -22,17 +22,18 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from numpyro.handlers import substitute
 
-from .._checks import as_float_array, check_count, check_layout, check_nonempty
+from .._checks import (
+    as_float_array,
+    check_count,
+    check_layout,
+    check_nonempty,
+    check_nonnegative,
+    check_tol,
+)
 from ..exact import log_marginal, marginals
 from ..mechanisms.slot import slot_attention
 from . import convex_concave
-from ._common import (
-    check_linalg_dtype,
-    check_nonnegative,
-    check_tol,
-    rel_change_small,
-    rel_change_small_tree,
-)
+from ._common import check_linalg_dtype, rel_change_small, rel_change_small_tree
 from ._loop import LoopInfo, check, iterate
 
 __all__ = ["SlotState", "m_step", "tied_m_step", "init", "step", "run"]

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._common import as_float_tree, check_step_size, check_tol, like_tree, max_abs, site_finder
+from .._checks import check_tol
+from ._common import as_float_tree, check_step_size, like_tree, max_abs, site_finder
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GradientState", "init", "step", "run"]

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from .._checks import as_arrays, float32_at_least, is_concrete, is_masked
+from .._checks import as_arrays, check_tol, float32_at_least, is_concrete, is_masked
 from .._jaxpr import Branch, Call, Loop, classify, is_literal, loop_fixed_point, open_jaxpr, union
 from ..exact import inspect_model, log_marginal, trace_model
 from ..primitives import EDGE_INFO_KEY, SCORE_SUFFIX
-from ._common import as_float_tree, check_tol
+from ._common import as_float_tree
 
 __all__ = ["LaplaceResult", "laplace"]
 

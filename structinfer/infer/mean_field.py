@@ -62,12 +62,13 @@ from .._checks import (
     check_int,
     check_ndim,
     check_static_int,
+    check_tol,
+    check_value,
     float32_at_least,
     is_concrete,
     require,
 )
 from ..scores import Score
-from ._common import check_tol, check_value
 from ._loop import LoopInfo, check, run_loop
 
 __all__ = ["GeoBetaState", "horizon", "geometric_beta_free_energy", "init", "step", "run"]

@@ -15,7 +15,7 @@ from ..exact import energy
 from ..primitives import edge
 from ._common import features
 
-__all__ = ["expandable_mixture", "expand_components", "add_component", "check_tau"]
+__all__ = ["expandable_mixture", "expand_components", "add_component"]
 
 
 def expandable_mixture(
