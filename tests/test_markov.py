@@ -1033,6 +1033,30 @@ def test_a_value_read_after_the_scan_is_refused_by_name_not_an_index_error():
     np.testing.assert_allclose(si.expectation(last, "v", em), _brute(em, lt, li)[2], atol=1e-5)
 
 
+def test_a_factor_read_after_the_scan_does_not_blame_the_steps_sites():
+    """Regression: the left-over dim error of a factor read off the scan's last carry also
+    named every site of the step (the edge, its score, an observation) as a site "with no
+    plate", whose time dim the scan gives them; only the scan's hint is said."""
+    em, lt, li = _params(2)
+    ys = jnp.asarray(np.random.default_rng(5).normal(size=em.shape[0]), em.dtype)
+
+    def last(emission, ys):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, ey):
+            e, y = ey
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.sample("y", dist.Normal(z * 1.0, 1.0), obs=y)
+            return z, None
+
+        final, _ = scan(step, jnp.asarray(-1), (emission, ys))
+        numpyro.factor("last", jnp.sin(1.0 + final))
+
+    with pytest.raises(ValueError, match="record the value inside the scan's step") as err:
+        si.log_marginal(last, em, ys)
+    assert "no plate" not in str(err.value)
+
+
 def test_an_empty_chain_is_refused_by_name_not_an_unbound_local_error():
     """Regression: a chain over 0 steps (an empty emission array) failed inside NumPyro's
     enumerated scan with a bare ``UnboundLocalError``: every engine now says the scan has

@@ -36,6 +36,7 @@ from numpyro.contrib.funsor.infer_util import compute_markov_factors
 
 from .._checks import as_arrays, model_name
 from ..handlers import contain, observe_given, require_values, tilt
+from ..primitives import SCAN_RECORD_KEY
 from .inspect import ModelInfo, inspect_model
 
 __all__ = [
@@ -207,10 +208,11 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
 def _unplated_sites(info: ModelInfo) -> list[str]:
     """A sentence for each sample or factor site with a batch dim (size > 1) that no plate
     around it declares: enumeration reads such a dim as left over (NumPyro's plain
-    ``log_density`` would sum it silently)."""
+    ``log_density`` would sum it silently). A site recorded by NumPyro's ``scan`` is not
+    one: the scan gives it its time dim."""
     found = []
     for name, s in info.records.items():
-        if s.role in ("deterministic", "param"):
+        if s.role in ("deterministic", "param") or info.trace[name].get(SCAN_RECORD_KEY):
             continue
         batch = s.shape if s.role == "factor" else s.shape[:len(s.shape) - s.event_dim]
         dims = {info.plates[p][0] for p in s.plates if p in info.plates}
