@@ -277,3 +277,15 @@ def test_16_bit_free_energy_and_horizon_in_float32():
         h = horizon(q)
         assert h.dtype == jnp.float32
         assert float(h) == np.ceil(np.log1p(-0.95) / np.log1p(-np.float64(q)))
+
+
+def test_free_energy_of_float32_terms_with_integer_steps_is_float32_under_x64(x64):
+    """Regression: integer ``steps`` (as `geometric_beta` builds them) were converted to
+    the default float, so under x64 a float32 free energy came back float64."""
+    r = np.random.default_rng(8)
+    k = np.arange(6)[:, None] - np.arange(6)[None, :]
+    att = np.where(k >= 0, r.random((6, 6)), 0.0)
+    terms = [np.asarray(t, np.float32) for t in (r.normal(size=(6, 6)),
+             att / att.sum(-1, keepdims=True), np.full(6, 1.1), np.full(6, 3.0))]
+    f = geometric_beta_free_energy(*terms, 0.1, 0.9, np.maximum(k, 0), k >= 0)
+    assert f.dtype == jnp.float32

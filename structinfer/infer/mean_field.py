@@ -185,10 +185,13 @@ def geometric_beta_free_energy(
     Reference:
         Singh & Buckley sec. 5.2 and appendix 7.3.
     """
-    scores, attention, alpha, beta, alpha0, beta0, steps = (
+    scores, attention, alpha, beta, alpha0, beta0 = (
         float32_at_least(as_float_array(x, f"geometric_beta_free_energy: {name}"))
         for name, x in (("scores", scores), ("attention", attention), ("alpha", alpha),
-                        ("beta", beta), ("alpha0", alpha0), ("beta0", beta0), ("steps", steps)))
+                        ("beta", beta), ("alpha0", alpha0), ("beta0", beta0)))
+    steps = jnp.asarray(steps)  # integer steps take the terms' dtype (not x64's default)
+    if jnp.issubdtype(steps.dtype, jnp.floating):
+        steps = float32_at_least(steps)
     elq = digamma(alpha) - digamma(alpha + beta)
     el1q = digamma(beta) - digamma(alpha + beta)
     r = jnp.where(allowed, attention, 0.0)
