@@ -265,16 +265,26 @@ def test_expand_names_a_nan_or_non_numeric_tau():
     with pytest.raises(TypeError, match="expand: tau"):
         expand(children, parents, active, sim, "1")
     res = jax.jit(lambda t: expand(children, parents, active, sim, t))(jnp.nan)
-    assert np.isnan(np.asarray(res.energies)).all()
+    assert np.isnan(np.asarray(res.energies)).all() and np.isnan(np.asarray(res.parents)).all()
+    # and the gradient of a child's energy in that child (a `where` on the energy alone
+    # gave finite zeros)
+    one = jnp.array([True, False])  # one active parent: the energies depend on the child
+    g = jax.jit(jax.grad(lambda c: expand(c, parents, one, sim, jnp.nan).energies[1]))(
+        children)
+    assert np.isnan(np.asarray(g[1])).all()
     with pytest.raises(ValueError, match="expand_components: tau must not be NaN"):
         si.mechanisms.expand_components(children[0], parents, active, float("nan"))
     e = jax.jit(lambda t: si.mechanisms.expand_components(children[0], parents, active, t))(
         jnp.nan)[2]
     assert np.isnan(np.asarray(e)).all()
+    comps = jax.jit(lambda t: si.mechanisms.expand_components(children[0], parents, active, t))(
+        jnp.nan)[0]
+    assert np.isnan(np.asarray(comps)).all()
     for tau, added in ((2.0, [True, True]), (np.inf, [False, False])):
         res = jax.jit(lambda t: expand(children, parents, active, sim, t))(tau)
         assert np.asarray(res.added).tolist() == added
         assert not np.isnan(np.asarray(res.energies)).any()
+        assert not np.isnan(np.asarray(res.parents)).any()
 
 
 def test_bad_shapes_are_named():

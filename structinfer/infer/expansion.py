@@ -73,7 +73,7 @@ def expand(
     Raises:
         ValueError: `active` is not one-dimensional, or `sim_fn` returns another shape
             than `active`'s (shapes are static: under `jit` too); a NaN `tau` (traced:
-            the energies are NaN).
+            the energies, the parents and their gradients are NaN).
         TypeError: `tau` is not a number.
     """
     active = jnp.asarray(active, bool)
@@ -81,6 +81,8 @@ def expand(
     if active.ndim != 1:
         raise ValueError(f"expand: active must be (K_max,), got shape {active.shape}")
     tau = check_tau(tau, "expand")
+    # a traced NaN tau: NaN energies, parents and gradients (not a finite answer)
+    poison = jnp.where(jnp.isnan(tau), jnp.nan, 1.0)
 
     def body(carry, child):
         par, act, overflow = carry
@@ -92,11 +94,13 @@ def expand(
             )
         sim = jnp.where(act, sim, -jnp.inf)
         e = -jax.nn.logsumexp(sim)
-        e = jnp.where(jnp.isnan(tau), jnp.nan, e)  # a traced NaN tau: NaN energies
+        e = e * poison
         want = e > tau
         par, act, add = add_component(par, act, init(child), want)
         return (par, act, overflow | (want & ~add)), (e, add)
 
     (par, act, overflow), (energies, added) = jax.lax.scan(
         body, (parents, active, jnp.asarray(False)), children)
+    par = jax.tree.map(lambda p: p * poison if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                       par)
     return ExpansionResult(par, act, energies, added, overflow)

@@ -156,7 +156,7 @@ def expand_components(
 
     Raises:
         ValueError: if ``x_new`` is not one point ``(d,)``, or ``tau`` is NaN (traced: the
-            energy is NaN).
+            energy, the components and their gradients are NaN).
         TypeError: ``tau`` is not a number.
     """
     x_new = jnp.asarray(x_new)
@@ -165,6 +165,9 @@ def expand_components(
     components, active = jnp.asarray(components), jnp.asarray(active)
     tau = check_tau(tau, "expand_components")
     e_new = energy(expandable_mixture, x_new[None], components, active, precision)
-    e_new = jnp.where(jnp.isnan(tau), jnp.nan, e_new)  # a traced NaN tau: a NaN energy
+    poison = jnp.where(jnp.isnan(tau), jnp.nan, 1.0)  # a traced NaN tau: NaN out, NaN grads
+    e_new = e_new * poison
     components, active, _ = add_component(components, active, x_new, e_new > tau)
+    if jnp.issubdtype(components.dtype, jnp.floating):
+        components = components * poison
     return components, active, e_new
