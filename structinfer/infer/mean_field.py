@@ -318,7 +318,7 @@ def init(
 
     Args:
         scores: `(..., children, parents)` log-potentials $s_{ij}$ or a
-            [`Score`][structinfer.scores.Score].
+            [`Score`][structinfer.scores.Score]; 16-bit scores give a float32 state.
         alpha0: the Beta hyper-prior's $\alpha_0$, broadcasting against
             `(..., children)`.
         beta0: the Beta hyper-prior's $\beta_0$, likewise.
@@ -360,7 +360,7 @@ def step(
 
     Args:
         scores: `(..., children, parents)` log-potentials $s_{ij}$ or a
-            [`Score`][structinfer.scores.Score].
+            [`Score`][structinfer.scores.Score]; 16-bit scores give a float32 state.
         state: the current `GeoBetaState`.
         alpha0: the Beta hyper-prior's $\alpha_0$.
         beta0: the Beta hyper-prior's $\beta_0$.
