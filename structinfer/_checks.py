@@ -314,10 +314,12 @@ def check_count(value: Any, what: str, minimum: int = 1, *, none_ok: bool = Fals
 
 
 def float32_at_least(x: jax.Array) -> jax.Array:
-    """``x`` in float32 if it is a 16-bit float, else as it is: the dtype the exact engine
-    builds and contracts its tables in (as the kernels accumulate), so that a bfloat16
-    model's scores are not rounded to 16 bits."""
-    return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+    """``x`` in float32 if it is a 16-bit float, else as it is (an integer array too): the
+    dtype the exact engine builds and contracts its tables in (as the kernels accumulate),
+    so that a bfloat16 model's scores are not rounded to 16 bits."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return x.astype(jnp.float32)
+    return x
 
 
 def check_int(value: Any, what: str) -> int:

@@ -20,8 +20,7 @@ __all__ = ["switching_linear_dynamics", "dynamic_mixture_attention", "atari_mode
 def _float32_at_least(*arrays) -> list[jax.Array]:
     """16-bit float arrays in float32 (a score table summed and kept in float32, as
     `structinfer.scores` keeps those of 16-bit features); others as they are."""
-    out = [jnp.asarray(a) for a in arrays]
-    return [float32_at_least(a) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in out]
+    return [float32_at_least(jnp.asarray(a)) for a in arrays]
 
 
 def _transition_scores(x_prev, x_next, A, b, precisions, normalize: bool = False) -> jax.Array:
