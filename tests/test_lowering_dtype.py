@@ -133,30 +133,42 @@ def test_integer_value_table_answers_in_the_exact_engines_dtype(prior, backend):
                                            np.asarray(want, np.float32), rtol=2e-2)
 
 
-MIXED_SCORES = {  # features (heads, n, d) -> a score the kernels lower to a matmul
-    "Dot": lambda q, k: si.scores.Dot(q, k, scale=0.3),  # 0.3: not a power of 2
-    "NegSqDist": lambda q, k: si.scores.NegSqDist(q, k, precision=0.3),
-    "Cosine": lambda q, k: si.scores.Cosine(q, k, scale=3.0),
+MIXED_SCORES = {  # features (heads, n, d), scale s -> a score the kernels lower to a matmul
+    "Dot": lambda q, k, s: si.scores.Dot(q, k, scale=0.3),  # 0.3: not a power of 2
+    # the scale a model argument: traced, weakly typed
+    "Dot_scale_arg": lambda q, k, s: si.scores.Dot(q, k, scale=s),
+    "NegSqDist": lambda q, k, s: si.scores.NegSqDist(q, k, precision=0.3),
+    "Cosine": lambda q, k, s: si.scores.Cosine(q, k, scale=3.0),
 }
 
 
-@pytest.mark.parametrize("score", list(MIXED_SCORES))
-def test_bfloat16_queries_beside_float32_keys_stay_float32(score):
+@pytest.mark.parametrize("score, bf16", [
+    *((score, "q") for score in MIXED_SCORES),
+    ("NegSqDist", "qk"), ("Cosine", "qk"),
+])
+def test_bfloat16_queries_beside_float32_keys_stay_float32(score, bf16):
     """Regression: a bfloat16 ``q`` with float32 keys and values answers in float32, but
     the lowering rounded ``q`` to bfloat16 again once scaled (``Dot``), centred
     (``NegSqDist``) or normalised (``Cosine``) before the kernels cast it to the operands'
-    float32: the answer was 3e-3 off the exact engine's on the same inputs."""
+    float32: the answer was 3e-3 off the exact engine's on the same inputs. Also with
+    the scale a model argument (multiplied into the bfloat16 ``q`` before the operands'
+    dtype was known) and with bfloat16 ``q`` and ``k`` beside float32 values (the
+    centred / normalised features were rounded to bfloat16, the operands being
+    float32)."""
     n = 24
 
-    def model(q, k, v):
+    def model(q, k, v, s):
         with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", n, dim=-1):
-            j = si.edge("phi", si.priors.Restricted.causal(n), MIXED_SCORES[score](q, k))
+            j = si.edge("phi", si.priors.Restricted.causal(n), MIXED_SCORES[score](q, k, s))
             numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
 
     q, k, v, _ = _inputs(jnp.float32, n)
     q = q.astype(BF16)
-    want = jax.jit(lambda *a: si.expectation(model, "out", *a))(q.astype(jnp.float32), k, v)
-    y = si.attention(model, "out", "dense")(q, k, v)
+    if bf16 == "qk":
+        k = k.astype(BF16)
+    f32 = (q.astype(jnp.float32), k.astype(jnp.float32), v)
+    want = jax.jit(lambda *a: si.expectation(model, "out", *a))(*f32, 0.3)
+    y = si.attention(model, "out", "dense")(q, k, v, 0.3)
     assert y.dtype == jnp.float32
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 

@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
 
 from .._checks import float32_at_least, is_concrete
 from ..priors import RestrictionPattern, StructuralPrior, band_mask
@@ -147,7 +147,11 @@ class TermBuilder:
         self.num_children, self.num_parents = int(num_children), int(num_parents)
         self._dot_q: list[jax.Array] = []
         self._dot_k: list[jax.Array] = []
-        self._dot_scale: list[float | None] = []
+        # per dot term: the scale kept out of q (a 0-d scale that keeps q's dtype: a
+        # float when static, else an array), multiplied once q is cast to the operands'
+        # dtype, and the nominal dtypes of q and k (the features may come wider)
+        self._dot_scale: list[float | jax.Array | None] = []
+        self._dot_dtype: list[tuple[Any, Any]] = []
         self._idw: list[tuple[jax.Array, jax.Array, jax.Array, jax.Array]] = []
         self._col_bias: list[jax.Array] = []
         self._pair: list[jax.Array] = []
@@ -184,25 +188,37 @@ class TermBuilder:
 
     # --- additive terms --------------------------------------------------------------
 
-    def add_dot(self, q: jax.Array, k: jax.Array, scale: ArrayLike | None = None) -> None:
+    def add_dot(self, q: jax.Array, k: jax.Array, scale: ArrayLike | None = None, *,
+                dtype: DTypeLike | None = None) -> None:
         r"""$\ell_{ij} \mathrel{+}= s\, q_i^\top k_j$; ``q``: ``(..., n, f)``, ``k``:
         ``(..., m, f)``.
 
         ``scale``: $s$ (default 1), any scalar. The kernels multiply ``q`` by it, as
-        ``q * scale`` does (its dtype included); when it is a number known at trace time
-        that keeps ``q``'s dtype and the site has no other dot term, the cuDNN kernel
-        takes it as its own scale instead, reading ``q`` where it is.
+        ``q * scale`` does (its dtype included); a 0-d scale that keeps ``q``'s dtype
+        (static or traced) is multiplied in once ``q`` is cast to the operands' dtype
+        (the common dtype of every dot feature and the values), so a bfloat16 ``q``
+        beside float32 operands is not scaled in bfloat16. When the scale is a number
+        known at trace time that keeps ``q``'s dtype and the site has no other dot term,
+        the cuDNN kernel takes it as its own scale instead, reading ``q`` where it is.
+
+        ``dtype``: the features' nominal dtype, when ``q`` and ``k`` come wider (a rule
+        that normalises or centres features in float32 hands them over unrounded): they
+        count as ``dtype`` operands and are cast once, to the operands' dtype. Default:
+        their own dtypes.
         """
-        static = None
+        q_dtype = q.dtype if dtype is None else jnp.dtype(dtype)
+        k_dtype = k.dtype if dtype is None else jnp.dtype(dtype)
+        kept = None
         if scale is not None:
-            if (is_concrete(scale) and np.ndim(scale) == 0
-                    and jnp.result_type(q, scale) == jnp.result_type(q)):
-                static = float(scale)
+            if np.ndim(scale) == 0 and jnp.result_type(q_dtype, scale) == q_dtype:
+                kept = float(scale) if is_concrete(scale) else scale
             else:
                 q = q * scale
+                q_dtype = jnp.result_type(q_dtype, scale)
         self._dot_q.append(q)
         self._dot_k.append(k)
-        self._dot_scale.append(static)
+        self._dot_scale.append(kept)
+        self._dot_dtype.append((q_dtype, k_dtype))
 
     def add_inverse_distance(self, q: jax.Array, k: jax.Array, p: ArrayLike,
                              eps: ArrayLike) -> None:
@@ -584,8 +600,9 @@ def lower_edge(
     # common dtype; the prior's parameters (and every other term) are added to logits
     # accumulated in float32 (float64 for float64 operands), so a float32 prior parameter
     # never promotes bfloat16 operands
-    inputs = [*acc._dot_q, *acc._dot_k, v]
-    floats = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
+    # (the dot features by their nominal dtypes: a rule may hand them over wider)
+    inputs = [*(d for qk in acc._dot_dtype for d in qk), v.dtype]
+    floats = [d for d in inputs if jnp.issubdtype(d, jnp.floating)]
     dtype = jnp.result_type(*floats) if floats else jnp.result_type(float)
     acc_dtype = accum_dtype(dtype)
 
@@ -596,13 +613,13 @@ def lower_edge(
         return None if x is None else x.astype(acc_dtype)
 
     if acc._dot_q:
-        # scaled in the operands' dtype: a bfloat16 q beside float32 keys is not rounded
-        # to bfloat16 once scaled
+        # cast once, then scaled in the operands' dtype: a bfloat16 q beside float32
+        # keys is not rounded to bfloat16 once scaled
         scaled = [operand(x) if c is None else operand(x) * c
                   for x, c in zip(acc._dot_q, acc._dot_scale)]
         q, k = _bcast_cat(scaled), _bcast_cat([operand(x) for x in acc._dot_k])
         kw["dot"] = True
-        if len(acc._dot_q) == 1 and acc._dot_scale[0] is not None:
+        if len(acc._dot_q) == 1 and isinstance(acc._dot_scale[0], float):
             raw_q, scale = acc._dot_q[0], acc._dot_scale[0]
     kw["idw"] = len(acc._idw)
     if acc._col_bias:

@@ -59,12 +59,14 @@ def _sum(score: S.Sum, terms: TermBuilder) -> None:
     terms.note(f"score Sum of {len(score.scores)} terms")
 
 
-def _scaled_dot(terms: TermBuilder, q, k, scale, what: str) -> None:
+def _scaled_dot(terms: TermBuilder, q, k, scale, what: str, dtype=None) -> None:
     r"""$s_{ij}\, q_i^\top k_j$ for a scale broadcasting against the score table
     $(\dots, n, m)$: a scalar, or one per child (it scales $q_i$) or per parent (it
-    scales $k_j$), per batch element too; a scale varying with both is not a matmul."""
+    scales $k_j$), per batch element too; a scale varying with both is not a matmul.
+
+    ``dtype``: the features' nominal dtype when they come wider (``add_dot``'s)."""
     if scale is None or np.ndim(scale) == 0:
-        terms.add_dot(q, k, scale)
+        terms.add_dot(q, k, scale, dtype=dtype)
         return
     scale = jnp.asarray(scale)
     if scale.ndim == 1:
@@ -73,10 +75,12 @@ def _scaled_dot(terms: TermBuilder, q, k, scale, what: str) -> None:
     if per_child and per_parent:
         raise NotLowered(f"score {what}", f"a scale of shape {scale.shape} varies with both "
                          "the child and the parent (not a matmul)")
+    if dtype is not None:  # the scale promotes the features as it would nominal ones
+        dtype = jnp.result_type(dtype, scale)
     if per_parent:
-        terms.add_dot(q, k * jnp.swapaxes(scale, -1, -2))
+        terms.add_dot(q, k * jnp.swapaxes(scale, -1, -2), dtype=dtype)
     else:
-        terms.add_dot(q * scale, k)
+        terms.add_dot(q * scale, k, dtype=dtype)
 
 
 @register_score_rule(S.Dot)  # and Bilinear, which is a Dot of its projections
@@ -87,15 +91,16 @@ def _dot(score: S.Dot, terms: TermBuilder) -> None:
 
 @register_score_rule(S.Cosine)
 def _cosine(score: S.Cosine, terms: TermBuilder) -> None:
-    # in the operands' common dtype (a bfloat16 q beside float32 keys is not rounded
-    # back to bfloat16 once normalised)
+    # normalised in float32 at least and handed over unrounded, nominally in q's and
+    # k's common dtype: the kernels cast them once, to the operands' dtype (with float32
+    # values, bfloat16 q and k are not rounded back to bfloat16 once normalised)
     dtype = jnp.result_type(score.q, score.k)
 
     def unit(x):  # the norm in float32 at least: ||x||^2 overflows float16 above 256
         w = float32_at_least(x)
-        return (w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + score.eps)).astype(dtype)
+        return w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + score.eps)
 
-    _scaled_dot(terms, unit(score.q), unit(score.k), score.scale, "Cosine")
+    _scaled_dot(terms, unit(score.q), unit(score.k), score.scale, "Cosine", dtype)
     terms.note("score Cosine (matmul of normalised features)")
 
 
@@ -108,15 +113,16 @@ def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool
     cancel), but the expansion $x_i^\top\mu_j - \tfrac12\|\mu_j\|^2$ no longer cancels
     catastrophically when the features share a large offset. The centring, the
     precision-weighted means and the bias are computed in float32 at least (float64 for
-    float64 inputs); the matmul operands are then cast back to the features' common
-    dtype (the kernels' operands: a bfloat16 ``x`` beside float32 means is not rounded
-    to bfloat16 once centred).
+    float64 inputs); the matmul features are handed over in that width, nominally in
+    the features' common dtype, and the kernels cast them once to the operands' dtype
+    (a bfloat16 ``x`` beside float32 means, or bfloat16 features beside float32 values,
+    are not rounded to bfloat16 once centred).
     What the expansion still loses is relative to the features' spread about $c$:
     about $\epsilon\,\|x_i - c\|\,\|\mu_j - c\|$ per score ($\epsilon$ the operands'
     precision), which a direct $\|x_i - \mu_j\|^2$ would not.
     """
     k_dtype = mu.dtype if prec is None else jnp.result_type(mu, prec)
-    x_dtype = k_dtype = jnp.result_type(x.dtype, k_dtype)  # the operands' common dtype
+    dtype = jnp.result_type(x.dtype, k_dtype)  # the features' nominal common dtype
     wide = accum_dtype(jnp.result_type(x, mu))
     x, mu = x.astype(wide), mu.astype(wide)
     centre = jnp.mean(mu, -2, keepdims=True)
@@ -125,7 +131,7 @@ def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool
         prec = prec.astype(wide)
 
     def dot(a, b):
-        terms.add_dot(a.astype(x_dtype), b.astype(k_dtype))
+        terms.add_dot(a, b, dtype=dtype)
 
     if form == "identity":
         dot(x, mu)
@@ -139,9 +145,10 @@ def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool
     elif form == "diag":  # (parents, d)
         shape = jnp.broadcast_shapes(prec.shape, mu.shape)
         terms.add_dot(
-            jnp.concatenate([x, x * x], -1).astype(x_dtype),
+            jnp.concatenate([x, x * x], -1),
             jnp.concatenate([jnp.broadcast_to(prec * mu, shape),
-                             jnp.broadcast_to(-0.5 * prec, shape)], -1).astype(k_dtype),
+                             jnp.broadcast_to(-0.5 * prec, shape)], -1),
+            dtype=dtype,
         )
         bias = -0.5 * jnp.sum(prec * mu * mu, -1)
         if normalize:
