@@ -776,6 +776,9 @@ def test_batch_plate_with_a_shared_prior(method):
     ep = dt["edge_posterior"]
     assert ep["phi"].shape == ep["phi_prior"].shape == (2, n, n)
     assert ep["phi"].dims == ep["phi_prior"].dims
+    # the batch dim is named after its plate, as in log_likelihood (was "phi_dim_0")
+    assert ep["phi"].dims == ("batch", "children", "phi_parent")
+    assert dt["log_likelihood"]["x"].dims[2:] == ("batch", "children")
     q = dt["posterior"]["q"].values
     want = np.mean(np.exp(geometric_log_prior(n, q.ravel())), axis=0)
     np.testing.assert_allclose(ep["phi_prior"].values, np.broadcast_to(want, (2, n, n)),

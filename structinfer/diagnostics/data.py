@@ -336,8 +336,10 @@ def to_inference_data(
       $p(\phi_i=j\mid x) = \frac1S\sum_s p(\phi_i=j\mid x,\theta^{(s)})$,
       `<site>_prior` (the prior table averaged over the draws, broadcast to the
       marginals' dims when the prior is shared across batch plates) and, when given,
-      `<site>_true` (the known parents); the attribute `<site>.offset` holds the
-      child-to-parent position offset used for distances.
+      `<site>_true` (the known parents), their dims named after the plates (the
+      children's, a batch plate's, as in `log_likelihood`) and `<site>_parent`; the
+      attribute `<site>.offset` holds the child-to-parent position offset used for
+      distances.
 
     Args:
         fit: a finished `numpyro.infer.MCMC` (`structinfer.infer.nuts`) or an
@@ -444,8 +446,11 @@ def to_inference_data(
     for n in marg:
         mean = marg[n].mean(axis=(0, 1))
         edge = info[n].edge
-        bdims = [f"{n}_dim_{k}" for k in range(mean.ndim - 2)] + [edge.children_plate,
-                                                                   f"{n}_parent"]
+        # a batch dim takes the name of the plate at its dim (as in `log_likelihood`)
+        by_dim = {info.plates[p][0]: p for p in info[n].plates if p in info.plates}
+        batch = mean.ndim - 2
+        bdims = [by_dim.get(k - batch - 1, f"{n}_dim_{k}") for k in range(batch)] + [
+            edge.children_plate, f"{n}_parent"]
         edge_vars[n] = (bdims, mean)
         # a prior shared across batch plates has fewer dims than the marginals: stored
         # broadcast, so `<site>_prior` and `<site>` share their dims
