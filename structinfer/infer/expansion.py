@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..mechanisms.expansion import add_component, check_tau
+from ..mechanisms.expansion import add_component, check_tau, nan_factor
 
 __all__ = ["ExpansionResult", "expand"]
 
@@ -81,8 +81,7 @@ def expand(
     if active.ndim != 1:
         raise ValueError(f"expand: active must be (K_max,), got shape {active.shape}")
     tau = check_tau(tau, "expand")
-    # a traced NaN tau: NaN energies, parents and gradients (not a finite answer)
-    poison = jnp.where(jnp.isnan(tau), jnp.nan, 1.0)
+    poison = nan_factor(tau)  # a traced NaN tau: NaN energies, parents, gradients
 
     def body(carry, child):
         par, act, overflow = carry

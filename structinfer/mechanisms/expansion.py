@@ -123,6 +123,12 @@ def check_tau(tau: Any, who: str) -> jax.Array:
                    "threshold), got {}", as_float_array(tau, f"{who}: tau"))
 
 
+def nan_factor(tau: jax.Array) -> jax.Array:
+    """1, or NaN for a NaN ``tau`` (checked by `check_tau`, so only a traced one): the
+    factor that makes expansion's outputs and their gradients NaN, not a finite answer."""
+    return jnp.where(jnp.isnan(tau), jnp.nan, 1.0)
+
+
 def expand_components(
     x_new: jax.Array,
     components: jax.Array,
@@ -165,7 +171,7 @@ def expand_components(
     components, active = jnp.asarray(components), jnp.asarray(active)
     tau = check_tau(tau, "expand_components")
     e_new = energy(expandable_mixture, x_new[None], components, active, precision)
-    poison = jnp.where(jnp.isnan(tau), jnp.nan, 1.0)  # a traced NaN tau: NaN out, NaN grads
+    poison = nan_factor(tau)
     e_new = e_new * poison
     components, active, _ = add_component(components, active, x_new, e_new > tau)
     if jnp.issubdtype(components.dtype, jnp.floating):
