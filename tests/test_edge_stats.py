@@ -389,3 +389,34 @@ def test_distance_posterior_of_bfloat16_marginals_is_the_rounded_exact_value():
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float64),
                                   np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64))
+
+
+def test_edge_agreement_answers_in_the_marginals_dtype(x64):
+    """Regression: the accuracy was float32 for float64 marginals (the mean of a bool
+    array), while `true_parent_prob` and the other statistics answer in the marginals'
+    dtype. Now both do (16-bit marginals: the accuracy in float32, a count's fraction)."""
+    n = 7
+    for dt, acc in ((jnp.float64, jnp.float64), (jnp.float32, jnp.float32),
+                    (jnp.bfloat16, jnp.float32)):
+        a = jnp.eye(n, dtype=dt)
+        got = dg.edge_agreement(a, jnp.r_[jnp.arange(n - 1), 0])
+        assert got.accuracy.dtype == acc and got.true_parent_prob.dtype == dt, dt
+        np.testing.assert_allclose(np.asarray(got.accuracy, np.float64), (n - 1) / n,
+                                   rtol=2 * float(jnp.finfo(acc).eps))
+
+
+def test_an_inference_data_is_refused_naming_the_argument():
+    """Regression: an InferenceData (DataTree) or Dataset where marginals belong gave
+    xarray's conversion error, which names neither the argument nor the group to read."""
+    import arviz_base as az
+
+    idata = az.from_dict({"posterior": {"a": np.zeros((1, 3, 2))}})
+    for bad in (idata, idata["posterior"], idata["posterior"].to_dataset()):
+        for fn in (dg.edge_entropy, dg.expected_distance,
+                   lambda a: dg.edge_agreement(a, jnp.zeros(3, int))):
+            with pytest.raises(TypeError, match=r"marginals must be an array.*edge_posterior"):
+                fn(bad)
+    # one site's marginals as a DataArray are an array
+    p = np.full((1, 3, 4), 0.25)
+    np.testing.assert_allclose(dg.edge_entropy(az.from_dict({"x": {"phi": p}})["x"]["phi"]),
+                               np.log(4) * np.ones((1, 3)), rtol=1e-6)

@@ -129,9 +129,16 @@ def check_marginals(marginals: Any, what: str = "marginals") -> jax.Array:
         The array (traced: NaN in the rows that are not probabilities).
 
     Raises:
+        TypeError: an InferenceData, DataTree or Dataset (a group, not one site's array).
         ValueError: fewer than 2 dims, or (concrete) a row with a negative entry or not
             summing to 1, naming `what`, the row and its sum.
     """
+    if hasattr(marginals, "data_vars"):  # an xarray Dataset or DataTree, not a DataArray
+        raise TypeError(
+            f"{what} must be an array (..., children, parents), got a "
+            f"{type(marginals).__name__}; take one edge site's marginals, e.g. "
+            "idata['edge_posterior']['<site>'], or use edge_summary(idata)"
+        )
     a = jnp.asarray(marginals)
     if a.ndim < 2:
         raise ValueError(f"{what} must have shape (..., children, parents), got {tuple(a.shape)}")

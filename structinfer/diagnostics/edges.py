@@ -217,7 +217,8 @@ def edge_agreement(marginals: jax.Array, true_edges: Any) -> EdgeAgreement:
     # an index outside the parents reads NaN (take_along_axis would wrap a negative one)
     p_true = jnp.take_along_axis(a, jnp.where(valid, t, 0)[..., None], axis=-1)[..., 0]
     p_true = jnp.where(valid, p_true, jnp.nan)
-    accuracy = jnp.where(jnp.all(finite & valid), jnp.mean(correct), jnp.nan)
+    acc = jnp.promote_types(a.dtype, jnp.float32)  # a fraction of children, as precise
+    accuracy = jnp.where(jnp.all(finite & valid), jnp.mean(correct, dtype=acc), jnp.nan)
     return EdgeAgreement(accuracy, jnp.mean(p_true), correct)
 
 
