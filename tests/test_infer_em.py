@@ -280,6 +280,13 @@ def test_expand_names_a_nan_or_non_numeric_tau():
     comps = jax.jit(lambda t: si.mechanisms.expand_components(children[0], parents, active, t))(
         jnp.nan)[0]
     assert np.isnan(np.asarray(comps)).all()
+    # a vector tau (one threshold per child?) failed inside lax.scan with JAX's bare
+    # error, or broadcast in expand_components; now both name tau, traced too
+    for bad in (jnp.ones(2), jnp.ones((1,))):
+        with pytest.raises(ValueError, match=r"expand: tau must be a scalar.*shape \("):
+            jax.jit(lambda t: expand(children, parents, active, sim, t))(bad)
+        with pytest.raises(ValueError, match=r"expand_components: tau must be a scalar"):
+            si.mechanisms.expand_components(children[0], parents, active, bad)
     for tau, added in ((2.0, [True, True]), (np.inf, [False, False])):
         res = jax.jit(lambda t: expand(children, parents, active, sim, t))(tau)
         assert np.asarray(res.added).tolist() == added

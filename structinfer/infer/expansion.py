@@ -72,7 +72,8 @@ def expand(
 
     Raises:
         ValueError: `active` is not one-dimensional, or `sim_fn` returns another shape
-            than `active`'s (shapes are static: under `jit` too); a NaN `tau` (traced:
+            than `active`'s, or `tau` is not a scalar (shapes are static: under `jit`
+            too); a NaN `tau` (traced:
             the energies, the parents and their gradients are NaN).
         TypeError: `tau` is not a number.
     """

@@ -117,10 +117,14 @@ def check_tau(tau: Any, who: str) -> jax.Array:
 
     Raises:
         TypeError: ``tau`` is not a number, naming it.
-        ValueError: a concrete NaN ``tau``, naming it.
+        ValueError: ``tau`` is not a scalar, or a concrete NaN ``tau``, naming it.
     """
+    t = as_float_array(tau, f"{who}: tau")
+    if t.ndim:
+        raise ValueError(f"{who}: tau must be a scalar (one energy threshold), got shape "
+                         f"{tuple(t.shape)}")
     return require(lambda xp, t: ~xp.isnan(t), f"{who}: tau must not be NaN (the energy "
-                   "threshold), got {}", as_float_array(tau, f"{who}: tau"))
+                   "threshold), got {}", t)
 
 
 def nan_factor(tau: jax.Array) -> jax.Array:
@@ -161,8 +165,9 @@ def expand_components(
         ``(components, active, energy_new)`` after the step.
 
     Raises:
-        ValueError: if ``x_new`` is not one point ``(d,)``, or ``tau`` is NaN (traced: the
-            energy, the components and their gradients are NaN).
+        ValueError: if ``x_new`` is not one point ``(d,)``, ``tau`` is not a scalar, or
+            ``tau`` is NaN (traced: the energy, the components and their gradients are
+            NaN).
         TypeError: ``tau`` is not a number.
     """
     x_new = jnp.asarray(x_new)
