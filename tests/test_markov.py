@@ -1241,3 +1241,47 @@ def test_a_chain_started_from_a_concrete_array_runs_under_jit():
                                rtol=1e-5)
     np.testing.assert_allclose(si.attention(model, "v")(ems), si.expectation(model, "v", ems),
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("chains, shared", [(None, False), (2, False), (2, True)],
+                         ids=["one-chain", "per-chain", "shared-by-the-plate"])
+def test_a_numpyro_factor_in_a_chains_step_is_refused_naming_it(chains, shared):
+    """Regression: a ``numpyro.factor`` in a chain's step (a per-step constant, here) failed
+    in NumPyro's enumerated scan with a bare ``AssertionError`` (one chain), the engine's
+    left-over-dim error naming ``_pyro_dim_3`` (under a plate) or JAX's broadcasting error
+    (a factor the plate expands): NumPyro's ``Unit`` loses its time dim there. The engine
+    names the site and says to write it with `potential`, whose log Z is the chain's plus
+    the constants."""
+    em, lt, li = _params()
+    if chains is not None:
+        em = jnp.stack([em, _params(1)[0]], axis=1)
+    c = jnp.arange(1.0, T + 1.0) if shared or chains is None else jnp.ones((T, chains))
+
+    def with_factor(factor):
+        def model(em, c):
+            prior = si.priors.Markov(lt, li)
+
+            def step(previous, x):
+                e, ct = x
+                with contextlib.ExitStack() as stack:
+                    if chains is not None:
+                        stack.enter_context(numpyro.plate("chains", chains))
+                    z = si.edge("z", prior, e, previous=previous)
+                    factor("const", ct)
+                    numpyro.deterministic("v", jnp.sin(1.0 + z))
+                return z, None
+
+            scan(step, jnp.full(() if chains is None else (chains,), -1), (em, c))
+        return model
+
+    chain = sum(_forward(em[:, b], lt, li) for b in range(chains)) if chains else _forward(
+        em, lt, li)
+    np.testing.assert_allclose(si.log_marginal(with_factor(potential), em, c),
+                               chain + float(jnp.sum(jnp.broadcast_to(
+                                   c if chains is None or not shared else c[:, None],
+                                   em.shape[:-1]))), rtol=1e-5)
+    msg = r"factor site 'const'.*numpyro.factor.*scan.*potential"
+    for run in (lambda: si.log_marginal(with_factor(numpyro.factor), em, c),
+                lambda: si.attention(with_factor(numpyro.factor), "v")(em, c)):
+        with pytest.raises(ValueError, match=msg):
+            run()
