@@ -293,11 +293,12 @@ class tilt(Messenger):
             return
         t, event_dim = spec
         v = jnp.asarray(msg["value"])
+        shown = re.sub("^(_PREV_)+", "", name)  # (a scan's unrolled first steps rename it)
         if event_dim:
             ev_shape, ev_ref = v.shape[-event_dim:], t.shape[-event_dim:]
             if ev_shape != ev_ref:
                 raise ValueError(
-                    f"deterministic site '{name}': under enumeration its value has trailing "
+                    f"deterministic site '{shown}': under enumeration its value has trailing "
                     f"shape {ev_shape} where {ev_ref} was expected — record the value inside "
                     "the plates of the children it depends on, and index parent tables with "
                     "structinfer.gather / numpyro.ops.indexing.Vindex"
@@ -305,7 +306,7 @@ class tilt(Messenger):
         lead = v.ndim - event_dim - self.max_plate_nesting
         if lead <= 0:
             raise ValueError(
-                f"deterministic site '{name}': under enumeration its value (shape "
+                f"deterministic site '{shown}': under enumeration its value (shape "
                 f"{v.shape}) has no dims left of its plates, where an edge's enumerated "
                 "value puts its parents: either it depends on no edge site (it is the same "
                 "under every structure, with no posterior expectation to compute: use the "

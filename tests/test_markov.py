@@ -1285,3 +1285,24 @@ def test_a_numpyro_factor_in_a_chains_step_is_refused_naming_it(chains, shared):
                 lambda: si.attention(with_factor(numpyro.factor), "v")(em, c)):
         with pytest.raises(ValueError, match=msg):
             run()
+
+
+def test_a_step_value_on_no_edge_is_refused_by_its_own_name():
+    """Regression: the refusal of a step's value that reads no edge (here the emission's
+    sum; likewise the value of a chain conditioned on its path) named the site
+    ``'_PREV_w'``, NumPyro's name for the scan's unrolled first step, not ``'w'``."""
+    em, lt, li = _params()
+
+    def model(em):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("w", jnp.sum(e))
+            return z, None
+
+        scan(step, jnp.asarray(-1), em)
+
+    for run in (lambda: si.expectation(model, "w", em), lambda: si.attention(model, "w")(em)):
+        with pytest.raises(ValueError, match=r"deterministic site 'w': .*no dims left"):
+            run()
