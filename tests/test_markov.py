@@ -1306,3 +1306,22 @@ def test_a_step_value_on_no_edge_is_refused_by_its_own_name():
     for run in (lambda: si.expectation(model, "w", em), lambda: si.attention(model, "w")(em)):
         with pytest.raises(ValueError, match=r"deterministic site 'w': .*no dims left"):
             run()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, np.inf, np.nan])
+def test_switching_dynamics_refuses_a_precision_that_is_not_positive_and_finite(bad):
+    """Regression: a zero precision (an infinite variance) gave a finite log Z and
+    marginals that silently ruled its mode out (log N = -inf at every step); a negative,
+    infinite or NaN one failed with NumPyro's "Normal distribution got invalid scale
+    parameter", naming neither the mechanism nor the argument. Each is refused naming
+    `precisions`, and is NaN under jit."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
+    A = jnp.asarray(rng.normal(size=(2, 2, 2)), jnp.float32)
+    b, lt, li = jnp.zeros((2, 2)), jnp.zeros((2, 2)), jnp.zeros(2)
+    prec = jnp.ones((2, 2)).at[0, 0].set(bad)
+    msd = si.mechanisms.markov_switching_dynamics
+    with pytest.raises(ValueError, match="markov_switching_dynamics: precisions must be "
+                       "positive and finite"):
+        si.log_marginal(msd, x, A, b, prec, lt, li)
+    assert np.isnan(jax.jit(lambda p: si.log_marginal(msd, x, A, b, p, lt, li))(prec))
