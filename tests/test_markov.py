@@ -1325,3 +1325,33 @@ def test_switching_dynamics_refuses_a_precision_that_is_not_positive_and_finite(
                        "positive and finite"):
         si.log_marginal(msd, x, A, b, prec, lt, li)
     assert np.isnan(jax.jit(lambda p: si.log_marginal(msd, x, A, b, p, lt, li))(prec))
+
+
+def test_a_chain_with_a_plated_observation_falls_back_naming_the_users_sites():
+    """Regression: the fallback of a chain whose observation lies under a plate in the
+    step said "site '_PREV_y': its factor reads ['_PREV_z', 'obs']", NumPyro's names for
+    the scan's unrolled first step; it now names 'y' and the chain's 'z'. The fallback is
+    exact (the forward algorithm over the summed per-step log-densities)."""
+    em, lt, li = _params()
+    y = jnp.asarray(np.random.default_rng(7).normal(size=(T, 2)), jnp.float32)
+    mu = jnp.arange(K, dtype=jnp.float32)
+
+    def model(y):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, yt):
+            z = si.edge("z", prior, previous=previous)
+            with numpyro.plate("obs", 2):
+                numpyro.sample("y", dist.Normal(mu[z], 1.0), obs=yt)
+            numpyro.deterministic("v", mu[z])
+            return z, None
+
+        scan(step, jnp.asarray(-1), y)
+
+    expl = str(si.explain(model, "v", y))
+    assert "site 'y': its factor reads ['obs', 'z']" in expl, expl
+    assert "_PREV_" not in expl, expl
+    emission = (-0.5 * (np.asarray(y)[:, :, None] - np.asarray(mu)) ** 2
+                - 0.5 * np.log(2 * np.pi)).sum(1)
+    np.testing.assert_allclose(si.log_marginal(model, y), _forward(emission, lt, li),
+                               rtol=1e-5)
