@@ -50,6 +50,7 @@ from .primitives import (
     SCAN_INDEX_KEY,
     SCAN_RECORD_KEY,
     STEP_EDGES,
+    Potential,
     gather,
     hidden_edge_error,
     is_enumerated,
@@ -292,11 +293,12 @@ class tilt(Messenger):
             return
         t, event_dim = spec
         v = jnp.asarray(msg["value"])
+        shown = re.sub("^(_PREV_)+", "", name)  # (a scan's unrolled first steps rename it)
         if event_dim:
             ev_shape, ev_ref = v.shape[-event_dim:], t.shape[-event_dim:]
             if ev_shape != ev_ref:
                 raise ValueError(
-                    f"deterministic site '{name}': under enumeration its value has trailing "
+                    f"deterministic site '{shown}': under enumeration its value has trailing "
                     f"shape {ev_shape} where {ev_ref} was expected — record the value inside "
                     "the plates of the children it depends on, and index parent tables with "
                     "structinfer.gather / numpyro.ops.indexing.Vindex"
@@ -304,7 +306,7 @@ class tilt(Messenger):
         lead = v.ndim - event_dim - self.max_plate_nesting
         if lead <= 0:
             raise ValueError(
-                f"deterministic site '{name}': under enumeration its value (shape "
+                f"deterministic site '{shown}': under enumeration its value (shape "
                 f"{v.shape}) has no dims left of its plates, where an edge's enumerated "
                 "value puts its parents: either it depends on no edge site (it is the same "
                 "under every structure, with no posterior expectation to compute: use the "
@@ -503,8 +505,13 @@ def _checked_steps(msg: dict) -> None:
     steps back, whose factor the contraction then summed wrongly). With ``history`` above
     1 a factor site raises too: NumPyro's ``factor`` fails there, and a
     [`potential`][structinfer.primitives.potential] reading the site two steps back gave
-    a wrong log Z. A step with a Markov edge must return a carry of the shape and dtype
-    it took (`_check_carry`). The checks read shapes only, once per trace of the step."""
+    a wrong log Z. Under enumeration a ``numpyro.factor`` in a step raises naming it:
+    NumPyro's ``Unit`` keeps its batch shape when the scan stacks the steps, so the
+    enumerated scan fails on it (a bare ``AssertionError``, a left-over dim or a
+    broadcasting error); a [`potential`][structinfer.primitives.potential] is the same
+    factor with its time dim. A step with a Markov edge must return a carry of the shape
+    and dtype it took (`_check_carry`). The checks read shapes only, once per trace of
+    the step."""
     f, *rest = msg["args"]
     history = msg["kwargs"].get("history", 1)
 
@@ -513,6 +520,15 @@ def _checked_steps(msg: dict) -> None:
             out = f(carry, x)
         chain = None  # the step's first Markov edge site
         for name, site in sites.items():
+            if msg["kwargs"].get("enum") and _is_plain_factor(site):
+                name = re.sub("^(_PREV_)+", "", name)  # the first steps run unrolled
+                raise ValueError(
+                    f"factor site '{name}' is a numpyro.factor inside a "
+                    "numpyro.contrib.control_flow.scan, whose enumeration loses its time "
+                    "dim (NumPyro's Unit does not grow a batch dim when the scan stacks the "
+                    f"steps): write it as structinfer.primitives.potential('{name}', "
+                    "log_factor), the same factor, one per step"
+                )
             edge = (site.get("infer") or {}).get(EDGE_INFO_KEY)
             is_markov = site["type"] == "sample" and edge is not None and edge.markov
             if is_markov and history != 1:
@@ -537,6 +553,17 @@ def _checked_steps(msg: dict) -> None:
         return out
 
     msg["args"] = (step, *rest)
+
+
+def _is_plain_factor(site: dict) -> bool:
+    """Whether a step's site is NumPyro's own ``Unit`` (a ``numpyro.factor``, however a
+    plate or a mask wraps it), not a [`Potential`][structinfer.primitives.Potential]."""
+    if not is_factor(site):
+        return False
+    fn = site["fn"]
+    while not isinstance(fn, dist.distribution.Unit):
+        fn = fn.base_dist  # is_factor found a Unit under these wrappers
+    return not isinstance(fn, Potential)
 
 
 def _check_carry(site: dict, took, returned, enumerated: bool) -> None:

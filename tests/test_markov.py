@@ -1241,3 +1241,117 @@ def test_a_chain_started_from_a_concrete_array_runs_under_jit():
                                rtol=1e-5)
     np.testing.assert_allclose(si.attention(model, "v")(ems), si.expectation(model, "v", ems),
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("chains, shared", [(None, False), (2, False), (2, True)],
+                         ids=["one-chain", "per-chain", "shared-by-the-plate"])
+def test_a_numpyro_factor_in_a_chains_step_is_refused_naming_it(chains, shared):
+    """Regression: a ``numpyro.factor`` in a chain's step (a per-step constant, here) failed
+    in NumPyro's enumerated scan with a bare ``AssertionError`` (one chain), the engine's
+    left-over-dim error naming ``_pyro_dim_3`` (under a plate) or JAX's broadcasting error
+    (a factor the plate expands): NumPyro's ``Unit`` loses its time dim there. The engine
+    names the site and says to write it with `potential`, whose log Z is the chain's plus
+    the constants."""
+    em, lt, li = _params()
+    if chains is not None:
+        em = jnp.stack([em, _params(1)[0]], axis=1)
+    c = jnp.arange(1.0, T + 1.0) if shared or chains is None else jnp.ones((T, chains))
+
+    def with_factor(factor):
+        def model(em, c):
+            prior = si.priors.Markov(lt, li)
+
+            def step(previous, x):
+                e, ct = x
+                with contextlib.ExitStack() as stack:
+                    if chains is not None:
+                        stack.enter_context(numpyro.plate("chains", chains))
+                    z = si.edge("z", prior, e, previous=previous)
+                    factor("const", ct)
+                    numpyro.deterministic("v", jnp.sin(1.0 + z))
+                return z, None
+
+            scan(step, jnp.full(() if chains is None else (chains,), -1), (em, c))
+        return model
+
+    chain = sum(_forward(em[:, b], lt, li) for b in range(chains)) if chains else _forward(
+        em, lt, li)
+    np.testing.assert_allclose(si.log_marginal(with_factor(potential), em, c),
+                               chain + float(jnp.sum(jnp.broadcast_to(
+                                   c if chains is None or not shared else c[:, None],
+                                   em.shape[:-1]))), rtol=1e-5)
+    msg = r"factor site 'const'.*numpyro.factor.*scan.*potential"
+    for run in (lambda: si.log_marginal(with_factor(numpyro.factor), em, c),
+                lambda: si.attention(with_factor(numpyro.factor), "v")(em, c)):
+        with pytest.raises(ValueError, match=msg):
+            run()
+
+
+def test_a_step_value_on_no_edge_is_refused_by_its_own_name():
+    """Regression: the refusal of a step's value that reads no edge (here the emission's
+    sum; likewise the value of a chain conditioned on its path) named the site
+    ``'_PREV_w'``, NumPyro's name for the scan's unrolled first step, not ``'w'``."""
+    em, lt, li = _params()
+
+    def model(em):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, e):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("w", jnp.sum(e))
+            return z, None
+
+        scan(step, jnp.asarray(-1), em)
+
+    for run in (lambda: si.expectation(model, "w", em), lambda: si.attention(model, "w")(em)):
+        with pytest.raises(ValueError, match=r"deterministic site 'w': .*no dims left"):
+            run()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, np.inf, np.nan])
+def test_switching_dynamics_refuses_a_precision_that_is_not_positive_and_finite(bad):
+    """Regression: a zero precision (an infinite variance) gave a finite log Z and
+    marginals that silently ruled its mode out (log N = -inf at every step); a negative,
+    infinite or NaN one failed with NumPyro's "Normal distribution got invalid scale
+    parameter", naming neither the mechanism nor the argument. Each is refused naming
+    `precisions`, and is NaN under jit."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
+    A = jnp.asarray(rng.normal(size=(2, 2, 2)), jnp.float32)
+    b, lt, li = jnp.zeros((2, 2)), jnp.zeros((2, 2)), jnp.zeros(2)
+    prec = jnp.ones((2, 2)).at[0, 0].set(bad)
+    msd = si.mechanisms.markov_switching_dynamics
+    with pytest.raises(ValueError, match="markov_switching_dynamics: precisions must be "
+                       "positive and finite"):
+        si.log_marginal(msd, x, A, b, prec, lt, li)
+    assert np.isnan(jax.jit(lambda p: si.log_marginal(msd, x, A, b, p, lt, li))(prec))
+
+
+def test_a_chain_with_a_plated_observation_falls_back_naming_the_users_sites():
+    """Regression: the fallback of a chain whose observation lies under a plate in the
+    step said "site '_PREV_y': its factor reads ['_PREV_z', 'obs']", NumPyro's names for
+    the scan's unrolled first step; it now names 'y' and the chain's 'z'. The fallback is
+    exact (the forward algorithm over the summed per-step log-densities)."""
+    em, lt, li = _params()
+    y = jnp.asarray(np.random.default_rng(7).normal(size=(T, 2)), jnp.float32)
+    mu = jnp.arange(K, dtype=jnp.float32)
+
+    def model(y):
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, yt):
+            z = si.edge("z", prior, previous=previous)
+            with numpyro.plate("obs", 2):
+                numpyro.sample("y", dist.Normal(mu[z], 1.0), obs=yt)
+            numpyro.deterministic("v", mu[z])
+            return z, None
+
+        scan(step, jnp.asarray(-1), y)
+
+    expl = str(si.explain(model, "v", y))
+    assert "site 'y': its factor reads ['obs', 'z']" in expl, expl
+    assert "_PREV_" not in expl, expl
+    emission = (-0.5 * (np.asarray(y)[:, :, None] - np.asarray(mu)) ** 2
+                - 0.5 * np.log(2 * np.pi)).sum(1)
+    np.testing.assert_allclose(si.log_marginal(model, y), _forward(emission, lt, li),
+                               rtol=1e-5)

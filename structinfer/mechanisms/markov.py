@@ -18,6 +18,7 @@ import numpyro.distributions as dist
 from numpyro.contrib.control_flow import scan
 
 from .. import priors
+from .._checks import require
 from ..primitives import edge, potential
 from ._common import features
 
@@ -55,7 +56,8 @@ def markov_switching_dynamics(
         x: the time series ``(T, d)``, ``T >= 2``.
         A: mode dynamics $A_k$, ``(K, d, d)``.
         b: mode offsets $b_k$, ``(K, d)``.
-        precisions: diagonal precisions $\Lambda_k$, ``(K, d)``, positive.
+        precisions: diagonal precisions $\Lambda_k$, ``(K, d)``, positive and finite
+            (an error on concrete values, NaN under ``jit``).
         log_transition: $L$, ``(K, K)`` unnormalised log-weights (row: the previous
             mode); each row is normalised.
         log_initial: $\lambda$, ``(K,)`` unnormalised log-weights of the first mode.
@@ -88,6 +90,9 @@ def markov_switching_dynamics(
             f"markov_switching_dynamics: log_transition must be (K, K) = ({k}, {k}) for the "
             f"{k} modes of A, got {tuple(jnp.shape(log_transition))}"
         )
+    precisions = require(lambda xp, p: (p > 0) & (p < xp.inf),
+                         "markov_switching_dynamics: precisions must be positive and finite "
+                         "(each mode's diagonal noise precisions), got {}", precisions)
     prior = priors.Markov(log_transition, log_initial)
     scale = jax.lax.rsqrt(precisions)
 
