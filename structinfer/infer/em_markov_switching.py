@@ -26,7 +26,13 @@ from jax.typing import ArrayLike
 from .._checks import as_float_array, check_layout, check_nonempty, check_nonnegative, check_tol
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
-from ._common import check_linalg_dtype, rel_change_small, safe_log, weighted_affine_fit
+from ._common import (
+    check_covariances,
+    check_linalg_dtype,
+    rel_change_small,
+    safe_log,
+    weighted_affine_fit,
+)
 from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["MarkovSwitchingState", "init", "step", "run"]
@@ -74,6 +80,7 @@ def _prepare(x, A, b, precisions, log_transition, log_initial):
             f"precisions {tuple(prec.shape)}, log_transition {tuple(lt.shape)}, log_initial "
             f"{tuple(li.shape)} must be (T, d), (K, d, d), (K, d), (K, d), (K, K), (K,)"
         )
+    prec = check_covariances(prec, "markov_switching_em: precisions", diagonal=True)
     return x, A, b, prec, jax.nn.log_softmax(lt, -1), jax.nn.log_softmax(li)
 
 
@@ -119,7 +126,8 @@ def init(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: no data (`T = 0`), shapes other than those above.
+        ValueError: no data (`T = 0`), shapes other than those above, or precisions that
+            are not positive.
     """
     return _init(*_prepare(x, A, b, precisions, log_transition, log_initial))
 
@@ -227,7 +235,8 @@ def run(
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no data (`T = 0`), shapes other than those above (for a batch of time series use
-            `jax.vmap`), a negative `reg`, or a `tol` that is not a non-negative number.
+            `jax.vmap`), precisions that are not positive (under `jax.jit`: a NaN
+            energy), a negative `reg`, or a `tol` that is not a non-negative number.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy" v2 sec. 7 (switching systems with a
