@@ -672,3 +672,26 @@ def test_a_non_positive_definite_covariance_is_named():
     _, info = jax.jit(lambda c: linear_mixture_em(x[:-1], x[1:], eye2, zeros, c,
                                                   max_iters=1, raise_on_nonfinite=False))(bad)
     assert bool(info.nonfinite) and int(info.num_steps) == 0
+
+
+def test_markov_switching_em_names_bad_log_weights():
+    """Regression: a row of log_transition with no finite entry (no move out of a mode),
+    an all -inf log_initial, a NaN or a +inf log-weight each stopped at the initial state
+    with "a mode with too few points to fit its A, b and precisions? raise reg", which
+    blames the data. Each is named now."""
+    x = np.random.default_rng(0).normal(size=(9, D))
+    A, b, p = np.stack([np.eye(D)] * 2), np.zeros((2, D)), np.ones((2, D))
+    bad_lt = ([[0.0, 0.0], [-np.inf, -np.inf]], [[0.0, np.nan], [0.0, 0.0]],
+              [[0.0, np.inf], [0.0, 0.0]])
+    for lt in bad_lt:
+        with pytest.raises(ValueError, match=r"markov_switching_em: log_transition .* each row "
+                           r"needs a finite entry"):
+            markov_switching_em(x, A, b, p, np.asarray(lt))
+    for li in ([-np.inf, -np.inf], [np.nan, 0.0]):
+        with pytest.raises(ValueError, match=r"markov_switching_em: log_initial .* needs a "
+                           r"finite entry"):
+            markov_switching_em(x, A, b, p, None, np.asarray(li))
+    # a forbidden move (-inf next to a finite entry) is a model, not an error
+    _, info = markov_switching_em(x, A, b, p, np.asarray([[0.0, -np.inf], [0.0, 0.0]]),
+                                  max_iters=1)
+    assert not bool(info.nonfinite)
