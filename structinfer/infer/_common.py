@@ -61,15 +61,30 @@ def as_float_tree(mu: Any) -> Any:
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=jnp.result_type(a, float)), mu)
 
 
-def like_tree(value: Any, mu: Any) -> Any:
+def like_tree(value: Any, mu: Any, what: str | None = None, of: str = "the means",
+              hint: str = "a scalar, or an array or pytree like them") -> Any:
     """`value` as a pytree like `mu`.
 
     Itself if it has `mu`'s structure, else repeated at every leaf (a scalar step size
     or precision).
+
+    With ``what``, each leaf must broadcast to its mean's shape: one that would broadcast
+    the mean to another shape (or not at all) is a ``ValueError`` naming ``what``, not a
+    failure inside JAX's loop.
     """
-    if jax.tree.structure(value) == jax.tree.structure(mu):
-        return value
-    return jax.tree.map(lambda _: value, mu)
+    tree = value if jax.tree.structure(value) == jax.tree.structure(mu) else jax.tree.map(
+        lambda _: value, mu)
+    if what is not None:
+        for v, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mu)):
+            v_shape, m_shape = tuple(jnp.shape(v)), tuple(jnp.shape(m))
+            try:
+                fits = jnp.broadcast_shapes(v_shape, m_shape) == m_shape
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(f"{what} of shape {v_shape} must broadcast to the shape of "
+                                 f"{of} {m_shape} ({hint})")
+    return tree
 
 
 def site_finder(fn: Any, mu_of_failure: Any) -> Any:
