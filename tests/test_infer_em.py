@@ -12,6 +12,7 @@ from structinfer.infer import (
     em_energy,
     em_gmm,
     em_linear_mixture,
+    em_markov_switching,
     em_slot,
     energy_em,
     expand,
@@ -63,6 +64,28 @@ def test_gmm_em_matches_plain_em_and_never_decreases(x64):
     ref = iterate_steps(jax.jit(em_gmm.init)(x, means0, covs0),
                         lambda s: em_gmm.step(x, s, tol=1e-12), lambda s: -s.log_likelihood, 40)
     assert_run_is_iterated_step((st, info), ref)
+
+
+def test_gmm_em_is_scikit_learns_em_from_the_same_start(x64):
+    """Means, full covariances, weights and log-likelihood after 6 iterations against
+    scikit-learn's GaussianMixture started at the same parameters (unequal weights and
+    covariances, no ridge on either side)."""
+    from sklearn.mixture import GaussianMixture
+
+    x, centres = gmm_data()
+    covs0 = np.stack([np.eye(D) * s for s in (0.5, 1.0, 2.0)])
+    w0 = np.array([0.5, 0.3, 0.2])
+    st, info = gmm_em(x, centres + 0.5, covs0, w0, max_iters=6, tol=0.0)
+    assert int(info.num_steps) == 6 and bool(info.max_iters_reached)
+    gm = GaussianMixture(3, covariance_type="full", reg_covar=0.0, max_iter=6, tol=0.0,
+                         weights_init=w0, means_init=centres + 0.5,
+                         precisions_init=np.linalg.inv(covs0), init_params="random")
+    with pytest.warns(UserWarning):  # "did not converge": the same 6 iterations
+        gm.fit(x)
+    np.testing.assert_allclose(st.means, gm.means_, rtol=1e-10)
+    np.testing.assert_allclose(st.covariances, gm.covariances_, rtol=1e-10)
+    np.testing.assert_allclose(st.weights, gm.weights_, rtol=1e-10)
+    np.testing.assert_allclose(st.log_likelihood, gm.score(x) * len(x), rtol=1e-10)
 
 
 def test_linear_mixture_recovers_modes(x64):
@@ -632,3 +655,72 @@ def test_em_on_no_data_names_the_argument():
         si.infer.slot_em(np.zeros((0, 2)), np.ones((2, 2)), np.eye(2), np.eye(2))
     with pytest.raises(ValueError, match=r"markov_switching_em: x must be \(T, d\) with at"):
         markov_switching_em(np.zeros((0, 2)), c, m, np.ones((2, 2)))
+
+
+def test_a_non_positive_definite_covariance_is_named():
+    """Regression: linear_mixture_em's model (switching_linear_dynamics with
+    normalize=True) took log|Lambda| from slogdet's magnitude, so an indefinite
+    covariance gave a finite initial log-likelihood and responsibilities from no
+    Gaussian at all; gmm_em stopped with "a covariance became singular? set reg > 0"
+    and markov_switching_em with "too few points" for a non-positive covariance the
+    user passed in. Each names the argument now; the model refuses the precision
+    (eagerly; NaN under jit)."""
+    r = np.random.default_rng(0)
+    x = r.normal(size=(9, D))
+    eye2 = np.stack([np.eye(D)] * 2)
+    bad = np.stack([np.diag([1.0, -1.0]), np.eye(D)])
+    zeros = np.zeros((2, D))
+    with pytest.raises(ValueError, match=r"gmm_em: covariances must be symmetric positive "
+                       r"definite; component 0 is not"):
+        gmm_em(x, x[:2], bad)
+    with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be symmetric "
+                       r"positive definite; component 0 is not"):
+        linear_mixture_em(x[:-1], x[1:], eye2, zeros, bad)
+    with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be"):
+        em_linear_mixture.init(x[:-1], x[1:], eye2, zeros, bad)
+    for p in (np.array([[1.0, 0.0], [1.0, 1.0]]), np.array([[1.0, -1.0], [1.0, 1.0]])):
+        with pytest.raises(ValueError, match=r"markov_switching_em: precisions must be "
+                           r"positive; component 0 is not"):
+            markov_switching_em(x, eye2, zeros, p)
+    # the model itself: a finite wrong log-likelihood before
+    model = si.mechanisms.switching_linear_dynamics
+    args = (x[:-1], eye2, zeros, np.linalg.inv(bad), np.log(np.full(2, 0.5)))
+    with pytest.raises(ValueError, match="switching_linear_dynamics: precisions must be "
+                       "positive"):
+        si.log_marginal(model, *args, targets=x[1:], normalize=True)
+    lz = jax.jit(lambda p: si.log_marginal(model, *args[:3], p, args[4], targets=x[1:],
+                                           normalize=True))(args[3])
+    assert np.isnan(lz)
+    # a non-symmetric precision: its quadratic form reads the symmetric part, and so
+    # does the normaliser (slogdet of the precision itself was another Gaussian's)
+    skew = np.stack([[[2.0, 1.5], [-0.5, 1.0]], np.eye(D)])
+    sym = 0.5 * (skew + np.swapaxes(skew, -1, -2))
+    lz_skew, lz_sym = (si.log_marginal(model, *args[:3], p, args[4], targets=x[1:],
+                                       normalize=True) for p in (skew, sym))
+    np.testing.assert_allclose(lz_skew, lz_sym, rtol=1e-6)
+    # under jit, where it cannot be checked, the run stops on the NaN
+    _, info = jax.jit(lambda c: linear_mixture_em(x[:-1], x[1:], eye2, zeros, c,
+                                                  max_iters=1, raise_on_nonfinite=False))(bad)
+    assert bool(info.nonfinite) and int(info.num_steps) == 0
+
+
+def test_markov_switching_em_names_bad_log_weights():
+    """Regression: a row of log_transition with no finite entry (no move out of a mode),
+    an all -inf log_initial, a NaN or a +inf log-weight each stopped at the initial state
+    with "a mode with too few points to fit its A, b and precisions? raise reg", which
+    blames the data. Each is named now."""
+    x = np.random.default_rng(0).normal(size=(9, D))
+    A, b, p = np.stack([np.eye(D)] * 2), np.zeros((2, D)), np.ones((2, D))
+    bad_lt = ([[0.0, 0.0], [-np.inf, -np.inf]], [[0.0, np.nan], [0.0, 0.0]],
+              [[0.0, np.inf], [0.0, 0.0]])
+    for lt in bad_lt:
+        with pytest.raises(ValueError, match=r"markov_switching_em: log_transition .* each row "
+                           r"needs a finite entry"):
+            markov_switching_em(x, A, b, p, np.asarray(lt))
+    for li in ([-np.inf, -np.inf], [np.nan, 0.0]):
+        with pytest.raises(ValueError, match=r"markov_switching_em: log_initial .* needs a "
+                           r"finite entry"):
+            markov_switching_em(x, A, b, p, None, np.asarray(li))
+    # a forbidden move (-inf next to a finite entry) is a model, not an error
+    st = jax.jit(em_markov_switching.init)(x, A, b, p, np.asarray([[0.0, -np.inf], [0.0, 0.0]]))
+    assert np.isfinite(st.log_likelihood)

@@ -145,3 +145,27 @@ def test_a_bad_tolerance_is_named(tol):
         with pytest.raises(ValueError, match=rf"^{fn}: {arg or 'tol'} must be a "
                                              r"non-negative number \(a convergence tolerance\), got"):
             run(tol)
+
+
+def test_a_step_size_of_another_shape_is_named():
+    """Regression: a step size that broadcast the means to a bigger shape (or did not
+    broadcast at all) failed inside JAX ("while_loop body function carry input and carry
+    output must have equal types", "incompatible shapes for broadcasting"), naming
+    neither the function nor the argument. cccp's precision was already checked so."""
+    f = lambda mu: jnp.sum((mu - 1.0) ** 2)  # noqa: E731
+    e = lambda v, th: jnp.sum((v - th) ** 2) + jnp.sum(th**2)  # noqa: E731
+    for bad in (jnp.full((2, 3), 0.1), jnp.full((4,), 0.1)):
+        with pytest.raises(ValueError, match=r"gradient_descent: `step_size` of shape "
+                           r"\(\d, ?\d?\) must broadcast to the shape of the means \(3,\)"):
+            gradient.run(f, jnp.zeros(3), step_size=bad)
+        with pytest.raises(ValueError, match=r"energy_em: `e_step_size` of shape .* must "
+                           r"broadcast to the shape of the means \(3,\)"):
+            em_energy.run(e, jnp.ones(3), jnp.ones(3), e_step_size=bad)
+        with pytest.raises(ValueError, match=r"energy_em: `m_step_size` of shape .* must "
+                           r"broadcast to the shape of the params \(3,\)"):
+            em_energy.run(e, jnp.ones(3), jnp.ones(3), m_step_size=bad)
+    # a scalar, a per-leaf pytree and an array that broadcasts still run
+    st, _ = gradient.run(lambda mu: f(mu["a"]) + f(mu["b"]),
+                         {"a": jnp.zeros(3), "b": jnp.zeros((2, 3))},
+                         step_size={"a": 0.25, "b": jnp.full((3,), 0.25)})
+    np.testing.assert_allclose(st.mu["b"], 1.0, atol=1e-4)

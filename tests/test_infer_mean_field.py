@@ -289,3 +289,32 @@ def test_free_energy_of_float32_terms_with_integer_steps_is_float32_under_x64(x6
              att / att.sum(-1, keepdims=True), np.full(6, 1.1), np.full(6, 3.0))]
     f = geometric_beta_free_energy(*terms, 0.1, 0.9, np.maximum(k, 0), k >= 0)
     assert f.dtype == jnp.float32
+
+
+def test_exact_mean_field_takes_a_parent_with_zero_likelihood(x64):
+    """Regression: a -inf score at an allowed parent (zero likelihood, e.g. a padding
+    mask) made the exact method's free energy NaN (its sum r * s had 0 * -inf), so it
+    raised NonFiniteEnergyError, while the plug-in ran. The parent gets no attention,
+    and a query whose other allowed parents all have -inf scores has a point-mass
+    posterior over the edge, which the factorised family holds exactly:
+    F = -log Z, with log Z = s + log B(a0 + 1, b0 + k) - log B(a0, b0)."""
+    from scipy.special import betaln
+
+    a0, b0 = 0.7, 1.3
+    s = np.random.default_rng(5).normal(size=(4, 4))
+    s[2, 1] = -np.inf             # query 2: parents 0 and 2 remain
+    s[3, [0, 1, 3]] = -np.inf     # query 3: only parent 2 (one step back) remains
+    state, info = geometric_beta(s, a0, b0, tol=1e-12)
+    assert bool(info.converged.all())
+    att = np.asarray(state.attention)
+    assert att[2, 1] == 0.0 and att[3, 2] == 1.0
+    log_z3 = s[3, 2] + betaln(a0 + 1, b0 + 1) - betaln(a0, b0)
+    np.testing.assert_allclose(float(state.energy[3]), -log_z3, rtol=1e-10)
+    # query 2 against the exact posterior: F >= -log Z, TV <= sqrt(gap / 2)
+    k = np.array([2, 1, 0])
+    logp = s[2, [0, 1, 2]] + betaln(a0 + 1, b0 + k) - betaln(a0, b0)
+    log_z2 = np.logaddexp(logp[0], logp[2])
+    gap = float(state.energy[2]) + log_z2
+    post = np.exp(logp - log_z2)
+    assert gap >= -1e-12
+    assert 0.5 * np.abs(att[2, :3] - post).sum() <= np.sqrt(gap / 2) + 1e-12

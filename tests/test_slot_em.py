@@ -278,3 +278,28 @@ def test_slot_em_names_bad_arguments():
         jax.jit(lambda x: slot_em(x, slots, wk, wq))(xb)
     with pytest.raises(TypeError, match="slot_m_step: x is bfloat16"):
         slot_m_step(xb, slots, att, wk, wq)
+
+
+def test_slot_em_rejects_rtol_outside_unit_interval():
+    """Regression: ``rtol`` was never checked. A NaN or ``rtol >= 1`` cut every eigenvalue,
+    so ``W_K = 0``, the attention was uniform and the run reported ``converged`` with
+    energy 0 (a finite wrong answer); a negative one gave NaN ``W_K`` from `slot_m_step`
+    without saying why."""
+    from structinfer.infer import em_slot
+
+    x, _ = two_blobs(np.float32)
+    slots, wk, wq = x[[0, 9]][:, :2], np.eye(2, 3), np.eye(2)
+    att = np.full((len(x), 2), 0.5, np.float32)
+    state = em_slot.init(x, slots, wk, wq, e_iters=1)
+    for rtol in (-1.0, float("nan"), 1.0, 2.0):
+        with pytest.raises(ValueError, match=r"slot_em: rtol must be a number in \[0, 1\)"):
+            slot_em(x, slots, wk, wq, rtol=rtol)
+        with pytest.raises(ValueError, match=r"slot_m_step: rtol must be a number in \[0, 1\)"):
+            slot_m_step(x, slots, att, wk, wq, rtol=rtol)
+        with pytest.raises(ValueError, match=r"slot_em: rtol must be a number in \[0, 1\)"):
+            em_slot.step(jnp.asarray(x), state, rtol=rtol, e_iters=1)
+    # traced, it cannot be checked: NaN, never a finite wrong answer
+    run = jax.jit(lambda r: slot_em(x, slots, wk, wq, rtol=r, max_iters=1, e_iters=1)[1])
+    assert bool(run(2.0).nonfinite) and not bool(run(0.0).nonfinite)
+    wk1, _ = jax.jit(lambda r: slot_m_step(x, slots, att, wk, wq, rtol=r))(2.0)
+    assert np.isnan(np.asarray(wk1)).all()

@@ -21,6 +21,7 @@ __all__ = [
     "like_tree",
     "site_finder",
     "check_weights",
+    "check_covariances",
     "check_linalg_dtype",
     "weighted_affine_fit",
 ]
@@ -60,15 +61,30 @@ def as_float_tree(mu: Any) -> Any:
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=jnp.result_type(a, float)), mu)
 
 
-def like_tree(value: Any, mu: Any) -> Any:
+def like_tree(value: Any, mu: Any, what: str | None = None, of: str = "the means",
+              hint: str = "a scalar, or an array or pytree like them") -> Any:
     """`value` as a pytree like `mu`.
 
     Itself if it has `mu`'s structure, else repeated at every leaf (a scalar step size
     or precision).
+
+    With ``what``, each leaf must broadcast to its mean's shape: one that would broadcast
+    the mean to another shape (or not at all) is a ``ValueError`` naming ``what``, not a
+    failure inside JAX's loop.
     """
-    if jax.tree.structure(value) == jax.tree.structure(mu):
-        return value
-    return jax.tree.map(lambda _: value, mu)
+    tree = value if jax.tree.structure(value) == jax.tree.structure(mu) else jax.tree.map(
+        lambda _: value, mu)
+    if what is not None:
+        for v, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mu)):
+            v_shape, m_shape = tuple(jnp.shape(v)), tuple(jnp.shape(m))
+            try:
+                fits = jnp.broadcast_shapes(v_shape, m_shape) == m_shape
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(f"{what} of shape {v_shape} must broadcast to the shape of "
+                                 f"{of} {m_shape} ({hint})")
+    return tree
 
 
 def site_finder(fn: Any, mu_of_failure: Any) -> Any:
@@ -117,6 +133,45 @@ def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
                              "non-negative and sum to 1")
         return w
     return check_value(w, ok, what, "must be non-negative and sum to 1")
+
+
+def check_covariances(covs: jax.Array, what: str, diagonal: bool = False) -> jax.Array:
+    """Initial covariances (or diagonal precisions): each symmetric positive definite
+    (diagonal: each entry positive).
+
+    Concrete: a ``ValueError`` naming ``what`` and the first component that fails (an
+    indefinite covariance is no Gaussian; the E-step would compute responsibilities
+    from it). Traced: NaN unless they pass (`check_value`), so the run stops on a NaN
+    energy.
+
+    Args:
+        covs: ``(K, d, d)`` (or ``(K, d)`` with ``diagonal``).
+        what: ``"<function>: <argument>"``, for the messages.
+        diagonal: ``covs`` holds the diagonals.
+
+    Returns:
+        ``covs`` (traced: NaN unless they pass).
+
+    Raises:
+        ValueError: a concrete component that is not symmetric positive definite.
+    """
+    def ok(xp, c):
+        if diagonal:
+            return xp.all(c > 0, -1)
+        c = c.astype(xp.float64) if xp is np else c
+        sym = xp.abs(c - xp.swapaxes(c, -1, -2)) <= 1e-5 * xp.max(xp.abs(c), (-2, -1),
+                                                                   keepdims=True)
+        return xp.all(sym, (-2, -1)) & xp.all(
+            xp.linalg.eigvalsh((c + xp.swapaxes(c, -1, -2)) / 2) > 0, -1)
+
+    rule = "positive" if diagonal else "symmetric positive definite"
+    if is_concrete(covs):
+        good = np.asarray(ok(np, np.asarray(covs)))
+        if not good.all():
+            raise ValueError(f"{what} must be {rule}; component {int(np.argmin(good))} is "
+                             "not")
+        return covs
+    return check_value(covs, ok, what, f"must be {rule}")
 
 
 def check_linalg_dtype(x: jax.Array, what: str) -> None:

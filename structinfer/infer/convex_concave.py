@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from .._checks import check_tol, check_value
 from ._common import as_float_tree, like_tree, max_abs, site_finder, sum_tree
@@ -51,19 +50,8 @@ def _precision_like(precision, mu) -> Any:
     """`precision` checked (`_check_precision`) as a pytree like `mu`, each leaf
     broadcasting to its mean's shape (a precision of another shape would broadcast `mu`
     to it in the update)."""
-    prec = like_tree(_check_precision(precision), mu)
-    for p, m in zip(jax.tree.leaves(prec), jax.tree.leaves(mu)):
-        p_shape, m_shape = tuple(jnp.shape(p)), tuple(jnp.shape(m))
-        try:
-            fits = jnp.broadcast_shapes(p_shape, m_shape) == m_shape
-        except ValueError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"cccp: `precision` of shape {p_shape} must broadcast to the shape of the "
-                f"means {m_shape} (a diagonal precision: a scalar or an array like mu)"
-            )
-    return prec
+    return like_tree(_check_precision(precision), mu, "cccp: `precision`",
+                     hint="a diagonal precision: a scalar or an array like mu")
 
 
 def _energy(log_z_fn, mu, precision) -> jax.Array:

@@ -45,7 +45,8 @@ def _e_step(energy_fn, v, th, e_step_size, e_iters, e_tol):
     """
     e_iters = check_count(e_iters, "energy_em: e_iters",
                           role="the most gradient steps of each E-step")
-    e_step_size = check_step_size(e_step_size, "energy_em: `e_step_size`")
+    what = "energy_em: `e_step_size`"
+    e_step_size = like_tree(check_step_size(e_step_size, what), v, what)
     st, info = gradient.run(lambda z: energy_fn(z, th), v, step_size=e_step_size, tol=e_tol,
                             max_iters=e_iters, raise_on_nonfinite=False)
     return st.mu, jnp.where(info.nonfinite, info.final_energy(), st.energy)
@@ -53,7 +54,8 @@ def _e_step(energy_fn, v, th, e_step_size, e_iters, e_tol):
 
 def _m_step(energy_fn, state, m_step_size):
     g = jax.grad(energy_fn, argnums=1)(state.latents, state.params)
-    lr = like_tree(check_step_size(m_step_size, "energy_em: `m_step_size`"), g)
+    what = "energy_em: `m_step_size`"
+    lr = like_tree(check_step_size(m_step_size, what), g, what, of="the params")
     return jax.tree.map(lambda p, gi, h: (p - h * gi).astype(jnp.result_type(p)),
                         state.params, g, lr)
 
@@ -179,8 +181,9 @@ def run(
             (`info.nonfinite`; the state is the last one with a finite energy).
 
     Raises:
-        ValueError: `e_iters` is not a positive int, or `tol` or `e_tol` is not a
-            non-negative number.
+        ValueError: `e_iters` is not a positive int, `tol` or `e_tol` is not a
+            non-negative number, or a step size is negative or does not broadcast to the
+            shape of its latents / params (leaf by leaf).
         NonFiniteEnergyError: see `raise_on_nonfinite`; the message says whether the
             E-step or the M-step left $E$ non-finite.
 

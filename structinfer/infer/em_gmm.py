@@ -23,7 +23,13 @@ from jax.typing import ArrayLike
 from .._checks import as_float_array, check_layout, check_nonempty, check_nonnegative, check_tol
 from ..exact import log_marginal, marginals
 from ..mechanisms.mixtures import gaussian_mixture
-from ._common import check_linalg_dtype, check_weights, rel_change_small, safe_log
+from ._common import (
+    check_covariances,
+    check_linalg_dtype,
+    check_weights,
+    rel_change_small,
+    safe_log,
+)
 from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["GMMState", "init", "step", "run"]
@@ -83,6 +89,7 @@ def _prepare(x, means, covariances, weights):
             f"gmm_em: x {tuple(x.shape)}, means {tuple(means.shape)} and covariances "
             f"{tuple(covs.shape)} must be (points, d), (K, d), (K, d, d)"
         )
+    covs = check_covariances(covs, "gmm_em: covariances")
     return x, means, covs, check_weights(weights, k, x.dtype, "gmm_em: weights")
 
 
@@ -114,8 +121,9 @@ def init(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: no points, shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`, or weights
-            that are negative or do not sum to 1.
+        ValueError: no points, shapes other than `(points, d)`, `(K, d)`, `(K, d, d)`,
+            covariances that are not symmetric positive definite, or weights that are
+            negative or do not sum to 1.
     """
     return _init(*_prepare(x, means, covariances, weights))
 
@@ -188,8 +196,9 @@ def run(
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no points, shapes other than `(points, d)`, `(K, d)`, `(K, d, d)` (for a batch
-            of data sets use `jax.vmap`), weights that are negative or do not sum to 1,
-            a negative `reg`, or a `tol` that is not a non-negative number.
+            of data sets use `jax.vmap`), covariances that are not symmetric positive
+            definite (under `jax.jit`: a NaN energy), weights that are negative or do not
+            sum to 1, a negative `reg`, or a `tol` that is not a non-negative number.
 
     Reference:
         Tschantz, "log-sum-exp expectation maximisation", sec. 2; Dempster et al.

@@ -24,6 +24,7 @@ from .._checks import as_float_array, check_layout, check_nonempty, check_nonneg
 from ..exact import log_marginal, marginals
 from ..mechanisms.dynamics import switching_linear_dynamics
 from ._common import (
+    check_covariances,
     check_linalg_dtype,
     check_weights,
     rel_change_small,
@@ -78,6 +79,7 @@ def _prepare(inputs, targets, A, b, covariances, weights):
             f"{tuple(A.shape)}, b {tuple(b.shape)}, covariances {tuple(covs.shape)} must be "
             "(T, d_u), (T, d_y), (K, d_y, d_u), (K, d_y), (K, d_y, d_y)"
         )
+    covs = check_covariances(covs, "linear_mixture_em: covariances")
     w = check_weights(weights, k, y.dtype, "linear_mixture_em: weights")
     return u, y, A, b, covs, w
 
@@ -126,8 +128,9 @@ def init(
     Raises:
         TypeError: `inputs` or `targets` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: no data (`T = 0`), shapes other than those above, or weights that are negative or do
-            not sum to 1.
+        ValueError: no data (`T = 0`), shapes other than those above, covariances that are
+            not symmetric positive definite, or weights that are negative or do not sum
+            to 1.
     """
     return _init(*_prepare(inputs, targets, A, b, covariances, weights))
 
@@ -230,8 +233,9 @@ def run(
         TypeError: `inputs` or `targets` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no data (`T = 0`), shapes other than those above (for a batch of data sets use
-            `jax.vmap`), weights that are negative or do not sum to 1, a negative
-            `reg`, or a `tol` that is not a non-negative number.
+            `jax.vmap`), covariances that are not symmetric positive definite (under
+            `jax.jit`: a NaN energy), weights that are negative or do not sum to 1, a
+            negative `reg`, or a `tol` that is not a non-negative number.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy" v2 sec. 10 and the slides' linear

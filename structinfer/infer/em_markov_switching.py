@@ -23,10 +23,23 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._checks import as_float_array, check_layout, check_nonempty, check_nonnegative, check_tol
+from .._checks import (
+    as_float_array,
+    check_layout,
+    check_nonempty,
+    check_nonnegative,
+    check_tol,
+    check_value,
+)
 from ..exact import log_marginal, marginals
 from ..mechanisms.markov import markov_switching_dynamics
-from ._common import check_linalg_dtype, rel_change_small, safe_log, weighted_affine_fit
+from ._common import (
+    check_covariances,
+    check_linalg_dtype,
+    rel_change_small,
+    safe_log,
+    weighted_affine_fit,
+)
 from ._loop import LoopInfo, check, iterate, neg_log_likelihood
 
 __all__ = ["MarkovSwitchingState", "init", "step", "run"]
@@ -74,7 +87,19 @@ def _prepare(x, A, b, precisions, log_transition, log_initial):
             f"precisions {tuple(prec.shape)}, log_transition {tuple(lt.shape)}, log_initial "
             f"{tuple(li.shape)} must be (T, d), (K, d, d), (K, d), (K, d), (K, K), (K,)"
         )
+    prec = check_covariances(prec, "markov_switching_em: precisions", diagonal=True)
+    lt = _check_log_weights(lt, "markov_switching_em: log_transition", "each row needs")
+    li = _check_log_weights(li, "markov_switching_em: log_initial", "it needs")
     return x, A, b, prec, jax.nn.log_softmax(lt, -1), jax.nn.log_softmax(li)
+
+
+def _check_log_weights(lw, what: str, needs: str):
+    """Unnormalised log-weights: no NaN or +inf, and a finite entry in every row (a row of
+    -inf allows no mode; `check_value`: NaN when traced)."""
+    return check_value(
+        lw, lambda xp, v: ~xp.isnan(v) & (v < xp.inf) & xp.any(v > -xp.inf, -1, keepdims=True),
+        what, f"(unnormalised log-weights) must hold no NaN or +inf, and {needs} a finite "
+        "entry")
 
 
 def _check_reg(reg):
@@ -119,7 +144,9 @@ def init(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: no data (`T = 0`), shapes other than those above.
+        ValueError: no data (`T = 0`), shapes other than those above, precisions that
+            are not positive, or log-weights with a NaN, a +inf or a row without a finite
+            entry.
     """
     return _init(*_prepare(x, A, b, precisions, log_transition, log_initial))
 
@@ -227,7 +254,9 @@ def run(
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no data (`T = 0`), shapes other than those above (for a batch of time series use
-            `jax.vmap`), a negative `reg`, or a `tol` that is not a non-negative number.
+            `jax.vmap`), precisions that are not positive or log-weights with a NaN, a
+            +inf or a row without a finite entry (under `jax.jit`: a NaN energy), a
+            negative `reg`, or a `tol` that is not a non-negative number.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy" v2 sec. 7 (switching systems with a

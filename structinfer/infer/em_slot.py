@@ -29,6 +29,8 @@ from .._checks import (
     check_nonempty,
     check_nonnegative,
     check_tol,
+    check_value,
+    is_concrete,
 )
 from ..exact import log_marginal, marginals
 from ..mechanisms.slot import slot_attention
@@ -42,6 +44,25 @@ __all__ = ["SlotState", "m_step", "tied_m_step", "init", "step", "run"]
 def _default_rtol(dtype, *dims) -> float:
     """Relative eigenvalue cut-off ``10 * max(dims) * eps(dtype)`` (NumPy's ``pinv`` default)."""
     return 10.0 * max(dims) * float(jnp.finfo(dtype).eps)
+
+
+def _check_rtol(rtol, what: str):
+    """The eigenvalue cut-off: a number in ``[0, 1)`` (`check_value`: NaN when traced).
+
+    ``rtol >= 1`` (or NaN) would cut every eigenvalue, the largest too, and leave
+    ``W_K = 0``; a negative one would invert the zero eigenvalues.
+    """
+    return check_value(rtol, lambda xp, v: (v >= 0) & (v < 1), what,
+                       "must be a number in [0, 1) (the eigenvalue cut-off relative to the "
+                       "largest eigenvalue)")
+
+
+def _poison(rtol, *arrays):
+    """``arrays`` NaN where a traced ``rtol`` failed `_check_rtol` (it is NaN then):
+    every cut-off compares False with NaN and would return a finite ``W = 0``."""
+    if is_concrete(rtol):
+        return arrays
+    return tuple(a + (0 * rtol).astype(a.dtype) for a in arrays)
 
 
 def _slot_rank(x, slots, wk, wq) -> int:
@@ -120,7 +141,9 @@ def m_step(
         ridge: added to both Gram matrices (non-negative; under `jax.jit`, where it
             cannot be checked, a negative `ridge` gives NaN).
         rtol: eigenvalue cut-off relative to the largest eigenvalue for the
-            pseudo-inverses and the whitening; default ``10 * max(shape) * eps(dtype)``.
+            pseudo-inverses and the whitening, in ``[0, 1)``; default
+            ``10 * max(shape) * eps(dtype)`` (under `jax.jit`, where it cannot be
+            checked, one outside ``[0, 1)`` gives NaN).
 
     Returns:
         ``(wk, wq)``, the new $W_K$ and $W_Q$.
@@ -128,7 +151,7 @@ def m_step(
     Raises:
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
-        ValueError: a negative ``ridge``.
+        ValueError: a negative ``ridge``, or an ``rtol`` outside ``[0, 1)``.
 
     Reference:
         Singh & Buckley sec. 4.3 (the score $\mu_i^\top W_Q^\top W_K x_j$); Tschantz,
@@ -137,7 +160,8 @@ def m_step(
     A = attention
     check_linalg_dtype(jnp.asarray(x), "slot_m_step: x")
     ridge = check_nonnegative(ridge, "slot_m_step: ridge", "added to both Gram matrices")
-    rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
+    rtol = (_default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None
+            else _check_rtol(rtol, "slot_m_step: rtol"))
     cxx = jnp.einsum("js,ja,jb->ab", A, x, x) + ridge * jnp.eye(x.shape[-1], dtype=x.dtype)
     cmm = jnp.einsum("js,sa,sb->ab", A, slots, slots) + ridge * jnp.eye(
         slots.shape[-1], dtype=x.dtype)
@@ -149,7 +173,7 @@ def m_step(
     if whiten:
         c = wk_new @ (cxx / jnp.sum(A)) @ wk_new.T
         wk_new = _pinv_sqrt_psd(c, _slot_rank(x, slots, wk, wq), rtol) @ wk_new
-    return wk_new, wq_new
+    return _poison(rtol, wk_new, wq_new)
 
 
 def tied_m_step(
@@ -218,7 +242,7 @@ def tied_m_step(
     p = jnp.where(p > rtol * jnp.max(p), p, 0.0)
     factor = u * jnp.sqrt(p)  # (d_k, r), factor factor^T = P
     wq_new = factor @ _polar(factor.T @ wq)
-    return wk_new, wq_new, m @ wq_new
+    return _poison(rtol, wk_new, wq_new, m @ wq_new)
 
 
 class SlotState(NamedTuple):
@@ -344,8 +368,8 @@ def step(
         ridge: added to $\sum A x x^\top$ and to the within-slot scatter
             (non-negative).
         tol: relative tolerance of the convergence test.
-        rtol: eigenvalue cut-off relative to the largest eigenvalue; default
-            ``10 * max(shape) * eps(dtype)``.
+        rtol: eigenvalue cut-off relative to the largest eigenvalue, in ``[0, 1)``;
+            default ``10 * max(shape) * eps(dtype)``.
 
     Returns:
         `(new_state, converged)`: the energy, $W_K$, $W_Q$ and the slots all changed
@@ -353,12 +377,13 @@ def step(
             CCCP stopped on a non-finite energy.
 
     Raises:
-        ValueError: `e_iters` not a positive int, or a negative `ridge` (a traced one
-            makes the state NaN instead).
+        ValueError: `e_iters` not a positive int, a negative `ridge` or an `rtol`
+            outside `[0, 1)` (a traced one makes the state NaN instead).
     """
     ridge = _check_ridge(ridge)
     if rtol is None:
         rtol = _default_rtol(x.dtype, *state.wk.shape, *state.wq.shape, *state.slots.shape)
+    rtol = _check_rtol(rtol, "slot_em: rtol")
     wk, wq, mu0 = tied_m_step(x, state.slots, state.attention, state.wk, state.wq,
                               whiten=whiten, ridge=ridge, rtol=rtol)
     new = _e_step(x, mu0, wk, wq, e_iters)
@@ -466,7 +491,9 @@ def run(
         raise_on_nonfinite: raise [`NonFiniteEnergyError`][structinfer.infer.NonFiniteEnergyError]
             when the result is concrete and an energy was not finite.
         rtol: eigenvalue cut-off relative to the largest eigenvalue (pseudo-inverses,
-            whitening, $P$); default ``10 * max(shape) * eps(dtype)``.
+            whitening, $P$), in ``[0, 1)`` (``>= 1`` would cut them all); default
+            ``10 * max(shape) * eps(dtype)``. Under `jax.jit`, where it cannot be
+            checked, one outside ``[0, 1)`` gives a NaN energy (`info.nonfinite`).
 
     Returns:
         ``(SlotState, LoopInfo)``.
@@ -476,8 +503,8 @@ def run(
             float64).
         ValueError: no tokens, arrays that are not ``(tokens, d_x)``, ``(S, d_mu)``,
             ``(d_k, d_x)``, ``(d_k, d_mu)`` with matching sizes (for a batch use
-            ``jax.vmap``), ``e_iters`` not a positive int, a negative ``ridge``, or a
-            ``tol`` that is not a non-negative number.
+            ``jax.vmap``), ``e_iters`` not a positive int, a negative ``ridge``, an
+            ``rtol`` outside ``[0, 1)``, or a ``tol`` that is not a non-negative number.
         NonFiniteEnergyError: see ``raise_on_nonfinite``.
 
     Reference:
@@ -486,7 +513,8 @@ def run(
     """
     x, slots, wk, wq = _prepare(x, slots, wk, wq)
     ridge = _check_ridge(ridge)
-    rtol = _default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None else rtol
+    rtol = (_default_rtol(x.dtype, *wk.shape, *wq.shape, *slots.shape) if rtol is None
+            else _check_rtol(rtol, "slot_em: rtol"))
     e_iters = check_count(e_iters, "slot_em: e_iters", role="the CCCP steps of each E-step")
     state, info = iterate(_init, step, _energy, (x, slots, wk, wq), (x,),
                           {"ridge": ridge, "tol": check_tol(tol, "slot_em: tol"), "rtol": rtol},

@@ -62,7 +62,8 @@ def step(
     Returns:
         `(new_state, converged)` with `converged = max |∇F(new μ)| <= tol`.
     """
-    lr = like_tree(check_step_size(step_size, "gradient_descent: `step_size`"), state.mu)
+    what = "gradient_descent: `step_size`"
+    lr = like_tree(check_step_size(step_size, what), state.mu, what)
     mu = jax.tree.map(lambda m, g, h: (m - h * g).astype(m.dtype), state.mu, state.grad, lr)
     e, g = jax.value_and_grad(energy_fn)(mu)
     return GradientState(mu, e, g), max_abs(g) <= tol
@@ -100,7 +101,8 @@ def run(
         `(GradientState, LoopInfo)`.
 
     Raises:
-        ValueError: a negative `step_size`, or a `tol` that is not a non-negative number.
+        ValueError: a negative `step_size` or one that does not broadcast to the shape of
+            the means (leaf by leaf), or a `tol` that is not a non-negative number.
     """
     step_size = check_step_size(step_size, "gradient_descent: `step_size`")
     check_tol(tol, "gradient_descent: tol")

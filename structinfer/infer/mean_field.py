@@ -170,7 +170,8 @@ def geometric_beta_free_energy(
     $$
 
     Args:
-        scores: ``(..., children, parents)`` log-potentials $s_{ij}$.
+        scores: ``(..., children, parents)`` log-potentials $s_{ij}$ ($-\infty$: a
+            parent of zero likelihood, which takes no attention).
         attention: ``(..., children, parents)`` $r(\phi_i = j)$.
         alpha: ``(..., children)`` parameter $\alpha$ of the Beta factor.
         beta: ``(..., children)`` parameter $\beta$ of the Beta factor.
@@ -195,7 +196,9 @@ def geometric_beta_free_energy(
     elq = digamma(alpha) - digamma(alpha + beta)
     el1q = digamma(beta) - digamma(alpha + beta)
     r = jnp.where(allowed, attention, 0.0)
-    s = jnp.where(allowed, scores, 0.0)
+    # a parent without attention adds nothing, also one of zero likelihood (s = -inf,
+    # where r * s would be 0 * -inf = NaN)
+    s = jnp.where(allowed & (r > 0), scores, 0.0)
     ek = jnp.sum(r * steps, -1)
     lik = jnp.sum(r * s, -1) + elq + ek * el1q
     prior = (alpha0 - 1) * elq + (beta0 - 1) * el1q - betaln(alpha0, beta0)

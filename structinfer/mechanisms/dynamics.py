@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpyro
 
 from .. import priors, scores
-from .._checks import float32_at_least
+from .._checks import float32_at_least, require
 from ..primitives import edge
 from ._common import check_matrix, features, latent_nodes
 
@@ -28,14 +28,24 @@ def _transition_scores(x_prev, x_next, A, b, precisions, normalize: bool = False
     diagonal ``(K, d)`` or full ``(K, d, d)``; ``normalize`` adds
     ``1/2 ln|Lambda_k| - d/2 ln 2 pi``. In float32 for 16-bit inputs."""
     x_prev, x_next, A, b, precisions = _float32_at_least(x_prev, x_next, A, b, precisions)
-    resid = x_next[:, None, :] - jnp.einsum("kde,te->tkd", A, x_prev) - b
     full = jnp.ndim(precisions) == 3
+
+    def positive(xp, p):  # the quadratic form reads the symmetric part
+        if full:
+            return xp.linalg.eigvalsh((p + xp.swapaxes(p, -1, -2)) / 2) > 0
+        return p > 0
+
+    # slogdet's magnitude of an indefinite precision would be a finite wrong normaliser
+    precisions = require(positive, "switching_linear_dynamics: precisions must be positive "
+                         "(definite), got {}", precisions)
+    resid = x_next[:, None, :] - jnp.einsum("kde,te->tkd", A, x_prev) - b
     if full:
         s = -0.5 * jnp.einsum("tkd,kde,tke->tk", resid, precisions, resid)
     else:
         s = -0.5 * jnp.sum(resid * resid * precisions, -1)
     if normalize:
-        logdet = jnp.linalg.slogdet(precisions)[1] if full else jnp.sum(jnp.log(precisions), -1)
+        sym = 0.5 * (precisions + jnp.swapaxes(precisions, -1, -2)) if full else None
+        logdet = jnp.linalg.slogdet(sym)[1] if full else jnp.sum(jnp.log(precisions), -1)
         s = s + 0.5 * logdet - 0.5 * x_next.shape[-1] * math.log(2 * math.pi)
     return s
 
@@ -92,7 +102,9 @@ def switching_linear_dynamics(
         x: the time series ``(T, d)``; with ``targets``, the inputs ``(T, d_u)``.
         A: mode dynamics $A_k$, ``(K, d, d)`` (with ``targets``: ``(K, d_y, d_u)``).
         b: mode offsets $b_k$, ``(K, d)``.
-        precisions: precisions $\Sigma_k^{-1}$, diagonal ``(K, d)`` or full ``(K, d, d)``.
+        precisions: precisions $\Sigma_k^{-1}$, diagonal ``(K, d)`` or full ``(K, d, d)``;
+            positive (definite; a full one is read through its symmetric part). Checked
+            on concrete values; traced, a bad one makes the scores NaN.
         log_weights: mode log-weights $\ln \pi_k$, ``(K,)`` (normalised; ``-inf`` switches
             a mode off).
         targets: optional ``(T, d_y)`` children paired with the rows of ``x``.
