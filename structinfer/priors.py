@@ -94,17 +94,28 @@ def _distance_grid(num_children: int, num_parents: int, offset: int) -> jax.Arra
     return i + offset - j
 
 
-def _check_rows_nonempty(log_table: jax.Array, prior_name: str) -> None:
+#: why a prior's child may have no parent, and what to do (the empty-row error's hint)
+_NO_PARENT_HINT = (
+    "a causal prior without a self-edge leaves its first child no earlier "
+    "parent: use include_self=True or drop that child; one with more children "
+    "than parents, the children ending with the parents, leaves its first "
+    "children none: give at least as many parents as children"
+)
+
+
+def _check_rows_nonempty(log_table: jax.Array, prior_name: str,
+                         hint: str = _NO_PARENT_HINT) -> None:
     if not is_concrete(log_table):
         return
-    _check_allowed_rows(np.isfinite(np.asarray(log_table)), prior_name)
+    _check_allowed_rows(np.isfinite(np.asarray(log_table)), prior_name, hint=hint)
 
 
-def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: int = 1
-                        ) -> None:
+def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: int = 1,
+                        hint: str = _NO_PARENT_HINT) -> None:
     """Raise unless every child (row of the boolean ``allowed``) has an allowed parent.
 
     ``rows_per_entry``: children per row of ``allowed`` (a block mask's block height).
+    ``hint``: the error's explanation of the cause and the remedy.
     Not while `ROWS_CHECKED` is ``False`` (an edge checks its kept children then)."""
     if not ROWS_CHECKED.get():
         return
@@ -112,11 +123,7 @@ def _check_allowed_rows(allowed: np.ndarray, prior_name: str, rows_per_entry: in
     if where is not None:
         raise NoParentError(
             f"{prior_name} prior allows no parent for {where}: every child needs at "
-            "least one parent with non-zero prior probability "
-            "(a causal prior without a self-edge leaves its first child no earlier "
-            "parent: use include_self=True or drop that child; one with more children "
-            "than parents, the children ending with the parents, leaves its first "
-            "children none: give at least as many parents as children)"
+            f"least one parent with non-zero prior probability ({hint})"
         )
 
 
@@ -135,6 +142,8 @@ class StructuralPrior:
     offset: int = 0
     #: short name used by ``structinfer.explain`` and error messages
     kind: str = "prior"
+    #: the no-parent error's explanation of the cause and the remedy
+    _no_parent_hint: str = _NO_PARENT_HINT
 
     def _log_weights(self, num_children: int) -> jax.Array:  # pragma: no cover
         raise NotImplementedError
@@ -195,7 +204,7 @@ class StructuralPrior:
         if dtype is not None:
             w = w.astype(jnp.result_type(w, dtype))
         table, _ = normalise_log_weights(w)
-        _check_rows_nonempty(table, type(self).__name__)
+        _check_rows_nonempty(table, type(self).__name__, self._no_parent_hint)
         return table
 
     def distribution(self, num_children: int) -> dist.Categorical:
@@ -1283,6 +1292,13 @@ class Masked(StructuralPrior):
     """
 
     kind = "masked"
+    _no_parent_hint = (
+        "the mask allows it none of the parents its base prior allows: a key-padding "
+        "mask over a causal or windowed prior leaves a padded child only padded "
+        "parents; mask those children too (in structinfer.nn.Attention, a query masked "
+        "from every key is padding, left unrestricted: "
+        "flax.nnx.make_attention_mask(keep, keep))"
+    )
 
     def __init__(self, prior: StructuralPrior, mask: ArrayLike):
         if not isinstance(prior, StructuralPrior) or isinstance(prior, Markov):

@@ -778,3 +778,35 @@ def test_prior_tables_of_a_bfloat16_layer_are_the_prior_it_applies(name):
     got, want = layer.prior_tables(N)["phi"], ref.prior_tables(N)["phi"]
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_an_unbatched_bad_row_names_the_head_not_a_batch_index():
+    """Regression: on inputs without a batch dim the error of a row with no allowed key
+    (or a NaN score) named the head as a batch index, '(batch index (2,))', of an input
+    that has no batch; as on batched inputs it names the head, and the layer."""
+    layer = sinn.Attention(sinn.causal(), num_heads=H, in_features=F, qkv_features=H * D,
+                           rngs=nnx.Rngs(0))
+    x = inputs((N, F), jnp.float32)
+    mask = jnp.ones((H, N, N), bool).at[2, 3, :4].set(False)
+    with pytest.raises(ValueError, match=r"^structinfer\.nn\.Attention: edge site 'phi'.*"
+                                         r"child 3 \(head 2\)") as err:
+        layer(x, mask=mask)
+    assert "batch index" not in str(err.value)
+    with pytest.raises(ValueError, match=r"edge site 'phi': score contains NaN") as err:
+        layer(x.at[4, 2].set(jnp.nan))
+    assert "batch index" not in str(err.value)
+
+
+def test_a_padding_mask_that_leaves_a_query_no_key_says_so():
+    """Regression: a key-padding mask over a window prior that leaves a padded query only
+    padded keys raised the prior's generic hint (a causal prior without a self-edge, more
+    children than parents: 'use include_self=True'), which the layer's prior already has.
+    The error now says that the mask leaves the child none of the parents its prior
+    allows, and what to do (mask the padded queries too)."""
+    layer = sinn.Attention(sinn.window(3), num_heads=2, in_features=8, rngs=nnx.Rngs(0))
+    keep = (jnp.arange(N) < 4)[None, None, :]  # (1, 1, N): one per key
+    with pytest.raises(ValueError, match=r"allows no parent for child 6") as err:
+        layer(inputs((N, 8), jnp.float32), mask=keep)
+    said = str(err.value)
+    assert "include_self" not in said and "more children than parents" not in said, said
+    assert "mask" in said and "make_attention_mask" in said, said

@@ -244,6 +244,12 @@ def _check_keys(query: jax.Array, key: jax.Array) -> None:
         )
 
 
+def _name_heads(said: str) -> str:
+    """An error of the mechanism's model with its batch index named as the head it is: the
+    heads are the one batch dim of the model of one sequence."""
+    return re.sub(r"\(batch index \((\d+),\)\)", r"(head \1)", said)
+
+
 def _as_array(x, name: str):
     """An input as an array: arrays (JAX, NumPy, tracers) as they are, array-likes (nested
     lists) converted, anything else a TypeError naming the argument."""
@@ -620,7 +626,13 @@ class Attention(nnx.Module):
             fn, model = self._masked_fn, self._masked
             per_seq += (self._mask_per_sequence(mask, q.shape, k.shape[-2]),)
         if not batch:
-            o = fn(*per_seq[:3], hyper, *per_seq[3:])
+            try:
+                o = fn(*per_seq[:3], hyper, *per_seq[3:])
+            except ValueError as err:
+                said = _name_heads(str(err))
+                if said == str(err):
+                    raise
+                raise ValueError(f"structinfer.nn.Attention: {said}") from err
         else:
             flat = lambda a: a.reshape((-1,) + a.shape[len(batch):])  # noqa: E731
             per_seq = tuple(flat(a) for a in per_seq)
@@ -675,8 +687,7 @@ class Attention(nnx.Module):
         try:
             check_rows(model, {s: a[b] for s, a in lses.items()}, q, k, v, hyper, *rest)
         except ValueError as err:
-            # the heads are the one batch dim of the unbatched call's model
-            said = re.sub(r"\(batch index \((\d+),\)\)", r"(head \1)", str(err))
+            said = _name_heads(str(err))
             raise ValueError(f"structinfer.nn.Attention: batch index {at}: {said}") from err
 
     def _project(self, inputs_q, inputs_k, inputs_v):
