@@ -322,6 +322,33 @@ def float32_at_least(x: jax.Array) -> jax.Array:
     return x
 
 
+def positive_definite(xp: Any, P: Any) -> Any:
+    r"""Whether each matrix ``(..., d, d)`` is positive definite, read through its
+    symmetric part $S = (P + P^\top)/2$ (a quadratic form reads only that), to rounding.
+
+    Its eigenvalues $\lambda_1 \le \dots \le \lambda_d$ (float32 at least; NumPy's in
+    float64) must have $\lambda_d > 0$ and $\lambda_1 > -10\, d\, \epsilon\,
+    \lambda_d$, with $\epsilon$ the input's machine epsilon (float32's for 16-bit input):
+    a float32 eigensolver's error on a positive definite matrix is about
+    $\epsilon \lambda_d$, so an ill-conditioned covariance or precision is not refused
+    for it, while an indefinite one is. NaN or infinite entries fail.
+
+    Args:
+        xp: ``numpy`` or ``jax.numpy`` (as `require` calls it).
+        P: the matrices.
+
+    Returns:
+        Booleans of shape ``P.shape[:-2]``.
+    """
+    P = xp.asarray(P)
+    dt = np.result_type(P.dtype, np.float32)
+    eps = float(np.finfo(dt).eps)
+    P = P.astype(np.float64 if xp is np else dt)
+    lam = xp.linalg.eigvalsh((P + xp.swapaxes(P, -1, -2)) / 2)
+    top = lam[..., -1]
+    return (top > 0) & (lam[..., 0] > -10 * P.shape[-1] * eps * top)
+
+
 def check_int(value: Any, what: str) -> int:
     """An int argument that is a position or offset, as a Python int (a NumPy integer too):
     floats and bools are refused (they are never meant).

@@ -31,7 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from ._checks import as_float_array, check_ndim, float32_at_least, is_concrete, require
+from ._checks import (
+    as_float_array,
+    check_ndim,
+    float32_at_least,
+    is_concrete,
+    positive_definite,
+    require,
+)
 
 __all__ = [
     "Score",
@@ -342,9 +349,8 @@ class NegSqDist(_PairScore):
             kind = fits[0]
             self.precision_form = {"parent_diag": "diag", "parent_full": "full"}.get(kind, kind)
             def positive(xp, P):  # the quadratic form reads the symmetric part
-                if self.precision_form == "full":  # linear algebra in float32 at least
-                    P = P.astype(np.result_type(P.dtype, np.float32))
-                    return xp.linalg.eigvalsh((P + xp.swapaxes(P, -1, -2)) / 2) > 0
+                if self.precision_form == "full":  # to rounding, through the symmetric part
+                    return positive_definite(xp, P)
                 return P > 0
 
             self.precision = require(positive, "NegSqDist: precision must be positive "

@@ -670,17 +670,18 @@ def test_a_non_positive_definite_covariance_is_named():
     eye2 = np.stack([np.eye(D)] * 2)
     bad = np.stack([np.diag([1.0, -1.0]), np.eye(D)])
     zeros = np.zeros((2, D))
-    with pytest.raises(ValueError, match=r"gmm_em: covariances must be symmetric positive "
-                       r"definite; component 0 is not"):
+    with pytest.raises(ValueError, match=r"gmm_em: covariances must be positive definite "
+                       r".*; component 0 is not: its smallest eigenvalue is -1"):
         gmm_em(x, x[:2], bad)
-    with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be symmetric "
-                       r"positive definite; component 0 is not"):
+    with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be positive "
+                       r"definite .*; component 0 is not"):
         linear_mixture_em(x[:-1], x[1:], eye2, zeros, bad)
     with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be"):
         em_linear_mixture.init(x[:-1], x[1:], eye2, zeros, bad)
-    for p in (np.array([[1.0, 0.0], [1.0, 1.0]]), np.array([[1.0, -1.0], [1.0, 1.0]])):
+    for p in (np.array([[1.0, 0.0], [1.0, 1.0]]), np.array([[1.0, -1.0], [1.0, 1.0]]),
+              np.array([[np.inf, 1.0], [1.0, 1.0]])):  # +inf: was blamed on the data
         with pytest.raises(ValueError, match=r"markov_switching_em: precisions must be "
-                           r"positive; component 0 is not"):
+                           r"positive and finite; component 0 is not"):
             markov_switching_em(x, eye2, zeros, p)
     # the model itself: a finite wrong log-likelihood before
     model = si.mechanisms.switching_linear_dynamics
@@ -702,6 +703,51 @@ def test_a_non_positive_definite_covariance_is_named():
     _, info = jax.jit(lambda c: linear_mixture_em(x[:-1], x[1:], eye2, zeros, c,
                                                   max_iters=1, raise_on_nonfinite=False))(bad)
     assert bool(info.nonfinite) and int(info.num_steps) == 0
+
+
+def test_positive_definite_checks_allow_float32_rounding():
+    """Regression (review): the positive-definite checks were exact: a float32 covariance
+    computed as the inverse of a well-posed precision (asymmetric by rounding) was refused
+    by gmm_em, and under jit the run stopped as non-finite; float32 eigvalsh of an
+    ill-conditioned precision inside linear_mixture_em's E-step read a small negative
+    eigenvalue and aborted a run that converges. Rounding is allowed now (the symmetric
+    part is read); an indefinite matrix is still refused."""
+    r = np.random.default_rng(1)
+    d = 16
+    basis, _ = np.linalg.qr(r.normal(size=(d, d)))
+    prec = (basis * np.logspace(0, 4, d)) @ basis.T
+    cov = jnp.linalg.inv(jnp.asarray((prec + prec.T) / 2, jnp.float32))
+    assert not np.array_equal(np.asarray(cov), np.asarray(cov).T)  # rounding asymmetry
+    x = jnp.asarray(r.multivariate_normal(np.zeros(d), np.linalg.inv(prec), 300), jnp.float32)
+    covs, w = jnp.stack([cov, cov]), jnp.array([0.5, 0.5], jnp.float32)
+    state, _ = gmm_em(x, x[:2], covs, w, max_iters=2)
+    _, info = jax.jit(lambda c: gmm_em(x, x[:2], c, w, max_iters=2))(covs)
+    assert np.isfinite(float(state.log_likelihood)) and not bool(info.nonfinite)
+    # targets on scales 1e2 .. 1e-2 with little noise: float32 precisions of condition 1e10
+    T, du, dy = 200, 3, 4
+    u = r.normal(size=(T, du))
+    scale = np.array([1e2, 1.0, 1e-2, 1.0])
+    y = (u @ r.normal(size=(dy, du)).T) * scale
+    y = y + r.normal(size=(T, dy)) * np.array([1.0, 1e-3, 1e-3, 1.0]) * scale
+    u, y = jnp.asarray(u, jnp.float32), jnp.asarray(y, jnp.float32)
+    A = jnp.asarray(r.normal(size=(2, dy, du)), jnp.float32)
+    c0 = jnp.stack([jnp.cov(y.T)] * 2)
+    for run in (linear_mixture_em, jax.jit(linear_mixture_em)):
+        st, inf = run(u, y, A, jnp.zeros((2, dy), jnp.float32), c0)
+        assert np.isfinite(float(st.log_likelihood)) and int(inf.num_steps) > 1
+    # NegSqDist reads a full precision by the same rule, eagerly and traced: condition
+    # 1e10 in float32 (its smallest eigenvalue, 1, is below float32's rounding)
+    p10 = (basis * np.logspace(0, 10, d)) @ basis.T
+    p10 = jnp.asarray((p10 + p10.T) / 2, jnp.float32)
+    q, k = x[:3] * 1e-4, x[3:7] * 1e-4
+    s = si.scores.NegSqDist(q, k, precision=p10).dense()
+    st = jax.jit(lambda p: si.scores.NegSqDist(q, k, precision=p).dense())(p10)
+    diff = np.asarray(q, np.float64)[:, None] - np.asarray(k, np.float64)[None]
+    want = -0.5 * np.einsum("ija,ab,ijb->ij", diff, np.asarray(p10, np.float64), diff)
+    np.testing.assert_allclose(s, want, rtol=1e-3)
+    np.testing.assert_allclose(st, want, rtol=1e-3)
+    with pytest.raises(ValueError, match="smallest eigenvalue"):
+        gmm_em(x, x[:2], covs.at[0, 0, 0].set(-1.0), w)
 
 
 def test_markov_switching_em_names_bad_log_weights():

@@ -159,7 +159,7 @@ def test_a_step_size_of_another_shape_is_named():
                            r"\(\d, ?\d?\) must broadcast to the shape of the means \(3,\)"):
             gradient.run(f, jnp.zeros(3), step_size=bad)
         with pytest.raises(ValueError, match=r"energy_em: `e_step_size` of shape .* must "
-                           r"broadcast to the shape of the means \(3,\)"):
+                           r"broadcast to the shape of the latents \(3,\)"):
             em_energy.run(e, jnp.ones(3), jnp.ones(3), e_step_size=bad)
         with pytest.raises(ValueError, match=r"energy_em: `m_step_size` of shape .* must "
                            r"broadcast to the shape of the params \(3,\)"):

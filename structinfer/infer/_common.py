@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_value, is_concrete
+from .._checks import check_value, is_concrete, positive_definite
 from ._model_fn import ModelFunction
 
 __all__ = [
@@ -136,13 +136,14 @@ def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
 
 
 def check_covariances(covs: jax.Array, what: str, diagonal: bool = False) -> jax.Array:
-    """Initial covariances (or diagonal precisions): each symmetric positive definite
-    (diagonal: each entry positive).
+    """Initial covariances (or diagonal precisions): each positive definite, read through
+    its symmetric part to rounding (`positive_definite`); diagonal: each entry positive
+    and finite.
 
-    Concrete: a ``ValueError`` naming ``what`` and the first component that fails (an
-    indefinite covariance is no Gaussian; the E-step would compute responsibilities
-    from it). Traced: NaN unless they pass (`check_value`), so the run stops on a NaN
-    energy.
+    Concrete: a ``ValueError`` naming ``what``, the first component that fails and its
+    smallest eigenvalue (an indefinite covariance is no Gaussian; the E-step would
+    compute responsibilities from it). Traced: NaN unless they pass (`check_value`), so
+    the run stops on a NaN energy.
 
     Args:
         covs: ``(K, d, d)`` (or ``(K, d)`` with ``diagonal``).
@@ -150,26 +151,29 @@ def check_covariances(covs: jax.Array, what: str, diagonal: bool = False) -> jax
         diagonal: ``covs`` holds the diagonals.
 
     Returns:
-        ``covs`` (traced: NaN unless they pass).
+        ``covs``; full ones as their symmetric part (what was checked; a float32 inverse
+        is symmetric only to rounding), traced: NaN unless they pass.
 
     Raises:
-        ValueError: a concrete component that is not symmetric positive definite.
+        ValueError: a concrete component that is not positive definite (diagonal:
+            positive and finite).
     """
-    def ok(xp, c):
-        if diagonal:
-            return xp.all(c > 0, -1)
-        c = c.astype(xp.float64) if xp is np else c
-        sym = xp.abs(c - xp.swapaxes(c, -1, -2)) <= 1e-5 * xp.max(xp.abs(c), (-2, -1),
-                                                                   keepdims=True)
-        return xp.all(sym, (-2, -1)) & xp.all(
-            xp.linalg.eigvalsh((c + xp.swapaxes(c, -1, -2)) / 2) > 0, -1)
-
-    rule = "positive" if diagonal else "symmetric positive definite"
+    if diagonal:
+        def ok(xp, c):
+            return xp.all((c > 0) & (c < xp.inf), -1)
+        rule = "positive and finite"
+    else:
+        covs = (covs + jnp.swapaxes(covs, -1, -2)) / 2
+        ok, rule = positive_definite, "positive definite (read through its symmetric part)"
     if is_concrete(covs):
-        good = np.asarray(ok(np, np.asarray(covs)))
+        c = np.asarray(covs)
+        good = np.asarray(ok(np, c))
         if not good.all():
-            raise ValueError(f"{what} must be {rule}; component {int(np.argmin(good))} is "
-                             "not")
+            i = int(np.argmin(good))
+            shown = ("its smallest eigenvalue is "
+                     f"{np.linalg.eigvalsh(c[i].astype(np.float64))[0]:.3g}" if not diagonal
+                     else f"got {c[i]}")
+            raise ValueError(f"{what} must be {rule}; component {i} is not: {shown}")
         return covs
     return check_value(covs, ok, what, f"must be {rule}")
 

@@ -46,7 +46,7 @@ def _e_step(energy_fn, v, th, e_step_size, e_iters, e_tol):
     e_iters = check_count(e_iters, "energy_em: e_iters",
                           role="the most gradient steps of each E-step")
     what = "energy_em: `e_step_size`"
-    e_step_size = like_tree(check_step_size(e_step_size, what), v, what)
+    e_step_size = like_tree(check_step_size(e_step_size, what), v, what, of="the latents")
     st, info = gradient.run(lambda z: energy_fn(z, th), v, step_size=e_step_size, tol=e_tol,
                             max_iters=e_iters, raise_on_nonfinite=False)
     return st.mu, jnp.where(info.nonfinite, info.final_energy(), st.energy)

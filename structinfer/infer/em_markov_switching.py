@@ -145,7 +145,7 @@ def init(
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no data (`T = 0`), shapes other than those above, precisions that
-            are not positive, or log-weights with a NaN, a +inf or a row without a finite
+            are not positive and finite, or log-weights with a NaN, a +inf or a row without a finite
             entry.
     """
     return _init(*_prepare(x, A, b, precisions, log_transition, log_initial))
@@ -254,7 +254,7 @@ def run(
         TypeError: `x` is a 16-bit float (the linear algebra needs float32 or
             float64).
         ValueError: no data (`T = 0`), shapes other than those above (for a batch of time series use
-            `jax.vmap`), precisions that are not positive or log-weights with a NaN, a
+            `jax.vmap`), precisions that are not positive and finite or log-weights with a NaN, a
             +inf or a row without a finite entry (under `jax.jit`: a NaN energy), a
             negative `reg`, or a `tol` that is not a non-negative number.
 

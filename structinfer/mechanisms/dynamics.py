@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpyro
 
 from .. import priors, scores
-from .._checks import float32_at_least, require
+from .._checks import float32_at_least, positive_definite, require
 from ..primitives import edge
 from ._common import check_matrix, features, latent_nodes
 
@@ -31,13 +31,11 @@ def _transition_scores(x_prev, x_next, A, b, precisions, normalize: bool = False
     full = jnp.ndim(precisions) == 3
 
     def positive(xp, p):  # the quadratic form reads the symmetric part
-        if full:
-            return xp.linalg.eigvalsh((p + xp.swapaxes(p, -1, -2)) / 2) > 0
-        return p > 0
+        return positive_definite(xp, p) if full else (p > 0) & (p < xp.inf)
 
     # slogdet's magnitude of an indefinite precision would be a finite wrong normaliser
     precisions = require(positive, "switching_linear_dynamics: precisions must be positive "
-                         "(definite), got {}", precisions)
+                         "(definite) and finite, got {}", precisions)
     resid = x_next[:, None, :] - jnp.einsum("kde,te->tkd", A, x_prev) - b
     if full:
         s = -0.5 * jnp.einsum("tkd,kde,tke->tk", resid, precisions, resid)
@@ -103,8 +101,9 @@ def switching_linear_dynamics(
         A: mode dynamics $A_k$, ``(K, d, d)`` (with ``targets``: ``(K, d_y, d_u)``).
         b: mode offsets $b_k$, ``(K, d)``.
         precisions: precisions $\Sigma_k^{-1}$, diagonal ``(K, d)`` or full ``(K, d, d)``;
-            positive (definite; a full one is read through its symmetric part). Checked
-            on concrete values; traced, a bad one makes the scores NaN.
+            positive (definite, to rounding; a full one is read through its symmetric
+            part) and finite. Checked on concrete values; traced, a bad one makes the
+            scores NaN.
         log_weights: mode log-weights $\ln \pi_k$, ``(K,)`` (normalised; ``-inf`` switches
             a mode off).
         targets: optional ``(T, d_y)`` children paired with the rows of ``x``.
