@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
-import re
 from collections.abc import Callable
 
 import jax
@@ -56,6 +55,7 @@ from .primitives import (
     is_enumerated,
     is_factor,
     potential,
+    user_site_name,
 )
 
 __all__ = [
@@ -293,7 +293,7 @@ class tilt(Messenger):
             return
         t, event_dim = spec
         v = jnp.asarray(msg["value"])
-        shown = re.sub("^(_PREV_)+", "", name)  # (a scan's unrolled first steps rename it)
+        shown = user_site_name(name)
         if event_dim:
             ev_shape, ev_ref = v.shape[-event_dim:], t.shape[-event_dim:]
             if ev_shape != ev_ref:
@@ -439,7 +439,7 @@ class mask_parents(Messenger):
                 # NumPyro's scan renames its first, unrolled step's sites and hides the
                 # later steps from handlers outside it: only that step would be masked
                 raise ValueError(
-                    f"edge site '{re.sub('^(_PREV_)+', '', msg['name'])}': mask_parents "
+                    f"edge site '{user_site_name(msg['name'])}': mask_parents "
                     "outside a numpyro scan reaches the scan's first step only; put the "
                     "handler inside the step function")
             msg["masks"].append(self.mask)
@@ -520,8 +520,8 @@ def _checked_steps(msg: dict) -> None:
             out = f(carry, x)
         chain = None  # the step's first Markov edge site
         for name, site in sites.items():
+            name = user_site_name(name)  # for the messages: the first steps run unrolled
             if msg["kwargs"].get("enum") and _is_plain_factor(site):
-                name = re.sub("^(_PREV_)+", "", name)  # the first steps run unrolled
                 raise ValueError(
                     f"factor site '{name}' is a numpyro.factor inside a "
                     "numpyro.contrib.control_flow.scan, whose enumeration loses its time "

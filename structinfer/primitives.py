@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,12 @@ SCAN_RECORD_KEY = "_control_flow_done"
 time steps, the leading dim of its value)."""
 SCORE_SUFFIX = ".score"
 """Suffix of the factor site carrying an edge's row normaliser (see [`edge`][structinfer.edge])."""
+
+
+def user_site_name(name: str) -> str:
+    """A site's (or its enumeration dim's) name as the model wrote it: NumPyro's ``scan``
+    prefixes ``_PREV_`` to those of its unrolled first steps."""
+    return re.sub("^(_PREV_)+", "", name)
 
 
 @dataclass(frozen=True)

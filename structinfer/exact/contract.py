@@ -20,7 +20,6 @@ collapsed; every other function of the engine is a gradient of the scalar form.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal, NamedTuple
@@ -37,7 +36,7 @@ from numpyro.contrib.funsor.infer_util import compute_markov_factors
 
 from .._checks import as_arrays, model_name
 from ..handlers import contain, observe_given, require_values, tilt
-from ..primitives import SCAN_RECORD_KEY
+from ..primitives import SCAN_RECORD_KEY, user_site_name
 from .inspect import ModelInfo, inspect_model
 
 __all__ = [
@@ -470,12 +469,12 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
     for s, lp in _scaled_log_probs(tr):
         lp = jnp.asarray(lp).astype(dtype)
         dims = dict(s["infer"].get("dim_to_name", {}))
-        where = f"site '{_user_name(s['name'])}'"
+        where = f"site '{user_site_name(s['name'])}'"
         time = [n for n in dims.values() if n.startswith("_time")]
         chain = {n for n in dims.values() if n in (prev, site)}
         if set(dims.values()) - chain - set(time):
             raise NotAChainError(f"{where}: its factor reads "
-                                 f"{sorted({_user_name(n) for n in dims.values() if n not in time})}, not only "
+                                 f"{sorted({user_site_name(n) for n in dims.values() if n not in time})}, not only "
                                  f"the chain of '{site}'")
         if not chain:
             constant = constant + jnp.sum(lp)
@@ -492,12 +491,6 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
             reads[s["name"]] = ("next",)
             initial = initial + _place(lp, dims, (prev,), where)
     return ChainFactors(site, initial, pair, constant, reads)
-
-
-def _user_name(name: str) -> str:
-    """A site's (or its enumeration dim's) name as the model wrote it: NumPyro prefixes
-    ``_PREV_`` to those of a scan's unrolled first steps."""
-    return re.sub("^(_PREV_)+", "", name)
 
 
 def _energy_only(model, reason: str) -> EnergyOnlyModelError:
