@@ -318,3 +318,38 @@ def test_exact_mean_field_takes_a_parent_with_zero_likelihood(x64):
     post = np.exp(logp - log_z2)
     assert gap >= -1e-12
     assert 0.5 * np.abs(att[2, :3] - post).sum() <= np.sqrt(gap / 2) + 1e-12
+
+
+def test_free_energy_gradient_at_a_parent_without_attention(x64):
+    """Regression (review): masking the scores where the attention is 0 (to avoid
+    0 * -inf) also zeroed dF/dA_ij there for a finite score, and dropped a NaN score.
+    Only a -inf score is masked now: the gradient is that of the plain formula with its
+    finite scores, and a NaN score gives a NaN free energy."""
+    r = np.random.default_rng(3)
+    s = jnp.asarray(r.normal(size=(3, 4)))
+    steps = jnp.asarray(np.maximum(np.arange(3)[:, None] + 1 - np.arange(4), 0))
+    allowed = jnp.asarray(np.arange(3)[:, None] + 1 >= np.arange(4))
+    att = jnp.where(allowed, jnp.asarray(r.random((3, 4))), 0.0)
+    att = att.at[1, 0].set(0.0)
+    att = att / att.sum(-1, keepdims=True)
+    a, b = jnp.full(3, 1.5), jnp.full(3, 2.5)
+
+    def plain(att):  # the free energy written out, every score finite
+        from jax.scipy.special import betaln, digamma
+        elq, el1q = digamma(a) - digamma(a + b), digamma(b) - digamma(a + b)
+        rr = jnp.where(allowed, att, 0.0)
+        lik = jnp.sum(rr * jnp.where(allowed, s, 0.0), -1) + elq + jnp.sum(rr * steps, -1) * el1q
+        prior = (0.7 - 1) * elq + (1.3 - 1) * el1q - betaln(0.7, 1.3)
+        ent = -jnp.sum(jnp.where(rr > 0, rr * jnp.log(jnp.where(rr > 0, rr, 1.0)), 0.0), -1)
+        hq = (betaln(a, b) - (a - 1) * digamma(a) - (b - 1) * digamma(b)
+              + (a + b - 2) * digamma(a + b))
+        return -(lik + prior + ent + hq)
+
+    def ours(att, s=s):
+        return geometric_beta_free_energy(s, att, a, b, 0.7, 1.3, steps, allowed)
+
+    np.testing.assert_allclose(ours(att), plain(att), rtol=1e-12)
+    g, g_ref = jax.grad(lambda x: ours(x).sum())(att), jax.grad(lambda x: plain(x).sum())(att)
+    assert float(g_ref[1, 0]) != 0.0
+    np.testing.assert_allclose(g, g_ref, rtol=1e-12)
+    assert np.isnan(float(ours(att, s.at[1, 0].set(jnp.nan))[1]))

@@ -196,9 +196,9 @@ def geometric_beta_free_energy(
     elq = digamma(alpha) - digamma(alpha + beta)
     el1q = digamma(beta) - digamma(alpha + beta)
     r = jnp.where(allowed, attention, 0.0)
-    # a parent without attention adds nothing, also one of zero likelihood (s = -inf,
-    # where r * s would be 0 * -inf = NaN)
-    s = jnp.where(allowed & (r > 0), scores, 0.0)
+    # a parent of zero likelihood (s = -inf) without attention adds nothing (r * s would
+    # be 0 * -inf = NaN); a finite or NaN score stays, so do dF/dr and a NaN
+    s = jnp.where(allowed & ((r > 0) | (scores != -jnp.inf)), scores, 0.0)
     ek = jnp.sum(r * steps, -1)
     lik = jnp.sum(r * s, -1) + elq + ek * el1q
     prior = (alpha0 - 1) * elq + (beta0 - 1) * el1q - betaln(alpha0, beta0)
