@@ -516,6 +516,41 @@ def test_compare_table_ranks_by_elpd():
         dg.compare({"a": synthetic_idata(0.0), "b": synthetic_idata(0.0, n=7)})
 
 
+def test_compare_refuses_models_of_different_observation_shapes():
+    """Six observations as (2, 3) and as (6,): not the same data, a clear error (not
+    NumPy's broadcasting error from inside ArviZ)."""
+    r = np.random.default_rng(0)
+    ll = -1.0 + 0.1 * r.normal(size=(2, 200, 6))
+    grid = azb.from_dict({"posterior": {"mu": r.normal(size=(2, 200))},
+                          "log_likelihood": {"x": ll.reshape(2, 200, 2, 3)}},
+                         dims={"x": ["batch", "children"]})
+    flat = azb.from_dict({"posterior": {"mu": r.normal(size=(2, 200))},
+                          "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+    with pytest.raises(ValueError, match=r"different observation shapes.*\(2, 3\).*\(6,\)"):
+        dg.compare({"grid": grid, "flat": flat})
+
+
+@pytest.mark.parametrize("bad", [-np.inf, np.nan])
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_loo_refuses_a_log_likelihood_that_is_not_finite(bad, everywhere):
+    """A child whose likelihood is 0 (or NaN) at some draw has an infinite importance
+    weight: PSIS-LOO cannot estimate its leave-one-out density. A clear error naming the
+    model and the child, never a finite elpd (uniform weights ranked such a model first)
+    nor a NaN one."""
+    ll = synthetic_idata(0.0)["log_likelihood"]["x"].values.copy()
+    if everywhere:
+        ll[..., 4] = bad
+    else:
+        ll[0, 5, 4] = bad
+    r = np.random.default_rng(1)
+    idata = azb.from_dict({"posterior": {"mu": r.normal(size=(2, 200))},
+                           "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+    with pytest.raises(ValueError, match=r"model 'm'.*not finite.*children 4"):
+        dg.loo(idata, name="m")
+    with pytest.raises(ValueError, match=r"model 'm'.*children 4"):
+        dg.compare({"ok": synthetic_idata(0.0), "m": idata})
+
+
 def scalar_model(prior):
     """Seven scalar children, each copying one of five parents (means) plus noise of
     unknown scale s; every child's likelihood depends on s (so ArviZ's own PSIS applies)."""
