@@ -781,6 +781,39 @@ def test_plots(tmp_path, q_task, q_fit, q_idata):
     plt.close("all")
 
 
+def test_plot_distance_of_batched_marginals():
+    """`(heads, children, parents)` marginals (the edge posterior of a batch plate): the
+    mass by distance over every child of every head, computed here with loops (it raised
+    NumPy's IndexError, indexing the heads with the distances' mask)."""
+    import matplotlib.pyplot as plt
+
+    r = np.random.default_rng(0)
+    heads, n, m, offset = 2, 5, 7, 1
+    a = r.dirichlet(np.ones(m), size=(heads, n))
+    prior = r.dirichlet(np.ones(m), size=(heads, n))
+    t = r.integers(0, m, size=(heads, n))
+    ax = dg.plot_distance(a, prior, offset=offset, true_edges=t)
+    ds = np.arange(-(m - 1) + offset, n - 1 + offset + 1)
+
+    def by_distance(p):
+        out = np.zeros(ds.size)
+        for h in range(heads):
+            for i in range(n):
+                for j in range(m):
+                    out[np.searchsorted(ds, i + offset - j)] += p[h, i, j] / (heads * n)
+        return out
+
+    post_line, prior_line = ax.lines[:2]
+    np.testing.assert_allclose(post_line.get_xdata(), ds)  # negative distances have mass
+    np.testing.assert_allclose(post_line.get_ydata(), by_distance(a), atol=1e-6)
+    np.testing.assert_allclose(prior_line.get_ydata(), by_distance(prior), atol=1e-6)
+    hist = [(np.arange(n) + offset - t == d).mean() for d in ds]
+    np.testing.assert_allclose([b.get_height() for b in ax.patches], hist)
+    with pytest.raises(ValueError, match=r"plot_distance: prior .*\(5, 6\).*\(5, 7\)"):
+        dg.plot_distance(a, prior[..., :6] / prior[..., :6].sum(-1, keepdims=True))
+    plt.close("all")
+
+
 def batched_q_model(x, w, sigma):
     """Two sequences (a batch plate) sharing one Geometric prior (one q, no batch dims)."""
     b, n = x.shape[0], x.shape[1] - 1
