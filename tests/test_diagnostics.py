@@ -530,6 +530,19 @@ def test_compare_refuses_models_of_different_observation_shapes():
         dg.compare({"grid": grid, "flat": flat})
 
 
+@pytest.mark.parametrize("draws", [3, 20, 24])
+def test_loo_names_too_few_draws(draws):
+    """PSIS fits a Pareto tail to the largest fifth of the draws and needs 5 of them:
+    below 25 draws a clear error (it was NumPy's IndexError, or truncated importance
+    sampling for every child with a warning blaming ties that were not there)."""
+    ll = synthetic_idata(0.0)["log_likelihood"]["x"].values[:1, :draws]
+    r = np.random.default_rng(1)
+    idata = azb.from_dict({"posterior": {"mu": r.normal(size=(1, draws))},
+                           "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+    with pytest.raises(ValueError, match=rf"model 'few'.*at least 25 .*got {draws}"):
+        dg.loo(idata, name="few")
+
+
 @pytest.mark.parametrize("bad", [-np.inf, np.nan])
 @pytest.mark.parametrize("everywhere", [False, True])
 def test_loo_refuses_a_log_likelihood_that_is_not_finite(bad, everywhere):
@@ -811,6 +824,22 @@ def test_plot_distance_of_batched_marginals():
     np.testing.assert_allclose([b.get_height() for b in ax.patches], hist)
     with pytest.raises(ValueError, match=r"plot_distance: prior .*\(5, 6\).*\(5, 7\)"):
         dg.plot_distance(a, prior[..., :6] / prior[..., :6].sum(-1, keepdims=True))
+    plt.close("all")
+
+
+def test_one_variable_name_as_a_string():
+    """`var_names="sigma"` is the variable sigma, as in ArviZ (it was read as the
+    variables 's', 'i', 'g', 'm', 'a')."""
+    import matplotlib.pyplot as plt
+
+    r = np.random.default_rng(0)
+    dt = azb.from_dict({"posterior": {"sigma": r.gamma(2.0, size=(2, 30)),
+                                      "q": r.uniform(size=(2, 30))}})
+    table = dg.hyperparameter_summary(dt, "sigma")
+    assert list(table.index) == ["sigma"]
+    assert table.loc["sigma", "mean"] == pytest.approx(dt["posterior"]["sigma"].values.mean())
+    pc = dg.plot_trace(dt, "sigma")
+    assert list(pc.viz["plot"].data_vars) == ["sigma"]
     plt.close("all")
 
 

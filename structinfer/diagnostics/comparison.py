@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 __all__ = ["ParetoKWarning", "loo", "compare", "check_comparable"]
 
 
+#: the fewest posterior draws PSIS-LOO runs on: ArviZ's Pareto tail is the largest fifth
+#: of the draws, at least 5 of them
+MIN_DRAWS = 25
+
+
 class ParetoKWarning(UserWarning):
     r"""PSIS-LOO is unreliable for some observations (Pareto $\hat k$ above the threshold)."""
 
@@ -97,7 +102,7 @@ def loo(
 
     Raises:
         ValueError: the InferenceData has no `log_likelihood` group, its posterior
-            is a single point, or its log-likelihood is not finite (-inf or NaN) at
+            is a single point, it has fewer than 25 draws (chains x draws), or its log-likelihood is not finite (-inf or NaN) at
             some draw.
     """
     import arviz_stats as azs
@@ -117,6 +122,14 @@ def loo(
                 "e.g. an SVI fit with guide='delta'): leave-one-out needs draws from a "
                 "posterior; fit with structinfer.infer.nuts or an SVI guide with spread"
             )
+    ll_sizes = idata["log_likelihood"].sizes
+    n_samples = int(ll_sizes.get("chain", 1)) * int(ll_sizes.get("draw", 1))
+    if n_samples < MIN_DRAWS:
+        raise ValueError(
+            f"model '{name}': PSIS-LOO needs at least {MIN_DRAWS} posterior draws (chains x "
+            f"draws; it fits a Pareto tail to the largest fifth of them and needs 5), got "
+            f"{n_samples}; draw more"
+        )
     _check_finite(idata, var_name, name)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")

@@ -27,6 +27,7 @@ from ._common import (
     offset_of,
     posterior_draws,
     read_fit,
+    var_name_list,
 )
 from .convergence import as_trace, convergence_report
 from .edges import distance_posterior
@@ -186,7 +187,7 @@ def plot_trace(
 
     Args:
         idata: a DataTree with a `posterior` group.
-        var_names: the variables (default all).
+        var_names: the variables (one name, or a list; default all).
         path: save the figure there.
 
     Returns:
@@ -194,7 +195,8 @@ def plot_trace(
     """
     import arviz_plots as azp
 
-    pc = azp.plot_trace_dist(idata, var_names=None if var_names is None else list(var_names),
+    pc = azp.plot_trace_dist(idata, var_names=None if var_names is None
+                             else var_name_list(var_names),
                              backend="matplotlib")
     if path is not None:
         pc.savefig(path)
@@ -212,7 +214,7 @@ def plot_prior_posterior(
 
     Args:
         idata: a DataTree with `prior` and `posterior` groups.
-        var_names: the variables.
+        var_names: the variables (one name, or a list).
         path: save the figure there.
 
     Returns:
@@ -225,7 +227,8 @@ def plot_prior_posterior(
 
     if "prior" not in getattr(idata, "children", {}):
         raise ValueError("plot_prior_posterior: the InferenceData has no prior group")
-    pc = azp.plot_prior_posterior(idata, var_names=list(var_names), backend="matplotlib")
+    pc = azp.plot_prior_posterior(idata, var_names=var_name_list(var_names),
+                                  backend="matplotlib")
     if path is not None:
         pc.savefig(path)
     return pc
