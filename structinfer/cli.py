@@ -513,14 +513,16 @@ def cmd_compare(args) -> int:
     from tqdm.auto import tqdm
 
     from . import diagnostics as dg
-    from . import infer
+    from . import exact, infer
     from .demo import markdown_table
 
     log = _log(args)
-    sites = {}
+    sites, shapes = {}, {}
     for name, fn in models.items():
         try:
             dg.check_comparable(fn, score_factors=args.score_factors, **bound[name])
+            shapes[name] = exact.likelihood_structure(
+                fn, None, score_factors=args.score_factors, **bound[name]).shape
             sites[name] = _edge_sites(fn, bound[name])
         except dg.EnergyOnlyModelError as e:
             said = str(e)  # "model '<function>' ...": named once, as MODELS.py names it
@@ -534,6 +536,13 @@ def cmd_compare(args) -> int:
             ) from e
     if true_edges is not None:
         _check_true_edges(args.true_edges, true_edges, models, sites)
+    if len(set(shapes.values())) > 1:  # PSIS-LOO compares the same observations only
+        said = ", ".join(f"model '{n}' {tuple(s)}" for n, s in shapes.items())
+        raise CLIError(
+            f"the models observe different data: pointwise log-likelihood shapes {said}; "
+            "compare models of the same observations (the same plates around the observed "
+            "site)"
+        )
     _make_out(args.out)
     idatas = {}
     bar = tqdm(list(models), desc="fitting models", disable=not args.progress)

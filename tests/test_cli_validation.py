@@ -60,6 +60,14 @@ def model_plain(x, w):
         numpyro.sample("x", dist.Normal(0.0, sigma).expand([x.shape[1]]).to_event(1), obs=x)
 '''
 
+SHORTER = MODELS + '''
+
+def model_shorter(x, w):
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    n = x.shape[0] - 2
+    _observe(x[1:], w, sigma, si.priors.Restricted.causal(n, n, include_self=False, offset=1))
+'''
+
 SCORED = """
 import numpyro
 import numpyro.distributions as dist
@@ -98,6 +106,7 @@ def work(tmp_path, monkeypatch):
     (tmp_path / "noedges.py").write_text(NO_EDGES)
     (tmp_path / "models.txt").write_text(MODELS)
     (tmp_path / "scored.py").write_text(SCORED)
+    (tmp_path / "shorter.py").write_text(SHORTER)
     p = task.parents
     np.savez(tmp_path / "data.npz", x=task.x, w=task.weight, parents=p,
              short=p[:-1], wide=np.stack([p, p]), floats=p.astype(np.float32),
@@ -267,6 +276,15 @@ def test_models_file_imports_a_module_beside_it_and_sys_path_is_restored(work, c
         assert sys.path == before
     finally:
         sys.modules.pop("si_test_validation_helper", None)
+
+
+def test_models_of_different_observations_stop_before_fitting(work, capsys):
+    """One model observes 10 children, the others 11: PSIS-LOO cannot compare them, and
+    the command says so before the first fit (not after fitting every model)."""
+    rc, lines = _run(capsys, "compare", "shorter.py", "data.npz")
+    assert rc == 1 and len(lines) == 1, lines
+    assert REACHED not in lines[0], lines
+    assert "model 'shorter'" in lines[0] and "(10,)" in lines[0] and "(11,)" in lines[0], lines
 
 
 def test_score_factor_error_names_the_command_line_option(work, capsys):

@@ -516,6 +516,54 @@ def test_compare_table_ranks_by_elpd():
         dg.compare({"a": synthetic_idata(0.0), "b": synthetic_idata(0.0, n=7)})
 
 
+def test_compare_refuses_models_of_different_observation_shapes():
+    """Six observations as (2, 3) and as (6,): not the same data, a clear error (not
+    NumPy's broadcasting error from inside ArviZ)."""
+    r = np.random.default_rng(0)
+    ll = -1.0 + 0.1 * r.normal(size=(2, 200, 6))
+    grid = azb.from_dict({"posterior": {"mu": r.normal(size=(2, 200))},
+                          "log_likelihood": {"x": ll.reshape(2, 200, 2, 3)}},
+                         dims={"x": ["batch", "children"]})
+    flat = azb.from_dict({"posterior": {"mu": r.normal(size=(2, 200))},
+                          "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+    with pytest.raises(ValueError, match=r"different observation shapes.*\(2, 3\).*\(6,\)"):
+        dg.compare({"grid": grid, "flat": flat})
+
+
+@pytest.mark.parametrize("draws", [3, 20, 24])
+def test_loo_names_too_few_draws(draws):
+    """PSIS fits a Pareto tail to the largest fifth of the draws and needs 5 of them:
+    below 25 draws a clear error (it was NumPy's IndexError, or truncated importance
+    sampling for every child with a warning blaming ties that were not there)."""
+    ll = synthetic_idata(0.0)["log_likelihood"]["x"].values[:1, :draws]
+    r = np.random.default_rng(1)
+    idata = azb.from_dict({"posterior": {"mu": r.normal(size=(1, draws))},
+                           "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+    with pytest.raises(ValueError, match=rf"model 'few'.*at least 25 .*got {draws}"):
+        dg.loo(idata, name="few")
+
+
+@pytest.mark.parametrize("bad", [-np.inf, np.nan])
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_loo_refuses_a_log_likelihood_that_is_not_finite(bad, everywhere):
+    """A child whose likelihood is 0 (or NaN) at some draw has an infinite importance
+    weight: PSIS-LOO cannot estimate its leave-one-out density. A clear error naming the
+    model and the child, never a finite elpd (uniform weights ranked such a model first)
+    nor a NaN one."""
+    ll = synthetic_idata(0.0)["log_likelihood"]["x"].values.copy()
+    if everywhere:
+        ll[..., 4] = bad
+    else:
+        ll[0, 5, 4] = bad
+    r = np.random.default_rng(1)
+    idata = azb.from_dict({"posterior": {"mu": r.normal(size=(2, 200))},
+                           "log_likelihood": {"x": ll}}, dims={"x": ["children"]})
+    with pytest.raises(ValueError, match=r"model 'm'.*not finite.*children 4"):
+        dg.loo(idata, name="m")
+    with pytest.raises(ValueError, match=r"model 'm'.*children 4"):
+        dg.compare({"ok": synthetic_idata(0.0), "m": idata})
+
+
 def scalar_model(prior):
     """Seven scalar children, each copying one of five parents (means) plus noise of
     unknown scale s; every child's likelihood depends on s (so ArviZ's own PSIS applies)."""
@@ -743,6 +791,55 @@ def test_plots(tmp_path, q_task, q_fit, q_idata):
     assert (tmp_path / "cmp.png").stat().st_size > 0 and (tmp_path / "trace.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no prior group"):
         dg.plot_prior_posterior(q_idata, ["q"])
+    plt.close("all")
+
+
+def test_plot_distance_of_batched_marginals():
+    """`(heads, children, parents)` marginals (the edge posterior of a batch plate): the
+    mass by distance over every child of every head, computed here with loops (it raised
+    NumPy's IndexError, indexing the heads with the distances' mask)."""
+    import matplotlib.pyplot as plt
+
+    r = np.random.default_rng(0)
+    heads, n, m, offset = 2, 5, 7, 1
+    a = r.dirichlet(np.ones(m), size=(heads, n))
+    prior = r.dirichlet(np.ones(m), size=(heads, n))
+    t = r.integers(0, m, size=(heads, n))
+    ax = dg.plot_distance(a, prior, offset=offset, true_edges=t)
+    ds = np.arange(-(m - 1) + offset, n - 1 + offset + 1)
+
+    def by_distance(p):
+        out = np.zeros(ds.size)
+        for h in range(heads):
+            for i in range(n):
+                for j in range(m):
+                    out[np.searchsorted(ds, i + offset - j)] += p[h, i, j] / (heads * n)
+        return out
+
+    post_line, prior_line = ax.lines[:2]
+    np.testing.assert_allclose(post_line.get_xdata(), ds)  # negative distances have mass
+    np.testing.assert_allclose(post_line.get_ydata(), by_distance(a), atol=1e-6)
+    np.testing.assert_allclose(prior_line.get_ydata(), by_distance(prior), atol=1e-6)
+    hist = [(np.arange(n) + offset - t == d).mean() for d in ds]
+    np.testing.assert_allclose([b.get_height() for b in ax.patches], hist)
+    with pytest.raises(ValueError, match=r"plot_distance: prior .*\(5, 6\).*\(5, 7\)"):
+        dg.plot_distance(a, prior[..., :6] / prior[..., :6].sum(-1, keepdims=True))
+    plt.close("all")
+
+
+def test_one_variable_name_as_a_string():
+    """`var_names="sigma"` is the variable sigma, as in ArviZ (it was read as the
+    variables 's', 'i', 'g', 'm', 'a')."""
+    import matplotlib.pyplot as plt
+
+    r = np.random.default_rng(0)
+    dt = azb.from_dict({"posterior": {"sigma": r.gamma(2.0, size=(2, 30)),
+                                      "q": r.uniform(size=(2, 30))}})
+    table = dg.hyperparameter_summary(dt, "sigma")
+    assert list(table.index) == ["sigma"]
+    assert table.loc["sigma", "mean"] == pytest.approx(dt["posterior"]["sigma"].values.mean())
+    pc = dg.plot_trace(dt, "sigma")
+    assert list(pc.viz["plot"].data_vars) == ["sigma"]
     plt.close("all")
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "check_marginals",
     "check_true_edges",
     "offset_of",
+    "var_name_list",
 ]
 
 
@@ -216,3 +217,9 @@ def offset_of(offset: Any) -> int:
         "offset must be an int (child i sits at parent position i + offset) or a "
         f"structural prior carrying one, got {offset!r}"
     )
+
+
+def var_name_list(var_names: Any) -> list[str]:
+    """Variable names as a list: one name given as a string is that variable (as in
+    ArviZ), not its characters."""
+    return [var_names] if isinstance(var_names, str) else list(var_names)

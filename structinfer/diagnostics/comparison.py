@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 __all__ = ["ParetoKWarning", "loo", "compare", "check_comparable"]
 
 
+#: the fewest posterior draws PSIS-LOO runs on: ArviZ's Pareto tail is the largest fifth
+#: of the draws, at least 5 of them
+MIN_DRAWS = 25
+
+
 class ParetoKWarning(UserWarning):
     r"""PSIS-LOO is unreliable for some observations (Pareto $\hat k$ above the threshold)."""
 
@@ -96,8 +101,9 @@ def loo(
         ArviZ's `ELPDData` (pointwise).
 
     Raises:
-        ValueError: the InferenceData has no `log_likelihood` group, or its posterior
-            is a single point.
+        ValueError: the InferenceData has no `log_likelihood` group, its posterior
+            is a single point, it has fewer than 25 draws (chains x draws), or its log-likelihood is not finite (-inf or NaN) at
+            some draw.
     """
     import arviz_stats as azs
 
@@ -116,6 +122,15 @@ def loo(
                 "e.g. an SVI fit with guide='delta'): leave-one-out needs draws from a "
                 "posterior; fit with structinfer.infer.nuts or an SVI guide with spread"
             )
+    ll_sizes = idata["log_likelihood"].sizes
+    n_samples = int(ll_sizes.get("chain", 1)) * int(ll_sizes.get("draw", 1))
+    if n_samples < MIN_DRAWS:
+        raise ValueError(
+            f"model '{name}': PSIS-LOO needs at least {MIN_DRAWS} posterior draws (chains x "
+            f"draws; it fits a Pareto tail to the largest fifth of them and needs 5), got "
+            f"{n_samples}; draw more"
+        )
+    _check_finite(idata, var_name, name)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")
         warnings.filterwarnings("ignore", category=RuntimeWarning)
@@ -134,6 +149,33 @@ def loo(
         )
     _warn_pareto(res, name, pareto_k_threshold)
     return res
+
+
+def _check_finite(idata: Any, var_name: str | None, name: str) -> None:
+    r"""Refuse a log-likelihood that is not finite at some draw: an observation with
+    $p(x_i \mid \theta^{(s)}) = 0$ (or NaN) has an infinite importance weight
+    $1 / p(x_i \mid \theta^{(s)})$, and no leave-one-out estimate."""
+    ll_group = idata["log_likelihood"].to_dataset()
+    names = [var_name] if var_name is not None else list(ll_group.data_vars)
+    for var in names:
+        if var not in ll_group:
+            continue  # ArviZ names a missing variable
+        ll = ll_group[var]
+        sample_dims = [d for d in ("chain", "draw") if d in ll.dims]
+        obs_dims = [d for d in ll.dims if d not in sample_dims]
+        bad = ~np.isfinite(ll).all(sample_dims)
+        if not bool(bad.any()):
+            continue
+        where = np.argwhere(np.atleast_1d(np.asarray(bad)))
+        shown = ", ".join(_format_index(bad, tuple(int(i) for i in b)) if obs_dims
+                          else var for b in where[:8])
+        more = f" and {len(where) - 8} more" if len(where) > 8 else ""
+        raise ValueError(
+            f"model '{name}': the log-likelihood '{var}' is not finite (-inf: zero density, "
+            f"or NaN) at some draws for {shown}{more}; PSIS-LOO cannot estimate their "
+            "leave-one-out density (the importance weight 1/p is infinite). Check the data "
+            "(NaN, values outside the observation's support) or the model"
+        )
 
 
 def _psis_terms(idata: Any, var_name: str | None) -> tuple[dict, list[str]]:
@@ -282,8 +324,8 @@ def compare(
         `elpd_diff`, `weight`, `se`, `dse`, `warning`).
 
     Raises:
-        ValueError: fewer than two models, or models of different numbers of
-            observations.
+        ValueError: fewer than two models, models of different numbers or shapes of
+            observations, or `loo`'s error for one model, naming it.
     """
     import arviz_stats as azs
 
@@ -296,6 +338,12 @@ def compare(
         raise ValueError(
             f"compare: the models have different numbers of observations {sizes}; compare "
             "models of the same data"
+        )
+    shapes = {n: tuple(np.shape(e.elpd_i)) for n, e in elpds.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(
+            f"compare: the models have different observation shapes {shapes}; compare "
+            "models of the same data, with the same plates around the observed site"
         )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")

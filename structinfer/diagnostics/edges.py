@@ -21,7 +21,7 @@ import numpy as np
 
 from .._checks import NotFoundError, require
 from ..priors import StructuralPrior
-from ._common import check_marginals, check_true_edges, offset_of
+from ._common import check_marginals, check_true_edges, offset_of, var_name_list
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -313,7 +313,7 @@ def hyperparameter_summary(
 
     Args:
         idata: a DataTree with a `posterior` group.
-        var_names: the posterior variables to summarise.
+        var_names: the posterior variables to summarise (one name, or a list).
         round_to: decimals, or `"none"` for raw numbers.
 
     Returns:
@@ -324,6 +324,7 @@ def hyperparameter_summary(
     """
     import arviz_stats as azs
 
+    var_names = var_name_list(var_names)
     post = idata["posterior"].to_dataset()
     missing = [v for v in var_names if v not in post]
     if missing:
@@ -333,4 +334,4 @@ def hyperparameter_summary(
         )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=RuntimeWarning)
-        return azs.summary(idata, var_names=list(var_names), round_to=round_to)
+        return azs.summary(idata, var_names=var_names, round_to=round_to)

@@ -27,6 +27,7 @@ from ._common import (
     offset_of,
     posterior_draws,
     read_fit,
+    var_name_list,
 )
 from .convergence import as_trace, convergence_report
 from .edges import distance_posterior
@@ -107,7 +108,8 @@ def plot_distance(
 ) -> Axes:
     r"""Prior against posterior edge mass by distance $d = i + \text{offset} - j$.
 
-    The masses are [`distance_posterior`][structinfer.diagnostics.distance_posterior];
+    The masses are [`distance_posterior`][structinfer.diagnostics.distance_posterior],
+    over every child of every batch element (head, sequence) of batched marginals;
     the histogram of the true distances is drawn as bars when known.
 
     Args:
@@ -122,18 +124,31 @@ def plot_distance(
 
     Returns:
         The axes.
+
+    Raises:
+        ValueError: `marginals` or `prior` are not rows of probabilities, or `prior`
+            has other `(children, parents)` than `marginals`.
     """
     offset = offset_of(offset)
     a = check_marginals(marginals)
     ax = _axes(ax)
     ds, post = distance_posterior(a, offset)
-    keep = ds >= 0 if np.asarray(post)[ds < 0].sum() < 1e-9 else np.ones_like(ds, bool)
+    # batch dims (heads, sequences): the mass over every child of every element
+    post = np.asarray(post).reshape(-1, ds.size).mean(0)
+    keep = ds >= 0 if post[ds < 0].sum() < 1e-9 else np.ones_like(ds, bool)
     if max_distance is not None:
         keep &= ds <= max_distance
     ax.plot(ds[keep], np.asarray(post)[keep], "o-", label=label)
     if prior is not None:
-        _, pp = distance_posterior(check_marginals(prior, "prior"), offset)
-        ax.plot(ds[keep], np.asarray(pp)[keep], "s--", alpha=0.7, label="prior")
+        pr = check_marginals(prior, "prior")
+        if pr.shape[-2:] != a.shape[-2:]:
+            raise ValueError(
+                f"plot_distance: prior has (children, parents) {tuple(pr.shape[-2:])}; "
+                f"expected those of the marginals, {tuple(a.shape[-2:])}"
+            )
+        _, pp = distance_posterior(pr, offset)
+        pp = np.asarray(pp).reshape(-1, ds.size).mean(0)
+        ax.plot(ds[keep], pp[keep], "s--", alpha=0.7, label="prior")
     if true_edges is not None:
         t = check_true_edges(true_edges, a)
         d_true = np.arange(a.shape[-2]) + offset - t
@@ -172,7 +187,7 @@ def plot_trace(
 
     Args:
         idata: a DataTree with a `posterior` group.
-        var_names: the variables (default all).
+        var_names: the variables (one name, or a list; default all).
         path: save the figure there.
 
     Returns:
@@ -180,7 +195,8 @@ def plot_trace(
     """
     import arviz_plots as azp
 
-    pc = azp.plot_trace_dist(idata, var_names=None if var_names is None else list(var_names),
+    pc = azp.plot_trace_dist(idata, var_names=None if var_names is None
+                             else var_name_list(var_names),
                              backend="matplotlib")
     if path is not None:
         pc.savefig(path)
@@ -198,7 +214,7 @@ def plot_prior_posterior(
 
     Args:
         idata: a DataTree with `prior` and `posterior` groups.
-        var_names: the variables.
+        var_names: the variables (one name, or a list).
         path: save the figure there.
 
     Returns:
@@ -211,7 +227,8 @@ def plot_prior_posterior(
 
     if "prior" not in getattr(idata, "children", {}):
         raise ValueError("plot_prior_posterior: the InferenceData has no prior group")
-    pc = azp.plot_prior_posterior(idata, var_names=list(var_names), backend="matplotlib")
+    pc = azp.plot_prior_posterior(idata, var_names=var_name_list(var_names),
+                                  backend="matplotlib")
     if path is not None:
         pc.savefig(path)
     return pc
