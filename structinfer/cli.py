@@ -41,10 +41,6 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 #: refuses negative ones
 MAX_SEED = 2**32 - 1
 
-#: PSIS-LOO (ArviZ) fits a Pareto tail to the largest floor(S / 5) of the S posterior
-#: draws (S = chains x draws, for S up to 225) and needs at least 5 tail draws
-MIN_LOO_DRAWS = 25
-
 #: the package's parent folder: a source checkout (with benchmarks/ and examples/) when the
 #: package is imported from one, ``site-packages`` for a wheel install
 ROOT = Path(__file__).resolve().parent.parent
@@ -437,9 +433,11 @@ def _draws(args) -> tuple[int, int, int]:
     nw = given(args.num_warmup, 60, 500)
     ns = given(args.num_samples, 60, 500)
     nc = given(args.num_chains, 1, 2)
-    if nc * ns < MIN_LOO_DRAWS:
+    from .diagnostics.comparison import MIN_DRAWS  # (imported when compare runs)
+
+    if nc * ns < MIN_DRAWS:
         raise CLIError(
-            f"argument --num-samples/--num-chains: PSIS-LOO needs at least {MIN_LOO_DRAWS} "
+            f"argument --num-samples/--num-chains: PSIS-LOO needs at least {MIN_DRAWS} "
             f"posterior draws in all, got {nc} chain(s) x {ns} draws = {nc * ns}",
             EXIT_USAGE,
         )
