@@ -102,8 +102,8 @@ def loo(
 
     Raises:
         ValueError: the InferenceData has no `log_likelihood` group, its posterior
-            is a single point, it has fewer than 25 draws (chains x draws), or its log-likelihood is not finite (-inf or NaN) at
-            some draw.
+            is a single point, it has fewer than 25 draws (chains x draws), or its
+            log-likelihood is not finite (-inf or NaN) at some draw.
     """
     import arviz_stats as azs
 
