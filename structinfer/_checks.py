@@ -324,14 +324,17 @@ def float32_at_least(x: jax.Array) -> jax.Array:
 
 def positive_definite(xp: Any, P: Any) -> Any:
     r"""Whether each matrix ``(..., d, d)`` is positive definite, read through its
-    symmetric part $S = (P + P^\top)/2$ (a quadratic form reads only that), to rounding.
+    symmetric part $S = (P + P^\top)/2$ (a quadratic form reads only that).
 
-    Its eigenvalues $\lambda_1 \le \dots \le \lambda_d$ (float32 at least; NumPy's in
-    float64) must have $\lambda_d > 0$ and $\lambda_1 > -10\, d\, \epsilon\,
-    \lambda_d$, with $\epsilon$ the input's machine epsilon (float32's for 16-bit input):
-    a float32 eigensolver's error on a positive definite matrix is about
-    $\epsilon \lambda_d$, so an ill-conditioned covariance or precision is not refused
-    for it, while an indefinite one is. NaN or infinite entries fail.
+    Concrete (``xp`` is NumPy): every entry finite and every eigenvalue of $S$ positive,
+    computed in float64, so exactly the matrix as stored. Traced (``xp`` is
+    ``jax.numpy``, float32 unless the input is float64): the eigenvalues
+    $\lambda_1 \le \dots \le \lambda_d$ must have $\lambda_d > 0$ and
+    $\lambda_1 > -d\,\epsilon\,\lambda_d$, the eigensolver's rounding error at the
+    input's precision $\epsilon$ (float32's for 16-bit input): a float32 eigenvalue of an
+    ill-conditioned positive definite matrix can come out slightly negative, and a
+    quadratic form with such a matrix is then right to its own rounding. NaN or infinite
+    entries fail.
 
     Args:
         xp: ``numpy`` or ``jax.numpy`` (as `require` calls it).
@@ -341,12 +344,13 @@ def positive_definite(xp: Any, P: Any) -> Any:
         Booleans of shape ``P.shape[:-2]``.
     """
     P = xp.asarray(P)
-    dt = np.result_type(P.dtype, np.float32)
-    eps = float(np.finfo(dt).eps)
-    P = P.astype(np.float64 if xp is np else dt)
+    finite = xp.all(xp.isfinite(P), (-2, -1))
+    dt = np.float64 if xp is np else np.result_type(P.dtype, np.float32)
+    P = xp.where(finite[..., None, None], P, 0.0).astype(dt)
     lam = xp.linalg.eigvalsh((P + xp.swapaxes(P, -1, -2)) / 2)
     top = lam[..., -1]
-    return (top > 0) & (lam[..., 0] > -10 * P.shape[-1] * eps * top)
+    slack = 0.0 if xp is np else P.shape[-1] * float(np.finfo(dt).eps) * top
+    return finite & (top > 0) & (lam[..., 0] > -slack)
 
 
 def check_int(value: Any, what: str) -> int:

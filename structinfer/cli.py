@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._psis import MIN_DRAWS
+
 __all__ = ["main", "build_parser", "CLIError", "load_models", "load_data", "source_checkout",
            "bench_script"]
 
@@ -433,8 +435,6 @@ def _draws(args) -> tuple[int, int, int]:
     nw = given(args.num_warmup, 60, 500)
     ns = given(args.num_samples, 60, 500)
     nc = given(args.num_chains, 1, 2)
-    from .diagnostics.comparison import MIN_DRAWS  # (imported when compare runs)
-
     if nc * ns < MIN_DRAWS:
         raise CLIError(
             f"argument --num-samples/--num-chains: PSIS-LOO needs at least {MIN_DRAWS} "

@@ -351,10 +351,11 @@ class NegSqDist(_PairScore):
             def positive(xp, P):  # the quadratic form reads the symmetric part
                 if self.precision_form == "full":  # to rounding, through the symmetric part
                     return positive_definite(xp, P)
-                return P > 0
+                return (P > 0) & (P < xp.inf)
 
             self.precision = require(positive, "NegSqDist: precision must be positive "
-                                     f"(definite); got a non-positive {kind} precision", P)
+                                     f"(definite) and finite; got a non-positive or "
+                                     f"non-finite {kind} precision", P)
 
     def dense(self) -> jax.Array:
         diff = _pairwise_diff(*self._features())  # (..., n, m, d)

@@ -305,3 +305,19 @@ def test_quiet_and_no_progress_hide_the_progress_bars(work, capsys, command, fla
     err = capsys.readouterr().err
     assert rc == 1 and REACHED in err, err  # the bar starts before the first fit
     assert ("fitting" in err) == (not flags), err
+
+
+def test_a_usage_error_of_compare_does_not_load_jax(tmp_path):
+    """Regression (review): the draw minimum was read from the diagnostics, so `structinfer
+    compare` loaded JAX, NumPyro and funsor (seconds) before its first argument check;
+    the command promises to start without JAX."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from structinfer import cli; "
+            "rc = cli.main(['compare', 'nope.py', 'nope.npz', '--num-samples', '3']); "
+            "print(rc, 'jax' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert "PSIS-LOO needs at least 25" in r.stderr, r.stderr
+    assert r.stdout.split()[-1] == "False", r.stdout

@@ -670,11 +670,11 @@ def test_a_non_positive_definite_covariance_is_named():
     eye2 = np.stack([np.eye(D)] * 2)
     bad = np.stack([np.diag([1.0, -1.0]), np.eye(D)])
     zeros = np.zeros((2, D))
-    with pytest.raises(ValueError, match=r"gmm_em: covariances must be positive definite "
-                       r".*; component 0 is not: its smallest eigenvalue is -1"):
+    with pytest.raises(ValueError, match=r"gmm_em: covariances must be symmetric and "
+                       r"positive definite; component 0 is not: its smallest eigenvalue is -1"):
         gmm_em(x, x[:2], bad)
-    with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be positive "
-                       r"definite .*; component 0 is not"):
+    with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be symmetric "
+                       r"and positive definite; component 0 is not"):
         linear_mixture_em(x[:-1], x[1:], eye2, zeros, bad)
     with pytest.raises(ValueError, match=r"linear_mixture_em: covariances must be"):
         em_linear_mixture.init(x[:-1], x[1:], eye2, zeros, bad)
@@ -736,8 +736,8 @@ def test_positive_definite_checks_allow_float32_rounding():
         st, inf = run(u, y, A, jnp.zeros((2, dy), jnp.float32), c0)
         assert np.isfinite(float(st.log_likelihood)) and int(inf.num_steps) > 1
     # NegSqDist reads a full precision by the same rule, eagerly and traced: condition
-    # 1e10 in float32 (its smallest eigenvalue, 1, is below float32's rounding)
-    p10 = (basis * np.logspace(0, 10, d)) @ basis.T
+    # 2e8 in float32 (float32's eigvalsh reads its smallest eigenvalue, 1, as -0.1)
+    p10 = (basis * np.logspace(0, 8.25, d)) @ basis.T
     p10 = jnp.asarray((p10 + p10.T) / 2, jnp.float32)
     q, k = x[:3] * 1e-4, x[3:7] * 1e-4
     s = si.scores.NegSqDist(q, k, precision=p10).dense()
@@ -746,8 +746,22 @@ def test_positive_definite_checks_allow_float32_rounding():
     want = -0.5 * np.einsum("ija,ab,ijb->ij", diff, np.asarray(p10, np.float64), diff)
     np.testing.assert_allclose(s, want, rtol=1e-3)
     np.testing.assert_allclose(st, want, rtol=1e-3)
-    with pytest.raises(ValueError, match="smallest eigenvalue"):
-        gmm_em(x, x[:2], covs.at[0, 0, 0].set(-1.0), w)
+    assert float(jnp.linalg.eigvalsh(p10)[0]) < 0 < np.linalg.eigvalsh(np.float64(p10))[0]
+    # an indefinite, a singular, an asymmetric or a non-finite covariance is named (review)
+    bad = {"its smallest eigenvalue is -1": covs.at[0, 0, 0].set(-1.0),
+           "its smallest eigenvalue is -?[0-9.e-]+": jnp.stack([jnp.ones((d, d)), cov]),
+           r"\|C - C\^T\| reaches": covs.at[1, 0, 1].add(1.0),
+           "it has a non-finite entry": covs.at[0, 1, 1].set(jnp.inf)}
+    for why, c in bad.items():
+        with pytest.raises(ValueError, match=r"gmm_em: covariances must be symmetric and "
+                           r"positive definite; component \d is not: " + why):
+            gmm_em(x, x[:2], c, w)
+        _, info = jax.jit(lambda c: gmm_em(x, x[:2], c, w, raise_on_nonfinite=False))(c)
+        assert bool(info.nonfinite), why
+    # a clearly indefinite precision is refused traced too (not taken for rounding)
+    big = jnp.asarray([[1e6, 0.0], [0.0, -1.0]], jnp.float32)
+    assert np.isnan(jax.jit(lambda p: si.scores.NegSqDist(
+        jnp.zeros((1, 2)), jnp.ones((3, 2)), precision=p).dense())(big)).all()
 
 
 def test_markov_switching_em_names_bad_log_weights():

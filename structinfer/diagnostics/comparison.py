@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._checks import as_arrays
+from .._psis import MIN_DRAWS
 from ..exact import ScoreFactors, likelihood_structure
 from ._common import latent_sites
 
@@ -30,11 +31,6 @@ if TYPE_CHECKING:
     from arviz_stats.utils import ELPDData
 
 __all__ = ["ParetoKWarning", "loo", "compare", "check_comparable"]
-
-
-#: the fewest posterior draws PSIS-LOO runs on: ArviZ's Pareto tail is the largest fifth
-#: of the draws, at least 5 of them
-MIN_DRAWS = 25
 
 
 class ParetoKWarning(UserWarning):
@@ -167,13 +163,15 @@ def _check_finite(idata: Any, var_name: str | None, name: str) -> None:
         if not bool(bad.any()):
             continue
         where = np.argwhere(np.atleast_1d(np.asarray(bad)))
-        shown = ", ".join(_format_index(bad, tuple(int(i) for i in b)) if obs_dims
-                          else var for b in where[:8])
-        more = f" and {len(where) - 8} more" if len(where) > 8 else ""
+        at = ""
+        if obs_dims:
+            shown = ", ".join(_format_index(bad, tuple(int(i) for i in b)) for b in where[:8])
+            more = f" and {len(where) - 8} more" if len(where) > 8 else ""
+            at = f" for {shown}{more}"
         raise ValueError(
             f"model '{name}': the log-likelihood '{var}' is not finite (-inf: zero density, "
-            f"or NaN) at some draws for {shown}{more}; PSIS-LOO cannot estimate their "
-            "leave-one-out density (the importance weight 1/p is infinite). Check the data "
+            f"or NaN) at some draws{at}; PSIS-LOO cannot estimate a leave-one-out density "
+            "there (the importance weight 1/p is infinite, or undefined). Check the data "
             "(NaN, values outside the observation's support) or the model"
         )
 

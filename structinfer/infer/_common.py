@@ -136,14 +136,17 @@ def check_weights(weights: Any, k: int, dtype: Any, what: str) -> jax.Array:
 
 
 def check_covariances(covs: jax.Array, what: str, diagonal: bool = False) -> jax.Array:
-    """Initial covariances (or diagonal precisions): each positive definite, read through
-    its symmetric part to rounding (`positive_definite`); diagonal: each entry positive
-    and finite.
+    r"""Initial covariances (or diagonal precisions): each symmetric to rounding and
+    positive definite (`positive_definite`); diagonal: each entry positive and finite.
 
-    Concrete: a ``ValueError`` naming ``what``, the first component that fails and its
-    smallest eigenvalue (an indefinite covariance is no Gaussian; the E-step would
-    compute responsibilities from it). Traced: NaN unless they pass (`check_value`), so
-    the run stops on a NaN energy.
+    Symmetric to rounding: $|C - C^\top| \le \sqrt{\epsilon} \max |C|$ entrywise, for
+    the dtype's $\epsilon$ (float32 at least; a float32 inverse is symmetric only to
+    rounding); the symmetric part is what the run reads.
+
+    Concrete: a ``ValueError`` naming ``what``, the first component that fails and why
+    (a non-finite entry, its asymmetry or its smallest eigenvalue: an indefinite
+    covariance is no Gaussian, and the E-step would compute responsibilities from it).
+    Traced: NaN unless they pass (`check_value`), so the run stops on a NaN energy.
 
     Args:
         covs: ``(K, d, d)`` (or ``(K, d)`` with ``diagonal``).
@@ -151,31 +154,46 @@ def check_covariances(covs: jax.Array, what: str, diagonal: bool = False) -> jax
         diagonal: ``covs`` holds the diagonals.
 
     Returns:
-        ``covs``; full ones as their symmetric part (what was checked; a float32 inverse
-        is symmetric only to rounding), traced: NaN unless they pass.
+        ``covs``; full ones as their symmetric part, traced: NaN unless they pass.
 
     Raises:
-        ValueError: a concrete component that is not positive definite (diagonal:
-            positive and finite).
+        ValueError: a concrete component that fails.
     """
     if diagonal:
         def ok(xp, c):
             return xp.all((c > 0) & (c < xp.inf), -1)
+
         rule = "positive and finite"
     else:
-        covs = (covs + jnp.swapaxes(covs, -1, -2)) / 2
-        ok, rule = positive_definite, "positive definite (read through its symmetric part)"
+        tol = float(np.sqrt(np.finfo(np.result_type(covs.dtype, np.float32)).eps))
+
+        def symmetric(xp, c):
+            scale = xp.max(xp.abs(c), (-2, -1), keepdims=True)
+            return xp.all(xp.abs(c - xp.swapaxes(c, -1, -2)) <= tol * scale, (-2, -1))
+
+        def ok(xp, c):
+            return symmetric(xp, c) & positive_definite(xp, c)
+
+        rule = "symmetric and positive definite"
     if is_concrete(covs):
         c = np.asarray(covs)
-        good = np.asarray(ok(np, c))
+        with np.errstate(invalid="ignore"):  # an infinite entry: inf - inf
+            good = np.asarray(ok(np, c))
         if not good.all():
             i = int(np.argmin(good))
-            shown = ("its smallest eigenvalue is "
-                     f"{np.linalg.eigvalsh(c[i].astype(np.float64))[0]:.3g}" if not diagonal
-                     else f"got {c[i]}")
-            raise ValueError(f"{what} must be {rule}; component {i} is not: {shown}")
-        return covs
-    return check_value(covs, ok, what, f"must be {rule}")
+            if not np.isfinite(c[i]).all():
+                why = "it has a non-finite entry"
+            elif diagonal:
+                why = f"got {c[i]}"
+            elif not symmetric(np, c[i]):
+                why = f"|C - C^T| reaches {np.abs(c[i] - c[i].T).max():.3g}"
+            else:
+                lam = np.linalg.eigvalsh(c[i].astype(np.float64))[0]
+                why = f"its smallest eigenvalue is {lam:.3g}"
+            raise ValueError(f"{what} must be {rule}; component {i} is not: {why}")
+    else:
+        covs = check_value(covs, ok, what, f"must be {rule}")
+    return covs if diagonal else (covs + jnp.swapaxes(covs, -1, -2)) / 2
 
 
 def check_linalg_dtype(x: jax.Array, what: str) -> None:
