@@ -677,6 +677,17 @@ def test_per_child_diagnostics_refuse_a_chain_by_name():
         dg.to_inference_data(fit, y)
 
 
+@pytest.mark.parametrize("arg", ["log_stay", "log_advance", "log_skip", "log_leak"])
+def test_alignment_weights_must_be_scalars(arg):
+    """monotonic_alignment's move weights are one log-weight for every step: an array
+    broadcast along the destination parent without error (a per-destination 'stay'
+    weight nobody asked for); now it is named."""
+    q, k, v = jnp.ones((4, 2)), jnp.ones((3, 2)), jnp.ones((3, 1))
+    kwargs = {"log_skip": 0.0, arg: jnp.zeros(3)}
+    with pytest.raises(ValueError, match=f"monotonic_alignment: `{arg}` must be a scalar.*shape \\(3,\\)"):
+        si.log_marginal(si.mechanisms.monotonic_alignment, q, k, v, **kwargs)
+
+
 def test_alignment_against_pytorch_struct_linear_chain_crf(x64):
     """Optional (runs where torch and torch-struct are installed): the monotonic alignment's
     log Z and posterior against pytorch-struct's LinearChainCRF (its partition function and

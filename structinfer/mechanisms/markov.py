@@ -143,7 +143,8 @@ def monotonic_alignment(
         q: children (queries) ``(T, d)``.
         k: parents (keys) ``(M, d)``.
         v: parent values ``(M, d_v)``.
-        log_stay: $\ell_s$, unnormalised log-weight of keeping the parent.
+        log_stay: $\ell_s$, unnormalised log-weight of keeping the parent (a scalar, as
+            are the other log-weights: one for every step).
         log_advance: $\ell_a$, of moving to the next parent.
         log_skip: $\ell_k$, of skipping one parent; ``None``: no skips.
         end: require the last child to take the last parent (then ``T`` must be at
@@ -168,6 +169,14 @@ def monotonic_alignment(
             "monotonic_alignment: expected q (T, d), k (M, d), v (M, d_v), got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    weights = {"log_stay": log_stay, "log_advance": log_advance, "log_skip": log_skip,
+               "log_leak": log_leak}
+    for name, w in weights.items():
+        if w is not None and jnp.ndim(w) != 0:
+            raise ValueError(
+                f"monotonic_alignment: `{name}` must be a scalar (one log-weight for every "
+                f"step), got shape {tuple(jnp.shape(w))}"
+            )
     m, t = k.shape[0], q.shape[0]
     dtype = jnp.result_type(q, k)
     i = jnp.arange(m)[:, None]
