@@ -232,6 +232,41 @@ def test_bfloat16_accumulates_in_float32(backend):
     assert err <= 5e-3 and err <= 1.5 * base, (err, base)
 
 
+@pytest.mark.parametrize("backend", ["dense", "blocked", "windowed", "pallas"])
+def test_a_bfloat16_dot_scale_multiplies_the_float32_logits(backend):
+    """Regression: with bfloat16 operands a static scale that is no power of two
+    (``d**-0.5`` at d = 128) was folded into the queries in bfloat16, rounding every
+    logit by up to ``|s q.k| 2^-8``: values about twice the exact engine's error against
+    a float32 softmax of the same inputs, and the gradients of q and k over twice it.
+    The kernels now multiply the float32 product ``q.k`` by the scale, as the exact
+    engine (and FlashAttention) do: the values are as close as the exact engine's, the
+    gradients within twice its error (they cast ``ds`` to bfloat16 for the dq and dk
+    products, as flash kernels do)."""
+    n, d = 128, 128
+    model = _model(lambda n, m, e: si.priors.Restricted.window(n, 32), n, scale=d ** -0.5)
+    q, k, v, _ = _inputs(BF16, n, d, seed=1)
+    q = 4 * q  # peaked rows, as trained attention has
+    ct = jnp.asarray(np.random.default_rng(2).normal(size=(H, n, d)), jnp.float32)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+    def errors(f):  # value and (dq, dk) errors against a float32 softmax
+        def loss(f):
+            return lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
+        f32 = si.attention(model, "out", "dense")
+        up = lambda *a: f32(*(x.astype(jnp.float32) for x in a))  # noqa: E731
+        y, g = jax.jit(f)(q, k, v), jax.jit(jax.grad(loss(f), (0, 1)))(q, k, v)
+        ref, g_ref = up(q, k, v), jax.grad(loss(up), (0, 1))(q, k, v)
+        assert y.dtype == BF16
+        return rel(y, ref), max(rel(a, b) for a, b in zip(g, g_ref))
+
+    err, g_err = errors(si.attention(model, "out", backend))
+    exact, g_exact = errors(si.attention(model, "out", "exact"))
+    assert err <= 1.5 * exact and g_err <= 2 * g_exact, (err, exact, g_err, g_exact)
+
+
 def test_bfloat16_windowed_accumulates_in_float32():
     n, d = 256, 16
     model = _model(lambda n, m, e: si.priors.Restricted.window(n, 32), n, scale=0.25)

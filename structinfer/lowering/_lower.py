@@ -199,7 +199,11 @@ class TermBuilder:
         (the common dtype of every dot feature and the values), so a bfloat16 ``q``
         beside float32 operands is not scaled in bfloat16. When the scale is a number
         known at trace time that keeps ``q``'s dtype and the site has no other dot term,
-        the cuDNN kernel takes it as its own scale instead, reading ``q`` where it is.
+        the cuDNN kernel takes it as its own scale instead, reading ``q`` where it is;
+        with 16-bit operands every kernel then applies it to the float32 product
+        $q_i^\top k_j$ (``Terms.dot_scale``), as the exact engine and FlashAttention do,
+        instead of rounding $s\,q$ to 16 bits (which moves a logit by up to
+        $|s\,q_i^\top k_j|\,2^{-8}$ in bfloat16: $1/\sqrt{128}$ is no power of two).
 
         ``dtype``: the features' nominal dtype, when ``q`` and ``k`` come wider (a rule
         that normalises or centres features in float32 hands them over unrounded): they
@@ -613,13 +617,20 @@ def lower_edge(
         return None if x is None else x.astype(acc_dtype)
 
     if acc._dot_q:
-        # cast once, then scaled in the operands' dtype: a bfloat16 q beside float32
-        # keys is not rounded to bfloat16 once scaled
-        scaled = [operand(x) if c is None else operand(x) * c
-                  for x, c in zip(acc._dot_q, acc._dot_scale)]
+        static = len(acc._dot_q) == 1 and isinstance(acc._dot_scale[0], float)
+        if static and acc._dot_scale[0] != 1.0 and jnp.dtype(dtype).itemsize < 4:
+            # 16-bit operands: the kernels scale the float32 q.k (s * q rounded to 16
+            # bits would move a logit by up to |s q.k| 2^-8)
+            kw["dot_scale"] = acc._dot_scale[0]
+            scaled = [operand(acc._dot_q[0])]
+        else:
+            # cast once, then scaled in the operands' dtype: a bfloat16 q beside float32
+            # keys is not rounded to bfloat16 once scaled
+            scaled = [operand(x) if c is None else operand(x) * c
+                      for x, c in zip(acc._dot_q, acc._dot_scale)]
         q, k = _bcast_cat(scaled), _bcast_cat([operand(x) for x in acc._dot_k])
         kw["dot"] = True
-        if len(acc._dot_q) == 1 and isinstance(acc._dot_scale[0], float):
+        if static:
             raw_q, scale = acc._dot_q[0], acc._dot_scale[0]
     kw["idw"] = len(acc._idw)
     if acc._col_bias:

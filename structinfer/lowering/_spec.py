@@ -93,6 +93,10 @@ class Terms:
     num_parents: int
     #: dot-product term: row.q . col.k (all dot-like scores concatenated)
     dot: bool = False
+    #: a static scale s of the dot term, applied to the accumulated row.q . col.k (float32)
+    #: rather than folded into row.q (None: folded, or 1); set for 16-bit operands, where
+    #: s * q rounded to 16 bits would move the logits by up to |s q.k| 2^-8
+    dot_scale: float | None = None
     #: number of IDW terms -log(eps + ||x_i - y_j||^p): row.idw[r], col.idw[r],
     #: glob.idw_p[r], glob.idw_eps[r] (p and eps are arrays: traceable)
     idw: int = 0
@@ -354,8 +358,9 @@ def block_logits(
 
     if t.dot:
         mm = dict(preferred_element_type=dtype, precision=precision)
-        add(jnp.einsum("...jf,...if->...ji", col.k, row.q, **mm) if transposed
-            else jnp.einsum("...if,...jf->...ij", row.q, col.k, **mm))
+        qk = (jnp.einsum("...jf,...if->...ji", col.k, row.q, **mm) if transposed
+              else jnp.einsum("...if,...jf->...ij", row.q, col.k, **mm))
+        add(qk if t.dot_scale is None else qk * jnp.asarray(t.dot_scale, dtype))
     for r in range(t.idw):
         x, y = row.idw[r].astype(dtype), col.idw[r].astype(dtype)
         p, eps = glob.idw_p[r], glob.idw_eps[r]

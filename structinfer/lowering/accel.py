@@ -288,7 +288,7 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
     n, m = terms.num_children, terms.num_parents
     B = _prod(batch)
     q, k, v = prob.row.q, prob.col.k, prob.v
-    scale = 1.0
+    scale = 1.0 if terms.dot_scale is None else terms.dot_scale
     if unscaled is not None:
         q, scale = unscaled
 
@@ -441,6 +441,8 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision,
     i_idx = i0 + jnp.arange(q.shape[0], dtype=jnp.int32)  # int32 under x64 too
     j_idx = j0 + jnp.arange(k.shape[0], dtype=jnp.int32)
     s = _dot(q, k, precision, acc_dtype, trans_b=True)
+    if terms.dot_scale is not None:
+        s = s * terms.dot_scale
     d = i_idx[:, None] + off - j_idx[None, :]
     if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
         s = s + named["bias"][_pl_ds(j0, k.shape[0])][None, :].astype(acc_dtype)
@@ -1058,6 +1060,8 @@ def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[st
             jnp.zeros((bk,), acc_dtype))
     full = None if terms.pair_ok else full_children(terms, t, bq, bk, nqb, off)
     dk, dv, db = _over_blocks(named, lo, hi, full, body, init)
+    if terms.dot_scale is not None:
+        dk = dk * terms.dot_scale
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     if col_grad:
@@ -1094,6 +1098,8 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
             jnp.zeros((bq,), acc_dtype))
     full = None if terms.pair_ok else full_parents(terms, a, bq, bk, off)
     dq, dg0, dg1 = _over_blocks(named, lo, hi, full, body, init)
+    if terms.dot_scale is not None:
+        dq = dq * terms.dot_scale
     outs[0][...] = dq.astype(outs[0].dtype)
     if terms.geometric:
         outs[1][...] = dg0

@@ -558,6 +558,8 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, 
             spec = "...jf,...if->...ji" if tr else "...if,...jf->...ij"
             s_dot = jnp.einsum(spec, col.k, row.q, **mm) if tr else jnp.einsum(
                 spec, row.q, col.k, **mm)
+            if terms.dot_scale is not None:
+                s_dot = s_dot * jnp.asarray(terms.dot_scale, s_dot.dtype)
             s = s_dot + s_rest
         sm = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
         if tr:  # pt, dpt, dst: (..., cn, rn)
@@ -583,6 +585,8 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, 
                                 k_c.dtype), k_c, **mm)
             dk = jnp.einsum("...ji,...if->...jf", sum_to(ds_t, shape_t).astype(q_r.dtype),
                             q_r, **mm)
+            if terms.dot_scale is not None:  # d(s q.k): s times the unscaled products
+                dq, dk = (x * jnp.asarray(terms.dot_scale, x.dtype) for x in (dq, dk))
             dr = dataclasses.replace(dr, q=dr.q + sum_to(dq, q_r.shape))
             dc = dataclasses.replace(dc, k=dc.k + sum_to(dk, k_c.shape))
         return dr, dc, dpp, dg, d_v

@@ -536,6 +536,8 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
                 return acc_ref[...]
 
             s = pl.run_scoped(compute_qk, plgpu.ACC((_BQ, _BK), f32))
+            if terms.dot_scale is not None:
+                s = s * terms.dot_scale
             if terms.relpos is not None:  # this warpgroup's rows of the step's tile
                 plgpu.barrier_wait(r_bar.at[slot])
                 s = s + _load(plgpu, rt_smem.at[slot, pl.ds(wg * _BQ, _BQ)],
@@ -609,6 +611,8 @@ def _kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout, step
             carry = (plgpu.layout_cast(jnp.full((_BQ, lay.fp), 0.0, f32), wgmma_layout),
                      zero, zero)
             dq_acc, dg0, dg1 = over_steps(dq_step, carry)
+            if terms.dot_scale is not None:
+                dq_acc = dq_acc * terms.dot_scale
             q_s[...] = dq_acc.astype(dtype)  # the queries' buffer, read no more
             if terms.geometric:
                 geo_smem.at[wg, 0][...] = dg0
@@ -1079,6 +1083,8 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
                 return acc_ref[...]
 
             st = pl.run_scoped(compute_st, plgpu.ACC((_BQ, _BK), f32))  # parents x children
+            if terms.dot_scale is not None:
+                st = st * terms.dot_scale
             if terms.relpos is not None:  # this warpgroup's tile of the step
                 plgpu.barrier_wait(r_bar.at[wg * steps + slot])
                 st = st + _load(plgpu, rt_smem.at[slot, wg], wgmma_layout).astype(f32)
@@ -1142,6 +1148,8 @@ def _dkdv_kernel(named: dict, outs: tuple, scoped, *, terms: Terms, lay: Layout,
                  plgpu.layout_cast(jnp.full((_BQ, lay.dvp), 0.0, f32), wgmma_layout),
                  plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_layout))
         dk, dv, db = _over_steps(step, carry, u_lo, u_hi, count)
+        if terms.dot_scale is not None:
+            dk = dk * terms.dot_scale
         k_s[...] = dk.astype(dtype)  # the keys' and values' buffers, read no more
         v_s[...] = dv.astype(dtype)
         if col_grad:
