@@ -526,8 +526,9 @@ class Lowered:
 
     def unscaled_dot(self, problem: Problem) -> tuple[jax.Array, float] | None:
         r"""``(q, s)`` when the site's dot product is $s\, q^\top k$ with a static scale $s$
-        and ``problem`` reads this site's own ``q`` (``problem.row.q`` is ``s * q``); else
-        ``None`` (a shard's or another problem: its ``row.q`` is already scaled). A
+        and ``problem`` reads this site's own ``q`` (``problem.row.q`` is ``s * q``, or
+        ``q`` itself when ``terms.dot_scale`` is ``s``); else ``None`` (a shard's or
+        another problem: its ``row.q`` is scaled, or its ``terms.dot_scale`` says so). A
         kernel that takes a scale of its own (cuDNN) reads ``q`` where it is instead of
         the scaled copy."""
         if self._unscaled is None or problem.row.q is not self.problem.row.q:

@@ -261,7 +261,8 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
     cuDNN's batch, one head each, so the call reads and writes our arrays where they are
     (queries, keys or values shared across the batch are broadcast first); with an
     additive bias they become the heads of one batch element instead. The dot product's
-    scale is folded into ``prob.row.q``, or given with the unscaled queries as
+    scale is folded into ``prob.row.q`` or is ``terms.dot_scale`` (16-bit operands), or
+    given with the unscaled queries as
     ``unscaled`` (`Lowered.unscaled_dot`): cuDNN then applies it to $q^\top k$ in float32,
     and the call reads the queries where they are (no scaled copy, and no pass scaling
     their gradient).
@@ -271,7 +272,7 @@ def cudnn_attention(terms: Terms, prob: Problem, batch_shape: tuple[int, ...],
         prob: the arrays those terms read.
         batch_shape: the broadcast batch shape (heads, batch) of the result.
         unscaled: optional ``(q, s)``: queries to use in place of ``prob.row.q`` (which
-            is ``s * q``) and the static scale ``s``.
+            is ``s * q``, or ``q`` with ``terms.dot_scale = s``) and the static scale ``s``.
 
     Returns:
         `(y, L)`: `batch + (n, dv)` in the value dtype and `batch + (n,)` in float32.

@@ -795,8 +795,9 @@ def mosaic_dq(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out: 
 
     Returns:
         ``(dq, dgeo)``: ``batch + (n, d)`` in the queries' dtype (the gradient with
-        respect to ``prob.row.q``, the scaled queries), and ``batch + (n, 2)`` float32 for
-        a geometric prior's two parameters (``None`` without one).
+        respect to ``prob.row.q``, the queries the kernel multiplies), and
+        ``batch + (n, 2)`` float32 for a geometric prior's two parameters (``None``
+        without one).
 
     Raises:
         ValueError: the kernel cannot run the edge (its shared memory with the output's
