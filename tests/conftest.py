@@ -371,15 +371,20 @@ def huge_logit_edge(n: int, d: int, dtype, mask=None):
     return lower_edge(prior, si.scores.Dot(q, k, scale=d ** -0.5), v, n, (2,))
 
 
-def float32_softmax(prob, mask=None):
+def float32_softmax(prob, mask=None, scale=None):
     """``(y, L)`` of a plain float32 softmax over ``prob``'s lowered logits $q_i^\\top k_j
     + b_j$ (the reference of the flash kernels on `huge_logit_edge`: its logits are formed
     and rounded as the kernels form them; ``jax.nn.softmax`` and ``logsumexp`` shift by
-    the row max, so a row of huge logits stays exact)."""
+    the row max, so a row of huge logits stays exact). ``scale``: the lowered site's
+    ``terms.dot_scale`` (set for 16-bit operands: the kernels multiply the float32
+    $q_i^\top k_j$ by it, ``row.q`` is unscaled)."""
     jnp = jax.numpy
     f32 = jnp.float32
     s = jnp.einsum("...if,...jf->...ij", prob.row.q.astype(f32), prob.col.k.astype(f32),
-                   precision="highest") + jnp.swapaxes(prob.col.bias.astype(f32), -1, -2)
+                   precision="highest")
+    if scale is not None:  # the lowered site's ``terms.dot_scale`` (16-bit operands)
+        s = s * scale
+    s = s + jnp.swapaxes(prob.col.bias.astype(f32), -1, -2)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     y = jnp.einsum("...ij,...jd->...id", jax.nn.softmax(s, -1), prob.v.astype(f32),
@@ -389,7 +394,7 @@ def float32_softmax(prob, mask=None):
 
 def huge_logit_cotangents(low):
     """A random non-zero cotangent of every output, ``(dy, dL)``, for `huge_logit_edge`."""
-    y, lse = float32_softmax(low.problem)
+    y, lse = float32_softmax(low.problem, scale=low.terms.dot_scale)
     r = np.random.default_rng(11)
     return (jax.numpy.asarray(r.normal(size=y.shape), jax.numpy.float32),
             jax.numpy.asarray(r.normal(size=lse.shape), jax.numpy.float32))
