@@ -835,3 +835,19 @@ def test_a_value_indexed_out_of_its_plate_is_not_called_independent_of_the_edges
     msg = str(err.value)
     assert "deterministic site 'out'" in msg and "an index, sum or reshape" in msg, msg
     assert "Record a value read from an edge inside the plate" in msg, msg
+
+
+def test_pointwise_log_likelihood_params_not_a_mapping():
+    """Forgetting ``params`` (the model's arguments passed in its place) names it."""
+    from structinfer.exact import likelihood_structure, pointwise_log_likelihood
+
+    def model(q, k, x):
+        with numpyro.plate("queries", q.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
+            numpyro.sample("x", dist.Normal(jnp.arange(k.shape[0])[j], 1.0), obs=x)
+
+    with pytest.raises(TypeError, match=r"pointwise_log_likelihood: params must be a mapping"):
+        pointwise_log_likelihood(model, XQ, XK, np.zeros(N))
+    with pytest.raises(TypeError, match=r"likelihood_structure: params must be a mapping"):
+        likelihood_structure(model, XQ, XK, np.zeros(N))
+

@@ -456,6 +456,15 @@ def sample_edges(
     return _discrete_posterior(model, args, kwargs, 1, check_key(rng_key, "sample_edges"))
 
 
+def _check_params(params, caller: str) -> None:
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(
+            f"{caller}: params must be a mapping {{site: value}} of the model's continuous "
+            f"latent sites, or None, got {type(params).__name__}; the model's own arguments "
+            f"follow it: {caller}(model, params, *args)"
+        )
+
+
 def pointwise_log_likelihood(
     model: Callable,
     params: Mapping[str, jax.Array] | None,
@@ -490,11 +499,13 @@ def pointwise_log_likelihood(
 
     Raises:
         EnergyOnlyModelError: no normalised observed site, or unnormalised factors.
+        TypeError: ``params`` is neither a mapping nor ``None``.
 
     Reference:
         The pointwise log-likelihood of PSIS-LOO (Vehtari, Gelman & Gabry 2017) with
         the edges of Singh & Buckley (sec. 3.1) collapsed.
     """
+    _check_params(params, "pointwise_log_likelihood")
     args, kwargs = as_arrays(args, kwargs)
     m = substitute(model, data=dict(params)) if params else model
     return log_z(m, args, kwargs, keep_plates="observed", score_factors=score_factors)
@@ -530,7 +541,9 @@ def likelihood_structure(
     Raises:
         EnergyOnlyModelError: as
             [`pointwise_log_likelihood`][structinfer.exact.pointwise_log_likelihood].
+        TypeError: ``params`` is neither a mapping nor ``None``.
     """
+    _check_params(params, "likelihood_structure")
     args, kwargs = as_arrays(args, kwargs)
     box = []
 
