@@ -17,6 +17,9 @@ r"""Effect handlers (NumPyro ``Messenger`` subclasses): the exact engine's, and 
 * [`fill_latent`][structinfer.handlers.fill_latent] — gives every other latent sample
   site without a value a placeholder inside its support, without sampling (used to read
   a model that is still to be fitted).
+* [`name_plate_dims`][structinfer.handlers.name_plate_dims] — names each plate's
+  enumerated tensor dim as the plate the site records (``numpyro.handlers.scope``
+  renames plates).
 * [`contain`][structinfer.handlers.contain] — keeps the sites of a model the engine runs
   inside the engine call, passing parameters and parent masks on to the handlers around;
   [`replay_outside`][structinfer.handlers.replay_outside] gives a later run what they
@@ -67,6 +70,7 @@ __all__ = [
     "fill_latent",
     "pin",
     "observe_given",
+    "name_plate_dims",
     "contain",
     "OUTSIDE_READS",
     "masking",
@@ -801,6 +805,33 @@ each message whose answer can come from the handlers around the engine call: a `
 or ``mutable`` site, and an edge's parent-mask message that a handler outside answered.
 A caller that caches a traced model run (the lowering's ``jit``) must not reuse
 it for a model that reads them: the answer depends on handlers the cache key cannot see."""
+
+
+class name_plate_dims(Messenger):
+    r"""Name each plate's tensor dim of an enumerated trace as the plate its sites record.
+
+    ``numpyro.handlers.scope`` renames the plates of the sites inside it (``"l1/queries"``)
+    while NumPyro's funsor enumeration names the plate's tensor dim after the plate itself
+    (``"queries"``); the contraction multiplies out the plates the sites record, so the
+    dim would be left over. This handler renames the dim in each sample site's
+    ``dim_to_name`` (and ``name_to_dim``) to the site's plate, so layers composed with
+    ``scope`` are collapsed as the independent products over their children they are.
+    Put it directly around the enumerated model given to NumPyro's funsor ``trace`` (its
+    ``postprocess_message`` runs after the trace annotates the site).
+    """
+
+    def postprocess_message(self, msg: dict) -> None:
+        names = (msg.get("infer") or {}).get("dim_to_name") if msg["type"] == "sample" else None
+        if not names:
+            return
+        renamed = False
+        for frame in msg.get("cond_indep_stack") or []:
+            own = names.get(frame.dim) if frame.dim is not None else None
+            if own is not None and own != frame.name and frame.name.endswith(own):
+                names[frame.dim] = frame.name  # a prefix added by scope
+                renamed = True
+        if renamed:
+            msg["infer"]["name_to_dim"] = {name: dim for dim, name in names.items()}
 
 
 def _stays_inside(msg: dict) -> bool:

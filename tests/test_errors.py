@@ -835,3 +835,35 @@ def test_a_value_indexed_out_of_its_plate_is_not_called_independent_of_the_edges
     msg = str(err.value)
     assert "deterministic site 'out'" in msg and "an index, sum or reshape" in msg, msg
     assert "Record a value read from an edge inside the plate" in msg, msg
+
+
+def test_pointwise_log_likelihood_params_not_a_mapping():
+    """Forgetting ``params`` (the model's arguments passed in its place) names it."""
+    from structinfer.exact import likelihood_structure, pointwise_log_likelihood
+
+    def model(q, k, x):
+        with numpyro.plate("queries", q.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
+            numpyro.sample("x", dist.Normal(jnp.arange(k.shape[0])[j], 1.0), obs=x)
+
+    with pytest.raises(TypeError, match=r"pointwise_log_likelihood: params must be a mapping"):
+        pointwise_log_likelihood(model, XQ, XK, np.zeros(N))
+    with pytest.raises(TypeError, match=r"likelihood_structure: params must be a mapping"):
+        likelihood_structure(model, XQ, XK, np.zeros(N))
+
+
+def test_log_z_underflow_is_not_called_impossible():
+    """A score and a likelihood that disagree by more than float32's exponent range make
+    the log-space contraction's sum underflow to log Z = -inf; the most probable structure
+    is finite, so the error says the sum underflowed (not that no structure is possible)."""
+
+    def model(x, mu, s):
+        with numpyro.plate("points", x.shape[0]):
+            j = si.edge("z", si.priors.Uniform(mu.shape[0]), s)
+            numpyro.sample("x", dist.Normal(mu[j], 1.0), obs=x)
+
+    x, mu = jnp.zeros(2), jnp.array([0.0, 14.2])
+    s = jnp.array([[0.0, 101.0], [0.0, 0.0]], jnp.float32)
+    with pytest.raises(ValueError, match=r"model 'model': log Z underflowed to -inf .* most "
+                                         r"probable structure has log-weight -\d"):
+        si.marginals(model, x, mu, s)

@@ -611,3 +611,24 @@ def test_an_exact_call_inside_a_model_the_engine_enumerates_is_refused_naming_bo
     np.testing.assert_allclose(
         si.log_marginal(outer_with(lambda: lowered(x, keys).sum()), x, keys),
         lowered(x, keys).sum() + si.log_marginal(own, x, keys), rtol=1e-5)
+
+
+def test_nuts_on_a_layer_under_numpyro_scope():
+    """``numpyro.handlers.scope`` renames a layer's plates; NumPyro's enumerated potential
+    named the plate's dim after the plate itself and left it over. structinfer's kernel
+    contracts it, and its potential at the start is the exact engine's."""
+    def layer(y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("children", 3):
+            phi = si.edge("phi", si.priors.Uniform(2))
+            numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[phi], s), obs=y)
+
+    def model(y):
+        numpyro.handlers.scope(layer, "a")(y)
+
+    y = jnp.array([-1.0, 0.9, 1.1])
+    state = si.infer.NUTS(model).init(jax.random.PRNGKey(0), 0, model_args=(y,))
+    s = jnp.exp(state.z["a/s"])  # HalfNormal's unconstrained value is log s
+    at = numpyro.handlers.substitute(model, {"a/s": s})
+    expected = -(si.log_marginal(at, y) + jnp.log(s))  # minus log p(s, y) + log|ds/dz|
+    np.testing.assert_allclose(state.potential_energy, expected, rtol=1e-5)

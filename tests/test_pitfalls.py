@@ -120,3 +120,29 @@ def test_float32_large_score_on_forbidden_or_unlikely_parent():
         post = np.exp(total - lse(total)[:, None])
         np.testing.assert_allclose(si.marginals(model)["phi"], post, atol=1e-6)
         np.testing.assert_array_equal(si.map_edges(model)["phi"], total.argmax(-1))
+
+
+def test_layers_composed_with_numpyro_scope():
+    """``numpyro.handlers.scope`` renames the plates of the sites inside it; the engine
+    names each plate's enumerated dim after the renamed plate, so two scoped layers are
+    two independent products over their children."""
+    r = np.random.default_rng(0)
+    q, k = jnp.asarray(r.normal(size=(3, 2))), jnp.asarray(r.normal(size=(4, 2)))
+    v = jnp.asarray(r.normal(size=(4,)))
+
+    def layer(q, k, v):
+        with numpyro.plate("queries", q.shape[0]):
+            j = si.edge("phi", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
+            numpyro.deterministic("out", v[j])
+
+    def two_layers(q, k, v):
+        numpyro.handlers.scope(layer, "l1")(q, k, v)
+        numpyro.handlers.scope(layer, "l2")(-q, k, v)
+
+    s = q @ k.T - jnp.log(4.0)
+    log_z = jax.nn.logsumexp(s, -1).sum() + jax.nn.logsumexp(-s - 2 * jnp.log(4.0), -1).sum()
+    assert jnp.allclose(si.log_marginal(two_layers, q, k, v), log_z, rtol=1e-5)
+    p2 = jax.nn.softmax(-q @ k.T, -1)
+    assert jnp.allclose(si.marginals(two_layers, q, k, v)["l2/phi"], p2, atol=1e-5)
+    assert jnp.allclose(si.expectation(two_layers, "l2/out", q, k, v), p2 @ v, atol=1e-5)
+    assert jnp.allclose(si.attention(two_layers, "l2/out")(q, k, v), p2 @ v, atol=1e-5)

@@ -118,9 +118,11 @@ def marginals(model: Callable, *args: Any, **kwargs: Any) -> dict[str, jax.Array
 
     Raises:
         ValueError: the model has no edge sites; or, on concrete inputs, it gives every
-            structure zero probability ($\log Z = -\infty$), or its $\log Z$ is NaN (a
-            NaN or infinite score, factor or input inside a ``scan``; the message names
-            the edge sites). Under ``jit`` the marginals are NaN instead.
+            structure zero probability ($\log Z = -\infty$; or its log-space sum
+            underflowed to $-\infty$ while a structure is possible, which the message
+            says), or its $\log Z$ is NaN (a NaN or infinite score, factor or input
+            inside a ``scan``; the message names the edge sites). Under ``jit`` the
+            marginals are NaN instead.
 
     Reference:
         The attention matrix as the edge posterior, Singh & Buckley sec. 3.1 (eq. 1);
@@ -251,6 +253,18 @@ def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Arr
             "infinite (inside a scan, where they are not checked one by one; under jit the "
             "answer is NaN)")
     if lz == -np.inf and _wide(log_marginal):
+        try:
+            best = float(log_z(model, args, kwargs, info=info, semiring="max"))
+        except ValueError:  # a model the max-product does not read: the message below
+            best = -np.inf
+        if np.isfinite(best):  # a possible structure: the sum of its terms underflowed
+            raise ValueError(
+                f"model '{model_name(model)}': log Z underflowed to -inf in the log-space "
+                f"contraction, although the most probable structure has log-weight {best:.6g}:"
+                " factors over one edge (its prior and score, a likelihood or potential that "
+                f"reads it) disagree by more than {log_marginal.dtype}'s exponent range about "
+                "which parent is likely. Run in float64 (jax_enable_x64), or bring the "
+                "disagreeing factors closer (e.g. a likelihood's scale)")
         raise ValueError(
             f"model '{model_name(model)}' gives every structure of its edge sites zero "
             "probability (log Z = -inf: forbidden edges, -inf factors or observations no "
@@ -456,6 +470,15 @@ def sample_edges(
     return _discrete_posterior(model, args, kwargs, 1, check_key(rng_key, "sample_edges"))
 
 
+def _check_params(params, caller: str) -> None:
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(
+            f"{caller}: params must be a mapping {{site: value}} of the model's continuous "
+            f"latent sites, or None, got {type(params).__name__}; the model's own arguments "
+            f"follow it: {caller}(model, params, *args)"
+        )
+
+
 def pointwise_log_likelihood(
     model: Callable,
     params: Mapping[str, jax.Array] | None,
@@ -490,11 +513,13 @@ def pointwise_log_likelihood(
 
     Raises:
         EnergyOnlyModelError: no normalised observed site, or unnormalised factors.
+        TypeError: ``params`` is neither a mapping nor ``None``.
 
     Reference:
         The pointwise log-likelihood of PSIS-LOO (Vehtari, Gelman & Gabry 2017) with
         the edges of Singh & Buckley (sec. 3.1) collapsed.
     """
+    _check_params(params, "pointwise_log_likelihood")
     args, kwargs = as_arrays(args, kwargs)
     m = substitute(model, data=dict(params)) if params else model
     return log_z(m, args, kwargs, keep_plates="observed", score_factors=score_factors)
@@ -530,7 +555,9 @@ def likelihood_structure(
     Raises:
         EnergyOnlyModelError: as
             [`pointwise_log_likelihood`][structinfer.exact.pointwise_log_likelihood].
+        TypeError: ``params`` is neither a mapping nor ``None``.
     """
+    _check_params(params, "likelihood_structure")
     args, kwargs = as_arrays(args, kwargs)
     box = []
 

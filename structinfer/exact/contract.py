@@ -35,7 +35,7 @@ from numpyro.contrib.funsor import trace as packed_trace
 from numpyro.contrib.funsor.infer_util import compute_markov_factors
 
 from .._checks import as_arrays, model_name
-from ..handlers import contain, observe_given, require_values, tilt
+from ..handlers import contain, name_plate_dims, observe_given, require_values, tilt
 from ..primitives import SCAN_RECORD_KEY, user_site_name
 from .inspect import ModelInfo, inspect_model
 
@@ -183,7 +183,7 @@ def _scalar(model, args, kwargs, info: ModelInfo, tilts, semiring: Semiring) -> 
     try:
         if semiring == "sum":
             with contain(enumerates=model_name(model)), _einsum_for(info):
-                lp, _ = funsor_log_density(m, args, kwargs, {})
+                lp, _ = funsor_log_density(name_plate_dims(m), args, kwargs, {})
             lp = _slope_for(info, lp)
         else:
             lp = _max_product(m, args, kwargs, model_name(model))
@@ -328,7 +328,7 @@ def _max_product(m, args, kwargs, name: str) -> jax.Array:
     ``log_density`` with ``max`` for ``logaddexp``, a scan's time dims contracted by
     funsor's parallel-scan ``sequential_sum_product`` (``compute_markov_factors``)."""
     with contain(enumerates=name), plate_to_enum_plate():
-        tr = packed_trace(m).get_trace(*args, **kwargs)
+        tr = packed_trace(name_plate_dims(m)).get_trace(*args, **kwargs)
     factors, by_time = [], defaultdict(list)
     init_vars: dict = defaultdict(frozenset)
     sum_vars, prod_vars = frozenset(), frozenset()
@@ -459,7 +459,7 @@ def chain_factors(model: Callable, args: tuple = (), kwargs: Mapping | None = No
     steps = batch[0]
     m = enum(require_values(observe_given(model)), first_available_dim=info.first_available_dim)
     with contain(enumerates=model_name(model)), plate_to_enum_plate():
-        tr = packed_trace(m).get_trace(*args, **kwargs)
+        tr = packed_trace(name_plate_dims(m)).get_trace(*args, **kwargs)
     prev = "_PREV_" + site
     dtype = info.float_dtype
     initial = jnp.zeros((k,), dtype)
@@ -515,7 +515,7 @@ def _kept(model, args, kwargs, info: ModelInfo, keep_plates, score_factors: Scor
         first_available_dim=info.first_available_dim,
     )
     with contain(enumerates=model_name(model)), plate_to_enum_plate():
-        tr = packed_trace(em).get_trace(*args, **kwargs)
+        tr = packed_trace(name_plate_dims(em)).get_trace(*args, **kwargs)
 
     sites = [s for s in tr.values() if s["type"] == "sample"]
     for s in sites:

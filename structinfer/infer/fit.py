@@ -45,6 +45,7 @@ from numpyro.util import is_prng_key
 
 from .._checks import as_arrays, check_count, check_key, is_concrete, model_name
 from ..exact import ModelInfo, inspect_model, log_marginal, safe_log_einsum
+from ..handlers import name_plate_dims
 from ..primitives import SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site, start_failure
 from ._loop import NonFiniteEnergyError
@@ -83,13 +84,20 @@ class NUTS(NumPyroNUTS):
     consumes the same random numbers). Its potential is contracted with the exact engine's
     log-space einsum ([`safe_log_einsum`][structinfer.exact.safe_log_einsum]), so its
     gradient is exact where a product of factors leaves pairs of states unconnected
-    ($-\infty$ priors, scores or factors); everything else is NumPyro's.
+    ($-\infty$ priors, scores or factors), and each enumerated plate's dim is named as
+    the plate its sites record (a layer under ``numpyro.handlers.scope``, which renames
+    its plates); everything else is NumPyro's.
 
     Use it wherever `numpyro.infer.NUTS(model, ...)` is used, e.g.
     `MCMC(structinfer.infer.NUTS(model), num_warmup=..., num_samples=...)`.
 
     Reference: Hoffman & Gelman (2014), the No-U-Turn sampler, as implemented by NumPyro.
     """
+
+    def __init__(self, model: Callable | None = None, *args: Any, **kwargs: Any):
+        # each enumerated plate's dim named as its sites record it (a layer under
+        # numpyro.handlers.scope renames its plates)
+        super().__init__(None if model is None else name_plate_dims(model), *args, **kwargs)
 
     def init(self, *args: Any, **kwargs: Any):
         with safe_log_einsum():  # the potential is traced here and in `sample`
