@@ -864,6 +864,14 @@ def test_log_z_underflow_is_not_called_impossible():
 
     x, mu = jnp.zeros(2), jnp.array([0.0, 14.2])
     s = jnp.array([[0.0, 101.0], [0.0, 0.0]], jnp.float32)
-    with pytest.raises(ValueError, match=r"model 'model': log Z underflowed to -inf .* most "
-                                         r"probable structure has log-weight -\d"):
-        si.marginals(model, x, mu, s)
+    for f in (si.marginals, si.log_marginal):  # log_marginal answered -inf silently
+        with pytest.raises(ValueError, match=r"model 'model': log Z underflowed to -inf .* "
+                                             r"most probable structure has log-weight -\d"):
+            f(model, x, mu, s)
+
+    def impossible(s):  # no structure is possible: log_marginal still answers -inf
+        with numpyro.plate("points", 2):
+            j = si.edge("z", si.priors.Uniform(2), s)
+            numpyro.factor("f", jnp.where(j == 0, -jnp.inf, jnp.where(j == 1, -jnp.inf, 0.0)))
+
+    assert float(si.log_marginal(impossible, jnp.zeros((2, 2)))) == -np.inf

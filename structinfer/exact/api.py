@@ -69,13 +69,20 @@ def log_marginal(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
 
     Raises:
         ValueError: a latent site has no value, or a tensor dim is left over after the
-            contraction (see [`log_z`][structinfer.exact.log_z]).
+            contraction (see [`log_z`][structinfer.exact.log_z]); or, on concrete
+            inputs, the log-space sum underflowed to $-\infty$ while a structure is
+            possible (factors that disagree by more than the dtype's exponent range;
+            the message gives the most probable structure's log-weight). A model with
+            no possible structure answers $-\infty$.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy"; Singh & Buckley sec. 3.
     """
     args, kwargs = as_arrays(args, kwargs)
-    return log_z(model, args, kwargs)
+    lz = log_z(model, args, kwargs)
+    if is_concrete(lz) and jnp.ndim(lz) == 0 and _wide(lz) and float(lz) == -np.inf:
+        _check_underflow(model, args, kwargs, None, lz)
+    return lz
 
 
 def energy(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
@@ -253,23 +260,31 @@ def _check_possible(model, info, log_marginal: jax.Array, out: dict[str, jax.Arr
             "infinite (inside a scan, where they are not checked one by one; under jit the "
             "answer is NaN)")
     if lz == -np.inf and _wide(log_marginal):
-        try:
-            best = float(log_z(model, args, kwargs, info=info, semiring="max"))
-        except ValueError:  # a model the max-product does not read: the message below
-            best = -np.inf
-        if np.isfinite(best):  # a possible structure: the sum of its terms underflowed
-            raise ValueError(
-                f"model '{model_name(model)}': log Z underflowed to -inf in the log-space "
-                f"contraction, although the most probable structure has log-weight {best:.6g}:"
-                " factors over one edge (its prior and score, a likelihood or potential that "
-                f"reads it) disagree by more than {log_marginal.dtype}'s exponent range about "
-                "which parent is likely. Run in float64 (jax_enable_x64), or bring the "
-                "disagreeing factors closer (e.g. a likelihood's scale)")
+        _check_underflow(model, args, kwargs, info, log_marginal)
         raise ValueError(
             f"model '{model_name(model)}' gives every structure of its edge sites zero "
             "probability (log Z = -inf: forbidden edges, -inf factors or observations no "
             "structure explains): it has no posterior (under jit the answer is NaN)")
     return out
+
+
+def _check_underflow(model, args, kwargs, info,
+                     log_marginal: jax.Array) -> None:
+    """Raise if a concrete ``log_marginal`` of ``-inf`` is the log-space contraction's
+    underflow rather than a model without a possible structure: its max-product (the
+    log-weight of the most probable structure) is finite."""
+    try:
+        best = float(log_z(model, args, kwargs, info=info, semiring="max"))
+    except ValueError:  # a model the max-product does not read: no finding
+        return
+    if np.isfinite(best):  # a possible structure: the sum of its terms underflowed
+        raise ValueError(
+            f"model '{model_name(model)}': log Z underflowed to -inf in the log-space "
+            f"contraction, although the most probable structure has log-weight {best:.6g}:"
+            " factors over one edge (its prior and score, a likelihood or potential that "
+            f"reads it) disagree by more than {log_marginal.dtype}'s exponent range about "
+            "which parent is likely. Run in float64 (jax_enable_x64), or bring the "
+            "disagreeing factors closer (e.g. a likelihood's scale)")
 
 
 def _wide(x: jax.Array) -> bool:
