@@ -410,10 +410,11 @@ def test_a_mesh_the_exact_engine_does_not_use_is_said_at_call_time():
             r"site 'c': ")
     with pytest.warns(MeshFallbackWarning, match=said) as caught:
         out = f(x, x, x)
-    assert len(caught) == 1
+    # (older JAX releases also warn, from funsor, that a tracer was hashed: not counted)
+    assert len([w for w in caught if issubclass(w.category, MeshFallbackWarning)]) == 1
     np.testing.assert_allclose(out, si.expectation(mixed, "out", x, x, x), rtol=1e-6)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", MeshFallbackWarning)
         f(x, x, x)  # the same trace: said once
         si.attention(mixed, "out")(x, x, x)  # no mesh: nothing to say
         si.attention(_mha_model(), "out", mesh=mesh)(*(np.ones((2, 4, 2), np.float32),) * 3)
