@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 
 import jax
@@ -199,12 +200,29 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
 
 
 @functools.cache
-def _pallas_missing() -> str | None:
-    """Why this JAX has no Pallas Triton backend (older releases), or `None`."""
+def _triton():
+    """The Pallas Triton backend's ``dot``, ``atomic_add`` and ``CompilerParams``:
+    ``jax.experimental.pallas.triton`` where this JAX has it, else (older releases) the same
+    three under their older names (``pallas.dot``, ``pallas.atomic_add``,
+    ``pallas.gpu.TritonCompilerParams``)."""
     try:
-        from jax.experimental import pallas  # noqa: F401
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError as err:
+        from jax.experimental.pallas import triton
+
+        return triton
+    except ImportError:
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import gpu
+
+        return types.SimpleNamespace(dot=pl.dot, atomic_add=pl.atomic_add,
+                                     CompilerParams=gpu.TritonCompilerParams)
+
+
+@functools.cache
+def _pallas_missing() -> str | None:
+    """Why this JAX has no Pallas Triton backend, or `None`."""
+    try:
+        _triton()
+    except (ImportError, AttributeError) as err:
         return f"this JAX ({jax.__version__}) has no Pallas Triton backend ({err})"
     return None
 
@@ -530,9 +548,7 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
 
 
 def _dot(a, b, precision, acc_dtype, trans_a: bool = False, trans_b: bool = False):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b,
+    return _triton().dot(a, b, trans_a=trans_a, trans_b=trans_b,
                      precision=precision).astype(acc_dtype)
 
 
@@ -866,9 +882,7 @@ def _wide_rows(prob: Problem) -> bool:
 
 
 def _compiler_params(fp: int, num_warps: int | None, num_stages: int):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=num_warps or (4 if fp <= 64 else 8),
+    return _triton().CompilerParams(num_warps=num_warps or (4 if fp <= 64 else 8),
                                 num_stages=num_stages)
 
 
@@ -1122,7 +1136,6 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
     $\mathrm{d}s$ tiles are summed in registers and added into the table once per program,
     with atomics (contention once per diagonal, not once per tile)."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     named = dict(zip(keys, refs[: len(keys)]))
     table = refs[-1]
@@ -1147,7 +1160,7 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
     if interpret:  # the interpreter's atomics drop repeated indices: a scatter-add
         table[...] = table[...] + jnp.zeros(table.shape, acc_dtype).at[idx].add(acc)
     else:
-        plgpu.atomic_add(table, (idx,), acc)
+        _triton().atomic_add(table, (idx,), acc)
 
 
 def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, tiles,
