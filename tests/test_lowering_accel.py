@@ -16,6 +16,7 @@
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -68,11 +69,32 @@ CAUSAL = lambda n, e: si.priors.Restricted.causal(n)  # noqa: E731
 def test_a_refusing_cudnn_falls_back_to_pallas(gpu):
     # cuDNN's preconditions hold, but JAX's cuDNN wrapper refuses here (no cuDNN): the
     # Pallas kernel runs instead, and explain says why
+    # (an older JAX's wrapper takes no return_residual: refused before tracing, said so)
+    old_jax = "return_residual" not in inspect.signature(jax.nn.dot_product_attention).parameters
+    said = "takes no return_residual" if old_jax else "cuDNN refused at trace time"
     ex = explain(_model(CAUSAL), "out", *_inputs(jnp.float16))
     assert ex.kernels == {"phi": "pallas"}
-    assert "cuDNN refused at trace time" in str(ex)
-    with pytest.raises(NotLowerableError, match="cuDNN refused"):
+    assert said in str(ex)
+    with pytest.raises(NotLowerableError, match="takes no return_residual" if old_jax
+                       else "cuDNN refused"):
         si.attention(_model(CAUSAL), "out", "cudnn")(*_inputs(jnp.float16))
+
+
+def test_a_cudnn_wrapper_without_the_residual_is_refused_before_tracing(gpu, monkeypatch):
+    """Regression: on JAX 0.4.33 (the floor) cuDNN was chosen on a GPU and its call failed
+    when traced (``jax.nn.dot_product_attention`` there takes no ``return_residual`` nor
+    ``local_window_size``). Such a wrapper is refused when the kernel is chosen, saying
+    which arguments it lacks, and the Pallas kernel runs."""
+
+    def old(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+            query_seq_lengths=None, key_value_seq_lengths=None, implementation=None):
+        raise AssertionError("the cuDNN wrapper is called")
+
+    monkeypatch.setattr(accel.jax.nn, "dot_product_attention", old)
+    ex = explain(_model(CAUSAL), "out", *_inputs(jnp.float16))
+    assert ex.kernels == {"phi": "pallas"}, str(ex)
+    assert ("jax.nn.dot_product_attention takes no return_residual / local_window_size"
+            in str(ex)), str(ex)
 
 
 def test_dispatch_rules_on_a_faked_gpu(gpu):

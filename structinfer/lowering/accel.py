@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import types
 from collections.abc import Callable
 
@@ -162,12 +163,27 @@ def dot_only(t: Terms, prob: Problem) -> str | None:
     return None
 
 
+def _cudnn_wrapper_missing() -> str | None:
+    """Why this JAX's ``jax.nn.dot_product_attention`` cannot serve the cuDNN kernel (older
+    releases take no ``return_residual``, which gives the rows' log-normalisers, nor
+    ``local_window_size``), or `None`."""
+    params = inspect.signature(jax.nn.dot_product_attention).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [p for p in ("return_residual", "local_window_size") if p not in params]
+    if missing:
+        return (f"this JAX ({jax.__version__})'s jax.nn.dot_product_attention takes no "
+                f"{' / '.join(missing)} (a newer JAX's does)")
+    return None
+
+
 def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> str | None:
     """Why cuDNN's fused attention cannot run this edge, or `None` when it can.
 
-    Checked statically (shapes, dtypes, the structure in `terms`); cuDNN's own version
-    and compute-capability checks run when the call is traced, and a failure there falls
-    back to the next kernel.
+    Checked statically (shapes, dtypes, the structure in `terms`, then whether this JAX's
+    cuDNN wrapper takes what the kernel passes); cuDNN's own version and
+    compute-capability checks run when the call is traced, and a failure there falls back
+    to the next kernel.
     """
     why = dot_only(terms, prob)
     if why:
@@ -196,7 +212,7 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
             return f"its bias table ({heads} x {n} x {m}) is over CUDNN_BIAS_MAX entries"
         if n % 2 or m % 2:
             return "odd sequence lengths with a bias (cuDNN's backward needs even ones)"
-    return None
+    return _cudnn_wrapper_missing()
 
 
 @functools.cache
