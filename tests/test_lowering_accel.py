@@ -368,7 +368,8 @@ def test_cudnn_model_path_adds_no_pass_over_the_queries(case, gpu, monkeypatch):
     for name, g in (("forward", f), ("gradient", grad)):
         try:
             text = jax.jit(g).trace(x, x, x, e).lower(lowering_platforms=("cuda",)).as_text()
-        except (NotImplementedError, TypeError) as err:  # an older JAX's wrapper refuses
+        except (NotImplementedError, TypeError, NotLowerableError) as err:  # an older JAX's
+            # wrapper refuses (0.4.33's is refused before tracing: no return_residual)
             pytest.skip(f"JAX's cuDNN wrapper does not lower here: {err}")
         assert text.count("__cudnn$fmha") == (1 if name == "forward" else 2), name
         assert re.findall(r"fmha_scale\\22: ([\d.e-]+)", text) == (

@@ -108,6 +108,7 @@ __all__ = [
     "RELPOS_TILES_MAX_BYTES",
     "platform",
     "cudnn_unsupported",
+    "cudnn_wrapper_missing",
     "pallas_unsupported",
     "pallas_measured_faster",
     "cudnn_attention",
@@ -163,7 +164,7 @@ def dot_only(t: Terms, prob: Problem) -> str | None:
     return None
 
 
-def _cudnn_wrapper_missing() -> str | None:
+def cudnn_wrapper_missing() -> str | None:
     """Why this JAX's ``jax.nn.dot_product_attention`` cannot serve the cuDNN kernel (older
     releases take no ``return_residual``, which gives the rows' log-normalisers, nor
     ``local_window_size``), or `None`."""
@@ -180,10 +181,10 @@ def _cudnn_wrapper_missing() -> str | None:
 def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> str | None:
     """Why cuDNN's fused attention cannot run this edge, or `None` when it can.
 
-    Checked statically (shapes, dtypes, the structure in `terms`, then whether this JAX's
-    cuDNN wrapper takes what the kernel passes); cuDNN's own version and
-    compute-capability checks run when the call is traced, and a failure there falls back
-    to the next kernel.
+    Checked statically (shapes, dtypes, the structure in `terms`; whether this JAX's
+    cuDNN wrapper takes what the kernel passes is `cudnn_wrapper_missing`); cuDNN's own
+    version and compute-capability checks run when the call is traced, and a failure
+    there falls back to the next kernel.
     """
     why = dot_only(terms, prob)
     if why:
@@ -212,7 +213,7 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
             return f"its bias table ({heads} x {n} x {m}) is over CUDNN_BIAS_MAX entries"
         if n % 2 or m % 2:
             return "odd sequence lengths with a bias (cuDNN's backward needs even ones)"
-    return _cudnn_wrapper_missing()
+    return None
 
 
 @functools.cache
