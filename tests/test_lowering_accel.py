@@ -563,7 +563,7 @@ def test_pallas_per_edge_mask_equals_the_dense_kernel(case, band, concrete):
 
     # which operands the forward reads: the block lists, and the mask itself (int8)
     # unless every live block is whole
-    (call,) = [q for q in jax.make_jaxpr(forward)(prob).eqns if q.primitive.name == "pallas_call"]
+    (call,) = eqns_named(jax.make_jaxpr(forward)(prob).jaxpr, "pallas_call", into_kernels=False)
     dtypes = [x.aval.dtype for x in call.invars]
     assert (jnp.dtype(jnp.int8) in dtypes) == (case != "block_sparse" or not concrete)
     assert sum(dt == jnp.int32 and x.aval.ndim == 2
@@ -823,13 +823,14 @@ def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
         np.testing.assert_array_equal(b, a)
 
     def reads_tiles(**kw):  # which pallas_calls (forward, dK/dV, dQ, table) take tiles
-        eqns = jax.make_jaxpr(lambda p: passes(p, **kw))(low.problem).jaxpr.eqns
-        return [any(x.aval.ndim == 4 for x in e.invars) for e in eqns
-                if e.primitive.name == "pallas_call"]
+        jaxpr = jax.make_jaxpr(lambda p: passes(p, **kw))(low.problem).jaxpr
+        return [any(x.aval.ndim == 4 for x in e.invars)
+                for e in eqns_named(jaxpr, "pallas_call", into_kernels=False)]
 
     assert reads_tiles() == [False, True, True, True]
-    tiles = [x.aval.shape for e in jax.make_jaxpr(passes)(low.problem).jaxpr.eqns
-             if e.primitive.name == "pallas_call" for x in e.invars if x.aval.ndim == 4]
+    tiles = [x.aval.shape for e in eqns_named(jax.make_jaxpr(passes)(low.problem).jaxpr,
+                                              "pallas_call", into_kernels=False)
+             for x in e.invars if x.aval.ndim == 4]
     tables = int(np.prod(low.problem.glob.relpos.shape[:-1]))  # not one set per (batch, head)
     assert {t[0] for t in tiles} == {tables}
     assert reads_tiles(starts=(jnp.int32(0), jnp.int32(0))) == [False] * 4
@@ -1048,9 +1049,11 @@ def test_pallas_backward_runs_four_warps_by_default():
                                      jnp.ones_like(y), jnp.zeros_like(stats.m),
                                      interpret=False)
 
-    calls = [e for e in jax.make_jaxpr(grads)(low.problem).jaxpr.eqns
-             if e.primitive.name == "pallas_call"]
-    warps = [e.params["compiler_params"].num_warps for e in calls]
+    calls = eqns_named(jax.make_jaxpr(grads)(low.problem).jaxpr, "pallas_call",
+                       into_kernels=False)
+    params = [e.params["compiler_params"] for e in calls]  # (a dict on older JAX)
+    warps = [p["triton"]["num_warps"] if isinstance(p, dict) else p.num_warps
+             for p in params]
     assert warps == [8, 4, 4, 4]  # forward, dK/dV, dQ, the table's gradient
 
 
