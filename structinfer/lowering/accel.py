@@ -219,9 +219,9 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
 @functools.cache
 def _triton():
     """The Pallas Triton backend's ``dot``, ``atomic_add`` and ``CompilerParams``:
-    ``jax.experimental.pallas.triton`` where this JAX has it, else (older releases) the same
-    three under their older names (``pallas.dot``, ``pallas.atomic_add``,
-    ``pallas.gpu.TritonCompilerParams``)."""
+    ``jax.experimental.pallas.triton`` where this JAX has it, else (older releases)
+    ``pallas.atomic_add``, ``pallas.gpu.TritonCompilerParams`` and a ``dot`` that
+    accumulates float64 in float64, as the newer one does."""
     try:
         from jax.experimental.pallas import triton
 
@@ -230,8 +230,19 @@ def _triton():
         from jax.experimental import pallas as pl
         from jax.experimental.pallas import gpu
 
-        return types.SimpleNamespace(dot=pl.dot, atomic_add=pl.atomic_add,
+        return types.SimpleNamespace(dot=_dot_in_input_precision, atomic_add=pl.atomic_add,
                                      CompilerParams=gpu.TritonCompilerParams)
+
+
+def _dot_in_input_precision(a, b, trans_a: bool = False, trans_b: bool = False,
+                            precision=None):
+    """``pallas.triton.dot``'s rule for older JAX, whose ``pallas.dot`` accumulates every
+    product in float32 (a float64 model would answer to float32 rounding): float64
+    operands accumulate in float64, others in float32."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    out = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out)
 
 
 @functools.cache
