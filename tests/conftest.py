@@ -282,9 +282,14 @@ def cudnn_as_xla(monkeypatch):
     """jax.nn's cuDNN attention replaced by its XLA implementation (same arguments), run
     in float32 (the XLA path on a CPU needs it) and answered in the query's dtype.
     Yields the list of calls: the (q, k, v, bias) dtypes of each."""
+    import inspect
+
     from structinfer.lowering import accel
 
     real = jax.nn.dot_product_attention
+    if "return_residual" not in inspect.signature(real).parameters:
+        pytest.skip(f"this JAX ({jax.__version__})'s dot_product_attention takes no "
+                    "return_residual: no cuDNN kernel to fake")
     calls = []
 
     def fake(q, k, v, bias=None, *, implementation=None, **kw):

@@ -16,6 +16,7 @@
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -68,11 +69,32 @@ CAUSAL = lambda n, e: si.priors.Restricted.causal(n)  # noqa: E731
 def test_a_refusing_cudnn_falls_back_to_pallas(gpu):
     # cuDNN's preconditions hold, but JAX's cuDNN wrapper refuses here (no cuDNN): the
     # Pallas kernel runs instead, and explain says why
+    # (an older JAX's wrapper takes no return_residual: refused before tracing, said so)
+    old_jax = "return_residual" not in inspect.signature(jax.nn.dot_product_attention).parameters
+    said = "takes no return_residual" if old_jax else "cuDNN refused at trace time"
     ex = explain(_model(CAUSAL), "out", *_inputs(jnp.float16))
     assert ex.kernels == {"phi": "pallas"}
-    assert "cuDNN refused at trace time" in str(ex)
-    with pytest.raises(NotLowerableError, match="cuDNN refused"):
+    assert said in str(ex)
+    with pytest.raises(NotLowerableError, match="takes no return_residual" if old_jax
+                       else "cuDNN refused"):
         si.attention(_model(CAUSAL), "out", "cudnn")(*_inputs(jnp.float16))
+
+
+def test_a_cudnn_wrapper_without_the_residual_is_refused_before_tracing(gpu, monkeypatch):
+    """Regression: on JAX 0.4.33 (the floor) cuDNN was chosen on a GPU and its call failed
+    when traced (``jax.nn.dot_product_attention`` there takes no ``return_residual`` nor
+    ``local_window_size``). Such a wrapper is refused when the kernel is chosen, saying
+    which arguments it lacks, and the Pallas kernel runs."""
+
+    def old(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+            query_seq_lengths=None, key_value_seq_lengths=None, implementation=None):
+        raise AssertionError("the cuDNN wrapper is called")
+
+    monkeypatch.setattr(accel.jax.nn, "dot_product_attention", old)
+    ex = explain(_model(CAUSAL), "out", *_inputs(jnp.float16))
+    assert ex.kernels == {"phi": "pallas"}, str(ex)
+    assert ("jax.nn.dot_product_attention takes no return_residual / local_window_size"
+            in str(ex)), str(ex)
 
 
 def test_dispatch_rules_on_a_faked_gpu(gpu):
@@ -346,7 +368,8 @@ def test_cudnn_model_path_adds_no_pass_over_the_queries(case, gpu, monkeypatch):
     for name, g in (("forward", f), ("gradient", grad)):
         try:
             text = jax.jit(g).trace(x, x, x, e).lower(lowering_platforms=("cuda",)).as_text()
-        except (NotImplementedError, TypeError) as err:  # an older JAX's wrapper refuses
+        except (NotImplementedError, TypeError, NotLowerableError) as err:  # an older JAX's
+            # wrapper refuses (0.4.33's is refused before tracing: no return_residual)
             pytest.skip(f"JAX's cuDNN wrapper does not lower here: {err}")
         assert text.count("__cudnn$fmha") == (1 if name == "forward" else 2), name
         assert re.findall(r"fmha_scale\\22: ([\d.e-]+)", text) == (
@@ -540,7 +563,7 @@ def test_pallas_per_edge_mask_equals_the_dense_kernel(case, band, concrete):
 
     # which operands the forward reads: the block lists, and the mask itself (int8)
     # unless every live block is whole
-    (call,) = [q for q in jax.make_jaxpr(forward)(prob).eqns if q.primitive.name == "pallas_call"]
+    (call,) = eqns_named(jax.make_jaxpr(forward)(prob).jaxpr, "pallas_call", into_kernels=False)
     dtypes = [x.aval.dtype for x in call.invars]
     assert (jnp.dtype(jnp.int8) in dtypes) == (case != "block_sparse" or not concrete)
     assert sum(dt == jnp.int32 and x.aval.ndim == 2
@@ -800,13 +823,14 @@ def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
         np.testing.assert_array_equal(b, a)
 
     def reads_tiles(**kw):  # which pallas_calls (forward, dK/dV, dQ, table) take tiles
-        eqns = jax.make_jaxpr(lambda p: passes(p, **kw))(low.problem).jaxpr.eqns
-        return [any(x.aval.ndim == 4 for x in e.invars) for e in eqns
-                if e.primitive.name == "pallas_call"]
+        jaxpr = jax.make_jaxpr(lambda p: passes(p, **kw))(low.problem).jaxpr
+        return [any(x.aval.ndim == 4 for x in e.invars)
+                for e in eqns_named(jaxpr, "pallas_call", into_kernels=False)]
 
     assert reads_tiles() == [False, True, True, True]
-    tiles = [x.aval.shape for e in jax.make_jaxpr(passes)(low.problem).jaxpr.eqns
-             if e.primitive.name == "pallas_call" for x in e.invars if x.aval.ndim == 4]
+    tiles = [x.aval.shape for e in eqns_named(jax.make_jaxpr(passes)(low.problem).jaxpr,
+                                              "pallas_call", into_kernels=False)
+             for x in e.invars if x.aval.ndim == 4]
     tables = int(np.prod(low.problem.glob.relpos.shape[:-1]))  # not one set per (batch, head)
     assert {t[0] for t in tiles} == {tables}
     assert reads_tiles(starts=(jnp.int32(0), jnp.int32(0))) == [False] * 4
@@ -1025,9 +1049,11 @@ def test_pallas_backward_runs_four_warps_by_default():
                                      jnp.ones_like(y), jnp.zeros_like(stats.m),
                                      interpret=False)
 
-    calls = [e for e in jax.make_jaxpr(grads)(low.problem).jaxpr.eqns
-             if e.primitive.name == "pallas_call"]
-    warps = [e.params["compiler_params"].num_warps for e in calls]
+    calls = eqns_named(jax.make_jaxpr(grads)(low.problem).jaxpr, "pallas_call",
+                       into_kernels=False)
+    params = [e.params["compiler_params"] for e in calls]  # (a dict on older JAX)
+    warps = [p["triton"]["num_warps"] if isinstance(p, dict) else p.num_warps
+             for p in params]
     assert warps == [8, 4, 4, 4]  # forward, dK/dV, dQ, the table's gradient
 
 

@@ -33,6 +33,8 @@ WORKER = textwrap.dedent(
     import numpy as np
     import numpyro
     from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     from numpyro.ops.indexing import Vindex
 
     import structinfer as si
@@ -53,12 +55,15 @@ WORKER = textwrap.dedent(
     single = si.attention(mha, "out", "blocked", block_q=8, block_k=8)(q, k, v, bias)
     # Auto axes: with inputs sharded by heads, JAX's explicit-sharding mode (the default
     # of make_mesh) would ask the model's own gather V[phi] for an output sharding
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    for shard, spec, tol in (("heads", jax.P("x"), 1e-6), ("sequence", jax.P(), 2e-6)):
-        sh = jax.NamedSharding(mesh, spec)
+    # (older JAX has no axis types: its axes are all Auto)
+    auto = ({"axis_types": (jax.sharding.AxisType.Auto,)}
+            if hasattr(jax.sharding, "AxisType") else {})
+    mesh = jax.make_mesh((2,), ("x",), **auto)
+    for shard, spec, tol in (("heads", P("x"), 1e-6), ("sequence", P(), 2e-6)):
+        sh = NamedSharding(mesh, spec)
         glob = [jax.make_array_from_callback(x.shape, sh, lambda idx, x=x: x[idx])
                 for x in (q, k, v)]
-        rep = jax.make_array_from_callback(bias.shape, jax.NamedSharding(mesh, jax.P()),
+        rep = jax.make_array_from_callback(bias.shape, NamedSharding(mesh, P()),
                                            lambda idx: bias[idx])
         f = si.attention(mha, "out", "blocked", mesh=mesh, shard=shard, block_q=8,
                          block_k=8)
@@ -99,5 +104,7 @@ def test_two_processes_run_the_sharded_kernels_like_one():
                 p.kill()
                 p.communicate()
     for i, (p, out) in enumerate(zip(procs, outs)):
+        if "Multiprocess computations aren't implemented on the CPU backend" in out:
+            pytest.skip("this jaxlib's CPU backend runs no multi-process computation (0.4.33)")
         assert p.returncode == 0, f"process {i}:\n{out}"
         assert "ok heads" in out and "ok sequence" in out, out

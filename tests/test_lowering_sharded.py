@@ -303,6 +303,26 @@ def _mha_model():
     return mha
 
 
+def test_sharded_runners_run_on_a_one_device_mesh():
+    """Regression: on JAX 0.4.33 (the floor) ``attention(..., mesh=...)`` failed on import:
+    it used ``jax.shard_map`` and ``jax.sharding.AxisType``, which that release lacks. Both
+    ways of sharding run on a one-device mesh (no other device needed) and give the
+    exact engine's answer."""
+    import jax
+    import numpy as np
+
+    import structinfer as si
+
+    mha = _mha_model()
+    mesh = jax.make_mesh((1,), ("x",))
+    r = np.random.default_rng(3)
+    q, k, v = (r.normal(size=(2, 5, 3)).astype(np.float32) for _ in range(3))
+    want = si.expectation(mha, "out", q, k, v)
+    for shard in ("heads", "sequence"):
+        got = jax.jit(si.attention(mha, "out", mesh=mesh, shard=shard))(q, k, v)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=shard)
+
+
 def test_mesh_arguments_are_checked_when_attention_is_built():
     """Regression: a wrong ``axis_name`` was found only at the first call, a mesh that is
     not a ``jax.sharding.Mesh`` gave an AttributeError there, and ``shard=`` /
@@ -410,10 +430,11 @@ def test_a_mesh_the_exact_engine_does_not_use_is_said_at_call_time():
             r"site 'c': ")
     with pytest.warns(MeshFallbackWarning, match=said) as caught:
         out = f(x, x, x)
-    assert len(caught) == 1
+    # (older JAX releases also warn, from funsor, that a tracer was hashed: not counted)
+    assert len([w for w in caught if issubclass(w.category, MeshFallbackWarning)]) == 1
     np.testing.assert_allclose(out, si.expectation(mixed, "out", x, x, x), rtol=1e-6)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", MeshFallbackWarning)
         f(x, x, x)  # the same trace: said once
         si.attention(mixed, "out")(x, x, x)  # no mesh: nothing to say
         si.attention(_mha_model(), "out", mesh=mesh)(*(np.ones((2, 4, 2), np.float32),) * 3)

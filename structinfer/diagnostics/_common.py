@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,6 +21,7 @@ __all__ = [
     "read_fit",
     "latent_sites",
     "posterior_draws",
+    "svi_taking_model_args",
     "check_marginals",
     "check_true_edges",
     "offset_of",
@@ -97,7 +100,7 @@ def posterior_draws(parts: FitParts, args: tuple, kwargs: dict, num_draws: int,
         from numpyro.infer import Predictive
         from numpyro.infer.autoguide import AutoGuide
 
-        fitter, result = parts.fit
+        fitter, result = svi_taking_model_args(parts.fit[0]), parts.fit[1]
         key = jax.random.PRNGKey(0)
         if isinstance(fitter.guide, AutoGuide):
             flat = fitter.guide.sample_posterior(key, result.params, *args,
@@ -110,6 +113,33 @@ def posterior_draws(parts: FitParts, args: tuple, kwargs: dict, num_draws: int,
     if missing:
         raise ValueError(f"the fit has no draws of the latent site(s) {missing}")
     return {n: np.asarray(draws[n]) for n in names}
+
+
+def svi_taking_model_args(svi: Any) -> Any:
+    """``svi``, or a shallow copy of it whose autoguide's ``sample_posterior`` takes the
+    model's arguments (and, not needing them, ignores them).
+
+    The autoguides of older NumPyro releases (0.15: ``AutoNormal``, ``AutoDelta``, ...)
+    take only ``(rng_key, params, *, sample_shape)``; newer ones, and ArviZ's
+    ``from_numpyro_svi``, which calls them, pass the model's arguments too.
+    """
+    guide = getattr(svi, "guide", None)
+    method = getattr(guide, "sample_posterior", None)
+    if method is None:
+        return svi
+    kinds = {p.kind for p in inspect.signature(method).parameters.values()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return svi
+
+    def sample_posterior(rng_key, params, *args, sample_shape=(), **kwargs):
+        del args, kwargs  # this guide's draws do not depend on them
+        return method(rng_key, params, sample_shape=sample_shape)
+
+    guide = copy.copy(guide)
+    guide.sample_posterior = sample_posterior
+    svi = copy.copy(svi)
+    svi.guide = guide
+    return svi
 
 
 def check_marginals(marginals: Any, what: str = "marginals") -> jax.Array:

@@ -46,7 +46,13 @@ except ImportError:  # NumPyro < 0.20 (the releases for JAX < 0.7) has no uncond
 from .. import exact
 from .._checks import as_arrays, check_count, check_key, model_name
 from ..exact import LikelihoodStructure, ScoreFactors
-from ._common import check_true_edges, latent_sites, offset_of, read_fit
+from ._common import (
+    check_true_edges,
+    latent_sites,
+    offset_of,
+    read_fit,
+    svi_taking_model_args,
+)
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -409,8 +415,8 @@ def to_inference_data(
             dt["sample_stats"] = xr.DataTree(ss)
     else:
         dt = _as_one_chain(azb.from_numpyro_svi(
-            fit[0], svi_result=fit[1], model_args=args, model_kwargs=kwargs,
-            num_samples=num_draws))
+            svi_taking_model_args(fit[0]), svi_result=fit[1], model_args=args,
+            model_kwargs=kwargs, num_samples=num_draws))
     post = dt["posterior"].to_dataset()
     missing = [n for n in latent if n not in post]
     if missing:

@@ -251,10 +251,11 @@ def relpos_index(rp: RelPos, d: jax.Array) -> jax.Array:
     """
     if rp.mode != "circulant" and rp.max_distance is None:
         d = jnp.clip(d, -(rp.num_parents - 1), rp.length - rp.num_parents)
-    lookup = RelativePosition(
-        np.zeros(1, np.float32), rp.num_parents, max_distance=rp.max_distance, causal=False,
-        _mode=rp.mode, _period=rp.period,
-    )
+    with jax.ensure_compile_time_eval():  # its placeholder bias: no constant in a kernel
+        lookup = RelativePosition(
+            np.zeros(1, np.float32), rp.num_parents, max_distance=rp.max_distance,
+            causal=False, _mode=rp.mode, _period=rp.period,
+        )
     return lookup.bias_index(d)
 
 

@@ -69,6 +69,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import types
 from collections.abc import Callable
 
 import jax
@@ -106,6 +108,7 @@ __all__ = [
     "RELPOS_TILES_MAX_BYTES",
     "platform",
     "cudnn_unsupported",
+    "cudnn_wrapper_missing",
     "pallas_unsupported",
     "pallas_measured_faster",
     "cudnn_attention",
@@ -161,12 +164,27 @@ def dot_only(t: Terms, prob: Problem) -> str | None:
     return None
 
 
+def cudnn_wrapper_missing() -> str | None:
+    """Why this JAX's ``jax.nn.dot_product_attention`` cannot serve the cuDNN kernel (older
+    releases take no ``return_residual``, which gives the rows' log-normalisers, nor
+    ``local_window_size``), or `None`."""
+    params = inspect.signature(jax.nn.dot_product_attention).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [p for p in ("return_residual", "local_window_size") if p not in params]
+    if missing:
+        return (f"this JAX ({jax.__version__})'s jax.nn.dot_product_attention takes no "
+                f"{' / '.join(missing)} (a newer JAX's does)")
+    return None
+
+
 def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...]) -> str | None:
     """Why cuDNN's fused attention cannot run this edge, or `None` when it can.
 
-    Checked statically (shapes, dtypes, the structure in `terms`); cuDNN's own version
-    and compute-capability checks run when the call is traced, and a failure there falls
-    back to the next kernel.
+    Checked statically (shapes, dtypes, the structure in `terms`; whether this JAX's
+    cuDNN wrapper takes what the kernel passes is `cudnn_wrapper_missing`); cuDNN's own
+    version and compute-capability checks run when the call is traced, and a failure
+    there falls back to the next kernel.
     """
     why = dot_only(terms, prob)
     if why:
@@ -199,12 +217,40 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
 
 
 @functools.cache
-def _pallas_missing() -> str | None:
-    """Why this JAX has no Pallas Triton backend (older releases), or `None`."""
+def _triton():
+    """The Pallas Triton backend's ``dot``, ``atomic_add`` and ``CompilerParams``:
+    ``jax.experimental.pallas.triton`` where this JAX has it, else (older releases)
+    ``pallas.atomic_add``, ``pallas.gpu.TritonCompilerParams`` and a ``dot`` that
+    accumulates float64 in float64, as the newer one does."""
     try:
-        from jax.experimental import pallas  # noqa: F401
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError as err:
+        from jax.experimental.pallas import triton
+
+        return triton
+    except ImportError:
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import gpu
+
+        return types.SimpleNamespace(dot=_dot_in_input_precision, atomic_add=pl.atomic_add,
+                                     CompilerParams=gpu.TritonCompilerParams)
+
+
+def _dot_in_input_precision(a, b, trans_a: bool = False, trans_b: bool = False,
+                            precision=None):
+    """``pallas.triton.dot``'s rule for older JAX, whose ``pallas.dot`` accumulates every
+    product in float32 (a float64 model would answer to float32 rounding): float64
+    operands accumulate in float64, others in float32."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    out = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out)
+
+
+@functools.cache
+def _pallas_missing() -> str | None:
+    """Why this JAX has no Pallas Triton backend, or `None`."""
+    try:
+        _triton()
+    except (ImportError, AttributeError) as err:
         return f"this JAX ({jax.__version__}) has no Pallas Triton backend ({err})"
     return None
 
@@ -533,9 +579,7 @@ def _pallas_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[
 
 
 def _dot(a, b, precision, acc_dtype, trans_a: bool = False, trans_b: bool = False):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b,
+    return _triton().dot(a, b, trans_a=trans_a, trans_b=trans_b,
                      precision=precision).astype(acc_dtype)
 
 
@@ -869,9 +913,7 @@ def _wide_rows(prob: Problem) -> bool:
 
 
 def _compiler_params(fp: int, num_warps: int | None, num_stages: int):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=num_warps or (4 if fp <= 64 else 8),
+    return _triton().CompilerParams(num_warps=num_warps or (4 if fp <= 64 else 8),
                                 num_stages=num_stages)
 
 
@@ -1129,7 +1171,6 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
     $\mathrm{d}s$ tiles are summed in registers and added into the table once per program,
     with atomics (contention once per diagonal, not once per tile)."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     named = dict(zip(keys, refs[: len(keys)]))
     table = refs[-1]
@@ -1154,7 +1195,7 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
     if interpret:  # the interpreter's atomics drop repeated indices: a scatter-add
         table[...] = table[...] + jnp.zeros(table.shape, acc_dtype).at[idx].add(acc)
     else:
-        plgpu.atomic_add(table, (idx,), acc)
+        _triton().atomic_add(table, (idx,), acc)
 
 
 def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, tiles,

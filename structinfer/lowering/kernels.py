@@ -187,7 +187,7 @@ def _cudnn_unsupported(lowered: Lowered) -> str | None:
     why = accel.cudnn_unsupported(lowered.terms, lowered.problem, lowered.batch_shape)
     if why is None and accel.platform() != "gpu":
         why = f"cuDNN runs on a GPU (the platform is {accel.platform()})"
-    return why
+    return why or accel.cudnn_wrapper_missing()
 
 
 def _run_cudnn(lowered, prob, batch, config):

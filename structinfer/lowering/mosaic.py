@@ -957,16 +957,15 @@ def mosaic_dkdv(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], d_out
 
     Reference: Dao, "FlashAttention-2" (2023), Algorithm 2.
     """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     stats = require_row_stats(stats, "mosaic_dkdv")
     steps = max_concurrent_steps
     if steps < 2:
         raise ValueError(f"mosaic_dkdv: max_concurrent_steps={steps}, expected at least 2")
     why, lay, lists = _dkdv_plan(terms, prob, batch_shape, mask, steps, table_grad)
-    if why:
+    if why:  # (also a JAX without Mosaic GPU: said before importing it)
         raise ValueError(f"mosaic_dkdv: {why}")
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
     _check_rows("mosaic_dkdv", terms, prob, lay, d_out, stats, delta)
     dtype = prob.v.dtype
     f32 = jnp.float32

@@ -37,11 +37,13 @@ Liu et al., "Ring attention with blockwise transformers" (2023).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._lower import Lowered
@@ -56,6 +58,20 @@ __all__ = ["head_sharded_attention", "ring_attention", "head_sharded", "sequence
 #: the accepted values of ``shard``: split the leading plate (heads / batch), or run ring
 #: attention over the sequence
 SHARDS = ("heads", "sequence")
+
+
+def _shard_map_unchecked():
+    """``shard_map`` without its replication check, on every supported JAX: the top-level
+    ``jax.shard_map`` (whose ``check_rep`` became ``check_vma``) where the release has it,
+    ``jax.experimental.shard_map.shard_map`` before."""
+    sm = getattr(jax, "shard_map", None)
+    if sm is None:  # JAX < 0.6
+        from jax.experimental.shard_map import shard_map as sm
+    check = "check_vma" if "check_vma" in inspect.signature(sm).parameters else "check_rep"
+    return functools.partial(sm, **{check: False})
+
+
+_shard_map = _shard_map_unchecked()
 
 
 def _axis(mesh: Mesh, axis_name: str | None) -> str:
@@ -104,7 +120,9 @@ def _check_sequence(n: int, m: int, ndev: int, ax: str, site: str | None) -> Non
 
 def _placed(mesh: Mesh, specs, tree):
     """On a mesh with explicit axes, reshard the arguments to the ``in_specs`` first."""
-    if not any(t == AxisType.Explicit for t in mesh.axis_types):
+    axis_type = getattr(jax.sharding, "AxisType", None)  # JAX >= 0.5: explicit axes
+    if axis_type is None or not any(
+            t == axis_type.Explicit for t in getattr(mesh, "axis_types", ())):
         return tree
     return jax.tree.map(
         lambda s, x: jax.reshard(x, NamedSharding(mesh, s)), specs, tree,
@@ -180,8 +198,7 @@ def head_sharded_attention(
             y = with_nan_rows(y, lse, pass_through=entry.rows_allowed)
         return y, lse
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)),
-                      check_vma=False)
+    f = _shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(ax), P(ax)))
     return f(*_placed(mesh, in_specs, (*groups, prob.v)))
 
 
@@ -323,7 +340,7 @@ def ring_attention(
     nb = len(batch)
     out_specs = (P(*([None] * nb), ax, None), P(*([None] * nb), ax))
     in_specs = (row_specs, col_specs, pair_specs, glob_specs, const_specs, v_spec)
-    f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    f = _shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     args = (prob.row, prob.col, prob.pair, prob.glob, prob.const, prob.v)
     return f(*_placed(mesh, in_specs, args))
 
