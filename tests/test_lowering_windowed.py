@@ -265,3 +265,19 @@ def test_windowed_attention_names_an_argument_of_the_wrong_shape(call, match):
     v = jnp.asarray(r.normal(size=(2, 8, 4)), jnp.float32)
     with pytest.raises(ValueError, match=match):
         call(q, k, v)
+
+
+def test_a_bfloat16_scale_multiplies_the_float32_scores():
+    """Regression: ``windowed_scores(..., scale=d**-0.5)`` of bfloat16 features rounded
+    ``scale * q`` to bfloat16 (logits 0.02 off at d = 128); the scale now multiplies the
+    float32 products, as the kernels' does, so the scores are the float32 ones."""
+    r = np.random.default_rng(0)
+    n, d, w = 64, 128, 8
+    q = jnp.asarray(4 * r.normal(size=(n, d)), jnp.bfloat16)
+    k = jnp.asarray(r.normal(size=(n, d)), jnp.bfloat16)
+    s = windowed_scores(q, k, w, scale=d ** -0.5)
+    unscaled = windowed_scores(q, k, w)
+    assert s.dtype == unscaled.dtype == jnp.float32
+    ok = np.isfinite(np.asarray(unscaled))
+    np.testing.assert_allclose(np.asarray(s)[ok], (np.asarray(unscaled) * d ** -0.5)[ok],
+                               rtol=1e-6, atol=1e-5)

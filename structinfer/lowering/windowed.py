@@ -247,7 +247,9 @@ def windowed_scores(
         offset: child $i$ sits at parent position $i + \text{offset}$.
         min_distance: $d_0$, the nearest distance kept (0 with the self-edge, 1
             without).
-        scale: optional scalar multiplier $s$ (``None``: 1).
+        scale: optional scalar multiplier $s$ (``None``: 1); with 16-bit features a
+            number known at trace time multiplies the float32 $q_i^\top k_j$, not the
+            queries rounded to 16 bits.
         block_size: children per block $b$.
 
     Returns:
@@ -277,10 +279,17 @@ def windowed_scores(
     min_distance = _band_int(min_distance, "min_distance", who)
     block_size = _band_int(block_size, "block_size", who, 1)
     n, m = q.shape[-2], k.shape[-2]
-    qq = q if scale is None else q * scale
+    dtype = jnp.result_type(q.dtype, k.dtype)
+    dot_scale = None
+    if (scale is not None and np.ndim(scale) == 0 and is_concrete(scale)
+            and jnp.result_type(dtype, scale) == dtype and jnp.dtype(dtype).itemsize < 4):
+        # 16-bit features: the scale multiplies the float32 q.k, as the kernels' does
+        qq, dot_scale = q, float(scale)
+    else:
+        qq = q if scale is None else q * scale
     dtype = jnp.result_type(qq.dtype, k.dtype)
     terms = Terms(n, m, dot=True, offset=int(offset), dmin=int(min_distance),
-                  dmax=int(min_distance) + int(window) - 1)
+                  dmax=int(min_distance) + int(window) - 1, dot_scale=dot_scale)
     prob = Problem(Rows(q=qq.astype(dtype)), Cols(k=k.astype(dtype)), Pairs(), Globals(),
                    Consts(), jnp.zeros((m, 1), dtype))
     batch = _batch_of(q.shape[:-2], k.shape[:-2], "q", "k", who)
