@@ -281,9 +281,9 @@ def _check_underflow(model, args, kwargs, info,
         raise ValueError(
             f"model '{model_name(model)}': log Z underflowed to -inf in the log-space "
             f"contraction, although the most probable structure has log-weight {best:.6g}:"
-            " factors over one edge (its prior and score, a likelihood or potential that "
-            f"reads it) disagree by more than {log_marginal.dtype}'s exponent range about "
-            "which parent is likely. Run in float64 (jax_enable_x64), or bring the "
+            " factors over one enumerated site (an edge's prior and score, a likelihood or "
+            f"potential that reads it) disagree by more than {log_marginal.dtype}'s exponent "
+            "range about which value is likely. Run in float64 (jax_enable_x64), or bring the "
             "disagreeing factors closer (e.g. a likelihood's scale)")
 
 

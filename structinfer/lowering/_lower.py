@@ -202,8 +202,8 @@ class TermBuilder:
         the cuDNN kernel takes it as its own scale instead, reading ``q`` where it is;
         with 16-bit operands every kernel then applies it to the float32 product
         $q_i^\top k_j$ (``Terms.dot_scale``), as the exact engine and FlashAttention do,
-        instead of rounding $s\,q$ to 16 bits (which moves a logit by up to
-        $|s\,q_i^\top k_j|\,2^{-8}$ in bfloat16: $1/\sqrt{128}$ is no power of two).
+        instead of rounding $s\,q$ to 16 bits (which moves a logit by up to about
+        $2^{-9}|s|\sum_f |q_{if} k_{jf}|$ in bfloat16: $1/\sqrt{128}$ is no power of two).
 
         ``dtype``: the features' nominal dtype, when ``q`` and ``k`` come wider (a rule
         that normalises or centres features in float32 hands them over unrounded): they
@@ -621,7 +621,7 @@ def lower_edge(
         static = len(acc._dot_q) == 1 and isinstance(acc._dot_scale[0], float)
         if static and acc._dot_scale[0] != 1.0 and jnp.dtype(dtype).itemsize < 4:
             # 16-bit operands: the kernels scale the float32 q.k (s * q rounded to 16
-            # bits would move a logit by up to |s q.k| 2^-8)
+            # bits would move a logit by up to about 2^-9 |s| sum_f |q_f k_f|)
             kw["dot_scale"] = acc._dot_scale[0]
             scaled = [operand(acc._dot_q[0])]
         else:

@@ -95,7 +95,7 @@ class Terms:
     dot: bool = False
     #: a static scale s of the dot term, applied to the accumulated row.q . col.k (float32)
     #: rather than folded into row.q (None: folded, or 1); set for 16-bit operands, where
-    #: s * q rounded to 16 bits would move the logits by up to |s q.k| 2^-8
+    #: s * q rounded to 16 bits would move a logit by up to about 2^-9 |s| sum_f |q_f k_f|
     dot_scale: float | None = None
     #: number of IDW terms -log(eps + ||x_i - y_j||^p): row.idw[r], col.idw[r],
     #: glob.idw_p[r], glob.idw_eps[r] (p and eps are arrays: traceable)
