@@ -444,6 +444,7 @@ def test_bench_runs_the_benchmark_script(files):
     assert "ratio table --quick --n 7" in r.stdout
 
 
+@pytest.mark.exhaustive  # (a fit as a process, ~20 s; the default tier runs `demo --quick`)
 def test_compare_user_models(files):
     """A full run; a model's name is any string (its plot's file name keeps the letters,
     digits, '.', '-' and '_')."""

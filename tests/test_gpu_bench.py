@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,6 +60,7 @@ def test_gpu_benchmark_quick_mode_writes_the_table_and_checks_structinfer(tmp_pa
         assert text in md, text
 
 
+@pytest.mark.exhaustive  # (~12 s; the default tier runs benchmarks/gpu.py --quick)
 def test_gpu_tune_quick_mode_times_pallas_and_says_why_not_mosaic():
     """benchmarks/gpu_tune.py --quick on a CPU: timed Pallas forward and backward cells per
     case (interpreted), and Mosaic GPU cells that name the platform (no GPU)."""

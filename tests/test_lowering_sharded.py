@@ -213,6 +213,8 @@ HUGE_LOGITS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.exhaustive  # (a 4-device subprocess, ~20 s; the default tier runs the kernels'
+# own huge-logit tests and the sharded runners on a one-device mesh)
 def test_ring_attention_gradients_of_rows_of_huge_logits():
     r"""Regression: ring attention (4 simulated devices; blocked and Pallas steps) on rows
     whose every key carries a finite -1e9 bias, where float32 rounds each chunk's row max
@@ -225,6 +227,7 @@ def test_ring_attention_gradients_of_rows_of_huge_logits():
     _run(f"TESTS = {tests!r}\n" + HUGE_LOGITS_SCRIPT, 4)
 
 
+@pytest.mark.exhaustive  # (a 4-device subprocess, ~30 s)
 def test_sharded_and_ring_attention_on_four_simulated_devices():
     # one subprocess (JAX starts once): the blocked kernel's checks, then the Pallas
     # kernel's default case

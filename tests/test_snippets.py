@@ -61,9 +61,15 @@ def test_page_blocks_are_run_or_marked(page):
     assert not odd, f"{page.name}: Python blocks neither run nor marked notest: {odd}"
 
 
-@pytest.mark.parametrize(
-    "page", [p for p in PAGES if p.name not in EXCLUDED and runnable(p)], ids=lambda p: p.name
-)
+#: pages whose blocks run in the exhaustive tier only (each 10-17 s on two cores; CI runs
+#: them every time): the reference pages, beside the README, the tutorial and the concepts
+EXHAUSTIVE_PAGES = {"performance.md", "nn.md", "numpyro_tools.md", "diagnostics.md",
+                    "known_issues.md", "inference.md"}
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, id=p.name, marks=[pytest.mark.exhaustive] * (p.name in EXHAUSTIVE_PAGES))
+    for p in PAGES if p.name not in EXCLUDED and runnable(p)])
 def test_snippets_run(page):
     x64 = jax.config.jax_enable_x64
     try:
