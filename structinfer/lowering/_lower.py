@@ -55,7 +55,18 @@ from .._checks import float32_at_least, is_concrete
 from ..priors import RestrictionPattern, StructuralPrior, band_mask
 from ..scores import Score
 from ._masks import BlockMask, ConcreteMask, mask_and
-from ._spec import Cols, Consts, Globals, Pairs, Problem, RelPos, Rows, Terms, accum_dtype
+from ._spec import (
+    Cols,
+    Consts,
+    Globals,
+    Pairs,
+    Problem,
+    RelPos,
+    Rows,
+    Terms,
+    accum_dtype,
+    logit_scale,
+)
 
 __all__ = [
     "NotLowered",
@@ -619,10 +630,11 @@ def lower_edge(
 
     if acc._dot_q:
         static = len(acc._dot_q) == 1 and isinstance(acc._dot_scale[0], float)
-        if static and acc._dot_scale[0] != 1.0 and jnp.dtype(dtype).itemsize < 4:
+        s16 = logit_scale(acc._dot_scale[0], dtype) if static else None
+        if s16 is not None:
             # 16-bit operands: the kernels scale the float32 q.k (s * q rounded to 16
             # bits would move a logit by up to about 2^-9 |s| sum_f |q_f k_f|)
-            kw["dot_scale"] = acc._dot_scale[0]
+            kw["dot_scale"] = s16
             scaled = [operand(acc._dot_q[0])]
         else:
             # cast once, then scaled in the operands' dtype: a bfloat16 q beside float32

@@ -38,11 +38,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from .._checks import is_concrete
 from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
 __all__ = ["Terms", "RelPos", "Rows", "Cols", "Pairs", "Globals", "Consts", "Problem",
-           "block_logits", "accum_dtype", "sum_to", "geometric_log_prior"]
+           "block_logits", "accum_dtype", "logit_scale", "sum_to", "geometric_log_prior"]
+
+
+def logit_scale(scale, dtype: DTypeLike) -> float | None:
+    """The `Terms.dot_scale` of a dot product of ``dtype`` operands scaled by ``scale``:
+    the number itself where the operands are 16-bit and ``scale`` is a 0-d number known
+    at trace time that keeps their dtype and is not 1 (the kernels then multiply the
+    float32 ``q.k`` by it); else ``None`` (the scale, if any, is folded into ``q``)."""
+    if (scale is None or np.ndim(scale) != 0 or not is_concrete(scale)
+            or jnp.dtype(dtype).itemsize >= 4 or jnp.result_type(dtype, scale) != dtype):
+        return None
+    s = float(scale)
+    return None if s == 1.0 else s
 
 
 def accum_dtype(dtype: DTypeLike) -> jnp.dtype:

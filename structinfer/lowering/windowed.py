@@ -48,6 +48,7 @@ from ._spec import (
     accum_dtype,
     block_logits,
     geometric_log_prior,
+    logit_scale,
 )
 
 __all__ = [
@@ -279,14 +280,9 @@ def windowed_scores(
     min_distance = _band_int(min_distance, "min_distance", who)
     block_size = _band_int(block_size, "block_size", who, 1)
     n, m = q.shape[-2], k.shape[-2]
-    dtype = jnp.result_type(q.dtype, k.dtype)
-    dot_scale = None
-    if (scale is not None and np.ndim(scale) == 0 and is_concrete(scale)
-            and jnp.result_type(dtype, scale) == dtype and jnp.dtype(dtype).itemsize < 4):
-        # 16-bit features: the scale multiplies the float32 q.k, as the kernels' does
-        qq, dot_scale = q, float(scale)
-    else:
-        qq = q if scale is None else q * scale
+    # 16-bit features: a static scale multiplies the float32 q.k, as the kernels' does
+    dot_scale = logit_scale(scale, jnp.result_type(q.dtype, k.dtype))
+    qq = q if scale is None or dot_scale is not None else q * scale
     dtype = jnp.result_type(qq.dtype, k.dtype)
     terms = Terms(n, m, dot=True, offset=int(offset), dmin=int(min_distance),
                   dmax=int(min_distance) + int(window) - 1, dot_scale=dot_scale)
