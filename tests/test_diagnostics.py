@@ -854,7 +854,7 @@ def batched_q_model(x, w, sigma):
                        obs=x[:, 1:])
 
 
-@pytest.mark.parametrize("method", ["nuts", "svi"])
+@pytest.mark.parametrize("method", [pytest.param("nuts", marks=pytest.mark.exhaustive), "svi"])  # (NUTS: ~8 s)
 def test_batch_plate_with_a_shared_prior(method):
     """The prior table has no batch dims; `phi_prior` is stored beside `phi` all the same."""
     tasks = [make_task(8, dim=D, q=0.35, noise=0.3, seed=s) for s in (5, 6)]
@@ -896,6 +896,7 @@ def masked_model(x, m):
 
 
 @pytest.mark.filterwarnings("ignore:.*PSIS-LOO is unreliable")  # 40 draws
+@pytest.mark.exhaustive  # (~12 s of fits)
 def test_masked_children_are_not_observations():
     """Regression: children masked out (`handlers.mask`, missing values as NaN) entered
     the log_likelihood group as observations with log-likelihood 0, so `loo` counted

@@ -985,7 +985,7 @@ def _agree_inputs(dtype, dead=3):
 
 @pytest.mark.parametrize("jit", [pytest.param(False, id="eager", marks=pytest.mark.exhaustive),
                                  pytest.param(True, id="jit")])
-@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+@pytest.mark.parametrize("x64", [False, pytest.param(True, marks=pytest.mark.exhaustive)], ids=["float32", "float64"])
 def test_no_possible_structure_of_coupled_edges_has_nan_derivatives_never_zeros(x64, jit):
     """Regression: in a model whose contraction couples enumerated sites (two edges tied
     by a factor; a Markov chain), the safe einsum differentiates log 0 to zero, so where

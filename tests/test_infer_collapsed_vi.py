@@ -413,6 +413,7 @@ def test_laplace_separable_same_hessian_eagerly_and_under_jit(x64):
     np.testing.assert_allclose(eager.covariance, jitted.covariance, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.exhaustive  # (~12 s of compiles)
 def test_laplace_observed_edge_is_a_node_term(x64):
     # an edge site given a value (handlers.condition) is not collapsed: its log-prob at
     # the value is part of A(mu), eagerly and under jit

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_run_is_iterated_step, iterate_steps, lowered_programs
+from conftest import assert_run_is_iterated_step, iterate_steps, lowered_programs, matrix
 from scipy.stats import multivariate_normal
 
 import structinfer as si
@@ -177,6 +177,7 @@ def test_slot_m_step_is_weighted_least_squares(x64):
     np.testing.assert_allclose(wk2 @ cxx @ wk2.T, np.eye(dk), atol=1e-10)
 
 
+@pytest.mark.exhaustive  # (~6 s; tests/test_slot_em.py runs slot EM by default)
 def test_slot_em_runs_and_reports():
     r = np.random.default_rng(4)
     x = np.concatenate([r.normal(size=(7, 3)) + 3, r.normal(size=(7, 3)) - 3]).astype(np.float32)
@@ -435,6 +436,7 @@ def test_linear_mixture_em_reg_regularises_the_least_squares(x64):
     assert not bool(info.nonfinite)
 
 
+@pytest.mark.exhaustive  # (~12 s; the default tier keeps the linear mixture's dead mode off)
 def test_markov_switching_em_keeps_a_dead_mode_off(x64):
     """Regression: a mode with no data made the M-step's variance 0/0 (NaN) whatever the
     ridge; it now keeps its parameters (and its row of the transition matrix)."""
@@ -460,32 +462,43 @@ def test_markov_switching_em_keeps_a_dead_mode_off(x64):
     np.testing.assert_allclose(st.A[0], one.A[0], rtol=1e-8, atol=1e-12)
 
 
-def test_em_refuses_a_negative_reg():
-    """Regression: gmm_em(reg=-10) made every covariance negative definite, its energy
-    went up and the run reported converged=True. A negative ridge is refused; under
-    jit (where it cannot be checked) the energy is NaN and the run stops on it."""
+def _reg_runs():
     r = np.random.default_rng(0)
     x = r.normal(size=(23, D))
     c2, c3 = np.stack([np.eye(D)] * 2), np.stack([np.eye(D)] * 3)
-    runs = {
+    return x, c3, {
         "gmm_em": lambda reg: gmm_em(x, x[:3], c3, reg=reg),
         "linear_mixture_em": lambda reg: linear_mixture_em(x[:-1], x[1:], c2, np.zeros((2, D)),
                                                            c2, reg=reg),
         "markov_switching_em": lambda reg: markov_switching_em(x, c2, np.zeros((2, D)),
                                                                np.ones((2, D)), reg=reg),
     }
+
+
+def test_em_refuses_a_negative_reg():
+    """Regression: gmm_em(reg=-10) made every covariance negative definite, its energy
+    went up and the run reported converged=True. A negative ridge is refused."""
+    x, c3, runs = _reg_runs()
     for name, fn in runs.items():
         for bad in (-10.0, np.float32(-1e-3), np.nan):
             with pytest.raises(ValueError, match=f"{name}: reg must be a non-negative"):
                 fn(bad)
-        jitted = jax.jit(fn)  # (one program for both values)
-        _, info = jitted(-10.0)
-        assert bool(info.nonfinite) and not bool(info.converged), name
-        _, info = jitted(1e-3)
-        assert not bool(info.nonfinite), name
     st = em_gmm.init(x, x[:3], c3)
     with pytest.raises(ValueError, match="gmm_em: reg must be a non-negative"):
         em_gmm.step(x, st, reg=-1.0)
+
+
+# (each compiles a whole EM loop: gmm_em by default, the others exhaustive)
+@pytest.mark.parametrize("name", matrix(["gmm_em", "linear_mixture_em", "markov_switching_em"],
+                                        lambda name: name == "gmm_em"))
+def test_a_negative_reg_under_jit_stops_on_a_nan_energy(name):
+    """Under jit, where a negative ridge cannot be checked, the energy is NaN and the run
+    stops on it, not converged."""
+    jitted = jax.jit(_reg_runs()[2][name])  # (one program for both values)
+    _, info = jitted(-10.0)
+    assert bool(info.nonfinite) and not bool(info.converged), name
+    _, info = jitted(1e-3)
+    assert not bool(info.nonfinite), name
 
 
 def test_linear_mixture_em_checks_its_weights():
@@ -504,6 +517,7 @@ def test_linear_mixture_em_checks_its_weights():
         em_linear_mixture.init(u, y, A, b, c, np.asarray([1.5, -0.5]))
 
 
+@pytest.mark.exhaustive  # (~6 s: three EM loops compiled)
 def test_bad_weights_under_jit_are_nan():
     """Regression: the weights were checked on concrete values only. Under jit a negative
     weight switched its component off and weights not summing to 1 were renormalised:
@@ -605,6 +619,7 @@ def test_arguments_are_named_in_errors():
 
 
 
+@pytest.mark.exhaustive  # (~7 s of compiles)
 def test_a_second_em_run_of_the_same_shapes_compiles_nothing():
     """Regression: each EM `run` built a fresh loop closure, so every call, even with the
     same shapes, traced and compiled its loop again (and ran the first E-step op by op):
@@ -705,6 +720,7 @@ def test_a_non_positive_definite_covariance_is_named():
     assert bool(info.nonfinite) and int(info.num_steps) == 0
 
 
+@pytest.mark.exhaustive  # (~10 s: three EM fits)
 def test_positive_definite_checks_allow_float32_rounding():
     """Regression (review): the positive-definite checks were exact: a float32 covariance
     computed as the inverse of a well-posed precision (asymmetric by rounding) was refused

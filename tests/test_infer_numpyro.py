@@ -174,7 +174,7 @@ def test_no_start_names_the_real_cause(fit):
     assert "Cannot find valid initial parameters" in str(err.value.__cause__)
 
 
-@pytest.mark.parametrize("initial", [True, False])
+@pytest.mark.parametrize("initial", [pytest.param(True, marks=pytest.mark.exhaustive), False])  # (True: ~10 s)
 def test_svi_on_a_markov_chain_is_the_exact_elbo(initial):
     """Regression: NumPyro's TraceEnum_ELBO does not contract a scan's chain exactly (it
     sums the time dim like a plate), so `svi` on a Markov edge optimised a finite wrong
@@ -360,6 +360,7 @@ def test_nuts_draws_are_numpyros():
             "adapt_state.step_size"} <= set(stats)
 
 
+@pytest.mark.exhaustive  # (~5 s: a NUTS run)
 def test_nuts_accepts_an_infinite_deterministic_site():
     """Regression: every site of get_samples() had to be finite, deterministic ones too:
     a model recording a causal prior's log-table (-inf on its forbidden edges) was
@@ -502,6 +503,7 @@ def test_numpyros_discrete_samplers_draw_an_edge_declared_unenumerated():
         si.infer.nuts(jax.random.key(0), model, x, drawn, num_warmup=1, num_samples=1)
 
 
+@pytest.mark.exhaustive  # (~15 s of compiles)
 def test_exact_calls_inside_a_numpyro_model_keep_their_sites_and_read_its_params(x64):
     """Regression: ``si.log_marginal`` / ``marginals`` / ``expectation`` / a lowered
     ``si.attention`` called inside an outer NumPyro model ran the inner model under the

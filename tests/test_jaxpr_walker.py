@@ -502,6 +502,7 @@ def test_unknown_primitive_with_a_body_falls_back_to_the_exact_engine(x64):
     np.testing.assert_allclose(attention(one_edge, "out")(*args), ref, atol=1e-12)
 
 
+@pytest.mark.exhaustive  # (~7 s of compiles)
 def test_unknown_primitive_in_bounds_and_laplace_is_conservative(x64):
     v = jnp.ones((7, 2))
     probes = {"phi": np.arange(7, dtype=np.int32).reshape(7, 1)}

@@ -503,7 +503,7 @@ def test_forbidden_moves_and_no_path_follow_the_exact_engine():
         si.marginals(stuck, em)
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("bad", [pytest.param(np.nan, marks=pytest.mark.exhaustive), np.inf])
 def test_a_nan_or_infinite_factor_mid_chain_gives_nan_not_a_forbidden_move(bad):
     """Regression (review): a NaN or +inf log-factor at one state of a middle step was read
     as "no terms" (-inf) by the kernel's log-sum-exp, i.e. a forbidden move: the steps after
@@ -644,6 +644,7 @@ def test_numpyro_nuts_with_the_chain_enumerated_matches_the_engine():
     assert abs(theta.std() - sd) < 0.15 * sd, (theta.std(), sd)
 
 
+@pytest.mark.exhaustive  # (~5 s of fits)
 def test_per_child_diagnostics_refuse_a_chain_by_name():
     """Regression: the pointwise log-likelihood, `check_comparable` (the CLI's `compare`
     runs it first) and `to_inference_data` of a Markov model raised a bare
@@ -806,7 +807,7 @@ def _left_to_right(dtype):
     return em, lt, li, np.zeros(K)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.exhaustive)])
 def test_structural_zero_transitions_give_exact_marginals_not_nan(dtype):
     """Regression: a log-transition of -inf (a left-to-right HMM) gave NaN smoothed
     marginals and expectations (log Z finite): the products of the transition matrices
@@ -1107,6 +1108,7 @@ def test_a_factor_in_a_scan_with_history_two_is_refused_by_name():
         si.log_marginal(second_order, y)
 
 
+@pytest.mark.exhaustive  # (~10 s of compiles)
 def test_a_chain_whose_score_depends_on_another_enumerated_site_is_exact():
     """A per-step score that reads another enumerated site (a regime c shifting every
     step's score) carries c's enumeration dim: not a batch dim the plates miss. Its log Z

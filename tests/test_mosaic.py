@@ -424,9 +424,9 @@ def _dense_of(low):
     return dense_attention(low.terms, up, low.batch_shape, "highest")
 
 
-INTERPRETED = [("relpos", 256, 64, jnp.bfloat16), ("geometric", 200, 64, jnp.float16),
-               ("strict_causal", 256, 64, jnp.bfloat16)]
-INTERPRETED_REST = [("window", 384, 64, jnp.bfloat16),
+INTERPRETED = [("relpos", 256, 64, jnp.bfloat16)]
+INTERPRETED_REST = [("geometric", 200, 64, jnp.float16), ("strict_causal", 256, 64, jnp.bfloat16),
+                    ("window", 384, 64, jnp.bfloat16),
                     ("causal", 384, 64, jnp.float16), ("relpos_full", 320, 64, jnp.bfloat16),
                     ("block_sparse", 400, 64, jnp.bfloat16),
                     ("geometric_band", 384, 64, jnp.bfloat16), ("bias", 256, 128, jnp.bfloat16),
