@@ -140,11 +140,34 @@ def test_a_bad_tolerance_is_named(tol):
                                                                       np.ones((2, 2)), tol=t),
         "slot_em": lambda t: si.infer.slot_em(x, x[:2], np.eye(2), np.eye(2), tol=t),
     }
-    for name, run in runs.items():
-        fn, _, arg = name.partition(" ")
-        with pytest.raises(ValueError, match=rf"^{fn}: {arg or 'tol'} must be a "
-                                             r"non-negative number \(a convergence tolerance\), got"):
-            run(tol)
+    # each loop's `step` too (a user's own loop calls it; it ignored a bad `tol`)
+    from structinfer.infer import em_gmm, em_linear_mixture, em_markov_switching, em_slot
+
+    xs = jnp.asarray(x)
+    energy = lambda v, th: jnp.sum((v - th) ** 2)  # noqa: E731
+    steps = {
+        "cccp": lambda t: convex_concave.step(log_z, convex_concave.init(log_z, xs), tol=t),
+        "gradient_descent": lambda t: gradient.step(
+            lambda m: -log_z(m), gradient.init(lambda m: -log_z(m), xs), 0.1, tol=t),
+        "geometric_beta": lambda t: mean_field.step(
+            np.zeros((3, 3)), mean_field.init(np.zeros((3, 3)), 0.1, 0.9), 0.1, 0.9, tol=t),
+        "energy_em": lambda t: em_energy.step(energy, em_energy.init(energy, xs, xs), tol=t),
+        "energy_em e_tol": lambda t: em_energy.step(energy, em_energy.init(energy, xs, xs),
+                                                    e_tol=t),
+        "gmm_em": lambda t: em_gmm.step(xs, em_gmm.init(x, x[:2], eye), tol=t),
+        "linear_mixture_em": lambda t: em_linear_mixture.step(
+            xs, xs, em_linear_mixture.init(x, x, eye, x[:2], eye), tol=t),
+        "markov_switching_em": lambda t: em_markov_switching.step(
+            xs, em_markov_switching.init(x, eye, x[:2], np.ones((2, 2))), tol=t),
+        "slot_em": lambda t: em_slot.step(xs, em_slot.init(x, x[:2], np.eye(2), np.eye(2)),
+                                          tol=t),
+    }
+    for table in (runs, steps):
+        for name, run in table.items():
+            fn, _, arg = name.partition(" ")
+            with pytest.raises(ValueError, match=rf"^{fn}: {arg or 'tol'} must be a non-negative "
+                                                 r"number \(a convergence tolerance\), got"):
+                run(tol)
 
 
 def test_a_step_size_of_another_shape_is_named():

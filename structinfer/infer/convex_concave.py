@@ -84,11 +84,13 @@ def step(
         log_z_fn: $G$.
         state: the current `CCCPState`.
         precision: $\Lambda$.
-        tol: the convergence tolerance.
+        tol: the convergence tolerance (a non-negative number; anything else raises
+            `ValueError`).
 
     Returns:
         `(new_state, converged)` with `converged = max |Δμ| <= tol`.
     """
+    tol = check_tol(tol, "cccp: tol")
     prec = _precision_like(precision, state.mu)
     g = jax.grad(log_z_fn)(state.mu)
     mu = jax.tree.map(lambda gi, p, m: (gi / p).astype(m.dtype), g, prec, state.mu)

@@ -124,9 +124,11 @@ def step(
         state: the current `EMState`.
         e_step_size: step size of the inner gradient descent.
         e_iters: its most steps.
-        e_tol: its gradient tolerance.
+        e_tol: its gradient tolerance (a non-negative number; anything else raises
+            `ValueError`).
         m_step_size: $\eta_\theta$ (scalar or pytree like `params`).
-        tol: the convergence tolerance.
+        tol: the convergence tolerance (a non-negative number; anything else raises
+            `ValueError`).
 
     Returns:
         `(new_state, converged)`: $E$ changed by at most `tol * max(1, |E|)`. The new
@@ -135,6 +137,8 @@ def step(
     Raises:
         ValueError: `e_iters` is not a positive int.
     """
+    e_tol = check_tol(e_tol, "energy_em: e_tol")
+    tol = check_tol(tol, "energy_em: tol")
     th = _m_step(energy_fn, state, m_step_size)
     v, e = _e_step(energy_fn, state.latents, th, e_step_size, e_iters, e_tol)
     return EMState(v, th, e), rel_change_small(e, state.energy, tol)

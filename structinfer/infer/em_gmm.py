@@ -139,7 +139,8 @@ def step(
         x: `(points, d)` data (as cast by `init`).
         state: the current `GMMState`.
         reg: ridge added to every covariance (non-negative).
-        tol: the convergence tolerance.
+        tol: the convergence tolerance (a non-negative number; anything else raises
+            `ValueError`).
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
@@ -148,6 +149,7 @@ def step(
     Raises:
         ValueError: a negative `reg` (a traced one makes the state NaN instead).
     """
+    tol = check_tol(tol, "gmm_em: tol")
     reg = _check_reg(reg)
     mu, cov, wt = _m_step(x, state.responsibilities, state.means, state.covariances, reg)
     ll, resp = _e_step(x, mu, cov, wt)

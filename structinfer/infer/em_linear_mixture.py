@@ -162,7 +162,8 @@ def step(
         state: the current `LinearMixtureState`.
         reg: ridge added to every covariance and least-squares Gram matrix
             (non-negative).
-        tol: the convergence tolerance.
+        tol: the convergence tolerance (a non-negative number; anything else raises
+            `ValueError`).
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
@@ -171,6 +172,7 @@ def step(
     Raises:
         ValueError: a negative `reg` (a traced one makes the state NaN instead).
     """
+    tol = check_tol(tol, "linear_mixture_em: tol")
     A, b, cov, w = _m_step(inputs, targets, state, _check_reg(reg))
     ll, resp = _e_step(inputs, targets, A, b, cov, w)
     new = LinearMixtureState(A, b, cov, w, resp, ll)

@@ -184,7 +184,8 @@ def step(
         x: the time series `(T, d)` (as cast by `init`).
         state: the current `MarkovSwitchingState`.
         reg: ridge added to every variance and Gram matrix (non-negative).
-        tol: the convergence tolerance.
+        tol: the convergence tolerance (a non-negative number; anything else raises
+            `ValueError`).
 
     Returns:
         `(new_state, converged)`: `converged` when the log-likelihood changed by at most
@@ -193,6 +194,7 @@ def step(
     Raises:
         ValueError: a negative `reg` (a traced one makes the state NaN instead).
     """
+    tol = check_tol(tol, "markov_switching_em: tol")
     A, b, prec = _m_step(x, state, _check_reg(reg))
     lt = _transition(state.transitions, state.log_transition)
     li = safe_log(state.responsibilities[0])

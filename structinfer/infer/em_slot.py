@@ -367,7 +367,8 @@ def step(
         whiten: steps 2–3 of [`slot_em`][structinfer.infer.slot_em].
         ridge: added to $\sum A x x^\top$ and to the within-slot scatter
             (non-negative).
-        tol: relative tolerance of the convergence test.
+        tol: relative tolerance of the convergence test (a non-negative number;
+            anything else raises `ValueError`).
         rtol: eigenvalue cut-off relative to the largest eigenvalue, in ``[0, 1)``;
             default ``10 * max(shape) * eps(dtype)``.
 
@@ -380,6 +381,7 @@ def step(
         ValueError: `e_iters` not a positive int, a negative `ridge` or an `rtol`
             outside `[0, 1)` (a traced one makes the state NaN instead).
     """
+    tol = check_tol(tol, "slot_em: tol")
     ridge = _check_ridge(ridge)
     if rtol is None:
         rtol = _default_rtol(x.dtype, *state.wk.shape, *state.wq.shape, *state.slots.shape)

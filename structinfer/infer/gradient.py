@@ -57,11 +57,13 @@ def step(
         energy_fn: `mu -> F(mu)`.
         state: the current `GradientState`.
         step_size: $\eta$, a scalar or a pytree like `mu`.
-        tol: the convergence tolerance.
+        tol: the convergence tolerance (a non-negative number; anything else raises
+            `ValueError`).
 
     Returns:
         `(new_state, converged)` with `converged = max |∇F(new μ)| <= tol`.
     """
+    tol = check_tol(tol, "gradient_descent: tol")
     what = "gradient_descent: `step_size`"
     lr = like_tree(check_step_size(step_size, what), state.mu, what)
     mu = jax.tree.map(lambda m, g, h: (m - h * g).astype(m.dtype), state.mu, state.grad, lr)

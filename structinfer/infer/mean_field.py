@@ -372,14 +372,16 @@ def step(
         offset: child $i$ sits at parent position $i + \text{offset}$.
         max_distance: optional largest distance $d_{ij}$ allowed.
         mass: prior mass kept by the horizon $H(q)$.
-        tol: the attention tolerance (default `1e-6` exact, `1e-3` plug-in).
+        tol: the attention tolerance, a non-negative number (default `1e-6` exact,
+            `1e-3` plug-in; anything else raises `ValueError`).
 
     Returns:
         `(new_state, converged)`, `converged` `(..., children)`: the attention moved by
             at most `tol` and the window stayed put.
     """
+    tol = check_tol(_default_tol(method, tol), "geometric_beta: tol")
     p, mass = _setup(scores, alpha0, beta0, method, include_self, offset, max_distance, mass)
-    return _step(p, state, method, mass, _default_tol(method, tol))
+    return _step(p, state, method, mass, tol)
 
 
 def run(
