@@ -789,7 +789,8 @@ TILE_CASES = {  # prior(n, m, e), children n, parents m, blocks, the queries' ba
 }
 
 
-@pytest.mark.parametrize("case", list(TILE_CASES))
+# (each compiles the Pallas passes interpreted, ~4 s: the batch of tables by default)
+@pytest.mark.parametrize("case", matrix(list(TILE_CASES), lambda c: c == "circulant_batch"))
 def test_pallas_relative_position_tiles_equal_the_lookup(case, monkeypatch):
     """The relative-position table expanded per block diagonal (`relpos_tiles`, read by
     the backward's passes by default) holds the very entries the lookup per element
@@ -1095,7 +1096,9 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(dtype):
             assert text.count("triton") >= 3 + (low.terms.relpos is not None)
 
 
-@pytest.mark.parametrize("case", ["relpos_causal", "geometric_trunc", "relpos_mask"])
+# (each ~4 s: a relative-position table with a mask by default)
+@pytest.mark.parametrize("case", matrix(["relpos_causal", "geometric_trunc", "relpos_mask"],
+                                        lambda c: c == "relpos_mask"))
 def test_pallas_passes_take_traced_start_offsets(case):
     """A chunk of a longer sequence, as each step of ring attention runs it: the Pallas
     forward and backward given traced global starts ``(i0, j0)`` equal the blocked kernel
