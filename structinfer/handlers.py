@@ -818,9 +818,40 @@ class name_plate_dims(Messenger):
     ``scope`` are collapsed as the independent products over their children they are.
     Put it directly around the enumerated model given to NumPyro's funsor ``trace`` (its
     ``postprocess_message`` runs after the trace annotates the site).
+
+    A ``scope`` around a ``numpyro.contrib.control_flow.scan`` whose step enumerates a
+    site (a Markov edge) cannot be collapsed: the scan records its step's sites after the
+    step ran, so the scope renames the site (``"l1/z"``) but not the dims NumPyro's
+    enumeration named after the step's own names (``"z"``, ``"_PREV_z"``), by which its
+    contraction looks the sites up (NumPyro's own ``log_density`` fails with
+    ``KeyError: 'z'``). The handler refuses it when the scan records the site, naming it
+    and the fix: the scope inside the step, ``scan(scope(step, prefix), init, xs)``.
+
+    Raises:
+        ValueError: a site of a scan step with an enumerated site renamed by a handler
+            around the scan (``numpyro.handlers.scope``).
     """
 
+    _scan_sites: dict | None = None  # id(message) -> (message, its name in the step)
+
+    def process_message(self, msg: dict) -> None:
+        seen = self._scan_sites.pop(id(msg), None) if self._scan_sites else None
+        if seen is None or seen[0] is not msg or msg.get("name") == seen[1]:
+            return
+        raise ValueError(
+            f"site '{seen[1]}' of a numpyro.contrib.control_flow.scan step is recorded as "
+            f"'{msg.get('name')}' by a handler around the scan (numpyro.handlers.scope): "
+            "NumPyro's enumeration of a scan names its dims after the step's own site names "
+            f"('{seen[1]}', '_PREV_{seen[1]}'), so it cannot contract the renamed sites (it "
+            f"fails with KeyError: '{seen[1]}'). Put the scope inside the step instead, "
+            "scan(numpyro.handlers.scope(step, prefix), init, xs), or give the step's sites "
+            "the prefix in their names"
+        )
+
     def postprocess_message(self, msg: dict) -> None:
+        if msg["type"] == "control_flow":
+            self._scan_sites = _enumerated_scan_sites(msg)
+            return
         names = (msg.get("infer") or {}).get("dim_to_name") if msg["type"] == "sample" else None
         if not names:
             return
@@ -832,6 +863,21 @@ class name_plate_dims(Messenger):
                 renamed = True
         if renamed:
             msg["infer"]["name_to_dim"] = {name: dim for dim, name in names.items()}
+
+
+def _enumerated_scan_sites(msg: dict) -> dict | None:
+    """``{id(site): (site, its name in the step)}`` of a ``scan`` whose step has an
+    enumerated site: the messages the scan sends on next (``None`` for another control
+    flow, or a step with none)."""
+    value = msg.get("value")
+    try:
+        steps = value[1][0].trace  # a scan's: ((length, key, carry), (PytreeTrace, ys))
+    except (TypeError, IndexError, AttributeError, KeyError):
+        return None
+    if not isinstance(steps, dict) or not any(
+            isinstance(site, dict) and is_enumerated(site) for site in steps.values()):
+        return None
+    return {id(site): (site, name) for name, site in steps.items() if isinstance(site, dict)}
 
 
 def _stays_inside(msg: dict) -> bool:

@@ -508,7 +508,8 @@ class _EdgeWrappers:
     masked-out child to log Z)."""
 
     def mask(self, mask: bool | ArrayLike) -> dist.Distribution:
-        """This edge with its masked-out children taking their parent uniformly.
+        """This edge with its masked-out children taking their parent uniformly among
+        those the edge allows.
 
         ``numpyro.handlers.mask`` calls it; see [`MaskedEdge`][structinfer.primitives.MaskedEdge].
 
@@ -605,19 +606,26 @@ class MaskedEdge(_EdgeWrappers, dist.MaskedDistribution):
 
     $$
     \log p(\phi_i = j) = \begin{cases} \log p_{\text{edge}}(\phi_i = j) & \text{kept} \\
-    -\log m & \text{masked out} \end{cases}
+    -\log |A_i| \ (j \in A_i), \ -\infty \ (j \notin A_i) & \text{masked out} \end{cases}
     $$
+
+    with $A_i$ the parents child $i$'s edge allows: those its prior (after any
+    [`mask_parents`][structinfer.handlers.mask_parents] mask) gives non-zero
+    probability, less those a ``-inf`` score entry forbids; every parent ($|A_i| = m$)
+    when it allows none (a padded child whose parents are all padding too).
 
     NumPyro's mask gives a masked-out site log-density 0 at every value; summed over the
     ``m`` parents by enumeration that is a factor ``m``, so each masked-out child (a
-    padded position, a step past a sequence's end) would add $\log m$ to log Z. Here
-    its edge is uniform instead, a proper distribution: it adds nothing to log Z, its
-    marginal is uniform and, with nothing observed through it, its expectation is the
-    parents' mean. Its row normaliser (the ``"<edge>.score"`` factor) is masked by
-    NumPyro as usual, to 0. Draws are the edge's own, as NumPyro's mask changes densities
-    only (``Predictive`` masks every site to skip their log-densities). Conditioned on
-    a value (``numpyro.handlers.condition``), a masked-out child contributes the
-    uniform's $-\log m$. Nested masks intersect. Made by the edge's ``mask``.
+    padded position, a step past a sequence's end) would add $\log m$ to log Z, and
+    would take parents its mask or prior forbids. Here its edge is uniform over $A_i$
+    instead, a proper distribution: it adds nothing to log Z, its marginal is uniform on
+    $A_i$ (never a forbidden parent) and, with nothing observed through it, its
+    expectation is the mean over $A_i$. Its row normaliser (the ``"<edge>.score"``
+    factor) is masked by NumPyro as usual, to 0. Draws are the edge's own, as NumPyro's
+    mask changes densities only (``Predictive`` masks every site to skip their
+    log-densities). Conditioned on a value (``numpyro.handlers.condition``), a
+    masked-out child contributes $-\log |A_i|$ ($-\infty$ off $A_i$). Nested masks
+    intersect. Made by the edge's ``mask``.
 
     Args:
         base_dist: the edge's distribution.
@@ -628,17 +636,34 @@ class MaskedEdge(_EdgeWrappers, dist.MaskedDistribution):
         super().__init__(base_dist, mask)
 
     def log_prob(self, value: jax.Array, intermediates: Any = None) -> jax.Array:
-        r"""The kept children's edge log-probabilities, $-\log m$ for the others."""
+        r"""The kept children's edge log-probabilities; for the others $-\log |A_i|$ on
+        the parents $A_i$ their edge allows ($-\log m$ on every parent when it allows
+        none), $-\infty$ off them."""
         fn = self.base_dist
         while not isinstance(fn, EdgeDistribution):  # expanded, or masked again
             fn = fn.base_dist
-        uniform = -jnp.log(jnp.asarray(jnp.shape(fn.logits)[-1], fn.logits.dtype))
-        if self._mask is False:  # (NumPyro's zeros would be in the default float)
+        uniform = gather(_uniform_on_allowed(fn.logits), value)
+        uniform = jnp.where(jnp.asarray(value) < 0, jnp.nan, uniform)  # as the edge's own
+        if self._mask is False:  # every child masked out
             shape = jax.lax.broadcast_shapes(tuple(self.base_dist.batch_shape),
-                                             jnp.shape(value)[: jnp.ndim(value)])
-            return jnp.full(shape, uniform)
+                                             jnp.shape(uniform))
+            return jnp.broadcast_to(uniform, shape)
         lp = super().log_prob(value)
         return lp if self._mask is True else jnp.where(self._mask, lp, uniform)
+
+
+def _uniform_on_allowed(logits: jax.Array) -> jax.Array:
+    r"""The log-table of a masked-out child's edge: uniform over the parents its row of
+    ``logits`` allows (finite: the prior's and ``mask_parents``' support, less the
+    score's ``-inf`` entries), over every parent for a row that allows none (a padded
+    child); constant in the logits (no gradient flows through it)."""
+    allowed = jnp.isfinite(jax.lax.stop_gradient(logits))
+    count = jnp.sum(allowed, axis=-1, keepdims=True)
+    m = jnp.shape(logits)[-1]
+    dtype = logits.dtype
+    on = -jnp.log(jnp.maximum(count, 1).astype(dtype))
+    return jnp.where(count > 0, jnp.where(allowed, on, -jnp.inf),
+                     -jnp.log(jnp.asarray(m, dtype)))
 
 
 class Potential(dist.Unit):

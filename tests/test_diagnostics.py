@@ -965,3 +965,73 @@ def test_compare_edges_names_the_model_with_several_edge_sites():
     assert list(dg.compare_edges({"one": one}).index) == ["one"]
     with pytest.raises(ValueError, match=r"compare_edges: model 'two': .*several edge sites"):
         dg.compare_edges({"one": one, "two": two})
+
+
+def scoped_inner(x):
+    """`masked_model` without the mask: one plate of children, a Uniform(3) edge each."""
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with numpyro.plate("children", x.shape[0]):
+        phi = si.edge("phi", si.priors.Uniform(3))
+        numpyro.sample("x", dist.Normal(KEYS3[phi], tau), obs=x)
+
+
+X_SCOPED = jnp.array([0.1, 2.2, 3.9, 0.3, 1.9])
+
+
+@pytest.mark.parametrize("method", ["nuts", "svi"])
+def test_scoped_model_names_are_xarray_safe(method):
+    """Regression: a model composed with `numpyro.handlers.scope(model, "l1")` (sites and
+    plates named `l1/...`) failed inside xarray (a DataTree variable may not hold '/'),
+    as ArviZ's own `from_numpyro` does. Every name is stored as `xarray_name(name)` ('/'
+    -> '::'), in every group, with the numbers of the same fit of the unscoped model."""
+    assert dg.xarray_name("l1/x") == "l1::x" and dg.xarray_name("a/b/c") == "a::b::c"
+    assert dg.xarray_name("x") == "x"
+    scoped = numpyro.handlers.scope(scoped_inner, "l1")
+    true = np.array([0, 1, 2, 0, 1])
+    dts = {}
+    for name, model in (("plain", scoped_inner), ("scoped", scoped)):
+        if method == "nuts":
+            fit = si.infer.nuts(jax.random.PRNGKey(0), model, X_SCOPED, num_warmup=20,
+                                num_samples=30, progress_bar=False)
+        else:
+            fit = si.infer.svi(jax.random.PRNGKey(0), model, X_SCOPED, num_steps=20,
+                               progress_bar=False)
+        true_edges = {"phi" if name == "plain" else "l1/phi": true}
+        dts[name] = dg.to_inference_data(fit, X_SCOPED, num_draws=30, num_prior_draws=3,
+                                         true_edges=true_edges)
+    plain, dt = dts["plain"], dts["scoped"]
+    renamed = {"tau": "l1::tau", "x": "l1::x", "phi": "l1::phi", "phi_prior": "l1::phi_prior",
+               "phi_true": "l1::phi_true", "children": "l1::children",
+               "phi_parent": "l1::phi_parent"}
+    for group in ("posterior", "prior", "log_likelihood", "observed_data",
+                  "posterior_predictive", "edge_posterior"):
+        a, b = plain[group].to_dataset(), dt[group].to_dataset()
+        assert sorted(renamed.get(v, v) for v in a.data_vars) == sorted(b.data_vars), group
+        for v in a.data_vars:
+            w = b[renamed.get(v, v)]
+            assert w.dims == tuple(renamed.get(d, d) for d in a[v].dims), (group, v)
+            np.testing.assert_allclose(w.values, a[v].values, rtol=1e-5, atol=1e-6)
+    assert dt["edge_posterior"].attrs == {"l1::phi.offset": 0}
+    assert dt["log_likelihood"]["l1::x"].dims[2:] == ("l1::children",)
+    # the sites of the scoped model, as the trace names them, are found by xarray_name
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(scoped, 0)).get_trace(X_SCOPED)
+    assert dg.xarray_name("l1/tau") in dt["posterior"] and "l1/tau" in tr
+    assert dg.xarray_name("l1/x") in dt["observed_data"] and "l1/x" in tr
+    if method == "nuts":
+        with pytest.warns(dg.ParetoKWarning, match="l1::children"):  # 30 draws
+            assert np.isfinite(dg.loo(dt).elpd)
+
+
+def test_names_that_collide_once_xarray_safe_are_refused():
+    """`a/x` and `a::x` would both be stored as `a::x`: refused, naming both."""
+    def model(x):
+        tau = numpyro.sample("a/x", dist.HalfNormal(1.0))
+        s = numpyro.sample("a::x", dist.HalfNormal(1.0))
+        with numpyro.plate("children", x.shape[0]):
+            phi = si.edge("phi", si.priors.Uniform(3))
+            numpyro.sample("x", dist.Normal(KEYS3[phi], tau + s), obs=x)
+
+    fit = si.infer.svi(jax.random.PRNGKey(0), model, X_SCOPED, num_steps=2,
+                       progress_bar=False)
+    with pytest.raises(ValueError, match=r"to_inference_data: .*'a/x'.*'a::x'.*'a::x'"):
+        dg.to_inference_data(fit, X_SCOPED, num_draws=5, posterior_predictive=False)

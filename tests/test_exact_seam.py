@@ -516,8 +516,9 @@ def _masked_attention(q, k, v, mask, prior):
 def test_a_masked_out_child_adds_nothing_to_log_z(x64, prior, jit):
     """Regression: a masked edge site summed a log-prob of 0 over every parent, so each
     masked-out child added log(parents) to log Z (NumPyro's mask of an enumerated site).
-    A masked-out child now takes its parent uniformly: log Z is that of the model
-    without it, and its marginal and expectation are the uniform ones."""
+    A masked-out child now takes its parent uniformly among those its prior allows: log Z
+    is that of the model without it, and its marginal and expectation are the uniform
+    ones there (the causal and geometric priors allow each child the earlier parents)."""
     r = np.random.default_rng(3)
     n = m = 5
     q, k, v = (jnp.asarray(r.normal(size=(n, 3))) for _ in range(3))
@@ -537,9 +538,10 @@ def test_a_masked_out_child_adds_nothing_to_log_z(x64, prior, jit):
     np.testing.assert_allclose(log_z, logsumexp(s[keep], axis=-1).sum(), rtol=1e-12)
     np.testing.assert_allclose(marg[keep], np.exp(s - logsumexp(s, -1, keepdims=True))[keep],
                                rtol=1e-12)
-    np.testing.assert_allclose(marg[~keep], 1.0 / m, rtol=1e-12)
-    np.testing.assert_allclose(out[~keep], np.broadcast_to(np.asarray(v).mean(0), (2, 3)),
-                               rtol=1e-12)
+    allowed = np.isfinite(lp) & np.ones((n, m), bool)
+    uniform = allowed / allowed.sum(-1, keepdims=True)
+    np.testing.assert_allclose(marg[~keep], uniform[~keep], rtol=1e-12)
+    np.testing.assert_allclose(out[~keep], uniform[~keep] @ np.asarray(v), rtol=1e-12)
     # every child masked out (a Python False as well): log Z is 0
     none = (q, k, v, False, pr)
     np.testing.assert_allclose(si.log_marginal(_masked_attention, *none), 0.0, atol=1e-12)
@@ -632,8 +634,9 @@ def test_attention_with_padded_queries_and_keys_has_the_gradients_of_the_unpadde
 
 
 def test_a_masked_out_child_observed_through_its_edge_takes_its_parent_uniformly(x64):
-    """An observation read at a masked-out child's edge sees a uniform parent: the
-    child's term is the uniform mixture over parents, a proper density."""
+    """An observation read at a masked-out child's edge sees a uniform parent among those
+    its prior allows: the child's term is the uniform mixture over them, a proper
+    density."""
     keys, x = jnp.array([0.0, 2.0, 4.0]), jnp.array([0.3, 2.5])
 
     def model(x):
@@ -644,7 +647,9 @@ def test_a_masked_out_child_observed_through_its_edge_takes_its_parent_uniformly
 
     lp = np.asarray(si.priors.Geometric(0.5, 3).log_table(2))
     like = norm.logpdf(np.asarray(x)[:, None], np.asarray(keys), 1.0)
-    want = logsumexp(lp[0] + like[0]) + logsumexp(like[1]) - np.log(3)
+    allowed = np.isfinite(lp[1])
+    assert allowed.sum() == 2  # the geometric prior allows child 1 the parents 0 and 1
+    want = logsumexp(lp[0] + like[0]) + logsumexp(like[1][allowed]) - np.log(allowed.sum())
     np.testing.assert_allclose(si.log_marginal(model, x), want, rtol=1e-12)
 
 

@@ -1368,3 +1368,54 @@ def test_a_chain_with_a_plated_observation_falls_back_naming_the_users_sites():
                 - 0.5 * np.log(2 * np.pi)).sum(1)
     np.testing.assert_allclose(si.log_marginal(model, y), _forward(emission, lt, li),
                                rtol=1e-5)
+
+
+def hmm_scoped_step(emission, log_transition, log_initial):
+    """`hmm` with the scope inside the scan's step: the step's own sites are `l1/z`,
+    `l1/v`, so NumPyro's enumeration names their dims consistently."""
+    prior = si.priors.Markov(log_transition, log_initial)
+
+    def step(previous, e):
+        z = si.edge("z", prior, e, previous=previous)
+        numpyro.deterministic("v", jnp.sin(1.0 + z))
+        return z, None
+
+    scan(numpyro.handlers.scope(step, "l1"), jnp.asarray(-1), emission)
+
+
+def test_a_scope_around_a_scan_is_refused_naming_the_site_and_the_fix():
+    """Regression: `numpyro.handlers.scope(model, "l1")` around a model whose Markov chain
+    is a `scan` failed inside NumPyro with `KeyError: 'z'`: the scan records its step's
+    sites after the step ran, so the scope renames the site (`l1/z`) but not the
+    enumeration dims NumPyro named after the step's own names (`z`, `_PREV_z`), and its
+    contraction looks the site up by the dim's name. NumPyro's own `log_density` fails
+    the same way; every entry point of the engine now refuses it, naming the site, the
+    scope's name for it and the fix: the scope inside the step, which is collapsed as
+    the unscoped chain is."""
+    from numpyro.contrib.funsor import enum, log_density
+
+    em, lt, li = _params()
+    scoped = numpyro.handlers.scope(hmm, "l1")
+    with pytest.raises(KeyError):  # NumPyro's own enumeration of it
+        log_density(enum(scoped, first_available_dim=-1), (em, lt, li), {}, {})
+    match = (r"site 'z' of a numpyro.contrib.control_flow.scan step is recorded as 'l1/z'"
+             r".*scope.*scan\(numpyro.handlers.scope\(step, prefix\), init, xs\)")
+    for call in (lambda: si.log_marginal(scoped, em, lt, li),
+                 lambda: si.marginals(scoped, em, lt, li),
+                 lambda: si.expectation(scoped, "l1/v", em, lt, li),
+                 lambda: si.map_edges(scoped, em, lt, li),
+                 lambda: si.inspect_model(scoped, em, lt, li),
+                 lambda: jax.jit(lambda e: si.log_marginal(scoped, e, lt, li))(em)):
+        with pytest.raises(ValueError, match=match):
+            call()
+    # the fix the message names: the scope inside the step
+    ref_z, ref_marg, ref_ev = _brute(em, lt, li)
+    np.testing.assert_allclose(si.log_marginal(hmm_scoped_step, em, lt, li), ref_z,
+                               rtol=1e-5)
+    marg = si.marginals(hmm_scoped_step, em, lt, li)
+    assert set(marg) == {"l1/z"}
+    np.testing.assert_allclose(marg["l1/z"], ref_marg, atol=1e-5)
+    np.testing.assert_allclose(si.expectation(hmm_scoped_step, "l1/v", em, lt, li), ref_ev,
+                               atol=1e-5)
+    np.testing.assert_array_equal(si.map_edges(hmm_scoped_step, em, lt, li)["l1/z"],
+                                  si.map_edges(hmm, em, lt, li)["z"])

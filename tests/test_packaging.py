@@ -265,3 +265,45 @@ def test_floor_versions_are_the_pyproject_floors_and_ci_tests_them():
         assert any(f"{name} is not" in p for p in _check_floor(
             {k: v for k, v in pins.items() if k != name}, deps, ci, readme))
     assert _check_floor(pins, deps, ci.replace('-c "$floor"', ""), readme)
+
+
+NO_FLAX = """
+import json, sys
+sys.modules["flax"] = None  # Flax not installed: `import flax` raises ModuleNotFoundError
+out = {}
+for how in ("import", "attribute"):
+    for m in [m for m in sys.modules if m.startswith("structinfer.nn")]:
+        del sys.modules[m]
+    try:
+        if how == "import":
+            import structinfer.nn  # noqa: F401
+        else:
+            import structinfer
+            structinfer.nn  # noqa: B018 (PEP 562: imports the submodule)
+    except ModuleNotFoundError as e:
+        out[how] = ["ModuleNotFoundError", str(e), e.name]
+    except ImportError as e:
+        out[how] = ["ImportError", str(e), e.name]
+    else:
+        out[how] = ["imported", "", None]
+print(json.dumps(out))
+"""
+
+
+def test_nn_without_flax_is_a_module_not_found_error_naming_the_extra():
+    """Without Flax, `import structinfer.nn` (and `structinfer.nn`) raises
+    ModuleNotFoundError (so `pytest.importorskip` and `except ModuleNotFoundError`
+    work) naming Flax NNX and the pyproject extra that installs it."""
+    extras = _pyproject()["project"]["optional-dependencies"]
+    (extra,) = [name for name, reqs in extras.items() if "flax" in _names(reqs)
+                and all(r.startswith("flax") for r in reqs)]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", NO_FLAX], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for how, (kind, message, name) in got.items():
+        assert kind == "ModuleNotFoundError", (how, kind, message)
+        assert name == "flax", (how, name)
+        assert "Flax" in message and "NNX" in message, message
+        assert f'pip install "structinfer[{extra}]"' in message, message

@@ -301,3 +301,92 @@ def test_a_mask_no_edge_consults_is_an_error():
             raise ZeroDivisionError
     np.testing.assert_allclose(si.expectation(masked_model, "out", q, k, v, prior, keep),
                                _reference(prior, keep, q, k, v), atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# a masked-out child (numpyro.handlers.mask) under mask_parents: uniform over its allowed
+
+
+PAD_N, PAD_M = 3, 5  # 3 children, 5 parents: 125 joint paths, enumerated below
+PAD_BASES = {
+    "uniform": lambda: P.Uniform(PAD_M),
+    "causal": lambda: P.Restricted.causal(PAD_N, PAD_M),
+    "geometric": lambda: P.Geometric(0.3, PAD_M),
+}
+
+
+def _padded(s, v, keep, allow, prior):
+    with numpyro.plate("children", PAD_N):
+        with si.handlers.mask_parents(mask=allow), numpyro.handlers.mask(mask=keep):
+            j = si.edge("phi", prior, s)
+        numpyro.deterministic("out", v[j])
+
+
+def _padded_brute_force(s, v, keep, allow, prior):
+    """Every joint path of the three edges: a kept child's factor is its masked prior
+    times e^score; a masked-out child's is uniform over the parents its edge allows (the
+    prior's and the mask's support, less the score's -inf entries), over all of them when
+    it allows none. Log Z, marginals, E[out] and the MAP path."""
+    import itertools
+
+    from scipy.special import logsumexp
+
+    lp = np.where(np.asarray(allow), np.asarray(prior.log_table(PAD_N), np.float64), -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):  # the padded row has no parent
+        norm = logsumexp(lp, -1, keepdims=True)
+        lp = np.where(np.isfinite(norm), lp - norm, -np.inf)  # the masked prior, renormalised
+    s = np.asarray(s, np.float64)
+    factor = []
+    for i in range(PAD_N):
+        if keep[i]:
+            factor.append(lp[i] + s[i])
+        else:
+            ok = np.isfinite(lp[i] + s[i])
+            ok = ok if ok.any() else np.ones(PAD_M, bool)
+            factor.append(np.where(ok, -np.log(ok.sum()), -np.inf))
+    paths = np.array(list(itertools.product(range(PAD_M), repeat=PAD_N)))
+    logw = sum(factor[i][paths[:, i]] for i in range(PAD_N))
+    log_z = logsumexp(logw)
+    p = np.exp(logw - log_z)
+    marg = np.stack([np.bincount(paths[:, i], p, PAD_M) for i in range(PAD_N)])
+    out = marg @ np.asarray(v, np.float64)
+    return log_z, marg, out, factor
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("base", list(PAD_BASES))
+def test_a_masked_out_child_takes_only_the_parents_its_mask_allows(x64, base, jit):
+    """Regression: a child masked out by ``numpyro.handlers.mask`` took its parent
+    uniformly over ALL parents, including those ``mask_parents`` (or its prior, or a
+    -inf score) forbids: its marginal put mass on forbidden parents, its expectation
+    read their values, and ``sample_edges`` / ``map_edges`` could return them. It now
+    takes its parent uniformly over the parents its edge allows (all of them only when it
+    allows none, a padded child), still adding nothing to log Z: every answer against
+    the joint enumeration of the three edges."""
+    r = np.random.default_rng(2)
+    prior = PAD_BASES[base]()
+    s = r.normal(size=(PAD_N, PAD_M))
+    s[1, 0] = -np.inf  # a -inf score forbids its edge, as a mask does
+    s, v = jnp.asarray(s), jnp.asarray(r.normal(size=(PAD_M, 2)))
+    keep = jnp.array([True, False, False])
+    allow = jnp.array([[True] * PAD_M,                      # kept: the prior's parents
+                       [True, True, False, False, True],    # masked out: 0 (score), 1, 4
+                       [False] * PAD_M])                    # padded: none
+    args = (s, v, keep, allow, prior)
+    log_z, marg, out, factor = _padded_brute_force(*args)
+    assert np.count_nonzero(marg[1]) < PAD_M  # the mask matters for the masked-out child
+
+    fns = [lambda *a: si.log_marginal(_padded, *a),
+           lambda *a: si.marginals(_padded, *a)["phi"],
+           lambda *a: si.expectation(_padded, "out", *a),
+           lambda *a: si.map_edges(_padded, *a)["phi"]]
+    got = [jax.jit(f, static_argnums=4)(*args) if jit else f(*args) for f in fns]
+    np.testing.assert_allclose(got[0], log_z, rtol=1e-12)
+    np.testing.assert_allclose(got[1], marg, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(got[2], out, rtol=1e-12, atol=1e-15)
+    for i, j in enumerate(np.asarray(got[3])):  # a most probable parent of each child
+        assert factor[i][j] == pytest.approx(factor[i].max(), rel=1e-12), (i, j)
+    keys = jax.random.split(jax.random.PRNGKey(0), 64)
+    draws = jax.vmap(lambda key: si.sample_edges(key, _padded, *args)["phi"])(keys)
+    for i in range(PAD_N):
+        assert np.all(marg[i][np.asarray(draws)[:, i]] > 0), i  # never a forbidden parent

@@ -26,7 +26,7 @@ from .._checks import moved_names
 from ..exact import EnergyOnlyModelError
 from .comparison import ParetoKWarning, check_comparable, compare, loo
 from .convergence import ConvergenceReport, convergence_report
-from .data import to_inference_data
+from .data import to_inference_data, xarray_name
 from .edges import (
     EdgeAgreement,
     compare_edges,
@@ -52,6 +52,7 @@ from .plots import (
 
 __all__ = [
     "to_inference_data",
+    "xarray_name",
     "loo",
     "compare",
     "check_comparable",

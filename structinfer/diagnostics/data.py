@@ -14,6 +14,10 @@ from `arviz_base.from_numpyro` / `from_numpyro_svi` and adds the collapsed
 `log_likelihood`, a `posterior_predictive` with the edges drawn from their posterior,
 the model's `constant_data` and an `edge_posterior` group, the posterior edge marginals
 $p(\phi_i = j \mid x) = \mathbb E_{\theta \mid x}[p(\phi_i = j \mid x, \theta)]$.
+
+xarray refuses a variable or dimension name holding `/`, the divider of NumPyro's
+`scope` (`scope(model, "l1")` names a site `l1/x`): every site and plate is stored under
+[`xarray_name`][structinfer.diagnostics.xarray_name] of its name (`l1::x`).
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 from numpyro.handlers import block, seed, substitute, trace
+from numpyro.primitives import CondIndepStackFrame, Messenger
 
 try:
     from numpyro.handlers import uncondition
 except ImportError:  # NumPyro < 0.20 (the releases for JAX < 0.7) has no uncondition
-    from numpyro.primitives import Messenger
 
     class uncondition(Messenger):  # noqa: N801
         """Forget the observations: an observed site is drawn from its distribution.
@@ -57,7 +61,103 @@ from ._common import (
 if TYPE_CHECKING:
     import xarray as xr
 
-__all__ = ["to_inference_data"]
+__all__ = ["to_inference_data", "xarray_name"]
+
+#: what `xarray_name` writes for each `/` of a name (PyMC's divider of nested models)
+XARRAY_DIVIDER = "::"
+
+
+def xarray_name(name: str) -> str:
+    """The name a site or plate is stored under: `name` with each `/` written `::`.
+
+    [`to_inference_data`][structinfer.diagnostics.to_inference_data] stores every site
+    and plate under it. xarray refuses a variable, coordinate or dimension name holding `/` (a `DataTree`
+    reads it as a path), and `/` is the divider of NumPyro's `scope`
+    (`numpyro.handlers.scope(model, "l1")` names a site `l1/x`). ArviZ's own
+    `from_numpyro` fails on such a model. A name without `/` is stored as it is.
+
+    Args:
+        name: a site or plate name, as the model's trace holds it (`"l1/x"`).
+
+    Returns:
+        The stored name (`"l1::x"`): `dt["posterior"][xarray_name("l1/tau")]`.
+
+    Raises:
+        TypeError: `name` is not a string.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"xarray_name: name must be a str, got {type(name).__name__}")
+    return name.replace("/", XARRAY_DIVIDER)
+
+
+class _xarray_names(Messenger):  # noqa: N801 - a handler, named like NumPyro's
+    """Every site and plate of the model under `xarray_name` of its name (outermost, so
+    after a `scope` inside the model has named them): what ArviZ's converter traces."""
+
+    def process_message(self, msg):
+        if msg.get("name"):
+            msg["name"] = xarray_name(msg["name"])
+        if msg.get("cond_indep_stack"):
+            msg["cond_indep_stack"] = [CondIndepStackFrame(xarray_name(f.name), f.dim, f.size)
+                                       for f in msg["cond_indep_stack"]]
+
+
+def _renamed(samples: Mapping[str, Any]) -> dict[str, Any]:
+    return {xarray_name(n): v for n, v in samples.items()}
+
+
+class _XarrayNamedMCMC:
+    """A finished MCMC as ArviZ's `from_numpyro` reads it, its names `xarray_name`'s:
+    the draws renamed, the model traced under `_xarray_names`; the rest is the MCMC's."""
+
+    def __init__(self, mcmc: Any):
+        self._mcmc = mcmc
+        self.sampler = _Sampler(_xarray_names(mcmc.sampler.model))
+
+    def get_samples(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return _renamed(self._mcmc.get_samples(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:  # num_chains, _args, get_extra_fields, ...
+        return getattr(self._mcmc, name)
+
+
+class _Sampler:
+    def __init__(self, model: Callable):
+        self.model = model
+
+
+def _xarray_named_svi(svi: Any) -> Any:
+    """A shallow copy of `svi` whose model and guide name their sites `xarray_name`'s
+    (an autoguide: its `sample_posterior`'s draws renamed), for `from_numpyro_svi`."""
+    import copy
+
+    svi = copy.copy(svi)
+    guide = svi.guide
+    method = getattr(guide, "sample_posterior", None)
+    if method is None:  # a guide function: Predictive traces it
+        svi.guide = _xarray_names(guide)
+    else:
+        guide = copy.copy(guide)
+        guide.sample_posterior = lambda *a, **k: _renamed(method(*a, **k))
+        if getattr(guide, "model", None) is not None:
+            guide.model = _xarray_names(guide.model)
+        svi.guide = guide
+    svi.model = _xarray_names(svi.model)
+    return svi
+
+
+def _check_xarray_names(info: Any, model: Callable) -> None:
+    """Refuse two sites or plates that `xarray_name` stores under one name."""
+    names = list(dict.fromkeys([*info, *info.plates]))
+    stored: dict[str, str] = {}
+    for n in names:
+        other = stored.setdefault(xarray_name(n), n)
+        if other != n:
+            raise ValueError(
+                f"to_inference_data: model '{model_name(model)}' has the sites or plates "
+                f"'{other}' and '{n}', both stored as '{xarray_name(n)}' (xarray_name writes "
+                "'/' as '::'); rename one of them"
+            )
 
 
 def _map_draws(f: Callable, samples: Mapping[str, np.ndarray], batch_size: int | None) -> Any:
@@ -213,8 +313,9 @@ def _check_same_data(dt: Any, model: Callable, args: tuple, kwargs: dict, fit: A
         tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
         differ = [
             n for n, site in tr.items()
-            if site["type"] == "sample" and site.get("is_observed") and n in obs
-            and not np.array_equal(np.asarray(site["value"]), obs[n].values, equal_nan=True)
+            if site["type"] == "sample" and site.get("is_observed") and xarray_name(n) in obs
+            and not np.array_equal(np.asarray(site["value"]), obs[xarray_name(n)].values,
+                                   equal_nan=True)
         ]
         if differ:
             raise ValueError(
@@ -293,17 +394,17 @@ def _log_likelihood_group(ll: np.ndarray, struct: LikelihoodStructure,
     positions), or on one ``<name>_observed`` dim with a position coordinate per plate."""
     import arviz_base as azb
 
+    name, plates = xarray_name(struct.name), [xarray_name(p) for p in struct.plates]
     if seen is None:
-        return azb.dict_to_dataset({struct.name: ll}, dims={struct.name: list(struct.plates)})
+        return azb.dict_to_dataset({name: ll}, dims={name: plates})
     at = np.nonzero(seen)
     kept = ll[(slice(None), slice(None), *at)]
-    if len(struct.plates) == 1:
-        (plate,) = struct.plates
-        return azb.dict_to_dataset({struct.name: kept}, dims={struct.name: [plate]},
-                                   coords={plate: at[0]})
-    dim = f"{struct.name}_observed"
-    ds = azb.dict_to_dataset({struct.name: kept}, dims={struct.name: [dim]})
-    return ds.assign_coords({p: (dim, i) for p, i in zip(struct.plates, at)})
+    if len(plates) == 1:
+        (plate,) = plates
+        return azb.dict_to_dataset({name: kept}, dims={name: [plate]}, coords={plate: at[0]})
+    dim = f"{name}_observed"
+    ds = azb.dict_to_dataset({name: kept}, dims={name: [dim]})
+    return ds.assign_coords({p: (dim, i) for p, i in zip(plates, at)})
 
 
 def to_inference_data(
@@ -347,6 +448,11 @@ def to_inference_data(
       attribute `<site>.offset` holds the child-to-parent position offset used for
       distances.
 
+    Every site and plate is stored under [`xarray_name`][structinfer.diagnostics.xarray_name]
+    of its name: a `/` (NumPyro's `scope` divider: `scope(model, "l1")` names a site
+    `l1/x`), which xarray refuses, is written `::` (`l1::x`, dims `l1::children`). The
+    arguments (`true_edges`) name sites as the model does (`"l1/phi"`).
+
     Args:
         fit: a finished `numpyro.infer.MCMC` (`structinfer.infer.nuts`) or an
             `(SVI, SVIRunResult)` pair (`structinfer.infer.svi`).
@@ -377,7 +483,7 @@ def to_inference_data(
         TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair, or
             `rng_key` is not one PRNG key.
         ValueError: a `numpyro.param` site, a discrete latent site that is not
-            enumerated, no latent site, a bad `true_edges`, observations or other
+            enumerated, no latent site, two sites or plates with one `xarray_name`, a bad `true_edges`, observations or other
             array arguments than those the MCMC ran on, or a count (`num_draws`, `num_prior_draws`,
             `batch_size`) that is not an int in its range.
     """
@@ -394,6 +500,7 @@ def to_inference_data(
     model = parts.model
     args, kwargs = as_arrays(model_args, model_kwargs)
     info = latent_sites(model, args, kwargs, "to_inference_data")
+    _check_xarray_names(info, model)
     latent = list(info.latent)
     if not latent:
         raise ValueError(
@@ -405,7 +512,7 @@ def to_inference_data(
     key_pp, key_prior = jax.random.split(key)
 
     if parts.kind == "nuts":
-        dt = azb.from_numpyro(fit, log_likelihood=False)
+        dt = azb.from_numpyro(_XarrayNamedMCMC(fit), log_likelihood=False)
         _check_same_data(dt, model, args, kwargs, fit)
         extra = fit.get_extra_fields(group_by_chain=True)
         if "potential_energy" in extra and "sample_stats" in dt.children:
@@ -415,14 +522,14 @@ def to_inference_data(
             dt["sample_stats"] = xr.DataTree(ss)
     else:
         dt = _as_one_chain(azb.from_numpyro_svi(
-            svi_taking_model_args(fit[0]), svi_result=fit[1], model_args=args,
+            _xarray_named_svi(svi_taking_model_args(fit[0])), svi_result=fit[1], model_args=args,
             model_kwargs=kwargs, num_samples=num_draws))
     post = dt["posterior"].to_dataset()
-    missing = [n for n in latent if n not in post]
+    missing = [n for n in latent if xarray_name(n) not in post]
     if missing:
         raise ValueError(f"to_inference_data: the fit has no draws of {missing}")
-    samples = {n: post[n].values for n in latent}
-    dims = {n: list(post[n].dims[2:]) for n in latent}
+    samples = {n: post[xarray_name(n)].values for n in latent}  # the model's own names
+    dims = {xarray_name(n): list(post[xarray_name(n)].dims[2:]) for n in latent}
     edges = info.edges
     unknown = sorted(set(true_edges or {}) - set(edges))
     if unknown:
@@ -437,34 +544,36 @@ def to_inference_data(
     dt["log_likelihood"] = xr.DataTree(_log_likelihood_group(ll, struct, seen))
     obs = dt["observed_data"].to_dataset() if "observed_data" in dt.children else None
     if posterior_predictive:
-        pp = _posterior_predictive(model, samples, args, kwargs, list(info.enumerated),
-                                   info.observed, key_pp)
+        pp = _renamed(_posterior_predictive(model, samples, args, kwargs,
+                                            list(info.enumerated), info.observed, key_pp))
         pp_dims = {n: list(obs[n].dims) for n in pp if obs is not None and n in obs}
         dt["posterior_predictive"] = xr.DataTree(azb.dict_to_dataset(pp, dims=pp_dims))
-    const = _constant_data(model, args, kwargs)
+    const = _renamed(_constant_data(model, args, kwargs))
     if const:
         dt["constant_data"] = xr.DataTree(azb.dict_to_dataset(const, sample_dims=[]))
     if num_prior_draws:
-        prior = _prior_draws(model, args, kwargs, latent, num_prior_draws, key_prior)
+        prior = _renamed(_prior_draws(model, args, kwargs, latent, num_prior_draws, key_prior))
         dt["prior"] = xr.DataTree(azb.dict_to_dataset(prior, dims=dims))
 
     edge_vars, attrs = {}, {}
     for n in marg:
         mean = marg[n].mean(axis=(0, 1))
         edge = info[n].edge
+        xn = xarray_name(n)
         # a batch dim takes the name of the plate at its dim (as in `log_likelihood`)
-        by_dim = {info.plates[p][0]: p for p in info[n].plates if p in info.plates}
+        by_dim = {info.plates[p][0]: xarray_name(p) for p in info[n].plates
+                  if p in info.plates}
         batch = mean.ndim - 2
-        bdims = [by_dim.get(k - batch - 1, f"{n}_dim_{k}") for k in range(batch)] + [
-            edge.children_plate, f"{n}_parent"]
-        edge_vars[n] = (bdims, mean)
+        bdims = [by_dim.get(k - batch - 1, f"{xn}_dim_{k}") for k in range(batch)] + [
+            xarray_name(edge.children_plate), f"{xn}_parent"]
+        edge_vars[xn] = (bdims, mean)
         # a prior shared across batch plates has fewer dims than the marginals: stored
         # broadcast, so `<site>_prior` and `<site>` share their dims
-        edge_vars[f"{n}_prior"] = (bdims, np.broadcast_to(prior_tables[n].mean(axis=(0, 1)),
-                                                          mean.shape))
+        edge_vars[f"{xn}_prior"] = (bdims, np.broadcast_to(prior_tables[n].mean(axis=(0, 1)),
+                                                           mean.shape))
         if true_edges is not None and n in true_edges:
-            edge_vars[f"{n}_true"] = (bdims[:-1], check_true_edges(true_edges[n], mean, n))
-        attrs[f"{n}.offset"] = offset_of(edge.prior)
+            edge_vars[f"{xn}_true"] = (bdims[:-1], check_true_edges(true_edges[n], mean, n))
+        attrs[f"{xn}.offset"] = offset_of(edge.prior)
     dt["edge_posterior"] = xr.DataTree(xr.Dataset(edge_vars, attrs=attrs))
     dt.attrs["model"] = model_name(model)
     dt.attrs["inference_method"] = parts.kind

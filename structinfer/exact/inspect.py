@@ -51,6 +51,7 @@ from ..handlers import (
     contain,
     fill_discrete,
     fill_latent,
+    name_plate_dims,
     observe_given,
     require_values,
 )
@@ -413,7 +414,8 @@ def trace_model(
     m = observe_given(model)  # the model's own values only, not ``values``
     m = substitute(m, data=dict(values)) if values else m
     m = fill_latent(m) if placeholders else require_values(m, what=what)
-    m = seed(fill_discrete(m), 0)
+    # name_plate_dims refuses a scope around an enumerated scan here, in every engine
+    m = name_plate_dims(seed(fill_discrete(m), 0))
     with contain():
         return trace(m).get_trace(*args, **dict(kwargs or {}))
 

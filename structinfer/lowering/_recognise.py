@@ -404,8 +404,9 @@ def _check_unscaled(name: str, site: dict) -> None:
     """Edge and score sites must carry their log-density unscaled and unmasked.
 
     ``numpyro.handlers.scale`` tempers the exact posterior (``scale * (prior + score)``)
-    and ``numpyro.handlers.mask`` makes a masked-out child's edge uniform; the kernels
-    model neither, so any scale that is not identically 1 and any mask fall back.
+    and ``numpyro.handlers.mask`` makes a masked-out child's edge uniform (over the
+    parents it allows); the kernels model neither, so any scale that is not identically
+    1 and any mask fall back.
     """
     if site.get("mask") is not None or is_masked(site.get("fn")):
         raise _Fail(name, "mask", "is under numpyro.handlers.mask (a masked edge / score "

@@ -29,9 +29,15 @@ from __future__ import annotations
 
 try:
     import flax.nnx  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "structinfer.nn needs Flax (NNX): pip install 'structinfer[nn]'"
+except ModuleNotFoundError as e:  # Flax is not installed
+    if e.name is None or e.name.split(".")[0] != "flax":
+        raise  # a module Flax itself imports is missing: that error as it is
+    # a ModuleNotFoundError (an ImportError) so that pytest.importorskip and a caller's
+    # `except ModuleNotFoundError` treat the layers as the optional extra they are
+    raise ModuleNotFoundError(
+        "structinfer.nn needs Flax NNX (flax>=0.12), which is not installed: "
+        'pip install "structinfer[nn]" (or pip install flax)',
+        name="flax",
     ) from e
 
 from .heads import causal, geometric, geometric_beta, relative_position, uniform, window
