@@ -71,8 +71,8 @@ def xarray_name(name: str) -> str:
     """The name a site or plate is stored under: `name` with each `/` written `::`.
 
     [`to_inference_data`][structinfer.diagnostics.to_inference_data] stores every site
-    and plate under it. xarray refuses a variable, coordinate or dimension name holding `/` (a `DataTree`
-    reads it as a path), and `/` is the divider of NumPyro's `scope`
+    and plate under it. xarray refuses a variable, coordinate or dimension name holding
+    `/` (a `DataTree` reads it as a path), and `/` is the divider of NumPyro's `scope`
     (`numpyro.handlers.scope(model, "l1")` names a site `l1/x`). ArviZ's own
     `from_numpyro` fails on such a model. A name without `/` is stored as it is.
 
@@ -483,9 +483,10 @@ def to_inference_data(
         TypeError: `fit` is neither an MCMC nor an `(SVI, SVIRunResult)` pair, or
             `rng_key` is not one PRNG key.
         ValueError: a `numpyro.param` site, a discrete latent site that is not
-            enumerated, no latent site, two sites or plates with one `xarray_name`, a bad `true_edges`, observations or other
-            array arguments than those the MCMC ran on, or a count (`num_draws`, `num_prior_draws`,
-            `batch_size`) that is not an int in its range.
+            enumerated, no latent site, two sites or plates with one `xarray_name`, a
+            bad `true_edges`, observations or other array arguments than those the MCMC
+            ran on, or a count (`num_draws`, `num_prior_draws`, `batch_size`) that is
+            not an int in its range.
     """
     import arviz_base as azb
     import xarray as xr
