@@ -72,8 +72,10 @@ def log_marginal(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
         ValueError: a latent site has no value, or a tensor dim is left over after the
             contraction (see [`log_z`][structinfer.exact.log_z]); or, on concrete
             inputs, the log-space sum underflowed to $-\infty$ while a structure is
-            possible (factors that disagree by more than the dtype's exponent range;
-            the message gives the most probable structure's log-weight). A model with
+            possible (factors multiplied over several sites that disagree by more than
+            the dtype's exponent range, e.g. the steps of a Markov chain of more than 4
+            states; factors over one site are shifted jointly and do not underflow; the
+            message gives the most probable structure's log-weight). A model with
             no possible structure answers $-\infty$.
 
     Reference:
