@@ -70,9 +70,11 @@ _ZERO_SLOPE = [False]
 
 @contextlib.contextmanager
 def zero_slope_at_log0(zero: bool) -> Iterator[None]:
-    r"""Inside the block, the einsums traced differentiate $\log 0$ to zero (``True``,
-    `log0`) or as funsor does, $1/0$ (``False``). Read when a contraction is traced;
-    nested blocks restore in order; process-wide, like funsor's interpretation stack."""
+    r"""Inside the block, the einsums traced differentiate $\log 0$ as ``zero`` says.
+
+    ``True``: to zero (`log0`); ``False``: as funsor does, $1/0$. Read when a contraction
+    is traced; nested blocks restore in order; process-wide, like funsor's interpretation
+    stack."""
     _ZERO_SLOPE.append(bool(zero))
     try:
         yield

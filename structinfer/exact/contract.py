@@ -251,8 +251,7 @@ def _log_space_einsum(zero_slope: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def safe_log_einsum() -> Iterator[None]:
-    r"""funsor's log-space contractions, with $\log 0$ differentiated to 0 and the
-    factors shifted jointly, inside the block.
+    r"""funsor's log-space contractions inside the block, with $\log 0$ differentiated to 0.
 
     A sum with no non-zero term, $\log \sum_j e^{a_{ij} + b_{jk}} = \log 0$ (a pair of
     states that a product of factors leaves unconnected: the forbidden moves of a chain,
