@@ -364,3 +364,96 @@ def test_a_model_with_no_factor_has_log_marginal_zero():
     assert float(si.energy(empty, x)) == 0.0
     np.testing.assert_allclose(si.log_marginal(observed), -0.5 * math.log(2 * math.pi) - 0.5,
                                rtol=1e-6)
+
+
+def _far_apart_cases():
+    """float32 models whose factors over one edge site disagree by more than float32's
+    exponent range (> 87 nats) about which parent is likely, while the joint log-weight of
+    a structure stays in range: ``(model, args, logits, mu, x)`` with the float64 logits
+    (children over parents) and the likelihood's means and observations (for the
+    gradients' closed forms)."""
+    import numpyro.distributions as dist
+
+    def lik(mu, x):  # Normal(mu_j, 1) log-density of x_i: (..., children, parents)
+        x, mu = np.asarray(x, np.float64)[..., None], np.asarray(mu, np.float64)
+        return -0.5 * (x - mu) ** 2 - 0.5 * math.log(2 * math.pi)
+
+    # the issue's example: the score favours parent 1 by 101 nats, the likelihood parent 0
+    def example(x, mu, s):
+        with numpyro.plate("points", x.shape[0]):
+            j = si.edge("z", si.priors.Uniform(mu.shape[0]), s)
+            numpyro.deterministic("out", mu[j])
+            numpyro.sample("x", dist.Normal(mu[j], 1.0), obs=x)
+
+    x, mu = np.zeros(2, np.float32), np.array([0.0, 14.2], np.float32)
+    s = np.array([[0.0, 101.0], [0.0, 0.0]], np.float32)
+    yield "example", example, (x, mu, s), s - math.log(2) + lik(mu, x), mu, x
+
+    # the same under batch and head plates
+    B, H, n = 2, 3, 4
+    r = np.random.default_rng(30)
+    sb = r.normal(size=(B, H, n, 2)).astype(np.float32)
+    sb[..., 1] += np.float32(101.0) * (r.random(size=(B, H, n)) < 0.5)
+    xb = (r.normal(size=(B, H, n)) * 0.1).astype(np.float32)
+
+    def heads(x, mu, s):
+        with numpyro.plate("batch", B, dim=-3), numpyro.plate("heads", H, dim=-2):
+            with numpyro.plate("points", n, dim=-1):
+                j = si.edge("z", si.priors.Uniform(mu.shape[0]), s)
+                numpyro.deterministic("out", mu[j])
+                numpyro.sample("x", dist.Normal(mu[j], 1.0), obs=x)
+
+    yield "heads", heads, (xb, mu, sb), sb - math.log(2) + lik(mu, xb), mu, xb
+
+    # attention: Dot scores spread over > 200 nats across the parents; each child's
+    # observation sits near a parent scored 120-200 nats below its best
+    n, m = 5, 7
+    k = np.zeros((m, 1), np.float32)
+    k[:, 0] = np.linspace(0.0, 3.0, m)
+    q = np.full((n, 1), 80.0, np.float32)  # scores 0 .. 240
+    mu_a = np.arange(m, dtype=np.float32) * 4.0
+    xa = (mu_a[r.integers(1, 4, size=n)] + r.normal(size=n) * 0.3).astype(np.float32)
+
+    def attention(q, k, mu, x):
+        with numpyro.plate("queries", q.shape[0]):
+            j = si.edge("z", si.priors.Uniform(k.shape[0]), si.scores.Dot(q, k))
+            numpyro.deterministic("out", mu[j])
+            numpyro.sample("x", dist.Normal(mu[j], 1.0), obs=x)
+
+    scores = np.float64(q) @ np.float64(k).T
+    assert np.ptp(scores, -1).min() > 200
+    yield "attention", attention, (q, k, mu_a, xa), scores - math.log(m) + lik(mu_a, xa), mu_a, xa
+
+
+@pytest.mark.parametrize("case", ["example", "heads", "attention"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_float32_factors_far_apart_on_one_site(case, jit):
+    """log Z, marginals, expectations and gradients are the float64 answer in float32
+    when a site's factors disagree by more than float32's exponent range (the log-space
+    contraction shifts their sum jointly; it shifted each factor by its own maximum, and
+    the product of the shifted factors underflowed to log Z = -inf), eagerly and under jit."""
+    name, model, args, logits, mu, x = next(c for c in _far_apart_cases() if c[0] == case)
+    A = softmax_ref(logits)
+    lz_ref = lse_ref(logits).sum()
+
+    def wrap(f, *extra):
+        g = lambda *a: f(model, *extra, *a)  # noqa: E731
+        return jax.jit(g) if jit else g
+
+    lz = wrap(si.log_marginal)(*args)
+    assert lz.dtype == jnp.float32
+    # float32 rounds each child's terms to about eps |logit|; their sum over the children
+    eps = np.finfo(np.float32).eps
+    np.testing.assert_allclose(lz, lz_ref, rtol=0, atol=4 * eps * np.abs(logits).max(-1).sum())
+    np.testing.assert_allclose(wrap(si.marginals)(*args)["z"], A, atol=2e-5)
+    np.testing.assert_allclose(wrap(si.expectation, "out")(*args), A @ np.float64(mu),
+                               atol=2e-4, rtol=2e-5)
+    # gradients: d log Z / d mu_j = sum_i A_ij (x_i - mu_j); for a given score, the marginals
+    grads = jax.grad(wrap(si.log_marginal), argnums=tuple(range(len(args))))(*args)
+    g_mu = (A * (np.float64(x)[..., None] - np.float64(mu))).reshape(-1, len(mu)).sum(0)
+    i_mu = 1 if name != "attention" else 2
+    np.testing.assert_allclose(grads[i_mu], g_mu, atol=2e-4, rtol=2e-5)
+    if name != "attention":
+        np.testing.assert_allclose(grads[2], A, atol=2e-5)
+    else:  # Dot score s_ij = q_i . k_j: d/dq_i = sum_j A_ij k_j
+        np.testing.assert_allclose(grads[0], A @ np.float64(args[1]), atol=2e-4, rtol=2e-5)

@@ -853,9 +853,13 @@ def test_pointwise_log_likelihood_params_not_a_mapping():
 
 
 def test_log_z_underflow_is_not_called_impossible():
-    """A score and a likelihood that disagree by more than float32's exponent range make
-    the log-space contraction's sum underflow to log Z = -inf; the most probable structure
-    is finite, so the error says the sum underflowed (not that no structure is possible)."""
+    """A score and a likelihood that disagree by more than float32's exponent range about
+    one edge site: the log-space contraction shifts their sum jointly and answers the
+    float64 log Z (it answered -inf, then this error). Where the contraction is a real
+    product of factors over two sites that keeps per-operand shifts (a Markov chain of 8
+    states, whose step-to-step product would broadcast to 8 times the factors) the sum can
+    still underflow to log Z = -inf; the most probable structure is finite, so the error
+    says the sum underflowed (not that no structure is possible)."""
 
     def model(x, mu, s):
         with numpyro.plate("points", x.shape[0]):
@@ -864,10 +868,35 @@ def test_log_z_underflow_is_not_called_impossible():
 
     x, mu = jnp.zeros(2), jnp.array([0.0, 14.2])
     s = jnp.array([[0.0, 101.0], [0.0, 0.0]], jnp.float32)
+    logits = (np.float64(s) - np.log(2) - 0.5 * np.log(2 * np.pi)
+              - 0.5 * (0.0 - np.float64(mu)) ** 2)
+    ref = np.logaddexp(logits[:, 0], logits[:, 1])
+    np.testing.assert_allclose(si.log_marginal(model, x, mu, s), ref.sum(), atol=3e-5)  # eps * 101
+    np.testing.assert_allclose(si.marginals(model, x, mu, s)["z"],
+                               np.exp(logits - ref[:, None]), atol=1e-6)
+
+    K, T = 8, 3  # step 1's score favours state 0 by 101 nats, step 2's potential the others
+    em = np.zeros((T, K), np.float32)
+    em[1, 0] = 101.0
+    pot = np.zeros((T, K, K), np.float32)
+    pot[2, 0, :] = -101.0
+    log_t = np.full((K, K), -np.log(K), np.float32)
+
+    def chain(em, pot):
+        prior = si.priors.Markov(log_t, log_t[0])
+
+        def step(previous, xs):
+            e, f = xs
+            z = si.edge("z", prior, e, previous=previous)
+            si.primitives.potential("f", f[jnp.maximum(previous, 0), z])
+            return z, None
+
+        scan(step, jnp.asarray(-1), (em, pot))
+
     for f in (si.marginals, si.log_marginal):  # log_marginal answered -inf silently
-        with pytest.raises(ValueError, match=r"model 'model': log Z underflowed to -inf .* "
+        with pytest.raises(ValueError, match=r"model 'chain': log Z underflowed to -inf .* "
                                              r"most probable structure has log-weight -\d"):
-            f(model, x, mu, s)
+            f(chain, em, pot)
 
     def impossible(s):  # no structure is possible: log_marginal still answers -inf
         with numpyro.plate("points", 2):

@@ -1073,3 +1073,27 @@ def test_a_kept_element_with_no_structure_has_nan_derivatives_the_others_exact(x
     assert ll[dead] == -np.inf and np.isnan(g[dead]).all()
     np.testing.assert_allclose(ll[live], ref[live], **tol)
     np.testing.assert_allclose(g[live], ref_g[live], **tol)
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("ab,ab->b", [(5, 3), (5, 3)]),  # attention: joint shift
+    ("abc,cb->ca", [(4, 3, 2), (2, 3)]),  # joint, output dims in another order
+    ("b,ab->a", [(3,), (4, 3)]),  # joint, the smaller operand first
+    ("ab,bc->ac", [(6, 6), (6, 6)]),  # a real product (broadcast 6x): per-operand shifts
+])
+def test_log_einsum_equals_the_float64_log_sum_exp(equation, shapes):
+    """The engine's log-space einsum is log sum exp of the summed operands over the summed
+    dims, for each dim order and both shifts; where the factors disagree by 101 nats its
+    joint shift keeps the float32 answer finite."""
+    from structinfer.exact._log_einsum import einsum
+
+    r = np.random.default_rng(3)
+    ops = [r.normal(size=s).astype(np.float32) * 3 for s in shapes]
+    ops[0][..., 0] = -np.inf  # a -inf entry
+    got = einsum(equation, *map(jnp.asarray, ops))
+    ref = np.log(np.einsum(equation, *[np.exp(np.float64(o)) for o in ops]))
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+    a = np.zeros((2, 2), np.float32)
+    a[1, :] = 101.0  # the summed dim a: op 1 favours a = 1, op 2 a = 0
+    np.testing.assert_allclose(einsum("ab,ab->b", jnp.asarray(a), jnp.asarray(-a)),
+                               [np.log(2.0)] * 2, rtol=1e-6)

@@ -1,34 +1,85 @@
 r"""The log-space einsum of the exact engine's sum-product (an ``opt_einsum`` backend).
 
-funsor contracts log-factors as $\log \sum \prod e^{x - s} + s$ (``funsor.einsum.numpy_log``).
-Where a sum has no non-zero term (a structural zero: two states a product of transition
-matrices with forbidden moves leaves unconnected) its logarithm is $\log 0 = -\infty$,
-whose reverse-mode derivative $1/0$ meets a zero cotangent (the term is used nowhere) and
-gives $0 \cdot \infty = \mathrm{NaN}$, poisoning every gradient of $\log Z$: the marginals
-and expectations, which are gradients. This einsum is funsor's with a logarithm whose
-derivative is zero there, so a $-\infty$ entry is exact in values and derivatives of any
-order; elsewhere it is funsor's, term for term.
+funsor contracts log-factors $x_k$ as $\log \sum \prod_k e^{x_k - s_k} + \sum_k s_k$
+(``funsor.einsum.numpy_log``), each factor shifted by its own maximum $s_k$ over the
+summed dims. Where the factors disagree about which term is large (an edge's score
+favours one parent by 101 nats, the likelihood another), every product
+$\prod_k e^{x_k - s_k}$ is tiny although the largest term of the sum is not: below
+about $e^{-87}$ it underflows in float32 (XLA flushes subnormals), and $\log Z = -\infty$
+while a structure is possible. This einsum shifts *jointly* where that costs no more:
+when the operands broadcast over all their dims to an array no larger than
+`JOINT_MAX_RATIO` times the largest operand (the attention case: a child's score, prior,
+likelihood and tilts over (child, parent), or broadcastable to it), it sums the broadcast
+operands to one array $x = \sum_k x_k$ and returns
 
-[`log_z`][structinfer.exact.log_z] selects it (by module name, in
-``contract.safe_log_einsum``) for every sum-product of a model that couples enumerated
-sites: a chain of [`Markov`][structinfer.priors.Markov] edges, two hops a later factor
-restricts, any product of factors with $-\infty$ entries over several sites. The zero
-derivative is the tangent times 0, so a NaN cotangent passes through: where $\log Z$
-itself is $-\infty$ (no structure is possible) ``log_z`` gives its result NaN derivatives
-(`contract._no_slope_at_neg_inf`), and they reach every factor behind it, so that the
-marginals, expectations and gradients of such a model are NaN, never zeros. The
-cost is funsor's: one shift, one ``exp``, one ``einsum`` and one ``log`` per contraction,
-plus a select.
+$$\log \sum e^{x - m} + m, \qquad m = \max x \text{ over the summed dims},$$
+
+one shift, one ``exp``, one reduction: its largest term is 1, so the sum cannot underflow
+while any term is within the dtype's range of the largest. Otherwise (a large broadcast:
+a product of a chain's transition matrices with many states, where the einsum is a real
+matrix product) it shifts each operand by its own maximum, as funsor does, and factors
+that disagree there by more than the exponent range can still underflow (concrete
+``log_marginal`` and friends then say so: ``api._check_underflow``).
+
+The logarithm's derivative at a sum with no non-zero term, $\log 0 = -\infty$, comes in
+two kinds, selected by `zero_slope_at_log0` (``contract.safe_log_einsum`` and
+``contract._einsum_for`` choose, in one place):
+
+* funsor's (the default): $1/0$, which meets the cotangent; a child's row with no
+  allowed parent gets NaN derivatives (its $-\infty$ enters the plates' sum with
+  weight 1: $0 \cdot \infty$), the other rows stay exact. For a model with one
+  enumerated site.
+* zero (``zero_slope_at_log0(True)``): for every sum-product that couples enumerated
+  sites (a chain of [`Markov`][structinfer.priors.Markov] edges, two hops a later
+  factor restricts, any product of factors with $-\infty$ entries over several sites).
+  A structural zero (two states a product of transition matrices with forbidden moves
+  leaves unconnected) is then $-\infty$ with derivative the tangent times 0, exact in
+  values and derivatives of any order, instead of $0 \cdot \infty = \mathrm{NaN}$
+  poisoning every gradient (marginals, expectations). A NaN cotangent passes through:
+  where $\log Z$ itself is $-\infty$ (no structure is possible) ``log_z`` gives its
+  result NaN derivatives (``contract._no_slope_at_neg_inf``), and they reach every
+  factor behind it, so that the marginals, expectations and gradients of such a model
+  are NaN, never zeros.
+
+The shifts are constants to differentiation (``stop_gradient``), so the values and
+derivatives of any order are those of $\log \sum e^{x}$ in both forms.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from funsor.einsum.util import Tensordot
 from jax import lax
 
-__all__ = ["einsum", "tensordot", "transpose"]
+__all__ = ["einsum", "tensordot", "transpose", "zero_slope_at_log0", "JOINT_MAX_RATIO"]
+
+#: the joint shift is taken when the operands' broadcast over all their dims has at most
+#: this many times the elements of the largest operand (1 for attention; a batched
+#: product of K x K transition matrices has K)
+JOINT_MAX_RATIO = 4
+
+#: the derivative of log 0 of the einsums traced now: True (zero) or False (funsor's
+#: NaN); the last entry rules (`zero_slope_at_log0` pushes and pops)
+_ZERO_SLOPE = [False]
+
+
+@contextlib.contextmanager
+def zero_slope_at_log0(zero: bool) -> Iterator[None]:
+    r"""Inside the block, the einsums traced differentiate $\log 0$ as ``zero`` says.
+
+    ``True``: to zero (`log0`); ``False``: as funsor does, $1/0$. Read when a contraction
+    is traced; nested blocks restore in order; process-wide, like funsor's interpretation
+    stack."""
+    _ZERO_SLOPE.append(bool(zero))
+    try:
+        yield
+    finally:
+        _ZERO_SLOPE.pop()
 
 
 @jax.custom_jvp
@@ -51,16 +102,65 @@ def _log0_jvp(primals, tangents):
 
 
 def einsum(equation: str, *operands):
-    r"""``jnp.einsum`` in the log semiring: $\log \sum e^{\sum x}$ over the summed dims.
+    r"""``jnp.einsum`` in the log semiring: $\log \sum e^{\sum_k x_k}$ over the summed dims.
 
-    Each operand is shifted by its maximum over the dims it sums (clamped to the dtype's
-    smallest number, so that $-\infty - (-\infty)$ does not arise), as funsor does.
+    Shifted jointly (one maximum of the summed operands) when their broadcast is at most
+    `JOINT_MAX_RATIO` times the largest operand, else each operand by its own maximum
+    over the dims it sums, as funsor does. A shift is clamped to the dtype's smallest
+    number, so that $-\infty - (-\infty)$ does not arise.
     """
     inputs, output = equation.split("->")
     if inputs == output:
         return operands[0][...]  # a new array, as funsor's
+    inputs = inputs.split(",")
+    log = log0 if _ZERO_SLOPE[-1] else jnp.log
+    sizes = _sizes(inputs, operands)
+    if sizes is not None and math.prod(sizes.values()) <= JOINT_MAX_RATIO * max(
+            math.prod(jnp.shape(x)) for x in operands):
+        return _joint(inputs, output, operands, sizes, log)
+    return _per_operand(equation, inputs, output, operands, log)
+
+
+def _sizes(inputs: list[str], operands) -> dict[str, int] | None:
+    """Each dim's size (the largest over the operands: einsum broadcasts size 1); None
+    when an operand repeats a dim (a diagonal: left to ``jnp.einsum``)."""
+    sizes: dict[str, int] = {}
+    for dims, x in zip(inputs, operands):
+        if len(set(dims)) != len(dims) or len(dims) != jnp.ndim(x):
+            return None
+        for d, n in zip(dims, jnp.shape(x)):
+            sizes[d] = max(sizes.get(d, 1), n)
+    return sizes
+
+
+def _joint(inputs: list[str], output: str, operands, sizes: dict[str, int], log):
+    """The operands summed on their broadcast, log-sum-exp'd over the summed dims with
+    one shift, the sum's own maximum. The broadcast keeps the dim order of the operand
+    with the most dims (no transpose of the largest array), the others after it."""
+    first = max(inputs, key=len)
+    order = list(first) + sorted(set(sizes) - set(first))
+    x = None
+    for dims, op in zip(inputs, operands):
+        present = [d for d in order if d in dims]
+        if present != list(dims):
+            op = jnp.transpose(op, [dims.index(d) for d in present])
+        op = op.reshape([op.shape[present.index(d)] if d in dims else 1 for d in order])
+        x = op if x is None else x + op
+    summed = tuple(i for i, d in enumerate(order) if d not in output)
+    shift = lax.stop_gradient(jnp.max(x, axis=summed, keepdims=True) if summed else x)
+    shift = jnp.maximum(shift, jnp.finfo(shift.dtype).min)
+    # a 16-bit sum accumulates in float32 (as XLA's dot of funsor's einsum does)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    total = jnp.sum(jnp.exp(x - shift), axis=summed, dtype=wide)
+    out = jnp.squeeze(shift, summed) + log(total).astype(x.dtype)
+    kept = [d for d in order if d in output]
+    return out if kept == list(output) else jnp.transpose(out, [kept.index(d) for d in output])
+
+
+def _per_operand(equation: str, inputs: list[str], output: str, operands, log):
+    """funsor's contraction: each operand shifted by its maximum over the dims it sums."""
     shifts, terms = [], []
-    for dims, x in zip(inputs.split(","), operands):
+    for dims, x in zip(inputs, operands):
         summed = tuple(i for i, d in enumerate(dims) if d not in output)
         shift = lax.stop_gradient(jnp.max(x, axis=summed, keepdims=True) if summed else x)
         shift = jnp.maximum(shift, jnp.finfo(shift.dtype).min)
@@ -71,7 +171,7 @@ def einsum(equation: str, *operands):
         shift = jnp.transpose(jnp.squeeze(shift, summed), [kept.index(d) for d in order])
         shifts.append(shift.reshape([shift.shape[order.index(d)] if d in order else 1
                                      for d in output]))
-    return sum(shifts) + log0(jnp.einsum(equation, *terms))
+    return sum(shifts) + log(jnp.einsum(equation, *terms))
 
 
 tensordot = Tensordot(einsum)

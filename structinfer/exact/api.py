@@ -35,6 +35,7 @@ from numpyro.handlers import substitute, trace
 
 from .._checks import as_arrays, check_key, is_concrete, model_name
 from ..handlers import contain, observe_given, pin, replay_outside, require_values
+from ._log_einsum import JOINT_MAX_RATIO
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
 
@@ -71,8 +72,10 @@ def log_marginal(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
         ValueError: a latent site has no value, or a tensor dim is left over after the
             contraction (see [`log_z`][structinfer.exact.log_z]); or, on concrete
             inputs, the log-space sum underflowed to $-\infty$ while a structure is
-            possible (factors that disagree by more than the dtype's exponent range;
-            the message gives the most probable structure's log-weight). A model with
+            possible (factors multiplied over several sites that disagree by more than
+            the dtype's exponent range, e.g. the steps of a Markov chain of more than 4
+            states; factors over one site are shifted jointly and do not underflow; the
+            message gives the most probable structure's log-weight). A model with
             no possible structure answers $-\infty$.
 
     Reference:
@@ -272,7 +275,9 @@ def _check_underflow(model, args, kwargs, info,
                      log_marginal: jax.Array) -> None:
     """Raise if a concrete ``log_marginal`` of ``-inf`` is the log-space contraction's
     underflow rather than a model without a possible structure: its max-product (the
-    log-weight of the most probable structure) is finite."""
+    log-weight of the most probable structure) is finite. Factors over one site are
+    shifted jointly and do not underflow (`_log_einsum.py`); a product of factors over
+    several sites whose broadcast is large keeps a shift per factor and can."""
     try:
         best = float(log_z(model, args, kwargs, info=info, semiring="max"))
     except ValueError:  # a model the max-product does not read: no finding
@@ -281,10 +286,13 @@ def _check_underflow(model, args, kwargs, info,
         raise ValueError(
             f"model '{model_name(model)}': log Z underflowed to -inf in the log-space "
             f"contraction, although the most probable structure has log-weight {best:.6g}:"
-            " factors over one enumerated site (an edge's prior and score, a likelihood or "
-            f"potential that reads it) disagree by more than {log_marginal.dtype}'s exponent "
-            "range about which value is likely. Run in float64 (jax_enable_x64), or bring the "
-            "disagreeing factors closer (e.g. a likelihood's scale)")
+            " factors that the contraction multiplies as a product over several enumerated "
+            "sites (e.g. the steps of a Markov chain of more than "
+            f"{JOINT_MAX_RATIO} states: a score, likelihood or potential at one step and "
+            "the factors of the next) disagree by more than "
+            f"{log_marginal.dtype}'s exponent range about which value is likely. Run in "
+            "float64 (jax_enable_x64), or bring the disagreeing factors closer (e.g. a "
+            "likelihood's scale)")
 
 
 def _wide(x: jax.Array) -> bool:

@@ -37,6 +37,7 @@ from numpyro.contrib.funsor.infer_util import compute_markov_factors
 from .._checks import as_arrays, model_name
 from ..handlers import contain, name_plate_dims, observe_given, require_values, tilt
 from ..primitives import SCAN_RECORD_KEY, user_site_name
+from ._log_einsum import zero_slope_at_log0
 from .inspect import ModelInfo, inspect_model
 
 __all__ = [
@@ -230,8 +231,27 @@ _LOG_EINSUM = __name__.rpartition(".")[0] + "._log_einsum"
 
 
 @contextlib.contextmanager
+def _log_space_einsum(zero_slope: bool) -> Iterator[None]:
+    """funsor's log-space contractions by this package's einsum (`_log_einsum.py`: jointly
+    shifted), differentiating log 0 to zero (``zero_slope``) or as funsor does, inside the
+    block. funsor reads the einsum of a `logaddexp` / `add` contraction of two tensors by
+    name from `funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND` when the contraction is evaluated
+    (for JAX: when it is traced), and offers no parameter for it on the path NumPyro's
+    `log_density` takes (`sum_product`, then `apply_optimizer`): the entry is set for the
+    block and restored after (nested blocks restore in order)."""
+    table = funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND
+    saved = table["jax"]
+    table["jax"] = _LOG_EINSUM
+    try:
+        with zero_slope_at_log0(zero_slope):
+            yield
+    finally:
+        table["jax"] = saved
+
+
+@contextlib.contextmanager
 def safe_log_einsum() -> Iterator[None]:
-    r"""funsor's log-space contractions, with $\log 0$ differentiated to 0, inside the block.
+    r"""funsor's log-space contractions inside the block, with $\log 0$ differentiated to 0.
 
     A sum with no non-zero term, $\log \sum_j e^{a_{ij} + b_{jk}} = \log 0$ (a pair of
     states that a product of factors leaves unconnected: the forbidden moves of a chain,
@@ -239,16 +259,18 @@ def safe_log_einsum() -> Iterator[None]:
     derivative instead of NaN, so every gradient of $\log Z$ (marginals, expectations)
     stays exact with $-\infty$ priors, scores and factors. The zero derivative is the
     tangent times 0, so a NaN cotangent (that of a $\log Z = -\infty$, which `log_z`
-    makes NaN) passes through. Elsewhere the einsum
-    (in `_log_einsum.py`, this package's own module) is funsor's, term for term.
+    makes NaN) passes through. Where the factors' broadcast is small (an edge's score,
+    prior and likelihood over (child, parent)) their sum is shifted by its own maximum,
+    so that factors which disagree by more than the dtype's exponent range about which
+    parent is likely do not underflow; elsewhere each factor is shifted by its own, as
+    funsor does (the einsum is in `_log_einsum.py`, this package's own module).
 
-    This is the one place that selects it. funsor reads the einsum of a `logaddexp` / `add`
-    contraction of two tensors by name from `funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND`
-    when the contraction is evaluated (for JAX: when it is traced), and offers no
-    parameter for it on the path NumPyro's `log_density` takes (`sum_product`, then
-    `apply_optimizer`): the entry is set for the block and restored after (nested
-    blocks restore in order). Like funsor's own interpretation stack, the setting is
-    process-wide for the block: contract in one thread at a time.
+    This and the einsum of a model with one enumerated site (`log_z` selects) are the
+    one place that set it: funsor reads the einsum by name from
+    `funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND` when a contraction is traced, so the
+    entry is set for the block and restored after (nested blocks restore in order).
+    Like funsor's own interpretation stack, the setting is process-wide for the block:
+    contract in one thread at a time.
 
     Yields:
         Nothing: the block runs with the einsum in place. structinfer's contractions
@@ -256,30 +278,27 @@ def safe_log_einsum() -> Iterator[None]:
             [`svi`][structinfer.infer.svi]) enter it themselves; enter it around NumPyro's
             own objects (`mcmc.run`, `svi.run`) for their gradients.
     """
-    table = funsor.cnf.BACKEND_TO_LOGSUMEXP_BACKEND
-    saved = table["jax"]
-    table["jax"] = _LOG_EINSUM
-    try:
+    with _log_space_einsum(zero_slope=True):
         yield
-    finally:
-        table["jax"] = saved
 
 
 def _einsum_for(info: ModelInfo):
-    r"""The safe einsum for a model whose contraction couples enumerated sites
-    (`ModelInfo.couples_enumerated`); funsor's own for one site, whose sums are the
-    children's rows, so that a row with no allowed parent stays NaN in its own
-    derivatives (funsor's 0 / 0) rather than reading as zeros.
+    r"""The log-space einsum of a model's contraction: this package's (jointly shifted
+    where the factors' broadcast is small, see `_log_einsum.py`) for every model, with
+    $\log 0$ differentiated to zero for a model whose contraction couples enumerated
+    sites (`ModelInfo.couples_enumerated`, the safe einsum) and as funsor does ($1/0$)
+    for one site, whose sums are the children's rows, so that a row with no allowed
+    parent stays NaN in its own derivatives (funsor's 0 / 0) rather than reading as zeros.
 
-    Why not the safe einsum for every model: a derivative rule is linear in the
+    Why not the zero slope for every model: a derivative rule is linear in the
     cotangent (which is what lets ``jax.hessian`` of ``log_marginal`` run), so at an
     entry $\log 0$ it maps a zero cotangent and a non-zero one alike, $c \cdot g$: it
     cannot tell an inner sum that a finite $\log Z$ weighs by $e^{-\infty} = 0$ (derivative
     0) from a child's row whose $-\infty$ enters the plates' sum (derivative NaN, in that
-    row only). The safe einsum answers 0 for both, and its result's NaN derivatives
+    row only). The zero slope answers 0 for both, and its result's NaN derivatives
     (`_slope_for`) are the whole answer's; funsor's answers $0 \cdot \infty$ = NaN for
     both, which for one edge site is exactly the row's."""
-    return safe_log_einsum() if info.couples_enumerated else contextlib.nullcontext()
+    return _log_space_einsum(zero_slope=info.couples_enumerated)
 
 
 @jax.custom_jvp

@@ -113,8 +113,9 @@ def expanding_model(
 
     ``p(φ = j | q) ∝ q (1-q)^{d_j - 1}`` for distance ``d_j = 49 - j + 1 ≥ 1`` and ``d_j ≤ H``.
     Forbidden (out-of-window) edges get the row's smallest score, which changes
-    nothing (their prior is zero) but keeps the engine's log-space sums from
-    underflowing when such an edge scores far above the window (float32).
+    nothing (their prior is zero); it kept the engine's log-space sums from
+    underflowing when such an edge scored far above the window (float32), before the
+    engine shifted an edge's factors jointly.
     """
     s = query_scores(seq, params).dense()
     dist = NP - jnp.arange(NP)  # distance of parent j from the query: 49 .. 1

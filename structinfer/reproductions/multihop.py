@@ -121,9 +121,10 @@ def bilinear_score(x: jax.Array, wq: jax.Array, wk: jax.Array, mask: np.ndarray)
     r"""``ψ_ij = x_iᵀ W_Qᵀ W_K x_j / √d_k`` with forbidden edges set to the row minimum.
 
     The prior already gives forbidden edges probability zero, so their score value
-    does not change any result; clamping it keeps the engine's log-space contraction
-    from underflowing when a forbidden edge scores ~90 above every allowed one
-    (float32), which otherwise yields ``log Z = -inf`` and NaN marginals.
+    does not change any result; clamping it kept the engine's log-space contraction
+    from underflowing when a forbidden edge scored ~90 above every allowed one
+    (float32: ``log Z = -inf`` and NaN marginals), before the engine shifted an edge's
+    factors jointly; it is kept, and changes nothing.
     """
     s = si.scores.Bilinear(x, x, wq, wk, scale=wq.shape[0] ** -0.5).dense()
     floor = jnp.min(s, axis=-1, keepdims=True)
