@@ -1035,3 +1035,25 @@ def test_names_that_collide_once_xarray_safe_are_refused():
                        progress_bar=False)
     with pytest.raises(ValueError, match=r"to_inference_data: .*'a/x'.*'a::x'.*'a::x'"):
         dg.to_inference_data(fit, X_SCOPED, num_draws=5, posterior_predictive=False)
+
+
+def test_a_scoped_guide_function_keeps_its_fitted_params():
+    """Regression: with a guide callable whose `numpyro.param` sites a `scope` names
+    (`l1/loc`), `to_inference_data` renamed the params as well as the sites, so ArviZ's
+    `Predictive(guide, params=...)` found none of the fitted params under their new names
+    and drew the posterior from the params' initial values: finite wrong draws (and
+    log-likelihood and edge posteriors from them). The draws now equal the unscoped fit's."""
+    def guide(x):
+        loc = numpyro.param("loc", 0.0)
+        numpyro.sample("tau", dist.LogNormal(loc, 0.01))
+
+    draws = {}
+    for name, model, g in (("plain", scoped_inner, guide),
+                           ("scoped", numpyro.handlers.scope(scoped_inner, "l1"),
+                            numpyro.handlers.scope(guide, "l1"))):
+        fit = si.infer.svi(jax.random.PRNGKey(0), model, X_SCOPED, guide=g, num_steps=200,
+                           progress_bar=False)
+        assert abs(float(next(iter(fit[1].params.values())))) > 0.5  # fitted away from 0
+        dt = dg.to_inference_data(fit, X_SCOPED, num_draws=10, posterior_predictive=False)
+        draws[name] = dt["posterior"][dg.xarray_name("l1/tau" if name == "scoped" else "tau")]
+    np.testing.assert_allclose(draws["scoped"].values, draws["plain"].values, rtol=1e-5)

@@ -92,10 +92,14 @@ def xarray_name(name: str) -> str:
 
 class _xarray_names(Messenger):  # noqa: N801 - a handler, named like NumPyro's
     """Every site and plate of the model under `xarray_name` of its name (outermost, so
-    after a `scope` inside the model has named them): what ArviZ's converter traces."""
+    after a `scope` inside the model has named them): what ArviZ's converter traces.
+
+    A `numpyro.param` (or `mutable`) site keeps its name: ArviZ's `Predictive` of a
+    guide function substitutes the fitted params by their names around this handler, so
+    a renamed param would be drawn at its initial value."""
 
     def process_message(self, msg):
-        if msg.get("name"):
+        if msg.get("name") and msg.get("type") not in ("param", "mutable"):
             msg["name"] = xarray_name(msg["name"])
         if msg.get("cond_indep_stack"):
             msg["cond_indep_stack"] = [CondIndepStackFrame(xarray_name(f.name), f.dim, f.size)
