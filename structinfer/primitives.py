@@ -624,8 +624,9 @@ class MaskedEdge(_EdgeWrappers, dist.MaskedDistribution):
     factor) is masked by NumPyro as usual, to 0. Draws are the edge's own, as NumPyro's
     mask changes densities only (``Predictive`` masks every site to skip their
     log-densities). Conditioned on a value (``numpyro.handlers.condition``), a
-    masked-out child contributes $-\log |A_i|$ ($-\infty$ off $A_i$). Nested masks
-    intersect. Made by the edge's ``mask``.
+    masked-out child contributes $-\log |A_i|$: at a parent it allows and at a value that
+    is no parent (a padding sentinel such as $-1$); $-\infty$ at a parent it forbids.
+    Nested masks intersect. Made by the edge's ``mask``.
 
     Args:
         base_dist: the edge's distribution.
@@ -638,12 +639,16 @@ class MaskedEdge(_EdgeWrappers, dist.MaskedDistribution):
     def log_prob(self, value: jax.Array, intermediates: Any = None) -> jax.Array:
         r"""The kept children's edge log-probabilities; for the others $-\log |A_i|$ on
         the parents $A_i$ their edge allows ($-\log m$ on every parent when it allows
-        none), $-\infty$ off them."""
+        none), $-\infty$ on the other parents, and $-\log |A_i|$ at a value that is no
+        parent (outside $0 \ldots m-1$: a padding sentinel such as $-1$, ignored as
+        NumPyro's mask ignores a masked-out value)."""
         fn = self.base_dist
         while not isinstance(fn, EdgeDistribution):  # expanded, or masked again
             fn = fn.base_dist
-        uniform = gather(_uniform_on_allowed(fn.logits), value)
-        uniform = jnp.where(jnp.asarray(value) < 0, jnp.nan, uniform)  # as the edge's own
+        table, row = _uniform_on_allowed(fn.logits)
+        value = jnp.asarray(value)
+        outside = (value < 0) | (value >= jnp.shape(table)[-1])
+        uniform = jnp.where(outside, row[..., 0], gather(table, value))
         if self._mask is False:  # every child masked out
             shape = jax.lax.broadcast_shapes(tuple(self.base_dist.batch_shape),
                                              jnp.shape(uniform))
@@ -656,14 +661,15 @@ def _uniform_on_allowed(logits: jax.Array) -> jax.Array:
     r"""The log-table of a masked-out child's edge: uniform over the parents its row of
     ``logits`` allows (finite: the prior's and ``mask_parents``' support, less the
     score's ``-inf`` entries), over every parent for a row that allows none (a padded
-    child); constant in the logits (no gradient flows through it)."""
+    child); constant in the logits (no gradient flows through it). Returns the table and
+    its rows' constant $-\log |A_i|$ (``batch + (1,)``)."""
     allowed = jnp.isfinite(jax.lax.stop_gradient(logits))
     count = jnp.sum(allowed, axis=-1, keepdims=True)
     m = jnp.shape(logits)[-1]
     dtype = logits.dtype
-    on = -jnp.log(jnp.maximum(count, 1).astype(dtype))
-    return jnp.where(count > 0, jnp.where(allowed, on, -jnp.inf),
-                     -jnp.log(jnp.asarray(m, dtype)))
+    row = jnp.where(count > 0, -jnp.log(jnp.maximum(count, 1).astype(dtype)),
+                    -jnp.log(jnp.asarray(m, dtype)))
+    return jnp.where((count == 0) | allowed, row, -jnp.inf), row
 
 
 class Potential(dist.Unit):

@@ -896,7 +896,6 @@ def masked_model(x, m):
 
 
 @pytest.mark.filterwarnings("ignore:.*PSIS-LOO is unreliable")  # 40 draws
-@pytest.mark.exhaustive  # (~12 s of fits)
 def test_masked_children_are_not_observations():
     """Regression: children masked out (`handlers.mask`, missing values as NaN) entered
     the log_likelihood group as observations with log-likelihood 0, so `loo` counted
@@ -1017,6 +1016,9 @@ def test_scoped_model_names_are_xarray_safe(method):
     tr = numpyro.handlers.trace(numpyro.handlers.seed(scoped, 0)).get_trace(X_SCOPED)
     assert dg.xarray_name("l1/tau") in dt["posterior"] and "l1/tau" in tr
     assert dg.xarray_name("l1/x") in dt["observed_data"] and "l1/x" in tr
+    # edge_summary takes the site as the model names it, or as stored (was NotFoundError)
+    assert dg.edge_summary(dt, site="l1/phi") == dg.edge_summary(dt, site="l1::phi") \
+        == dg.edge_summary(dt)
     if method == "nuts":
         with pytest.warns(dg.ParetoKWarning, match="l1::children"):  # 30 draws
             assert np.isfinite(dg.loo(dt).elpd)

@@ -390,3 +390,30 @@ def test_a_masked_out_child_takes_only_the_parents_its_mask_allows(x64, base, ji
     draws = jax.vmap(lambda key: si.sample_edges(key, _padded, *args)["phi"])(keys)
     for i in range(PAD_N):
         assert np.all(marg[i][np.asarray(draws)[:, i]] > 0), i  # never a forbidden parent
+
+
+def test_a_masked_out_child_conditioned_on_a_padding_value_adds_its_constant():
+    """Regression (review): a masked-out child conditioned on a value that is no parent
+    (a padding sentinel, -1 or m) made the whole log density NaN, where NumPyro's mask
+    ignores a masked-out value; it contributes its row's -log |A_i|, as at a parent its
+    edge allows. A kept child's -1 is still NaN (no parent), a forbidden parent -inf."""
+    from numpyro.infer.util import log_density
+
+    prior = PAD_BASES["causal"]()
+    r = np.random.default_rng(3)
+    s, v = jnp.asarray(r.normal(size=(PAD_N, PAD_M))), jnp.asarray(r.normal(size=(PAD_M, 2)))
+    keep = jnp.array([True, False, False])
+    allow = jnp.array([[True] * PAD_M, [True, True, False, False, True], [False] * PAD_M])
+    args = (s, v, keep, allow, prior)
+
+    def lp(phi):
+        cond = numpyro.handlers.condition(_padded, {"phi": jnp.asarray(phi)})
+        return float(log_density(cond, args, {}, {})[0])
+
+    # child 1 allows parents 0 and 1 (its causal prior and the mask): -log 2 at 0, 1, -1, m
+    at_parent = lp([0, 1, 0])
+    for pad in (-1, PAD_M):
+        assert lp([0, pad, 0]) == pytest.approx(at_parent, rel=1e-6)
+        assert lp([0, 1, pad]) == pytest.approx(at_parent, rel=1e-6)  # padded child: -log m
+    assert lp([0, 4, 0]) == -np.inf  # a parent child 1's causal prior forbids
+    assert np.isnan(lp([-1, 1, 0]))  # a kept child's -1 is no parent

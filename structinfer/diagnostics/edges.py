@@ -22,6 +22,7 @@ import numpy as np
 from .._checks import NotFoundError, require
 from ..priors import StructuralPrior
 from ._common import check_marginals, check_true_edges, offset_of, var_name_list
+from .data import xarray_name
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -230,7 +231,8 @@ def edge_summary(
     Args:
         idata: a DataTree with an `edge_posterior` group (from
             [`to_inference_data`][structinfer.diagnostics.to_inference_data]).
-        site: the edge site (default: the only one).
+        site: the edge site (default: the only one), as the model names it (`"l1/phi"`
+            under a `scope`) or as stored (`"l1::phi"`).
         true_edges: the true parent of each child (default: `<site>_true` when stored).
         mass: the mass of the effective window.
 
@@ -251,6 +253,7 @@ def edge_summary(
         if len(sites) != 1:
             raise ValueError(f"edge_summary: several edge sites {sites}; pass site=")
         site = sites[0]
+    site = xarray_name(site)  # a scoped model's "l1/phi" is stored as "l1::phi"
     if site not in sites:
         raise NotFoundError(f"edge_summary: no edge site '{site}'; edge sites: {sites}")
     a = jnp.asarray(ds[site].values)

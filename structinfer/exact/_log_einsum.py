@@ -123,7 +123,8 @@ def einsum(equation: str, *operands):
 
 def _sizes(inputs: list[str], operands) -> dict[str, int] | None:
     """Each dim's size (the largest over the operands: einsum broadcasts size 1); None
-    when an operand repeats a dim (a diagonal: left to ``jnp.einsum``)."""
+    when an operand repeats a dim (a diagonal, which funsor's contractions never send:
+    the per-operand path, as funsor's own, does not take one either)."""
     sizes: dict[str, int] = {}
     for dims, x in zip(inputs, operands):
         if len(set(dims)) != len(dims) or len(dims) != jnp.ndim(x):

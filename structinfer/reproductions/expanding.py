@@ -115,7 +115,7 @@ def expanding_model(
     Forbidden (out-of-window) edges get the row's smallest score, which changes
     nothing (their prior is zero); it kept the engine's log-space sums from
     underflowing when such an edge scored far above the window (float32), before the
-    engine shifted an edge's factors jointly.
+    engine folded an edge's score into its prior's factor.
     """
     s = query_scores(seq, params).dense()
     dist = NP - jnp.arange(NP)  # distance of parent j from the query: 49 .. 1

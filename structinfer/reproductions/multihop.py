@@ -123,8 +123,8 @@ def bilinear_score(x: jax.Array, wq: jax.Array, wk: jax.Array, mask: np.ndarray)
     The prior already gives forbidden edges probability zero, so their score value
     does not change any result; clamping it kept the engine's log-space contraction
     from underflowing when a forbidden edge scored ~90 above every allowed one
-    (float32: ``log Z = -inf`` and NaN marginals), before the engine shifted an edge's
-    factors jointly; it is kept, and changes nothing.
+    (float32: ``log Z = -inf`` and NaN marginals), before the engine folded an edge's
+    score into its prior's factor; it is kept, and changes nothing.
     """
     s = si.scores.Bilinear(x, x, wq, wk, scale=wq.shape[0] ** -0.5).dense()
     floor = jnp.min(s, axis=-1, keepdims=True)
