@@ -269,7 +269,7 @@ def test_floor_versions_are_the_pyproject_floors_and_ci_tests_them():
 
 NO_FLAX = """
 import json, sys
-sys.modules["flax"] = None  # Flax not installed: `import flax` raises ModuleNotFoundError
+sys.modules[BLOCKED] = None  # `import BLOCKED` raises ModuleNotFoundError
 out = {}
 for how in ("import", "attribute"):
     for m in [m for m in sys.modules if m.startswith("structinfer.nn")]:
@@ -290,15 +290,18 @@ print(json.dumps(out))
 """
 
 
-def test_nn_without_flax_is_a_module_not_found_error_naming_the_extra():
-    """Without Flax, `import structinfer.nn` (and `structinfer.nn`) raises
-    ModuleNotFoundError (so `pytest.importorskip` and `except ModuleNotFoundError`
-    work) naming Flax NNX and the pyproject extra that installs it."""
+@pytest.mark.parametrize("blocked, says", [("flax", "which is not installed"),
+                                            ("flax.nnx", "has no NNX")])
+def test_nn_without_flax_is_a_module_not_found_error_naming_the_extra(blocked, says):
+    """Without Flax (or with a Flax without NNX), `import structinfer.nn` (and
+    `structinfer.nn`) raises ModuleNotFoundError (so `pytest.importorskip` and `except
+    ModuleNotFoundError` work) naming Flax NNX and the pyproject extra that installs it."""
     extras = _pyproject()["project"]["optional-dependencies"]
     (extra,) = [name for name, reqs in extras.items() if "flax" in _names(reqs)
                 and all(r.startswith("flax") for r in reqs)]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", NO_FLAX], capture_output=True, text=True,
+    code = NO_FLAX.replace("BLOCKED", repr(blocked), 1).replace("BLOCKED", blocked)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -307,3 +310,4 @@ def test_nn_without_flax_is_a_module_not_found_error_naming_the_extra():
         assert name == "flax", (how, name)
         assert "Flax" in message and "NNX" in message, message
         assert f'pip install "structinfer[{extra}]"' in message, message
+        assert says in message, message

@@ -29,14 +29,20 @@ from __future__ import annotations
 
 try:
     import flax.nnx  # noqa: F401
-except ModuleNotFoundError as e:  # Flax is not installed
+except ModuleNotFoundError as e:  # Flax, or its NNX, is not installed
     if e.name is None or e.name.split(".")[0] != "flax":
         raise  # a module Flax itself imports is missing: that error as it is
     # a ModuleNotFoundError (an ImportError) so that pytest.importorskip and a caller's
     # `except ModuleNotFoundError` treat the layers as the optional extra they are
+    try:
+        import flax  # noqa: F401
+    except ImportError:
+        missing = "which is not installed"
+    else:
+        missing = "and the installed Flax has no NNX (an older release)"
     raise ModuleNotFoundError(
-        "structinfer.nn needs Flax NNX (flax>=0.12), which is not installed: "
-        'pip install "structinfer[nn]" (or pip install flax)',
+        f"structinfer.nn needs Flax NNX (flax>=0.12), {missing}: "
+        'pip install "structinfer[nn]" (or pip install -U flax)',
         name="flax",
     ) from e
 
