@@ -142,7 +142,7 @@ def brute_force(spec):
 
 @settings(
     # ~2-5 s each; STRUCTINFER_BRUTEFORCE_EXAMPLES=200 runs a deeper search
-    max_examples=int(os.environ.get("STRUCTINFER_BRUTEFORCE_EXAMPLES", "6")),
+    max_examples=int(os.environ.get("STRUCTINFER_BRUTEFORCE_EXAMPLES", "4")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -121,6 +121,7 @@ def compare(found: list[str], expected: list[str]) -> tuple[list[str], list[str]
     return sorted((f - e).elements()), sorted((e - f).elements())
 
 
+@pytest.mark.exhaustive  # (~15 s: a whole mkdocs build; CI's exhaustive leg builds the site)
 def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")

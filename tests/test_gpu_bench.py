@@ -83,6 +83,7 @@ def test_gpu_tune_quick_mode_times_pallas_and_says_why_not_mosaic():
             assert ("the platform is cpu" in table) if "relpos" in r else table == "—", r
 
 
+@pytest.mark.exhaustive  # (~6 s: a second benchmark process; the default tier runs --quick)
 def test_gpu_benchmark_relpos_grad_checks_the_tables_gradient(tmp_path):
     """--cases relpos_grad (asked for by name: relpos with its table trained): forward +
     backward differentiates the table too, and the check compares its gradient with the
@@ -103,6 +104,7 @@ def test_gpu_benchmark_relpos_grad_checks_the_tables_gradient(tmp_path):
     assert "dq, dk, dv, dtable" in next(tmp_path.glob("*.md")).read_text()
 
 
+@pytest.mark.exhaustive  # (~6 s: a second benchmark process; the default tier runs --quick)
 def test_gpu_benchmark_order_impl_runs_each_tier_over_every_case(tmp_path):
     """--order impl: structinfer's rows of every case, then the forced kernels' (the
     order before case-major became the default)."""
@@ -119,6 +121,7 @@ def test_gpu_benchmark_order_impl_runs_each_tier_over_every_case(tmp_path):
         ("structinfer-pallas", "bias"), ("structinfer-pallas", "block_sparse")]
 
 
+@pytest.mark.exhaustive  # (~4 s: eight cases x modes of the peers' layouts)
 def test_gpu_benchmark_cudnn_layouts_agree():
     """The cuDNN peers' two layouts (the heads as cuDNN's heads, and as its batch, the call
     structinfer's kernel makes) give the same outputs and gradients, read back by their

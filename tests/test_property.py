@@ -531,7 +531,7 @@ def _pinned(f):
 
 #: random models per run: each costs ~5-8 s (compiles); raise it for a deeper search,
 #: e.g. STRUCTINFER_PROPERTY_EXAMPLES=200
-EXAMPLES = int(os.environ.get("STRUCTINFER_PROPERTY_EXAMPLES", "4"))
+EXAMPLES = int(os.environ.get("STRUCTINFER_PROPERTY_EXAMPLES", "3"))
 
 
 @_pinned

@@ -62,9 +62,10 @@ def test_page_blocks_are_run_or_marked(page):
 
 
 #: pages whose blocks run in the exhaustive tier only (each 10-17 s on two cores; CI runs
-#: them every time): the reference pages, beside the README, the tutorial and the concepts
+#: them every time): the reference pages and the concepts, beside the README and the
+#: tutorial
 EXHAUSTIVE_PAGES = {"performance.md", "nn.md", "numpyro_tools.md", "diagnostics.md",
-                    "known_issues.md", "inference.md"}
+                    "known_issues.md", "inference.md", "concepts.md"}
 
 
 @pytest.mark.parametrize("page", [
