@@ -1420,3 +1420,77 @@ def test_a_scope_around_a_scan_is_refused_naming_the_site_and_the_fix():
                                atol=1e-5)
     np.testing.assert_array_equal(si.map_edges(hmm_scoped_step, em, lt, li)["l1/z"],
                                   si.map_edges(hmm, em, lt, li)["z"])
+
+
+# Masked steps (numpyro.handlers.mask around the edge): a masked-out step is not there, as
+# a masked-out child is (tests/test_parent_masks.py): it takes its state uniformly over the
+# moves its transition row allows from the previous state and adds nothing to log Z.
+def _masked_hmm(emission, log_transition, log_initial, keep):
+    prior = si.priors.Markov(log_transition, log_initial)
+
+    def step(previous, xs):
+        e, kept = xs
+        with numpyro.plate("chains", e.shape[0]), numpyro.handlers.mask(mask=kept):
+            z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+        return z, None
+
+    scan(step, jnp.full(emission.shape[1], -1), (emission, keep))
+
+
+def _masked_brute(em, lt, li, keep):
+    """Every path of one chain, a masked step's factor uniform over its allowed moves:
+    log Z and marginals (T, K)."""
+    lt, li = _log_softmax(lt), _log_softmax(li)
+    paths = np.array(list(itertools.product(range(K), repeat=T)))
+    score = np.zeros(len(paths))
+    for t in range(T):
+        log_p = li[paths[:, 0]] if t == 0 else lt[paths[:, t - 1], paths[:, t]]
+        if keep[t]:
+            score += log_p + np.asarray(em[t], np.float64)[paths[:, t]]
+        else:
+            row = li[None] if t == 0 else lt[paths[:, t - 1]]
+            allowed = np.isfinite(row)
+            score += np.where(np.isfinite(log_p), 0.0, -np.inf) - np.log(allowed.sum(-1))
+    log_z = np.logaddexp.reduce(score)
+    w = np.exp(score - log_z)
+    return log_z, np.stack([np.bincount(paths[:, t], weights=w, minlength=K) for t in range(T)])
+
+
+def test_masked_steps_are_not_there_and_padded_chains_equal_their_unpadded_sequences():
+    """Regression guard: a chain with a masked first or middle step (forbidden moves in its
+    transition matrix) against every path; and variable-length chains padded at their
+    end (the usual batch) against each chain alone (forward-backward), under jit, on every
+    engine."""
+    rng = np.random.default_rng(21)
+    i, j = np.arange(K)[:, None], np.arange(K)[None, :]
+    lt = jnp.asarray(np.where(j >= i, rng.normal(size=(K, K)), -np.inf), jnp.float32)
+    li = jnp.asarray([0.0, 0.5, -np.inf], jnp.float32)
+    em = jnp.asarray(rng.normal(size=(T, 2, K)), jnp.float32)
+    keep = jnp.asarray(np.array([[True, False], [True, True], [False, True], [True, True],
+                                 [True, True]]))  # chain 0: step 2 masked; chain 1: step 0
+    log_z = si.log_marginal(_masked_hmm, em, lt, li, keep)
+    marg = si.marginals(_masked_hmm, em, lt, li, keep)["z"]
+    want = [_masked_brute(em[:, b], lt, li, np.asarray(keep[:, b])) for b in range(2)]
+    np.testing.assert_allclose(log_z, want[0][0] + want[1][0], rtol=1e-5)
+    for b in range(2):
+        np.testing.assert_allclose(marg[:, b], want[b][1], atol=1e-5)
+
+    _, lt, li = _params(3)
+    keep = jnp.asarray(np.arange(T)[:, None] < np.asarray([T, 3]))  # chain 1: 3 steps
+
+    @jax.jit  # (eager above)
+    def run(*a):
+        return (si.log_marginal(_masked_hmm, *a), si.marginals(_masked_hmm, *a)["z"],
+                si.expectation(_masked_hmm, "v", *a), si.attention(_masked_hmm, "v")(*a))
+
+    log_z, marg, expect, y = run(em, lt, li, keep)
+    full = _brute(em[:, 0], lt, li)
+    short_marg, short_z = _forward_backward(*_hmm_factors(em[:3, 1], lt, li))
+    np.testing.assert_allclose(log_z, full[0] + short_z, rtol=1e-5)
+    np.testing.assert_allclose(marg[:, 0], full[1], atol=1e-5)
+    np.testing.assert_allclose(expect[:, 0], full[2], atol=1e-5)
+    np.testing.assert_allclose(marg[:3, 1], short_marg, atol=1e-5)
+    np.testing.assert_allclose(marg[3:, 1], 1 / K, atol=1e-6)  # not there
+    np.testing.assert_allclose(expect[:3, 1], short_marg @ np.sin(1.0 + np.arange(K)), atol=1e-5)
+    np.testing.assert_allclose(y, expect, atol=1e-5)
