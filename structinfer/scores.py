@@ -610,11 +610,12 @@ class Sum(Score):
     (v2 sec. "general form"), or a content score plus a positional score (Table 1 row 5).
 
     Args:
-        *scores: the terms $\psi^{(r)}$: scores or ``(..., children, parents)`` arrays,
-            all of one ``(children, parents)`` size.
+        *scores: the terms $\psi^{(r)}$: scores or ``(..., children, parents)`` arrays
+            whose ``(children, parents)`` sizes broadcast together, as an edge's score
+            does (a ``(1, parents)`` table adds the same bias to every child).
 
     Raises:
-        ValueError: if no score is given or the scores disagree on their size.
+        ValueError: if no score is given or the scores' sizes do not broadcast.
     """
 
     kind = "sum"
@@ -623,17 +624,20 @@ class Sum(Score):
         if not scores:
             raise ValueError("Sum needs at least one score")
         self.scores = tuple(as_score(s, "Sum") for s in scores)
-        shapes = {(s.num_children, s.num_parents) for s in self.scores}
-        if len(shapes) > 1:
-            raise ValueError(f"Sum: scores disagree on (children, parents): {sorted(shapes)}")
+        shapes = [(s.num_children, s.num_parents) for s in self.scores]
+        try:
+            self._size = jnp.broadcast_shapes(*shapes)
+        except ValueError:
+            raise ValueError(f"Sum: the scores' (children, parents) sizes do not broadcast: "
+                             f"{shapes}") from None
 
     @property
     def num_children(self) -> int:
-        return self.scores[0].num_children
+        return self._size[0]
 
     @property
     def num_parents(self) -> int:
-        return self.scores[0].num_parents
+        return self._size[1]
 
     def dense(self) -> jax.Array:
         out = self.scores[0].dense()

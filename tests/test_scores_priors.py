@@ -8,7 +8,9 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from conftest import float64
 from jax.test_util import check_grads
+from numpyro.ops.indexing import Vindex
 
 import structinfer as si
 
@@ -141,6 +143,38 @@ def test_linear_gaussian_and_sum(data):
     s2 = si.scores.Sum(s, si.scores.Custom(np.ones((N, M))))
     np.testing.assert_allclose(s2.dense(), ref + 1, atol=1e-12)
     np.testing.assert_allclose((s + si.scores.Custom(lambda: jnp.ones((N, M)))).dense(), ref + 1)
+
+
+def test_sum_broadcasts_its_terms_as_an_edge_broadcasts_its_score():
+    """Regression: ``Sum`` refused a ``(1, parents)`` bias table (or a ``(children, 1)``
+    one) beside an ``(n, m)`` score, while ``edge`` takes such a score itself. The terms
+    broadcast; the exact engine and the blocked kernel give the NumPy softmax."""
+    n, m = 5, 7
+    rng = np.random.default_rng(8)
+    q, k = rng.normal(size=(n, 3)), rng.normal(size=(m, 3))
+    v = rng.normal(size=(m, 2))
+    bias, per_child = rng.normal(size=(1, m)), rng.normal(size=(n, 1))
+    score = si.scores.Sum(si.scores.Dot(q, k), bias, si.scores.Custom(per_child))
+    assert (score.num_children, score.num_parents) == (n, m)
+    logits = q @ k.T + bias + per_child
+    np.testing.assert_allclose(score.dense(), logits, atol=1e-5)
+    assert si.scores.Sum(bias, bias).num_children == 1
+
+    def model(q, k, v):
+        with numpyro.plate("queries", n):
+            j = si.edge("phi", si.priors.Uniform(m),
+                        si.scores.Sum(si.scores.Dot(q, k), bias, per_child))
+            numpyro.deterministic("out", Vindex(v)[j])
+
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v
+    with float64():
+        np.testing.assert_allclose(si.expectation(model, "out", q, k, v), want, atol=1e-10)
+        np.testing.assert_allclose(si.attention(model, "out", backend="blocked")(q, k, v),
+                                   want, atol=1e-10)
+    with pytest.raises(ValueError, match=r"Sum: the scores' \(children, parents\) sizes do "
+                       r"not broadcast: \[\(5, 7\), \(3, 7\)\]"):
+        si.scores.Sum(si.scores.Dot(q, k), np.zeros((3, m)))
 
 
 def test_score_gradients(data):
