@@ -265,16 +265,17 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bo
         check_finite(score, what, allow_neg_inf=True)
         return
     table = np.asarray(logits)
+    mask = numpyro.get_mask() if rows_masked else None
+    if mask is not None and not is_concrete(mask):
+        mask = False  # which children are kept is not known here (NaN if a kept one)
+    kept = None if mask is None else np.asarray(mask, bool)[..., None]
     if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
-        check_finite(score, what, allow_neg_inf=True)
+        if kept is None:
+            check_finite(score, what, allow_neg_inf=True)
+        else:  # a masked-out child's score is not read (padding may hold anything)
+            check_finite(np.where(kept, table, 0.0), what, allow_neg_inf=True)
     allowed = np.isfinite(table)
-    where = first_empty_row(allowed)
-    if where is not None:  # a child masked out (padding) is not there: it may have none
-        mask = numpyro.get_mask() if rows_masked else None
-        if mask is not None and not is_concrete(mask):
-            return  # which children are kept is not known here (NaN if a kept one)
-        if mask is not None:
-            where = first_empty_row(allowed | ~np.asarray(mask, bool)[..., None])
+    where = first_empty_row(allowed if kept is None else allowed | ~kept)
     if where is not None:
         raise NoParentError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "

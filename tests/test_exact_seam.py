@@ -549,6 +549,29 @@ def test_a_masked_out_child_adds_nothing_to_log_z(x64, prior, jit):
         si.log_marginal(_masked_attention, q, k, v, jnp.zeros(n, bool), pr), 0.0, atol=1e-12)
 
 
+def test_a_masked_out_childs_nan_score_is_not_read():
+    """Regression: a NaN score in a masked-out child's row (padding may hold anything) was
+    refused by the eager exact engine while ``jit`` and ``si.attention`` answered. Its
+    row is not read: eager equals jit and the model without that child's score; a NaN in
+    a kept child's row is still refused, naming its index."""
+    r = np.random.default_rng(5)
+    q, k, v = (np.asarray(r.normal(size=(4, 3)), np.float32) for _ in range(3))
+    q[3] = np.nan
+    mask = jnp.array([True, True, True, False])
+    args = (q, k, v, mask, si.priors.Uniform(4))
+    out = si.expectation(_masked_attention, "out", *args)
+    jitted = jax.jit(lambda *a: si.expectation(_masked_attention, "out", *a, args[4]))
+    np.testing.assert_allclose(out, jitted(*args[:4]), atol=1e-6)
+    s = q[:3] @ k.T - np.log(4.0)  # the uniform prior's log-table
+    p = np.exp(s - logsumexp(s, -1, keepdims=True))
+    np.testing.assert_allclose(out, np.concatenate([p, np.full((1, 4), 0.25)]) @ v, atol=1e-6)
+    np.testing.assert_allclose(si.log_marginal(_masked_attention, *args),
+                               logsumexp(s, -1).sum(), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"edge site 'phi': score contains NaN at index "
+                       r"\(3, 0\)"):
+        si.log_marginal(_masked_attention, q, k, v, jnp.ones(4, bool), args[4])
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_padded_child_with_no_allowed_parent_has_zero_gradient(x64, jit):
     """Regression: a padded query (masked out) whose keys are all padding too (a score
