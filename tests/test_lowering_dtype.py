@@ -15,6 +15,7 @@
 """
 
 import contextlib
+import functools
 
 import flax.nnx as nnx
 import jax
@@ -267,6 +268,131 @@ def test_a_bfloat16_dot_scale_multiplies_the_float32_logits(backend):
     err, g_err = errors(si.attention(model, "out", backend))
     exact, g_exact = errors(si.attention(model, "out", "exact"))
     assert err <= 1.5 * exact and g_err <= 2 * g_exact, (err, exact, g_err, g_exact)
+
+
+_TRACED_N, _TRACED_D = 128, 128
+
+
+def _traced_scale_model(static):
+    """A windowed edge whose Dot scale is ``static`` or, when ``None``, the model's
+    argument ``s`` (traced: `attention` jits)."""
+    def model(q, k, v, s=None):
+        s = static if s is None else s
+        with numpyro.plate("heads", H, dim=-2), numpyro.plate("queries", _TRACED_N, dim=-1):
+            j = si.edge("phi", si.priors.Restricted.window(_TRACED_N, 32),
+                        si.scores.Dot(q, k, scale=s))
+            numpyro.deterministic("out", Vindex(v[:, None])[..., j, :])
+
+    return model
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+@functools.cache
+def _traced_scale_case():
+    """Inputs, the float32 softmax's value and gradients, and ``errors(f)``: the value,
+    (dq, dk) and d(scale) errors of ``f`` against them, with the exact engine's."""
+    scale = _TRACED_D ** -0.5
+    q, k, v, _ = _inputs(BF16, _TRACED_N, _TRACED_D, seed=1)
+    q = 4 * q  # peaked rows, as trained attention has
+    ct = jnp.asarray(np.random.default_rng(2).normal(size=(H, _TRACED_N, _TRACED_D)),
+                     jnp.float32)
+    traced = _traced_scale_model(None)
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+
+    def loss(f, v):
+        return lambda q, k, s: jnp.sum(f(q, k, v, s).astype(jnp.float32) * ct)
+
+    f32 = si.attention(traced, "out", "dense")
+    ref = f32(*up, scale)
+    g_ref = jax.grad(loss(f32, up[2]), (0, 1, 2))(up[0], up[1], scale)
+
+    def errors(f):
+        y = f(q, k, v, scale)  # `attention` jits: the scale is traced there
+        g = jax.jit(jax.grad(loss(f, v), (0, 1, 2)))(q, k, scale)
+        assert y.dtype == BF16 and g[2].dtype == jnp.float32
+        return (_rel(y, ref), max(_rel(a, b) for a, b in zip(g[:2], g_ref[:2])),
+                abs(float(g[2]) - float(g_ref[2])) / abs(float(g_ref[2])), y)
+
+    return (q, k, v, scale, ref, errors,
+            errors(si.attention(traced, "out", "exact"))[:3])
+
+
+#: by default the kernels with a backward of their own, and the dense one (autodiff)
+@pytest.mark.parametrize("backend", matrix(["dense", "blocked", "windowed", "pallas"],
+                                           keep=lambda b: b in ("dense", "blocked", "pallas")))
+def test_a_traced_bfloat16_dot_scale_multiplies_the_float32_logits(backend):
+    """Regression: a dot scale that is traced (a model argument, a learned temperature)
+    took another path than a static one with bfloat16 operands: it was rounded to
+    bfloat16 and multiplied into the bfloat16 queries, so every logit moved by up to
+    ``|s q.k| 2^-8`` (the value error against a float32 softmax was 1.6-2x the static
+    scale's at d = 128, ``s = d**-0.5``), and its gradient, through the bfloat16
+    ``s q``, was 5-80 % off. The kernels now multiply the float32 ``q.k`` by it as they
+    do a static scale: the same answer as the static scale's, and the gradients of q, k
+    and of the scale itself within twice the exact engine's error against a float32
+    softmax (the scale's: the blocked and Pallas backwards correct its sum for their
+    ``delta``, read off the rounded output; the dense kernel differentiates the
+    probabilities in float32)."""
+    q, k, v, scale, ref, errors, (exact, g_exact, s_exact) = _traced_scale_case()
+    err, g_err, s_err, y = errors(si.attention(_traced_scale_model(None), "out", backend))
+    y_static = si.attention(_traced_scale_model(scale), "out", backend)(q, k, v)
+    err_static = _rel(y_static, ref)
+    assert err <= 1.1 * err_static and err <= 1.5 * exact, (err, err_static, exact)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_static, np.float32),
+                               atol=1e-2)  # a bfloat16 ulp of values about 1
+    assert g_err <= 2 * g_exact, (g_err, g_exact)
+    assert s_err <= max(2 * s_exact, 1e-3), (s_err, s_exact)
+
+
+def test_a_traced_16_bit_scale_is_kept_in_float32_and_refused_by_static_scale_kernels():
+    """How a 0-d scale is lowered: static, ``Terms.dot_scale``; traced with 16-bit
+    operands, the float32 ``Globals.dot_scale``, which cuDNN and Mosaic GPU (taking a
+    static scale) refuse, so that ``"auto"`` falls back to the Pallas kernel; traced with
+    float32 operands, folded into the queries (exact enough there)."""
+    from structinfer.lowering import accel
+    from structinfer.lowering._lower import lower_edge
+    from structinfer.lowering.mosaic import mosaic_unsupported
+
+    n = 16
+    prior = si.priors.Restricted.causal(n)
+    seen = {}
+
+    def lowered(s, dtype):
+        q, k, v, _ = _inputs(dtype, n)
+        low = lower_edge(prior, si.scores.Dot(q, k, scale=s), v, n, (H,))
+        seen[dtype, isinstance(s, float)] = low
+        return low.problem.row.q
+
+    for dtype in (BF16, jnp.float16, jnp.float32):
+        jax.make_jaxpr(lambda s: lowered(s, dtype))(0.3)
+        lowered(0.3, dtype)
+    for dtype in (BF16, jnp.float16):
+        static, traced = seen[dtype, True], seen[dtype, False]
+        assert static.terms.dot_scale == 0.3 and static.problem.glob.dot_scale is None
+        assert traced.terms.dot_scale is None
+        assert traced.problem.glob.dot_scale.dtype == jnp.float32
+        assert traced.problem.row.q.dtype == dtype  # unscaled, not rounded once scaled
+        why = accel.cudnn_unsupported(traced.terms, traced.problem, traced.batch_shape)
+        assert "traced dot-product scale" in why
+        why = mosaic_unsupported(traced.terms, traced.problem, traced.batch_shape)
+        assert "traced dot-product scale" in why or "Mosaic GPU" in why  # (JAX without it)
+    assert seen[jnp.float32, False].problem.glob.dot_scale is None
+
+
+def test_a_traced_bfloat16_scale_of_windowed_scores_multiplies_the_float32_logits():
+    """`windowed_scores` with a traced scale and bfloat16 features: the scores of a static
+    scale (the float32 ``q.k`` times the scale), not those of the bfloat16 ``q s``."""
+    from structinfer.lowering import windowed_scores
+
+    q, k, _, _ = _inputs(BF16, 64, 96, seed=3)
+    s = 96 ** -0.5
+    static = windowed_scores(q, k, 8, scale=s)
+    traced = jax.jit(lambda q, k, s: windowed_scores(q, k, 8, scale=s))(q, k, s)
+    assert traced.dtype == static.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(static))
 
 
 def test_bfloat16_windowed_accumulates_in_float32():

@@ -10,7 +10,8 @@ Each answer is checked against a float64 NumPy softmax written here, on the same
 * ``Cosine`` with float16 features whose squared norm overflows float16.
 * ``NegSqDist`` with a full precision in bfloat16 / float16 (linear algebra in float32).
 * ``Geometric`` / ``LinearGaussian`` with 16-bit parameters: the exact engine's
-  marginals are those of the 16-bit model computed in float32, not rounded to 16 bits.
+  marginals are those of the 16-bit model computed in float32, not rounded to 16 bits;
+  the lowered ``LinearGaussian``'s predictions $A z + b$ too (far from the origin).
 """
 
 import jax
@@ -214,6 +215,43 @@ def test_linear_gaussian_bfloat16_marginals_in_float32():
     got = si.marginals(model, x, z, A, b, prec)["phi"]
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(f64(got), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, shift, tol", [(jnp.float16, 3000.0, 2e-3),
+                                               (jnp.bfloat16, 300.0, 1.5e-2)])
+def test_linear_gaussian_16_bit_predictions_far_from_origin(dtype, shift, tol):
+    """16-bit children, states, map and offset with predictions $A z_k + b$ far from the
+    origin (a large spread between the offset and the residuals): every engine answers
+    the float64 softmax of the rounded inputs within the output's rounding. Regression:
+    the lowering computed the predictions in 16 bits, rounding them to the ulp of
+    $|A z + b|$ (2 at 3000 in float16) before centring them, so the kernels' answers were
+    0.84 off at a shift of 3000 in float16 (0.11 at 300); the exact engine's table, its
+    marginals and log Z were right (its residuals are float32)."""
+    r = np.random.default_rng(6)
+    x = jnp.asarray(r.normal(size=(N, D)) + shift, dtype)
+    z = jnp.asarray(r.normal(size=(M, 2)), dtype)
+    A = jnp.asarray(r.normal(size=(D, 2)), dtype)
+    b = jnp.asarray(r.normal(size=(D,)) + shift, dtype)
+    prec = jnp.asarray(r.uniform(0.5, 2.0, size=D), dtype)
+    v = jnp.asarray(r.normal(size=(M, 2)), dtype)
+
+    def model(x, z, A, b, prec, v):
+        with numpyro.plate("i", N):
+            j = si.edge("phi", si.priors.Uniform(M), si.scores.LinearGaussian(x, z, A, b, prec))
+            numpyro.deterministic("out", v[j])
+
+    diff = f64(x)[:, None] - (f64(z) @ f64(A).T + f64(b))[None]
+    s = -0.5 * (diff * diff * f64(prec)).sum(-1)
+    want = _softmax_rows(s)
+    top = s.max(-1)
+    log_z = float(np.sum(top + np.log(np.exp(s - top[:, None]).sum(-1)) - np.log(M)))
+    args = (x, z, A, b, prec, v)
+    np.testing.assert_allclose(f64(si.marginals(model, *args)["phi"]), want, atol=1e-4)
+    np.testing.assert_allclose(float(si.log_marginal(model, *args)), log_z, rtol=1e-4)
+    for backend in ("exact", "dense"):  # every kernel reads the one lowering of the score
+        y = si.attention(model, "out", backend)(*args)
+        assert y.dtype == dtype
+        np.testing.assert_allclose(f64(y), want @ f64(v), atol=tol, err_msg=backend)
 
 
 @pytest.mark.parametrize("masked", [False, True])

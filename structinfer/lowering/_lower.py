@@ -66,6 +66,7 @@ from ._spec import (
     Terms,
     accum_dtype,
     logit_scale,
+    logit_scale_array,
 )
 
 __all__ = [
@@ -215,6 +216,9 @@ class TermBuilder:
         $q_i^\top k_j$ (``Terms.dot_scale``), as the exact engine and FlashAttention do,
         instead of rounding $s\,q$ to 16 bits (which moves a logit by up to about
         $2^{-9}|s|\sum_f |q_{if} k_{jf}|$ in bfloat16: $1/\sqrt{128}$ is no power of two).
+        So do they with a traced such scale (a model argument, a learned temperature:
+        ``Globals.dot_scale``, kept in float32), which the cuDNN and Mosaic GPU kernels,
+        taking a static scale, refuse.
 
         ``dtype``: the features' nominal dtype, when ``q`` and ``k`` come wider (a rule
         that normalises or centres features in float32 hands them over unrounded): they
@@ -628,13 +632,18 @@ def lower_edge(
     def term(x):
         return None if x is None else x.astype(acc_dtype)
 
+    dot_scale = None  # a traced scale of 16-bit operands (Globals.dot_scale)
     if acc._dot_q:
         static = len(acc._dot_q) == 1 and isinstance(acc._dot_scale[0], float)
         s16 = logit_scale(acc._dot_scale[0], dtype) if static else None
-        if s16 is not None:
+        if len(acc._dot_q) == 1 and not static:
+            dot_scale = logit_scale_array(acc._dot_scale[0], dtype)
+        if s16 is not None or dot_scale is not None:
             # 16-bit operands: the kernels scale the float32 q.k (s * q rounded to 16
-            # bits would move a logit by up to about 2^-9 |s| sum_f |q_f k_f|)
-            kw["dot_scale"] = s16
+            # bits would move a logit by up to about 2^-9 |s| sum_f |q_f k_f|), by a
+            # number (static) or by the array glob.dot_scale (traced)
+            if s16 is not None:
+                kw["dot_scale"] = s16
             scaled = [operand(acc._dot_q[0])]
         else:
             # cast once, then scaled in the operands' dtype: a bfloat16 q beside float32
@@ -663,7 +672,8 @@ def lower_edge(
 
     row = Rows(q=operand(q), geo=term(acc._geo), idw=idw(0))
     col = Cols(k=operand(k), bias=term(bias), idw=idw(1))
-    glob = Globals(relpos=term(acc._relpos), idw_p=idw(2), idw_eps=idw(3))
+    glob = Globals(relpos=term(acc._relpos), idw_p=idw(2), idw_eps=idw(3),
+                   dot_scale=dot_scale)
     v = v.astype(dtype)
     # shape checks and the batch shape
     arrays = []

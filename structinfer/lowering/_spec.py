@@ -43,7 +43,8 @@ from ..priors import RelativePosition
 from ..scores import safe_pow_dist
 
 __all__ = ["Terms", "RelPos", "Rows", "Cols", "Pairs", "Globals", "Consts", "Problem",
-           "block_logits", "accum_dtype", "logit_scale", "sum_to", "geometric_log_prior"]
+           "block_logits", "accum_dtype", "logit_scale", "logit_scale_array", "sum_to",
+           "geometric_log_prior"]
 
 
 def logit_scale(scale, dtype: DTypeLike) -> float | None:
@@ -56,6 +57,19 @@ def logit_scale(scale, dtype: DTypeLike) -> float | None:
         return None
     s = float(scale)
     return None if s == 1.0 else s
+
+
+def logit_scale_array(scale, dtype: DTypeLike) -> jax.Array | None:
+    """The `Globals.dot_scale` of a dot product of ``dtype`` operands scaled by ``scale``:
+    where the operands are 16-bit and ``scale`` is a traced 0-d number that keeps their
+    dtype (a model argument, a learned temperature), the scale as a ``(1,)`` array in the
+    accumulation dtype, which the kernels multiply the float32 ``q.k`` by, as they do a
+    static one (`logit_scale`); else ``None``. Folded into ``q`` instead, it would be
+    rounded to 16 bits, and so would every ``s q``."""
+    if (scale is None or np.ndim(scale) != 0 or is_concrete(scale)
+            or jnp.dtype(dtype).itemsize >= 4 or jnp.result_type(dtype, scale) != dtype):
+        return None
+    return jnp.reshape(jnp.asarray(scale).astype(accum_dtype(dtype)), (1,))
 
 
 def accum_dtype(dtype: DTypeLike) -> jnp.dtype:
@@ -109,6 +123,7 @@ class Terms:
     #: a static scale s of the dot term, applied to the accumulated row.q . col.k (float32)
     #: rather than folded into row.q (None: folded, or 1); set for 16-bit operands, where
     #: s * q rounded to 16 bits would move a logit by up to about 2^-9 |s| sum_f |q_f k_f|
+    #: (a traced scale of 16-bit operands is glob.dot_scale, applied the same way)
     dot_scale: float | None = None
     #: number of IDW terms -log(eps + ||x_i - y_j||^p): row.idw[r], col.idw[r],
     #: glob.idw_p[r], glob.idw_eps[r] (p and eps are arrays: traceable)
@@ -203,11 +218,16 @@ class Globals:
         relpos: the relative-position bias ``(..., L)`` over distances.
         idw_p: each IDW term's exponent ``p``.
         idw_eps: each IDW term's ``eps``.
+        dot_scale: the dot term's traced scale ``(1,)`` with 16-bit operands, in the
+            accumulation dtype (`logit_scale_array`): the kernels multiply the float32
+            ``row.q . col.k`` by it (``row.q`` is unscaled), as by a static
+            `Terms.dot_scale`.
     """
 
     relpos: jax.Array | None = None
     idw_p: tuple[jax.Array, ...] = ()
     idw_eps: tuple[jax.Array, ...] = ()
+    dot_scale: jax.Array | None = None
 
 
 @_pytree
@@ -374,7 +394,11 @@ def block_logits(
         mm = dict(preferred_element_type=dtype, precision=precision)
         qk = (jnp.einsum("...jf,...if->...ji", col.k, row.q, **mm) if transposed
               else jnp.einsum("...if,...jf->...ij", row.q, col.k, **mm))
-        add(qk if t.dot_scale is None else qk * jnp.asarray(t.dot_scale, dtype))
+        if t.dot_scale is not None:
+            qk = qk * jnp.asarray(t.dot_scale, dtype)
+        if glob.dot_scale is not None:  # a traced scale, (1,): one for the whole table
+            qk = qk * glob.dot_scale[0].astype(dtype)
+        add(qk)
     for r in range(t.idw):
         x, y = row.idw[r].astype(dtype), col.idw[r].astype(dtype)
         p, eps = glob.idw_p[r], glob.idw_eps[r]

@@ -89,6 +89,8 @@ from ._softmax import (
     online_stats,
     online_step,
     require_row_stats,
+    scale_grad,
+    scale_row_sums,
 )
 from ._spec import (
     Problem,
@@ -189,6 +191,9 @@ def cudnn_unsupported(terms: Terms, prob: Problem, batch_shape: tuple[int, ...])
     why = dot_only(terms, prob)
     if why:
         return why
+    if prob.glob.dot_scale is not None:
+        return ("a traced dot-product scale of 16-bit operands (cuDNN takes one known at "
+                "trace time; folded into the queries it would round them to 16 bits)")
     if terms.col_ok:
         return "a per-parent mask"
     if terms.pair_ok:
@@ -478,18 +483,23 @@ def _offset(terms: Terms, named: dict):
 
 
 def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision, off,
-          masked: bool = True):
+          masked: bool = True, unscaled: bool = False):
     r"""Logits of one (child block, parent block) tile, the allowed-edge mask and the
     distance grid: $q k^\top$ plus the per-parent bias, the relative-position bias and the
     geometric log-prior, computed from the index grids (shared by every Pallas pass).
     ``masked``: forbidden edges (padded parents, outside the band, and where the per-edge
     mask, operand ``"pmask"``, says so) are ``-inf``; ``False`` for a tile whose every
-    edge is allowed, which then builds no mask (and returns ``None`` for it)."""
+    edge is allowed, which then builds no mask (and returns ``None`` for it).
+    ``unscaled``: also return the products $q k^\top$ before a traced scale (operand
+    ``"scale"``) multiplies them, fourth."""
     i_idx = i0 + jnp.arange(q.shape[0], dtype=jnp.int32)  # int32 under x64 too
     j_idx = j0 + jnp.arange(k.shape[0], dtype=jnp.int32)
     s = _dot(q, k, precision, acc_dtype, trans_b=True)
     if terms.dot_scale is not None:
         s = s * terms.dot_scale
+    qk = s
+    if "scale" in named:  # a traced scale (the dK and dQ passes leave it out of dk, dq)
+        s = s * named["scale"][0]
     d = i_idx[:, None] + off - j_idx[None, :]
     if "bias" in named:  # per-parent bias, -inf on parents a per-parent mask forbids
         s = s + named["bias"][_pl_ds(j0, k.shape[0])][None, :].astype(acc_dtype)
@@ -501,15 +511,16 @@ def _tile(terms: Terms, named: dict, q, k, i0, j0, g0, g1, acc_dtype, precision,
         s = s + named["relpos"][relpos_index(terms.relpos, d)].astype(acc_dtype)
     if terms.geometric:
         s = s + geometric_log_prior(g0[:, None], g1[:, None], d - terms.geo_d0)
+    extra = (qk,) if unscaled else ()
     if not masked:
-        return s, None, d
+        return (s, None, d) + extra
     ok = (j_idx < terms.num_parents)[None, :]
     band = band_ok(terms, d)
     if band is not None:
         ok = ok & band
     if "pmask" in named:
         ok = ok & (named["pmask"][_pl_ds(i0, q.shape[0]), _pl_ds(j0, k.shape[0])] != 0)
-    return jnp.where(ok, s, -jnp.inf), ok, d
+    return (jnp.where(ok, s, -jnp.inf), ok, d) + extra
 
 
 def _pl_ds(start, size: int):
@@ -692,6 +703,9 @@ class Layout:
         if shift is not None:
             arrays["shift"] = jnp.reshape(shift, (1,))
             specs["shift"] = pl.BlockSpec((1,), lambda i, b: (0,))
+        if prob.glob.dot_scale is not None:  # a traced scale of the dot term, (1,)
+            arrays["scale"] = prob.glob.dot_scale.astype(self.acc)
+            specs["scale"] = pl.BlockSpec((1,), lambda i, b: (0,))
         return arrays, specs
 
 
@@ -1063,13 +1077,15 @@ def _child_rows(terms: Terms, named: dict, idx, acc_dtype):
 
 
 def _ds_tile(terms: Terms, named: dict, q, k, v, do, stats, delta, i0, j0, g0, g1, acc_dtype,
-             precision, off, masked: bool = True):
+             precision, off, masked: bool = True, unscaled: bool = False):
     r"""One tile of the backward: $p_{ij}$, $\mathrm{d}s_{ij} = p_{ij}(\mathrm{d}y_i^\top
-    V_j - \delta_i)$, the allowed-edge mask and the distance grid."""
-    s, ok, d = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off, masked)
+    V_j - \delta_i)$, the allowed-edge mask and the distance grid (and with ``unscaled``
+    the products $q k^\top$ before a traced scale, as `_tile`'s)."""
+    s, ok, d, *qk = _tile(terms, named, q, k, i0, j0, g0, g1, acc_dtype, precision, off,
+                          masked, unscaled)
     p = backward_probs(s, stats.m[:, None], stats.log_l[:, None]).astype(acc_dtype)
     dp = _dot(do, v, precision, acc_dtype, trans_b=True)
-    return p, p * (dp - delta[:, None]), ok, d
+    return (p, p * (dp - delta[:, None]), ok, d, *qk)
 
 
 def _dkdv_kernel(*refs, terms: Terms, bq: int, bk: int, nqb: int, keys: tuple[str, ...],
@@ -1124,29 +1140,38 @@ def _dq_kernel(*refs, terms: Terms, bq: int, bk: int, nkb: int, keys: tuple[str,
     off = _offset(terms, named)
     lo, hi = live_range(terms, a, bq, bk, nkb, off)
 
+    scaled = "scale" in named  # a traced scale: its gradient's row sums too
+
     def body(t, tile_masked, carry):
-        dq, dg0, dg1 = carry
+        dq, dg0, dg1, sums = carry
         j0 = t * bk
         k = named["k"][_pl_ds(j0, bk), :]
         v = named["v"][_pl_ds(j0, bk), :]
-        _, ds, _, d = _ds_tile(terms, named, q, k, v, do, stats, delta, a * bq, j0, g0, g1,
-                               acc_dtype, precision, off, tile_masked)
+        p, ds, _, d, *qk = _ds_tile(terms, named, q, k, v, do, stats, delta, a * bq, j0, g0,
+                                    g1, acc_dtype, precision, off, tile_masked, scaled)
         dq = dq + _dot(ds.astype(k.dtype), k, precision, acc_dtype)
         if terms.geometric:
             dg0 = dg0 + jnp.sum(ds, axis=-1)
             dg1 = dg1 + jnp.sum(ds * (d - terms.geo_d0).astype(acc_dtype), axis=-1)
-        return dq, dg0, dg1
+        if scaled:
+            sums = tuple(x + y for x, y in zip(sums, scale_row_sums(p, ds, qk[0], -1)))
+        return dq, dg0, dg1, sums
 
-    init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), jnp.zeros((bq,), acc_dtype),
-            jnp.zeros((bq,), acc_dtype))
+    zero = jnp.zeros((bq,), acc_dtype)
+    init = (jnp.zeros((bq, q.shape[-1]), acc_dtype), zero, zero,
+            (zero, zero, zero) if scaled else ())
     full = None if terms.pair_ok else full_parents(terms, a, bq, bk, off)
-    dq, dg0, dg1 = _over_blocks(named, lo, hi, full, body, init)
+    dq, dg0, dg1, sums = _over_blocks(named, lo, hi, full, body, init)
     if terms.dot_scale is not None:
         dq = dq * terms.dot_scale
     outs[0][...] = dq.astype(outs[0].dtype)
     if terms.geometric:
         outs[1][...] = dg0
         outs[2][...] = dg1
+    if scaled:  # r - e c and c (`scale_grad`), the row's sums complete here
+        r, e, c = sums
+        outs[-2][...] = r - e * c
+        outs[-1][...] = c
 
 
 def _diagonals(terms: Terms, b: int, nqb: int, nkb: int) -> tuple[int, int]:
@@ -1199,9 +1224,11 @@ def _drelpos_kernel(*refs, terms: Terms, b: int, nqb: int, nkb: int, first: int,
 
 
 def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, tiles,
-             grids, params, interp: bool, precision) -> tuple[jax.Array, jax.Array | None]:
+             grids, params, interp: bool, precision
+             ) -> tuple[jax.Array, jax.Array | None, tuple | None]:
     """`pallas_backward`'s own dQ pass (child blocks: dQ and the geometric prior's
-    gradients), as its ``dq_pass`` returns them."""
+    gradients), as its ``dq_pass`` returns them, and with a traced scale the rows'
+    ``(r - e c, c)`` of `scale_grad` (else ``None``)."""
     from jax.experimental import pallas as pl
 
     bq, bk, fp, dvp, acc = lay.bq, lay.bk, lay.fp, lay.dvp, lay.acc
@@ -1215,7 +1242,11 @@ def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, 
     keys = tuple(arrays)
     out_specs = [pl.BlockSpec((None, bq, fp), lambda i, b: (b, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((lay.B, lay.n_pad, fp), acc)]
+    scaled = prob.glob.dot_scale is not None
     if terms.geometric:
+        out_specs += [pl.BlockSpec((None, bq), lambda i, b: (b, i))] * 2
+        out_shape += [jax.ShapeDtypeStruct((lay.B, lay.n_pad), acc)] * 2
+    if scaled:
         out_specs += [pl.BlockSpec((None, bq), lambda i, b: (b, i))] * 2
         out_shape += [jax.ShapeDtypeStruct((lay.B, lay.n_pad), acc)] * 2
     res = pl.pallas_call(
@@ -1230,7 +1261,8 @@ def _dq_pass(terms: Terms, prob: Problem, lay: Layout, shared: Callable, shift, 
     dgeo = None
     if terms.geometric:
         dgeo = jnp.stack([lay.unpad(res[1], n), lay.unpad(res[2], n)], -1)
-    return dq, dgeo
+    sums = (lay.unpad(res[-2], n), lay.unpad(res[-1], n)) if scaled else None
+    return dq, dgeo, sums
 
 
 def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], out: jax.Array,
@@ -1328,6 +1360,10 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
     if why:
         raise ValueError(f"pallas_backward: {why}")
     _check_mask(mask, terms, "pallas_backward")
+    scale = prob.glob.dot_scale  # a traced scale: dq and dk come unscaled from the passes
+    if scale is not None and (dq_pass is not None or dkdv_pass is not None):
+        raise ValueError("pallas_backward: another kernel's pass cannot take a traced dot "
+                         "scale (glob.dot_scale)")
     block = 32 if _wide_rows(prob) else 64
     lay = Layout(terms, prob, batch_shape, block_q or _fit_blocks(block, mask, 0),
                   block_k or _fit_blocks(block, mask, 1))
@@ -1389,17 +1425,25 @@ def pallas_backward(terms: Terms, prob: Problem, batch_shape: tuple[int, ...], o
         db = lay.unpad(res1[2], m) if col_grad else None
 
     # pass 2: child blocks (dQ, geometric prior)
+    sums = None
     if dq_pass is not None:
         dq, dgeo = dq_pass(terms, prob, batch_shape, d_out, stats, delta, mask)
     else:
-        dq, dgeo = _dq_pass(terms, prob, lay, shared, shift, tiles, grids, params, interp,
-                            precision)
+        dq, dgeo, sums = _dq_pass(terms, prob, lay, shared, shift, tiles, grids, params,
+                                  interp, precision)
 
     def zeros(d):  # a cotangent for every array of the problem (the kernels fill theirs)
         return jax.tree.map(jnp.zeros_like, d)
 
     d_row, d_col, d_pair, d_glob = (zeros(prob.row), zeros(prob.col), zeros(prob.pair),
                                     zeros(prob.glob))
+    if scale is not None:  # d(s q.k): s times the unscaled products; d/ds from the dQ
+        # pass's row sums (`scale_grad`)
+        if need_glob is None or "dot_scale" in need_glob:
+            d_s = scale_grad(sums[0], 0.0, sums[1], d_lse, stats.lse())
+            d_glob = dataclasses.replace(d_glob, dot_scale=jnp.reshape(d_s, scale.shape)
+                                         .astype(scale.dtype))
+        dq, dk = (x * scale[0].astype(acc) for x in (dq, dk))
     d_row = dataclasses.replace(d_row, q=sum_to(dq, prob.row.q.shape).astype(prob.row.q.dtype))
     if terms.geometric:
         d_row = dataclasses.replace(

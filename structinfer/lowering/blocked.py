@@ -62,6 +62,8 @@ from ._softmax import (
     online_start,
     online_stats,
     online_step,
+    scale_grad,
+    scale_row_sums,
     with_nan_rows,
 )
 from ._spec import (
@@ -560,6 +562,9 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, 
                 spec, row.q, col.k, **mm)
             if terms.dot_scale is not None:
                 s_dot = s_dot * jnp.asarray(terms.dot_scale, s_dot.dtype)
+            qk = s_dot  # the unscaled products, for a traced scale's gradient
+            if glob.dot_scale is not None:  # a traced scale, (1,)
+                s_dot = s_dot * glob.dot_scale[0].astype(s_dot.dtype)
             s = s_dot + s_rest
         sm = jnp.broadcast_to(_masked(s, ok), batch + s.shape[-2:])
         if tr:  # pt, dpt, dst: (..., cn, rn)
@@ -587,12 +592,19 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, 
                             q_r, **mm)
             if terms.dot_scale is not None:  # d(s q.k): s times the unscaled products
                 dq, dk = (x * jnp.asarray(terms.dot_scale, x.dtype) for x in (dq, dk))
+            if glob.dot_scale is not None:  # a traced s: s times the unscaled products
+                dq, dk = (x * glob.dot_scale[0].astype(x.dtype) for x in (dq, dk))
             dr = dataclasses.replace(dr, q=dr.q + sum_to(dq, q_r.shape))
             dc = dataclasses.replace(dc, k=dc.k + sum_to(dk, k_c.shape))
-        return dr, dc, dpp, dg, d_v
+        sums = None
+        if terms.dot and glob.dot_scale is not None:  # a traced s: its row sums
+            ax = -2 if tr else -1
+            pm, dsm = (pt, ds_t) if tr else (pr, ds)
+            sums = jnp.stack(scale_row_sums(pm, dsm, qk, ax), -1)
+        return dr, dc, dpp, dg, d_v, sums
 
     def k_block(carry, b):
-        d_row, d_pair, d_glob = carry
+        d_row, d_pair, d_glob, d_sums = carry
         j0 = b * bk
         col_b = _rows(p.col, j0, bk)
         v_b = _slice(p.v, j0, bk, -2)
@@ -600,7 +612,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, 
 
         def body_of(pattern, tab):
             def body(t, inner):
-                d_row, d_pair, d_glob, d_col, d_v = inner
+                d_row, d_pair, d_glob, d_sums, d_col, d_v = inner
                 i0 = tab[b, t] * bq
                 i_idx = i_start + i0 + jnp.arange(bq)
                 row_b = _rows(p.row, i0, bq)
@@ -613,7 +625,7 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, 
                     r0, rn, c0, cn, _ = rect
                     row, col, pair, const, i_r, j_r = _piece_arrays(
                         rect, row_b, col_b, pair_b, const_b, i_idx, j_loc)
-                    dr, dc, dpp, dg, dv = rect_grads(
+                    dr, dc, dpp, dg, dv, sums = rect_grads(
                         rect, row, col, pair, const, i_r, j_r, p.glob, _sub(v_b, c0, cn, -2),
                         _sub(do_b, r0, rn, -2), [_sub(x, r0, rn, -1) for x in stats_b],
                         _sub(delta_b, r0, rn, -1))
@@ -621,23 +633,33 @@ def _backward(terms, sched, batch, prob: Problem, starts, out, stats: RowStats, 
                     d_pair = jax.tree.map(partial(_update, starts={-2: i0 + r0, -1: j0 + c0}),
                                           d_pair, dpp)
                     d_glob = jax.tree.map(jnp.add, d_glob, dg)
+                    if sums is not None:
+                        d_sums = _update(d_sums, sums, starts={-2: i0 + r0})
                     d_col = jax.tree.map(partial(_add_at, start=c0, axis=-2), d_col, dc)
                     d_v = _add_at(d_v, dv, c0, -2)
-                return d_row, d_pair, d_glob, d_col, d_v
+                return d_row, d_pair, d_glob, d_sums, d_col, d_v
 
             return body
 
         d_col0 = zeros(col_b)
         d_v0 = jnp.zeros(batch + v_b.shape[-2:], dtype)
-        d_row, d_pair, d_glob, d_col, d_v = _loops(
-            tables, b, body_of, (d_row, d_pair, d_glob, d_col0, d_v0)
+        d_row, d_pair, d_glob, d_sums, d_col, d_v = _loops(
+            tables, b, body_of, (d_row, d_pair, d_glob, d_sums, d_col0, d_v0)
         )
-        return (d_row, d_pair, d_glob), (d_col, sum_to(d_v, v_b.shape))
+        return (d_row, d_pair, d_glob, d_sums), (d_col, sum_to(d_v, v_b.shape))
 
-    (d_row, d_pair, d_glob), (d_col, d_v) = lax.scan(
-        k_block, (zeros(p.row), zeros(p.pair), zeros(p.glob)), jnp.arange(nkb)
+    # a traced scale's gradient is read off three sums per row (`scale_row_sums`)
+    sums0 = (jnp.zeros(batch + (n_pad, 3), dtype)
+             if terms.dot and p.glob.dot_scale is not None else None)
+    (d_row, d_pair, d_glob, d_sums), (d_col, d_v) = lax.scan(
+        k_block, (zeros(p.row), zeros(p.pair), zeros(p.glob), sums0), jnp.arange(nkb)
     )
     n, m = terms.num_children, terms.num_parents
+    if d_sums is not None:
+        r, e, c = (d_sums[..., :n, i] for i in range(3))
+        d_s = scale_grad(r, e, c, d_lse, stats.lse()[..., :n])
+        d_glob = dataclasses.replace(d_glob, dot_scale=d_glob.dot_scale + d_s.reshape(
+            d_glob.dot_scale.shape))
 
     def unblock(x):  # (nkb, ..., bk, f) -> (..., m, f)
         x = jnp.moveaxis(x, 0, -3)

@@ -9,7 +9,8 @@ from `block_logits` over the whole index
 range) and the fastest path for small ``n m``. Gradients are plain autodiff
 (memory $O(n m)$). The matmuls multiply in the operands' dtype and accumulate in
 float32 (`lowering.accum_dtype`), the softmax is computed in float32, and the output is in
-the value table's dtype, as flash-attention kernels do.
+the value table's dtype, as flash-attention kernels do; the probabilities' cotangent
+$\mathrm{d}y\,V^\top$ is float32 too (`_softmax.weighted_values`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._softmax import weighted_values
 from ._spec import Problem, Terms, accum_dtype, block_logits
 
 __all__ = ["dense_attention", "dense_logits"]
@@ -65,6 +67,5 @@ def dense_attention(
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(total > 0, total, 1.0)
     lse = (top + jnp.log(total))[..., 0]
-    out = jnp.einsum("...ij,...jd->...id", probs.astype(v.dtype), v,
-                     preferred_element_type=logits.dtype, precision=precision)
+    out = weighted_values("...ij,...jd->...id", probs, v, precision)
     return out.astype(v.dtype), lse

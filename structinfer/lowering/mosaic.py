@@ -270,6 +270,9 @@ def _unsupported(terms: Terms, prob: Problem, mask: ConcreteMask | None,
     why = _mosaic_missing() or dot_only(terms, prob)
     if why:
         return why, None
+    if prob.glob.dot_scale is not None:
+        return ("a traced dot-product scale of 16-bit operands (the Mosaic GPU kernel takes "
+                "one known at trace time)"), None
     if terms.mask_blocks is not None:
         return "a per-edge mask read per block (the blocked kernel's form)", None
     if terms.pair_ok and mask is None:

@@ -104,7 +104,8 @@ def _cosine(score: S.Cosine, terms: TermBuilder) -> None:
     terms.note("score Cosine (matmul of normalised features)")
 
 
-def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool, what: str):
+def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool, what: str,
+              mu_dtype=None):
     r"""$-\tfrac12 (x_i-\mu_j)^\top\Lambda_j(x_i-\mu_j) + \log w_j$ as a matmul plus a
     per-parent bias (dropping the per-child $-\tfrac12 x_i^\top\Lambda x_i$).
 
@@ -120,10 +121,14 @@ def _gaussian(terms: TermBuilder, x, mu, prec, form: str, log_w, normalize: bool
     What the expansion still loses is relative to the features' spread about $c$:
     about $\epsilon\,\|x_i - c\|\,\|\mu_j - c\|$ per score ($\epsilon$ the operands'
     precision), which a direct $\|x_i - \mu_j\|^2$ would not.
+
+    ``mu_dtype``: the means' nominal dtype when ``mu`` comes wider (``LinearGaussian``'s
+    predictions, computed in float32 at least); default ``mu.dtype``.
     """
-    k_dtype = mu.dtype if prec is None else jnp.result_type(mu, prec)
+    mu_dtype = mu.dtype if mu_dtype is None else jnp.dtype(mu_dtype)
+    k_dtype = mu_dtype if prec is None else jnp.result_type(mu_dtype, prec)
     dtype = jnp.result_type(x.dtype, k_dtype)  # the features' nominal common dtype
-    wide = accum_dtype(jnp.result_type(x, mu))
+    wide = accum_dtype(jnp.result_type(x.dtype, mu_dtype))
     x, mu = x.astype(wide), mu.astype(wide)
     centre = jnp.mean(mu, -2, keepdims=True)
     x, mu = x - centre, mu - centre
@@ -188,8 +193,15 @@ def _linear_gaussian(score: S.LinearGaussian, terms: TermBuilder) -> None:
         form = "diag"
     else:
         raise NotLowered("score LinearGaussian", f"precision of shape {prec.shape}")
-    _gaussian(terms, score.x, score.predictions(), prec, form, None, False,
-              type(score).__name__)
+    # the predictions A z + b in float32 at least, handed over unrounded and nominally in
+    # their inputs' dtype (as the exact engine computes them): in 16 bits they were
+    # rounded to the ulp of |A z + b| before the features were centred, and in float16
+    # A z overflows above 65504
+    nominal = jnp.result_type(*(a for a in (score.A, score.z, score.b) if a is not None))
+    wide = accum_dtype(jnp.result_type(score.x.dtype, nominal))
+    pred = score.predictions(lambda a: a.astype(wide))
+    _gaussian(terms, score.x, pred, prec, form, None, False, type(score).__name__,
+              mu_dtype=nominal)
     terms.note("score LinearGaussian (matmul against predictions A z + b)")
 
 

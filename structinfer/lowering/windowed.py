@@ -37,6 +37,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from .._checks import check_static_int, float32_at_least, is_concrete, require
+from ._softmax import weighted_values
 from ._spec import (
     Cols,
     Consts,
@@ -49,6 +50,7 @@ from ._spec import (
     block_logits,
     geometric_log_prior,
     logit_scale,
+    logit_scale_array,
 )
 
 __all__ = [
@@ -183,9 +185,10 @@ def _band_values(probs: jax.Array, v: jax.Array, offset: int, dmin: int, block_q
         vs = lax.dynamic_slice_in_dim(vp, p0, width, axis=vp.ndim - 2)  # (..., width, dv)
         pb = lax.dynamic_slice_in_dim(pp, i0, bq, axis=pp.ndim - 2)  # (..., bq, W)
         vband = jnp.take(vs, skew, axis=-2)  # (..., bq, W, dv)
-        return jnp.einsum("...rt,...rtd->...rd", pb.astype(v.dtype), vband,
-                          preferred_element_type=accum_dtype(v.dtype),
-                          precision=precision).astype(v.dtype)
+        # the p.v product accumulates in the accumulation dtype, and so does its
+        # derivative in pb
+        return weighted_values("...rt,...rtd->...rd", pb.astype(accum_dtype(v.dtype)), vband,
+                               precision).astype(v.dtype)
 
     y = lax.map(q_block, jnp.arange(nqb))
     y = jnp.moveaxis(y, 0, -3)
@@ -249,8 +252,8 @@ def windowed_scores(
         min_distance: $d_0$, the nearest distance kept (0 with the self-edge, 1
             without).
         scale: optional scalar multiplier $s$ (``None``: 1); with 16-bit features a
-            number known at trace time multiplies the float32 $q_i^\top k_j$, not the
-            queries rounded to 16 bits.
+            0-d scale that keeps their dtype, known at trace time or traced,
+            multiplies the float32 $q_i^\top k_j$, not the queries rounded to 16 bits.
         block_size: children per block $b$.
 
     Returns:
@@ -280,14 +283,17 @@ def windowed_scores(
     min_distance = _band_int(min_distance, "min_distance", who)
     block_size = _band_int(block_size, "block_size", who, 1)
     n, m = q.shape[-2], k.shape[-2]
-    # 16-bit features: a static scale multiplies the float32 q.k, as the kernels' does
+    # 16-bit features: a static or traced scale multiplies the float32 q.k, as the
+    # kernels' does
     dot_scale = logit_scale(scale, jnp.result_type(q.dtype, k.dtype))
-    qq = q if scale is None or dot_scale is not None else q * scale
+    traced_scale = logit_scale_array(scale, jnp.result_type(q.dtype, k.dtype))
+    unscaled = scale is None or dot_scale is not None or traced_scale is not None
+    qq = q if unscaled else q * scale
     dtype = jnp.result_type(qq.dtype, k.dtype)
     terms = Terms(n, m, dot=True, offset=int(offset), dmin=int(min_distance),
                   dmax=int(min_distance) + int(window) - 1, dot_scale=dot_scale)
-    prob = Problem(Rows(q=qq.astype(dtype)), Cols(k=k.astype(dtype)), Pairs(), Globals(),
-                   Consts(), jnp.zeros((m, 1), dtype))
+    prob = Problem(Rows(q=qq.astype(dtype)), Cols(k=k.astype(dtype)), Pairs(),
+                   Globals(dot_scale=traced_scale), Consts(), jnp.zeros((m, 1), dtype))
     batch = _batch_of(q.shape[:-2], k.shape[:-2], "q", "k", who)
     s, _ = band_logits(terms, prob, batch, block_size)
     return s
