@@ -269,11 +269,17 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bo
     if mask is not None and not is_concrete(mask):
         mask = False  # which children are kept is not known here (NaN if a kept one)
     kept = None if mask is None else np.asarray(mask, bool)[..., None]
+    if kept is not None:
+        try:
+            np.broadcast_shapes(kept.shape, table.shape)
+        except ValueError:  # a mask that does not broadcast: NumPyro's error comes later
+            kept = None
     if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
-        if kept is None:
-            check_finite(score, what, allow_neg_inf=True)
-        else:  # a masked-out child's score is not read (padding may hold anything)
-            check_finite(np.where(kept, table, 0.0), what, allow_neg_inf=True)
+        # a masked-out child's score is not read (padding may hold anything); the
+        # score's own values, for the entry's kind (+inf beside a -inf prior is NaN in
+        # the table) and index
+        check_finite(score if kept is None else np.where(kept, np.asarray(score), 0.0),
+                     what, allow_neg_inf=True)
     allowed = np.isfinite(table)
     where = first_empty_row(allowed if kept is None else allowed | ~kept)
     if where is not None:

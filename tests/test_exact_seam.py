@@ -572,6 +572,25 @@ def test_a_masked_out_childs_nan_score_is_not_read():
         si.log_marginal(_masked_attention, q, k, v, jnp.ones(4, bool), args[4])
 
 
+def test_under_a_mask_a_bad_score_entry_is_named_by_its_own_value():
+    """Regression: under ``numpyro.handlers.mask`` the score's check read the edge's table
+    (log-prior + score), so a +inf score where a causal prior forbids the edge was named
+    NaN (-inf + inf), and a mask that does not broadcast against the children raised
+    NumPy's broadcasting error from the check instead of NumPyro's later one."""
+    def model(s, keep):
+        with numpyro.plate("c", 4), numpyro.handlers.mask(mask=keep):
+            si.edge("phi", si.priors.Restricted.causal(4), si.scores.Custom(s))
+
+    s = np.zeros((4, 4), np.float32)
+    s[0, 3] = np.inf  # above the diagonal: the prior forbids it
+    for keep in (True, jnp.ones(4, bool)):
+        with pytest.raises(ValueError, match=r"score contains inf at index \(0, 3\) "
+                           r"\(shape \(4, 4\)\)"):
+            si.log_marginal(model, s, keep)
+    with pytest.raises(ValueError, match="Incompatible shapes for broadcasting"):
+        si.log_marginal(model, np.zeros((4, 4), np.float32), jnp.ones(3, bool))
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_padded_child_with_no_allowed_parent_has_zero_gradient(x64, jit):
     """Regression: a padded query (masked out) whose keys are all padding too (a score
