@@ -250,6 +250,25 @@ def _table_of_masked_out_rows(prior: StructuralPrior, num_children: int,
     return table if first_empty_row(allowed) is None else None
 
 
+def _kept_rows(shape: tuple[int, ...]) -> np.ndarray | None:
+    """Which rows of a ``(..., rows, parents)`` table of ``shape`` the enclosing
+    ``numpyro.handlers.mask`` keeps: a bool array broadcasting against it, ``None`` to
+    check every row (no mask, or one that does not broadcast: NumPyro's own error comes
+    later), all ``False`` for a traced mask (which rows are kept is not known here; a bad
+    kept row is NaN, as under ``jit``)."""
+    mask = numpyro.get_mask()
+    if mask is None:
+        return None
+    if not is_concrete(mask):
+        mask = False
+    kept = np.asarray(mask, bool)[..., None]
+    try:
+        np.broadcast_shapes(kept.shape, shape)
+    except ValueError:
+        return None
+    return kept
+
+
 def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bool) -> None:
     """Refuse, on concrete values, a NaN or +inf score entry (-inf forbids an edge, as a
     masked prior does) and a child whose score's ``-inf`` entries forbid every parent its
@@ -265,15 +284,7 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bo
         check_finite(score, what, allow_neg_inf=True)
         return
     table = np.asarray(logits)
-    mask = numpyro.get_mask() if rows_masked else None
-    if mask is not None and not is_concrete(mask):
-        mask = False  # which children are kept is not known here (NaN if a kept one)
-    kept = None if mask is None else np.asarray(mask, bool)[..., None]
-    if kept is not None:
-        try:
-            np.broadcast_shapes(kept.shape, table.shape)
-        except ValueError:  # a mask that does not broadcast: NumPyro's error comes later
-            kept = None
+    kept = _kept_rows(table.shape) if rows_masked else None
     if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
         # a masked-out child's score is not read (padding may hold anything); the
         # score's own values, for the entry's kind (+inf beside a -inf prior is NaN in
@@ -618,7 +629,8 @@ class MaskedEdge(_EdgeWrappers, dist.MaskedDistribution):
 
     with $A_i$ the parents child $i$'s edge allows: those its prior (after any
     [`mask_parents`][structinfer.handlers.mask_parents] mask) gives non-zero
-    probability, less those a ``-inf`` score entry forbids; every parent ($|A_i| = m$)
+    probability, less those a ``-inf`` score entry forbids (or a NaN or ``+inf`` one,
+    which is not refused in a masked-out row); every parent ($|A_i| = m$)
     when it allows none (a padded child whose parents are all padding too).
 
     NumPyro's mask gives a masked-out site log-density 0 at every value; summed over the
@@ -667,7 +679,8 @@ class MaskedEdge(_EdgeWrappers, dist.MaskedDistribution):
 def _uniform_on_allowed(logits: jax.Array) -> jax.Array:
     r"""The log-table of a masked-out child's edge: uniform over the parents its row of
     ``logits`` allows (finite: the prior's and ``mask_parents``' support, less the
-    score's ``-inf`` entries), over every parent for a row that allows none (a padded
+    score's ``-inf`` entries, and its NaN and ``+inf`` ones, which a masked-out child does
+    not have refused), over every parent for a row that allows none (a padded
     child); constant in the logits (no gradient flows through it). Returns the table and
     its rows' constant $-\log |A_i|$ (``batch + (1,)``)."""
     allowed = jnp.isfinite(jax.lax.stop_gradient(logits))
@@ -1031,8 +1044,11 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
         if not _fits_plates(table.shape[:-1], batch):
             raise _step_score_error(name, table.shape, batch, "its dims under the plates "
                                     "do not match the plates' sizes")
-        # -inf forbids the state at this step, as a -inf score forbids an edge
-        check_finite(table, f"edge site '{name}': score", allow_neg_inf=True)
+        # -inf forbids the state at this step, as a -inf score forbids an edge; a step
+        # numpyro.handlers.mask masks out is not read (padding may hold anything)
+        kept = _kept_rows(table.shape) if is_concrete(table) else None
+        check_finite(table if kept is None else np.where(kept, np.asarray(table), 0.0),
+                     f"edge site '{name}': score", allow_neg_inf=True)
         logits = logits + float32_at_least(table)
     plate = next((p for p in plates if p.dim == -1), None)
     info = EdgeInfo(name, prior, score_obj, batch[-1] if batch else 1, k,

@@ -611,8 +611,10 @@ class Sum(Score):
 
     Args:
         *scores: the terms $\psi^{(r)}$: scores or ``(..., children, parents)`` arrays
-            whose ``(children, parents)`` sizes broadcast together, as an edge's score
-            does (a ``(1, parents)`` table adds the same bias to every child).
+            whose ``(children, parents)`` sizes broadcast together (a ``(1, parents)``
+            table adds the same bias to every child; a ``(children, 1)`` term, one
+            constant per child, changes log Z but no posterior, and runs on the exact
+            engine only: the lowering refuses it and ``"auto"`` falls back).
 
     Raises:
         ValueError: if no score is given or the scores' sizes do not broadcast.

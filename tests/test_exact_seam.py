@@ -549,11 +549,12 @@ def test_a_masked_out_child_adds_nothing_to_log_z(x64, prior, jit):
         si.log_marginal(_masked_attention, q, k, v, jnp.zeros(n, bool), pr), 0.0, atol=1e-12)
 
 
-def test_a_masked_out_childs_nan_score_is_not_read():
+def test_a_masked_out_childs_nan_score_is_not_refused():
     """Regression: a NaN score in a masked-out child's row (padding may hold anything) was
-    refused by the eager exact engine while ``jit`` and ``si.attention`` answered. Its
-    row is not read: eager equals jit and the model without that child's score; a NaN in
-    a kept child's row is still refused, naming its index."""
+    refused by the eager exact engine while ``jit`` and ``si.attention`` answered (a
+    masked-out Markov step's too). It is not refused: eager equals jit, the kept children
+    are those of the model without that child, and a NaN entry counts as a forbidden
+    parent, as ``-inf`` does; a NaN in a kept child's row is still refused, naming it."""
     r = np.random.default_rng(5)
     q, k, v = (np.asarray(r.normal(size=(4, 3)), np.float32) for _ in range(3))
     q[3] = np.nan
@@ -570,6 +571,35 @@ def test_a_masked_out_childs_nan_score_is_not_read():
     with pytest.raises(ValueError, match=r"edge site 'phi': score contains NaN at index "
                        r"\(3, 0\)"):
         si.log_marginal(_masked_attention, q, k, v, jnp.ones(4, bool), args[4])
+
+    def table(s, keep):  # a row partly NaN: those parents are forbidden, the rest uniform
+        with numpyro.plate("children", 2), numpyro.handlers.mask(mask=keep):
+            si.edge("phi", si.priors.Uniform(3), s)
+
+    s = jnp.asarray([[0.0, 1.0, 2.0], [0.0, jnp.nan, 5.0]])
+    keep = jnp.asarray([True, False])
+    for marg in (si.marginals(table, s, keep)["phi"],
+                 jax.jit(lambda *a: si.marginals(table, *a)["phi"])(s, keep)):
+        np.testing.assert_allclose(marg, [np.exp([0, 1, 2]) / np.exp([0, 1, 2]).sum(),
+                                          [0.5, 0.0, 0.5]], atol=1e-6)
+
+    from numpyro.contrib.control_flow import scan
+
+    def chain(em, keep):  # a masked-out first step with a NaN emission
+        prior = si.priors.Markov(jnp.zeros((3, 3)), jnp.zeros(3))
+
+        def step(previous, xs):
+            e, kp = xs
+            with numpyro.handlers.mask(mask=kp):
+                return si.edge("z", prior, e, previous=previous), None
+
+        scan(step, jnp.asarray(-1), (em, keep))
+
+    em = jnp.asarray([[0.0, jnp.nan, 0.0], [0.3, -0.2, 0.5]])
+    keep = jnp.asarray([False, True])
+    want = np.exp([0.3, -0.2, 0.5]) / np.exp([0.3, -0.2, 0.5]).sum()
+    np.testing.assert_allclose(si.marginals(chain, em, keep)["z"],  # (jit answered)
+                               [[0.5, 0.0, 0.5], want], atol=1e-6)
 
 
 def test_under_a_mask_a_bad_score_entry_is_named_by_its_own_value():

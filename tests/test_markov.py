@@ -1460,8 +1460,8 @@ def _masked_brute(em, lt, li, keep):
 def test_masked_steps_are_not_there_and_padded_chains_equal_their_unpadded_sequences():
     """Regression guard: a chain with a masked first or middle step (forbidden moves in its
     transition matrix) against every path; and variable-length chains padded at their
-    end (the usual batch) against each chain alone (forward-backward), under jit, on every
-    engine."""
+    end (the usual batch) against each chain alone (forward-backward), under jit, on the
+    exact engine and the fused kernel."""
     rng = np.random.default_rng(21)
     i, j = np.arange(K)[:, None], np.arange(K)[None, :]
     lt = jnp.asarray(np.where(j >= i, rng.normal(size=(K, K)), -np.inf), jnp.float32)
@@ -1493,4 +1493,21 @@ def test_masked_steps_are_not_there_and_padded_chains_equal_their_unpadded_seque
     np.testing.assert_allclose(marg[:3, 1], short_marg, atol=1e-5)
     np.testing.assert_allclose(marg[3:, 1], 1 / K, atol=1e-6)  # not there
     np.testing.assert_allclose(expect[:3, 1], short_marg @ np.sin(1.0 + np.arange(K)), atol=1e-5)
-    np.testing.assert_allclose(y, expect, atol=1e-5)
+    np.testing.assert_allclose(y, expect, atol=1e-5)  # (a plate: the exact engine)
+
+    def chain(emission, keep):  # one chain: the fused kernel, vmapped over the chains
+        prior = si.priors.Markov(lt, li)
+
+        def step(previous, xs):
+            e, kept = xs
+            with numpyro.handlers.mask(mask=kept):
+                z = si.edge("z", prior, e, previous=previous)
+            numpyro.deterministic("v", jnp.sin(1.0 + z))
+            return z, None
+
+        scan(step, jnp.asarray(-1), (emission, keep))
+
+    keep = keep.at[1, 0].set(False)  # and a masked middle step
+    assert si.explain(chain, "v", em[:, 0], keep[:, 0]).kernels == {"z": "markov_scan"}
+    y = jax.vmap(si.attention(chain, "v"), in_axes=1, out_axes=1)(em, keep)
+    np.testing.assert_allclose(y, run(em, lt, li, keep)[2], atol=1e-5)
