@@ -783,3 +783,13 @@ def test_nuts_draws_a_deterministic_site_that_reads_an_edge_at_posterior_edges()
     expected = (post * 10 * np.asarray(V)).sum(-1)  # E[out | y, s] per draw
     sd = np.sqrt(((post * 100 * np.asarray(V) ** 2).sum(-1) - expected ** 2).mean(0) / 400)
     assert np.all(np.abs(out.mean(0) - expected.mean(0)) < 4 * sd), (out.mean(0), expected)
+
+
+def test_the_likelihood_structure_of_a_scan_with_a_latent_step_site_says_why_not():
+    """Regression: a latent site in a scan's steps was not given a placeholder (the
+    inspection draws it inside the step), so `likelihood_structure` (and so
+    `to_inference_data` on such a fit) failed with "site 'l1/_PREV_x' is latent ...
+    give it a value", instead of the reason there is no pointwise log-likelihood."""
+    y = jnp.zeros((3, 2))
+    with pytest.raises(ValueError, match=r"site 'l1/x' lies on a Markov chain.*no pointwise"):
+        si.exact.likelihood_structure(_scoped_scan_model, None, y)
