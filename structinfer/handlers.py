@@ -42,7 +42,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import block
 from numpyro.handlers import trace as numpyro_trace
 from numpyro.ops.indexing import Vindex
-from numpyro.primitives import Messenger
+from numpyro.primitives import Messenger, apply_stack
 
 from .primitives import (
     EDGE_INFO_KEY,
@@ -827,14 +827,37 @@ class name_plate_dims(Messenger):
     ``KeyError: 'z'``). The handler refuses it when the scan records the site, naming it
     and the fix: the scope inside the step, ``scan(scope(step, prefix), init, xs)``.
 
+    The same ``scope`` hides a ``scan``'s (or a ``cond``'s) sites from the handlers
+    outside it that give values: ``substitute``, ``condition`` and ``replay`` hand their
+    values to the scan, which looks them up by the step's own site names (``"x"``), while
+    the handlers hold them under the scope's (``"l1/x"``). A continuous site of such a
+    step was then never given its value: NumPyro's potential drew it without a key (a bare
+    ``AssertionError``) or, under a ``seed``, at random (a potential that ignores the
+    sampler's value). This handler learns the prefix the scopes between the control flow
+    and itself add (a probe message sent through them, stopped here) and gives the scan
+    the values of the handlers around it under the step's names too: a dict's keys with
+    the prefix also without it, a callable (an init strategy, NumPyro's unconstraining
+    function) the step's site under its scoped name. Put it around the whole model (as
+    the engine, `si.infer.NUTS` and `si.infer.hide_edges` do): a model with no scope
+    around a control flow is left as it is.
+
     Raises:
-        ValueError: a site of a scan step with an enumerated site renamed by a handler
-            around the scan (``numpyro.handlers.scope``).
+        ValueError: an enumerated site of a scan step renamed by a handler around the
+            scan (``numpyro.handlers.scope``).
     """
 
     _scan_sites: dict | None = None  # id(message) -> (message, its name in the step)
+    _time_names: dict | None = None  # id(message) -> (message, {time dim: its name})
 
     def process_message(self, msg: dict) -> None:
+        if msg["type"] == _SCOPE_PROBE:
+            if msg.get("structinfer_stop_at") is self:
+                msg["structinfer_reached"] = True
+                msg["stop"] = True
+            return
+        if msg["type"] == "control_flow":
+            _give_values_through_scopes(msg, self)
+            return
         seen = self._scan_sites.pop(id(msg), None) if self._scan_sites else None
         if seen is None or seen[0] is not msg or msg.get("name") == seen[1]:
             return
@@ -851,11 +874,18 @@ class name_plate_dims(Messenger):
     def postprocess_message(self, msg: dict) -> None:
         if msg["type"] == "control_flow":
             self._scan_sites = _enumerated_scan_sites(msg)
+            self._time_names = _scan_time_names(msg)
             return
         names = (msg.get("infer") or {}).get("dim_to_name") if msg["type"] == "sample" else None
         if not names:
             return
         renamed = False
+        kept = self._time_names.pop(id(msg), None) if self._time_names else None
+        if kept is not None and kept[0] is msg:
+            for dim, name in kept[1].items():
+                if names.get(dim) != name:
+                    names[dim] = name  # the scan's time dim, named after a site outside it
+                    renamed = True
         for frame in msg.get("cond_indep_stack") or []:
             own = names.get(frame.dim) if frame.dim is not None else None
             if own is not None and own != frame.name and frame.name.endswith(own):
@@ -863,6 +893,34 @@ class name_plate_dims(Messenger):
                 renamed = True
         if renamed:
             msg["infer"]["name_to_dim"] = {name: dim for dim, name in names.items()}
+
+
+def _scan_time_names(msg: dict) -> dict | None:
+    """``{id(site): (site, {dim: name})}``: the time dim NumPyro's enumerated ``scan``
+    gave each sample site of its steps (``"_time_<first site>"``, the site's leftmost batch
+    dim), read before the sites are sent on. NumPyro's funsor ``trace`` then names each
+    dim of a site again from the dims allocated so far; where an enumerated site before
+    the scan holds that dim (an edge before a scan whose step has a plate), the time dim
+    took that site's name, and the contraction summed the steps against it (a wrong log Z,
+    or funsor's ``Output mismatch``)."""
+    if not msg["kwargs"].get("enum"):
+        return None
+    value = msg.get("value")
+    try:
+        steps = value[1][0].trace  # a scan's: ((length, key, carry), (PytreeTrace, ys))
+    except (TypeError, IndexError, AttributeError, KeyError):
+        return None
+    if not isinstance(steps, dict):
+        return None
+    out = {}
+    for site in steps.values():
+        if not isinstance(site, dict) or site.get("type") != "sample":
+            continue
+        names = (site.get("infer") or {}).get("dim_to_name") or {}
+        time = {d: n for d, n in names.items() if isinstance(n, str) and n.startswith("_time_")}
+        if time:
+            out[id(site)] = (site, time)
+    return out or None
 
 
 def _enumerated_scan_sites(msg: dict) -> dict | None:
@@ -874,10 +932,86 @@ def _enumerated_scan_sites(msg: dict) -> dict | None:
         steps = value[1][0].trace  # a scan's: ((length, key, carry), (PytreeTrace, ys))
     except (TypeError, IndexError, AttributeError, KeyError):
         return None
-    if not isinstance(steps, dict) or not any(
-            isinstance(site, dict) and is_enumerated(site) for site in steps.values()):
+    if not isinstance(steps, dict):
         return None
-    return {id(site): (site, name) for name, site in steps.items() if isinstance(site, dict)}
+    # the enumerated sites only: the refusal names one of them (a continuous site of the
+    # step is given its values through the scope, `_give_values_through_scopes`)
+    return {id(site): (site, name) for name, site in steps.items()
+            if isinstance(site, dict) and is_enumerated(site)} or None
+
+
+_THROUGH_SCOPES = "_structinfer_through_scopes"  # marks a control flow's wrapped fn
+_SCOPE_PROBE = "structinfer_scope_probe"  # a message type no NumPyro handler acts on
+_PROBE_NAME = "structinfer_probe"
+
+
+def _scope_prefix(handler: Messenger) -> str | None:
+    """The prefix the handlers between a control flow and ``handler`` add to a site name
+    (``numpyro.handlers.scope``: ``"l1/"``): a probe message sent through the stack from
+    the control flow, renamed on its way and stopped at ``handler``. ``None`` where it
+    does not reach ``handler`` (a ``block`` between them)."""
+    probe = {"type": _SCOPE_PROBE, "name": _PROBE_NAME, "fn": None, "args": (),
+             "kwargs": {}, "value": _SCOPE_PROBE, "infer": {}, "is_observed": False,
+             "scale": None, "cond_indep_stack": [], "structinfer_stop_at": handler}
+    apply_stack(probe)
+    name = probe.get("name") or ""
+    if not probe.get("structinfer_reached") or not name.endswith(_PROBE_NAME):
+        return None
+    return name[: -len(_PROBE_NAME)]
+
+
+def _give_values_through_scopes(msg: dict, handler: Messenger) -> None:
+    """Wrap a control-flow message's function (NumPyro's ``scan_wrapper`` or
+    ``cond_wrapper``) where scopes between it and ``handler`` rename its sites, so that,
+    when it runs (after every handler has added its values to the message's
+    ``substitute_stack``), each entry is also read under the step's own site names
+    (`_unscoped_entry`)."""
+    fn = msg.get("fn")
+    stack = msg["kwargs"].get("substitute_stack")
+    if fn is None or stack is None or getattr(fn, _THROUGH_SCOPES, False):
+        return
+    prefix = _scope_prefix(handler)
+    if not prefix:
+        return
+    inner = len(stack)  # the entries of handlers inside `handler`; the rest are outside
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        given = kwargs.get("substitute_stack")
+        if given:
+            kwargs["substitute_stack"] = [
+                (kind, _unscoped_entry(kind, data, prefix, outside=i >= inner))
+                for i, (kind, data) in enumerate(given)]
+        return fn(*args, **kwargs)
+
+    setattr(run, _THROUGH_SCOPES, True)
+    msg["fn"] = run
+
+
+def _unscoped_entry(kind: str, data, prefix: str, outside: bool):
+    """One ``substitute_stack`` entry (a ``substitute`` / ``condition`` dict or callable,
+    a ``replay`` trace) read under a step's own site names: a dict also holds each of its
+    values whose key starts with ``prefix`` under the key without it (the value a
+    handler gives the scoped site wins over one it gives a site of the step's own name);
+    a callable of a handler outside ``handler`` (an init strategy, NumPyro's
+    unconstraining ``substitute_fn``) is called with the step's site under its scoped
+    name. A callable of a handler inside is left as it is (the scopes between it and the
+    control flow are not known)."""
+    if callable(data) and not isinstance(data, dict):
+        return functools.partial(_call_scoped, data, prefix) if outside else data
+    n = len(prefix)
+    if kind == "replay":  # a trace: its sites carry their names too
+        stripped = {k[n:]: {**site, "name": k[n:]} for k, site in data.items()
+                    if k.startswith(prefix)}
+    else:
+        stripped = {k[n:]: v for k, v in data.items() if k.startswith(prefix)}
+    return {**data, **stripped} if stripped else data
+
+
+def _call_scoped(fn: Callable, prefix: str, site: dict):
+    """``fn`` (an init strategy, NumPyro's unconstraining ``substitute_fn``) at a step's
+    site under the name the scopes around the control flow give it."""
+    return fn({**site, "name": prefix + site["name"]})
 
 
 def _stays_inside(msg: dict) -> bool:

@@ -1511,3 +1511,33 @@ def test_masked_steps_are_not_there_and_padded_chains_equal_their_unpadded_seque
     assert si.explain(chain, "v", em[:, 0], keep[:, 0]).kernels == {"z": "markov_scan"}
     y = jax.vmap(si.attention(chain, "v"), in_axes=1, out_axes=1)(em, keep)
     np.testing.assert_allclose(y, run(em, lt, li, keep)[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("children", [pytest.param(2, marks=pytest.mark.exhaustive), 3])
+def test_an_edge_before_a_scan_with_a_plate_in_its_step(children):
+    """Regression: NumPyro's enumerated ``scan`` names each step site's time dim from the
+    dims allocated so far, so an edge site declared before the scan, enumerated at that
+    dim, lent the time dim its name: the contraction summed the time steps against the
+    edge. With 2 children the model failed in funsor (``Output mismatch: Bint[2] vs
+    Bint[3]``); with 3 it gave a finite wrong log Z (-13.5 for -19.3). The edge and the
+    scanned observations are independent: log Z is their sum, by hand."""
+    V = jnp.array([-1.0, 0.0, 1.0])
+    y = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
+    y2 = jax.random.normal(jax.random.PRNGKey(2), (children,))
+
+    def model(y):
+        with numpyro.plate("kids2", children):
+            j = si.edge("psi", si.priors.Uniform(3))
+            numpyro.sample("o2", dist.Normal(V[j], 1.0), obs=y2)
+
+        def step(carry, yt):
+            with numpyro.plate("kids", yt.shape[0]):
+                numpyro.sample("o", dist.Normal(0.0, 1.0), obs=yt)
+            return carry, None
+
+        scan(step, 0.0, y)
+
+    norm = jax.scipy.stats.norm
+    ref = norm.logpdf(y).sum() + jax.nn.logsumexp(
+        norm.logpdf(y2[:, None], V) - jnp.log(3), -1).sum()
+    np.testing.assert_allclose(si.log_marginal(model, y), ref, rtol=1e-5)

@@ -35,6 +35,7 @@ from numpyro.handlers import substitute, trace
 
 from .._checks import as_arrays, check_key, is_concrete, model_name
 from ..handlers import contain, observe_given, pin, replay_outside, require_values
+from ..primitives import SCAN_RECORD_KEY
 from ._log_einsum import JOINT_MAX_RATIO
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
@@ -587,8 +588,11 @@ def likelihood_structure(
     def f(p):
         m = substitute(model, data=p) if p else model
         info = inspect_model(m, *args, **kwargs)
-        if info.unvalued:
-            fill = {n: jnp.zeros(info[n].shape, info[n].dtype) for n in info.unvalued}
+        # every latent site without a given value (one in a scan's steps too: the
+        # inspection draws it there, as no placeholder reaches inside a step)
+        fill = {n: jnp.zeros(info[n].shape, info[n].dtype) for n in info.latent
+                if n not in p and (n in info.unvalued or info.trace[n].get(SCAN_RECORD_KEY))}
+        if fill:
             m = substitute(m, data=fill)  # the roles and shapes stay those of `info`
         data, struct = log_z(m, args, kwargs, info=info, keep_plates="observed",
                              score_factors=score_factors, return_structure=True)

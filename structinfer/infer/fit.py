@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-from numpyro.handlers import block, seed, substitute
+from numpyro.handlers import block, seed, substitute, trace
 from numpyro.infer import ELBO, MCMC, SVI, TraceEnum_ELBO
 from numpyro.infer import NUTS as NumPyroNUTS
 from numpyro.infer.autoguide import AutoDelta, AutoNormal
@@ -44,9 +44,16 @@ from numpyro.infer.util import log_density
 from numpyro.util import is_prng_key
 
 from .._checks import as_arrays, check_count, check_key, is_concrete, model_name
-from ..exact import ModelInfo, inspect_model, log_marginal, safe_log_einsum
+from ..exact import (
+    ModelInfo,
+    inspect_model,
+    log_marginal,
+    safe_log_einsum,
+    sample_edges,
+    trace_model,
+)
 from ..handlers import name_plate_dims
-from ..primitives import SCORE_SUFFIX, edge, is_enumerated
+from ..primitives import SCAN_INDEX_KEY, SCORE_SUFFIX, edge, is_enumerated
 from ._diagnose import bad_leaf, nonfinite_site, start_failure
 from ._loop import NonFiniteEnergyError
 
@@ -167,6 +174,80 @@ class _CollapsedELBO(ELBO):
         return {"loss": jnp.mean(losses), "mutable_state": None}
 
 
+class _EdgeDrawMCMC(MCMC):
+    r"""NumPyro's `MCMC` whose draws of a deterministic site that reads an edge are the
+    site's value at edges drawn from their posterior.
+
+    NumPyro records a deterministic site of an enumerated model as the model computes it
+    under enumeration: one value per parent (a broadcast over the enumeration dims), the
+    same at every draw, not a draw. After each `run` this object takes, at every draw
+    $\theta^{(s)}$, one joint draw $\phi^{(s)} \sim p(\phi \mid x, \theta^{(s)})$
+    ([`sample_edges`][structinfer.exact.sample_edges]) and evaluates those sites there, so
+    `get_samples()` holds draws $f(\phi^{(s)}, \theta^{(s)})$ of the joint posterior, of
+    the site's own shape (their mean estimates the posterior mean; for its exact value at a
+    draw, use [`expectation`][structinfer.expectation] on the model substituted at it).
+    Deterministic sites that read no edge are NumPyro's."""
+
+    _edge_model: Callable | None = None
+    _edge_sites: tuple[str, ...] = ()
+    _at_edge_draws: dict | None = None  # {site: (chains, draws, ...)} of the last run
+
+    def run(self, rng_key, *args, **kwargs):
+        self._at_edge_draws = None
+        super().run(rng_key, *args, **kwargs)
+        if self._edge_sites:
+            model_kwargs = {k: v for k, v in kwargs.items()
+                            if k not in ("extra_fields", "init_params")}
+            key = rng_key if is_prng_key(rng_key) else rng_key[0]  # one key per chain
+            self._at_edge_draws = _deterministic_at_edge_draws(
+                self._edge_model, self._edge_sites, super().get_samples(group_by_chain=True),
+                jax.random.fold_in(key, 1), args, model_kwargs)
+
+    def get_samples(self, group_by_chain: bool = False):
+        samples = super().get_samples(group_by_chain=group_by_chain)
+        if not self._at_edge_draws:
+            return samples
+        fixed = self._at_edge_draws if group_by_chain else {
+            n: v.reshape((-1,) + v.shape[2:]) for n, v in self._at_edge_draws.items()}
+        return {**samples, **fixed}
+
+
+def _edge_deterministic(info: ModelInfo, model: Callable, args: tuple, kwargs: dict) -> list[str]:
+    """The deterministic sites whose value reads an enumerated site: under NumPyro's
+    enumeration (as its `MCMC` records them) they take the enumeration dims, so their
+    shape differs from the inspection's (edges held at one value)."""
+    if not info.enumerated or not info.deterministic:
+        return []
+    from numpyro.contrib.funsor import enum
+
+    at = substitute(model, data={n: info.trace[n]["value"] for n in info.latent})
+    with block():  # (NumPyro's funsor trace records no deterministic site)
+        tr = trace(enum(name_plate_dims(at), first_available_dim=info.first_available_dim)
+                   ).get_trace(*args, **kwargs)
+    return [n for n, (shape, _) in info.deterministic.items()
+            if n in tr and tuple(jnp.shape(tr[n]["value"])) != tuple(shape)]
+
+
+def _deterministic_at_edge_draws(model: Callable, sites: tuple[str, ...], samples: dict,
+                                 rng_key: jax.Array, args: tuple, kwargs: dict) -> dict:
+    """``{site: (chains, draws, ...)}``: each deterministic site in ``sites`` at one joint
+    posterior draw of the edges per draw of ``samples`` (one compilation)."""
+    latent = {n: v for n, v in samples.items() if n not in sites}
+    lead = next(iter(latent.values())).shape[:2]
+    flat = {n: v.reshape((-1,) + v.shape[2:]) for n, v in latent.items()}
+    keys = jax.random.split(rng_key, int(np.prod(lead)))
+
+    def one(key_draw):
+        key, draw = key_draw
+        at = substitute(model, data=draw)
+        edges = sample_edges(key, at, *args, **kwargs)
+        tr = trace_model(at, args, kwargs, values=edges, what="nuts")
+        return {n: tr[n]["value"] for n in sites}
+
+    out = jax.jit(lambda k, d: jax.lax.map(one, (k, d)))(keys, flat)
+    return {n: v.reshape(lead + v.shape[1:]) for n, v in out.items()}
+
+
 def _sampled_sites(model: Callable, args: tuple, kwargs: dict, what: str) -> ModelInfo:
     """The model's inspection, refusing what a sampler over its latent sites cannot do."""
     if not callable(model):
@@ -216,7 +297,10 @@ def nuts(
 
     Returns:
         The finished `numpyro.infer.MCMC` (`get_samples()`, `get_extra_fields()`,
-        `print_summary()`).
+        `print_summary()`). A deterministic site that reads an edge is drawn at the
+        edges: at each draw $\theta^{(s)}$, at one joint draw of the edges from
+        $p(\phi \mid x, \theta^{(s)})$ (NumPyro alone records its value at every
+        parent, the same at every draw).
 
     Raises:
         TypeError: `rng_key` is not one PRNG key, or `model` is not callable.
@@ -279,7 +363,7 @@ def nuts(
             f"nuts: model '{model_name(model)}' has no continuous latent site to sample; "
             "use structinfer.marginals / structinfer.log_marginal directly"
         )
-    mcmc = MCMC(
+    mcmc = _EdgeDrawMCMC(
         NUTS(model, target_accept_prob=target_accept_prob),
         num_warmup=num_warmup,
         num_samples=num_samples,
@@ -287,6 +371,10 @@ def nuts(
         chain_method="vectorized" if num_chains > 1 else "sequential",
         progress_bar=progress_bar,
     )
+    # deterministic sites that read an edge: drawn at posterior edge draws, not NumPyro's
+    # broadcast over the parents
+    mcmc._edge_model = model
+    mcmc._edge_sites = tuple(_edge_deterministic(info, model, args, kwargs))
     with _init_failure("nuts", model, args, kwargs):
         mcmc.run(rng_key, *args, extra_fields=EXTRA_FIELDS, **kwargs)
     samples = mcmc.get_samples()
@@ -312,12 +400,26 @@ def hide_edges(model: Callable) -> Callable:
         model: a NumPyro model.
 
     Returns:
-        `numpyro.handlers.block(model)` hiding every enumerated site; a hidden edge is
+        `numpyro.handlers.block(model)` hiding every enumerated site (and the observed
+        sites of a ``scan``'s steps, whose plates NumPyro 0.15's autoguides could not
+        read); a hidden edge is
         drawn with a key from the enclosing `seed` handler (as newer NumPyro's `block`
         does itself; NumPyro 0.15's drew it with no key, an `AssertionError` when an
-        autoguide traced the model).
+        autoguide traced the model). The sites of a ``scan`` under
+        ``numpyro.handlers.scope`` take the values the guide's handlers give them under
+        their scoped names ([`name_plate_dims`][structinfer.handlers.name_plate_dims]).
     """
-    return _HideEdges(model, hide_fn=is_enumerated)
+    return _HideEdges(name_plate_dims(model), hide_fn=_hidden_from_guide)
+
+
+def _hidden_from_guide(msg: dict) -> bool:
+    """An enumerated site, or an observed site of a ``scan``'s steps: NumPyro 0.15's
+    autoguides read the plates of observed sites too, and a plate inside a step (which
+    the scan does not send on) failed their setup with ``KeyError`` naming the plate; the
+    guide has nothing to do with an observation."""
+    return is_enumerated(msg) or bool(
+        msg["type"] == "sample" and msg.get("is_observed")
+        and SCAN_INDEX_KEY in (msg.get("infer") or {}))
 
 
 class _HideEdges(block):
@@ -419,9 +521,10 @@ def svi(
     info = _sampled_sites(model, args, kwargs, "svi")
     guide = _guide(guide, model, info)
     optim = numpyro.optim.Adam(0.01) if optim is None else optim
-    # the exact engine's log p(theta, x) for a chain in a scan (TraceEnum_ELBO's is wrong)
-    # and where NumPyro's TraceEnum_ELBO cannot trace dependencies on this JAX
-    if info.markov_edges or not _numpyro_traces_dependencies():
+    # the exact engine's log p(theta, x) for a chain in a scan and for any other site in a
+    # scan's steps (TraceEnum_ELBO's is wrong there, or it fails), and where NumPyro's
+    # TraceEnum_ELBO cannot trace dependencies on this JAX
+    if info.markov_edges or _in_scan(info) or not _numpyro_traces_dependencies():
         elbo = _CollapsedELBO()
     else:
         elbo = _ELBO(max_plate_nesting=info.max_plate_nesting)
@@ -436,6 +539,16 @@ def svi(
     if bad.size:
         _raise_nonfinite(fitter, rng_key, int(bad[0]), args, kwargs)
     return fitter, result
+
+
+def _in_scan(info: ModelInfo) -> bool:
+    """Whether a sample site of the model is in the steps of a
+    ``numpyro.contrib.control_flow.scan``: NumPyro's `TraceEnum_ELBO` does not handle such
+    a model (on NumPyro 0.22: an edge in the step gave a finite wrong ELBO; a latent site
+    there a ``KeyError`` naming a plate of the step, or a broadcasting error between the
+    time steps and the step's own shape)."""
+    return any(site["type"] == "sample" and SCAN_INDEX_KEY in (site.get("infer") or {})
+               for site in info.trace.values())
 
 
 def _check_adam_dtypes(optim: Any, params: dict) -> None:
