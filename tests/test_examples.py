@@ -32,9 +32,9 @@ OWNED_ELSEWHERE = {
 REPRODUCTIONS_OWNED_ELSEWHERE = {"lm"}  # tests/test_nn_lm.py
 #: the shipped reproduction run as a command in a subprocess (the quickest one)
 IN_A_SUBPROCESS = "hopfield"
-#: the reproductions whose smoke run is in the default tier: the command as a process and
-#: in-process
-REPRESENTATIVES = {IN_A_SUBPROCESS, "expanding"}
+#: the reproductions whose smoke run is in the default tier: the command as a process (the
+#: others, in-process, in the exhaustive tier)
+REPRESENTATIVES = {IN_A_SUBPROCESS}
 EXAMPLES = sorted(
     p for p in (ROOT / "examples").glob("*.py") if p.name not in OWNED_ELSEWHERE
 )

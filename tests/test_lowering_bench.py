@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.exhaustive  # (~8 s: a benchmark process; the default tier runs gpu.py --quick)
 def test_benchmark_quick_mode_runs():
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "attention.py"), "--quick",

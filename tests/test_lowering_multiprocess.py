@@ -81,6 +81,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.exhaustive  # (~8 s: three processes; one-process meshes run by default)
 def test_two_processes_run_the_sharded_kernels_like_one():
     try:
         port = _free_port()

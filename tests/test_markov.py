@@ -596,6 +596,7 @@ def test_unrecognised_chains_fall_back_with_the_reason():
         si.attention(hmm, "v", backend="dense")(em, lt, li)
 
 
+@pytest.mark.exhaustive  # (~4 s; the default tier runs benchmarks/gpu.py --quick)
 def test_benchmark_quick_mode_runs(capsys, monkeypatch):
     """benchmarks/markov_chain.py --quick (a short chain, the exact / fused pair only)."""
     import os

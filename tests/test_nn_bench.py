@@ -4,9 +4,12 @@ script asserts it), a time and a temporary-buffer size for each (no timing asser
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "nn_layer.py"
 
 
+@pytest.mark.exhaustive  # (~4 s; the default tier runs benchmarks/gpu.py --quick)
 def test_nn_layer_benchmark_quick(capsys):
     spec = importlib.util.spec_from_file_location("nn_layer_bench", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
