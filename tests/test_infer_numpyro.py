@@ -820,3 +820,17 @@ def test_nuts_on_a_scan_model_with_a_deterministic_site_that_reads_an_edge_retur
     mcmc = si.infer.nuts(jax.random.PRNGKey(0), model, y, num_warmup=20, num_samples=20,
                          progress_bar=False)
     assert mcmc.get_samples()["x"].shape == (20,)
+
+    def markov_model(em):  # a Markov chain beside another edge read by a deterministic site
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        prior = si.priors.Markov(jnp.zeros((3, 3)), jnp.zeros(3))
+        scan(lambda prev, e: (si.edge("z", prior, e * mu, previous=prev), None),
+             jnp.asarray(-1), em)
+        with numpyro.plate("c", 2):
+            j = si.edge("j", si.priors.Uniform(3), em[:2] * mu)
+            numpyro.deterministic("dj", 10.0 * j)
+
+    em = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    mcmc = si.infer.nuts(jax.random.PRNGKey(0), markov_model, em, num_warmup=20,
+                         num_samples=20, progress_bar=False)
+    assert mcmc.get_samples()["mu"].shape == (20,)
