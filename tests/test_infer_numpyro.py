@@ -793,3 +793,44 @@ def test_the_likelihood_structure_of_a_scan_with_a_latent_step_site_says_why_not
     y = jnp.zeros((3, 2))
     with pytest.raises(ValueError, match=r"site 'l1/x' lies on a Markov chain.*no pointwise"):
         si.exact.likelihood_structure(_scoped_scan_model, None, y)
+
+
+def test_nuts_on_a_scan_model_with_a_deterministic_site_that_reads_an_edge_returns():
+    """Regression: with a deterministic site reading an edge and a ``scan`` elsewhere in
+    the model, `nuts` redrew the site at posterior edge draws through `sample_edges`,
+    whose NumPyro ``infer_discrete`` does not support a scan: an ``UnboundLocalError``
+    from inside NumPyro after the whole run (the model ran before). The site keeps
+    NumPyro's value there; the continuous site is sampled."""
+    V = jnp.array([-1.0, 0.0, 1.0])
+    y = jnp.array([0.5, -0.3, 1.2])
+
+    def model(y):
+        x = numpyro.sample("x", dist.Normal(0.0, 1.0))
+        with numpyro.plate("kids", 2):
+            j = si.edge("psi", si.priors.Uniform(3))
+            numpyro.deterministic("d", 10.0 * V[j])
+            numpyro.sample("w", dist.Normal(V[j] + x, 1.0), obs=jnp.array([0.9, 1.1]))
+
+        def step(carry, yt):
+            numpyro.sample("o", dist.Normal(x, 1.0), obs=yt)
+            return carry, None
+
+        scan(step, 0.0, y)
+
+    mcmc = si.infer.nuts(jax.random.PRNGKey(0), model, y, num_warmup=20, num_samples=20,
+                         progress_bar=False)
+    assert mcmc.get_samples()["x"].shape == (20,)
+
+    def markov_model(em):  # a Markov chain beside another edge read by a deterministic site
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        prior = si.priors.Markov(jnp.zeros((3, 3)), jnp.zeros(3))
+        scan(lambda prev, e: (si.edge("z", prior, e * mu, previous=prev), None),
+             jnp.asarray(-1), em)
+        with numpyro.plate("c", 2):
+            j = si.edge("j", si.priors.Uniform(3), em[:2] * mu)
+            numpyro.deterministic("dj", 10.0 * j)
+
+    em = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    mcmc = si.infer.nuts(jax.random.PRNGKey(0), markov_model, em, num_warmup=20,
+                         num_samples=20, progress_bar=False)
+    assert mcmc.get_samples()["mu"].shape == (20,)

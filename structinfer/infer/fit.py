@@ -218,6 +218,12 @@ def _edge_deterministic(info: ModelInfo, model: Callable, args: tuple, kwargs: d
     shape differs from the inspection's (edges held at one value)."""
     if not info.enumerated or not info.deterministic:
         return []
+    if _in_scan(info):
+        # `sample_edges` cannot draw there: NumPyro's infer_discrete does not support a
+        # scan (an UnboundLocalError from inside NumPyro), and beside a Markov chain it
+        # refuses the other edges (NotImplementedError), both after the whole run;
+        # such a site keeps NumPyro's value, as before
+        return []
     from numpyro.contrib.funsor import enum
 
     at = substitute(model, data={n: info.trace[n]["value"] for n in info.latent})
