@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -186,11 +187,13 @@ class _EdgeDrawMCMC(MCMC):
     `get_samples()` holds draws $f(\phi^{(s)}, \theta^{(s)})$ of the joint posterior, of
     the site's own shape (their mean estimates the posterior mean; for its exact value at a
     draw, use [`expectation`][structinfer.expectation] on the model substituted at it).
-    Deterministic sites that read no edge are NumPyro's."""
+    Deterministic sites that read no edge are NumPyro's; in a model with a ``scan``, where
+    the edges cannot be drawn so, those that read one are left out (with a warning)."""
 
     _edge_model: Callable | None = None
     _edge_sites: tuple[str, ...] = ()
     _at_edge_draws: dict | None = None  # {site: (chains, draws, ...)} of the last run
+    _left_out: tuple[str, ...] = ()  # such sites it cannot draw (a model with a scan)
 
     def run(self, rng_key, *args, **kwargs):
         self._at_edge_draws = None
@@ -205,6 +208,8 @@ class _EdgeDrawMCMC(MCMC):
 
     def get_samples(self, group_by_chain: bool = False):
         samples = super().get_samples(group_by_chain=group_by_chain)
+        if self._left_out:
+            samples = {n: v for n, v in samples.items() if n not in self._left_out}
         if not self._at_edge_draws:
             return samples
         fixed = self._at_edge_draws if group_by_chain else {
@@ -217,12 +222,6 @@ def _edge_deterministic(info: ModelInfo, model: Callable, args: tuple, kwargs: d
     enumeration (as its `MCMC` records them) they take the enumeration dims, so their
     shape differs from the inspection's (edges held at one value)."""
     if not info.enumerated or not info.deterministic:
-        return []
-    if _in_scan(info):
-        # `sample_edges` cannot draw there: NumPyro's infer_discrete does not support a
-        # scan (an UnboundLocalError from inside NumPyro), and beside a Markov chain it
-        # refuses the other edges (NotImplementedError), both after the whole run;
-        # such a site keeps NumPyro's value, as before
         return []
     from numpyro.contrib.funsor import enum
 
@@ -380,7 +379,19 @@ def nuts(
     # deterministic sites that read an edge: drawn at posterior edge draws, not NumPyro's
     # broadcast over the parents
     mcmc._edge_model = model
-    mcmc._edge_sites = tuple(_edge_deterministic(info, model, args, kwargs))
+    sites = tuple(_edge_deterministic(info, model, args, kwargs))
+    if sites and _in_scan(info):
+        # `sample_edges` cannot draw them there (NumPyro's infer_discrete does not support
+        # a scan; beside a Markov chain it refuses the other edges): left out, not kept at
+        # NumPyro's broadcast values
+        warnings.warn(
+            f"nuts: deterministic site(s) {list(sites)} read an edge in a model with a "
+            "scan, where their values cannot be drawn at posterior edge draws: they are "
+            "left out of the samples (for their posterior mean at a draw, use "
+            "structinfer.expectation on the model substituted at it)", stacklevel=2)
+        mcmc._left_out = sites
+    else:
+        mcmc._edge_sites = sites
     with _init_failure("nuts", model, args, kwargs):
         mcmc.run(rng_key, *args, extra_fields=EXTRA_FIELDS, **kwargs)
     samples = mcmc.get_samples()
