@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
+from conftest import matrix
 from jax.test_util import check_grads
 from numpyro.ops.indexing import Vindex
 
@@ -457,3 +458,89 @@ def test_float32_factors_far_apart_on_one_site(case, jit):
         np.testing.assert_allclose(grads[2], A, atol=2e-5)
     else:  # Dot score s_ij = q_i . k_j: d/dq_i = sum_j A_ij k_j
         np.testing.assert_allclose(grads[0], A @ np.float64(args[1]), atol=2e-4, rtol=2e-5)
+
+
+
+def _far_apart_chain(em, pot, log_t):
+    """A chain of Markov edges with a potential ``pot[t, previous, next]`` at each step."""
+    from numpyro.contrib.control_flow import scan
+
+    prior = si.priors.Markov(log_t, log_t[0])
+
+    def step(previous, xs):
+        e, f = xs
+        z = si.edge("z", prior, e, previous=previous)
+        si.primitives.potential("f", f[jnp.maximum(previous, 0), z])
+        return z, None
+
+    scan(step, jnp.asarray(-1), (em, pot))
+
+
+def _far_apart_chain_inputs(k, t):
+    """Steps 1 and 2 of a chain of ``k`` states that disagree by more than float32's
+    exponent range about the state between them, for *some* pairs of their outer states:
+    step 1 favours z_1 = 0 by 101 nats; step 2 favours z_2 = 0 by 101 but penalises
+    z_1 = z_2 = 0 by 202. The pairs (z_0, z_2 = 0) then have weight e^101 (k - 1) through
+    z_1 != 0, as much as all pairs with z_2 != 0 together, but each of their terms is
+    e^-101 or e^-202 of its factors' own maxima; those with z_2 != 0 are in range. The
+    last state absorbs (the pairs it cannot leave are structural zeros, log 0)."""
+    em = np.zeros((t, k))
+    em[1, 0] = em[2, 0] = 101.0
+    pot = np.zeros((t, k, k))
+    pot[2, 0, 0] = -202.0
+    log_t = np.full((k, k), -np.log(k))
+    log_t[-1, :-1] = -np.inf
+    return em, pot, log_t
+
+
+def _far_apart_chain_reference(em, pot, log_t):
+    """Brute force over every path in NumPy float64: log Z and its gradients with respect
+    to ``em`` (the marginals), ``pot`` (the first step's marginal, then the pairwise
+    marginals) and ``log_t`` (through the normalised rows, the first also the initial)."""
+    import itertools
+
+    t, k = em.shape
+    paths = np.array(list(itertools.product(range(k), repeat=t)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lt = log_t - np.logaddexp.reduce(log_t, -1, keepdims=True)
+    prev, nxt, steps = paths[:, :-1], paths[:, 1:], np.arange(1, t)
+    w = (lt[0][paths[:, 0]] + pot[0, 0][paths[:, 0]] + em[np.arange(t), paths].sum(1)
+         + (lt[prev, nxt] + pot[steps, prev, nxt]).sum(1))
+    log_z = np.logaddexp.reduce(w)
+    p = np.exp(w - log_z)
+    marg = np.stack([np.bincount(paths[:, s], weights=p, minlength=k) for s in range(t)])
+    pair = np.zeros((t, k, k))
+    for s in range(1, t):
+        np.add.at(pair[s], (paths[:, s - 1], paths[:, s]), p)
+    g_pot = pair.copy()
+    g_pot[0, 0] = marg[0]
+    soft = np.exp(lt)
+    g_lt = (pair[1:] - marg[:-1, :, None] * soft).sum(0)
+    g_lt[0] += marg[0] - soft[0]
+    return log_z, (marg, g_pot, g_lt)
+
+
+@pytest.mark.parametrize("k, t", matrix([(5, 3), (8, 5)], keep=lambda k, t: k == 5))
+def test_float32_chain_steps_far_apart_for_some_states(k, t):
+    """Regression: a float32 Markov chain of more than 4 states whose steps disagree by
+    more than float32's exponent range about the state between them, for some of the
+    outer states only. The product of two steps (the chain's contraction) shifted each
+    step by its own maximum, so the terms of those pairs underflowed while the others did
+    not: log Z was finite and too low (by log 2 here) and the marginals wrong by 0.4,
+    with no error. The product is now shifted jointly (its broadcast is small): log Z
+    and its gradients (those with respect to the edge's score are the marginals; through
+    log 0's zero slope at the absorbing state's structural zeros too) are the float64
+    brute-force answer, and so are `si.marginals` (exhaustive tier: one more compile)."""
+    em, pot, log_t = _far_apart_chain_inputs(k, t)
+    lz_ref, g_ref = _far_apart_chain_reference(em, pot, log_t)
+    args = tuple(jnp.asarray(a, jnp.float32) for a in (em, pot, log_t))
+
+    lz, grads = jax.jit(jax.value_and_grad(
+        lambda *a: si.log_marginal(_far_apart_chain, *a), argnums=(0, 1, 2)))(*args)
+    assert lz.dtype == jnp.float32
+    np.testing.assert_allclose(lz, lz_ref, rtol=0, atol=4e-5)  # 303 nats in float32
+    for g, r in zip(grads, g_ref):  # grads[0]: the marginals (the edge's score is em)
+        np.testing.assert_allclose(g, r, atol=2e-6)
+    if k > 5:  # the marginals by the engine's tilts (the same contraction, tilted)
+        marg = jax.jit(lambda *a: si.marginals(_far_apart_chain, *a)["z"])(*args)
+        np.testing.assert_allclose(marg, g_ref[0], atol=2e-6)

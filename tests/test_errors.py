@@ -856,10 +856,13 @@ def test_log_z_underflow_is_not_called_impossible():
     """A score and a likelihood that disagree by more than float32's exponent range about
     one edge site: the log-space contraction shifts their sum jointly and answers the
     float64 log Z (it answered -inf, then this error). Where the contraction is a real
-    product of factors over two sites that keeps per-operand shifts (a Markov chain of 8
-    states, whose step-to-step product would broadcast to 8 times the factors) the sum can
+    product of factors over two sites whose broadcast is above the joint shift's budget
+    (the product of two steps of a Markov chain of K states broadcasts to K^3 elements:
+    K = 102 is the smallest above `JOINT_MAX_ELEMENTS` = 2^20; a chain of 8 states
+    answered this error before the budget) it keeps per-operand shifts and the sum can
     still underflow to log Z = -inf; the most probable structure is finite, so the error
     says the sum underflowed (not that no structure is possible)."""
+    from structinfer.exact._log_einsum import JOINT_MAX_ELEMENTS, JOINT_MAX_RATIO
 
     def model(x, mu, s):
         with numpyro.plate("points", x.shape[0]):
@@ -875,7 +878,9 @@ def test_log_z_underflow_is_not_called_impossible():
     np.testing.assert_allclose(si.marginals(model, x, mu, s)["z"],
                                np.exp(logits - ref[:, None]), atol=1e-6)
 
-    K, T = 8, 3  # step 1's score favours state 0 by 101 nats, step 2's potential the others
+    # step 1's score favours state 0 by 101 nats, step 2's potential the others
+    K, T = int(JOINT_MAX_ELEMENTS ** (1 / 3)) + 1, 3
+    assert K**3 > max(JOINT_MAX_ELEMENTS, JOINT_MAX_RATIO * K**2)  # above the budget
     em = np.zeros((T, K), np.float32)
     em[1, 0] = 101.0
     pot = np.zeros((T, K, K), np.float32)

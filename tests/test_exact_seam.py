@@ -1147,18 +1147,25 @@ def test_a_kept_element_with_no_structure_has_nan_derivatives_the_others_exact(x
     np.testing.assert_allclose(g[live], ref_g[live], **tol)
 
 
-@pytest.mark.parametrize("equation, shapes", [
-    ("ab,ab->b", [(5, 3), (5, 3)]),  # attention: joint shift
-    ("abc,cb->ca", [(4, 3, 2), (2, 3)]),  # joint, output dims in another order
-    ("b,ab->a", [(3,), (4, 3)]),  # joint, the smaller operand first
-    ("ab,bc->ac", [(6, 6), (6, 6)]),  # a real product (broadcast 6x): per-operand shifts
+@pytest.mark.parametrize("equation, shapes, budget", [
+    ("ab,ab->b", [(5, 3), (5, 3)], None),  # attention: joint shift
+    ("abc,cb->ca", [(4, 3, 2), (2, 3)], None),  # joint, output dims in another order
+    ("b,ab->a", [(3,), (4, 3)], None),  # joint, the smaller operand first
+    ("ab,bc->ac", [(6, 6), (6, 6)], None),  # a real product (6x), small: joint shift
+    ("ab,bc->ac", [(6, 6), (6, 6)], 0),  # the same above the budget: per-operand shifts
 ])
-def test_log_einsum_equals_the_float64_log_sum_exp(equation, shapes):
+def test_log_einsum_equals_the_float64_log_sum_exp(equation, shapes, budget, monkeypatch):
     """The engine's log-space einsum is log sum exp of the summed operands over the summed
     dims, for each dim order and both shifts; where the factors disagree by 101 nats its
-    joint shift keeps the float32 answer finite."""
+    joint shift keeps the float32 answer finite (an attention's factors, and a product of
+    a chain's steps whose broadcast is within `JOINT_MAX_ELEMENTS`: some of its entries
+    underflowed to -inf, the others stayed finite); above that budget (``budget=0``)
+    each operand is shifted by its own maximum, and such a product underflows."""
+    from structinfer.exact import _log_einsum
     from structinfer.exact._log_einsum import einsum
 
+    if budget is not None:
+        monkeypatch.setattr(_log_einsum, "JOINT_MAX_ELEMENTS", budget)
     r = np.random.default_rng(3)
     ops = [r.normal(size=s).astype(np.float32) * 3 for s in shapes]
     ops[0][..., 0] = -np.inf  # a -inf entry
@@ -1169,3 +1176,18 @@ def test_log_einsum_equals_the_float64_log_sum_exp(equation, shapes):
     a[1, :] = 101.0  # the summed dim a: op 1 favours a = 1, op 2 a = 0
     np.testing.assert_allclose(einsum("ab,ab->b", jnp.asarray(a), jnp.asarray(-a)),
                                [np.log(2.0)] * 2, rtol=1e-6)
+    if equation != "ab,bc->ac":
+        return
+    # a product of two 5-state steps: x favours b = 0 by 101 nats for every a, y's column
+    # c = 0 favours b != 0 by 202; c = 0 is log(4 e^101 + 1), the others log(e^101 + 4)
+    x = np.zeros((5, 5), np.float32)
+    x[:, 0] = 101.0
+    y = np.zeros((5, 5), np.float32)
+    y[0, 0], y[1:, 0] = -101.0, 101.0
+    got = np.asarray(einsum("ab,bc->ac", jnp.asarray(x), jnp.asarray(y)))
+    ref = np.log(np.exp(np.float64(x)) @ np.exp(np.float64(y)))
+    if budget is None:
+        np.testing.assert_allclose(got, ref, rtol=1e-6)
+    else:  # each term is e^-101 or e^-202 of its operands' maxima in column 0 only
+        assert (got[:, 0] == -np.inf).all()
+        np.testing.assert_allclose(got[:, 1:], ref[:, 1:], rtol=1e-6)

@@ -6,20 +6,33 @@ summed dims. Where the factors disagree about which term is large (an edge's sco
 favours one parent by 101 nats, the likelihood another), every product
 $\prod_k e^{x_k - s_k}$ is tiny although the largest term of the sum is not: below
 about $e^{-87}$ it underflows in float32 (XLA flushes subnormals), and $\log Z = -\infty$
-while a structure is possible. This einsum shifts *jointly* where that costs no more:
-when the operands broadcast over all their dims to an array no larger than
+while a structure is possible; where only some of the sums underflow (those of some
+pairs of states), $\log Z$ is finite and too low, and nothing shows it. This einsum
+shifts *jointly* where that is affordable: when the operands broadcast over all their
+dims to an array of at most `JOINT_MAX_ELEMENTS` ($2^{20}$) elements, or at most
 `JOINT_MAX_RATIO` times the largest operand (the attention case: a child's score, prior,
-likelihood and tilts over (child, parent), or broadcastable to it), it sums the broadcast
-operands to one array $x = \sum_k x_k$ and returns
+likelihood and tilts over (child, parent), or broadcastable to it, at any size), it sums
+the broadcast operands to one array $x = \sum_k x_k$ and returns
 
 $$\log \sum e^{x - m} + m, \qquad m = \max x \text{ over the summed dims},$$
 
 one shift, one ``exp``, one reduction: its largest term is 1, so the sum cannot underflow
-while any term is within the dtype's range of the largest. Otherwise (a large broadcast:
-a product of a chain's transition matrices with many states, where the einsum is a real
-matrix product) it shifts each operand by its own maximum, as funsor does, and factors
-that disagree there by more than the exponent range can still underflow (concrete
-``log_marginal`` and friends then say so: ``api._check_underflow``).
+while any term is within the dtype's range of the largest.
+
+Otherwise (a large real product) it shifts each operand by its own maximum, as funsor
+does, and factors that disagree there by more than the dtype's exponent range can still
+underflow, to $\log Z = -\infty$ (concrete ``log_marginal`` and friends then say so:
+``api._check_underflow``) or, where only some terms underflow, to a finite $\log Z$ that
+is too low, which nothing detects. The large products models meet are those of a chain
+of [`Markov`][structinfer.priors.Markov] edges with more than 4 states: funsor's parallel
+scan multiplies neighbouring steps pairwise, $\lfloor (T-1)/2 \rfloor$ products of $K
+\times K$ step factors for each of the $B$ chains of a plate at its first level (half
+as many at each next), a broadcast of about $K^3 B (T-1)/2$ elements. Within the budget
+are, e.g., $K = 8$ with $B\,T$ up to 4,096 steps, $K = 16$ up to 512, $K = 32$ up to
+64, $K = 64$ up to 8; past it, the first levels keep the per-operand shifts (the later,
+smaller ones are joint). The joint shift materialises its broadcast for the derivatives
+(4 MiB in float32 at the budget), and costs an ``exp`` per element of it where the
+per-operand shifts have one per element of the operands and a matrix product.
 
 The logarithm's derivative at a sum with no non-zero term, $\log 0 = -\infty$, comes in
 two kinds, selected by `zero_slope_at_log0` (``contract.safe_log_einsum`` and
@@ -56,12 +69,17 @@ import jax.numpy as jnp
 from funsor.einsum.util import Tensordot
 from jax import lax
 
-__all__ = ["einsum", "tensordot", "transpose", "zero_slope_at_log0", "JOINT_MAX_RATIO"]
+__all__ = ["einsum", "tensordot", "transpose", "zero_slope_at_log0", "JOINT_MAX_RATIO",
+           "JOINT_MAX_ELEMENTS"]
 
 #: the joint shift is taken when the operands' broadcast over all their dims has at most
 #: this many times the elements of the largest operand (1 for attention; a batched
 #: product of K x K transition matrices has K)
 JOINT_MAX_RATIO = 4
+
+#: ... or at most this many elements, whatever the ratio (the products of a chain's K x K
+#: steps, about K^3 (T - 1) / 2 elements per chain at the first level of funsor's scan)
+JOINT_MAX_ELEMENTS = 2**20
 
 #: the derivative of log 0 of the einsums traced now: True (zero) or False (funsor's
 #: NaN); the last entry rules (`zero_slope_at_log0` pushes and pops)
@@ -104,10 +122,11 @@ def _log0_jvp(primals, tangents):
 def einsum(equation: str, *operands):
     r"""``jnp.einsum`` in the log semiring: $\log \sum e^{\sum_k x_k}$ over the summed dims.
 
-    Shifted jointly (one maximum of the summed operands) when their broadcast is at most
-    `JOINT_MAX_RATIO` times the largest operand, else each operand by its own maximum
-    over the dims it sums, as funsor does. A shift is clamped to the dtype's smallest
-    number, so that $-\infty - (-\infty)$ does not arise.
+    Shifted jointly (one maximum of the summed operands) when their broadcast has at most
+    `JOINT_MAX_ELEMENTS` elements or at most `JOINT_MAX_RATIO` times those of the largest
+    operand, else each operand by its own maximum over the dims it sums, as funsor does.
+    A shift is clamped to the dtype's smallest number, so that $-\infty - (-\infty)$ does
+    not arise.
     """
     inputs, output = equation.split("->")
     if inputs == output:
@@ -115,8 +134,9 @@ def einsum(equation: str, *operands):
     inputs = inputs.split(",")
     log = log0 if _ZERO_SLOPE[-1] else jnp.log
     sizes = _sizes(inputs, operands)
-    if sizes is not None and math.prod(sizes.values()) <= JOINT_MAX_RATIO * max(
-            math.prod(jnp.shape(x)) for x in operands):
+    if sizes is not None and math.prod(sizes.values()) <= max(
+            JOINT_MAX_RATIO * max(math.prod(jnp.shape(x)) for x in operands),
+            JOINT_MAX_ELEMENTS):
         return _joint(inputs, output, operands, sizes, log)
     return _per_operand(equation, inputs, output, operands, log)
 

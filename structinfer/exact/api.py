@@ -36,7 +36,7 @@ from numpyro.handlers import substitute, trace
 from .._checks import as_arrays, check_key, is_concrete, model_name
 from ..handlers import contain, observe_given, pin, replay_outside, require_values
 from ..primitives import SCAN_RECORD_KEY
-from ._log_einsum import JOINT_MAX_RATIO
+from ._log_einsum import JOINT_MAX_ELEMENTS, JOINT_MAX_RATIO
 from .contract import LikelihoodStructure, ScoreFactors, log_z
 from .inspect import inspect_model
 
@@ -74,10 +74,14 @@ def log_marginal(model: Callable, *args: Any, **kwargs: Any) -> jax.Array:
             contraction (see [`log_z`][structinfer.exact.log_z]); or, on concrete
             inputs, the log-space sum underflowed to $-\infty$ while a structure is
             possible (factors multiplied over several sites that disagree by more than
-            the dtype's exponent range, e.g. the steps of a Markov chain of more than 4
-            states; factors over one site are shifted jointly and do not underflow; the
-            message gives the most probable structure's log-weight). A model with
-            no possible structure answers $-\infty$.
+            the dtype's exponent range, in a product too large to shift jointly: the
+            steps of a long Markov chain of many states, about $K^3 B (T-1)/2$ elements
+            past $2^{20}$ for $B$ chains of $T$ steps of $K > 4$ states; factors over one
+            site, and smaller products, are shifted jointly and do not underflow; the
+            message gives the most probable structure's log-weight). Such a product can
+            also lose only some of its terms, and then $\log Z$ is finite and too low
+            with no error: run those in float64. A model with no possible structure
+            answers $-\infty$.
 
     Reference:
         Tschantz, "Attention via log-sum-exp energy"; Singh & Buckley sec. 3.
@@ -276,9 +280,10 @@ def _check_underflow(model, args, kwargs, info,
                      log_marginal: jax.Array) -> None:
     """Raise if a concrete ``log_marginal`` of ``-inf`` is the log-space contraction's
     underflow rather than a model without a possible structure: its max-product (the
-    log-weight of the most probable structure) is finite. Factors over one site are
-    shifted jointly and do not underflow (`_log_einsum.py`); a product of factors over
-    several sites whose broadcast is large keeps a shift per factor and can."""
+    log-weight of the most probable structure) is finite. Factors over one site, and
+    products whose broadcast is within `JOINT_MAX_ELEMENTS`, are shifted jointly and do
+    not underflow (`_log_einsum.py`); a larger product of factors over several sites
+    keeps a shift per factor and can."""
     try:
         best = float(log_z(model, args, kwargs, info=info, semiring="max"))
     except ValueError:  # a model the max-product does not read: no finding
@@ -291,9 +296,12 @@ def _check_underflow(model, args, kwargs, info,
             "sites (e.g. the steps of a Markov chain of more than "
             f"{JOINT_MAX_RATIO} states: a score, likelihood or potential at one step and "
             "the factors of the next) disagree by more than "
-            f"{log_marginal.dtype}'s exponent range about which value is likely. Run in "
-            "float64 (jax_enable_x64), or bring the disagreeing factors closer (e.g. a "
-            "likelihood's scale)")
+            f"{log_marginal.dtype}'s exponent range about which value is likely, in a "
+            "product too large to shift jointly (its broadcast has more than "
+            f"{JOINT_MAX_ELEMENTS} elements: for B chains of T steps of K states, about "
+            "K^3 B (T - 1) / 2). Where only some of its terms underflow, log Z is finite "
+            "and too low, with no error. Run in float64 (jax_enable_x64), or bring the "
+            "disagreeing factors closer (e.g. a likelihood's scale)")
 
 
 def _wide(x: jax.Array) -> bool:

@@ -260,10 +260,12 @@ def safe_log_einsum() -> Iterator[None]:
     stays exact with $-\infty$ priors, scores and factors. The zero derivative is the
     tangent times 0, so a NaN cotangent (that of a $\log Z = -\infty$, which `log_z`
     makes NaN) passes through. Where the factors' broadcast is small (an edge's score,
-    prior and likelihood over (child, parent)) their sum is shifted by its own maximum,
-    so that factors which disagree by more than the dtype's exponent range about which
-    parent is likely do not underflow; elsewhere each factor is shifted by its own, as
-    funsor does (the einsum is in `_log_einsum.py`, this package's own module).
+    prior and likelihood over (child, parent), at any size; a product of factors over
+    several sites, such as a chain's steps, of at most 2^20 elements) their sum is
+    shifted by its own maximum, so that factors which disagree by more than the dtype's
+    exponent range about which value is likely do not underflow; elsewhere (a larger
+    product) each factor is shifted by its own, as funsor does, and the sum can
+    underflow (the einsum is in `_log_einsum.py`, this package's own module).
 
     This and the einsum of a model with one enumerated site (`log_z` selects) are the
     one place that set it: funsor reads the einsum by name from
