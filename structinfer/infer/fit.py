@@ -160,7 +160,7 @@ class _CollapsedELBO(ELBO):
                     raise ValueError(
                         f"svi: guide site '{n}' ({type(g_tr[n]['fn']).__name__}) has no "
                         "reparameterized sampler; the exact engine's ELBO (used for a Markov "
-                        "edge, and where NumPyro's TraceEnum_ELBO cannot trace dependencies: "
+                        "edge or any site in a scan step, and where NumPyro's TraceEnum_ELBO cannot trace dependencies: "
                         "NumPyro 0.15.0-0.15.1 on JAX >= 0.4.31, NumPyro <= 0.21 on JAX >= "
                         "0.11.1) differentiates through the guide's draws: give the site a "
                         "reparameterizable distribution (AutoNormal, AutoDelta)")
@@ -481,7 +481,8 @@ def svi(
     progress_bar: bool = True,
     **model_kwargs: Any,
 ) -> tuple[SVI, SVIRunResult]:
-    r"""SVI with the edges enumerated: NumPyro's `SVI` with `TraceEnum_ELBO`.
+    r"""SVI with the edges enumerated: NumPyro's `SVI` with `TraceEnum_ELBO`, or with the
+    exact engine's collapsed ELBO where that one is not exact.
 
     Maximises
     $\mathcal L(\lambda) = \mathbb E_{q_\lambda(\theta)}\big[\log p(\theta)
@@ -490,7 +491,8 @@ def svi(
     maximum likelihood of the parameters with the edges collapsed. A model with a
     [`Markov`][structinfer.priors.Markov] edge (a chain in a ``scan``), which
     `TraceEnum_ELBO` does not contract exactly (it sums the scan's time dim like a
-    plate), takes $\log \sum_\phi p(x, \phi, \theta)$ from the exact engine
+    plate), or any other site in a ``scan`` step (an edge there gave a wrong ELBO, a
+    latent site NumPyro's ``KeyError``), takes $\log \sum_\phi p(x, \phi, \theta)$ from the exact engine
     ([`log_marginal`][structinfer.exact.log_marginal]) at each draw of the guide instead,
     as does every model where the installed NumPyro's `TraceEnum_ELBO` cannot trace a
     model's dependencies on the installed JAX (NumPyro 0.15.0 and 0.15.1 on JAX 0.4.31 and
