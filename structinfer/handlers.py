@@ -895,6 +895,17 @@ class name_plate_dims(Messenger):
             msg["infer"]["name_to_dim"] = {name: dim for dim, name in names.items()}
 
 
+def _scan_step_trace(msg: dict) -> dict | None:
+    """A ``scan`` control-flow message's step trace ``{name: site}`` (NumPyro 0.15-0.22's
+    value layout, ``((length, key, carry), (PytreeTrace, ys))``), or ``None`` (another
+    control flow or layout: the callers then leave the message as it is)."""
+    try:
+        steps = msg.get("value")[1][0].trace
+    except (TypeError, IndexError, AttributeError, KeyError):
+        return None
+    return steps if isinstance(steps, dict) else None
+
+
 def _scan_time_names(msg: dict) -> dict | None:
     """``{id(site): (site, {dim: name})}``: the time dim NumPyro's enumerated ``scan``
     gave each sample site of its steps (``"_time_<first site>"``, the site's leftmost batch
@@ -903,14 +914,8 @@ def _scan_time_names(msg: dict) -> dict | None:
     the scan holds that dim (an edge before a scan whose step has a plate), the time dim
     took that site's name, and the contraction summed the steps against it (a wrong log Z,
     or funsor's ``Output mismatch``)."""
-    if not msg["kwargs"].get("enum"):
-        return None
-    value = msg.get("value")
-    try:
-        steps = value[1][0].trace  # a scan's: ((length, key, carry), (PytreeTrace, ys))
-    except (TypeError, IndexError, AttributeError, KeyError):
-        return None
-    if not isinstance(steps, dict):
+    steps = _scan_step_trace(msg) if msg["kwargs"].get("enum") else None
+    if steps is None:
         return None
     out = {}
     for site in steps.values():
@@ -927,12 +932,8 @@ def _enumerated_scan_sites(msg: dict) -> dict | None:
     """``{id(site): (site, its name in the step)}`` of a ``scan`` whose step has an
     enumerated site: the messages the scan sends on next (``None`` for another control
     flow, or a step with none)."""
-    value = msg.get("value")
-    try:
-        steps = value[1][0].trace  # a scan's: ((length, key, carry), (PytreeTrace, ys))
-    except (TypeError, IndexError, AttributeError, KeyError):
-        return None
-    if not isinstance(steps, dict):
+    steps = _scan_step_trace(msg)
+    if steps is None:
         return None
     # the enumerated sites only: the refusal names one of them (a continuous site of the
     # step is given its values through the scope, `_give_values_through_scopes`)

@@ -481,8 +481,7 @@ def svi(
     progress_bar: bool = True,
     **model_kwargs: Any,
 ) -> tuple[SVI, SVIRunResult]:
-    r"""SVI with the edges enumerated: NumPyro's `SVI` with `TraceEnum_ELBO`, or with the
-    exact engine's collapsed ELBO where that one is not exact.
+    r"""SVI with the edges collapsed: NumPyro's `SVI`, with `TraceEnum_ELBO` where it is exact.
 
     Maximises
     $\mathcal L(\lambda) = \mathbb E_{q_\lambda(\theta)}\big[\log p(\theta)
