@@ -256,7 +256,10 @@ def _kept_rows(shape: tuple[int, ...]) -> np.ndarray | None:
     check every row (no mask, or one that does not broadcast: NumPyro's own error comes
     later), all ``False`` for a traced mask (which rows are kept is not known here; a bad
     kept row is NaN, as under ``jit``)."""
-    mask = numpyro.get_mask()
+    try:
+        mask = numpyro.get_mask()
+    except KeyError:  # NumPyro 0.15's scan step: its block reads a name get_mask's lacks
+        return None
     if mask is None:
         return None
     if not is_concrete(mask):
@@ -284,14 +287,18 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bo
         check_finite(score, what, allow_neg_inf=True)
         return
     table = np.asarray(logits)
-    kept = _kept_rows(table.shape) if rows_masked else None
-    if table.size and not table.max() < np.inf:  # the max is NaN or +inf: a bad entry
+    bad = table.size and not table.max() < np.inf  # the max is NaN or +inf: a bad entry
+    allowed = np.isfinite(table)
+    # the mask is asked only when it matters (old NumPyro's get_mask fails under some
+    # handlers)
+    kept = (_kept_rows(table.shape) if rows_masked and (bad or first_empty_row(allowed))
+            else None)
+    if bad:
         # a masked-out child's score is not read (padding may hold anything); the
         # score's own values, for the entry's kind (+inf beside a -inf prior is NaN in
         # the table) and index
         check_finite(score if kept is None else np.where(kept, np.asarray(score), 0.0),
                      what, allow_neg_inf=True)
-    allowed = np.isfinite(table)
     where = first_empty_row(allowed if kept is None else allowed | ~kept)
     if where is not None:
         raise NoParentError(
@@ -1046,7 +1053,9 @@ def _markov_edge(name, prior, score, previous, child, infer) -> jax.Array:
                                     "do not match the plates' sizes")
         # -inf forbids the state at this step, as a -inf score forbids an edge; a step
         # numpyro.handlers.mask masks out is not read (padding may hold anything)
-        kept = _kept_rows(table.shape) if is_concrete(table) else None
+        bad = is_concrete(table) and not np.asarray(table).max(initial=-np.inf) < np.inf
+        kept = _kept_rows(table.shape) if bad else None  # (asked only then: old NumPyro's
+        # get_mask fails under some handlers)
         check_finite(table if kept is None else np.where(kept, np.asarray(table), 0.0),
                      f"edge site '{name}': score", allow_neg_inf=True)
         logits = logits + float32_at_least(table)
