@@ -289,17 +289,18 @@ def _check_score(score: jax.Array, logits: jax.Array, name: str, rows_masked: bo
     table = np.asarray(logits)
     bad = table.size and not table.max() < np.inf  # the max is NaN or +inf: a bad entry
     allowed = np.isfinite(table)
+    where = first_empty_row(allowed)
     # the mask is asked only when it matters (old NumPyro's get_mask fails under some
     # handlers)
-    kept = (_kept_rows(table.shape) if rows_masked and (bad or first_empty_row(allowed))
-            else None)
+    kept = _kept_rows(table.shape) if rows_masked and (bad or where) else None
     if bad:
         # a masked-out child's score is not read (padding may hold anything); the
         # score's own values, for the entry's kind (+inf beside a -inf prior is NaN in
         # the table) and index
         check_finite(score if kept is None else np.where(kept, np.asarray(score), 0.0),
                      what, allow_neg_inf=True)
-    where = first_empty_row(allowed if kept is None else allowed | ~kept)
+    if where is not None and kept is not None:  # a masked-out child may have none
+        where = first_empty_row(allowed | ~kept)
     if where is not None:
         raise NoParentError(
             f"edge site '{name}': the score allows no parent for {where}: its -inf entries "
